@@ -1,0 +1,47 @@
+"""The errors autosched raises for misuse and broken infrastructure.
+
+A candidate schedule that fails to build, crashes or computes a wrong answer is *not* an error in
+this sense: it becomes a failed measurement result and is stored as such.
+"""
+
+from __future__ import annotations
+
+
+class AutoschedError(Exception):
+    """Base class of every error autosched raises on purpose.
+
+    The command line prints these as one line (without a traceback unless ``--debug``) and exits
+    with :attr:`exit_code`.
+    """
+
+    exit_code = 1
+
+
+class UsageError(AutoschedError):
+    """Raised for bad input: an unknown operator, a malformed shape, an unsupported dtype or target."""
+
+    exit_code = 2
+
+
+class DeviceError(AutoschedError):
+    """Raised when the requested device is missing or unusable (e.g. ``--target cuda`` without a GPU)."""
+
+
+class DatabaseError(AutoschedError):
+    """Raised when the tuning database cannot be opened, read or written."""
+
+
+class DatabaseLockedError(DatabaseError):
+    """Raised when the database stayed locked by another process for longer than the busy timeout."""
+
+
+class DatabaseCorruptError(DatabaseError):
+    """Raised when the database file is not a readable SQLite database."""
+
+
+class SchemaVersionError(DatabaseError):
+    """Raised when the database was written by an older or newer autosched schema than this one."""
+
+
+class SpaceError(AutoschedError):
+    """Raised when no schedule space applies to a workload on a target."""

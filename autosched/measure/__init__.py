@@ -1,0 +1,177 @@
+"""Measurement: build candidates in parallel, then check and time each one on the device.
+
+Builder workers and the runner process are started once and reused for every batch, so that TVM's
+import cost (seconds, more with torch) is paid once per process rather than once per batch, which is
+what makes MetaSchedule's own builder time out on small machines. A build that hangs or a kernel that
+crashes its process is killed, recorded as failed, and the process restarted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from autosched.records import BuildResult, MeasureResult
+
+if TYPE_CHECKING:
+    from autosched.search_spaces import Point
+    from autosched.target import TargetSpec
+    from autosched.task import TaskSpec
+
+__all__ = ["Builder", "MeasureConfig", "Measurer", "Runner"]
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    """How candidates are timed.
+
+    Args:
+        repeat: number of timed repeats; the median over them is the candidate's latency.
+        number: runs per repeat (raised automatically to last at least ``min_repeat_ms``).
+        min_repeat_ms: minimum duration of one repeat, so that short kernels are timed over many runs.
+        flush_bytes: bytes written before each repeat to flush the caches (0: no flush).
+        build_timeout: seconds one candidate may take to build.
+        run_timeout: seconds one candidate may take to check and time.
+    """
+
+    repeat: int = 5
+    number: int = 1
+    min_repeat_ms: int = 20
+    flush_bytes: int = 0
+    build_timeout: float = 120.0
+    run_timeout: float = 120.0
+
+    @classmethod
+    def for_target(cls, target: TargetSpec, **overrides) -> MeasureConfig:
+        if target.is_gpu:
+            # One run per repeat with the L2 (50-60 MB on Hopper) flushed before each, so that
+            # memory-bound kernels are not timed out of the cache; many repeats for a stable median.
+            base = cls(repeat=30, number=1, min_repeat_ms=0, flush_bytes=256 << 20)
+        else:
+            base = cls()
+        return cls(**{**asdict(base), **overrides})
+
+
+def _worker_log(directory: str, name: str):
+    return open(os.path.join(directory, name), "ab")
+
+
+class Builder:
+    """Compiles candidates in a pool of persistent worker processes."""
+
+    def __init__(self, target: TargetSpec, workers: int | None = None, timeout: float = 120.0,
+                 workdir: str | None = None):
+        from tvm.support.popen_pool import PopenPoolExecutor
+
+        from ._worker import init_worker
+
+        self.target = target
+        self.workers = workers or max(1, min(os.cpu_count() or 1, 16))
+        self.timeout = timeout
+        self.dir = workdir or tempfile.mkdtemp(prefix="autosched-build-")
+        self._log = _worker_log(self.dir, "builder.log")
+        self._pool = PopenPoolExecutor(self.workers, timeout=timeout, initializer=init_worker,
+                                       stdout=subprocess.DEVNULL, stderr=self._log)
+        self._count = 0
+
+    def build(self, spec: TaskSpec, points: list[Point]) -> list[BuildResult]:
+        from ._worker import build_candidate
+
+        futures = []
+        for point in points:
+            self._count += 1
+            path = os.path.join(self.dir, f"candidate_{self._count}.so")
+            futures.append(self._pool.submit(build_candidate, spec, self.target, point, path))
+        results = []
+        for fut in futures:
+            start = time.perf_counter()
+            try:
+                results.append(fut.result())
+            except TimeoutError:
+                results.append(BuildResult(None, self.timeout, "build_timeout", f"build took over {self.timeout:.0f} s"))
+            except ChildProcessError:
+                results.append(BuildResult(None, time.perf_counter() - start, "build",
+                                           "the builder process died (see builder.log in the work directory)"))
+            except Exception as exc:  # noqa: BLE001 - an error of the worker machinery itself
+                results.append(BuildResult(None, time.perf_counter() - start, "build", f"{type(exc).__name__}: {exc}"))
+        return results
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._log.close()
+
+
+class Runner:
+    """Checks and times built candidates one at a time in a persistent runner process."""
+
+    def __init__(self, target: TargetSpec, config: MeasureConfig, workdir: str | None = None):
+        from tvm.support.popen_pool import PopenWorker
+
+        from ._worker import init_worker
+
+        self.target = target
+        self.config = config
+        self.dir = workdir or tempfile.mkdtemp(prefix="autosched-run-")
+        self._log = _worker_log(self.dir, "runner.log")
+        self._worker = PopenWorker(init_worker, stdout=subprocess.DEVNULL, stderr=self._log)
+
+    def run(self, spec: TaskSpec, builds: list[BuildResult]) -> list[MeasureResult]:
+        from ._worker import run_candidate
+
+        cfg = {k: getattr(self.config, k) for k in ("repeat", "number", "min_repeat_ms", "flush_bytes")}
+        results = []
+        for build in builds:
+            if not build.ok:
+                results.append(MeasureResult.failed(build.error_kind, build.error_msg, build.seconds))
+                continue
+            start = time.perf_counter()
+            try:
+                self._worker.send(run_candidate, (spec, self.target, build.artifact, cfg), timeout=self.config.run_timeout)
+                res = self._worker.recv()
+            except TimeoutError:
+                res = MeasureResult.failed("run_timeout", f"check and timing took over {self.config.run_timeout:.0f} s")
+            except ChildProcessError:
+                res = MeasureResult.failed("run", "the kernel crashed the runner process (segfault or abort)",
+                                           run_seconds=time.perf_counter() - start)
+            results.append(MeasureResult(res.latencies, res.error_kind, res.error_msg, build.seconds,
+                                         res.run_seconds, res.rel_error))
+        return results
+
+    def close(self) -> None:
+        self._worker.kill()
+        self._log.close()
+
+
+class Measurer:
+    """Builder plus runner for one target: ``measure(spec, points)`` returns one result per point."""
+
+    def __init__(self, target: TargetSpec, config: MeasureConfig | None = None, build_workers: int | None = None):
+        self.target = target
+        self.config = config or MeasureConfig.for_target(target)
+        self.workdir = tempfile.mkdtemp(prefix="autosched-")
+        self.builder = Builder(target, build_workers, self.config.build_timeout, self.workdir)
+        self.runner = Runner(target, self.config, self.workdir)
+
+    def measure(self, spec: TaskSpec, points: list[Point]) -> list[MeasureResult]:
+        builds = self.builder.build(spec, points)
+        results = self.runner.run(spec, builds)
+        for b in builds:
+            if b.artifact and os.path.exists(b.artifact):
+                os.remove(b.artifact)
+        return results
+
+    def close(self) -> None:
+        self.builder.close()
+        self.runner.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Measurer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

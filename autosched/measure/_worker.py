@@ -1,0 +1,138 @@
+"""Functions that run inside builder and runner processes.
+
+Workers stay alive across batches, so TVM (and torch) are imported once per worker, not once per
+candidate; per-task state (the function, its space, inputs and reference outputs) is cached by the
+task spec's key. Every function returns a result object rather than raising, so that a failing
+candidate is recorded with its reason.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from autosched.records import BuildResult, MeasureResult
+
+_CACHE: dict[str, Any] = {}
+
+
+def init_worker() -> None:
+    """Import what every job needs, once, when the worker starts."""
+    os.environ.setdefault("TVM_BACKTRACE", "0")
+    import tvm  # noqa: F401
+
+    import autosched.search_spaces  # noqa: F401
+
+
+def _short(exc: BaseException) -> str:
+    from autosched.search_spaces._knobs import _first_line
+
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+# ---- builder --------------------------------------------------------------------------------------
+def _space(spec, target):
+    key = ("space", spec.key, target.match_key)
+    if key not in _CACHE:
+        from autosched.search_spaces import create_space
+
+        _CACHE[key] = create_space(spec.func(), target, spec.family)
+    return _CACHE[key]
+
+
+def build_candidate(spec, target, point: dict, path: str) -> BuildResult:
+    """Apply ``point`` to the task's function, compile it for ``target`` and export it to ``path``."""
+    from autosched.search_spaces import InvalidPoint
+
+    start = time.perf_counter()
+    try:
+        mod = _space(spec, target).apply(point)
+    except InvalidPoint as exc:
+        return BuildResult(None, time.perf_counter() - start, "space", str(exc))
+    except Exception as exc:  # noqa: BLE001 - any failure of the space is the candidate's
+        return BuildResult(None, time.perf_counter() - start, "space", _short(exc))
+    try:
+        import tvm
+
+        executable = tvm.compile(mod, target=target.tvm_target())
+        executable.export_library(path)
+    except Exception as exc:  # noqa: BLE001
+        return BuildResult(None, time.perf_counter() - start, "build", _short(exc))
+    return BuildResult(path, time.perf_counter() - start)
+
+
+# ---- runner ---------------------------------------------------------------------------------------
+def _task_state(spec, target) -> dict[str, Any]:
+    """Inputs on the device, poisoned output buffers and float64 reference outputs of one task."""
+    key = ("run", spec.key, target.match_key)
+    if key not in _CACHE:
+        import torch
+
+        from autosched.workloads import torch_dtype
+
+        func = spec.func()
+        checker = spec.checker(func)
+        gen = torch.Generator().manual_seed(spec.seed)
+        device = target.torch_device
+        inputs = checker.make_inputs(gen, device)
+        refs = checker.reference(inputs)
+        outs = [torch.empty(shape, dtype=torch_dtype(dtype), device=device) for shape, dtype in checker.output_specs()]
+        for old in [k for k in _CACHE if k[0] == "run"]:
+            del _CACHE[old]  # one task at a time: free the previous task's device memory
+        _CACHE[key] = {"checker": checker, "inputs": inputs, "outs": outs, "refs": refs}
+    return _CACHE[key]
+
+
+def relative_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64; infinity if out has a NaN or infinity (e.g. unwritten)."""
+    import torch
+
+    out = out.double()
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    denom = float(ref.norm())
+    return float((out - ref).norm()) / (denom if denom > 0 else 1.0)
+
+
+def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
+    """Load ``path``, check its output against the reference, then time it.
+
+    ``config``: repeat, number, min_repeat_ms, flush_bytes (see :class:`autosched.measure.MeasureConfig`).
+    """
+    import tvm
+
+    start = time.perf_counter()
+    try:
+        state = _task_state(spec, target)
+    except Exception as exc:  # noqa: BLE001 - the reference itself failed: report, do not time
+        return MeasureResult.failed("run", "could not prepare inputs/reference: " + _short(exc))
+    dev = target.device()
+    try:
+        lib = tvm.runtime.load_module(path)
+        func = lib["main"]
+        # Step 1. Poison the outputs, run once, compare: unwritten elements show up as NaN.
+        for out in state["outs"]:
+            out.fill_(float("nan") if out.is_floating_point() else -1)
+        args = [tvm.runtime.from_dlpack(t) for t in state["checker"].arrange(state["inputs"], state["outs"])]
+        func(*args)
+        dev.sync()
+    except Exception as exc:  # noqa: BLE001
+        return MeasureResult.failed("run", _short(exc), run_seconds=time.perf_counter() - start)
+    errors = [relative_error(o, r) for o, r in zip(state["outs"], state["refs"])]
+    worst = max(errors) if errors else 0.0
+    tol = state["checker"].tolerance
+    if not worst <= tol:
+        why = "output has NaN/inf (unwritten or overflowed elements)" if math.isinf(worst) else \
+            f"relative error {worst:.3g} exceeds tolerance {tol:.1g}"
+        return MeasureResult.failed("wrong_result", why, run_seconds=time.perf_counter() - start,
+                                    rel_error=None if math.isinf(worst) else worst)
+    # Step 2. Time: a warm-up run is discarded by the evaluator; each repeat is the mean of `number` runs.
+    try:
+        timer = lib.time_evaluator("main", dev, number=config["number"], repeat=config["repeat"],
+                                   min_repeat_ms=config["min_repeat_ms"], cache_flush_bytes=config["flush_bytes"])
+        latencies = tuple(float(x) for x in timer(*args).results)
+    except Exception as exc:  # noqa: BLE001
+        return MeasureResult.failed("run", _short(exc), run_seconds=time.perf_counter() - start)
+    return MeasureResult(latencies, None, None, 0.0, time.perf_counter() - start, worst)

@@ -1,0 +1,162 @@
+"""Targets: what autosched compiles for, and what identifies a device in the database.
+
+``--target llvm`` means this machine's CPU (its LLVM name, e.g. ``znver4``, and its core count);
+``--target cuda`` means the first CUDA GPU. ``kind:arch`` pins the architecture, e.g. ``cuda:sm_90``
+to generate code for a GPU this machine does not have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any
+
+from .errors import DeviceError, UsageError
+
+KINDS = ("llvm", "cuda")
+KIND_ALIASES = {"cpu": "llvm", "llvm": "llvm", "cuda": "cuda", "gpu": "cuda", "nvidia": "cuda"}
+DEFAULT_CUDA_ARCH = "sm_90"
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A compilation target plus the facts that decide whether a tuned record applies to it."""
+
+    kind: str
+    arch: str  # LLVM mcpu (e.g. znver4) or CUDA sm_XY
+    device_name: str  # CPU model or GPU name; "" when generating code without the device
+    num_cores: int  # CPU threads, or CUDA multiprocessors
+    max_shared_memory: int = 0  # CUDA: opt-in shared memory per block, bytes
+    tvm_version: str = ""
+    driver_version: str = ""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def match_key(self) -> str:
+        """Records are reused only between targets with the same match key."""
+        return f"{self.kind}/{self.arch}/{self.device_name}/{self.num_cores}"
+
+    @property
+    def label(self) -> str:
+        name = f" ({self.device_name})" if self.device_name else ""
+        return f"{self.kind}:{self.arch}{name}"
+
+    def tvm_target(self):
+        import tvm
+
+        if self.kind == "llvm":
+            return tvm.target.Target({"kind": "llvm", "mcpu": self.arch, "num-cores": self.num_cores})
+        return tvm.target.Target({
+            "kind": "cuda", "arch": self.arch, "max_threads_per_block": 1024, "max_num_threads": 1024,
+            "thread_warp_size": 32, "registers_per_block": 65536,
+            # Static shared memory per block; larger tiles use dynamic shared memory (shared.dyn).
+            "max_shared_memory_per_block": 49152,
+            "host": {"kind": "llvm", "mcpu": host_cpu_name()},
+        })
+
+    def device(self):
+        import tvm
+
+        return tvm.cpu(0) if self.kind == "llvm" else tvm.cuda(0)
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu" if self.kind == "llvm" else "cuda"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | str) -> TargetSpec:
+        if isinstance(data, str):
+            data = json.loads(data)
+        return cls(**data)
+
+
+@lru_cache(maxsize=None)
+def host_cpu_name() -> str:
+    import tvm
+
+    return str(tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")())
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_threads() -> int:
+    """Threads TVM's runtime uses: TVM_NUM_THREADS if set, else the usable cores."""
+    if os.environ.get("TVM_NUM_THREADS", "").isdigit():
+        return int(os.environ["TVM_NUM_THREADS"])
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def parse_target(text: str, require_device: bool = True) -> TargetSpec:
+    """Turn ``llvm``, ``cuda`` or ``kind:arch`` into a :class:`TargetSpec`.
+
+    Args:
+        text: the user's target string.
+        require_device: if true, a CUDA target needs a visible GPU (to tune or run on it); if false,
+            code can be generated for ``cuda`` without one (architecture ``sm_90`` unless given).
+    """
+    import tvm
+
+    kind, _, arch = text.strip().partition(":")
+    kind = KIND_ALIASES.get(kind.lower())
+    if kind is None:
+        raise UsageError(f"unknown target '{text}'; use one of: llvm (this CPU), cuda (first GPU), "
+                         "or kind:arch such as cuda:sm_90")
+    version = tvm.__version__
+    if kind == "llvm":
+        return TargetSpec("llvm", arch or host_cpu_name(), _cpu_model(), _cpu_threads(), tvm_version=version,
+                          driver_version=platform.release())
+    dev = tvm.cuda(0)
+    if not dev.exist:
+        if require_device:
+            raise DeviceError("no CUDA GPU is visible (tvm.cuda(0) does not exist): tune with --target llvm, "
+                              "or run on a machine with an NVIDIA GPU and its driver")
+        if arch and not arch.startswith("sm_"):
+            raise UsageError(f"CUDA architecture '{arch}' should look like sm_90")
+        return TargetSpec("cuda", arch or DEFAULT_CUDA_ARCH, "", 0, 232448, version, "")
+    detected = "sm_" + dev.compute_version.replace(".", "")
+    if arch and arch != detected and require_device:
+        raise UsageError(f"target asks for {arch} but the GPU ({dev.device_name}) is {detected}")
+    return TargetSpec("cuda", arch or detected, str(dev.device_name), int(dev.multi_processor_count),
+                      _cuda_optin_shared_memory(detected), version, _cuda_driver_version())
+
+
+def _cuda_optin_shared_memory(arch: str) -> int:
+    # Opt-in dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin) by architecture.
+    return {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}.get(arch, 49152)
+
+
+def _cuda_driver_version() -> str:
+    """The NVIDIA driver's version as nvidia-smi prints it, else the CUDA driver API version."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    import tvm
+
+    return f"cuda-api {tvm.cuda(0).driver_version}"

@@ -1,0 +1,233 @@
+"""Tuning tasks: one TensorIR function to tune, how to check it, and how workers rebuild it.
+
+A task comes either from one of our operators (a :class:`Workload`, checked against torch in float64)
+or from a function of unknown origin such as a Relax-fused kernel (checked against the same function
+compiled unscheduled for the CPU). Builder and runner processes receive a small picklable
+:class:`TaskSpec` and rebuild the function and its checker themselves, once per task.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from .workloads import Workload, get_operator
+
+if TYPE_CHECKING:
+    import torch
+    from tvm.tirx import PrimFunc
+
+    from autosched.search_spaces import Space
+    from autosched.target import TargetSpec
+
+# Tolerance on ||out - ref|| / ||ref|| for functions that are checked against their own unscheduled
+# build: both compute in the same precision, so only the summation order differs.
+SELF_CHECK_TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a worker process needs to rebuild a task (picklable and cheap to send)."""
+
+    workload: str | None  # Workload JSON, or None for a raw function
+    func_json: str | None  # tvm.ir.save_json of the function when there is no workload
+    family: str | None
+    seed: int = 0
+
+    @property
+    def key(self) -> str:
+        text = f"{self.workload}|{self.family}|{self.seed}|{self.func_json}"
+        return hashlib.sha1(text.encode()).hexdigest()
+
+    def func(self) -> PrimFunc:
+        import tvm
+
+        if self.workload is not None:
+            wl = Workload.from_json(self.workload)
+            return normalize_func(get_operator(wl.op).build(wl))
+        return tvm.ir.load_json(self.func_json)
+
+    def checker(self, func: PrimFunc) -> Checker:
+        if self.workload is not None:
+            return OperatorChecker(Workload.from_json(self.workload))
+        return SelfChecker(func)
+
+
+@dataclass
+class Task:
+    """One function to tune, with what the tuner shows and stores about it."""
+
+    name: str
+    func: PrimFunc
+    workload: Workload | None = None
+    family: str | None = None
+    weight: float = 1.0  # how many times the kernel runs per model invocation
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_workload(cls, wl: Workload) -> Task:
+        op = get_operator(wl.op)
+        return cls(wl.key, normalize_func(op.build(wl)), wl, op.family)
+
+    @classmethod
+    def from_func(cls, name: str, func: PrimFunc, weight: float = 1.0) -> Task:
+        return cls(name, normalize_func(func), None, None, weight)
+
+    @cached_property
+    def spec(self) -> TaskSpec:
+        import json
+
+        import tvm
+
+        if self.workload is not None:
+            return TaskSpec(json.dumps(self.workload.to_json()), None, self.family)
+        return TaskSpec(None, tvm.ir.save_json(self.func), self.family)
+
+    @cached_property
+    def structural_hash(self) -> str:
+        import tvm_ffi
+
+        return f"{tvm_ffi.structural_hash(self.func) & (2**64 - 1):016x}"
+
+    @property
+    def key(self) -> str:
+        """The database key: the workload's key, or ``func:<structural hash>`` for raw functions."""
+        return self.workload.key if self.workload is not None else f"func:{self.structural_hash}"
+
+    @cached_property
+    def flops(self) -> float:
+        if self.workload is not None:
+            return get_operator(self.workload.op).flops(self.workload)
+        import tvm
+        from tvm import s_tir
+
+        try:
+            return float(s_tir.analysis.estimate_tir_flops(tvm.IRModule({"main": self.func})))
+        except Exception:  # noqa: BLE001 - TVM cannot count some functions; the count is only shown
+            return 0.0
+
+    @cached_property
+    def min_bytes(self) -> float:
+        if self.workload is not None:
+            return get_operator(self.workload.op).min_bytes(self.workload)
+        return float(sum(_param_bytes(p) for p in self.func.params))
+
+    def space(self, target: TargetSpec) -> Space:
+        from autosched.search_spaces import create_space
+
+        return create_space(self.func, target, self.family)
+
+
+def normalize_func(func: PrimFunc) -> PrimFunc:
+    """The function under the name ``main`` with only the attributes that change its meaning, so that
+    the same kernel hashes the same whatever it was called (TVM hashes the global symbol too)."""
+    if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
+        func = func.without_attr("tirx.is_scheduled")
+    return func.with_attr("global_symbol", "main").with_attr("tirx.noalias", True)
+
+
+def _param_bytes(param) -> int:
+    shape = getattr(param, "shape", None) or ()
+    n = 1
+    for dim in shape:
+        n *= int(dim)
+    bits = param.dtype.bits * param.dtype.lanes if hasattr(param.dtype, "bits") else 32
+    return n * bits // 8
+
+
+def output_indices(func: PrimFunc) -> list[int]:
+    """Indices of the parameters that some block writes (the outputs)."""
+    from tvm import s_tir
+
+    from autosched.search_spaces._analysis import blocks_of
+
+    sch = s_tir.Schedule(func)
+    written = {w.source.name for b in blocks_of(sch) for w in sch.get(b).writes}
+    return [i for i, p in enumerate(func.params) if p.name in written]
+
+
+class Checker:
+    """Inputs, output shapes and the reference of one task (lives in the runner process)."""
+
+    tolerance: float
+
+    def make_inputs(self, gen: torch.Generator, device: str) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def output_specs(self) -> list[tuple[tuple[int, ...], str]]:
+        raise NotImplementedError
+
+    def reference(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def arrange(self, inputs: list, outputs: list) -> list:
+        """Arguments in the function's parameter order."""
+        return list(inputs) + list(outputs)
+
+
+class OperatorChecker(Checker):
+    def __init__(self, wl: Workload):
+        self.wl, self.op = wl, get_operator(wl.op)
+        self.tolerance = self.op.tolerance(wl)
+
+    def make_inputs(self, gen, device):
+        return self.op.make_inputs(self.wl, gen, device)
+
+    def output_specs(self):
+        return self.op.output_specs(self.wl)
+
+    def reference(self, inputs):
+        return self.op.reference(self.wl, inputs)
+
+
+class SelfChecker(Checker):
+    """Checks a function against itself compiled without a schedule for the CPU."""
+
+    def __init__(self, func: PrimFunc):
+        self.func = func
+        self.outputs = output_indices(func)
+        self.inputs = [i for i in range(len(func.params)) if i not in self.outputs]
+        out_dtypes = {str(func.params[i].dtype) for i in self.outputs}
+        self.tolerance = max(SELF_CHECK_TOLERANCE.get(d, 1e-4) for d in out_dtypes) if out_dtypes else 1e-4
+
+    def _spec(self, index: int) -> tuple[tuple[int, ...], str]:
+        p = self.func.params[index]
+        return tuple(int(d) for d in p.shape), str(p.dtype)
+
+    def make_inputs(self, gen, device):
+        import torch
+
+        from .workloads._base import randn, torch_dtype
+
+        out = []
+        for i in self.inputs:
+            shape, dtype = self._spec(i)
+            if dtype.startswith(("int", "uint")):
+                # Integer inputs are often indices: keep them small and non-negative.
+                out.append(torch.randint(0, 2, shape, generator=gen, dtype=torch_dtype(dtype)).to(device))
+            else:
+                out.append(randn(shape, dtype, gen, device))
+        return out
+
+    def output_specs(self):
+        return [self._spec(i) for i in self.outputs]
+
+    def arrange(self, inputs, outputs):
+        args: list = [None] * len(self.func.params)
+        for i, t in zip(self.inputs, inputs):
+            args[i] = t
+        for i, t in zip(self.outputs, outputs):
+            args[i] = t
+        return args
+
+    def reference(self, inputs):
+        import torch
+        import tvm
+
+        ex = tvm.compile(self.func, target={"kind": "llvm"})
+        cpu_in = [t.cpu() for t in inputs]
+        outs = [torch.empty(s, dtype=getattr(torch, d)) for s, d in self.output_specs()]
+        ex(*[tvm.runtime.from_dlpack(t) for t in self.arrange(cpu_in, outs)])
+        return [o.double().to(inputs[0].device if inputs else "cpu") for o in outs]

@@ -1,0 +1,106 @@
+"""Weight-dequantising GEMM: int4 / int8 weights with per-group scales, dequantised inside the kernel."""
+
+from __future__ import annotations
+
+import math
+
+from ._base import DTYPE_BYTES, Attr, Operator, Preset, ceil_div, randn, register, torch_dtype
+from .gemm import EPILOGUE_ATTRS, epilogue, torch_epilogue
+
+
+@register
+class DequantGemm(Operator):
+    name = "dequant_gemm"
+    description = ("C = A·dequant(Wq)ᵀ; Wq int4 (two per uint8, low nibble first, zero point 8) or int8, "
+                   "scales[n, ceil(k/group)]; fp32 accumulation")
+    shape_keys = ("m", "n", "k")
+    defaults = {"m": 1, "n": 4096, "k": 4096}
+    dtypes = ("float16", "float32", "bfloat16")
+    attrs = (Attr("bits", (4, 8), "weight bits"), Attr("group", (128, 32, 64, 256), "weights per scale")) + EPILOGUE_ATTRS
+    family = "matmul"
+    presets = (
+        Preset("llama2-7b-decode-up", {"m": 1, "n": 11008, "k": 4096}, note="decode GEMV, MLP up"),
+        Preset("llama2-7b-decode-o", {"m": 1, "n": 4096, "k": 4096}, note="decode GEMV, attention out"),
+        Preset("llama2-7b-prefill-up", {"m": 2048, "n": 11008, "k": 4096}, note="prefill, MLP up"),
+    )
+
+    def build(self, wl):
+        from tvm import te, tirx
+
+        s, a = wl.shape_dict, wl.attrs_dict
+        m, n, k, group = s["m"], s["n"], s["k"], a["group"]
+        A = te.placeholder((m, k), wl.dtype, name="A")
+        S = te.placeholder((n, ceil_div(k, group)), wl.dtype, name="scale")
+        if a["bits"] == 4:
+            Wq = te.placeholder((n, ceil_div(k, 2)), "uint8", name="Wq")
+
+            def value(j, r):
+                byte = Wq[j, r // 2]
+                shift = ((r % 2) * 4).astype("uint8")
+                return (tirx.shift_right(byte, shift) & tirx.const(15, "uint8")).astype("float32") - 8.0
+        else:
+            Wq = te.placeholder((n, k), "int8", name="Wq")
+
+            def value(j, r):
+                return Wq[j, r].astype("float32")
+
+        W = te.compute((n, k), lambda j, r: (value(j, r) * S[j, r // group].astype("float32")).astype(wl.dtype),
+                       name="dequantize")
+        red = te.reduce_axis((0, k), name="k")
+        acc = te.compute((m, n), lambda i, j: te.sum(A[i, red].astype("float32") * W[j, red].astype("float32"),
+                                                     axis=red), name="matmul")
+        bias = te.placeholder((n,), wl.dtype, name="bias") if a["bias"] else None
+        out = epilogue(acc, (m, n), wl.dtype, bias, a["act"])
+        return te.create_prim_func([A, Wq, S] + ([bias] if bias is not None else []) + [out])
+
+    def make_inputs(self, wl, gen, device):
+        import torch
+
+        s, a = wl.shape_dict, wl.attrs_dict
+        n, k = s["n"], s["k"]
+        if a["bits"] == 4:
+            wq = torch.randint(0, 256, (n, ceil_div(k, 2)), generator=gen, dtype=torch.uint8)
+            scale = 1 / (4 * math.sqrt(k))
+        else:
+            wq = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+            scale = 1 / (64 * math.sqrt(k))
+        # Positive scales around `scale`, so that outputs stay O(1) in half precision.
+        scales = (torch.rand((n, ceil_div(k, a["group"])), generator=gen) + 0.5) * scale
+        ins = [randn((s["m"], k), wl.dtype, gen, device), wq.to(device), scales.to(torch_dtype(wl.dtype)).to(device)]
+        if a["bias"]:
+            ins.append(randn((n,), wl.dtype, gen, device))
+        return ins
+
+    def dequantize(self, wl, wq, scales):
+        """The float64 weights [n, k] that the kernel must compute with."""
+        import torch
+
+        s, a = wl.shape_dict, wl.attrs_dict
+        k = s["k"]
+        if a["bits"] == 4:
+            w = wq.to(torch.int16)
+            w = torch.stack([w & 15, (w >> 4) & 15], dim=-1).reshape(w.shape[0], -1)[:, :k].double() - 8.0
+        else:
+            w = wq.double()
+        return w * scales.double().repeat_interleave(a["group"], dim=1)[:, :k]
+
+    def output_specs(self, wl):
+        s = wl.shape_dict
+        return [((s["m"], s["n"]), wl.dtype)]
+
+    def reference(self, wl, inputs):
+        a = wl.attrs_dict
+        w = self.dequantize(wl, inputs[1], inputs[2])
+        bias = inputs[3] if a["bias"] else None
+        return [torch_epilogue(inputs[0].double() @ w.T, bias, a["act"])]
+
+    def flops(self, wl):
+        s = wl.shape_dict
+        return 2.0 * s["m"] * s["n"] * s["k"]
+
+    def min_bytes(self, wl):
+        s, a = wl.shape_dict, wl.attrs_dict
+        e = DTYPE_BYTES[wl.dtype]
+        weights = s["n"] * (ceil_div(s["k"], 2) if a["bits"] == 4 else s["k"])
+        scales = s["n"] * ceil_div(s["k"], a["group"]) * e
+        return e * (s["m"] * s["k"] + s["m"] * s["n"]) + weights + scales

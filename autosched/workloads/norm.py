@@ -1,0 +1,103 @@
+"""Row-wise operators: RMSNorm and softmax over the last axis, fp32 internally."""
+
+from __future__ import annotations
+
+from ._base import DTYPE_BYTES, Attr, Operator, Preset, randn, register
+
+
+@register
+class RMSNorm(Operator):
+    name = "rmsnorm"
+    description = "Y = X / sqrt(mean(X², -1) + eps) · W; X[m,n], W[n]"
+    shape_keys = ("m", "n")
+    defaults = {"m": 2048, "n": 4096}
+    attrs = (Attr("eps", (1e-5, 1e-6), "added to the mean square"),)
+    family = "rows"
+    presets = (
+        Preset("llama2-7b", {"m": 2048, "n": 4096}, note="2048 tokens, hidden 4096"),
+        Preset("llama2-7b-decode", {"m": 16, "n": 4096}, note="16 sequences, one token each"),
+        Preset("llama2-70b", {"m": 2048, "n": 8192}),
+        Preset("h200-4096", {"m": 4096, "n": 4096}),
+    )
+
+    def build(self, wl):
+        from tvm import te, tirx
+
+        s = wl.shape_dict
+        m, n, eps = s["m"], s["n"], wl.attrs_dict["eps"]
+        X = te.placeholder((m, n), wl.dtype, name="X")
+        W = te.placeholder((n,), wl.dtype, name="W")
+        r = te.reduce_axis((0, n), name="k")
+        ss = te.compute((m,), lambda i: te.sum(X[i, r].astype("float32") * X[i, r].astype("float32"), axis=r),
+                        name="sumsq")
+        Y = te.compute((m, n), lambda i, j: (X[i, j].astype("float32") * tirx.rsqrt(ss[i] / float(n) + eps)
+                                             * W[j].astype("float32")).astype(wl.dtype), name="norm")
+        return te.create_prim_func([X, W, Y])
+
+    def make_inputs(self, wl, gen, device):
+        s = wl.shape_dict
+        return [randn((s["m"], s["n"]), wl.dtype, gen, device), randn((s["n"],), wl.dtype, gen, device)]
+
+    def output_specs(self, wl):
+        s = wl.shape_dict
+        return [((s["m"], s["n"]), wl.dtype)]
+
+    def reference(self, wl, inputs):
+        x, w = inputs[0].double(), inputs[1].double()
+        return [x * (x.pow(2).mean(-1, keepdim=True) + wl.attrs_dict["eps"]).rsqrt() * w]
+
+    def flops(self, wl):
+        s = wl.shape_dict
+        return 4.0 * s["m"] * s["n"]
+
+    def min_bytes(self, wl):
+        s, e = wl.shape_dict, DTYPE_BYTES[wl.dtype]
+        return e * (2 * s["m"] * s["n"] + s["n"])
+
+
+@register
+class Softmax(Operator):
+    name = "softmax"
+    description = "Y = softmax(X, -1); X[m,n]"
+    shape_keys = ("m", "n")
+    defaults = {"m": 2048, "n": 4096}
+    family = "rows"
+    presets = (
+        Preset("attn-2048", {"m": 32 * 2048, "n": 2048}, note="attention scores of 32 heads over 2048 tokens"),
+        Preset("vocab-32000", {"m": 16, "n": 32000}, note="sampling over Llama-2's vocabulary"),
+        Preset("h200-4096", {"m": 4096, "n": 4096}),
+    )
+
+    def build(self, wl):
+        from tvm import te, tirx
+
+        s = wl.shape_dict
+        m, n = s["m"], s["n"]
+        X = te.placeholder((m, n), wl.dtype, name="X")
+        r1 = te.reduce_axis((0, n), name="k")
+        mx = te.compute((m,), lambda i: te.max(X[i, r1].astype("float32"), axis=r1), name="row_max")
+        r2 = te.reduce_axis((0, n), name="k")
+        den = te.compute((m,), lambda i: te.sum(tirx.exp(X[i, r2].astype("float32") - mx[i]), axis=r2),
+                         name="row_sum")
+        Y = te.compute((m, n), lambda i, j: (tirx.exp(X[i, j].astype("float32") - mx[i]) / den[i]).astype(wl.dtype),
+                       name="softmax")
+        return te.create_prim_func([X, Y])
+
+    def make_inputs(self, wl, gen, device):
+        s = wl.shape_dict
+        return [randn((s["m"], s["n"]), wl.dtype, gen, device, scale=2.0)]
+
+    def output_specs(self, wl):
+        s = wl.shape_dict
+        return [((s["m"], s["n"]), wl.dtype)]
+
+    def reference(self, wl, inputs):
+        return [inputs[0].double().softmax(-1)]
+
+    def flops(self, wl):
+        s = wl.shape_dict
+        return 5.0 * s["m"] * s["n"]
+
+    def min_bytes(self, wl):
+        s, e = wl.shape_dict, DTYPE_BYTES[wl.dtype]
+        return e * 2 * s["m"] * s["n"]

@@ -1,0 +1,1 @@
+"""The tuning database: SQLite through SQLAlchemy, upgraded by alembic migrations."""

@@ -1,0 +1,1 @@
+"""Alembic migrations of the tuning database (run by autosched.database.store)."""

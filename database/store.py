@@ -1,0 +1,358 @@
+"""Opening, checking and writing a tuning database.
+
+Every write is its own short ``BEGIN IMMEDIATE`` transaction, so a record is durable as soon as it is
+measured and an interrupted tuner loses nothing it measured. The file runs in WAL mode with a busy
+timeout: readers never block, and several tuners writing one file wait for each other instead of
+failing. Driver errors become :class:`~autosched.errors.DatabaseError` subclasses whose message says
+what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from sqlalchemy import create_engine, event, func, select
+from sqlalchemy.exc import DatabaseError as SADatabaseError
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
+from autosched.errors import DatabaseCorruptError, DatabaseError, DatabaseLockedError, SchemaVersionError
+from autosched.records import MeasureResult, TuningRecord
+
+from .models import RecordRow, RunRow, TargetRow, WorkloadRow, utcnow
+
+if TYPE_CHECKING:
+    from autosched.target import TargetSpec
+    from autosched.task import Task
+
+DEFAULT_BUSY_TIMEOUT = 60.0  # seconds a writer waits for another writer before giving up
+
+
+def _alembic_config():
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    return cfg
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_alembic_config()).get_current_head()
+
+
+def known_revisions() -> list[str]:
+    from alembic.script import ScriptDirectory
+
+    return [s.revision for s in ScriptDirectory.from_config(_alembic_config()).walk_revisions()]
+
+
+class Database:
+    """A tuning database file.
+
+    Args:
+        path: the SQLite file; created (with the newest schema) if missing and ``create`` is true.
+        readonly: open without writing anything (queries of a file one cannot write).
+        create: create the file if it does not exist.
+        busy_timeout: seconds to wait for another process's write lock.
+    """
+
+    def __init__(self, path: str | os.PathLike, readonly: bool = False, create: bool = True,
+                 busy_timeout: float = DEFAULT_BUSY_TIMEOUT):
+        self.path = Path(path)
+        self.readonly = readonly
+        self.busy_timeout = busy_timeout
+        if not self.path.exists():
+            if readonly or not create:
+                raise DatabaseError(f"no tuning database at {self.path}: check --db, or tune first to create one")
+            if not self.path.parent.exists():
+                raise DatabaseError(f"cannot create database {self.path}: folder {self.path.parent} does not exist")
+        elif self.path.is_dir():
+            raise DatabaseError(f"{self.path} is a folder, not a database file: give --db a file path")
+        self._write_engine = self._engine(immediate=True) if not readonly else None
+        self._read_engine = self._engine(immediate=False)
+        self._check_schema()
+
+    # ---- connection setup ------------------------------------------------------------------------
+    def _engine(self, immediate: bool):
+        if self.readonly:
+            url, kwargs = f"sqlite:///file:{self.path}?mode=ro&uri=true", {"uri": True}
+        else:
+            url, kwargs = f"sqlite:///{self.path}", {}
+        engine = create_engine(url, connect_args={"timeout": self.busy_timeout, **kwargs})
+        readonly, timeout_ms = self.readonly, int(self.busy_timeout * 1000)
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below)
+            cur = dbapi_conn.cursor()
+            cur.execute(f"PRAGMA busy_timeout = {timeout_ms}")
+            if not readonly:
+                cur.execute("PRAGMA journal_mode = WAL")
+                cur.execute("PRAGMA synchronous = NORMAL")
+            cur.execute("PRAGMA foreign_keys = ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):
+            # IMMEDIATE takes the write lock up front, so two writers queue on the busy timeout
+            # instead of one failing when it upgrades a read lock (SQLITE_BUSY_SNAPSHOT).
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+        return engine
+
+    def _translate(self, exc: Exception) -> DatabaseError:
+        msg = str(getattr(exc, "orig", exc))
+        low = msg.lower()
+        if "locked" in low or "busy" in low:
+            return DatabaseLockedError(f"database {self.path} stayed locked by another process for over "
+                                       f"{self.busy_timeout:.0f} s ({msg}); retry, or raise --busy-timeout")
+        if "not a database" in low or "malformed" in low or "corrupt" in low:
+            return DatabaseCorruptError(f"{self.path} is not a readable autosched database ({msg}): restore it "
+                                        "from a backup or an export (`autosched db import`), or use another --db")
+        if "readonly" in low or "read-only" in low:
+            return DatabaseError(f"database {self.path} is read-only ({msg}): query it with read commands, or "
+                                 "copy it somewhere writable to tune into it")
+        if "disk is full" in low or "disk i/o" in low or "full" in low:
+            return DatabaseError(f"cannot write database {self.path}: {msg}; free disk space. Records committed "
+                                 "before this are kept")
+        if "unable to open" in low:
+            return DatabaseError(f"cannot open database {self.path} ({msg}): check the path and permissions")
+        return DatabaseError(f"database {self.path}: {msg}")
+
+    @contextmanager
+    def session(self, write: bool = False) -> Iterator[Session]:
+        """A session in one transaction: committed on success, rolled back on error."""
+        if write and self._write_engine is None:
+            raise DatabaseError(f"database {self.path} was opened read-only")
+        engine = self._write_engine if write else self._read_engine
+        try:
+            with Session(engine, expire_on_commit=False) as session, session.begin():
+                yield session
+        except (OperationalError, SADatabaseError) as exc:
+            raise self._translate(exc) from exc
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+
+    def _write(self, fn, attempts: int = 5):
+        """Run ``fn(session)`` in a write transaction, retrying while another process holds the lock."""
+        for attempt in range(attempts):
+            try:
+                with self.session(write=True) as s:
+                    return fn(s)
+            except DatabaseLockedError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+
+    # ---- schema ----------------------------------------------------------------------------------
+    def _current_revision(self, conn) -> str | None:
+        tables = {r[0] for r in conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "alembic_version" not in tables:
+            if tables - {"sqlite_sequence"}:
+                raise DatabaseCorruptError(f"{self.path} is an SQLite database but not an autosched one "
+                                           f"(tables: {', '.join(sorted(tables))}): use another --db path")
+            return None
+        row = conn.exec_driver_sql("SELECT version_num FROM alembic_version").first()
+        return row[0] if row else None
+
+    def _check_schema(self) -> None:
+        head = head_revision()
+        try:
+            if self.readonly:
+                with self._read_engine.connect() as conn:
+                    current = self._current_revision(conn)
+            else:
+                with self._write_engine.begin() as conn:
+                    current = self._current_revision(conn)
+                    if current is None:
+                        # A new file: create the newest schema inside this write transaction, so two
+                        # processes creating the same file at once do not both run the migrations.
+                        cfg = _alembic_config()
+                        cfg.attributes["connection"] = conn
+                        from alembic import command
+
+                        command.upgrade(cfg, "head")
+                        current = head
+        except (OperationalError, SADatabaseError, sqlite3.Error) as exc:
+            raise self._translate(exc) from exc
+        if current == head:
+            return
+        if current is None:
+            raise DatabaseError(f"{self.path} is an empty database opened read-only; tune into it first")
+        if current in known_revisions():
+            raise SchemaVersionError(f"database {self.path} uses the older schema {current} (this autosched "
+                                     f"uses {head}): upgrade it with `autosched db upgrade --db {self.path}`")
+        raise SchemaVersionError(f"database {self.path} was written by a newer autosched (schema {current}, "
+                                 f"this one knows up to {head}): upgrade autosched to read it")
+
+    @staticmethod
+    def upgrade(path: str | os.PathLike) -> tuple[str | None, str]:
+        """Upgrade the file at ``path`` to the newest schema; returns (old revision, new revision)."""
+        from alembic import command
+
+        db = Database.__new__(Database)
+        db.path, db.readonly, db.busy_timeout = Path(path), False, DEFAULT_BUSY_TIMEOUT
+        if not db.path.exists():
+            raise DatabaseError(f"no tuning database at {db.path}")
+        db._write_engine = db._engine(immediate=True)
+        try:
+            with db._write_engine.begin() as conn:
+                old = db._current_revision(conn)
+                if old is not None and old not in known_revisions():
+                    raise SchemaVersionError(f"database {db.path} has schema {old}, newer than this autosched knows")
+                cfg = _alembic_config()
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+        except (OperationalError, SADatabaseError, sqlite3.Error) as exc:
+            raise db._translate(exc) from exc
+        finally:
+            db._write_engine.dispose()
+        return old, head_revision()
+
+    def close(self) -> None:
+        for engine in (self._write_engine, self._read_engine):
+            if engine is not None:
+                engine.dispose()
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def ensure_workload(self, task: Task) -> int:
+        def fn(s: Session) -> int:
+            row = s.scalar(select(WorkloadRow).where(WorkloadRow.key == task.key))
+            if row is None:
+                wl = task.workload
+                row = WorkloadRow(
+                    key=task.key, op=wl.op if wl else "func", dtype=wl.dtype if wl else "",
+                    shape_json=json.dumps(wl.shape_dict if wl else {}), attrs_json=json.dumps(wl.attrs_dict if wl else {}),
+                    structural_hash=task.structural_hash, func_json=task.spec.func_json,
+                    flops=task.flops, min_bytes=task.min_bytes)
+                s.add(row)
+                s.flush()
+            return row.id
+
+        return self._write(fn)
+
+    def ensure_target(self, target: TargetSpec) -> int:
+        def fn(s: Session) -> int:
+            row = s.scalar(select(TargetRow).where(TargetRow.match_key == target.match_key,
+                                                   TargetRow.tvm_version == target.tvm_version,
+                                                   TargetRow.driver_version == target.driver_version))
+            if row is None:
+                row = TargetRow(match_key=target.match_key, kind=target.kind, arch=target.arch,
+                                device_name=target.device_name, num_cores=target.num_cores,
+                                max_shared_memory=target.max_shared_memory, tvm_version=target.tvm_version,
+                                driver_version=target.driver_version)
+                s.add(row)
+                s.flush()
+            return row.id
+
+        return self._write(fn)
+
+    def start_run(self, command: str = "", seed: int | None = None) -> int:
+        from autosched import __version__
+
+        def fn(s: Session) -> int:
+            run = RunRow(host=socket.gethostname(), command=command, seed=seed, autosched_version=__version__)
+            s.add(run)
+            s.flush()
+            return run.id
+
+        return self._write(fn)
+
+    def finish_run(self, run_id: int, status: str) -> None:
+        def fn(s: Session) -> None:
+            run = s.get(RunRow, run_id)
+            if run is not None:
+                run.status, run.finished_at = status, utcnow()
+
+        self._write(fn)
+
+    def add_records(self, workload_id: int, target_id: int, run_id: int | None, space: str,
+                    points: list[dict], results: list[MeasureResult]) -> list[int]:
+        """Store one batch of measurements in one transaction; returns their ids."""
+        from autosched.search_spaces import point_key
+
+        def fn(s: Session) -> list[int]:
+            rows = [RecordRow(uid=uuid.uuid4().hex, workload_id=workload_id, target_id=target_id, run_id=run_id,
+                              space=space, point_json=point_key(p), latencies_json=json.dumps(list(r.latencies)),
+                              median_us=r.median * 1e6 if r.ok else None, error_kind=r.error_kind,
+                              error_msg=r.error_msg, rel_error=r.rel_error, build_seconds=r.build_seconds,
+                              run_seconds=r.run_seconds)
+                    for p, r in zip(points, results)]
+            s.add_all(rows)
+            s.flush()
+            return [r.id for r in rows]
+
+        return self._write(fn)
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def records_for(self, workload_key: str, target: TargetSpec, space: str | None = None,
+                    only_ok: bool = False, limit: int | None = None) -> list[TuningRecord]:
+        """Records of one workload on targets matching ``target``, fastest first (failures last)."""
+        with self.session() as s:
+            q = (select(RecordRow, TargetRow.match_key).join(WorkloadRow).join(TargetRow)
+                 .where(WorkloadRow.key == workload_key, TargetRow.match_key == target.match_key))
+            if space is not None:
+                q = q.where(RecordRow.space == space)
+            if only_ok:
+                q = q.where(RecordRow.median_us.is_not(None))
+            q = q.order_by(RecordRow.median_us.is_(None), RecordRow.median_us, RecordRow.id)
+            if limit:
+                q = q.limit(limit)
+            return [to_record(row, workload_key, match_key) for row, match_key in s.execute(q)]
+
+    def best(self, workload_key: str, target: TargetSpec, space: str | None = None) -> TuningRecord | None:
+        found = self.records_for(workload_key, target, space, only_ok=True, limit=1)
+        return found[0] if found else None
+
+    def summary(self, op: str | None = None, target_kind: str | None = None) -> list[dict[str, Any]]:
+        """One row per (workload, target device): best latency, trials and failures."""
+        with self.session() as s:
+            best = func.min(RecordRow.median_us)
+            q = (select(WorkloadRow, TargetRow.match_key, TargetRow.kind, TargetRow.arch, TargetRow.device_name,
+                        best, func.count(RecordRow.id), func.count(RecordRow.median_us))
+                 .join(RecordRow, RecordRow.workload_id == WorkloadRow.id).join(TargetRow)
+                 .group_by(WorkloadRow.id, TargetRow.match_key).order_by(WorkloadRow.key, TargetRow.match_key))
+            if op:
+                q = q.where(WorkloadRow.op == op)
+            if target_kind:
+                q = q.where(TargetRow.kind == target_kind)
+            out = []
+            for wl, match_key, kind, arch, device, best_us, trials, ok in s.execute(q):
+                out.append({
+                    "op": wl.op, "shape": json.loads(wl.shape_json), "dtype": wl.dtype, "attrs": json.loads(wl.attrs_json),
+                    "workload": wl.key, "target": f"{kind}:{arch}", "device": device, "target_key": match_key,
+                    "latency_us": best_us, "trials": trials, "failures": trials - ok,
+                    "gflops": (wl.flops / (best_us * 1e-6) / 1e9) if best_us and wl.flops else None,
+                    "gbps": (wl.min_bytes / (best_us * 1e-6) / 1e9) if best_us and wl.min_bytes else None,
+                })
+            return out
+
+    def count(self) -> int:
+        with self.session() as s:
+            return s.scalar(select(func.count(RecordRow.id))) or 0
+
+
+def to_record(row: RecordRow, workload_key: str, target_key: str) -> TuningRecord:
+    from autosched.search_spaces import point_from_json
+
+    result = MeasureResult(tuple(json.loads(row.latencies_json)), row.error_kind, row.error_msg,
+                           row.build_seconds, row.run_seconds, row.rel_error)
+    return TuningRecord(workload_key, target_key, row.space, point_from_json(row.point_json), result,
+                        row.run_id, row.created_at, row.id)
+

@@ -1,0 +1,68 @@
+"""Schedule spaces: for each operator family and target, the knobs and how to apply them.
+
+Spaces are chosen by the structure of the TensorIR function, not by operator name, so that a kernel
+fused by Relax finds the same space as the workload it resembles:
+
+========== =============================================================== =======================
+family     structure                                                       examples
+========== =============================================================== =======================
+matmul     one contraction block; other blocks elementwise                 gemm, dequant_gemm
+rows       blocks share leading row loops and reduce within a row          rmsnorm, softmax,
+                                                                           attention (CPU)
+injective  no reduction                                                    rope, casts, adds
+========== =============================================================== =======================
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._knobs import InvalidPoint, Knob, Point, Space, TileKnob, point_from_json, point_key
+
+if TYPE_CHECKING:
+    from tvm.tirx import PrimFunc
+
+    from autosched.target import TargetSpec
+
+__all__ = [
+    "InvalidPoint",
+    "Knob",
+    "Point",
+    "Space",
+    "TileKnob",
+    "create_space",
+    "point_from_json",
+    "point_key",
+    "space_classes",
+]
+
+
+def space_classes() -> dict[str, type[Space]]:
+    """Every space by name, in the order they are tried on an unknown function."""
+    from .injective import InjectiveSpace
+    from .matmul import MatmulSpace
+    from .rows import RowsSpace
+
+    return {cls.name: cls for cls in (MatmulSpace, RowsSpace, InjectiveSpace)}
+
+
+def create_space(func: PrimFunc, target: TargetSpec, family: str | None = None) -> Space:
+    """The space for ``func`` on ``target``: the one serving ``family`` (an operator's declared family),
+    else the first whose structural test matches the function.
+
+    Raises:
+        SpaceError: if no space applies.
+    """
+    from autosched.errors import SpaceError
+
+    from ._analysis import has_dynamic_shape
+
+    if has_dynamic_shape(func):
+        raise SpaceError("the function has symbolic shapes; autosched tunes static shapes only")
+    for cls in space_classes().values():
+        if target.kind not in cls.targets:
+            continue
+        if family in cls.families or (family is None and cls.matches(func)):
+            return cls(func, target)
+    which = f"family '{family}'" if family else "this function's structure"
+    raise SpaceError(f"no schedule space for {which} on target {target.kind}")

@@ -1,0 +1,130 @@
+"""The fused-rows family: kernels whose blocks all share leading "row" loops and reduce within a row.
+
+RMSNorm and softmax (one row = one vector), attention (one row = one query of one head) and paged
+decode attention (one row = one head of one sequence) have this shape, and so do the norm and softmax
+chains that Relax fuses. On the CPU every stage of a group of rows is computed together while the rows
+are hot in cache: the groups run in parallel, row reductions are vectorised through rfactor and
+elementwise stages are vectorised directly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._analysis import blocks_of, const_extents, is_reduction, iter_kinds, loop_kinds
+from ._knobs import Knob, Point, Space
+
+if TYPE_CHECKING:
+    from tvm import s_tir
+
+
+def row_depth(sch: s_tir.Schedule) -> int:
+    """Number of leading row loops: the fewest spatial iterators among the reduction blocks (0: none)."""
+    kinds = [iter_kinds(sch, b) for b in blocks_of(sch) if is_reduction(sch, b)]
+    return min((k.count("S") for k in kinds), default=0)
+
+
+def inline_spatial(sch: s_tir.Schedule) -> None:
+    """Inline every spatial block that is neither an output nor needed as a separate stage."""
+    changed = True
+    while changed:
+        changed = False
+        for block in blocks_of(sch)[:-1]:
+            if is_reduction(sch, block):
+                continue
+            try:
+                sch.compute_inline(block)
+                changed = True
+            except RuntimeError:
+                continue
+
+
+class RowsSpace(Space):
+    name = "rows"
+    version = 1
+    targets = ("llvm",)
+    families = ("rows", "attention", "paged_attention")
+
+    @classmethod
+    def matches(cls, func) -> bool:
+        from tvm import s_tir
+
+        sch = s_tir.Schedule(func)
+        blocks = blocks_of(sch)
+        return row_depth(sch) >= 1 and not is_reduction(sch, blocks[-1])
+
+    def __init__(self, func, target):
+        super().__init__(func, target)
+        from tvm import s_tir
+
+        sch = s_tir.Schedule(func)
+        self.depth = row_depth(sch)
+        out = blocks_of(sch)[-1]
+        extents = const_extents(sch, sch.get_loops(out))
+        self.rows = 1
+        for e in extents[: self.depth]:
+            self.rows *= e
+        self.inner = extents[-1]
+        threads = max(1, target.num_cores)
+        rows_choices = tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max(1, self.rows // threads) or r == 1)
+        self.knobs = [
+            Knob("rows_per_task", rows_choices),
+            Knob("vector", (1, 4, 8, 16, 32)),
+            Knob("rfactor", (True, False), ordered=False),
+            Knob("unroll", (0, 16, 64)),
+        ]
+
+    def default(self) -> Point:
+        return {"rows_per_task": 1, "vector": 16, "rfactor": True, "unroll": 16}
+
+    def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
+        inline_spatial(sch)
+        vec = p["vector"]
+        if p["rfactor"] and vec > 1:
+            for block in blocks_of(sch):
+                self._rfactor(sch, block, vec)
+        blocks = blocks_of(sch)
+        out = blocks[-1]
+        loops = sch.get_loops(out)
+        row = sch.fuse(*loops[: self.depth]) if self.depth > 1 else loops[0]
+        r0, r1 = sch.split(row, [None, p["rows_per_task"]])
+        sch.parallel(r0)
+        for block in reversed(blocks[:-1]):
+            sch.compute_at(block, r1, preserve_unit_loops=True)
+        for block in blocks_of(sch):
+            if vec > 1:
+                self._vectorize_stage(sch, block, vec)
+            if p["unroll"]:
+                sch.annotate(block, "pragma_auto_unroll_max_step", p["unroll"])
+                sch.annotate(block, "pragma_unroll_explicit", 1)
+
+    def _rfactor(self, sch, block, vec: int) -> None:
+        """Split a pure row reduction (row loops, then one reduction loop) into ``vec`` partial sums
+        that a vector register holds, followed by a short final reduction."""
+        kinds = iter_kinds(sch, block)
+        if kinds != "S" * self.depth + "R":
+            return
+        loops = sch.get_loops(block)
+        extent = const_extents(sch, loops[-1:])[0]
+        # Only exact splits: TVM 0.27's rfactor over a guarded (non-dividing) split sums wrongly.
+        while vec > 1 and extent % vec:
+            vec //= 2
+        if vec < 4 or extent < 2 * vec:
+            return
+        _, lane = sch.split(loops[-1], [None, vec])
+        sch.rfactor(lane, factor_axis=self.depth)
+
+    def _vectorize_stage(self, sch, block, vec: int) -> None:
+        """Vectorise the innermost spatial loop of a stage below the row loop, reductions moved outside."""
+        loops = sch.get_loops(block)[2:]  # below the parallel row loop and the rows-per-task loop
+        kinds = loop_kinds(sch, block)[2:]
+        extents = const_extents(sch, loops)
+        spatial = [lp for lp, k, e in zip(loops, kinds, extents) if k == "S" and e > 1]
+        reduce = [lp for lp, k, e in zip(loops, kinds, extents) if k == "R" and e > 1]
+        if not spatial:
+            return
+        sch.reorder(*reduce, *spatial)
+        last = spatial[-1]
+        if const_extents(sch, [last])[0] >= vec:
+            _, lane = sch.split(last, [None, vec])
+            sch.vectorize(lane)
