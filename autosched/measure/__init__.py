@@ -8,6 +8,7 @@ crashes its process is killed, recorded as failed, and the process restarted.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -23,7 +24,11 @@ if TYPE_CHECKING:
     from autosched.target import TargetSpec
     from autosched.task import TaskSpec
 
-__all__ = ["Builder", "MeasureConfig", "Measurer", "Runner"]
+__all__ = ["Builder", "MeasureConfig", "Measurer", "Runner", "SLOW_CUTOFF"]
+
+# A candidate slower than this many times the best known is timed once, not repeatedly: its rank is
+# settled, and on a CPU slow candidates would otherwise take most of the tuning time.
+SLOW_CUTOFF = 2.0
 
 
 @dataclass(frozen=True)
@@ -120,12 +125,19 @@ class Runner:
         self._log = _worker_log(self.dir, "runner.log")
         self._worker = PopenWorker(init_worker, stdout=subprocess.DEVNULL, stderr=self._log)
 
-    def run(self, spec: TaskSpec, builds: list[BuildResult]) -> list[MeasureResult]:
+    def run(self, spec: TaskSpec, builds: list[BuildResult], cutoff: float | None = None) -> list[MeasureResult]:
+        """Check and time each successful build; ``cutoff`` (seconds): a candidate whose first timed run
+        is slower is timed only once."""
         from ._worker import run_candidate
 
         cfg = {k: getattr(self.config, k) for k in ("repeat", "number", "min_repeat_ms", "flush_bytes")}
         results = []
+        best = math.inf
         for build in builds:
+            # The cutoff tightens with the best candidate of this batch, so even the first,
+            # model-less batch does not spend seconds timing hopeless candidates.
+            cfg["cutoff"] = min(cutoff if cutoff is not None else math.inf, SLOW_CUTOFF * best)
+            cfg["cutoff"] = None if math.isinf(cfg["cutoff"]) else cfg["cutoff"]
             if not build.ok:
                 results.append(MeasureResult.failed(build.error_kind, build.error_msg, build.seconds))
                 continue
@@ -140,6 +152,7 @@ class Runner:
                                            run_seconds=time.perf_counter() - start)
             results.append(MeasureResult(res.latencies, res.error_kind, res.error_msg, build.seconds,
                                          res.run_seconds, res.rel_error))
+            best = min(best, results[-1].median)
         return results
 
     def close(self) -> None:
@@ -157,9 +170,9 @@ class Measurer:
         self.builder = Builder(target, build_workers, self.config.build_timeout, self.workdir)
         self.runner = Runner(target, self.config, self.workdir)
 
-    def measure(self, spec: TaskSpec, points: list[Point]) -> list[MeasureResult]:
+    def measure(self, spec: TaskSpec, points: list[Point], cutoff: float | None = None) -> list[MeasureResult]:
         builds = self.builder.build(spec, points)
-        results = self.runner.run(spec, builds)
+        results = self.runner.run(spec, builds, cutoff)
         for b in builds:
             if b.artifact and os.path.exists(b.artifact):
                 os.remove(b.artifact)

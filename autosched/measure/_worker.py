@@ -116,8 +116,10 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
         for out in state["outs"]:
             out.fill_(float("nan") if out.is_floating_point() else -1)
         args = [tvm.runtime.from_dlpack(t) for t in state["checker"].arrange(state["inputs"], state["outs"])]
+        check_start = time.perf_counter()
         func(*args)
         dev.sync()
+        check_seconds = time.perf_counter() - check_start
     except Exception as exc:  # noqa: BLE001
         return MeasureResult.failed("run", _short(exc), run_seconds=time.perf_counter() - start)
     errors = [relative_error(o, r) for o, r in zip(state["outs"], state["refs"])]
@@ -129,7 +131,17 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
         return MeasureResult.failed("wrong_result", why, run_seconds=time.perf_counter() - start,
                                     rel_error=None if math.isinf(worst) else worst)
     # Step 2. Time: a warm-up run is discarded by the evaluator; each repeat is the mean of `number` runs.
+    # A candidate whose single timed run is already far slower than the best known is not timed further:
+    # its rank is settled, and slow candidates would otherwise dominate the tuning time.
     try:
+        if config.get("cutoff") is not None and check_seconds > 2 * config["cutoff"]:
+            # Even the cold first run says enough: twice the cutoff.
+            return MeasureResult((check_seconds,), None, None, 0.0, time.perf_counter() - start, worst)
+        if config.get("cutoff") is not None:
+            probe = lib.time_evaluator("main", dev, number=1, repeat=1, cache_flush_bytes=config["flush_bytes"])
+            first = float(probe(*args).results[0])
+            if first > config["cutoff"]:
+                return MeasureResult((first,), None, None, 0.0, time.perf_counter() - start, worst)
         timer = lib.time_evaluator("main", dev, number=config["number"], repeat=config["repeat"],
                                    min_repeat_ms=config["min_repeat_ms"], cache_flush_bytes=config["flush_bytes"])
         latencies = tuple(float(x) for x in timer(*args).results)

@@ -1,0 +1,303 @@
+"""The ``autosched`` command line.
+
+Data goes to stdout (tables for people, ``--format json|csv`` for scripts); progress and logs go to
+stderr. Exit codes: 0 success, 1 failure, 2 bad input, 130 interrupted. Errors are one line unless
+``--debug`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import signal
+import sys
+from typing import Any
+
+from . import __version__
+from .errors import AutoschedError, UsageError
+
+DB_ENV = "AUTOSCHED_DB"
+DEFAULT_DB = "autosched.db"
+
+
+# ---- output helpers ------------------------------------------------------------------------------
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False, log_path=False)
+    if not console.is_terminal:
+        # Piped output keeps whole lines rather than wrapping tables at 80 columns.
+        console = Console(stderr=stderr, highlight=False, log_path=False, width=220)
+    return console
+
+
+def emit(rows: list[dict[str, Any]], fmt: str, columns: list[tuple[str, str]] | None = None,
+         title: str | None = None) -> None:
+    """Print ``rows`` as a table, JSON list or CSV. ``columns``: (key, header) pairs for table and CSV."""
+    if fmt == "json":
+        print(json.dumps(rows, indent=2, default=str))
+        return
+    columns = columns or [(k, k) for k in (rows[0] if rows else {})]
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.writer(buf)
+        writer.writerow([h for _, h in columns])
+        for row in rows:
+            writer.writerow([_plain(row.get(k)) for k, _ in columns])
+        sys.stdout.write(buf.getvalue())
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=escape(title) if title else None, header_style="bold")
+    for _, header in columns:
+        table.add_column(header, overflow="fold")
+    for row in rows:
+        table.add_row(*[escape(_cell(row.get(k))) for k, _ in columns])
+    _console().print(table)
+
+
+def _plain(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "-"
+        if abs(value) >= 1000:
+            return f"{value:.0f}"
+        return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
+    return _plain(value) if value is not None else "-"
+
+
+def _fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "failed"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.2f} us"
+    return f"{seconds * 1e3:.3f} ms"
+
+
+# ---- progress ------------------------------------------------------------------------------------
+class ConsoleReporter:
+    """Progress for ``tune``: a bar with the best so far on a terminal, a line per round always."""
+
+    def __init__(self, quiet: bool = False):
+        self.console = _console(stderr=True)
+        self.quiet = quiet
+        self.progress = None
+        self.bar = None
+
+    def on_start(self, task, space, trials, seeded) -> None:
+        if self.quiet:
+            return
+        self.task = task
+        seeded_txt = f", {seeded} earlier records as seeds" if seeded else ""
+        from rich.markup import escape
+
+        self.console.log(f"tuning [bold]{escape(task.key)}[/] with space {space.id} ({space.size():.3g} points), "
+                         f"{trials} trials{seeded_txt}")
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), console=self.console, transient=True)
+            self.progress.start()
+            self.bar = self.progress.add_task("measuring", total=trials)
+
+    def on_round(self, task, s) -> None:
+        if self.quiet:
+            return
+        perf = ""
+        if math.isfinite(s.best):
+            if task.flops and task.flops / task.min_bytes > 10:
+                perf = f"  {task.flops / s.best / 1e9:.1f} GFLOP/s"
+            elif task.min_bytes:
+                perf = f"  {task.min_bytes / s.best / 1e9:.1f} GB/s"
+        fails = f"  failed {s.batch_failed}" if s.batch_failed else ""
+        self.console.log(f"round {s.round:>3}  trials {s.trials:>4}  batch best {_fmt_time(s.batch_best):>12}  "
+                         f"best {_fmt_time(s.best):>12}{perf}{fails}")
+        if self.progress is not None:
+            self.progress.update(self.bar, completed=s.trials, description=f"best {_fmt_time(s.best)}{perf}")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+# ---- commands ------------------------------------------------------------------------------------
+def cmd_ops(args) -> int:
+    from .workloads import list_operators
+
+    rows = []
+    for op in list_operators():
+        rows.append({"op": op.name, "shape_keys": ",".join(op.shape_keys), "dtypes": ",".join(op.dtypes),
+                     "attrs": ", ".join(f"{a.name}={'|'.join(map(str, a.choices))}" for a in op.attrs),
+                     "presets": ", ".join(p.name for p in op.presets), "description": op.description})
+    emit(rows, args.format, [("op", "operator"), ("shape_keys", "shape keys"), ("dtypes", "dtypes"),
+                             ("attrs", "attributes"), ("presets", "presets"), ("description", "computes")])
+    return 0
+
+
+def _workload_from_args(args):
+    from .workloads import make_workload
+
+    return make_workload(args.op, args.shape, args.dtype, args.attrs, args.preset)
+
+
+def _open_db(path: str, readonly: bool = False):
+    from .database.store import Database
+
+    return Database(path, readonly=readonly)
+
+
+def cmd_tune(args) -> int:
+    from .target import parse_target
+    from .task import Task
+    from .tuner import TuneOptions, tune
+
+    if args.trials < 1:
+        raise UsageError(f"--trials must be at least 1 (got {args.trials})")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1 (got {args.batch_size})")
+    wl = _workload_from_args(args)
+    target = parse_target(args.target)
+    task = Task.from_workload(wl)
+    db = _open_db(args.db)
+    reporter = ConsoleReporter(quiet=args.quiet)
+    options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed,
+                          time_budget=args.time_budget, patience=args.patience, cost_model=args.cost_model)
+    try:
+        result = tune(task, target, db, options, reporter, command=" ".join(sys.argv))
+    finally:
+        reporter.close()
+    best = db.best(task.key, target)
+    summary = {
+        "op": wl.op, "shape": wl.shape_dict, "dtype": wl.dtype, "attrs": wl.attrs_dict, "target": target.label,
+        "space": result.space, "trials": result.trials, "rounds": result.rounds, "failures": result.failures,
+        "seconds": round(result.seconds, 1), "stop_reason": result.stop_reason, "run_id": result.run_id,
+        "latency_us": best.median * 1e6 if best else None,
+        "gflops": task.flops / best.median / 1e9 if best and task.flops else None,
+        "gbps": task.min_bytes / best.median / 1e9 if best and task.min_bytes else None,
+        "best_point": best.point if best else None, "record_id": best.record_id if best else None,
+        "db": str(db.path),
+    }
+    db.close()
+    if args.format == "json":
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        rows = [{"field": k, "value": _plain(v) if not isinstance(v, float) else f"{v:.4g}"} for k, v in summary.items()]
+        emit(rows, "table", [("field", "field"), ("value", "value")], title=f"autosched tune: {wl.key}")
+    return 0 if best is not None else 1
+
+
+def cmd_show(args) -> int:
+    from .show import render
+
+    wl = _workload_from_args(args)
+    print(render(wl, args.target, args.db))
+    return 0
+
+
+def cmd_db(args) -> int:
+    from .database import cli as db_cli
+
+    return db_cli.run(args)
+
+
+# ---- parser --------------------------------------------------------------------------------------
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("op", help="operator (see `autosched ops`)")
+    p.add_argument("--shape", default="", help="shape, e.g. m=2048,n=4096,k=4096 (missing keys: preset or defaults)")
+    p.add_argument("--preset", help="a real-model layer shape, e.g. llama2-7b-up (see `autosched ops`)")
+    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
+    p.add_argument("--attrs", default="", help="operator attributes, e.g. bias=1,act=gelu")
+
+
+def _add_db_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default=os.environ.get(DB_ENV, DEFAULT_DB),
+                   help=f"tuning database file (default: ${DB_ENV} or ./{DEFAULT_DB})")
+
+
+def _add_format(p: argparse.ArgumentParser, choices=("table", "json", "csv")) -> None:
+    p.add_argument("--format", choices=choices, default="table", help="output format (default table)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autosched", description="Schedule search for LLM operators on Apache TVM.")
+    parser.add_argument("--version", action="version", version=f"autosched {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("ops", help="list the operators, their shape keys, dtypes and presets")
+    _add_format(p)
+    p.set_defaults(fn=cmd_ops)
+
+    p = sub.add_parser("tune", help="tune one operator for one device")
+    _add_workload_args(p)
+    p.add_argument("--target", default="llvm", help="llvm (this CPU, default), cuda (first GPU), or kind:arch")
+    p.add_argument("--trials", type=int, default=64, help="candidates to measure (default 64)")
+    p.add_argument("--batch-size", type=int, default=16, help="candidates per round (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search (default 0)")
+    p.add_argument("--time-budget", type=float, help="stop after this many seconds")
+    p.add_argument("--patience", type=int, help="stop after this many rounds without improvement")
+    p.add_argument("--cost-model", choices=("xgb", "random"), default="xgb", help="search guide (default xgb)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    _add_db_arg(p)
+    _add_format(p, ("table", "json"))
+    p.set_defaults(fn=cmd_tune)
+
+    p = sub.add_parser("show", help="print the kernel of the best record (CUDA source, or TensorIR for the CPU)")
+    _add_workload_args(p)
+    p.add_argument("--target", default="llvm", help="llvm or cuda (works without a GPU: cuda means sm_90 then)")
+    _add_db_arg(p)
+    p.set_defaults(fn=cmd_show)
+
+    from .database import cli as db_cli
+
+    db_cli.add_parser(sub, _add_db_arg, _add_format)
+    sub.choices["db"].set_defaults(fn=cmd_db)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    def _terminate(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return args.fn(args)
+    except AutoschedError as exc:
+        if args.debug:
+            raise
+        print(f"autosched: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("autosched: interrupted; every record measured so far is kept in the database", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line for users, the traceback with --debug
+        if args.debug:
+            raise
+        print(f"autosched: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

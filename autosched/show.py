@@ -1,0 +1,38 @@
+"""``autosched show``: the kernel the search found (or the default one), as a user would read it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autosched.workloads import Workload
+
+
+def render(wl: Workload, target_text: str, db_path: str | None) -> str:
+    """CUDA source for a CUDA target, scheduled TensorIR for the CPU; from the best record in ``db_path``
+    for this workload and target when there is one, else from the space's default point."""
+    import os
+
+    from autosched.database.store import Database
+    from autosched.target import parse_target
+    from autosched.task import Task
+
+    target = parse_target(target_text, require_device=False)
+    task = Task.from_workload(wl)
+    space = task.space(target)
+    point, origin = space.default(), "the space's default point (no record for this workload and target)"
+    if db_path and os.path.exists(db_path):
+        with Database(db_path, readonly=True) as db:
+            best = db.best(task.key, target, space=space.id)
+        if best is not None:
+            point = best.point
+            origin = f"record {best.record_id} of {db_path}: {best.median * 1e6:.2f} us"
+    mod = space.apply(point)
+    header = f"// {wl.key} on {target.label}\n// schedule: {origin}\n// point: {point}\n"
+    if target.is_gpu:
+        import tvm
+
+        executable = tvm.compile(mod, target=target.tvm_target())
+        source = executable.mod.imports[0].inspect_source()
+        return header + source
+    return header.replace("//", "#") + mod.script()

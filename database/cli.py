@@ -1,0 +1,149 @@
+"""``autosched db ...``: query, share and upgrade tuning databases."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from autosched.errors import DatabaseError, UsageError
+
+from .transfer import RecordFilter, export_records, import_records, record_json, record_rows
+
+LIST_COLUMNS = [("id", "id"), ("workload", "workload"), ("target", "target"), ("space", "space"),
+                ("latency_us", "latency (us)"), ("error", "error"), ("run_id", "run"), ("created_at", "when")]
+BEST_COLUMNS = [("op", "op"), ("shape", "shape"), ("dtype", "dtype"), ("attrs", "attrs"), ("target", "target"),
+                ("device", "device"), ("latency_us", "latency (us)"), ("gflops", "GFLOP/s"), ("gbps", "GB/s"),
+                ("trials", "trials"), ("failures", "failed")]
+
+
+def add_parser(sub, add_db_arg, add_format) -> None:
+    db = sub.add_parser("db", help="query, export, import and upgrade the tuning database")
+    dsub = db.add_subparsers(dest="db_command", metavar="DB_COMMAND")
+    dsub.required = True
+
+    def filters(p):
+        p.add_argument("--op", help="only this operator")
+        p.add_argument("--workload", help="only workload keys containing this text")
+        p.add_argument("--target", dest="target_kind", choices=("llvm", "cuda"), help="only this target kind")
+        p.add_argument("--device", help="only devices whose name contains this text")
+        p.add_argument("--run", dest="run_id", type=int, help="only this run id")
+        p.add_argument("--since", help="only records from this date on (YYYY-MM-DD)")
+        p.add_argument("--until", help="only records up to this date (YYYY-MM-DD or full time)")
+
+    p = dsub.add_parser("list", help="list records, newest last")
+    add_db_arg(p)
+    filters(p)
+    p.add_argument("--failed", action="store_true", help="only failed candidates")
+    p.add_argument("--ok", action="store_true", help="only successful candidates")
+    p.add_argument("--limit", type=int, default=200, help="at most this many rows (default 200; 0: all)")
+    add_format(p)
+
+    p = dsub.add_parser("best", help="the best record of each workload and device")
+    add_db_arg(p)
+    p.add_argument("--op", help="only this operator")
+    p.add_argument("--target", dest="target_kind", choices=("llvm", "cuda"), help="only this target kind")
+    add_format(p)
+
+    p = dsub.add_parser("show", help="one record in full: point, timings, error, provenance")
+    p.add_argument("record_id", type=int, help="record id (from `db list` or `db best`)")
+    add_db_arg(p)
+    add_format(p, ("table", "json"))
+
+    p = dsub.add_parser("export", help="write records to a portable JSON-lines file")
+    add_db_arg(p)
+    filters(p)
+    p.add_argument("-o", "--output", required=True, help="file to write ('-' for stdout)")
+
+    p = dsub.add_parser("import", help="merge an export file into the database (idempotent)")
+    p.add_argument("file", help="an export file written by `autosched db export`")
+    add_db_arg(p)
+
+    p = dsub.add_parser("upgrade", help="upgrade the database to this autosched's schema")
+    add_db_arg(p)
+
+
+def _filter(args) -> RecordFilter:
+    failed = None
+    if getattr(args, "failed", False) and getattr(args, "ok", False):
+        raise UsageError("--failed and --ok exclude each other")
+    if getattr(args, "failed", False):
+        failed = True
+    elif getattr(args, "ok", False):
+        failed = False
+    return RecordFilter(op=getattr(args, "op", None), workload=getattr(args, "workload", None),
+                        target_kind=getattr(args, "target_kind", None), device=getattr(args, "device", None),
+                        run_id=getattr(args, "run_id", None), since=getattr(args, "since", None),
+                        until=getattr(args, "until", None), failed=failed)
+
+
+def run(args) -> int:
+    from autosched.cli import emit
+
+    from .store import Database
+
+    cmd = args.db_command
+    if cmd == "upgrade":
+        old, new = Database.upgrade(args.db)
+        print(f"{args.db}: schema {old or 'empty'} -> {new}" if old != new else f"{args.db}: already at schema {new}")
+        return 0
+    if cmd == "import":
+        with Database(args.db) as db:
+            stats = import_records(db, args.file)
+        print(json.dumps({"read": stats.read, "added": stats.added, "already_present": stats.skipped}))
+        return 0
+
+    with Database(args.db, readonly=cmd != "import", create=False) as db:
+        if cmd == "best":
+            rows = db.summary(op=args.op, target_kind=args.target_kind)
+            emit(rows, args.format, BEST_COLUMNS)
+            return 0
+        if cmd == "list":
+            with db.session() as s:
+                rows = []
+                for r, w, t in record_rows(s, _filter(args)):
+                    rows.append({"id": r.id, "workload": w.key, "target": f"{t.kind}:{t.arch}", "device": t.device_name,
+                                 "space": r.space, "latency_us": r.median_us, "error": r.error_kind or "",
+                                 "error_msg": r.error_msg, "run_id": r.run_id, "created_at": r.created_at,
+                                 "point": json.loads(r.point_json)})
+            if args.limit:
+                rows = rows[-args.limit:]
+            emit(rows, args.format, LIST_COLUMNS)
+            return 0
+        if cmd == "show":
+            from .models import RecordRow, RunRow
+
+            with db.session() as s:
+                r = s.get(RecordRow, args.record_id)
+                if r is None:
+                    raise UsageError(f"no record {args.record_id} in {args.db}")
+                data = record_json(r, r.workload, r.target, s.get(RunRow, r.run_id) if r.run_id else None)
+                data["id"] = r.id
+            if args.format == "json":
+                print(json.dumps(data, indent=2))
+            else:
+                emit(_flatten(data), "table", [("field", "field"), ("value", "value")], title=f"record {r.id}")
+            return 0
+        if cmd == "export":
+            if args.output == "-":
+                n = export_records(db, sys.stdout, _filter(args))
+            else:
+                try:
+                    with open(args.output, "w") as out:
+                        n = export_records(db, out, _filter(args))
+                except OSError as exc:
+                    raise DatabaseError(f"cannot write {args.output}: {exc.strerror}") from None
+            print(f"exported {n} records to {args.output}", file=sys.stderr)
+            return 0
+    raise UsageError(f"unknown db command {cmd}")
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
+    rows = []
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and key in ("workload", "target", "run"):
+            rows.extend(_flatten({k: v for k, v in value.items() if k != "func_json"}, name + "."))
+        else:
+            rows.append({"field": name, "value": json.dumps(value) if isinstance(value, (dict, list)) else value})
+    return rows

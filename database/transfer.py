@@ -1,0 +1,242 @@
+"""Moving records between databases: export to a portable JSON-lines file and import (merge) it.
+
+The file starts with a header line (format, version, where and when it was exported); each following
+line is one record with its workload, target and run inline, so a file is self-contained. Records keep
+their ``uid``: importing the same file twice adds nothing the second time.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from autosched.errors import DatabaseError
+
+from .models import RecordRow, RunRow, TargetRow, WorkloadRow, utcnow
+from .store import Database, head_revision
+
+EXPORT_FORMAT = "autosched-records"
+EXPORT_VERSION = 1
+
+
+@dataclass
+class RecordFilter:
+    """Which records a command acts on. Empty fields match everything."""
+
+    op: str | None = None
+    workload: str | None = None  # substring of the workload key
+    target_kind: str | None = None
+    device: str | None = None  # substring of the device name
+    run_id: int | None = None
+    since: str | None = None  # ISO date or datetime
+    until: str | None = None
+    failed: bool | None = None  # True: only failures, False: only successes
+
+    def apply(self, q):
+        if self.op:
+            q = q.where(WorkloadRow.op == self.op)
+        if self.workload:
+            q = q.where(WorkloadRow.key.contains(self.workload))
+        if self.target_kind:
+            q = q.where(TargetRow.kind == self.target_kind)
+        if self.device:
+            q = q.where(TargetRow.device_name.contains(self.device))
+        if self.run_id is not None:
+            q = q.where(RecordRow.run_id == self.run_id)
+        if self.since:
+            q = q.where(RecordRow.created_at >= self.since)
+        if self.until:
+            q = q.where(RecordRow.created_at <= self.until)
+        if self.failed is True:
+            q = q.where(RecordRow.median_us.is_(None))
+        elif self.failed is False:
+            q = q.where(RecordRow.median_us.is_not(None))
+        return q
+
+
+def record_rows(session: Session, flt: RecordFilter | None = None, order_by_latency: bool = False):
+    q = (select(RecordRow, WorkloadRow, TargetRow).join(WorkloadRow, RecordRow.workload_id == WorkloadRow.id)
+         .join(TargetRow, RecordRow.target_id == TargetRow.id))
+    q = (flt or RecordFilter()).apply(q)
+    if order_by_latency:
+        q = q.order_by(RecordRow.median_us.is_(None), RecordRow.median_us)
+    else:
+        q = q.order_by(RecordRow.id)
+    return session.execute(q)
+
+
+def _workload_json(w: WorkloadRow) -> dict[str, Any]:
+    return {"key": w.key, "op": w.op, "shape": json.loads(w.shape_json), "dtype": w.dtype,
+            "attrs": json.loads(w.attrs_json), "structural_hash": w.structural_hash, "func_json": w.func_json,
+            "flops": w.flops, "min_bytes": w.min_bytes}
+
+
+def _target_json(t: TargetRow) -> dict[str, Any]:
+    return {"match_key": t.match_key, "kind": t.kind, "arch": t.arch, "device_name": t.device_name,
+            "num_cores": t.num_cores, "max_shared_memory": t.max_shared_memory, "tvm_version": t.tvm_version,
+            "driver_version": t.driver_version}
+
+
+def record_json(r: RecordRow, w: WorkloadRow, t: TargetRow, run: RunRow | None) -> dict[str, Any]:
+    return {
+        "uid": r.uid, "workload": _workload_json(w), "target": _target_json(t),
+        "run": None if run is None else {"host": run.host, "started_at": run.started_at, "command": run.command,
+                                          "seed": run.seed, "autosched_version": run.autosched_version},
+        "space": r.space, "point": json.loads(r.point_json), "latencies": json.loads(r.latencies_json),
+        "median_us": r.median_us, "error_kind": r.error_kind, "error_msg": r.error_msg, "rel_error": r.rel_error,
+        "build_seconds": r.build_seconds, "run_seconds": r.run_seconds, "created_at": r.created_at,
+    }
+
+
+def export_records(db: Database, out: IO[str], flt: RecordFilter | None = None) -> int:
+    """Write the header and the matching records to ``out``; returns the number of records."""
+    from autosched import __version__
+
+    with db.session() as s:
+        rows = list(record_rows(s, flt))
+        header = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "schema": head_revision(),
+                  "autosched_version": __version__, "exported_at": utcnow(), "host": socket.gethostname(),
+                  "source": str(db.path), "count": len(rows)}
+        out.write(json.dumps(header) + "\n")
+        runs = {}
+        for r, w, t in rows:
+            if r.run_id is not None and r.run_id not in runs:
+                runs[r.run_id] = s.get(RunRow, r.run_id)
+            out.write(json.dumps(record_json(r, w, t, runs.get(r.run_id))) + "\n")
+    return len(rows)
+
+
+def read_export(path: str | Path) -> tuple[dict[str, Any], Iterator[dict[str, Any]]]:
+    """The header and an iterator over the records of an export file (checked as they are read)."""
+    path = Path(path)
+    if not path.exists():
+        raise DatabaseError(f"no export file at {path}")
+    handle = path.open()
+    first = handle.readline()
+    try:
+        header = json.loads(first)
+    except json.JSONDecodeError:
+        handle.close()
+        raise DatabaseError(f"{path} is not an autosched export: its first line is not JSON") from None
+    if not isinstance(header, dict) or header.get("format") != EXPORT_FORMAT:
+        handle.close()
+        raise DatabaseError(f"{path} is not an autosched export (header format {header.get('format') if isinstance(header, dict) else header!r})")
+    if header.get("version", 0) > EXPORT_VERSION:
+        handle.close()
+        raise DatabaseError(f"{path} uses export version {header['version']}; this autosched reads up to "
+                            f"{EXPORT_VERSION}: upgrade autosched")
+
+    def records():
+        with handle:
+            for number, line in enumerate(handle, start=2):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    raise DatabaseError(f"{path}:{number} is not valid JSON (a truncated file?)") from None
+
+    return header, records()
+
+
+@dataclass
+class ImportStats:
+    read: int = 0
+    added: int = 0
+    skipped: int = 0  # already present (same uid)
+
+
+def import_records(db: Database, path: str | Path, batch: int = 500) -> ImportStats:
+    """Merge the records of an export file into ``db``. Importing the same file again adds nothing."""
+    header, records = read_export(path)
+    stats = ImportStats()
+    pending: list[dict[str, Any]] = []
+    for rec in records:
+        stats.read += 1
+        pending.append(rec)
+        if len(pending) >= batch:
+            _import_batch(db, pending, header, stats)
+            pending = []
+    if pending:
+        _import_batch(db, pending, header, stats)
+    return stats
+
+
+def _import_batch(db: Database, recs: list[dict[str, Any]], header: dict[str, Any], stats: ImportStats) -> None:
+    def fn(s: Session) -> None:
+        uids = {r["uid"] for r in recs}
+        present = set(s.scalars(select(RecordRow.uid).where(RecordRow.uid.in_(uids))))
+        workloads: dict[str, int] = {}
+        targets: dict[tuple, int] = {}
+        runs: dict[tuple, int] = {}
+        for rec in recs:
+            if rec["uid"] in present:
+                stats.skipped += 1
+                continue
+            try:
+                w, t = rec["workload"], rec["target"]
+                wid = workloads.get(w["key"]) or _ensure_workload(s, w)
+                workloads[w["key"]] = wid
+                tkey = (t["match_key"], t["tvm_version"], t["driver_version"])
+                tid = targets.get(tkey) or _ensure_target(s, t)
+                targets[tkey] = tid
+                run_id = None
+                if rec.get("run"):
+                    run = rec["run"]
+                    rkey = (run.get("host"), run.get("started_at"), run.get("command"))
+                    run_id = runs.get(rkey) or _ensure_run(s, run, header)
+                    runs[rkey] = run_id
+                s.add(RecordRow(uid=rec["uid"], workload_id=wid, target_id=tid, run_id=run_id, space=rec["space"],
+                                point_json=json.dumps(rec["point"], sort_keys=True, separators=(",", ":")),
+                                latencies_json=json.dumps(rec["latencies"]), median_us=rec["median_us"],
+                                error_kind=rec["error_kind"], error_msg=rec["error_msg"], rel_error=rec["rel_error"],
+                                build_seconds=rec["build_seconds"], run_seconds=rec["run_seconds"],
+                                created_at=rec["created_at"]))
+                present.add(rec["uid"])
+                stats.added += 1
+            except (KeyError, TypeError) as exc:
+                raise DatabaseError(f"record {rec.get('uid', '?')} of the export is incomplete ({exc})") from None
+
+    db._write(fn)
+
+
+def _ensure_workload(s: Session, w: dict[str, Any]) -> int:
+    row = s.scalar(select(WorkloadRow).where(WorkloadRow.key == w["key"]))
+    if row is None:
+        row = WorkloadRow(key=w["key"], op=w["op"], shape_json=json.dumps(w["shape"]), dtype=w["dtype"],
+                          attrs_json=json.dumps(w["attrs"]), structural_hash=w["structural_hash"],
+                          func_json=w.get("func_json"), flops=w.get("flops", 0.0), min_bytes=w.get("min_bytes", 0.0))
+        s.add(row)
+        s.flush()
+    return row.id
+
+
+def _ensure_target(s: Session, t: dict[str, Any]) -> int:
+    row = s.scalar(select(TargetRow).where(TargetRow.match_key == t["match_key"],
+                                           TargetRow.tvm_version == t["tvm_version"],
+                                           TargetRow.driver_version == t["driver_version"]))
+    if row is None:
+        row = TargetRow(**{k: t[k] for k in ("match_key", "kind", "arch", "device_name", "num_cores",
+                                              "max_shared_memory", "tvm_version", "driver_version")})
+        s.add(row)
+        s.flush()
+    return row.id
+
+
+def _ensure_run(s: Session, run: dict[str, Any], header: dict[str, Any]) -> int:
+    """Imported records keep their original run's host, time and command, in a run marked imported."""
+    row = s.scalar(select(RunRow).where(RunRow.host == run.get("host", ""), RunRow.started_at == run.get("started_at"),
+                                        RunRow.command == run.get("command", "")))
+    if row is None:
+        row = RunRow(started_at=run.get("started_at") or utcnow(), finished_at=header.get("exported_at"),
+                     status="imported", host=run.get("host", ""), command=run.get("command", ""),
+                     seed=run.get("seed"), autosched_version=run.get("autosched_version", ""))
+        s.add(row)
+        s.flush()
+    return row.id
