@@ -79,28 +79,74 @@ class MatmulParts:
     c_copy: SBlockRV  # the copy from the [S, I, J] accumulator back to the original output layout
 
 
+def matmul_index_maps(block):
+    """dlight's index maps to C[S, I, J] += A[S, I, K] · B[S, J, K], also for GEMV and other contractions
+    with a unit I, J or K axis, which dlight's own detection refuses (it wants all three non-unit)."""
+    from tvm.s_tir.dlight.gpu import matmul as dm
+
+    if len(block.reads) != 2 or len(block.writes) != 1:
+        return None
+
+    def axes(region):
+        out = set()
+        for r in region:
+            if not dm._is_one(r.extent):
+                return None
+            out |= set(v.name for v in _free_vars(r.min))
+        return out
+
+    a_axes, b_axes, c_axes = axes(block.reads[0].region), axes(block.reads[1].region), axes(block.writes[0].region)
+    if a_axes is None or b_axes is None or c_axes is None:
+        return None
+    traits = []
+    for iv in block.iter_vars:
+        name, extent = iv.var.name, iv.dom.extent
+        if dm._is_one(extent):
+            kind = dm.IterKind.kIter_T
+        elif int(iv.iter_type) == 0:  # data parallel
+            kind = {(True, True, True): dm.IterKind.kIter_S, (True, False, True): dm.IterKind.kIter_I,
+                    (False, True, True): dm.IterKind.kIter_J}.get((name in a_axes, name in b_axes, name in c_axes))
+        else:
+            kind = dm.IterKind.kIter_K if name in a_axes and name in b_axes and name not in c_axes else None
+        if kind is None:
+            return None
+        traits.append((iv, dm.IterTrait(kind, extent)))
+    if not any(t.kind == dm.IterKind.kIter_K for _, t in traits):
+        return None
+
+    def fused(selected, order):
+        return dm.make_iter_fusion_index_map([t for _, t in selected], order)
+
+    S, I, J, K = dm.IterKind.kIter_S, dm.IterKind.kIter_I, dm.IterKind.kIter_J, dm.IterKind.kIter_K
+    on = lambda names: [(iv, t) for iv, t in traits if iv.var.name in names]  # noqa: E731
+    return (fused(traits, [S, I, J, K]), fused(on(a_axes), [S, I, K]), fused(on(b_axes), [S, J, K]),
+            fused(on(c_axes), [S, I, J]))
+
+
+def _free_vars(expr):
+    from tvm import tirx
+
+    return tirx.analysis.undefined_vars(expr)
+
+
 def find_matmul_block(sch: s_tir.Schedule) -> SBlockRV | None:
     """The one contraction block of a function whose other blocks are all spatial, else None."""
-    from tvm.s_tir.dlight.gpu.matmul import get_index_map
-
     blocks = blocks_of(sch)
     reductions = [b for b in blocks if is_reduction(sch, b)]
     if len(reductions) != 1:
         return None
     main = reductions[0]
-    if len(sch.get(main).reads) < 2 or get_index_map(sch.get(main)) is None:
+    if matmul_index_maps(sch.get(main)) is None:
         return None
     return main
 
 
 def normalize_matmul(sch: s_tir.Schedule, main: SBlockRV) -> MatmulParts:
     """Rewrite the contraction ``main`` to iterate (S, I, J, K) over re-indexed operands (dlight's Step 0)."""
-    from tvm.s_tir.dlight.gpu.matmul import get_index_map
-
     a_copy = sch.reindex(main, ("read", 0))
     b_copy = sch.reindex(main, ("read", 1))
     c_copy = sch.reindex(main, ("write", 0))
-    matmul_map, a_map, b_map, c_map = get_index_map(sch.get(main))
+    matmul_map, a_map, b_map, c_map = matmul_index_maps(sch.get(main))
     sch.transform_layout(a_copy, ("write", 0), a_map)
     sch.transform_layout(b_copy, ("write", 0), b_map)
     sch.transform_layout(c_copy, ("read", 0), c_map)

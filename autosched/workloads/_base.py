@@ -228,7 +228,8 @@ def parse_shape(text: str) -> dict[str, int]:
         try:
             shape[key] = int(value)
         except ValueError:
-            raise UsageError(f"shape value {key}={value} is not an integer (e.g. {key}=1024)") from None
+            raise UsageError(f"shape value {key}={value} is not an integer (write e.g. {key}=1024 and separate "
+                             "keys with commas: m=2048,n=4096)") from None
         if shape[key] < 1:
             raise UsageError(f"shape value {key}={value} must be a positive integer")
     return shape

@@ -1,0 +1,140 @@
+"""The command line, end to end: real tuning runs on the CPU, queries, errors, concurrency, interrupts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+ENV = {**os.environ, "TVM_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def autosched(*args, check=True, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "autosched", *args], capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"autosched {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
+    return proc
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "-m", "autosched", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["tune", "gemmm"], 2, "unknown operator 'gemmm'"),
+    (["tune", "gemm", "--shape", "m=64,x=1"], 2, "no shape key x"),
+    (["tune", "gemm", "--shape", "m=64;n=3"], 2, "separate keys with commas"),
+    (["tune", "gemm", "--dtype", "int7"], 2, "unsupported dtype"),
+    (["tune", "gemm", "--target", "tpu"], 2, "unknown target"),
+    (["tune", "gemm", "--target", "cuda"], 1, "no CUDA GPU"),
+    (["tune", "gemm", "--trials", "0"], 2, "--trials must be at least 1"),
+])
+def test_bad_input_gives_one_line_and_exit_code(args, code, message, tmp_path):
+    proc = autosched(*args, "--db", str(tmp_path / "x.db"), check=False)
+    assert proc.returncode == code, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_unreadable_databases(tmp_path):
+    bad = tmp_path / "bad.db"
+    bad.write_text("garbage" * 50)
+    proc = autosched("db", "best", "--db", str(bad), check=False)
+    assert proc.returncode == 1 and "not a readable autosched database" in proc.stderr
+    proc = autosched("db", "list", "--db", str(tmp_path / "none.db"), check=False)
+    assert proc.returncode == 1 and "no tuning database" in proc.stderr
+
+
+def test_ops_lists_shape_keys():
+    ops = {o["op"]: o for o in json.loads(autosched("ops", "--format", "json").stdout)}
+    assert ops["gemm"]["shape_keys"] == "m,n,k" and ops["rmsnorm"]["shape_keys"] == "m,n"
+    assert ops["attention"]["shape_keys"].startswith("b,h,s,d")
+    assert set(ops) >= {"gemm", "batch_matmul", "rmsnorm", "softmax", "rope", "attention",
+                        "paged_decode_attention", "dequant_gemm"}
+
+
+def test_tune_query_show_export_import(tmp_path):
+    db = str(tmp_path / "t.db")
+    out = json.loads(autosched("tune", "gemm", "--shape", "m=64,n=48,k=40", "--trials", "8", "--batch-size", "4",
+                               "--db", db, "--seed", "1", "--format", "json").stdout)
+    assert out["trials"] == 8 and out["latency_us"] > 0 and out["best_point"]
+    best = json.loads(autosched("db", "best", "--db", db, "--format", "json").stdout)
+    assert len(best) == 1
+    row = best[0]
+    for key in ("op", "shape", "dtype", "target", "latency_us", "trials"):
+        assert key in row
+    assert row["op"] == "gemm" and row["shape"] == {"m": 64, "n": 48, "k": 40} and row["trials"] == 8
+    assert row["latency_us"] == pytest.approx(out["latency_us"])
+
+    listed = json.loads(autosched("db", "list", "--db", db, "--format", "json").stdout)
+    assert len(listed) == 8
+    csv_text = autosched("db", "list", "--db", db, "--format", "csv").stdout
+    assert csv_text.splitlines()[0].startswith("id,workload")
+    shown = json.loads(autosched("db", "show", str(out["record_id"]), "--db", db, "--format", "json").stdout)
+    assert shown["point"] == out["best_point"] and len(shown["latencies"]) >= 1
+    assert shown["target"]["tvm_version"] and shown["run"]["command"]
+
+    kernel = autosched("show", "gemm", "--shape", "m=64,n=48,k=40", "--db", db).stdout
+    assert f"record {out['record_id']}" in kernel and "T.parallel" in kernel
+
+    export = str(tmp_path / "e.jsonl")
+    autosched("db", "export", "--db", db, "-o", export)
+    other = str(tmp_path / "o.db")
+    assert json.loads(autosched("db", "import", export, "--db", other).stdout)["added"] == 8
+    assert json.loads(autosched("db", "import", export, "--db", other).stdout)["added"] == 0
+
+    # A second run seeds from the database and adds new, different points.
+    autosched("tune", "gemm", "--shape", "m=64,n=48,k=40", "--trials", "4", "--batch-size", "4", "--db", db)
+    rows = json.loads(autosched("db", "list", "--db", db, "--format", "json").stdout)
+    assert len(rows) == 12 and len({json.dumps(r["point"], sort_keys=True) for r in rows}) == 12
+
+
+def test_two_tuners_share_one_database(tmp_path):
+    db = str(tmp_path / "shared.db")
+    procs = [start("tune", op, "--shape", shape, "--trials", "6", "--batch-size", "3", "--db", db, "-q")
+             for op, shape in (("rmsnorm", "m=32,n=256"), ("softmax", "m=32,n=256"))]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    best = json.loads(autosched("db", "best", "--db", db, "--format", "json").stdout)
+    assert sorted(r["op"] for r in best) == ["rmsnorm", "softmax"]
+    assert all(r["trials"] == 6 for r in best)
+
+
+def _records(db: str) -> int:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+    except sqlite3.OperationalError:
+        return 0
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_run_keeps_its_records(tmp_path, sig):
+    db = str(tmp_path / "int.db")
+    proc = start("tune", "gemm", "--shape", "m=128,n=128,k=128", "--trials", "400", "--batch-size", "4", "--db", db)
+    deadline = time.time() + 300
+    while _records(db) < 8 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    kept = _records(db)
+    assert kept >= 8
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and "kept" in err
+        con = sqlite3.connect(db)
+        assert con.execute("SELECT status FROM runs").fetchone()[0] == "interrupted"
+        con.close()
+    best = json.loads(autosched("db", "best", "--db", db, "--format", "json").stdout)
+    assert best[0]["trials"] == kept

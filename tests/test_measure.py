@@ -1,0 +1,104 @@
+"""The builder and runner: correct candidates get times; wrong, unwritten, crashing and hanging
+candidates become failed results with their reason, and the workers survive them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm.script import tirx as T
+
+from autosched.measure import Builder, MeasureConfig, Measurer, Runner
+from autosched.records import BuildResult
+from autosched.task import Task
+from autosched.workloads import make_workload
+
+N = 64
+
+
+@T.prim_func(s_tir=True)
+def _not_transposed(A: T.Buffer((N, N), "float32"), B: T.Buffer((N, N), "float32"), C: T.Buffer((N, N), "float32")):
+    for i, j, k in T.grid(N, N, N):
+        with T.sblock("C"):
+            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+            with T.init():
+                C[vi, vj] = T.float32(0)
+            C[vi, vj] = C[vi, vj] + A[vi, vk] * B[vk, vj]  # A·B, not A·Bᵀ
+
+
+@T.prim_func(s_tir=True)
+def _half_written(A: T.Buffer((N, N), "float32"), B: T.Buffer((N, N), "float32"), C: T.Buffer((N, N), "float32")):
+    for i, j, k in T.grid(N // 2, N, N):
+        with T.sblock("C"):
+            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+            with T.init():
+                C[vi, vj] = T.float32(0)
+            C[vi, vj] = C[vi, vj] + A[vi, vk] * B[vj, vk]
+
+
+@T.prim_func(s_tir=True)
+def _wild_write(A: T.Buffer((N, N), "float32"), B: T.Buffer((N, N), "float32"), C: T.Buffer((N, N), "float32")):
+    for i in range(N):
+        with T.sblock("C"):
+            vi = T.axis.remap("S", [i])
+            C[0, vi * 20000000 + 100000000] = A[vi, 0]  # gigabytes past the buffer: the process dies
+
+
+def _artifact(func, tmp_path, name):
+    path = str(tmp_path / f"{name}.so")
+    tvm.compile(func, target={"kind": "llvm"}).export_library(path)
+    return BuildResult(path)
+
+
+@pytest.fixture
+def gemm_task():
+    return Task.from_workload(make_workload("gemm", f"m={N},n={N},k={N}"))
+
+
+def test_wrong_unwritten_and_crashing_kernels_are_failed_results(gemm_task, cpu_target, tmp_path):
+    runner = Runner(cpu_target, MeasureConfig(repeat=2, min_repeat_ms=1, run_timeout=60))
+    try:
+        builds = [_artifact(_not_transposed, tmp_path, "wrong"), _artifact(_half_written, tmp_path, "half"),
+                  _artifact(_wild_write, tmp_path, "crash"), _artifact(_not_transposed, tmp_path, "again")]
+        wrong, half, crash, again = runner.run(gemm_task.spec, builds)
+    finally:
+        runner.close()
+    assert wrong.error_kind == "wrong_result" and "relative error" in wrong.error_msg and not wrong.ok
+    assert half.error_kind == "wrong_result" and "NaN" in half.error_msg
+    assert crash.error_kind == "run" and "crashed" in crash.error_msg
+    # The runner process was restarted after the crash and still works.
+    assert again.error_kind == "wrong_result"
+    assert wrong.median == float("inf")
+
+
+def test_hanging_run_times_out(cpu_target, tmp_path):
+    task = Task.from_workload(make_workload("gemm", "m=768,n=768,k=768"))
+    unscheduled = _artifact(task.func, tmp_path, "slow")  # ~0.5 s a call without a schedule
+    runner = Runner(cpu_target, MeasureConfig(repeat=50, min_repeat_ms=2000, run_timeout=3))
+    try:
+        (res,) = runner.run(task.spec, [unscheduled])
+    finally:
+        runner.close()
+    assert res.error_kind == "run_timeout"
+
+
+def test_measurer_times_good_candidates_and_records_space_errors(gemm_task, cpu_target):
+    space = gemm_task.space(cpu_target)
+    points = [space.default(), space.sample(np.random.default_rng(1)), {"not": "a point"}]
+    with Measurer(cpu_target, MeasureConfig(repeat=3, min_repeat_ms=5)) as m:
+        a, b, bad = m.measure(gemm_task.spec, points)
+    for res in (a, b):
+        assert res.ok and len(res.latencies) == 3 and all(t > 0 for t in res.latencies)
+        assert res.rel_error < 1e-5 and res.build_seconds > 0
+    assert bad.error_kind == "space" and "does not fit" in bad.error_msg
+
+
+def test_builder_survives_a_batch_larger_than_its_pool(gemm_task, cpu_target):
+    space = gemm_task.space(cpu_target)
+    rng = np.random.default_rng(0)
+    builder = Builder(cpu_target, workers=2)
+    try:
+        results = builder.build(gemm_task.spec, [space.sample(rng) for _ in range(5)])
+    finally:
+        builder.close()
+    assert all(r.ok for r in results) and len({r.artifact for r in results}) == 5

@@ -1,0 +1,109 @@
+"""Schedule spaces: every sampled or mutated point applies, builds and computes the right answer,
+on several shapes including ones no tile divides; points replay exactly from JSON."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm_ffi
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autosched.search_spaces import InvalidPoint, create_space, point_from_json, point_key
+from autosched.task import Task
+from autosched.workloads import get_operator, make_workload
+
+from .helpers import check_point
+
+CASES = [
+    ("gemm", "m=64,n=64,k=64", "float32", ""),
+    ("gemm", "m=97,n=130,k=67", "float32", ""),  # nothing divides
+    ("gemm", "m=1,n=96,k=80", "float16", "bias=1,act=silu"),  # decode GEMV shape
+    ("batch_matmul", "b=3,m=17,n=33,k=31", "float32", ""),
+    ("dequant_gemm", "m=5,n=48,k=96", "float16", "bits=4,group=32"),
+    ("rmsnorm", "m=13,n=100", "float32", ""),
+    ("softmax", "m=9,n=77", "float16", ""),
+    ("rope", "b=1,s=7,h=3,d=16", "float32", ""),
+    ("attention", "b=1,h=2,s=13,d=8", "float32", "causal=1"),
+    ("paged_decode_attention", "b=2,h=4,hkv=2,d=8,ctx=21,page=4", "float32", ""),
+]
+
+SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+def _task_space(case, target):
+    op, shape, dtype, attrs = case
+    task = Task.from_workload(make_workload(op, shape, dtype, attrs))
+    return task, task.space(target)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1))
+def test_sampled_points_are_correct(case, seed, cpu_target):
+    task, space = _task_space(case, cpu_target)
+    rng = np.random.default_rng(seed)
+    point = space.sample(rng)
+    assert space.validate(point) is None
+    err = check_point(task, space, point, cpu_target, seed=seed % 1000)
+    assert err < task.spec.checker(task.func).tolerance, f"{point}: relative error {err}"
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=[f"{c[0]}-{c[1]}" for c in CASES[:6]])
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1))
+def test_mutated_points_stay_valid_and_correct(case, seed, cpu_target):
+    task, space = _task_space(case, cpu_target)
+    rng = np.random.default_rng(seed)
+    point = space.sample(rng)
+    child = space.mutate(point, rng)
+    if child is None:
+        pytest.skip("no mutation found for this point")
+    assert child != point and space.validate(child) is None
+    err = check_point(task, space, child, cpu_target)
+    assert err < task.spec.checker(task.func).tolerance
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_default_point_is_valid_and_correct(case, cpu_target):
+    task, space = _task_space(case, cpu_target)
+    point = space.default()
+    assert space.validate(point) is None
+    assert check_point(task, space, point, cpu_target) < task.spec.checker(task.func).tolerance
+
+
+def test_points_replay_exactly_from_json(cpu_target):
+    task, space = _task_space(CASES[1], cpu_target)
+    point = space.sample(np.random.default_rng(3))
+    again = point_from_json(point_key(point))
+    assert again == point
+    assert tvm_ffi.structural_equal(space.apply(point), space.apply(again))
+
+
+def test_invalid_points_are_rejected_with_a_reason(cpu_target):
+    task, space = _task_space(CASES[0], cpu_target)
+    with pytest.raises(InvalidPoint, match="missing"):
+        space.apply({"tile_i": (1, 1, 1)})
+    point = space.default()
+    point["unroll"] = 12345
+    assert "not one of its choices" in space.validate(point)
+    # A register tile larger than the register file is refused by the space's constraints.
+    point = dict(space.default(), tile_i=(1, 1, 16), tile_j=(1, 1, 64))
+    reason = space.check(point)
+    assert reason and "vector registers" in reason
+
+
+def test_space_is_chosen_by_structure_for_foreign_functions(cpu_target):
+    """A function without an operator (as Relax produces) finds its family by structure."""
+    for op, family in [("gemm", "matmul"), ("softmax", "rows"), ("rope", "injective")]:
+        wl = make_workload(op, "m=8,n=8,k=8" if op == "gemm" else ("m=4,n=8" if op == "softmax" else "s=2,h=2,d=8"))
+        func = get_operator(op).build(wl)
+        assert create_space(Task.from_func("f", func).func, cpu_target).name == family
+
+
+def test_sampling_is_reproducible(cpu_target):
+    _, space = _task_space(CASES[1], cpu_target)
+    a = [space.sample(np.random.default_rng(7)) for _ in range(3)]
+    b = [space.sample(np.random.default_rng(7)) for _ in range(3)]
+    assert a == b

@@ -1,0 +1,102 @@
+"""Operators: input validation, and every unscheduled definition against its torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autosched.errors import UsageError
+from autosched.task import Task
+from autosched.workloads import get_operator, list_operators, make_workload, parse_shape
+
+from .helpers import check_point
+
+# Awkward sizes on purpose: primes and odd numbers that no tile divides.
+SMALL_CASES = [
+    ("gemm", "m=33,n=65,k=17", "float32", ""),
+    ("gemm", "m=7,n=40,k=31", "float16", "bias=1,act=gelu"),
+    ("gemm", "m=8,n=16,k=32", "bfloat16", "act=silu"),
+    ("batch_matmul", "b=3,m=17,n=9,k=31", "float32", ""),
+    ("dequant_gemm", "m=3,n=40,k=100", "float16", "bits=4,group=32"),
+    ("dequant_gemm", "m=2,n=24,k=64", "float32", "bits=8,group=32,bias=1"),
+    ("rmsnorm", "m=7,n=100", "float16", ""),
+    ("softmax", "m=5,n=77", "float32", ""),
+    ("rope", "b=2,s=9,h=3,d=16", "float16", ""),
+    ("attention", "b=1,h=4,s=19,d=16,hkv=2", "float16", "causal=1"),
+    ("attention", "b=2,h=2,s=8,d=8", "float32", "causal=0"),
+    ("paged_decode_attention", "b=3,h=4,hkv=2,d=16,ctx=37,page=8", "float16", ""),
+]
+
+
+class _Unscheduled:
+    """A space with no knobs whose only point is the function as written."""
+
+    def __init__(self, func):
+        self.func = func
+
+    def apply(self, point):
+        import tvm
+
+        return tvm.IRModule({"main": self.func})
+
+
+@pytest.mark.parametrize("op,shape,dtype,attrs", SMALL_CASES)
+def test_definition_matches_reference(op, shape, dtype, attrs, cpu_target):
+    wl = make_workload(op, shape, dtype, attrs)
+    task = Task.from_workload(wl)
+    err = check_point(task, _Unscheduled(task.func), {}, cpu_target)
+    assert err < get_operator(op).tolerance(wl), f"{wl.key}: relative error {err}"
+
+
+def test_every_operator_has_counts_and_presets():
+    for op in list_operators():
+        assert op.shape_keys and op.presets, op.name
+        for preset in op.presets:
+            wl = make_workload(op.name, preset=preset.name, dtype=op.dtypes[0])
+            assert op.flops(wl) > 0 and op.min_bytes(wl) > 0
+
+
+def test_issue_shape_keys():
+    assert get_operator("gemm").shape_keys == ("m", "n", "k")
+    assert get_operator("rmsnorm").shape_keys == ("m", "n")
+    assert get_operator("softmax").shape_keys == ("m", "n")
+    assert get_operator("attention").shape_keys[:4] == ("b", "h", "s", "d")
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: make_workload("gemmm"), "unknown operator 'gemmm'"),
+    (lambda: make_workload("gemm", "m=2,x=3"), "no shape key x"),
+    (lambda: parse_shape("m=2,,n=3"), "malformed shape item"),
+    (lambda: parse_shape("m=two"), "not an integer"),
+    (lambda: parse_shape("m=0"), "positive"),
+    (lambda: make_workload("gemm", "m=2", "int3"), "unsupported dtype"),
+    (lambda: make_workload("gemm", attrs="act=relu"), "not one of"),
+    (lambda: make_workload("rope", "d=15"), "even head dimension"),
+    (lambda: make_workload("attention", "h=6,hkv=4"), "multiple of KV heads"),
+    (lambda: make_workload("gemm", preset="nope"), "no preset"),
+])
+def test_bad_input_is_a_usage_error(call, message):
+    with pytest.raises(UsageError, match=message):
+        call()
+
+
+def test_workload_key_round_trip():
+    wl = make_workload("dequant_gemm", "m=3,n=40,k=100", "fp16", "bits=4,group=32")
+    assert wl.dtype == "float16"
+    again = type(wl).from_json(wl.to_json())
+    assert again == wl and again.key == wl.key
+
+
+def test_paged_decode_reference_masks_by_length():
+    """The reference honours seq_lens: changing keys past a sequence's length changes nothing."""
+    wl = make_workload("paged_decode_attention", "b=2,h=2,d=8,ctx=20,page=4")
+    op = get_operator(wl.op)
+    ins = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    ref = op.reference(wl, ins)[0]
+    short = op.seq_lens(wl)[1]
+    table = ins[3]
+    k = ins[1].clone()
+    last_page = table[1, short // 4 + 1]
+    k[last_page] += 100.0
+    ref2 = op.reference(wl, [ins[0], k] + ins[2:])[0]
+    assert torch.allclose(ref[1], ref2[1])
