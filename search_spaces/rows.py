@@ -25,12 +25,17 @@ def row_depth(sch: s_tir.Schedule) -> int:
 
 
 def inline_spatial(sch: s_tir.Schedule) -> None:
-    """Inline every spatial block that is neither an output nor needed as a separate stage."""
+    """Inline every spatial block that is neither an output nor needed as a separate stage.
+
+    A block over fewer loops than the output (a per-row value such as RMSNorm's 1/rms) stays a stage:
+    inlined, it would be recomputed for every element of the row.
+    """
+    out_dims = len(sch.get(blocks_of(sch)[-1]).iter_vars)
     changed = True
     while changed:
         changed = False
         for block in blocks_of(sch)[:-1]:
-            if is_reduction(sch, block):
+            if is_reduction(sch, block) or len(sch.get(block).iter_vars) < out_dims:
                 continue
             try:
                 sch.compute_inline(block)

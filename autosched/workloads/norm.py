@@ -30,8 +30,11 @@ class RMSNorm(Operator):
         r = te.reduce_axis((0, n), name="k")
         ss = te.compute((m,), lambda i: te.sum(X[i, r].astype("float32") * X[i, r].astype("float32"), axis=r),
                         name="sumsq")
-        Y = te.compute((m, n), lambda i, j: (X[i, j].astype("float32") * tirx.rsqrt(ss[i] / float(n) + eps)
-                                             * W[j].astype("float32")).astype(wl.dtype), name="norm")
+        # One reciprocal square root per row, a stage of its own, so that no schedule is forced to
+        # recompute it for every element.
+        rstd = te.compute((m,), lambda i: tirx.rsqrt(ss[i] / float(n) + eps), name="rstd")
+        Y = te.compute((m, n), lambda i, j: (X[i, j].astype("float32") * rstd[i] * W[j].astype("float32"))
+                       .astype(wl.dtype), name="norm")
         return te.create_prim_func([X, W, Y])
 
     def make_inputs(self, wl, gen, device):

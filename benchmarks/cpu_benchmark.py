@@ -1,0 +1,218 @@
+"""CPU benchmark: autosched against the untuned schedule, numpy/torch and TVM's MetaSchedule.
+
+Usage: python benchmarks/cpu_benchmark.py [--trials 64 256] [--cases gemm rmsnorm softmax] [--out DIR]
+
+For each case, in one run on this machine: the unscheduled TensorIR function compiled by TVM, numpy
+(OpenBLAS) and torch, autosched after each trial budget, and MetaSchedule with the same budget on the
+same TVM (its builder made to work on small machines, see below). Every kernel is checked against the
+float64 reference before it is timed, and all are timed by the same harness (median of repeats).
+Writes results.json and results.md to --out and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CASES = {
+    "gemm": ("gemm", "m=1024,n=1024,k=1024"),
+    "rmsnorm": ("rmsnorm", "m=2048,n=4096"),
+    "softmax": ("softmax", "m=2048,n=4096"),
+}
+
+
+def time_host(fn, min_seconds: float = 0.1, repeat: int = 10) -> float:
+    """Median over ``repeat`` repeats of the mean time of ``fn`` over at least ``min_seconds``."""
+    fn()
+    number, elapsed = 1, 0.0
+    while True:
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            break
+        number *= 2
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples)
+
+
+def time_tvm(mod, target, task, inputs, refs) -> tuple[float, float]:
+    """Compile ``mod``, check it against the reference, return (median seconds, relative error)."""
+    import tvm
+
+    from autosched.measure._worker import relative_error
+
+    checker = task.spec.checker(task.func)
+    outs = [torch.full(s, float("nan"), dtype=getattr(torch, d)) for s, d in checker.output_specs()]
+    lib = tvm.compile(mod, target=target.tvm_target()).jit()
+    args = [tvm.runtime.from_dlpack(t) for t in checker.arrange(inputs, outs)]
+    lib["main"](*args)
+    err = max(relative_error(o, r) for o, r in zip(outs, refs))
+    if not err <= checker.tolerance:
+        raise RuntimeError(f"{task.key}: relative error {err} above {checker.tolerance}")
+    res = lib.time_evaluator("main", tvm.cpu(), number=1, repeat=10, min_repeat_ms=100)(*args)
+    return float(np.median(res.results)), err
+
+
+def host_baselines(case: str, inputs) -> dict[str, float]:
+    if case == "gemm":
+        a, b = inputs[0].numpy(), inputs[1].numpy()
+        return {"numpy (OpenBLAS)": time_host(lambda: a @ b.T), "torch": time_host(lambda: inputs[0] @ inputs[1].T)}
+    if case == "rmsnorm":
+        x, w = inputs
+        return {"torch": time_host(lambda: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5))}
+    if case == "softmax":
+        x = inputs[0]
+        xn = x.numpy()
+
+        def np_softmax():
+            e = np.exp(xn - xn.max(-1, keepdims=True))
+            return e / e.sum(-1, keepdims=True)
+
+        return {"numpy": time_host(np_softmax), "torch": time_host(lambda: torch.softmax(x, -1))}
+    return {}
+
+
+def run_autosched(task, target, trials: int, db_path: str) -> tuple[object, float]:
+    from autosched.database.store import Database
+    from autosched.search_spaces import point_key  # noqa: F401
+    from autosched.tuner import TuneOptions, tune
+
+    start = time.perf_counter()
+    with Database(db_path) as db:
+        result = tune(task, target, db, TuneOptions(trials=trials, batch_size=16, seed=0))
+    return result, time.perf_counter() - start
+
+
+def run_metaschedule(task, target, trials: int, work_dir: str):
+    """MetaSchedule's own tuner on the same function and target, made to work on a small machine:
+    its default builder imports tvm.s_tir.tensor_intrin in every fresh worker (about 100 s here, beyond
+    its build timeout), so that package is replaced by one that loads only the x86 intrinsics its CPU
+    rules ask for, and the build function is the default one without that import."""
+    import tvm
+
+    if "tvm.s_tir.tensor_intrin" not in sys.modules:
+        import tvm.s_tir
+
+        package = types.ModuleType("tvm.s_tir.tensor_intrin")
+        package.__path__ = [str(Path(tvm.s_tir.__file__).parent / "tensor_intrin")]
+        sys.modules["tvm.s_tir.tensor_intrin"] = package
+        import tvm.s_tir.tensor_intrin.x86  # noqa: F401  (registers the VNNI/AVX-512 intrinsics)
+    from tvm.s_tir import meta_schedule as ms
+
+    def build_no_intrin(mod, tgt, _params):
+        from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+        mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+        return tvm.tirx.build(mod, target=tgt)
+
+    tvm_target = target.tvm_target()
+    start = time.perf_counter()
+    database = ms.tune_tir(task.func, tvm_target, work_dir, max_trials_global=trials, num_trials_per_iter=16,
+                           builder=ms.builder.LocalBuilder(f_build=build_no_intrin, max_workers=os.cpu_count(),
+                                                           timeout_sec=60),
+                           runner=ms.runner.LocalRunner(timeout_sec=60),
+                           num_tuning_cores=os.cpu_count())
+    seconds = time.perf_counter() - start
+    sch = ms.tir_integration.compile_tir(database, task.func, tvm_target)
+    return (sch.mod if sch is not None else None), seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--out", default="benchmarks/results/cpu")
+    parser.add_argument("--skip-metaschedule", action="store_true")
+    args = parser.parse_args()
+
+    import tvm
+
+    from autosched.target import parse_target
+    from autosched.task import Task
+    from autosched.workloads import make_workload
+
+    target = parse_target("llvm")
+    torch.set_num_threads(target.num_cores)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = {"cpu": target.device_name, "llvm_mcpu": target.arch, "threads": target.num_cores,
+               "tvm": tvm.__version__, "torch": torch.__version__, "numpy": np.__version__,
+               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+    print(f"machine: {machine}", flush=True)
+    rows = []
+    for case in args.cases:
+        op, shape = CASES[case]
+        task = Task.from_workload(make_workload(op, shape))
+        checker = task.spec.checker(task.func)
+        inputs = checker.make_inputs(torch.Generator().manual_seed(0), "cpu")
+        refs = checker.reference(inputs)
+
+        def add(method, seconds, tune_seconds=None, trials=None, err=None):
+            row = {"case": case, "workload": task.key, "method": method, "latency_ms": seconds * 1e3,
+                   "gflops": task.flops / seconds / 1e9, "gbps": task.min_bytes / seconds / 1e9,
+                   "tuning_s": tune_seconds, "trials": trials, "rel_error": err}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (out_dir / "results.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+
+        lat, err = time_tvm(tvm.IRModule({"main": task.func}), target, task, inputs, refs)
+        add("untuned (TVM, no schedule)", lat, err=err)
+        for name, seconds in host_baselines(case, inputs).items():
+            add(name, seconds)
+        for trials in args.trials:
+            with tempfile.TemporaryDirectory() as tmp:
+                result, tune_s = run_autosched(task, target, trials, os.path.join(tmp, "a.db"))
+                mod = task.space(target).apply(result.best_point)
+                lat, err = time_tvm(mod, target, task, inputs, refs)
+                add(f"autosched {trials} trials", lat, tune_s, result.trials, err)
+        if not args.skip_metaschedule:
+            for trials in args.trials:
+                with tempfile.TemporaryDirectory() as tmp:
+                    mod, tune_s = run_metaschedule(task, target, trials, tmp)
+                    if mod is None:
+                        print(f"MetaSchedule found no valid schedule for {task.key}", flush=True)
+                        continue
+                    lat, err = time_tvm(mod, target, task, inputs, refs)
+                    add(f"MetaSchedule {trials} trials", lat, tune_s, trials, err)
+    write_markdown(out_dir / "results.md", machine, rows)
+    print((out_dir / "results.md").read_text())
+    return 0
+
+
+def write_markdown(path: Path, machine: dict, rows: list[dict]) -> None:
+    lines = [f"Machine: {machine['cpu']} (LLVM {machine['llvm_mcpu']}), {machine['threads']} threads; "
+             f"TVM {machine['tvm']}, torch {machine['torch']}, numpy {machine['numpy']}; {machine['date']}.", ""]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        sub = [r for r in rows if r["case"] == case]
+        untuned = next(r["latency_ms"] for r in sub if r["method"].startswith("untuned"))
+        lines += [f"**{sub[0]['workload']}**", "",
+                  "| method | latency (ms) | GFLOP/s | GB/s | speed-up vs untuned | tuning time (s) |",
+                  "|---|---|---|---|---|---|"]
+        for r in sub:
+            tune = f"{r['tuning_s']:.0f}" if r["tuning_s"] else ""
+            lines.append(f"| {r['method']} | {r['latency_ms']:.3f} | {r['gflops']:.1f} | {r['gbps']:.1f} | "
+                         f"{untuned / r['latency_ms']:.1f}x | {tune} |")
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
