@@ -51,6 +51,9 @@ class TargetSpec:
         import tvm
 
         if self.kind == "llvm":
+            from .fastmath import install
+
+            install()  # vectorisable exp for every kernel compiled for this CPU
             return tvm.target.Target({"kind": "llvm", "mcpu": self.arch, "num-cores": self.num_cores})
         return tvm.target.Target({
             "kind": "cuda", "arch": self.arch, "max_threads_per_block": 1024, "max_num_threads": 1024,
@@ -124,7 +127,12 @@ def parse_target(text: str, require_device: bool = True) -> TargetSpec:
                          "or kind:arch such as cuda:sm_90")
     version = tvm.__version__
     if kind == "llvm":
-        return TargetSpec("llvm", arch or host_cpu_name(), _cpu_model(), _cpu_threads(), tvm_version=version,
+        threads = _cpu_threads()
+        # TVM's thread pool otherwise counts physical cores, which on SMT or virtual machines is often
+        # half the CPUs one may use (seen: 1 thread on a 2-CPU VM, half the speed of OpenBLAS). Set it
+        # before any kernel runs; worker processes inherit it.
+        os.environ.setdefault("TVM_NUM_THREADS", str(threads))
+        return TargetSpec("llvm", arch or host_cpu_name(), _cpu_model(), threads, tvm_version=version,
                           driver_version=platform.release())
     dev = tvm.cuda(0)
     if not dev.exist:

@@ -54,11 +54,12 @@ class MatmulSpace(Space):
             TileKnob.make("tile_i", i, 4, max_inner=min(256, _round_up_pow2(i))),
             TileKnob.make("tile_j", j, 4, max_inner=min(512, _round_up_pow2(j)),
                           last_choices=tuple(v for v in (1, 4, 8, 16, 32, 64) if v <= max(_round_up_pow2(j), 1))),
-            TileKnob.make("tile_k", k, 2, max_inner=min(256, _round_up_pow2(k))),
+            # Inner K block up to 512: the cache block of the reduction (BLIS's kc).
+            TileKnob.make("tile_k", k, 2, max_inner=min(512, _round_up_pow2(k)), cap=512),
             Knob("pack_b", (True, False), ordered=False),
             Knob("parallel_levels", (1, 2)),
             Knob("write_back_level", (1, 2)),
-            Knob("unroll", (0, 16, 64, 256)),
+            Knob("unroll", (0, 16, 64, 256, 1024)),
         ]
 
     def check(self, p: Point) -> str | None:
