@@ -157,10 +157,10 @@ def _workload_from_args(args):
     return make_workload(args.op, args.shape, args.dtype, args.attrs, args.preset)
 
 
-def _open_db(path: str, readonly: bool = False):
+def _open_db(path: str, readonly: bool = False, busy_timeout: float = 60.0):
     from .database.store import Database
 
-    return Database(path, readonly=readonly)
+    return Database(path, readonly=readonly, busy_timeout=busy_timeout)
 
 
 def cmd_tune(args) -> int:
@@ -175,10 +175,11 @@ def cmd_tune(args) -> int:
     wl = _workload_from_args(args)
     target = parse_target(args.target)
     task = Task.from_workload(wl)
-    db = _open_db(args.db)
+    db = _open_db(args.db, busy_timeout=args.busy_timeout)
     reporter = ConsoleReporter(quiet=args.quiet)
     options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed,
-                          time_budget=args.time_budget, patience=args.patience, cost_model=args.cost_model)
+                          time_budget=args.time_budget, patience=args.patience, cost_model=args.cost_model,
+                          transfer=not args.no_transfer)
     try:
         result = tune(task, target, db, options, reporter, command=" ".join(sys.argv))
     finally:
@@ -201,6 +202,105 @@ def cmd_tune(args) -> int:
         rows = [{"field": k, "value": _plain(v) if not isinstance(v, float) else f"{v:.4g}"} for k, v in summary.items()]
         emit(rows, "table", [("field", "field"), ("value", "value")], title=f"autosched tune: {wl.key}")
     return 0 if best is not None else 1
+
+
+def _model_kwargs(args) -> dict:
+    import torch
+
+    dtype = None
+    if args.dtype:
+        from .workloads import normalize_dtype
+
+        dtype = getattr(torch, normalize_dtype(args.dtype))
+    return {"batch": args.batch, "tokens": args.tokens, "dtype": dtype}
+
+
+def cmd_tune_model(args) -> int:
+    from .pipeline import extract_tasks, load_model, prepare, split_tunable
+    from .target import parse_target
+    from .tuner import TuneOptions, tune_tasks
+
+    target = parse_target(args.target)
+    model = load_model(args.model, **_model_kwargs(args))
+    tasks, untunable = split_tunable(extract_tasks(prepare(model)[0]), target)
+    log = _console(stderr=True)
+    log.log(f"{args.model}: {len(tasks) + len(untunable)} distinct kernels, "
+            f"{sum(t.weight for t in tasks + untunable):.0f} calls per forward pass; {len(tasks)} tunable"
+            + (f" ({len(untunable)} without a space keep the default schedule)" if untunable else ""))
+    db = _open_db(args.db)
+    reporter = ConsoleReporter(quiet=args.quiet or len(tasks) > 1)
+    options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
+                          scheduler=args.scheduler)
+    progress = _ModelProgress(log, tasks, args.trials) if not args.quiet else None
+    try:
+        results = tune_tasks(tasks, target, db, options, progress or reporter, command=" ".join(sys.argv))
+    finally:
+        reporter.close()
+    db.close()
+    rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
+             "latency_us": r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
+             "weighted_us": t.weight * r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
+             "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
+    emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
+                             ("latency_us", "best (us)"), ("weighted_us", "x calls (us)"), ("failures", "failed")])
+    return 0
+
+
+class _ModelProgress:
+    """Per-task lines and a model-level total: the sum over kernels of calls x best latency."""
+
+    def __init__(self, log, tasks, trials):
+        self.log, self.tasks, self.trials = log, tasks, trials
+        self.best = {t.key: math.inf for t in tasks}
+        self.used = {t.key: 0 for t in tasks}
+
+    def on_start(self, task, space, trials, seeded) -> None:
+        pass
+
+    def on_round(self, task, s) -> None:
+        self.best[task.key], self.used[task.key] = s.best, s.trials
+        total = sum(t.weight * self.best[t.key] for t in self.tasks)
+        done = sum(self.used.values())
+        model = f"{total * 1e3:.3f} ms" if math.isfinite(total) else "(not every kernel measured yet)"
+        from rich.markup import escape
+
+        self.log.log(f"[{done}/{self.trials}] {escape(task.name)}: best {_fmt_time(s.best)} after {s.trials} trials; "
+                     f"model estimate {model}")
+
+
+def cmd_build(args) -> int:
+    from .pipeline import build_model, export_artifact, load_model
+    from .target import parse_target
+
+    target = parse_target(args.target, require_device=False)
+    model = load_model(args.model, **_model_kwargs(args))
+    db = _open_db(args.db) if args.db and os.path.exists(args.db) else None
+    executable, params, report = build_model(model, target, db)
+    out = export_artifact(args.output, executable, params, model, target, report, args.db if db else None)
+    if db is not None:
+        db.close()
+    print(str(out))
+    _console(stderr=True).log(f"{len(report.tuned)} kernels from the database, {len(report.default)} on default "
+                              f"schedules; load it with TVM alone (see README)")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .runmodel import run_artifact
+
+    result = run_artifact(args.artifact, repeat=args.repeat, check=not args.no_check)
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        emit([{"field": k, "value": v} for k, v in result.items()], "table", [("field", "field"), ("value", "value")])
+    return 0 if result.get("matches_torch", True) else 1
+
+
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    print(write_report(args.db, args.output, args.bench))
+    return 0
 
 
 def cmd_show(args) -> int:
@@ -229,6 +329,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 def _add_db_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=os.environ.get(DB_ENV, DEFAULT_DB),
                    help=f"tuning database file (default: ${DB_ENV} or ./{DEFAULT_DB})")
+    p.add_argument("--busy-timeout", type=float, default=60.0,
+                   help="seconds to wait while another process writes the database (default 60)")
 
 
 def _add_format(p: argparse.ArgumentParser, choices=("table", "json", "csv")) -> None:
@@ -255,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, help="stop after this many seconds")
     p.add_argument("--patience", type=int, help="stop after this many rounds without improvement")
     p.add_argument("--cost-model", choices=("xgb", "random"), default="xgb", help="search guide (default xgb)")
+    p.add_argument("--no-transfer", action="store_true",
+                   help="for a shape without records, do not start from the nearest tuned shapes' decisions")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     _add_db_arg(p)
     _add_format(p, ("table", "json"))
@@ -265,6 +369,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="llvm", help="llvm or cuda (works without a GPU: cuda means sm_90 then)")
     _add_db_arg(p)
     p.set_defaults(fn=cmd_show)
+
+    def model_args(p):
+        p.add_argument("model", help="an example model (tiny-llama, llama-7b-layers, ...) or module:factory")
+        p.add_argument("--target", default="llvm", help="llvm (default) or cuda")
+        p.add_argument("--batch", type=int, help="batch size of the example input")
+        p.add_argument("--tokens", type=int, help="tokens of the example input (prefill length; 1 = one decode step)")
+        p.add_argument("--dtype", help="model dtype (the example's default if not given)")
+        _add_db_arg(p)
+
+    p = sub.add_parser("tune-model", help="tune every kernel of a model under one trial budget")
+    model_args(p)
+    p.add_argument("--trials", type=int, default=256, help="candidates to measure over all kernels (default 256)")
+    p.add_argument("--batch-size", type=int, default=16, help="candidates per round (default 16)")
+    p.add_argument("--scheduler", choices=("gradient", "round-robin"), default="gradient",
+                   help="how trials are spread over the kernels (default gradient)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, help="stop after this many seconds")
+    p.add_argument("-q", "--quiet", action="store_true")
+    _add_format(p)
+    p.set_defaults(fn=cmd_tune_model)
+
+    p = sub.add_parser("build", help="build a deployable module of a model with the database's best kernels")
+    model_args(p)
+    p.add_argument("-o", "--output", required=True, help="folder for model.so, params.bin and manifest.json")
+    p.set_defaults(fn=cmd_build)
+
+    p = sub.add_parser("run", help="run a built model on random inputs, check it against torch, time it")
+    p.add_argument("artifact", help="the folder `autosched build` wrote")
+    p.add_argument("--repeat", type=int, default=20, help="timed runs (default 20)")
+    p.add_argument("--no-check", action="store_true", help="skip the comparison with torch")
+    _add_format(p, ("table", "json"))
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("report", help="tuning curves, throughput charts (PNG) and a Markdown page of a database")
+    _add_db_arg(p)
+    p.add_argument("-o", "--output", required=True, help="folder for report.md and the PNG charts")
+    p.add_argument("--bench", nargs="*", default=[], help="benchmark results.json files to chart against baselines")
+    p.set_defaults(fn=cmd_report)
 
     from .database import cli as db_cli
 

@@ -64,6 +64,7 @@ class EvolutionarySearch:
         self.rejected: dict[str, str] = {}  # key -> why the space could not apply the point
         self._features: dict[str, np.ndarray] = {}
         self._fitted = False
+        self._first: list[Point] = []  # proposed before anything else (e.g. transferred points)
 
     # ---- tell ------------------------------------------------------------------------------------
     def observe(self, points: list[Point], results: list[MeasureResult]) -> None:
@@ -77,6 +78,10 @@ class EvolutionarySearch:
             if self.space.validate(point) is None:
                 self.measured[point_key(point)] = (point, latency)
         self._refit()
+
+    def propose_first(self, points: list[Point]) -> None:
+        """Points to propose before any sampling (e.g. decisions transferred from similar shapes)."""
+        self._first.extend(p for p in points if point_key(p) not in self.measured)
 
     def best(self) -> tuple[Point, float] | None:
         ok = [v for v in self.measured.values() if math.isfinite(v[1])]
@@ -99,6 +104,14 @@ class EvolutionarySearch:
         """Up to ``n`` new valid points (fewer only when the space seems exhausted)."""
         if n <= 0:
             return []
+        first: dict[str, Point] = {}
+        while self._first and len(first) < n:
+            point = self._first.pop(0)
+            key = point_key(point)
+            if key not in self.measured and key not in first and self._applies(point, key):
+                first[key] = point
+        if first:
+            return list(first.values()) + self._random_new(n - len(first), exclude=set(first))
         if not self._fitted:
             return self._random_new(n)
         scored = self._evolve()

@@ -22,17 +22,17 @@ def render(wl: Workload, target_text: str, db_path: str | None) -> str:
     space = task.space(target)
     point, origin = space.default(), "the space's default point (no record for this workload and target)"
     if db_path and os.path.exists(db_path):
+        from autosched.validate import trusted_best
+
         with Database(db_path, readonly=True) as db:
-            best = db.best(task.key, target, space=space.id)
+            best = trusted_best(db, task, target, space.id)
         if best is not None:
             point = best.point
             origin = f"record {best.record_id} of {db_path}: {best.median * 1e6:.2f} us"
     mod = space.apply(point)
     header = f"// {wl.key} on {target.label}\n// schedule: {origin}\n// point: {point}\n"
     if target.is_gpu:
-        import tvm
+        from autosched.cuda_tools import cuda_source
 
-        executable = tvm.compile(mod, target=target.tvm_target())
-        source = executable.mod.imports[0].inspect_source()
-        return header + source
+        return header + cuda_source(mod, target, space.build_config(point))
     return header.replace("//", "#") + mod.script()

@@ -168,3 +168,11 @@ def _cuda_driver_version() -> str:
     import tvm
 
     return f"cuda-api {tvm.cuda(0).driver_version}"
+
+
+def compile_module(mod, target: TargetSpec, config: dict | None = None):
+    """``tvm.compile`` for ``target`` under the pass options a space asked for (see Space.build_config)."""
+    import tvm
+
+    with tvm.transform.PassContext(opt_level=3, config=config or {}):
+        return tvm.compile(mod, target=target.tvm_target())

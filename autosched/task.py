@@ -49,6 +49,11 @@ class TaskSpec:
             return normalize_func(get_operator(wl.op).build(wl))
         return tvm.ir.load_json(self.func_json)
 
+    @property
+    def hints(self) -> dict[str, Any]:
+        """The workload's attributes, which template spaces need (e.g. ``causal``)."""
+        return Workload.from_json(self.workload).attrs_dict if self.workload is not None else {}
+
     def checker(self, func: PrimFunc) -> Checker:
         if self.workload is not None:
             return OperatorChecker(Workload.from_json(self.workload))
@@ -117,7 +122,7 @@ class Task:
     def space(self, target: TargetSpec) -> Space:
         from autosched.search_spaces import create_space
 
-        return create_space(self.func, target, self.family)
+        return create_space(self.func, target, self.family, self.workload.attrs_dict if self.workload else None)
 
 
 def normalize_func(func: PrimFunc) -> PrimFunc:

@@ -1,4 +1,5 @@
-"""The tuning loop of one task: propose, measure, store, learn, until a stop rule fires.
+"""The tuning loop: propose, measure, store, learn, until a stop rule fires, for one task or for all
+the kernels of a model under one trial budget.
 
 Every batch is written to the database as soon as it is measured, so an interrupted run (Ctrl-C,
 SIGTERM, a crash) keeps every measurement made before the interruption; the run itself is marked
@@ -27,13 +28,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TuneOptions:
     """Args:
-        trials: new candidates to measure in this run.
+        trials: new candidates to measure in this run (for a model: over all its tasks).
         batch_size: candidates measured per round.
         seed: seed of the search (sampling, mutation, exploration).
         time_budget: stop after this many seconds (None: no limit).
-        patience: stop after this many rounds without a better schedule (None: never).
+        patience: stop a task after this many rounds without a better schedule (None: never).
         cost_model: ``xgb`` or ``random``.
-        use_database: seed the search with this workload's records already in the database.
+        use_database: seed the search with the task's records already in the database.
+        scheduler: how a model's trial budget is spread over its tasks: ``gradient`` or ``round-robin``.
+        transfer: for a workload without records, start from the nearest tuned shapes' decisions.
     """
 
     trials: int = 64
@@ -43,13 +46,15 @@ class TuneOptions:
     patience: int | None = None
     cost_model: str = "xgb"
     use_database: bool = True
+    scheduler: str = "gradient"
+    transfer: bool = True
     search: SearchConfig = field(default_factory=SearchConfig)
 
 
 @dataclass
 class RoundStats:
     round: int
-    trials: int  # measured in this run so far
+    trials: int  # measured in this run so far (for this task)
     batch_ok: int
     batch_failed: int
     batch_best: float  # seconds, inf if the whole batch failed
@@ -100,6 +105,77 @@ class SilentReporter:
         pass
 
 
+class TaskTuner:
+    """The search state of one task; :meth:`step` measures one batch and stores it."""
+
+    def __init__(self, task: Task, target: TargetSpec, db: Database | None, options: TuneOptions,
+                 run_id: int | None, reporter: Reporter):
+        self.task, self.target, self.db, self.options, self.run_id = task, target, db, options, run_id
+        self.reporter = reporter
+        self.start = time.perf_counter()
+        self.space = task.space(target)
+        self.search = EvolutionarySearch(self.space, create_cost_model(options.cost_model, options.seed),
+                                         FeatureExtractor(target), seed=options.seed, config=options.search)
+        self.seeded = 0
+        self.transferred: list = []
+        self.workload_id = self.target_id = None
+        if db is not None:
+            self.workload_id = db.ensure_workload(task)
+            self.target_id = db.ensure_target(target)
+            if options.use_database:
+                known = db.records_for(task.key, target, space=self.space.id)
+                self.search.observe_known([r.point for r in known], [r.median for r in known])
+                self.seeded = len(known)
+                if not known and options.transfer:
+                    # A shape nobody tuned: start from the decisions of the nearest tuned shapes.
+                    from .transfer import transfer_points
+
+                    self.transferred = transfer_points(db, task, target, self.space)
+                    self.search.propose_first([p for p, _, _ in self.transferred])
+        self.failures: collections.Counter[str] = collections.Counter()
+        self.trials = self.rounds = self.stale = 0
+        self.history: list[float] = [self.best]  # best latency after each round
+        self.done_reason: str | None = None
+
+    @property
+    def best(self) -> float:
+        best = self.search.best()
+        return best[1] if best else math.inf
+
+    def step(self, measurer: Measurer, budget: int) -> int:
+        """Measure up to ``budget`` new candidates; returns how many were measured (0: space exhausted)."""
+        points = self.search.propose(min(self.options.batch_size, budget))
+        if not points:
+            self.done_reason = "no new valid points left in the space"
+            return 0
+        before = self.best
+        cutoff = SLOW_CUTOFF * before if math.isfinite(before) else None
+        results = measurer.measure(self.task.spec, points, cutoff)
+        if self.db is not None:
+            self.db.add_records(self.workload_id, self.target_id, self.run_id, self.space.id, points, results)
+        self.search.observe(points, results)
+        self.trials += len(points)
+        self.rounds += 1
+        self.failures.update(r.error_kind for r in results if not r.ok)
+        now = self.best
+        self.stale = 0 if now < before * 0.999 else self.stale + 1
+        self.history.append(now)
+        self.reporter.on_round(self.task, RoundStats(
+            self.rounds, self.trials, sum(r.ok for r in results), sum(not r.ok for r in results),
+            min((r.median for r in results), default=math.inf), now, time.perf_counter() - self.start,
+            dict(self.failures)))
+        if self.options.patience is not None and self.stale >= self.options.patience:
+            self.done_reason = f"no improvement in {self.options.patience} rounds"
+        return len(points)
+
+    def result(self, stop_reason: str) -> TuneResult:
+        best = self.search.best()
+        return TuneResult(self.task.key, self.target.label, self.space.id, best[0] if best else None,
+                          best[1] if best else math.inf, self.trials, dict(self.failures), self.rounds,
+                          time.perf_counter() - self.start, self.run_id, self.done_reason or stop_reason,
+                          self.seeded, self.task.flops, self.task.min_bytes)
+
+
 def tune(task: Task, target: TargetSpec, db: Database | None, options: TuneOptions | None = None,
          reporter: Reporter | None = None, measurer: Measurer | None = None, run_id: int | None = None,
          command: str = "") -> TuneResult:
@@ -115,70 +191,71 @@ def tune(task: Task, target: TargetSpec, db: Database | None, options: TuneOptio
         run_id: an existing run to add the records to (a new run is started otherwise).
         command: the command line, stored with a new run for provenance.
     """
+    return tune_tasks([task], target, db, options, reporter, measurer, run_id, command)[0]
+
+
+def tune_tasks(tasks: list[Task], target: TargetSpec, db: Database | None, options: TuneOptions | None = None,
+               reporter: Reporter | None = None, measurer: Measurer | None = None, run_id: int | None = None,
+               command: str = "") -> list[TuneResult]:
+    """Tune several tasks under one trial budget (``options.trials`` in total), spread by the task
+    scheduler: ``round-robin``, or ``gradient`` (as in Ansor: the next round goes to the task where the
+    weighted latency is expected to drop most, judged by its recent improvement)."""
     options = options or TuneOptions()
     reporter = reporter or SilentReporter()
     start = time.perf_counter()
-    space = task.space(target)
-    search = EvolutionarySearch(space, create_cost_model(options.cost_model, options.seed),
-                                FeatureExtractor(target), seed=options.seed, config=options.search)
-
-    workload_id = target_id = None
-    own_run = False
-    seeded = 0
-    if db is not None:
-        workload_id = db.ensure_workload(task)
-        target_id = db.ensure_target(target)
-        if options.use_database:
-            known = db.records_for(task.key, target, space=space.id)
-            search.observe_known([r.point for r in known], [r.median for r in known])
-            seeded = len(known)
-        if run_id is None:
-            run_id = db.start_run(command, options.seed)
-            own_run = True
-
+    own_run = db is not None and run_id is None
+    if own_run:
+        run_id = db.start_run(command, options.seed)
     own_measurer = measurer is None
     measurer = measurer or Measurer(target, MeasureConfig.for_target(target))
-    reporter.on_start(task, space, options.trials, seeded)
-    failures: collections.Counter[str] = collections.Counter()
-    trials = rounds = stale = 0
-    best_before = search.best()[1] if search.best() else math.inf
+    tuners: list[TaskTuner] = []
     stop_reason, status = "trial budget reached", "finished"
     try:
-        while trials < options.trials:
+        for task in tasks:
+            tuner = TaskTuner(task, target, db, options, run_id, reporter)
+            per_task = options.trials if len(tasks) == 1 else max(1, options.trials // len(tasks))
+            reporter.on_start(task, tuner.space, per_task, tuner.seeded)
+            tuners.append(tuner)
+        used = 0
+        while used < options.trials:
             if options.time_budget is not None and time.perf_counter() - start >= options.time_budget:
                 stop_reason = f"time budget of {options.time_budget:.0f} s reached"
                 break
-            points = search.propose(min(options.batch_size, options.trials - trials))
-            if not points:
-                stop_reason = "no new valid points left in the space"
+            live = [t for t in tuners if t.done_reason is None]
+            if not live:
+                stop_reason = "every task stopped"
                 break
-            cutoff = SLOW_CUTOFF * best_before if math.isfinite(best_before) else None
-            results = measurer.measure(task.spec, points, cutoff)
-            if db is not None:
-                db.add_records(workload_id, target_id, run_id, space.id, points, results)
-            search.observe(points, results)
-            trials += len(points)
-            rounds += 1
-            failures.update(r.error_kind for r in results if not r.ok)
-            best_now = search.best()[1] if search.best() else math.inf
-            stale = 0 if best_now < best_before * 0.999 else stale + 1
-            best_before = min(best_before, best_now)
-            reporter.on_round(task, RoundStats(
-                rounds, trials, sum(r.ok for r in results), sum(not r.ok for r in results),
-                min((r.median for r in results), default=math.inf), best_now, time.perf_counter() - start,
-                dict(failures)))
-            if options.patience is not None and stale >= options.patience:
-                stop_reason = f"no improvement in {options.patience} rounds"
-                break
+            tuner = _next_task(live, options.scheduler)
+            used += tuner.step(measurer, options.trials - used)
     except BaseException:
         status = "interrupted"
         raise
     finally:
         if own_measurer:
             measurer.close()
-        if db is not None and own_run:
+        if own_run:
             db.finish_run(run_id, status)
-    best = search.best()
-    return TuneResult(task.key, target.label, space.id, best[0] if best else None, best[1] if best else math.inf,
-                      trials, dict(failures), rounds, time.perf_counter() - start, run_id, stop_reason, seeded,
-                      task.flops, task.min_bytes)
+    return [t.result(stop_reason) for t in tuners]
+
+
+def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
+    """Round-robin over the tasks that have had the fewest rounds first; then, with ``gradient``, the
+    task whose weighted best latency improved most recently (plus an optimistic bonus for tasks with
+    few rounds, so none is starved)."""
+    fewest = min(t.rounds for t in tuners)
+    if scheduler == "round-robin":
+        return next(t for t in tuners if t.rounds == fewest)
+    if fewest == 0:
+        # First round of each task, heaviest first (calls x work), in case the budget ends before all.
+        return max((t for t in tuners if t.rounds == 0),
+                   key=lambda t: t.task.weight * (t.task.flops + t.task.min_bytes))
+
+    def expected_gain(t: TaskTuner) -> float:
+        if not math.isfinite(t.best):
+            return math.inf  # nothing works yet: keep trying
+        recent = t.history[-3:]
+        first = recent[0] if math.isfinite(recent[0]) else t.best
+        slope = max(first - t.best, 0.0) / len(recent)
+        return t.task.weight * (slope + t.best / (1 + t.rounds))
+
+    return max(tuners, key=expected_gain)

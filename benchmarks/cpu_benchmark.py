@@ -141,6 +141,7 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--out", default="benchmarks/results/cpu")
     parser.add_argument("--skip-metaschedule", action="store_true")
+    parser.add_argument("--force", action="store_true", help="measure again what results.json already has")
     args = parser.parse_args()
 
     import tvm
@@ -157,13 +158,20 @@ def main() -> int:
                "tvm": tvm.__version__, "torch": torch.__version__, "numpy": np.__version__,
                "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
     print(f"machine: {machine}", flush=True)
-    rows = []
+    # Results accumulate across invocations (one case or method at a time on a busy machine): a method
+    # already measured for a case is kept unless --force.
+    previous = out_dir / "results.json"
+    rows = json.loads(previous.read_text())["rows"] if previous.exists() and not args.force else []
+    done = {(r["case"], r["method"]) for r in rows}
     for case in args.cases:
         op, shape = CASES[case]
         task = Task.from_workload(make_workload(op, shape))
         checker = task.spec.checker(task.func)
         inputs = checker.make_inputs(torch.Generator().manual_seed(0), "cpu")
         refs = checker.reference(inputs)
+
+        def wanted(method):
+            return (case, method) not in done
 
         def add(method, seconds, tune_seconds=None, trials=None, err=None):
             row = {"case": case, "workload": task.key, "method": method, "latency_ms": seconds * 1e3,
@@ -173,11 +181,16 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             (out_dir / "results.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
 
-        lat, err = time_tvm(tvm.IRModule({"main": task.func}), target, task, inputs, refs)
-        add("untuned (TVM, no schedule)", lat, err=err)
-        for name, seconds in host_baselines(case, inputs).items():
-            add(name, seconds)
+        if wanted("untuned (TVM, no schedule)"):
+            lat, err = time_tvm(tvm.IRModule({"main": task.func}), target, task, inputs, refs)
+            add("untuned (TVM, no schedule)", lat, err=err)
+        if any(wanted(m) for m in ("torch", "numpy", "numpy (OpenBLAS)")):
+            for name, seconds in host_baselines(case, inputs).items():
+                if wanted(name):
+                    add(name, seconds)
         for trials in args.trials:
+            if not wanted(f"autosched {trials} trials"):
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 result, tune_s = run_autosched(task, target, trials, os.path.join(tmp, "a.db"))
                 mod = task.space(target).apply(result.best_point)
@@ -185,6 +198,8 @@ def main() -> int:
                 add(f"autosched {trials} trials", lat, tune_s, result.trials, err)
         if not args.skip_metaschedule:
             for trials in args.trials:
+                if not wanted(f"MetaSchedule {trials} trials"):
+                    continue
                 with tempfile.TemporaryDirectory() as tmp:
                     mod, tune_s = run_metaschedule(task, target, trials, tmp)
                     if mod is None:

@@ -50,6 +50,27 @@ def add_parser(sub, add_db_arg, add_format) -> None:
     add_db_arg(p)
     add_format(p, ("table", "json"))
 
+    p = dsub.add_parser("history", help="best latency so far against trials, for workloads matching a key")
+    p.add_argument("workload", help="text the workload key contains, e.g. 'gemm[m=1024'")
+    add_db_arg(p)
+    p.add_argument("--target", dest="target_kind", choices=("llvm", "cuda"), help="only this target kind")
+    p.add_argument("--device", help="only devices whose name contains this text")
+    p.add_argument("--improvements", action="store_true", help="only the trials that improved the best")
+    add_format(p)
+
+    p = dsub.add_parser("compare", help="best latencies of the same workloads on two devices or in two databases")
+    add_db_arg(p)
+    p.add_argument("--other", help="a second database (default: compare devices within --db)")
+    p.add_argument("--device-a", help="device (name substring) of the first side")
+    p.add_argument("--device-b", help="device (name substring) of the second side")
+    p.add_argument("--op", help="only this operator")
+    add_format(p)
+
+    p = dsub.add_parser("stats", help="records, failures by reason, runs and tuning time spent")
+    add_db_arg(p)
+    filters(p)
+    add_format(p, ("table", "json"))
+
     p = dsub.add_parser("export", help="write records to a portable JSON-lines file")
     add_db_arg(p)
     filters(p)
@@ -88,12 +109,12 @@ def run(args) -> int:
         print(f"{args.db}: schema {old or 'empty'} -> {new}" if old != new else f"{args.db}: already at schema {new}")
         return 0
     if cmd == "import":
-        with Database(args.db) as db:
+        with Database(args.db, busy_timeout=args.busy_timeout) as db:
             stats = import_records(db, args.file)
         print(json.dumps({"read": stats.read, "added": stats.added, "already_present": stats.skipped}))
         return 0
 
-    with Database(args.db, readonly=cmd != "import", create=False) as db:
+    with Database(args.db, readonly=True, create=False, busy_timeout=args.busy_timeout) as db:
         if cmd == "best":
             rows = db.summary(op=args.op, target_kind=args.target_kind)
             emit(rows, args.format, BEST_COLUMNS)
@@ -123,6 +144,39 @@ def run(args) -> int:
                 print(json.dumps(data, indent=2))
             else:
                 emit(_flatten(data), "table", [("field", "field"), ("value", "value")], title=f"record {r.id}")
+            return 0
+        if cmd == "history":
+            from .queries import history
+
+            rows = history(db, args.workload, args.target_kind, args.device)
+            if args.improvements:
+                rows = [r for r in rows if r["improved"]]
+            emit(rows, args.format, [("workload", "workload"), ("device", "device"), ("trial", "trial"),
+                                     ("latency_us", "latency (us)"), ("best_us", "best so far (us)"),
+                                     ("error", "error"), ("run_id", "run")])
+            return 0
+        if cmd == "compare":
+            from .queries import compare
+
+            other = Database(args.other, readonly=True, create=False) if args.other else None
+            try:
+                rows = compare(db, other, args.device_a, args.device_b, args.op)
+            finally:
+                if other is not None:
+                    other.close()
+            emit(rows, args.format, [("workload", "workload"), ("device_a", "device A"), ("latency_a_us", "A (us)"),
+                                     ("device_b", "device B"), ("latency_b_us", "B (us)"),
+                                     ("speedup_b_over_a", "B faster by")])
+            return 0
+        if cmd == "stats":
+            from .queries import stats
+
+            data = stats(db, _filter(args))
+            if args.format == "json":
+                print(json.dumps(data, indent=2))
+            else:
+                emit([{"field": k, "value": json.dumps(v) if isinstance(v, (dict, list)) else v} for k, v in data.items()],
+                     "table", [("field", "field"), ("value", "value")])
             return 0
         if cmd == "export":
             if args.output == "-":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -102,3 +102,25 @@ class RecordRow(Base):
     workload: Mapped[WorkloadRow] = relationship(back_populates="records")
     target: Mapped[TargetRow] = relationship(back_populates="records")
     run: Mapped[RunRow | None] = relationship(back_populates="records")
+    validations: Mapped[list[ValidationRow]] = relationship(back_populates="record")
+
+
+class ValidationRow(Base):
+    """A record rebuilt and re-checked under another TVM version before it was applied (schema 0002).
+
+    A record measured with one TVM version is not trusted under another until a validation row says
+    it still builds and computes the right answer there.
+    """
+
+    __tablename__ = "validations"
+    __table_args__ = (UniqueConstraint("record_id", "tvm_version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    record_id: Mapped[int] = mapped_column(ForeignKey("records.id"), index=True)
+    tvm_version: Mapped[str] = mapped_column(String)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    median_us: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[str] = mapped_column(String, default=utcnow)
+
+    record: Mapped[RecordRow] = relationship(back_populates="validations")

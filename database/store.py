@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from autosched.errors import DatabaseCorruptError, DatabaseError, DatabaseLockedError, SchemaVersionError
 from autosched.records import MeasureResult, TuningRecord
 
-from .models import RecordRow, RunRow, TargetRow, WorkloadRow, utcnow
+from .models import RecordRow, RunRow, TargetRow, ValidationRow, WorkloadRow, utcnow
 
 if TYPE_CHECKING:
     from autosched.target import TargetSpec
@@ -236,9 +236,11 @@ class Database:
             row = s.scalar(select(WorkloadRow).where(WorkloadRow.key == task.key))
             if row is None:
                 wl = task.workload
+                # A kernel without an operator (e.g. from Relax) keeps its name, so queries can find it.
+                attrs = wl.attrs_dict if wl else {"kernel": task.name}
                 row = WorkloadRow(
                     key=task.key, op=wl.op if wl else "func", dtype=wl.dtype if wl else "",
-                    shape_json=json.dumps(wl.shape_dict if wl else {}), attrs_json=json.dumps(wl.attrs_dict if wl else {}),
+                    shape_json=json.dumps(wl.shape_dict if wl else {}), attrs_json=json.dumps(attrs),
                     structural_hash=task.structural_hash, func_json=task.spec.func_json,
                     flops=task.flops, min_bytes=task.min_bytes)
                 s.add(row)
@@ -305,7 +307,7 @@ class Database:
                     only_ok: bool = False, limit: int | None = None) -> list[TuningRecord]:
         """Records of one workload on targets matching ``target``, fastest first (failures last)."""
         with self.session() as s:
-            q = (select(RecordRow, TargetRow.match_key).join(WorkloadRow).join(TargetRow)
+            q = (select(RecordRow, TargetRow.match_key, TargetRow.tvm_version).join(WorkloadRow).join(TargetRow)
                  .where(WorkloadRow.key == workload_key, TargetRow.match_key == target.match_key))
             if space is not None:
                 q = q.where(RecordRow.space == space)
@@ -314,7 +316,8 @@ class Database:
             q = q.order_by(RecordRow.median_us.is_(None), RecordRow.median_us, RecordRow.id)
             if limit:
                 q = q.limit(limit)
-            return [to_record(row, workload_key, match_key) for row, match_key in s.execute(q)]
+            return [to_record(row, workload_key, match_key, {"tvm_version": tvm})
+                    for row, match_key, tvm in s.execute(q)]
 
     def best(self, workload_key: str, target: TargetSpec, space: str | None = None) -> TuningRecord | None:
         found = self.records_for(workload_key, target, space, only_ok=True, limit=1)
@@ -343,16 +346,31 @@ class Database:
                 })
             return out
 
+    def validation(self, record_id: int, tvm_version: str) -> ValidationRow | None:
+        with self.session() as s:
+            return s.scalar(select(ValidationRow).where(ValidationRow.record_id == record_id,
+                                                        ValidationRow.tvm_version == tvm_version))
+
+    def add_validation(self, record_id: int, tvm_version: str, result: MeasureResult) -> None:
+        def fn(s: Session) -> None:
+            if s.scalar(select(ValidationRow).where(ValidationRow.record_id == record_id,
+                                                    ValidationRow.tvm_version == tvm_version)) is None:
+                s.add(ValidationRow(record_id=record_id, tvm_version=tvm_version, ok=result.ok,
+                                    median_us=result.median * 1e6 if result.ok else None,
+                                    error=None if result.ok else f"{result.error_kind}: {result.error_msg}"))
+
+        self._write(fn)
+
     def count(self) -> int:
         with self.session() as s:
             return s.scalar(select(func.count(RecordRow.id))) or 0
 
 
-def to_record(row: RecordRow, workload_key: str, target_key: str) -> TuningRecord:
+def to_record(row: RecordRow, workload_key: str, target_key: str, meta: dict | None = None) -> TuningRecord:
     from autosched.search_spaces import point_from_json
 
     result = MeasureResult(tuple(json.loads(row.latencies_json)), row.error_kind, row.error_msg,
                            row.build_seconds, row.run_seconds, row.rel_error)
     return TuningRecord(workload_key, target_key, row.space, point_from_json(row.point_json), result,
-                        row.run_id, row.created_at, row.id)
+                        row.run_id, row.created_at, row.id, meta or {})
 

@@ -42,7 +42,7 @@ class RecordFilter:
         if self.op:
             q = q.where(WorkloadRow.op == self.op)
         if self.workload:
-            q = q.where(WorkloadRow.key.contains(self.workload))
+            q = q.where(WorkloadRow.key.contains(self.workload) | WorkloadRow.attrs_json.contains(self.workload))
         if self.target_kind:
             q = q.where(TargetRow.kind == self.target_kind)
         if self.device:

@@ -39,16 +39,23 @@ __all__ = [
 
 def space_classes() -> dict[str, type[Space]]:
     """Every space by name, in the order they are tried on an unknown function."""
+    from .gpu_attention import FlashAttentionSpace
+    from .gpu_matmul import GpuGemvSpace, GpuMatmulSpace
+    from .gpu_rows import GpuInjectiveSpace, GpuRowsSpace
     from .injective import InjectiveSpace
     from .matmul import MatmulSpace
     from .rows import RowsSpace
 
-    return {cls.name: cls for cls in (MatmulSpace, RowsSpace, InjectiveSpace)}
+    ordered = (MatmulSpace, RowsSpace, InjectiveSpace,  # CPU
+               FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
+    return {cls.name: cls for cls in ordered}
 
 
-def create_space(func: PrimFunc, target: TargetSpec, family: str | None = None) -> Space:
+def create_space(func: PrimFunc, target: TargetSpec, family: str | None = None,
+                 hints: dict | None = None) -> Space:
     """The space for ``func`` on ``target``: the one serving ``family`` (an operator's declared family),
-    else the first whose structural test matches the function.
+    else the first whose structural test matches the function. ``hints`` are the workload's attributes
+    (e.g. ``causal``), which template spaces need.
 
     Raises:
         SpaceError: if no space applies.
@@ -59,10 +66,13 @@ def create_space(func: PrimFunc, target: TargetSpec, family: str | None = None) 
 
     if has_dynamic_shape(func):
         raise SpaceError("the function has symbolic shapes; autosched tunes static shapes only")
-    for cls in space_classes().values():
-        if target.kind not in cls.targets:
-            continue
-        if family in cls.families or (family is None and cls.matches(func)):
-            return cls(func, target)
+    candidates = [cls for cls in space_classes().values()
+                  if target.kind in cls.targets and (family is None or family in cls.families)]
+    for cls in candidates:
+        if cls.matches(func):
+            return cls(func, target, hints)
+    if family is not None and candidates:
+        # The operator declares its family; its first space applies even where no structural test does.
+        return candidates[0](func, target, hints)
     which = f"family '{family}'" if family else "this function's structure"
     raise SpaceError(f"no schedule space for {which} on target {target.kind}")

@@ -163,15 +163,17 @@ class Space:
     version: ClassVar[int] = 1
     targets: ClassVar[tuple[str, ...]] = ("llvm", "cuda")
     families: ClassVar[tuple[str, ...]] = ()  # operator families this space serves (Operator.family)
+    template: ClassVar[bool] = False  # builds its own kernel for a family rather than scheduling func
 
     @classmethod
     def matches(cls, func: PrimFunc) -> bool:
         """Whether this space applies to a function of unknown origin (e.g. a Relax-fused kernel)."""
         return False
 
-    def __init__(self, func: PrimFunc, target: TargetSpec):
+    def __init__(self, func: PrimFunc, target: TargetSpec, hints: dict | None = None):
         self.func = func
         self.target = target
+        self.hints = hints or {}
         self.knobs: list[Knob] = []
 
     @property
@@ -179,12 +181,25 @@ class Space:
         return f"{self.name}@{self.version}"
 
     # ---- to implement ---------------------------------------------------------------------------
+    def initial(self, point: Point) -> PrimFunc:
+        """The function the schedule starts from: the workload's own, or a template's kernel."""
+        return self.func
+
     def schedule(self, sch: s_tir.Schedule, point: Point) -> None:
         raise NotImplementedError
 
     def check(self, point: Point) -> str | None:
         """The reason ``point`` is invalid, or None."""
         return None
+
+    def canonical(self, point: Point) -> Point:
+        """The representative of the points that give the same schedule (e.g. knobs a mode ignores set to
+        fixed values), so the search does not measure one kernel twice. Identity by default."""
+        return point
+
+    def build_config(self, point: Point) -> dict[str, Any]:
+        """TVM pass-context options the scheduled module of ``point`` must be compiled with."""
+        return {}
 
     def default(self) -> Point:
         """A reasonable point without search; subclasses give a better one."""
@@ -198,8 +213,8 @@ class Space:
         reason = self.validate(point)
         if reason:
             raise InvalidPoint(reason)
-        sch = s_tir.Schedule(self.func)
         try:
+            sch = s_tir.Schedule(self.initial(point))
             self.schedule(sch, point)
         except (RuntimeError, ValueError, TypeError, AssertionError, IndexError, KeyError) as exc:  # TVM's errors
             raise InvalidPoint(f"{type(exc).__name__}: {_first_line(exc)}") from exc
@@ -218,7 +233,7 @@ class Space:
     def sample(self, rng: np.random.Generator, tries: int = 200) -> Point:
         last = None
         for _ in range(tries):
-            point = {k.name: k.sample(rng) for k in self.knobs}
+            point = self.canonical({k.name: k.sample(rng) for k in self.knobs})
             last = self.check(point)
             if last is None:
                 return point
@@ -234,12 +249,13 @@ class Space:
             for _ in range(1 if rng.random() < 0.7 else 2):
                 knob = mutable[int(rng.integers(len(mutable)))]
                 child[knob.name] = knob.mutate(child[knob.name], rng)
+            child = self.canonical(child)
             if child != point and self.check(child) is None:
                 return child
         return None
 
     def crossover(self, a: Point, b: Point, rng: np.random.Generator) -> Point | None:
-        child = {k.name: (a if rng.random() < 0.5 else b)[k.name] for k in self.knobs}
+        child = self.canonical({k.name: (a if rng.random() < 0.5 else b)[k.name] for k in self.knobs})
         return child if self.check(child) is None else None
 
     def size(self) -> float:

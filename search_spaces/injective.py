@@ -29,8 +29,8 @@ class InjectiveSpace(Space):
         sch = s_tir.Schedule(func)
         return not any(is_reduction(sch, b) for b in blocks_of(sch))
 
-    def __init__(self, func, target):
-        super().__init__(func, target)
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
         self.knobs = [
             Knob("vector", (1, 4, 8, 16, 32, 64)),
             Knob("chunk", (1, 2, 4, 8, 16, 64)),

@@ -36,8 +36,8 @@ class MatmulSpace(Space):
 
         return find_matmul_block(s_tir.Schedule(func)) is not None
 
-    def __init__(self, func, target):
-        super().__init__(func, target)
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
         from tvm import s_tir
 
         sch = s_tir.Schedule(func)

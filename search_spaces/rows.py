@@ -58,8 +58,8 @@ class RowsSpace(Space):
         blocks = blocks_of(sch)
         return row_depth(sch) >= 1 and not is_reduction(sch, blocks[-1])
 
-    def __init__(self, func, target):
-        super().__init__(func, target)
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
         from tvm import s_tir
 
         sch = s_tir.Schedule(func)

@@ -56,7 +56,7 @@ class MeasureConfig:
         if target.is_gpu:
             # One run per repeat with the L2 (50-60 MB on Hopper) flushed before each, so that
             # memory-bound kernels are not timed out of the cache; many repeats for a stable median.
-            base = cls(repeat=30, number=1, min_repeat_ms=0, flush_bytes=256 << 20)
+            base = cls(repeat=20, number=1, min_repeat_ms=0, flush_bytes=256 << 20, build_timeout=60, run_timeout=30)
         else:
             base = cls()
         return cls(**{**asdict(base), **overrides})
@@ -150,6 +150,9 @@ class Runner:
             except ChildProcessError:
                 res = MeasureResult.failed("run", "the kernel crashed the runner process (segfault or abort)",
                                            run_seconds=time.perf_counter() - start)
+            if self.target.is_gpu and res.error_kind in ("run", "run_timeout"):
+                # A faulting kernel can leave the CUDA context unusable: start a fresh runner.
+                self._worker.kill()
             results.append(MeasureResult(res.latencies, res.error_kind, res.error_msg, build.seconds,
                                          res.run_seconds, res.rel_error))
             best = min(best, results[-1].median)

@@ -38,7 +38,7 @@ def _space(spec, target):
     if key not in _CACHE:
         from autosched.search_spaces import create_space
 
-        _CACHE[key] = create_space(spec.func(), target, spec.family)
+        _CACHE[key] = create_space(spec.func(), target, spec.family, spec.hints)
     return _CACHE[key]
 
 
@@ -48,16 +48,16 @@ def build_candidate(spec, target, point: dict, path: str) -> BuildResult:
 
     start = time.perf_counter()
     try:
-        mod = _space(spec, target).apply(point)
+        space = _space(spec, target)
+        mod = space.apply(point)
     except InvalidPoint as exc:
         return BuildResult(None, time.perf_counter() - start, "space", str(exc))
     except Exception as exc:  # noqa: BLE001 - any failure of the space is the candidate's
         return BuildResult(None, time.perf_counter() - start, "space", _short(exc))
     try:
-        import tvm
+        from autosched.target import compile_module
 
-        executable = tvm.compile(mod, target=target.tvm_target())
-        executable.export_library(path)
+        compile_module(mod, target, space.build_config(point)).export_library(path)
     except Exception as exc:  # noqa: BLE001
         return BuildResult(None, time.perf_counter() - start, "build", _short(exc))
     return BuildResult(path, time.perf_counter() - start)
@@ -130,6 +130,12 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
             f"relative error {worst:.3g} exceeds tolerance {tol:.1g}"
         return MeasureResult.failed("wrong_result", why, run_seconds=time.perf_counter() - start,
                                     rel_error=None if math.isinf(worst) else worst)
+    if target.is_gpu:
+        try:
+            latencies = time_cuda(lambda: func(*args), config["repeat"], config["flush_bytes"], config.get("cutoff"))
+        except Exception as exc:  # noqa: BLE001
+            return MeasureResult.failed("run", _short(exc), run_seconds=time.perf_counter() - start)
+        return MeasureResult(tuple(latencies), None, None, 0.0, time.perf_counter() - start, worst)
     # Step 2. Time: a warm-up run is discarded by the evaluator; each repeat is the mean of `number` runs.
     # A candidate whose single timed run is already far slower than the best known is not timed further:
     # its rank is settled, and slow candidates would otherwise dominate the tuning time.
@@ -148,3 +154,36 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
     except Exception as exc:  # noqa: BLE001
         return MeasureResult.failed("run", _short(exc), run_seconds=time.perf_counter() - start)
     return MeasureResult(latencies, None, None, 0.0, time.perf_counter() - start, worst)
+
+
+_FLUSH: dict[int, Any] = {}
+
+
+def time_cuda(fn, repeat: int, flush_bytes: int, cutoff: float | None = None, warmup: int = 3) -> list[float]:
+    """Times of ``repeat`` single runs of ``fn`` on the GPU, each after the L2 cache was flushed by
+    writing ``flush_bytes`` (so memory-bound kernels are not timed out of the cache), with CUDA events.
+
+    The flush also keeps the GPU busy while the host enqueues the timed launch, so launch latency does
+    not enter the measurement. Stops after one run if that run is slower than ``cutoff`` seconds.
+    """
+    import torch
+
+    if flush_bytes and flush_bytes not in _FLUSH:
+        _FLUSH[flush_bytes] = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
+    flush = _FLUSH.get(flush_bytes)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        if flush is not None:
+            flush.zero_()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e-3)
+        if cutoff is not None and times[-1] > cutoff:
+            break
+    return times

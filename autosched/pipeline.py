@@ -1,0 +1,328 @@
+"""Whole models: PyTorch -> Relax -> fused TensorIR kernels -> tuned -> a deployable module.
+
+1. **Import**: ``torch.export`` and TVM's ``from_exported_program``, weights kept as parameters.
+2. **Lower** (:data:`LOWERING`): legalise operators to TensorIR, fold constants, fuse operators
+   (``FuseOps``/``FuseTIR``: a GEMM with its bias and activation, a norm with its residual add become one
+   kernel) and drop dead code. Extraction and application of the database both run exactly this
+   prefix, so the kernels' keys match.
+3. **Extract**: every distinct kernel becomes a :class:`~autosched.task.Task`, deduplicated by structural
+   hash and weighted by how often the model calls it.
+4. **Tune**: one trial budget spread over the tasks by the task scheduler (:func:`~autosched.tuner.tune_tasks`).
+5. **Apply**: each kernel gets the best record for its key and target; kernels without one get dlight's
+   default schedule on the GPU, or their space's default point on the CPU, so an untuned model builds.
+6. **Export**: ``export_library`` of the compiled module, the parameters, and a manifest; the artifact
+   loads with TVM's runtime alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import importlib.util
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from tvm import IRModule
+
+    from autosched.database.store import Database
+    from autosched.target import TargetSpec
+    from autosched.task import Task
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+MANIFEST = "manifest.json"
+LIBRARY = "model.so"
+PARAMS = "params.bin"
+
+
+@dataclass
+class Model:
+    """A PyTorch model and example inputs; ``spec`` is how the user named it."""
+
+    spec: str
+    module: torch.nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)  # what the factory was given (JSON-able)
+
+
+def _example_models() -> dict[str, Callable]:
+    path = EXAMPLES_DIR / "llama.py"
+    if not path.exists():
+        return {}
+    loaded = importlib.util.spec_from_file_location("autosched_examples_llama", path)
+    module = importlib.util.module_from_spec(loaded)
+    sys.modules[loaded.name] = module
+    loaded.loader.exec_module(module)
+    return module.MODELS
+
+
+def load_model(spec: str, **kwargs: Any) -> Model:
+    """A model named in ``examples/`` (e.g. ``tiny-llama``) or given as ``module:factory`` or
+    ``path/to/file.py:factory``; the factory returns ``(model, example_inputs)``."""
+    examples = _example_models()
+    if spec in examples:
+        factory = examples[spec]
+    elif ":" in spec:
+        where, _, name = spec.rpartition(":")
+        try:
+            if where.endswith(".py"):
+                loaded = importlib.util.spec_from_file_location(Path(where).stem, where)
+                if loaded is None:
+                    raise FileNotFoundError(where)
+                module = importlib.util.module_from_spec(loaded)
+                loaded.loader.exec_module(module)
+            else:
+                module = importlib.import_module(where)
+            factory = getattr(module, name)
+        except (ImportError, FileNotFoundError, AttributeError) as exc:
+            raise UsageError(f"cannot load model factory '{spec}': {exc}") from None
+    else:
+        names = ", ".join(sorted(examples)) or "none found"
+        raise UsageError(f"unknown model '{spec}': name an example ({names}) or give module:factory")
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    module, inputs = factory(**given)
+    return Model(spec, module.eval(), tuple(inputs), {k: str(v).replace("torch.", "") for k, v in given.items()})
+
+
+def import_model(model: Model) -> tuple[IRModule, list]:
+    """The Relax module (weights as parameters after the inputs) and the weights."""
+    import torch
+    from tvm.relax.frontend import detach_params
+    from tvm.relax.frontend.torch import from_exported_program
+
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, not the user's
+        exported = torch.export.export(model.module, model.inputs)
+        mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    mod, params = detach_params(mod)
+    return mod, list(params["main"])
+
+
+def prepare(model: Model) -> tuple[IRModule, list]:
+    """Import and lower ``model``; weight-only computations (e.g. the transposes that put each Linear's
+    weight in the layout its GEMM reads) move to ``main_transform_params``, run once at build time."""
+    from tvm import relax
+
+    mod, params = import_model(model)
+    return lower(relax.transform.LiftTransformParams()(mod)), params
+
+
+def transform_params(lowered: IRModule, params: list) -> list:
+    """Run ``main_transform_params`` once (on the CPU) and return the parameters ``main`` expects."""
+    import tvm
+    from tvm import relax
+
+    if "main_transform_params" not in [gv.name_hint for gv in lowered.functions]:
+        return params
+    only = relax.transform.DeadCodeElimination(entry_functions=["main_transform_params"])(lowered)
+    only = tvm.IRModule({gv: f for gv, f in only.functions.items() if gv.name_hint != "main"}, attrs=only.attrs)
+    vm = relax.VirtualMachine(tvm.compile(only, target=tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+    out = vm["main_transform_params"]([p.copyto(tvm.cpu()) for p in params])
+    return [out[i] for i in range(len(out))]
+
+
+def lowering():
+    """The shared lowering prefix of extraction and application (change both or neither)."""
+    from tvm import relax, transform
+
+    return transform.Sequential([
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        relax.transform.DeadCodeElimination(),
+    ])
+
+
+def lower(mod: IRModule) -> IRModule:
+    return lowering()(mod)
+
+
+def kernel_calls(mod: IRModule) -> collections.Counter[str]:
+    """How many times the Relax functions call each TensorIR kernel (by global name)."""
+    import tvm
+    from tvm import relax
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    counts: collections.Counter[str] = collections.Counter()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.same_as(call_tir):
+            counts[expr.args[0].name_hint] += 1
+
+    # Only `main` runs per forward pass; `main_transform_params` runs once, so its kernels need no tuning.
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function) and gv.name_hint == "main":
+            relax.analysis.post_order_visit(func.body, visit)
+    return counts
+
+
+def extract_tasks(mod: IRModule) -> list[Task]:
+    """Every distinct kernel of the lowered module as a task, weighted by its number of calls."""
+    from tvm import tirx
+
+    from .task import Task
+
+    calls = kernel_calls(mod)
+    by_key: dict[str, Task] = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc) or calls.get(gv.name_hint, 0) == 0:
+            continue
+        task = Task.from_func(gv.name_hint, func, weight=calls[gv.name_hint])
+        if task.key in by_key:
+            by_key[task.key].weight += task.weight
+            by_key[task.key].meta.setdefault("aliases", []).append(gv.name_hint)
+        else:
+            by_key[task.key] = task
+    return list(by_key.values())
+
+
+def split_tunable(tasks: list[Task], target: TargetSpec) -> tuple[list[Task], list[Task]]:
+    """(tasks some space applies to, the rest): the rest keep their default schedule."""
+    from autosched.errors import SpaceError
+
+    tunable, rest = [], []
+    for task in tasks:
+        try:
+            task.space(target)
+            tunable.append(task)
+        except SpaceError:
+            rest.append(task)
+    return tunable, rest
+
+
+@dataclass
+class ApplyReport:
+    tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel -> record info
+    default: list[str] = field(default_factory=list)  # kernels on a default schedule
+    build_config: dict[str, Any] = field(default_factory=dict)  # pass options the schedules need
+
+
+def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tuple[IRModule, ApplyReport]:
+    """Schedule every kernel of the lowered ``mod``: the best record for it on ``target`` if the
+    database has one, else a default (dlight on the GPU, the space's default point on the CPU)."""
+    import tvm
+    from tvm import tirx
+
+    from autosched.errors import SpaceError
+    from autosched.search_spaces import InvalidPoint
+
+    from .task import Task
+
+    from .validate import trusted_best
+
+    report = ApplyReport()
+    out = tvm.IRModule(mod.functions, attrs=mod.attrs)
+    pending = []
+    measurers = []
+
+    def measurer():
+        # Only records from another TVM version need one; started on first use.
+        if not measurers:
+            from .measure import Measurer
+
+            measurers.append(Measurer(target))
+        return measurers[0]
+
+    can_measure = not target.is_gpu or bool(target.device_name)
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        task = Task.from_func(gv.name_hint, func)
+        scheduled = None
+        try:
+            space = task.space(target)
+            best = trusted_best(db, task, target, space.id, measurer if can_measure else None) if db else None
+            if best is not None:
+                scheduled = space.apply(best.point)["main"]
+                report.build_config.update(space.build_config(best.point))
+                report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
+                                              "latency_us": best.median * 1e6, "space": best.space}
+            elif not target.is_gpu:
+                scheduled = space.apply(space.default())["main"]
+                report.build_config.update(space.build_config(space.default()))
+                report.default.append(gv.name_hint)
+        except (SpaceError, InvalidPoint):
+            scheduled = None
+        if scheduled is None:
+            # dlight schedules it below on the GPU; the CPU builds it as written.
+            report.default.append(gv.name_hint)
+            pending.append(gv)
+            continue
+        attrs = {"global_symbol": gv.name_hint, "tirx.is_scheduled": True}
+        for key, value in attrs.items():
+            scheduled = scheduled.with_attr(key, value)
+        out[gv] = scheduled
+    for m in measurers:
+        m.close()
+    if target.is_gpu and pending:
+        from tvm.s_tir import dlight as dl
+
+        with target.tvm_target():
+            out = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
+                                          dl.gpu.GeneralReduction(), dl.gpu.RMSNorm(), dl.gpu.Fallback())(out)
+    return out, report
+
+
+def build_model(model: Model, target: TargetSpec, db: Database | None):
+    """Import, lower, apply the database and compile; returns (executable, the transformed parameters
+    ``main`` takes, report)."""
+    import tvm
+
+    from .target import compile_module
+
+    lowered, params = prepare(model)
+    scheduled, report = apply_database(lowered, db, target)
+    executable = compile_module(scheduled, target, report.build_config)
+    return executable, transform_params(lowered, params), report
+
+
+def export_artifact(out_dir: str | Path, executable, params: list, model: Model, target: TargetSpec,
+                    report: ApplyReport, db_path: str | None) -> Path:
+    """Write ``model.so``, ``params.bin`` and ``manifest.json`` to ``out_dir``."""
+    import tvm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    executable.export_library(str(out / LIBRARY))
+    names = [f"p{i}" for i in range(len(params))]
+    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(dict(zip(names, params))))
+    from autosched import __version__
+
+    manifest = {
+        "format": "autosched-model", "version": 1, "model": model.spec, "model_kwargs": model.kwargs,
+        "autosched_version": __version__,
+        "tvm_version": tvm.__version__, "target": target.to_json(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "library": LIBRARY, "params": PARAMS, "param_order": names,
+        "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for t in model.inputs],
+        "database": db_path, "tuned_kernels": report.tuned, "default_kernels": report.default,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def load_artifact(out_dir: str | Path):
+    """(VirtualMachine, params, manifest) of an exported artifact, using TVM's runtime only."""
+    import tvm
+    from tvm import relax
+
+    out = Path(out_dir)
+    manifest_path = out / MANIFEST
+    if not manifest_path.exists():
+        raise UsageError(f"{out} is not an autosched build (no {MANIFEST}): run `autosched build` first")
+    manifest = json.loads(manifest_path.read_text())
+    device = tvm.cpu() if manifest["target"]["kind"] == "llvm" else tvm.cuda()
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(out / manifest["library"])), device)
+    saved = tvm.runtime.load_param_dict((out / manifest["params"]).read_bytes())
+    params = [saved[name].copyto(device) for name in manifest["param_order"]]
+    return vm, params, manifest

@@ -1,0 +1,165 @@
+"""``autosched report``: tuning curves and speed charts (PNG) and a Markdown page of the tables.
+
+For each workload and device: the best latency so far against trials (with every measured candidate
+as a dot, failures marked along the bottom). One chart of the best throughput of every workload, and,
+when benchmark result files are given (``benchmarks/*_benchmark.py`` writes them), the tuned speed
+against the baselines measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from autosched.database.queries import history, stats
+from autosched.database.store import Database
+
+
+def _slug(text: str, n: int) -> str:
+    return f"{n:02d}_" + re.sub(r"[^A-Za-z0-9]+", "_", text)[:60].strip("_")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def tuning_curves(db: Database, out: Path) -> list[dict[str, Any]]:
+    plt = _plt()
+    rows = history(db, "")
+    curves: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        curves.setdefault((r["workload"], r["device"]), []).append(r)
+    made = []
+    for n, ((workload, device), points) in enumerate(sorted(curves.items())):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ok = [(p["trial"], p["latency_us"]) for p in points if p["latency_us"] is not None]
+        failed = [p["trial"] for p in points if p["latency_us"] is None]
+        best = [(p["trial"], p["best_us"]) for p in points if p["best_us"] is not None]
+        if ok:
+            ax.scatter(*zip(*ok), s=8, alpha=0.35, label="candidate")
+        if best:
+            ax.step(*zip(*best), where="post", color="C3", linewidth=2, label="best so far")
+        if failed and ok:
+            low = min(v for _, v in ok)
+            ax.scatter(failed, [low * 0.9] * len(failed), marker="x", color="grey", s=12, label="failed")
+        ax.set_yscale("log")
+        ax.set_xlabel("trial")
+        ax.set_ylabel("latency (us)")
+        ax.set_title(f"{workload}\n{device}", fontsize=8)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = _slug(workload, n) + ".png"
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append({"workload": workload, "device": device, "image": name, "trials": len(points),
+                     "best_us": best[-1][1] if best else None, "failed": len(failed)})
+    return made
+
+
+def throughput_chart(summary: list[dict], out: Path) -> str | None:
+    plt = _plt()
+    rows = [r for r in summary if r["latency_us"]]
+    if not rows:
+        return None
+    labels, values, units = [], [], []
+    for r in rows:
+        compute = r["gflops"] and r["gbps"] and r["gflops"] / max(r["gbps"], 1e-9) > 10
+        labels.append(f"{r['workload'][:40]}\n{r['device']}")
+        values.append(r["gflops"] if compute else (r["gbps"] or 0.0))
+        units.append("GFLOP/s" if compute else "GB/s")
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    bars = ax.barh(range(len(rows)), values, color=["C0" if u == "GFLOP/s" else "C2" for u in units])
+    for bar, value, unit in zip(bars, values, units):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.1f} {unit}", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), labels, fontsize=6)
+    ax.set_xlabel("best throughput (GFLOP/s for compute-bound, GB/s for memory-bound)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
+    return "throughput.png"
+
+
+def baseline_chart(bench_files: list[str], out: Path) -> tuple[str | None, list[dict]]:
+    """Speed of each method relative to the slowest baseline of its case, from benchmark result files."""
+    plt = _plt()
+    rows = []
+    for path in bench_files:
+        data = json.loads(Path(path).read_text())
+        for r in data.get("rows", []):
+            if "method" in r:  # CPU benchmark: one row per method
+                rows.append({"case": r["case"], "method": r["method"], "ms": r["latency_ms"]})
+            else:  # GPU benchmark: one row per case with a time per method
+                for method, key in (("autosched", "autosched_s"), ("dlight", "dlight_s"), ("torch", "torch_s")):
+                    if r.get(key):
+                        rows.append({"case": r["case"], "method": method, "ms": r[key] * 1e3})
+    if not rows:
+        return None, []
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cases) * len(methods) / 3), 4.5))
+    width = 0.8 / len(methods)
+    for m_i, method in enumerate(methods):
+        xs, ys = [], []
+        for c_i, case in enumerate(cases):
+            case_rows = [r for r in rows if r["case"] == case]
+            slowest = max(r["ms"] for r in case_rows)
+            mine = next((r["ms"] for r in case_rows if r["method"] == method), None)
+            if mine:
+                xs.append(c_i + m_i * width)
+                ys.append(slowest / mine)
+        ax.bar(xs, ys, width, label=method)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=30, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("speed-up over the slowest method of the case")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "baselines.png", dpi=110)
+    plt.close(fig)
+    return "baselines.png", rows
+
+
+def write_report(db_path: str, out_dir: str, bench_files: list[str] | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with Database(db_path, readonly=True, create=False) as db:
+        summary = db.summary()
+        curves = tuning_curves(db, out)
+        st = stats(db)
+    chart = throughput_chart(summary, out)
+    base_chart, base_rows = baseline_chart(bench_files or [], out)
+    lines = [f"# Tuning report: `{db_path}`", "",
+             f"{st['records']} records ({st['failed']} failed) of {st['workloads']} workloads on "
+             f"{', '.join(st['devices']) or 'no device'}; {st['runs']} runs; "
+             f"{st['build_seconds']:.0f} s building and {st['run_seconds']:.0f} s measuring.", ""]
+    if st["failures_by_reason"]:
+        lines += ["Failures by reason: " + ", ".join(f"{k} {v}" for k, v in st["failures_by_reason"].items()), ""]
+    lines += ["## Best schedule per workload", "",
+              "| workload | device | best (us) | GFLOP/s | GB/s | trials | failed |", "|---|---|---|---|---|---|---|"]
+    for r in summary:
+        gf = f"{r['gflops']:.1f}" if r["gflops"] else "-"
+        gb = f"{r['gbps']:.1f}" if r["gbps"] else "-"
+        best = f"{r['latency_us']:.2f}" if r["latency_us"] else "-"
+        lines.append(f"| `{r['workload']}` | {r['device']} | {best} | {gf} | {gb} | {r['trials']} | {r['failures']} |")
+    if chart:
+        lines += ["", f"![best throughput]({chart})"]
+    if base_chart:
+        lines += ["", "## Against the baselines", "", f"![baselines]({base_chart})", "",
+                  "| case | method | latency (ms) |", "|---|---|---|"]
+        lines += [f"| {r['case']} | {r['method']} | {r['ms']:.4g} |" for r in base_rows]
+    lines += ["", "## Tuning curves", ""]
+    for c in curves:
+        best = f"{c['best_us']:.2f} us" if c["best_us"] and math.isfinite(c["best_us"]) else "none"
+        lines += [f"### `{c['workload']}` on {c['device']}", "",
+                  f"{c['trials']} trials, {c['failed']} failed, best {best}.", "", f"![curve]({c['image']})", ""]
+    page = out / "report.md"
+    page.write_text("\n".join(lines) + "\n")
+    return page

@@ -1,0 +1,58 @@
+"""``autosched run``: load a built model with TVM's runtime, run it on random inputs, compare the output
+with the PyTorch model it came from, and time it."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+# ||tvm - torch|| / ||torch|| accepted for a whole model, by dtype: many kernels' rounding adds up.
+MODEL_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}
+
+
+def run_artifact(path: str, repeat: int = 20, check: bool = True) -> dict[str, Any]:
+    import torch
+    import tvm
+
+    from autosched.measure._worker import relative_error
+
+    from .pipeline import load_artifact, load_model
+
+    vm, params, manifest = load_artifact(path)
+    device = tvm.cpu() if manifest["target"]["kind"] == "llvm" else tvm.cuda()
+    torch_device = "cpu" if manifest["target"]["kind"] == "llvm" else "cuda"
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(spec["shape"], generator=gen).to(getattr(torch, spec["dtype"])).to(torch_device)
+              for spec in manifest["inputs"]]
+    args = [tvm.runtime.from_dlpack(t) for t in inputs] + params
+    out = vm["main"](*args)
+    out = out[0] if not hasattr(out, "numpy") else out
+    result: dict[str, Any] = {"model": manifest["model"], "target": f"{manifest['target']['kind']}:{manifest['target']['arch']}",
+                              "tuned_kernels": len(manifest["tuned_kernels"]),
+                              "default_kernels": len(manifest["default_kernels"])}
+    timer = vm.time_evaluator("main", device, number=1, repeat=repeat, min_repeat_ms=0)
+    times = list(timer(*args).results)
+    result["latency_ms"] = statistics.median(times) * 1e3
+    result["latency_min_ms"] = min(times) * 1e3
+    if check:
+        kwargs = dict(manifest.get("model_kwargs", {}))
+        if "dtype" in kwargs:
+            kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+        for key in ("batch", "tokens"):
+            if key in kwargs:
+                kwargs[key] = int(kwargs[key])
+        model = load_model(manifest["model"], **kwargs)
+        weights = [p for p in model.module.parameters()]
+        first = torch.from_dlpack(params[0]).cpu() if params else None
+        if first is not None and weights and not torch.equal(weights[0].detach().cpu().reshape(first.shape), first):
+            result["matches_torch"] = None
+            result["note"] = "the model factory gave other weights than the artifact's; no comparison"
+            return result
+        with torch.no_grad():
+            ref = model.module.to(torch_device)(*inputs)
+        got = torch.from_dlpack(out)
+        err = relative_error(got.to(ref.device), ref.double())
+        dtype = str(ref.dtype).replace("torch.", "")
+        result["rel_error_vs_torch"] = err
+        result["matches_torch"] = err <= MODEL_TOLERANCE.get(dtype, 1e-3)
+    return result

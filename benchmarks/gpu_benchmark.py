@@ -1,0 +1,253 @@
+"""GPU benchmark: autosched against torch and TVM's default dlight schedules, on the same inputs.
+
+Usage: python benchmarks/gpu_benchmark.py [--cases NAME ...] [--trials N] [--time-budget S] [--out DIR]
+
+For each case, in one run on the GPU: autosched tunes the workload (the database is written to --out),
+then the best kernel, the dlight-scheduled kernel and the torch equivalent are each checked against
+the float64 reference and timed the same way: CUDA events around single runs, the L2 cache flushed
+(256 MB written) before each, median of the repeats. Prints one table with times, TFLOP/s or GB/s and
+the ratios, and writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# name: (op, shape, dtype, attrs, bound) - bound says whether to report TFLOP/s or GB/s.
+CASES = {
+    "gemm-fp16-4096": ("gemm", "m=4096,n=4096,k=4096", "float16", "", "compute"),
+    "gemm-bf16-4096": ("gemm", "m=4096,n=4096,k=4096", "bfloat16", "", "compute"),
+    "mlp-up-fp16": ("gemm", "m=2048,n=11008,k=4096", "float16", "", "compute"),
+    "mlp-up-bf16": ("gemm", "m=2048,n=11008,k=4096", "bfloat16", "", "compute"),
+    "batch16-gemm-fp16": ("gemm", "m=16,n=4096,k=4096", "float16", "", "memory"),
+    "gemv-4096": ("gemm", "m=1,n=4096,k=4096", "float16", "", "memory"),
+    "gemv-11008": ("gemm", "m=1,n=11008,k=4096", "float16", "", "memory"),
+    "dequant-int4-decode": ("dequant_gemm", "m=1,n=11008,k=4096", "float16", "bits=4,group=128", "memory"),
+    "dequant-int4-prefill": ("dequant_gemm", "m=2048,n=11008,k=4096", "float16", "bits=4,group=128", "compute"),
+    "rmsnorm-4096": ("rmsnorm", "m=4096,n=4096", "float16", "", "memory"),
+    "softmax-4096": ("softmax", "m=4096,n=4096", "float16", "", "memory"),
+    "rope-llama": ("rope", "b=1,s=2048,h=32,d=128", "float16", "", "memory"),
+    "attention-prefill": ("attention", "b=1,h=32,s=2048,d=128", "float16", "causal=1", "compute"),
+    "paged-decode": ("paged_decode_attention", "b=16,h=32,d=128,ctx=4096,page=16", "float16", "", "memory"),
+}
+
+
+def torch_fn(op: str, wl, ins):
+    """The torch way to compute the workload (what a user would run without autosched)."""
+    a = wl.attrs_dict
+    if op == "gemm":
+        bias = ins[2] if a.get("bias") else None
+        return lambda: F.linear(ins[0], ins[1], bias)
+    if op == "batch_matmul":
+        return lambda: torch.bmm(ins[0], ins[1])
+    if op == "dequant_gemm":
+        from autosched.workloads import get_operator
+
+        deq = get_operator(op)
+
+        def run():  # dequantise, then matmul: two kernels, as torch does without a fused int4 kernel
+            w = deq.dequantize(wl, ins[1], ins[2]).to(ins[0].dtype)
+            return F.linear(ins[0], w)
+
+        return run
+    if op == "rmsnorm":
+        return lambda: F.rms_norm(ins[0], (ins[0].shape[-1],), ins[1], a["eps"])
+    if op == "softmax":
+        return lambda: torch.softmax(ins[0], -1)
+    if op == "rope":
+        x, cos, sin = ins
+        half = x.shape[-1] // 2
+        c, s_ = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+        return lambda: x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s_
+    if op == "attention":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q, k, v = ins
+
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=a["causal"], enable_gqa=q.shape[1] != k.shape[1])
+
+        return run
+    if op == "paged_decode_attention":
+        q, kc, vc, table, lens = ins
+        s = wl.shape_dict
+
+        def run():  # gather each sequence's pages, then one SDPA call with a length mask
+            k = kc[table.long()].reshape(s["b"], -1, s["hkv"], s["d"])[:, : s["ctx"]].transpose(1, 2)
+            v = vc[table.long()].reshape(s["b"], -1, s["hkv"], s["d"])[:, : s["ctx"]].transpose(1, 2)
+            mask = torch.arange(s["ctx"], device=q.device)[None, :] < lens[:, None]
+            return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :],
+                                                  enable_gqa=s["h"] != s["hkv"])[:, :, 0]
+
+        return run
+    raise KeyError(op)
+
+
+def dlight_module(func, target):
+    import tvm
+    from tvm.s_tir import dlight as dl
+
+    with target.tvm_target():
+        return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
+                                       dl.gpu.GeneralReduction(), dl.gpu.RMSNorm(), dl.gpu.Fallback())(
+            tvm.IRModule({"main": func}))
+
+
+def run_tvm_module(mod, target, checker, inputs, refs, config=None):
+    """Compile, check against the reference, return a zero-argument function that runs the kernel."""
+    import tvm
+
+    from autosched.measure._worker import relative_error
+    from autosched.target import compile_module
+    from autosched.workloads import torch_dtype
+
+    lib = compile_module(mod, target, config)
+    outs = [torch.full(s, float("nan"), dtype=torch_dtype(d), device="cuda") for s, d in checker.output_specs()]
+    args = [tvm.runtime.from_dlpack(t) for t in checker.arrange(inputs, outs)]
+    fn = lib["main"]
+    fn(*args)
+    torch.cuda.synchronize()
+    err = max(relative_error(o, r) for o, r in zip(outs, refs))
+    return (lambda: fn(*args)), err
+
+
+def check_torch(fn, refs):
+    from autosched.measure._worker import relative_error
+
+    out = fn()
+    torch.cuda.synchronize()
+    return relative_error(out.reshape(refs[0].shape), refs[0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--trials", type=int, default=128)
+    parser.add_argument("--time-budget", type=float, default=35.0, help="tuning seconds per case")
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/gpu"))
+    args = parser.parse_args()
+
+    import tvm
+
+    from autosched.database.store import Database
+    from autosched.measure import MeasureConfig, Measurer
+    from autosched.measure._worker import time_cuda
+    from autosched.target import parse_target
+    from autosched.task import Task
+    from autosched.tuner import TuneOptions, tune
+    from autosched.workloads import get_operator, make_workload
+
+    target = parse_target("cuda")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    db = Database(out_dir / "gpu_tuning.db")
+    machine = {"gpu": target.device_name, "arch": target.arch, "sms": target.num_cores, "driver": target.driver_version,
+               "tvm": tvm.__version__, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    print(f"machine: {machine}", flush=True)
+    copy = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(copy)
+    copy_s = statistics.median(time_cuda(lambda: dst.copy_(copy), 20, 0))
+    machine["copy_bandwidth_gbps"] = 2 * copy.numel() / copy_s / 1e9
+    del copy, dst
+    print(f"device-to-device copy: {machine['copy_bandwidth_gbps']:.0f} GB/s", flush=True)
+    rows = []
+    measurer = Measurer(target, MeasureConfig.for_target(target, repeat=10))
+    try:
+        for name in args.cases:
+            op, shape, dtype, attrs, bound = CASES[name]
+            wl = make_workload(op, shape, dtype, attrs)
+            task = Task.from_workload(wl)
+            checker = task.spec.checker(task.func)
+            inputs = checker.make_inputs(torch.Generator().manual_seed(0), "cuda")
+            refs = checker.reference(inputs)
+            row = {"case": name, "workload": wl.key, "bound": bound, "flops": task.flops, "bytes": task.min_bytes}
+
+            def timed(fn):
+                return statistics.median(time_cuda(fn, args.repeat, 256 << 20))
+
+            try:
+                start = time.perf_counter()
+                result = tune(task, target, db, TuneOptions(trials=args.trials, batch_size=32, seed=0,
+                                                            time_budget=args.time_budget), measurer=measurer)
+                row["tuning_s"], row["trials"] = time.perf_counter() - start, result.trials
+                row["space"] = result.space
+                if result.best_point is not None:
+                    space = task.space(target)
+                    fn, err = run_tvm_module(space.apply(result.best_point), target, checker, inputs, refs,
+                                             space.build_config(result.best_point))
+                    row["autosched_err"] = err
+                    row["autosched_s"] = timed(fn) if err <= checker.tolerance else None
+                    row["best_point"] = result.best_point
+                row["failures"] = result.failures
+            except Exception:  # noqa: BLE001 - report and go on to the next case
+                row["autosched_error"] = traceback.format_exc(limit=3)
+            try:
+                fn, err = run_tvm_module(dlight_module(task.func, target), target, checker, inputs, refs)
+                row["dlight_err"] = err
+                row["dlight_s"] = timed(fn) if err <= checker.tolerance else None
+            except Exception:  # noqa: BLE001
+                row["dlight_error"] = traceback.format_exc(limit=3)
+            try:
+                fn = torch_fn(op, wl, inputs)
+                row["torch_err"] = check_torch(fn, refs)
+                row["torch_s"] = timed(fn)
+            except Exception:  # noqa: BLE001
+                row["torch_error"] = traceback.format_exc(limit=3)
+            rows.append(row)
+            print(json.dumps(row, default=str), flush=True)
+            (out_dir / "results.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2, default=str))
+    finally:
+        measurer.close()
+        db.close()
+    table = markdown(machine, rows)
+    (out_dir / "results.md").write_text(table)
+    print(table)
+    return 0
+
+
+def _rate(row, key):
+    t = row.get(key)
+    if not t:
+        return "-"
+    if row["bound"] == "compute":
+        return f"{row['flops'] / t / 1e12:.1f} TFLOP/s"
+    return f"{row['bytes'] / t / 1e9:.0f} GB/s"
+
+
+def markdown(machine, rows) -> str:
+    lines = [f"GPU: {machine['gpu']} ({machine['arch']}, {machine['sms']} SMs, driver {machine['driver']}); "
+             f"TVM {machine['tvm']}, torch {machine['torch']}; {machine['date']}. "
+             f"Device-to-device copy: {machine['copy_bandwidth_gbps']:.0f} GB/s.", "",
+             "| case | autosched | rate | dlight | rate | torch | rate | vs dlight | vs torch | trials | tuning (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def us(t):
+        return f"{t * 1e6:.1f} us" if t else "failed"
+
+    for r in rows:
+        a, d, t = r.get("autosched_s"), r.get("dlight_s"), r.get("torch_s")
+        vs_d = f"{d / a:.2f}x" if a and d else "-"
+        vs_t = f"{t / a:.2f}x" if a and t else "-"
+        lines.append(f"| {r['case']} | {us(a)} | {_rate(r, 'autosched_s')} | {us(d)} | {_rate(r, 'dlight_s')} | "
+                     f"{us(t)} | {_rate(r, 'torch_s')} | {vs_d} | {vs_t} | {r.get('trials', '-')} | "
+                     f"{r.get('tuning_s', 0):.0f} |")
+    lines += ["", "Ratios are speed-ups of autosched (above 1: autosched faster). Memory-bound rates count each "
+              "input read once and each output written once."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Whole-model latency: torch eager, torch.compile, the untuned TVM build and the autosched-tuned build.
+
+Usage: python benchmarks/model_benchmark.py [--target llvm|cuda] [--model NAME] [--configs B:T ...]
+                                           [--trials N] [--time-budget S] [--out DIR]
+
+A config B:T is a batch of B sequences of T tokens (T = 1 is one decode step of the decoder without a
+KV cache). Each build is checked against torch before it is timed; times are medians of repeated runs
+of the whole forward pass on the same inputs. Writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def time_torch(fn, device: str, repeat: int = 20) -> float:
+    with torch.no_grad():
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeat):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_vm(executable, params, inputs, target, repeat: int = 20) -> tuple[float, object]:
+    import tvm
+    from tvm import relax
+
+    dev = target.device()
+    vm = relax.VirtualMachine(executable, dev)
+    args = [tvm.runtime.from_dlpack(t) for t in inputs] + [p.copyto(dev) for p in params]
+    out = vm["main"](*args)
+    res = vm.time_evaluator("main", dev, number=1, repeat=repeat, min_repeat_ms=0)(*args)
+    return statistics.median(res.results), out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="llvm")
+    parser.add_argument("--model", default=None, help="default: small-llama on the CPU, llama-7b-layers on a GPU")
+    parser.add_argument("--configs", nargs="+", default=None, help="batch:tokens pairs")
+    parser.add_argument("--trials", type=int, default=256)
+    parser.add_argument("--time-budget", type=float, default=None, help="tuning seconds per config")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--out", default="benchmarks/results/model")
+    args = parser.parse_args()
+
+    from autosched.database.store import Database
+    from autosched.measure._worker import relative_error
+    from autosched.pipeline import build_model, extract_tasks, load_model, prepare, split_tunable
+    from autosched.target import parse_target
+    from autosched.tuner import TuneOptions, tune_tasks
+
+    target = parse_target(args.target)
+    device = target.torch_device
+    model_name = args.model or ("llama-7b-layers" if target.is_gpu else "small-llama")
+    configs = args.configs or (["1:512", "16:512", "1:1", "16:1"] if target.is_gpu else ["1:128", "1:1", "8:1"])
+    dtype = torch.float16 if target.is_gpu else torch.float32
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    db = Database(out_dir / f"model_{target.kind}.db")
+    rows = []
+    for cfg in configs:
+        batch, tokens = (int(x) for x in cfg.split(":"))
+        model = load_model(model_name, batch=batch, tokens=tokens, dtype=dtype)
+        module = model.module.to(device)
+        inputs = tuple(t.to(device) for t in model.inputs)
+        row = {"model": model_name, "batch": batch, "tokens": tokens, "target": target.label}
+        with torch.no_grad():
+            ref = module(*inputs).double()
+        row["torch_eager_ms"] = time_torch(lambda: module(*inputs), device) * 1e3
+        if not args.no_compile:
+            try:
+                compiled = torch.compile(module)
+                start = time.perf_counter()
+                with torch.no_grad():
+                    compiled(*inputs)
+                row["torch_compile_build_s"] = time.perf_counter() - start
+                row["torch_compile_ms"] = time_torch(lambda: compiled(*inputs), device) * 1e3
+            except Exception as exc:  # noqa: BLE001 - torch.compile needs a working toolchain
+                row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        executable, params, _ = build_model(model, target, None)
+        seconds, out = time_vm(executable, params, inputs, target)
+        row["untuned_ms"] = seconds * 1e3
+        row["untuned_err"] = relative_error(torch.from_dlpack(out).to(ref.device), ref)
+        tasks, _ = split_tunable(extract_tasks(prepare(model)[0]), target)
+        start = time.perf_counter()
+        tune_tasks(tasks, target, db, TuneOptions(trials=args.trials, batch_size=16, time_budget=args.time_budget))
+        row["tuning_s"] = time.perf_counter() - start
+        row["kernels"] = len(tasks)
+        executable, params, report = build_model(model, target, db)
+        seconds, out = time_vm(executable, params, inputs, target)
+        row["tuned_ms"] = seconds * 1e3
+        row["tuned_err"] = relative_error(torch.from_dlpack(out).to(ref.device), ref)
+        row["tuned_kernels"] = len(report.tuned)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (out_dir / f"results_{target.kind}.json").write_text(json.dumps(rows, indent=2))
+    db.close()
+    lines = [f"{model_name} on {target.label}; {args.trials} trials per config; {time.strftime('%Y-%m-%d')}.", "",
+             "| batch x tokens | torch eager (ms) | torch.compile (ms) | TVM untuned (ms) | autosched tuned (ms) | "
+             "tuned vs untuned | tuned vs eager | tuned vs compile | tuning (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tc = r.get("torch_compile_ms")
+        lines.append(f"| {r['batch']} x {r['tokens']} | {r['torch_eager_ms']:.3f} | {tc:.3f} | " if tc else
+                     f"| {r['batch']} x {r['tokens']} | {r['torch_eager_ms']:.3f} | - | ")
+        lines[-1] += (f"{r['untuned_ms']:.3f} | {r['tuned_ms']:.3f} | {r['untuned_ms'] / r['tuned_ms']:.2f}x | "
+                      f"{r['torch_eager_ms'] / r['tuned_ms']:.2f}x | "
+                      f"{(tc / r['tuned_ms']) if tc else float('nan'):.2f}x | {r['tuning_s']:.0f} |")
+    lines += ["", "Ratios above 1 mean the autosched build is faster."]
+    (out_dir / f"results_{target.kind}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""GPU spaces without a GPU: sampled points of every CUDA space apply, and the CUDA source TVM
+generates for them compiles with nvcc for sm_90 (the H200). Running them is in test_gpu_run.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from autosched.cuda_tools import cuda_source, nvcc_compile
+from autosched.target import parse_target
+from autosched.task import Task
+from autosched.workloads import make_workload
+
+CASES = [
+    ("gemm", "m=256,n=256,k=128", "float16", "", "gpu_matmul"),
+    ("gemm", "m=200,n=136,k=72", "bfloat16", "bias=1,act=gelu", "gpu_matmul"),
+    ("gemm", "m=64,n=96,k=40", "float32", "", "gpu_matmul"),
+    ("batch_matmul", "b=2,m=64,n=64,k=64", "float16", "", "gpu_matmul"),
+    ("gemm", "m=1,n=512,k=256", "float16", "", "gpu_gemv"),
+    ("dequant_gemm", "m=1,n=256,k=512", "float16", "bits=4,group=128", "gpu_gemv"),
+    ("rmsnorm", "m=8,n=1000", "float16", "", "gpu_rows"),
+    ("softmax", "m=8,n=4096", "float32", "", "gpu_rows"),
+    ("rope", "b=1,s=16,h=4,d=64", "float16", "", "gpu_injective"),
+    ("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16", "", "gpu_rows"),
+    ("attention", "b=1,h=4,hkv=2,s=100,d=64", "float16", "causal=1", "flash_attention"),
+]
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    return parse_target("cuda:sm_90", require_device=False)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("op,shape,dtype,attrs,space_name", CASES, ids=[f"{c[0]}-{c[2]}-{c[1]}" for c in CASES])
+def test_sampled_cuda_kernels_compile_for_sm90(op, shape, dtype, attrs, space_name, sm90):
+    task = Task.from_workload(make_workload(op, shape, dtype, attrs))
+    space = task.space(sm90)
+    assert space.name == space_name
+    rng = np.random.default_rng(0)
+    points = [space.default()] + [space.sample(rng) for _ in range(2)]
+    for point in points:
+        report = nvcc_compile(cuda_source(space.apply(point), sm90, space.build_config(point)), "sm_90")
+        assert report.ok, f"{point}:\n{report.log[-2000:]}"
+        assert report.registers is not None
+
+
+def test_tensor_core_space_offers_bf16(sm90):
+    task = Task.from_workload(make_workload("gemm", "m=128,n=128,k=128", "bfloat16"))
+    space = task.space(sm90)
+    assert True in next(k for k in space.knobs if k.name == "tensor_core").choices
+    point = space.canonical(dict(space.default(), tensor_core=True))
+    source = cuda_source(space.apply(point), sm90, space.build_config(point))
+    assert "wmma::mma_sync" in source and "nv_bfloat16" in source
