@@ -266,6 +266,10 @@ class Space:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     lines = [ln for ln in text.splitlines() if ln.strip()]
+    # A device compiler's log: its first error line says what went wrong.
+    for ln in lines:
+        if "error:" in ln:
+            return ln.strip()[:300]
     # TVM errors put the useful sentence last, after a traceback.
     for ln in reversed(lines):
         if "Error" in ln or "error" in ln or "Check failed" in ln:

@@ -60,10 +60,14 @@ class FlashAttentionSpace(Space):
             return "output accumulator above 128 registers per thread"
         if not _is_prefill_kernel_config_legal(tx, self.d, tz, self.d, vec, BDX, warps, False):
             return "tiles do not divide among the threads"
+        if self.elem == 2 and vec == 8:
+            from .gpu_rows import HALF8_REASON
+
+            return HALF8_REASON
         return None
 
     def default(self) -> Point:
-        point = {"tile_x": 32, "tile_z": 32, "warps": 4, "load_vec": 8 // self.elem * 2 if self.elem == 2 else 2}
+        point = {"tile_x": 32, "tile_z": 32, "warps": 4, "load_vec": 4}
         return point if self.check(point) is None else super().default()
 
     def initial(self, p: Point):

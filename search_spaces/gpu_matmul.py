@@ -87,6 +87,8 @@ class GpuMatmulSpace(Space):
             and min(self.i, self.j, self.k) >= 16
         self.elem = 2 if self.in_dtype in ("float16", "bfloat16") else 4
         self.k_contiguous = _k_contiguous(func)
+        # Integer weights mean a dequantising prologue that is computed inside the shared-memory fetch.
+        self.prologue = any(str(p.dtype) in ("int8", "uint8", "int32") for p in func.params)
         self.knobs = [
             Knob("tensor_core", (True, False) if self.tc_ok else (False,), ordered=False),
             # Tensor-core tiles: warps along I and J, 16x16 fragments per warp, 16-wide K steps per stage.
@@ -147,6 +149,10 @@ class GpuMatmulSpace(Space):
                 return "the shared-memory fetch does not divide among the threads"
             if p["frags_i"] * p["frags_j"] > 16:
                 return "more than 16 accumulator fragments per warp"
+            if self.prologue and self.elem == 2 and p["vector"] == 8:
+                from .gpu_rows import HALF8_REASON
+
+                return HALF8_REASON + " (the fetch dequantises)"
             return None
         threads = p["threads_i"] * p["threads_j"]
         if not 32 <= threads <= 1024:
@@ -157,6 +163,10 @@ class GpuMatmulSpace(Space):
             return "shared-memory tiles exceed 48 KB"
         if p["micro_j"] % p["vector"]:
             return "vector width does not divide the per-thread J tile"
+        if self.elem == 2 and p["vector"] == 8:
+            from .gpu_rows import HALF8_REASON
+
+            return HALF8_REASON
         return None
 
     def default(self) -> Point:
@@ -282,14 +292,14 @@ class GpuMatmulSpace(Space):
 
 
 class GpuGemvSpace(Space):
-    """Matrix-vector products (decode: M of 1 to 8): each block computes a few outputs, its threads
+    """Matrix-vector products (decode: M of 1 to 16): each block computes a few outputs, its threads
     split K with per-thread partial sums in registers and finish with a cross-thread reduction."""
 
     name = "gpu_gemv"
     version = 1
     targets = ("cuda",)
     families = ("matmul",)
-    MAX_M = 8
+    MAX_M = 16
 
     @classmethod
     def matches(cls, func) -> bool:
@@ -345,7 +355,7 @@ class GpuGemvSpace(Space):
         sch.bind(j1, "threadIdx.y")
         sch.bind(k1, "threadIdx.x")
         sch.set_scope(partial, 0, "local")
-        sch.unroll(k2)
+        self._vector_loads(sch, partial, k0, k2, vec)
         if p["unroll"]:
             sch.annotate(k0, "pragma_auto_unroll_max_step", p["unroll"])
             sch.annotate(k0, "pragma_unroll_explicit", 1)
@@ -353,7 +363,43 @@ class GpuGemvSpace(Space):
         # No unit loops around it: cross-thread reduction wants the lane loop innermost.
         sch.reverse_compute_at(main, j1, preserve_unit_loops=False)
         sch.set_scope(main, 0, "local")
-        lane_loop = [lp for lp, kind in zip(sch.get_loops(main), loop_kinds(sch, main)) if kind == "R"][-1]
+        inner = list(zip(sch.get_loops(main), loop_kinds(sch, main)))[2:]  # below the block and j1 loops
+        lane_loop = [lp for lp, kind in inner if kind == "R"][-1]
+        rows = [lp for lp, kind in inner if kind != "R"]
+        if rows:
+            sch.reorder(*rows, lane_loop)  # the lane loop innermost, as cross-thread reduction requires
         sch.bind(lane_loop, "threadIdx.x")
         # Step 3. The epilogue writes each block's outputs.
         sch.reverse_compute_at(out, j1, preserve_unit_loops=True)
+
+    def _vector_loads(self, sch, partial, k0, k2, vec: int) -> None:
+        """Stage each thread's ``vec`` consecutive elements of every global operand through registers, so
+        they are read with one wide load (16 bytes for 8 halves) rather than ``vec`` narrow ones."""
+        from tvm import tirx
+
+        k2_name = sch.get(k2).loop_var.name
+        realize = _realize(sch, partial)
+        realize_vars = {iv.var.name: val for iv, val in zip(realize.block.iter_vars, realize.iter_values)}
+        params = {p.name for p in self.func.params}
+        for index, region in enumerate(list(sch.get(partial).reads)):
+            buf = region.source
+            if buf.name not in params or vec == 1:
+                continue
+            last = {v.name for v in tirx.analysis.undefined_vars(region.region[-1].min)}
+            uses_k2 = any(k2_name in {x.name for x in tirx.analysis.undefined_vars(realize_vars[v])}
+                          for v in last if v in realize_vars)
+            if not uses_k2:
+                continue
+            try:
+                cache = sch.cache_read(partial, index, "local")  # reads keep their order
+                sch.compute_at(cache, k0, preserve_unit_loops=True)
+                sch.vectorize(sch.get_loops(cache)[-1])
+            except (RuntimeError, ValueError):
+                continue
+        sch.unroll(k2)
+
+
+def _realize(sch, block):
+    from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
+
+    return get_sblockrealize(sch, block)

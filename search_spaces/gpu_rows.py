@@ -28,6 +28,15 @@ def _param_names(func) -> set[str]:
     return {p.name for p in func.params}
 
 
+def _has_half(func) -> bool:
+    return any(str(p.dtype) in ("float16", "bfloat16") for p in func.params)
+
+
+# TVM 0.27's CUDA code generator emits invalid code for arithmetic on 8-wide half vectors (a uint4
+# built with make_uint4 of 8 arguments; nvcc: "too many arguments in function call"), seen on the H200.
+HALF8_REASON = "8-wide half-precision vector arithmetic miscompiles in TVM 0.27's CUDA code generator"
+
+
 def _coalescing_loop(sch, block, loops, params: set[str]):
     """The loop (among ``loops``) that indexes the last dimension of the block's largest global read."""
     from tvm import tirx
@@ -73,14 +82,21 @@ class GpuRowsSpace(Space):
         sch = s_tir.Schedule(func)
         self.depth = row_depth(sch)
         self.params = _param_names(func)
+        self.half = _has_half(func)
         self.knobs = [
             Knob("warps", (1, 2, 4, 8, 16, 32)),
             Knob("vector", (1, 2, 4, 8)),
             Knob("unroll", (0, 16, 64, 256)),
+            # Read an input that several stages of the row use (X of a norm or softmax) from global memory
+            # once, into shared memory, instead of once per stage.
+            Knob("stage_input", (False, True), ordered=False),
         ]
 
+    def check(self, p: Point) -> str | None:
+        return HALF8_REASON if self.half and p["vector"] == 8 else None
+
     def default(self) -> Point:
-        return {"warps": 8, "vector": 4, "unroll": 16}
+        return {"warps": 8, "vector": 4, "unroll": 16, "stage_input": False}
 
     def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
         inline_spatial(sch)
@@ -92,11 +108,37 @@ class GpuRowsSpace(Space):
         for block in reversed(blocks[:-1]):
             sch.compute_at(block, row, preserve_unit_loops=True)
             sch.set_scope(block, 0, "shared")
+        staged = {sch.get(b).name_hint for b in self._stage_inputs(sch, row, p)} if p["stage_input"] else set()
         for block in blocks_of(sch):
+            if sch.get(block).name_hint in staged:  # already bound to the threads
+                continue
             self._threads(sch, block, p)
             if p["unroll"]:
                 sch.annotate(block, "pragma_auto_unroll_max_step", p["unroll"])
                 sch.annotate(block, "pragma_unroll_explicit", 1)
+
+    def _stage_inputs(self, sch, row, p: Point) -> list:
+        """Copy each function input that two or more stages read into shared memory, once per row."""
+        readers: dict[str, list] = {}
+        for block in blocks_of(sch):
+            for index, region in enumerate(sch.get(block).reads):
+                if region.source.name in self.params:
+                    readers.setdefault(region.source.name, []).append((block, index))
+        staged = []
+        for name, uses in readers.items():
+            if len(uses) < 2:
+                continue
+            block, index = uses[0]
+            cache = sch.cache_read(block, index, "shared", consumer_blocks=[b for b, _ in uses])
+            sch.compute_at(cache, row, preserve_unit_loops=True)
+            loops = sch.get_loops(cache)[1:]
+            fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+            _, ty, tx, v = sch.split(fused, [None, p["warps"], LANES, p["vector"]])
+            sch.bind(ty, "threadIdx.y")
+            sch.bind(tx, "threadIdx.x")
+            sch.vectorize(v)
+            staged.append(cache)
+        return staged
 
     def _threads(self, sch, block, p: Point) -> None:
         warps, vec = p["warps"], p["vector"]
@@ -152,12 +194,16 @@ class GpuInjectiveSpace(Space):
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
+        self.half = _has_half(func)
         self.knobs = [
             Knob("threads", (64, 128, 256, 512, 1024)),
             Knob("vector", (1, 2, 4, 8)),
             Knob("per_thread", (1, 2, 4, 8)),
             Knob("unroll", (0, 16, 64)),
         ]
+
+    def check(self, p: Point) -> str | None:
+        return HALF8_REASON if self.half and p["vector"] == 8 else None
 
     def default(self) -> Point:
         return {"threads": 256, "vector": 4, "per_thread": 1, "unroll": 0}
