@@ -11,6 +11,7 @@ of the whole forward pass on the same inputs. Writes results.json and results.md
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -78,7 +79,7 @@ def main() -> int:
     for cfg in configs:
         batch, tokens = (int(x) for x in cfg.split(":"))
         model = load_model(model_name, batch=batch, tokens=tokens, dtype=dtype)
-        module = model.module.to(device)
+        module = copy.deepcopy(model.module).to(device)  # the export below needs the CPU original
         inputs = tuple(t.to(device) for t in model.inputs)
         row = {"model": model_name, "batch": batch, "tokens": tokens, "target": target.label}
         with torch.no_grad():
