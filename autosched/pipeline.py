@@ -93,11 +93,11 @@ def load_model(spec: str, **kwargs: Any) -> Model:
 
 def import_model(model: Model) -> tuple[IRModule, list]:
     """The Relax module (weights as parameters after the inputs) and the weights."""
+    import warnings
+
     import torch
     from tvm.relax.frontend import detach_params
     from tvm.relax.frontend.torch import from_exported_program
-
-    import warnings
 
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, not the user's
@@ -218,7 +218,6 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     from autosched.search_spaces import InvalidPoint
 
     from .task import Task
-
     from .validate import trusted_best
 
     report = ApplyReport()
@@ -277,8 +276,6 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
 def build_model(model: Model, target: TargetSpec, db: Database | None):
     """Import, lower, apply the database and compile; returns (executable, the transformed parameters
     ``main`` takes, report)."""
-    import tvm
-
     from .target import compile_module
 
     lowered, params = prepare(model)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -95,6 +94,14 @@ def torch_fn(op: str, wl, ins):
     raise KeyError(op)
 
 
+def copy_bandwidth(time_cuda) -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read and written: the memory ceiling."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = statistics.median(time_cuda(lambda: dst.copy_(src), 20, 0))
+    return 2 * src.numel() / seconds / 1e9
+
+
 def dlight_module(func, target):
     import tvm
     from tvm.s_tir import dlight as dl
@@ -148,7 +155,7 @@ def main() -> int:
     from autosched.target import parse_target
     from autosched.task import Task
     from autosched.tuner import TuneOptions, tune
-    from autosched.workloads import get_operator, make_workload
+    from autosched.workloads import make_workload
 
     target = parse_target("cuda")
     out_dir = Path(args.out)
@@ -157,11 +164,7 @@ def main() -> int:
     machine = {"gpu": target.device_name, "arch": target.arch, "sms": target.num_cores, "driver": target.driver_version,
                "tvm": tvm.__version__, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     print(f"machine: {machine}", flush=True)
-    copy = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(copy)
-    copy_s = statistics.median(time_cuda(lambda: dst.copy_(copy), 20, 0))
-    machine["copy_bandwidth_gbps"] = 2 * copy.numel() / copy_s / 1e9
-    del copy, dst
+    machine["copy_bandwidth_gbps"] = copy_bandwidth(time_cuda)
     print(f"device-to-device copy: {machine['copy_bandwidth_gbps']:.0f} GB/s", flush=True)
     rows = []
     measurer = Measurer(target, MeasureConfig.for_target(target, repeat=10))

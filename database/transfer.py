@@ -126,7 +126,8 @@ def read_export(path: str | Path) -> tuple[dict[str, Any], Iterator[dict[str, An
         raise DatabaseError(f"{path} is not an autosched export: its first line is not JSON") from None
     if not isinstance(header, dict) or header.get("format") != EXPORT_FORMAT:
         handle.close()
-        raise DatabaseError(f"{path} is not an autosched export (header format {header.get('format') if isinstance(header, dict) else header!r})")
+        found = header.get("format") if isinstance(header, dict) else header
+        raise DatabaseError(f"{path} is not an autosched export (header format {found!r})")
     if header.get("version", 0) > EXPORT_VERSION:
         handle.close()
         raise DatabaseError(f"{path} uses export version {header['version']}; this autosched reads up to "

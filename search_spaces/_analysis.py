@@ -182,3 +182,19 @@ def fold_consumer_chain(sch: s_tir.Schedule, block: SBlockRV) -> SBlockRV | None
 
 def spatial_producers(sch: s_tir.Schedule, block: SBlockRV) -> list[SBlockRV]:
     return [p for p in sch.get_producers(block) if not is_reduction(sch, p)]
+
+
+# ---- structural tests that pick a space for a function of unknown origin -------------------------
+def is_contraction(func: PrimFunc) -> bool:
+    """One matrix-product block, every other block elementwise."""
+    from tvm import s_tir
+
+    return find_matmul_block(s_tir.Schedule(func)) is not None
+
+
+def is_injective(func: PrimFunc) -> bool:
+    """No reduction at all."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    return not any(is_reduction(sch, b) for b in blocks_of(sch))

@@ -11,12 +11,11 @@ import math
 from typing import TYPE_CHECKING
 
 from ._analysis import (
-    blocks_of,
     const_extents,
     find_matmul_block,
     fold_consumer_chain,
     inline_producers,
-    matmul_index_maps,
+    is_contraction,
     normalize_matmul,
 )
 from ._knobs import Knob, Point, Space
@@ -76,9 +75,7 @@ class GpuMatmulSpace(Space):
 
     @classmethod
     def matches(cls, func) -> bool:
-        from tvm import s_tir
-
-        return find_matmul_block(s_tir.Schedule(func)) is not None
+        return is_contraction(func)
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._analysis import blocks_of, const_extents, is_reduction, loop_kinds
+from ._analysis import blocks_of, const_extents, is_injective, is_reduction, loop_kinds
 from ._knobs import Knob, Point, Space
 from .rows import inline_spatial, row_depth
 
@@ -125,7 +125,7 @@ class GpuRowsSpace(Space):
                 if region.source.name in self.params:
                     readers.setdefault(region.source.name, []).append((block, index))
         staged = []
-        for name, uses in readers.items():
+        for uses in readers.values():
             if len(uses) < 2:
                 continue
             block, index = uses[0]
@@ -187,10 +187,7 @@ class GpuInjectiveSpace(Space):
 
     @classmethod
     def matches(cls, func) -> bool:
-        from tvm import s_tir
-
-        sch = s_tir.Schedule(func)
-        return not any(is_reduction(sch, b) for b in blocks_of(sch))
+        return is_injective(func)
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)

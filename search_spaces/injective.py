@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._analysis import blocks_of, const_extents, is_reduction
+from ._analysis import blocks_of, const_extents, is_injective
 from ._knobs import Knob, Point, Space
 from .rows import inline_spatial
 
@@ -24,10 +24,7 @@ class InjectiveSpace(Space):
 
     @classmethod
     def matches(cls, func) -> bool:
-        from tvm import s_tir
-
-        sch = s_tir.Schedule(func)
-        return not any(is_reduction(sch, b) for b in blocks_of(sch))
+        return is_injective(func)
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)

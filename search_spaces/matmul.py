@@ -10,7 +10,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ._analysis import const_extents, find_matmul_block, fold_consumer_chain, inline_producers, normalize_matmul
+from ._analysis import (
+    const_extents,
+    find_matmul_block,
+    fold_consumer_chain,
+    inline_producers,
+    is_contraction,
+    normalize_matmul,
+)
 from ._knobs import Knob, Point, Space, TileKnob, padded
 
 if TYPE_CHECKING:
@@ -32,9 +39,7 @@ class MatmulSpace(Space):
 
     @classmethod
     def matches(cls, func) -> bool:
-        from tvm import s_tir
-
-        return find_matmul_block(s_tir.Schedule(func)) is not None
+        return is_contraction(func)
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
@@ -88,7 +93,7 @@ class MatmulSpace(Space):
 
     def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
         main = find_matmul_block(sch)
-        parts = normalize_matmul(sch, main)
+        normalize_matmul(sch, main)
         ti, tj, tk = p["tile_i"], p["tile_j"], p["tile_k"]
         tile_i, tile_j, tile_k = math.prod(ti), math.prod(tj), tk[0]
         pads = [1, tile_i, tile_j, tile_k]
