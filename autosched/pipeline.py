@@ -92,7 +92,11 @@ def load_model(spec: str, **kwargs: Any) -> Model:
 
 
 def import_model(model: Model) -> tuple[IRModule, list]:
-    """The Relax module (weights as parameters after the inputs) and the weights."""
+    """The Relax module (weights as parameters after the inputs) and the weights.
+
+    Every operator is decomposed as usual except scaled-dot-product attention, which reaches Relax as
+    one ``R.nn.attention`` call so that :func:`substitute_workloads` can hand it to our attention kernel.
+    """
     import warnings
 
     import torch
@@ -102,9 +106,76 @@ def import_model(model: Model) -> tuple[IRModule, list]:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, not the user's
         exported = torch.export.export(model.module, model.inputs)
-        mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+        table = torch.export.default_decompositions()
+        for op in [op for op in table if "scaled_dot_product" in str(op)]:
+            del table[op]
+        exported = exported.run_decompositions(table)
+        mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True,
+                                    run_ep_decomposition=False)
     mod, params = detach_params(mod)
-    return mod, list(params["main"])
+    return substitute_workloads(mod), list(params["main"])
+
+
+WORKLOAD_ATTR = "autosched.workload"
+
+
+def substitute_workloads(mod: IRModule) -> IRModule:
+    """Replace each ``R.nn.attention`` (layout [batch, seq, heads, dim], no bias, causal or not) by a call
+    of our ``attention`` workload's kernel on [batch, heads, seq, dim]. The kernel keeps the workload in
+    an attribute, so it is tuned and stored under the same key as ``autosched tune attention`` and gets
+    the attention space (the fused FlashAttention template on the GPU) instead of generic fusion."""
+    import json
+
+    import tvm
+    from tvm import relax
+
+    from .workloads import get_operator, make_workload
+
+    attention = tvm.ir.Op.get("relax.nn.attention")
+
+    @relax.expr_functor.mutator
+    class Substitute(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = self.visit_expr_post_order(call)
+            if not (isinstance(call.op, tvm.ir.Op) and call.op.same_as(attention) and len(call.args) == 3):
+                return call
+            attrs = call.attrs
+            causal = str(attrs.causal_mask or "")
+            if attrs.scale is not None or attrs.window_size is not None or causal not in ("", "TopLeft"):
+                return call
+            q, k, v = call.args
+            b, s, h, d = (int(x) for x in q.ty.shape)
+            hkv, dtype = int(k.ty.shape[2]), str(q.ty.dtype)
+            if int(k.ty.shape[1]) != s:
+                return call  # cross attention: not our workload
+            wl = make_workload("attention", {"b": b, "h": h, "s": s, "d": d, "hkv": hkv}, dtype,
+                               {"causal": causal == "TopLeft"})
+            func = get_operator("attention").build(wl).with_attr(WORKLOAD_ATTR, json.dumps(wl.to_json()))
+            func = func.with_attr("op_pattern", 8)  # opaque: fusion must not change our kernel
+            gv = self.builder_.add_func(func, "autosched_attention")
+            qt, kt, vt = (self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1, 3])) for x in (q, k, v))
+            out = self.builder_.emit(relax.call_tir(gv, [qt, kt, vt], relax.TensorType((b, h, s, d), dtype)))
+            return relax.op.permute_dims(out, [0, 2, 1, 3])
+
+    mutator = Substitute(mod)
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            mutator.builder_.update_func(gv, mutator.visit_expr(func))
+    return mutator.builder_.get()
+
+
+def task_of(name: str, func, weight: float = 1.0) -> Task:
+    """The task of a lowered kernel: our workload's if it carries one (substituted attention), else the
+    function itself under its structural hash."""
+    from autosched.workloads import Workload
+
+    from .task import Task
+
+    if func.attrs is not None and WORKLOAD_ATTR in func.attrs:
+        task = Task.from_workload(Workload.from_json(str(func.attrs[WORKLOAD_ATTR])))
+        task.name, task.weight = name, weight
+        return task
+    return Task.from_func(name, func, weight=weight)
 
 
 def prepare(model: Model) -> tuple[IRModule, list]:
@@ -171,14 +242,13 @@ def extract_tasks(mod: IRModule) -> list[Task]:
     """Every distinct kernel of the lowered module as a task, weighted by its number of calls."""
     from tvm import tirx
 
-    from .task import Task
 
     calls = kernel_calls(mod)
     by_key: dict[str, Task] = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or calls.get(gv.name_hint, 0) == 0:
             continue
-        task = Task.from_func(gv.name_hint, func, weight=calls[gv.name_hint])
+        task = task_of(gv.name_hint, func, calls[gv.name_hint])
         if task.key in by_key:
             by_key[task.key].weight += task.weight
             by_key[task.key].meta.setdefault("aliases", []).append(gv.name_hint)
@@ -217,7 +287,6 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     from autosched.errors import SpaceError
     from autosched.search_spaces import InvalidPoint
 
-    from .task import Task
     from .validate import trusted_best
 
     report = ApplyReport()
@@ -237,7 +306,7 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc):
             continue
-        task = Task.from_func(gv.name_hint, func)
+        task = task_of(gv.name_hint, func)
         scheduled = None
         try:
             space = task.space(target)

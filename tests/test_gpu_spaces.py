@@ -56,3 +56,13 @@ def test_tensor_core_space_offers_bf16(sm90):
     point = space.canonical(dict(space.default(), tensor_core=True))
     source = cuda_source(space.apply(point), sm90, space.build_config(point))
     assert "wmma::mma_sync" in source and "nv_bfloat16" in source
+
+
+def test_show_prints_cuda_source_without_a_gpu(tmp_path):
+    from .test_cli import autosched
+
+    out = autosched("show", "gemm", "--shape", "m=128,n=128,k=64", "--dtype", "fp16", "--target", "cuda",
+                    "--db", str(tmp_path / "none.db")).stdout
+    assert "__global__" in out and "default point" in out and "cuda:sm_90" in out
+    cpu = autosched("show", "rmsnorm", "--shape", "m=4,n=64", "--db", str(tmp_path / "none.db")).stdout
+    assert "T.prim_func" in cpu and "__global__" not in cpu

@@ -47,6 +47,10 @@ def test_fusion_and_task_extraction(lowered):
     matmuls = [t for t in tasks if t.name.startswith("matmul")]
     assert matmuls and all(t.weight >= 2 for t in matmuls)
     assert any("fused" in t.name for t in tasks)  # FuseOps/FuseTIR fused elementwise chains
+    # Scaled-dot-product attention becomes our attention workload, shared by both layers.
+    attention = [t for t in tasks if t.workload is not None]
+    assert len(attention) == 1 and attention[0].workload.op == "attention" and attention[0].weight == 2
+    assert attention[0].workload.attrs_dict["causal"] is True
 
 
 def test_untuned_model_builds_and_matches_torch(tiny, cpu_target, tmp_path):
