@@ -24,7 +24,9 @@ def add_parser(sub, add_db_arg, add_format) -> None:
 
     def filters(p):
         p.add_argument("--op", help="only this operator")
-        p.add_argument("--workload", help="only workload keys containing this text")
+        p.add_argument("--shape", help="only these shape values, e.g. m=2048 or m=2048,n=4096")
+        p.add_argument("--dtype", help="only this dtype")
+        p.add_argument("--workload", help="only workload keys (or kernel names) containing this text")
         p.add_argument("--target", dest="target_kind", choices=("llvm", "cuda"), help="only this target kind")
         p.add_argument("--device", help="only devices whose name contains this text")
         p.add_argument("--run", dest="run_id", type=int, help="only this run id")
@@ -48,7 +50,7 @@ def add_parser(sub, add_db_arg, add_format) -> None:
     p = dsub.add_parser("show", help="one record in full: point, timings, error, provenance")
     p.add_argument("record_id", type=int, help="record id (from `db list` or `db best`)")
     add_db_arg(p)
-    add_format(p, ("table", "json"))
+    add_format(p)
 
     p = dsub.add_parser("history", help="best latency so far against trials, for workloads matching a key")
     p.add_argument("workload", help="text the workload key contains, e.g. 'gemm[m=1024'")
@@ -69,7 +71,7 @@ def add_parser(sub, add_db_arg, add_format) -> None:
     p = dsub.add_parser("stats", help="records, failures by reason, runs and tuning time spent")
     add_db_arg(p)
     filters(p)
-    add_format(p, ("table", "json"))
+    add_format(p)
 
     p = dsub.add_parser("export", help="write records to a portable JSON-lines file")
     add_db_arg(p)
@@ -92,7 +94,17 @@ def _filter(args) -> RecordFilter:
         failed = True
     elif getattr(args, "ok", False):
         failed = False
-    return RecordFilter(op=getattr(args, "op", None), workload=getattr(args, "workload", None),
+    shape = getattr(args, "shape", None)
+    dtype = getattr(args, "dtype", None)
+    if shape:
+        from autosched.workloads import parse_shape
+
+        shape = parse_shape(shape)
+    if dtype:
+        from autosched.workloads import normalize_dtype
+
+        dtype = normalize_dtype(dtype)
+    return RecordFilter(op=getattr(args, "op", None), workload=getattr(args, "workload", None), dtype=dtype, shape=shape,
                         target_kind=getattr(args, "target_kind", None), device=getattr(args, "device", None),
                         run_id=getattr(args, "run_id", None), since=getattr(args, "since", None),
                         until=getattr(args, "until", None), failed=failed)
@@ -143,7 +155,7 @@ def run(args) -> int:
             if args.format == "json":
                 print(json.dumps(data, indent=2))
             else:
-                emit(_flatten(data), "table", [("field", "field"), ("value", "value")], title=f"record {r.id}")
+                emit(_flatten(data), args.format, [("field", "field"), ("value", "value")], title=f"record {r.id}")
             return 0
         if cmd == "history":
             from .queries import history
@@ -176,7 +188,7 @@ def run(args) -> int:
                 print(json.dumps(data, indent=2))
             else:
                 emit([{"field": k, "value": json.dumps(v) if isinstance(v, (dict, list)) else v} for k, v in data.items()],
-                     "table", [("field", "field"), ("value", "value")])
+                     args.format, [("field", "field"), ("value", "value")])
             return 0
         if cmd == "export":
             if args.output == "-":

@@ -31,6 +31,8 @@ class RecordFilter:
 
     op: str | None = None
     workload: str | None = None  # substring of the workload key
+    dtype: str | None = None
+    shape: dict[str, int] | None = None  # every given key must have this value
     target_kind: str | None = None
     device: str | None = None  # substring of the device name
     run_id: int | None = None
@@ -43,6 +45,12 @@ class RecordFilter:
             q = q.where(WorkloadRow.op == self.op)
         if self.workload:
             q = q.where(WorkloadRow.key.contains(self.workload) | WorkloadRow.attrs_json.contains(self.workload))
+        if self.dtype:
+            q = q.where(WorkloadRow.dtype == self.dtype)
+        for key, value in (self.shape or {}).items():
+            # shape_json is written by json.dumps: '"m": 1024' with a comma or brace after the value
+            q = q.where(WorkloadRow.shape_json.contains(f'"{key}": {value},')
+                        | WorkloadRow.shape_json.contains(f'"{key}": {value}}}'))
         if self.target_kind:
             q = q.where(TargetRow.kind == self.target_kind)
         if self.device:

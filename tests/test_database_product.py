@@ -141,3 +141,19 @@ def test_records_from_another_tvm_version_are_revalidated(tmp_path, cpu_target):
         assert db.validation(best.record_id, cpu_target.tvm_version).ok
         failed = [r for r in db.records_for(task.key, cpu_target) if r.point == bad][0]
         assert db.validation(failed.record_id, cpu_target.tvm_version).ok is False
+
+
+def test_filters_by_shape_and_dtype(tmp_path, cpu_target):
+    from autosched.database.transfer import RecordFilter, record_rows
+
+    with Database(tmp_path / "f.db") as db:
+        for shape, dtype in (("m=64,n=64,k=64", "float32"), ("m=64,n=128,k=64", "float32"), ("m=64,n=64,k=64", "float16")):
+            _fill(db, Task.from_workload(make_workload("gemm", shape, dtype)), cpu_target, [1e-3])
+        with db.session() as s:
+            def keys(flt):
+                return sorted(w.key for _, w, _ in record_rows(s, flt))
+
+            assert len(keys(RecordFilter(shape={"n": 64}))) == 2
+            assert keys(RecordFilter(shape={"n": 128})) == ["gemm[m=64,n=128,k=64]:float32;bias=False;act=none"]
+            assert len(keys(RecordFilter(dtype="float16"))) == 1
+            assert len(keys(RecordFilter(shape={"m": 64, "n": 64}, dtype="float32"))) == 1
