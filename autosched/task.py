@@ -188,7 +188,7 @@ class OperatorChecker(Checker):
 
 
 class SelfChecker(Checker):
-    """Checks a function against itself compiled without a schedule for the CPU."""
+    """Checks a function of unknown origin against the same function under an independent schedule."""
 
     def __init__(self, func: PrimFunc):
         self.func = func
@@ -228,11 +228,34 @@ class SelfChecker(Checker):
         return args
 
     def reference(self, inputs):
+        """The function's outputs computed by an independent schedule: on a GPU, TVM's own default
+        (dlight) schedule; on the CPU, the function as written. (A naive CPU build of a large GEMM of
+        a model would take minutes per task on the GPU machine.)"""
         import torch
+
+        device = inputs[0].device if inputs else torch.device("cpu")
+        outs = [torch.empty(s, dtype=getattr(torch, d), device=device) for s, d in self.output_specs()]
+        self._reference_module(device.type)(*[_to_tvm(t) for t in self.arrange(inputs, outs)])
+        return [o.double() for o in outs]
+
+    def _reference_module(self, device_type: str):
         import tvm
 
-        ex = tvm.compile(self.func, target={"kind": "llvm"})
-        cpu_in = [t.cpu() for t in inputs]
-        outs = [torch.empty(s, dtype=getattr(torch, d)) for s, d in self.output_specs()]
-        ex(*[tvm.runtime.from_dlpack(t) for t in self.arrange(cpu_in, outs)])
-        return [o.double().to(inputs[0].device if inputs else "cpu") for o in outs]
+        if device_type == "cuda":
+            from tvm.s_tir import dlight as dl
+
+            from .target import parse_target
+
+            target = parse_target("cuda").tvm_target()
+            with target:
+                mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                              dl.gpu.GeneralReduction(), dl.gpu.Fallback())(
+                    tvm.IRModule({"main": self.func}))
+            return tvm.compile(mod, target=target)
+        return tvm.compile(self.func, target=tvm.target.Target({"kind": "llvm"}))
+
+
+def _to_tvm(tensor):
+    import tvm
+
+    return tvm.runtime.from_dlpack(tensor)

@@ -42,6 +42,7 @@ class MeasureConfig:
         flush_bytes: bytes written before each repeat to flush the caches (0: no flush).
         build_timeout: seconds one candidate may take to build.
         run_timeout: seconds one candidate may take to check and time.
+        prepare_timeout: seconds the inputs and reference outputs of a task may take.
     """
 
     repeat: int = 5
@@ -50,6 +51,7 @@ class MeasureConfig:
     flush_bytes: int = 0
     build_timeout: float = 120.0
     run_timeout: float = 120.0
+    prepare_timeout: float = 900.0
 
     @classmethod
     def for_target(cls, target: TargetSpec, **overrides) -> MeasureConfig:
@@ -124,6 +126,7 @@ class Runner:
         self.dir = workdir or tempfile.mkdtemp(prefix="autosched-run-")
         self._log = _worker_log(self.dir, "runner.log")
         self._worker = PopenWorker(init_worker, stdout=subprocess.DEVNULL, stderr=self._log)
+        self._prepared: str | None = None  # key of the task whose reference the worker holds
 
     def run(self, spec: TaskSpec, builds: list[BuildResult], cutoff: float | None = None) -> list[MeasureResult]:
         """Check and time each successful build; ``cutoff`` (seconds): a candidate whose first timed run
@@ -141,22 +144,48 @@ class Runner:
             if not build.ok:
                 results.append(MeasureResult.failed(build.error_kind, build.error_msg, build.seconds))
                 continue
+            unprepared = self._prepare(spec)  # no-op unless the task is new or the worker restarted
+            if unprepared is not None:
+                results.append(MeasureResult.failed("run", unprepared, build.seconds))
+                continue
             start = time.perf_counter()
             try:
                 self._worker.send(run_candidate, (spec, self.target, build.artifact, cfg), timeout=self.config.run_timeout)
                 res = self._worker.recv()
             except TimeoutError:
                 res = MeasureResult.failed("run_timeout", f"check and timing took over {self.config.run_timeout:.0f} s")
+                self._prepared = None
             except ChildProcessError:
                 res = MeasureResult.failed("run", "the kernel crashed the runner process (segfault or abort)",
                                            run_seconds=time.perf_counter() - start)
+                self._prepared = None
             if self.target.is_gpu and res.error_kind in ("run", "run_timeout"):
                 # A faulting kernel can leave the CUDA context unusable: start a fresh runner.
                 self._worker.kill()
+                self._prepared = None
             results.append(MeasureResult(res.latencies, res.error_kind, res.error_msg, build.seconds,
                                          res.run_seconds, res.rel_error))
             best = min(best, results[-1].median)
         return results
+
+    def _prepare(self, spec: TaskSpec) -> str | None:
+        """Inputs and reference of a new task, computed once, outside the candidates' run timeout."""
+        from ._worker import prepare_task
+
+        if spec.key == self._prepared:
+            return None
+        try:
+            self._worker.send(prepare_task, (spec, self.target), timeout=self.config.prepare_timeout)
+            reason = self._worker.recv()
+        except TimeoutError:
+            reason = f"computing the reference took over {self.config.prepare_timeout:.0f} s"
+        except ChildProcessError:
+            reason = "the runner process died while computing the reference"
+        if reason is None:
+            self._prepared = spec.key
+            return None
+        self._prepared = None
+        return f"could not prepare inputs/reference: {reason}"
 
     def close(self) -> None:
         self._worker.kill()

@@ -85,6 +85,17 @@ def _task_state(spec, target) -> dict[str, Any]:
     return _CACHE[key]
 
 
+def prepare_task(spec, target) -> str | None:
+    """Build the task's inputs and reference outputs ahead of the candidates (outside their timeout:
+    a reference can take long, e.g. TVM's default GPU schedules import their tensor intrinsics).
+    Returns None, or why the reference could not be computed."""
+    try:
+        _task_state(spec, target)
+    except Exception as exc:  # noqa: BLE001
+        return _short(exc)
+    return None
+
+
 def relative_error(out, ref) -> float:
     """||out - ref|| / ||ref|| in float64; infinity if out has a NaN or infinity (e.g. unwritten)."""
     import torch
