@@ -219,12 +219,12 @@ def write_markdown(path: Path, machine: dict, rows: list[dict]) -> None:
         sub = [r for r in rows if r["case"] == case]
         untuned = next(r["latency_ms"] for r in sub if r["method"].startswith("untuned"))
         lines += [f"**{sub[0]['workload']}**", "",
-                  "| method | latency (ms) | GFLOP/s | GB/s | speed-up vs untuned | tuning time (s) |",
-                  "|---|---|---|---|---|---|"]
+                  "| method | latency (ms) | GFLOP/s | GB/s | speed-up vs untuned | tuning time (s) | trials measured |",
+                  "|---|---|---|---|---|---|---|"]
         for r in sub:
             tune = f"{r['tuning_s']:.0f}" if r["tuning_s"] else ""
             lines.append(f"| {r['method']} | {r['latency_ms']:.3f} | {r['gflops']:.1f} | {r['gbps']:.1f} | "
-                         f"{untuned / r['latency_ms']:.1f}x | {tune} |")
+                         f"{untuned / r['latency_ms']:.1f}x | {tune} | {r['trials'] or ''} |")
         lines.append("")
     path.write_text("\n".join(lines))
 

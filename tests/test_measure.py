@@ -86,7 +86,8 @@ def test_measurer_times_good_candidates_and_records_space_errors(gemm_task, cpu_
     space = gemm_task.space(cpu_target)
     points = [space.default(), space.sample(np.random.default_rng(1)), {"not": "a point"}]
     with Measurer(cpu_target, MeasureConfig(repeat=3, min_repeat_ms=5)) as m:
-        a, b, bad = m.measure(gemm_task.spec, points)
+        # One call per point: within a batch a candidate over SLOW_CUTOFF x the batch's best is timed once.
+        a, b, bad = (m.measure(gemm_task.spec, [p])[0] for p in points)
     for res in (a, b):
         assert res.ok and len(res.latencies) == 3 and all(t > 0 for t in res.latencies)
         assert res.rel_error < 1e-5 and res.build_seconds > 0
@@ -102,3 +103,12 @@ def test_builder_survives_a_batch_larger_than_its_pool(gemm_task, cpu_target):
     finally:
         builder.close()
     assert all(r.ok for r in results) and len({r.artifact for r in results}) == 5
+
+
+def test_candidate_slower_than_the_cutoff_is_timed_once(gemm_task, cpu_target):
+    space = gemm_task.space(cpu_target)
+    with Measurer(cpu_target, MeasureConfig(repeat=5, min_repeat_ms=5)) as m:
+        (fast,) = m.measure(gemm_task.spec, [space.default()])
+        (cut,) = m.measure(gemm_task.spec, [space.default()], cutoff=fast.median / 100)
+    assert len(fast.latencies) == 5
+    assert cut.ok and len(cut.latencies) == 1 and cut.latencies[0] > fast.median / 100
