@@ -53,8 +53,9 @@ def time_host(fn, min_seconds: float = 0.1, repeat: int = 10) -> float:
     return statistics.median(samples)
 
 
-def time_tvm(mod, target, task, inputs, refs) -> tuple[float, float]:
-    """Compile ``mod``, check it against the reference, return (median seconds, relative error)."""
+def time_tvm(mod, target, task, inputs, refs):
+    """Compile ``mod`` and check it against the reference; return its median seconds, its relative
+    error and a function that times it again (a list of seconds)."""
     import tvm
 
     from autosched.measure._worker import relative_error
@@ -67,17 +68,31 @@ def time_tvm(mod, target, task, inputs, refs) -> tuple[float, float]:
     err = max(relative_error(o, r) for o, r in zip(outs, refs))
     if not err <= checker.tolerance:
         raise RuntimeError(f"{task.key}: relative error {err} above {checker.tolerance}")
-    res = lib.time_evaluator("main", tvm.cpu(), number=1, repeat=10, min_repeat_ms=100)(*args)
-    return float(np.median(res.results)), err
+    timer = lib.time_evaluator("main", tvm.cpu(), number=1, repeat=10, min_repeat_ms=100)
+    return float(np.median(timer(*args).results)), err, lambda: list(timer(*args).results)
 
 
-def host_baselines(case: str, inputs) -> dict[str, float]:
+def retime_interleaved(timers: dict[str, object], rounds: int = 7) -> dict[str, float]:
+    """Median seconds of each kernel over ``rounds`` rounds that time every kernel in turn.
+
+    On a shared machine the memory bandwidth drifts by tens of percent over minutes; timing the
+    finished kernels of a case side by side, round after round, keeps that drift out of their ratios.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            samples[name] += timer()
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def host_baselines(case: str, inputs) -> dict[str, object]:
+    """The numpy/torch functions to time for ``case``."""
     if case == "gemm":
         a, b = inputs[0].numpy(), inputs[1].numpy()
-        return {"numpy (OpenBLAS)": time_host(lambda: a @ b.T), "torch": time_host(lambda: inputs[0] @ inputs[1].T)}
+        return {"numpy (OpenBLAS)": lambda: a @ b.T, "torch": lambda: inputs[0] @ inputs[1].T}
     if case == "rmsnorm":
         x, w = inputs
-        return {"torch": time_host(lambda: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5))}
+        return {"torch": lambda: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5)}
     if case == "softmax":
         x = inputs[0]
         xn = x.numpy()
@@ -86,7 +101,7 @@ def host_baselines(case: str, inputs) -> dict[str, float]:
             e = np.exp(xn - xn.max(-1, keepdims=True))
             return e / e.sum(-1, keepdims=True)
 
-        return {"numpy": time_host(np_softmax), "torch": time_host(lambda: torch.softmax(x, -1))}
+        return {"numpy": np_softmax, "torch": lambda: torch.softmax(x, -1)}
     return {}
 
 
@@ -141,7 +156,8 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--out", default="benchmarks/results/cpu")
     parser.add_argument("--skip-metaschedule", action="store_true")
-    parser.add_argument("--force", action="store_true", help="measure again what results.json already has")
+    parser.add_argument("--force", action="store_true",
+                        help="measure the given cases again (rows of other cases in results.json are kept)")
     args = parser.parse_args()
 
     import tvm
@@ -161,7 +177,9 @@ def main() -> int:
     # Results accumulate across invocations (one case or method at a time on a busy machine): a method
     # already measured for a case is kept unless --force.
     previous = out_dir / "results.json"
-    rows = json.loads(previous.read_text())["rows"] if previous.exists() and not args.force else []
+    rows = json.loads(previous.read_text())["rows"] if previous.exists() else []
+    if args.force:
+        rows = [r for r in rows if r["case"] not in args.cases]
     done = {(r["case"], r["method"]) for r in rows}
     for case in args.cases:
         op, shape = CASES[case]
@@ -173,29 +191,36 @@ def main() -> int:
         def wanted(method):
             return (case, method) not in done
 
-        def add(method, seconds, tune_seconds=None, trials=None, err=None):
+        timers = {}  # the TVM kernels of this case measured in this invocation, for the final re-timing
+
+        def add(method, seconds, tune_seconds=None, trials=None, err=None, timer=None):
             row = {"case": case, "workload": task.key, "method": method, "latency_ms": seconds * 1e3,
                    "gflops": task.flops / seconds / 1e9, "gbps": task.min_bytes / seconds / 1e9,
                    "tuning_s": tune_seconds, "trials": trials, "rel_error": err}
             rows.append(row)
+            if timer is not None:
+                timers[method] = timer
             print(json.dumps(row), flush=True)
+            save()
+
+        def save():
             (out_dir / "results.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
 
         if wanted("untuned (TVM, no schedule)"):
-            lat, err = time_tvm(tvm.IRModule({"main": task.func}), target, task, inputs, refs)
-            add("untuned (TVM, no schedule)", lat, err=err)
+            lat, err, timer = time_tvm(tvm.IRModule({"main": task.func}), target, task, inputs, refs)
+            add("untuned (TVM, no schedule)", lat, err=err, timer=timer)
         if any(wanted(m) for m in ("torch", "numpy", "numpy (OpenBLAS)")):
-            for name, seconds in host_baselines(case, inputs).items():
+            for name, fn in host_baselines(case, inputs).items():
                 if wanted(name):
-                    add(name, seconds)
+                    add(name, time_host(fn), timer=lambda fn=fn: [time_host(fn, repeat=3)])
         for trials in args.trials:
             if not wanted(f"autosched {trials} trials"):
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 result, tune_s = run_autosched(task, target, trials, os.path.join(tmp, "a.db"))
                 mod = task.space(target).apply(result.best_point)
-                lat, err = time_tvm(mod, target, task, inputs, refs)
-                add(f"autosched {trials} trials", lat, tune_s, result.trials, err)
+                lat, err, timer = time_tvm(mod, target, task, inputs, refs)
+                add(f"autosched {trials} trials", lat, tune_s, result.trials, err, timer)
         if not args.skip_metaschedule:
             for trials in args.trials:
                 if not wanted(f"MetaSchedule {trials} trials"):
@@ -205,8 +230,14 @@ def main() -> int:
                     if mod is None:
                         print(f"MetaSchedule found no valid schedule for {task.key}", flush=True)
                         continue
-                    lat, err = time_tvm(mod, target, task, inputs, refs)
-                    add(f"MetaSchedule {trials} trials", lat, tune_s, trials, err)
+                    lat, err, timer = time_tvm(mod, target, task, inputs, refs)
+                    add(f"MetaSchedule {trials} trials", lat, tune_s, trials, err, timer)
+        if len(timers) > 1:
+            for method, seconds in retime_interleaved(timers).items():
+                row = next(r for r in rows if r["case"] == case and r["method"] == method)
+                row.update(latency_ms=seconds * 1e3, gflops=task.flops / seconds / 1e9,
+                           gbps=task.min_bytes / seconds / 1e9, interleaved=True)
+            save()
     write_markdown(out_dir / "results.md", machine, rows)
     print((out_dir / "results.md").read_text())
     return 0
@@ -223,10 +254,14 @@ def write_markdown(path: Path, machine: dict, rows: list[dict]) -> None:
                   "|---|---|---|---|---|---|---|"]
         for r in sub:
             tune = f"{r['tuning_s']:.0f}" if r["tuning_s"] else ""
-            lines.append(f"| {r['method']} | {r['latency_ms']:.3f} | {r['gflops']:.1f} | {r['gbps']:.1f} | "
+            mark = " †" if r.get("interleaved") else ""
+            lines.append(f"| {r['method']}{mark} | {r['latency_ms']:.3f} | {r['gflops']:.1f} | {r['gbps']:.1f} | "
                          f"{untuned / r['latency_ms']:.1f}x | {tune} | {r['trials'] or ''} |")
         lines.append("")
-    path.write_text("\n".join(lines))
+    lines.append("† re-timed at the end of its case's run, side by side with the other † rows of that case "
+                 "(7 interleaved rounds, median), so that drift of the shared machine's memory bandwidth "
+                 "does not enter their ratios.")
+    path.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

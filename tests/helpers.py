@@ -16,8 +16,7 @@ def check_point(task, space, point, target, seed: int = 0) -> float:
     mod = space.apply(point)
     executable = tvm.compile(mod, target=target.tvm_target())
     checker = task.spec.checker(task.func)
-    inputs = checker.make_inputs(torch.Generator().manual_seed(seed), target.torch_device)
+    inputs, refs = checker.inputs_and_reference(torch.Generator().manual_seed(seed), target.torch_device)
     outs = [torch.full(s, float("nan"), dtype=torch_dtype(d), device=target.torch_device) for s, d in checker.output_specs()]
     executable(*[tvm.runtime.from_dlpack(t) for t in checker.arrange(inputs, outs)])
-    refs = checker.reference(inputs)
     return max(relative_error(o, r) for o, r in zip(outs, refs))

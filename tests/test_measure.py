@@ -112,3 +112,31 @@ def test_candidate_slower_than_the_cutoff_is_timed_once(gemm_task, cpu_target):
         (cut,) = m.measure(gemm_task.spec, [space.default()], cutoff=fast.median / 100)
     assert len(fast.latencies) == 5
     assert cut.ok and len(cut.latencies) == 1 and cut.latencies[0] > fast.median / 100
+
+
+def _norm_of_given_squares():
+    """A fused kernel as Relax makes it: its input is a mean of squares, which normal noise makes
+    negative, and rsqrt of a negative number is NaN."""
+    from tvm import te, tirx
+
+    sq = te.placeholder((8, 64), "float32", name="sq")
+    x = te.placeholder((8, 64), "float32", name="x")
+    k = te.reduce_axis((0, 64), name="k")
+    total = te.compute((8,), lambda i: te.sum(sq[i, k], axis=k), name="total")
+    out = te.compute((8, 64), lambda i, j: x[i, j] * tirx.rsqrt(total[i] / 64.0 + 1e-5), name="out")
+    return te.create_prim_func([sq, x, out])
+
+
+def test_kernel_of_a_narrower_input_domain_is_checked_on_positive_inputs(cpu_target):
+    import torch
+
+    task = Task.from_func("norm_of_squares", _norm_of_given_squares())
+    checker = task.spec.checker(task.func)
+    normal = checker.make_inputs(torch.Generator().manual_seed(task.spec.seed), "cpu")
+    assert not torch.isfinite(checker.reference(normal)[0]).all()  # the trap this test is about
+    inputs, refs = checker.inputs_and_reference(torch.Generator().manual_seed(task.spec.seed), "cpu")
+    assert (inputs[0] > 0).all() and torch.isfinite(refs[0]).all()
+    space = task.space(cpu_target)
+    with Measurer(cpu_target, MeasureConfig(repeat=2, min_repeat_ms=1)) as m:
+        results = m.measure(task.spec, [space.default(), space.sample(np.random.default_rng(0))])
+    assert all(r.ok and r.rel_error < 1e-5 for r in results), results

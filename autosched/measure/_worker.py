@@ -76,8 +76,7 @@ def _task_state(spec, target) -> dict[str, Any]:
         checker = spec.checker(func)
         gen = torch.Generator().manual_seed(spec.seed)
         device = target.torch_device
-        inputs = checker.make_inputs(gen, device)
-        refs = checker.reference(inputs)
+        inputs, refs = checker.inputs_and_reference(gen, device)
         outs = [torch.empty(shape, dtype=torch_dtype(dtype), device=device) for shape, dtype in checker.output_specs()]
         for old in [k for k in _CACHE if k[0] == "run"]:
             del _CACHE[old]  # one task at a time: free the previous task's device memory
