@@ -1,12 +1,15 @@
 """CPU benchmark: autosched against the untuned schedule, numpy/torch and TVM's MetaSchedule.
 
 Usage: python benchmarks/cpu_benchmark.py [--trials 64 256] [--cases gemm rmsnorm softmax] [--out DIR]
+                                         [--force] [--skip-metaschedule] [--metaschedule-trials N ...]
 
 For each case, in one run on this machine: the unscheduled TensorIR function compiled by TVM, numpy
 (OpenBLAS) and torch, autosched after each trial budget, and MetaSchedule with the same budget on the
 same TVM (its builder made to work on small machines, see below). Every kernel is checked against the
-float64 reference before it is timed, and all are timed by the same harness (median of repeats).
-Writes results.json and results.md to --out and prints the table.
+float64 reference before it is timed, and all are timed by the same harness (median of repeats);
+at the end of a case, every kernel of it measured in this run is timed again side by side, in
+interleaved rounds, since a shared machine's memory bandwidth drifts. Writes results.json, results.md
+and the tuned kernels' TensorIR (schedules/) to --out and prints the table.
 """
 
 from __future__ import annotations
@@ -156,6 +159,8 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--out", default="benchmarks/results/cpu")
     parser.add_argument("--skip-metaschedule", action="store_true")
+    parser.add_argument("--metaschedule-trials", type=int, nargs="+", default=None,
+                        help="MetaSchedule's budgets (default: those of --trials)")
     parser.add_argument("--force", action="store_true",
                         help="measure the given cases again (rows of other cases in results.json are kept)")
     args = parser.parse_args()
@@ -193,6 +198,12 @@ def main() -> int:
 
         timers = {}  # the TVM kernels of this case measured in this invocation, for the final re-timing
 
+        def keep_schedule(method, mod):
+            """The scheduled TensorIR of a tuned kernel, to read or rebuild it later."""
+            name = f"{case}--{method.replace(' ', '-')}.py"
+            (out_dir / "schedules").mkdir(exist_ok=True)
+            (out_dir / "schedules" / name).write_text(f"# {task.key}: {method}\n" + mod.script())
+
         def add(method, seconds, tune_seconds=None, trials=None, err=None, timer=None):
             row = {"case": case, "workload": task.key, "method": method, "latency_ms": seconds * 1e3,
                    "gflops": task.flops / seconds / 1e9, "gbps": task.min_bytes / seconds / 1e9,
@@ -221,8 +232,9 @@ def main() -> int:
                 mod = task.space(target).apply(result.best_point)
                 lat, err, timer = time_tvm(mod, target, task, inputs, refs)
                 add(f"autosched {trials} trials", lat, tune_s, result.trials, err, timer)
+                keep_schedule(f"autosched {trials} trials", mod)
         if not args.skip_metaschedule:
-            for trials in args.trials:
+            for trials in args.metaschedule_trials or args.trials:
                 if not wanted(f"MetaSchedule {trials} trials"):
                     continue
                 with tempfile.TemporaryDirectory() as tmp:
@@ -232,6 +244,7 @@ def main() -> int:
                         continue
                     lat, err, timer = time_tvm(mod, target, task, inputs, refs)
                     add(f"MetaSchedule {trials} trials", lat, tune_s, trials, err, timer)
+                    keep_schedule(f"MetaSchedule {trials} trials", mod)
         if len(timers) > 1:
             for method, seconds in retime_interleaved(timers).items():
                 row = next(r for r in rows if r["case"] == case and r["method"] == method)
