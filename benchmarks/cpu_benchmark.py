@@ -259,7 +259,7 @@ def main() -> int:
 def write_markdown(path: Path, machine: dict, rows: list[dict]) -> None:
     lines = [f"Machine: {machine['cpu']} (LLVM {machine['llvm_mcpu']}), {machine['threads']} threads; "
              f"TVM {machine['tvm']}, torch {machine['torch']}, numpy {machine['numpy']}; {machine['date']}.", ""]
-    for case in dict.fromkeys(r["case"] for r in rows):
+    for case in sorted({r["case"] for r in rows}, key=list(CASES).index):
         sub = [r for r in rows if r["case"] == case]
         untuned = next(r["latency_ms"] for r in sub if r["method"].startswith("untuned"))
         lines += [f"**{sub[0]['workload']}**", "",
