@@ -200,7 +200,7 @@ def main() -> int:
 
         def keep_schedule(method, mod):
             """The scheduled TensorIR of a tuned kernel, to read or rebuild it later."""
-            name = f"{case}--{method.replace(' ', '-')}.py"
+            name = f"{case}--{method.replace(' ', '-')}.tir"
             (out_dir / "schedules").mkdir(exist_ok=True)
             (out_dir / "schedules" / name).write_text(f"# {task.key}: {method}\n" + mod.script())
 

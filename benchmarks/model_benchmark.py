@@ -4,8 +4,9 @@ Usage: python benchmarks/model_benchmark.py [--target llvm|cuda] [--model NAME] 
                                            [--trials N] [--time-budget S] [--out DIR]
 
 A config B:T is a batch of B sequences of T tokens (T = 1 is one decode step of the decoder without a
-KV cache). Each build is checked against torch before it is timed; times are medians of repeated runs
-of the whole forward pass on the same inputs. Writes results.json and results.md.
+KV cache). Each build is checked against torch before it is timed; the four ways of running the model
+are timed side by side, in 7 interleaved rounds (median), since a shared machine's speed drifts.
+Writes results_<target>.json and results_<target>.md.
 """
 
 from __future__ import annotations
@@ -21,23 +22,28 @@ from pathlib import Path
 import torch
 
 
-def time_torch(fn, device: str, repeat: int = 20) -> float:
-    with torch.no_grad():
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(repeat):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def torch_timer(fn, device: str):
+    """A function that returns ``repeat`` times (seconds) of single runs of ``fn``, after a warm-up."""
+    def timer(repeat: int = 20) -> list[float]:
+        with torch.no_grad():
+            for _ in range(3):
+                fn()
+            times = []
+            for _ in range(repeat):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                fn()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        return times
+
+    return timer
 
 
-def time_vm(executable, params, inputs, target, repeat: int = 20) -> tuple[float, object]:
+def vm_timer(executable, params, inputs, target):
+    """The output of the built model on ``inputs`` and a function that times it like :func:`torch_timer`."""
     import tvm
     from tvm import relax
 
@@ -45,9 +51,23 @@ def time_vm(executable, params, inputs, target, repeat: int = 20) -> tuple[float
     vm = relax.VirtualMachine(executable, dev)
     args = [tvm.runtime.from_dlpack(t) for t in inputs] + [p.copyto(dev) for p in params]
     out = vm["main"](*args)
-    # On the CPU a single run of a small model is dominated by thread-pool wake-ups: time 50 ms batches.
-    res = vm.time_evaluator("main", dev, number=1, repeat=repeat, min_repeat_ms=0 if target.is_gpu else 50)(*args)
-    return statistics.median(res.results), out
+
+    def timer(repeat: int = 20) -> list[float]:
+        # On the CPU a single run of a small model is dominated by thread-pool wake-ups: 50 ms batches.
+        evaluator = vm.time_evaluator("main", dev, number=1, repeat=repeat, min_repeat_ms=0 if target.is_gpu else 50)
+        return list(evaluator(*args).results)
+
+    return out, timer
+
+
+def retime_interleaved(timers: dict, rounds: int = 7) -> dict[str, float]:
+    """Median milliseconds of each way of running the model over ``rounds`` rounds that time each in
+    turn, so that drift of a shared machine's speed does not enter their ratios."""
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            samples[name] += timer(5)
+    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
 def main() -> int:
@@ -84,7 +104,7 @@ def main() -> int:
         row = {"model": model_name, "batch": batch, "tokens": tokens, "target": target.label}
         with torch.no_grad():
             ref = module(*inputs).double()
-        row["torch_eager_ms"] = time_torch(lambda: module(*inputs), device) * 1e3
+        timers = {"torch_eager_ms": torch_timer(lambda: module(*inputs), device)}
         if not args.no_compile:
             try:
                 compiled = torch.compile(module)
@@ -92,12 +112,11 @@ def main() -> int:
                 with torch.no_grad():
                     compiled(*inputs)
                 row["torch_compile_build_s"] = time.perf_counter() - start
-                row["torch_compile_ms"] = time_torch(lambda: compiled(*inputs), device) * 1e3
+                timers["torch_compile_ms"] = torch_timer(lambda: compiled(*inputs), device)
             except Exception as exc:  # noqa: BLE001 - torch.compile needs a working toolchain
                 row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         executable, params, _ = build_model(model, target, None)
-        seconds, out = time_vm(executable, params, inputs, target)
-        row["untuned_ms"] = seconds * 1e3
+        out, timers["untuned_ms"] = vm_timer(executable, params, inputs, target)
         row["untuned_err"] = relative_error(torch.from_dlpack(out).to(ref.device), ref)
         tasks, _ = split_tunable(extract_tasks(prepare(model)[0]), target)
         start = time.perf_counter()
@@ -105,10 +124,10 @@ def main() -> int:
         row["tuning_s"] = time.perf_counter() - start
         row["kernels"] = len(tasks)
         executable, params, report = build_model(model, target, db)
-        seconds, out = time_vm(executable, params, inputs, target)
-        row["tuned_ms"] = seconds * 1e3
+        out, timers["tuned_ms"] = vm_timer(executable, params, inputs, target)
         row["tuned_err"] = relative_error(torch.from_dlpack(out).to(ref.device), ref)
         row["tuned_kernels"] = len(report.tuned)
+        row.update(retime_interleaved(timers))
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out_dir / f"results_{target.kind}.json").write_text(json.dumps(rows, indent=2))
@@ -123,7 +142,8 @@ def main() -> int:
         lines[-1] += (f"{r['untuned_ms']:.3f} | {r['tuned_ms']:.3f} | {r['untuned_ms'] / r['tuned_ms']:.2f}x | "
                       f"{r['torch_eager_ms'] / r['tuned_ms']:.2f}x | "
                       f"{(tc / r['tuned_ms']) if tc else float('nan'):.2f}x | {r['tuning_s']:.0f} |")
-    lines += ["", "Ratios above 1 mean the autosched build is faster."]
+    lines += ["", "Ratios above 1 mean the autosched build is faster. The four latencies of a row were timed side by "
+              "side in 7 interleaved rounds (median)."]
     (out_dir / f"results_{target.kind}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
