@@ -198,3 +198,14 @@ def is_injective(func: PrimFunc) -> bool:
 
     sch = s_tir.Schedule(func)
     return not any(is_reduction(sch, b) for b in blocks_of(sch))
+
+
+# ---- limits of TVM 0.27's CUDA code generator ------------------------------------------------------
+# It emits invalid code for arithmetic on 8-wide half vectors (a uint4 built with make_uint4 of 8
+# arguments; nvcc: "too many arguments in function call"), seen on the H200.
+HALF8_REASON = "8-wide half-precision vector arithmetic miscompiles in TVM 0.27's CUDA code generator"
+
+
+def has_half(func: PrimFunc) -> bool:
+    """Any fp16 or bf16 parameter."""
+    return any(str(p.dtype) in ("float16", "bfloat16") for p in func.params)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from ._analysis import HALF8_REASON
 from ._knobs import Knob, Point, Space
 
 if TYPE_CHECKING:
@@ -61,8 +62,6 @@ class FlashAttentionSpace(Space):
         if not _is_prefill_kernel_config_legal(tx, self.d, tz, self.d, vec, BDX, warps, False):
             return "tiles do not divide among the threads"
         if self.elem == 2 and vec == 8:
-            from .gpu_rows import HALF8_REASON
-
             return HALF8_REASON
         return None
 

@@ -11,6 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ._analysis import (
+    HALF8_REASON,
     const_extents,
     find_matmul_block,
     fold_consumer_chain,
@@ -147,8 +148,6 @@ class GpuMatmulSpace(Space):
             if p["frags_i"] * p["frags_j"] > 16:
                 return "more than 16 accumulator fragments per warp"
             if self.prologue and self.elem == 2 and p["vector"] == 8:
-                from .gpu_rows import HALF8_REASON
-
                 return HALF8_REASON + " (the fetch dequantises)"
             return None
         threads = p["threads_i"] * p["threads_j"]
@@ -161,8 +160,6 @@ class GpuMatmulSpace(Space):
         if p["micro_j"] % p["vector"]:
             return "vector width does not divide the per-thread J tile"
         if self.elem == 2 and p["vector"] == 8:
-            from .gpu_rows import HALF8_REASON
-
             return HALF8_REASON
         return None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._analysis import blocks_of, const_extents, is_injective, is_reduction, loop_kinds
+from ._analysis import HALF8_REASON, blocks_of, const_extents, has_half, is_injective, is_reduction, loop_kinds
 from ._knobs import Knob, Point, Space
 from .rows import inline_spatial, row_depth
 
@@ -26,15 +26,6 @@ STATIC_SHARED = 48 * 1024
 
 def _param_names(func) -> set[str]:
     return {p.name for p in func.params}
-
-
-def _has_half(func) -> bool:
-    return any(str(p.dtype) in ("float16", "bfloat16") for p in func.params)
-
-
-# TVM 0.27's CUDA code generator emits invalid code for arithmetic on 8-wide half vectors (a uint4
-# built with make_uint4 of 8 arguments; nvcc: "too many arguments in function call"), seen on the H200.
-HALF8_REASON = "8-wide half-precision vector arithmetic miscompiles in TVM 0.27's CUDA code generator"
 
 
 def _coalescing_loop(sch, block, loops, params: set[str]):
@@ -82,7 +73,7 @@ class GpuRowsSpace(Space):
         sch = s_tir.Schedule(func)
         self.depth = row_depth(sch)
         self.params = _param_names(func)
-        self.half = _has_half(func)
+        self.half = has_half(func)
         self.knobs = [
             Knob("warps", (1, 2, 4, 8, 16, 32)),
             Knob("vector", (1, 2, 4, 8)),
@@ -191,7 +182,7 @@ class GpuInjectiveSpace(Space):
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
-        self.half = _has_half(func)
+        self.half = has_half(func)
         self.knobs = [
             Knob("threads", (64, 128, 256, 512, 1024)),
             Knob("vector", (1, 2, 4, 8)),
