@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from autosched.errors import DatabaseError
@@ -48,9 +48,7 @@ class RecordFilter:
         if self.dtype:
             q = q.where(WorkloadRow.dtype == self.dtype)
         for key, value in (self.shape or {}).items():
-            # shape_json is written by json.dumps: '"m": 1024' with a comma or brace after the value
-            q = q.where(WorkloadRow.shape_json.contains(f'"{key}": {value},')
-                        | WorkloadRow.shape_json.contains(f'"{key}": {value}}}'))
+            q = q.where(func.json_extract(WorkloadRow.shape_json, f"$.{key}") == value)
         if self.target_kind:
             q = q.where(TargetRow.kind == self.target_kind)
         if self.device:
