@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _timing import retime_interleaved
 
 CASES = {
     "gemm": ("gemm", "m=1024,n=1024,k=1024"),
@@ -73,19 +74,6 @@ def time_tvm(mod, target, task, inputs, refs):
         raise RuntimeError(f"{task.key}: relative error {err} above {checker.tolerance}")
     timer = lib.time_evaluator("main", tvm.cpu(), number=1, repeat=10, min_repeat_ms=100)
     return float(np.median(timer(*args).results)), err, lambda: list(timer(*args).results)
-
-
-def retime_interleaved(timers: dict[str, object], rounds: int = 7) -> dict[str, float]:
-    """Median seconds of each kernel over ``rounds`` rounds that time every kernel in turn.
-
-    On a shared machine the memory bandwidth drifts by tens of percent over minutes; timing the
-    finished kernels of a case side by side, round after round, keeps that drift out of their ratios.
-    """
-    samples: dict[str, list[float]] = {name: [] for name in timers}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            samples[name] += timer()
-    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def host_baselines(case: str, inputs) -> dict[str, object]:
@@ -220,10 +208,9 @@ def main() -> int:
         if wanted("untuned (TVM, no schedule)"):
             lat, err, timer = time_tvm(tvm.IRModule({"main": task.func}), target, task, inputs, refs)
             add("untuned (TVM, no schedule)", lat, err=err, timer=timer)
-        if any(wanted(m) for m in ("torch", "numpy", "numpy (OpenBLAS)")):
-            for name, fn in host_baselines(case, inputs).items():
-                if wanted(name):
-                    add(name, time_host(fn), timer=lambda fn=fn: [time_host(fn, repeat=3)])
+        for name, fn in host_baselines(case, inputs).items():
+            if wanted(name):
+                add(name, time_host(fn), timer=lambda fn=fn: [time_host(fn, repeat=3)])
         for trials in args.trials:
             if not wanted(f"autosched {trials} trials"):
                 continue

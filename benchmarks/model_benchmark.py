@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _timing import retime_interleaved
 
 
 def torch_timer(fn, device: str):
@@ -58,16 +59,6 @@ def vm_timer(executable, params, inputs, target):
         return list(evaluator(*args).results)
 
     return out, timer
-
-
-def retime_interleaved(timers: dict, rounds: int = 7) -> dict[str, float]:
-    """Median milliseconds of each way of running the model over ``rounds`` rounds that time each in
-    turn, so that drift of a shared machine's speed does not enter their ratios."""
-    samples: dict[str, list[float]] = {name: [] for name in timers}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            samples[name] += timer(5)
-    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
 def main() -> int:
@@ -127,7 +118,9 @@ def main() -> int:
         out, timers["tuned_ms"] = vm_timer(executable, params, inputs, target)
         row["tuned_err"] = relative_error(torch.from_dlpack(out).to(ref.device), ref)
         row["tuned_kernels"] = len(report.tuned)
-        row.update(retime_interleaved(timers))
+        # 7 interleaved rounds of 5 runs each (milliseconds)
+        retimed = retime_interleaved({name: functools.partial(timer, 5) for name, timer in timers.items()})
+        row.update({name: seconds * 1e3 for name, seconds in retimed.items()})
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out_dir / f"results_{target.kind}.json").write_text(json.dumps(rows, indent=2))
