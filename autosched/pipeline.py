@@ -242,7 +242,6 @@ def extract_tasks(mod: IRModule) -> list[Task]:
     """Every distinct kernel of the lowered module as a task, weighted by its number of calls."""
     from tvm import tirx
 
-
     calls = kernel_calls(mod)
     by_key: dict[str, Task] = {}
     for gv, func in mod.functions.items():
