@@ -152,6 +152,9 @@ def substitute_workloads(mod: IRModule) -> IRModule:
                                {"causal": causal == "TopLeft"})
             func = get_operator("attention").build(wl).with_attr(WORKLOAD_ATTR, json.dumps(wl.to_json()))
             func = func.with_attr("op_pattern", 8)  # opaque: fusion must not change our kernel
+            # The workload is built as a module's "main"; kept, that symbol clashes with Relax's main in
+            # the GPU build, where unscheduled kernels keep their own attributes.
+            func = func.without_attr("global_symbol")
             gv = self.builder_.add_func(func, "autosched_attention")
             qt, kt, vt = (self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1, 3])) for x in (q, k, v))
             out = self.builder_.emit(relax.call_tir(gv, [qt, kt, vt], relax.TensorType((b, h, s, d), dtype)))

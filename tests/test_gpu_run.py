@@ -44,3 +44,22 @@ def test_tuning_on_the_gpu_records_the_device(gpu_target, db_path):
         assert result.trials == 16 and np.isfinite(result.best_latency)
         row = db.summary()[0]
     assert row["device"] == gpu_target.device_name and row["target"].startswith("cuda:sm_")
+
+
+def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_path):
+    import torch
+
+    from autosched.database.store import Database
+    from autosched.pipeline import build_model, export_artifact, extract_tasks, load_model, prepare, split_tunable
+    from autosched.runmodel import run_artifact
+    from autosched.tuner import TuneOptions, tune_tasks
+
+    model = load_model("tiny-llama", tokens=16, dtype=torch.float16)
+    tasks, _ = split_tunable(extract_tasks(prepare(model)[0]), gpu_target)
+    with Database(tmp_path / "model.db") as db:
+        tune_tasks(tasks, gpu_target, db, TuneOptions(trials=2 * len(tasks), batch_size=8, seed=0))
+        executable, params, report = build_model(model, gpu_target, db)
+    assert report.tuned  # kernels from the database, the rest from dlight
+    out = export_artifact(tmp_path / "tuned", executable, params, model, gpu_target, report, None)
+    result = run_artifact(str(out), repeat=5)
+    assert result["matches_torch"] is True, result
