@@ -95,7 +95,8 @@ def import_model(model: Model) -> tuple[IRModule, list]:
     """The Relax module (weights as parameters after the inputs) and the weights.
 
     Every operator is decomposed as usual except scaled-dot-product attention, which reaches Relax as
-    one ``R.nn.attention`` call so that :func:`substitute_workloads` can hand it to our attention kernel.
+    one ``R.nn.attention`` call so that :func:`substitute_workloads` can hand it to our attention kernel,
+    and RMSNorm, which becomes a call of our ``rmsnorm`` kernel as it is imported.
     """
     import warnings
 
@@ -107,13 +108,73 @@ def import_model(model: Model) -> tuple[IRModule, list]:
         warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, not the user's
         exported = torch.export.export(model.module, model.inputs)
         table = torch.export.default_decompositions()
-        for op in [op for op in table if "scaled_dot_product" in str(op)]:
+        for op in [op for op in table if "scaled_dot_product" in str(op) or "rms_norm" in str(op)]:
             del table[op]
         exported = exported.run_decompositions(table)
+        converters = {name: _matmul_in_torch_dtype for name in ("mm.default", "matmul.default", "bmm.default")}
+        converters["rms_norm.default"] = _rms_norm_as_workload
         mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True,
-                                    run_ep_decomposition=False)
+                                    run_ep_decomposition=False, custom_convert_map=converters)
     mod, params = detach_params(mod)
     return substitute_workloads(mod), list(params["main"])
+
+
+def _matmul_in_torch_dtype(node, importer):
+    """``mm``/``matmul``/``bmm`` accumulated in float32 and returned in torch's dtype.
+
+    TVM 0.27's importer gives every such product a float32 result, so in a half-precision model all that
+    follows (attention, the next GEMM's weights, the residual stream) silently ran in float32: twice the
+    bytes and no tensor cores. The cast back fuses into the GEMM's kernel as its epilogue.
+    """
+    from tvm import relax
+
+    lhs, rhs = importer.retrieve_args(node)
+    product = importer.block_builder.emit(relax.op.matmul(lhs, rhs, out_dtype="float32"))
+    dtype = str(node.meta["val"].dtype).replace("torch.", "")
+    if dtype in ("float16", "bfloat16"):
+        return importer.block_builder.emit(relax.op.astype(product, dtype))
+    return product
+
+
+def _rms_norm_as_workload(node, importer):
+    """``aten.rms_norm`` over the last axis: a call of our ``rmsnorm`` workload's kernel on the rows.
+
+    Decomposed, it fused into three kernels (cast, square, and the rest) with float32 temporaries in
+    between; one pass over the rows reads each element once. Other forms (no weight, several normalised
+    axes, an eps the workload does not take) are decomposed here in Relax ops, computed in float32.
+    """
+    import math
+
+    from tvm import relax
+
+    from .workloads import get_operator, make_workload
+
+    args = list(importer.retrieve_args(node)) + [None, None]
+    x, normalized, weight, eps = args[:4]
+    dims, dtype = [int(d) for d in x.ty.shape], str(x.ty.dtype)
+    bb = importer.block_builder
+    wl = None
+    if weight is not None and list(normalized) == dims[-1:] and str(weight.ty.dtype) == dtype:
+        try:
+            wl = make_workload("rmsnorm", {"m": math.prod(dims[:-1]), "n": dims[-1]}, dtype, {"eps": eps})
+        except UsageError:
+            wl = None
+    if wl is None or wl.attrs_dict["eps"] != eps:
+        axes = list(range(len(dims) - len(normalized), len(dims)))
+        eps = eps if eps is not None else float(__import__("torch").finfo(node.meta["val"].dtype).eps)
+        x32 = bb.emit(relax.op.astype(x, "float32"))
+        mean_square = bb.emit(relax.op.mean(bb.emit(relax.op.multiply(x32, x32)), axis=axes, keepdims=True))
+        y = bb.emit(relax.op.multiply(x32, bb.emit(relax.op.rsqrt(bb.emit(
+            relax.op.add(mean_square, relax.const(eps, "float32")))))))
+        if weight is not None:
+            y = bb.emit(relax.op.multiply(y, bb.emit(relax.op.astype(weight, "float32"))))
+        return bb.emit(relax.op.astype(y, dtype))
+    func = get_operator("rmsnorm").build(wl).with_attr(WORKLOAD_ATTR, json.dumps(wl.to_json()))
+    func = func.with_attr("op_pattern", 8).without_attr("global_symbol")  # see substitute_workloads
+    gv = bb.add_func(func, "autosched_rmsnorm")
+    rows = bb.emit(relax.op.reshape(x, [math.prod(dims[:-1]), dims[-1]]))
+    out = bb.emit(relax.call_tir(gv, [rows, weight], relax.TensorType((math.prod(dims[:-1]), dims[-1]), dtype)))
+    return bb.emit(relax.op.reshape(out, dims))
 
 
 WORKLOAD_ATTR = "autosched.workload"
@@ -214,6 +275,9 @@ def lowering():
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
+        # A reshape of a contiguous tensor is a view: the build's own pipeline turns such kernels into
+        # runtime reshapes, so they are no tasks of ours.
+        relax.transform.RewriteDataflowReshape(),
         relax.transform.DeadCodeElimination(),
     ])
 
