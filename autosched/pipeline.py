@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import UsageError
+from .workloads import get_operator, make_workload
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +121,8 @@ def import_model(model: Model) -> tuple[IRModule, list]:
 
 
 def _matmul_in_torch_dtype(node, importer):
-    """``mm``/``matmul``/``bmm`` accumulated in float32 and returned in torch's dtype.
+    """``mm``/``matmul``/``bmm`` accumulated in float32 and returned in torch's dtype; a Linear's
+    ``x @ W.T`` becomes a call of our ``gemm`` workload's kernel on the weight as stored.
 
     TVM 0.27's importer gives every such product a float32 result, so in a half-precision model all that
     follows (attention, the next GEMM's weights, the residual stream) silently ran in float32: twice the
@@ -129,11 +131,44 @@ def _matmul_in_torch_dtype(node, importer):
     from tvm import relax
 
     lhs, rhs = importer.retrieve_args(node)
-    product = importer.block_builder.emit(relax.op.matmul(lhs, rhs, out_dtype="float32"))
     dtype = str(node.meta["val"].dtype).replace("torch.", "")
+    bb = importer.block_builder
+    weight = _linear_weight(node, importer)
+    if weight is not None and len(lhs.ty.shape) == 2 and str(lhs.ty.dtype) == str(weight.ty.dtype) == dtype:
+        (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[0])
+        try:
+            wl = make_workload("gemm", {"m": m, "n": n, "k": k}, dtype)
+        except UsageError:
+            wl = None
+        if wl is not None:
+            gv = bb.add_func(_workload_func(wl), "autosched_gemm")
+            return bb.emit(relax.call_tir(gv, [lhs, weight], relax.TensorType((m, n), dtype)))
+    product = bb.emit(relax.op.matmul(lhs, rhs, out_dtype="float32"))
     if dtype in ("float16", "bfloat16"):
-        return importer.block_builder.emit(relax.op.astype(product, dtype))
+        return bb.emit(relax.op.astype(product, dtype))
     return product
+
+
+def _linear_weight(node, importer):
+    """The Relax variable of W[n,k] if the second factor of ``node`` is ``permute(W, [1, 0])``."""
+    factor = node.args[1]
+    if getattr(factor, "target", None) is None or "permute" not in str(factor.target):
+        return None
+    source, axes = factor.args[0], list(factor.args[1])
+    weight = importer.env.get(source)
+    if axes != [1, 0] or weight is None or len(weight.ty.shape) != 2:
+        return None
+    return weight
+
+
+def _workload_func(wl):
+    """Our kernel of ``wl`` for a ``call_tir``: tagged with its workload (so that the task is the
+    workload's), opaque to fusion, and without the ``main`` symbol it is built under."""
+
+    func = get_operator(wl.op).build(wl).with_attr(WORKLOAD_ATTR, json.dumps(wl.to_json()))
+    # Opaque, so that fusion keeps our kernel whole. Built as a module's "main"; kept, that symbol
+    # clashes with Relax's main in the GPU build, where unscheduled kernels keep their attributes.
+    return func.with_attr("op_pattern", 8).without_attr("global_symbol")
 
 
 def _rms_norm_as_workload(node, importer):
@@ -146,8 +181,6 @@ def _rms_norm_as_workload(node, importer):
     import math
 
     from tvm import relax
-
-    from .workloads import get_operator, make_workload
 
     args = list(importer.retrieve_args(node)) + [None, None]
     x, normalized, weight, eps = args[:4]
@@ -169,9 +202,7 @@ def _rms_norm_as_workload(node, importer):
         if weight is not None:
             y = bb.emit(relax.op.multiply(y, bb.emit(relax.op.astype(weight, "float32"))))
         return bb.emit(relax.op.astype(y, dtype))
-    func = get_operator("rmsnorm").build(wl).with_attr(WORKLOAD_ATTR, json.dumps(wl.to_json()))
-    func = func.with_attr("op_pattern", 8).without_attr("global_symbol")  # see substitute_workloads
-    gv = bb.add_func(func, "autosched_rmsnorm")
+    gv = bb.add_func(_workload_func(wl), "autosched_rmsnorm")
     rows = bb.emit(relax.op.reshape(x, [math.prod(dims[:-1]), dims[-1]]))
     out = bb.emit(relax.call_tir(gv, [rows, weight], relax.TensorType((math.prod(dims[:-1]), dims[-1]), dtype)))
     return bb.emit(relax.op.reshape(out, dims))
@@ -185,12 +216,11 @@ def substitute_workloads(mod: IRModule) -> IRModule:
     of our ``attention`` workload's kernel on [batch, heads, seq, dim]. The kernel keeps the workload in
     an attribute, so it is tuned and stored under the same key as ``autosched tune attention`` and gets
     the attention space (the fused FlashAttention template on the GPU) instead of generic fusion."""
-    import json
 
     import tvm
     from tvm import relax
 
-    from .workloads import get_operator, make_workload
+    from .workloads import make_workload
 
     attention = tvm.ir.Op.get("relax.nn.attention")
 
@@ -211,12 +241,7 @@ def substitute_workloads(mod: IRModule) -> IRModule:
                 return call  # cross attention: not our workload
             wl = make_workload("attention", {"b": b, "h": h, "s": s, "d": d, "hkv": hkv}, dtype,
                                {"causal": causal == "TopLeft"})
-            func = get_operator("attention").build(wl).with_attr(WORKLOAD_ATTR, json.dumps(wl.to_json()))
-            func = func.with_attr("op_pattern", 8)  # opaque: fusion must not change our kernel
-            # The workload is built as a module's "main"; kept, that symbol clashes with Relax's main in
-            # the GPU build, where unscheduled kernels keep their own attributes.
-            func = func.without_attr("global_symbol")
-            gv = self.builder_.add_func(func, "autosched_attention")
+            gv = self.builder_.add_func(_workload_func(wl), "autosched_attention")
             qt, kt, vt = (self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1, 3])) for x in (q, k, v))
             out = self.builder_.emit(relax.call_tir(gv, [qt, kt, vt], relax.TensorType((b, h, s, d), dtype)))
             return relax.op.permute_dims(out, [0, 2, 1, 3])
