@@ -222,7 +222,7 @@ def cmd_tune_model(args) -> int:
 
     target = parse_target(args.target)
     model = load_model(args.model, **_model_kwargs(args))
-    tasks, untunable = split_tunable(extract_tasks(prepare(model)[0]), target)
+    tasks, untunable = split_tunable(extract_tasks(prepare(model, target)[0]), target)
     log = _console(stderr=True)
     log.log(f"{args.model}: {len(tasks) + len(untunable)} distinct kernels, "
             f"{sum(t.weight for t in tasks + untunable):.0f} calls per forward pass; {len(tasks)} tunable"

@@ -1,10 +1,14 @@
 """Whole models: PyTorch -> Relax -> fused TensorIR kernels -> tuned -> a deployable module.
 
-1. **Import**: ``torch.export`` and TVM's ``from_exported_program``, weights kept as parameters.
-2. **Lower** (:data:`LOWERING`): legalise operators to TensorIR, fold constants, fuse operators
-   (``FuseOps``/``FuseTIR``: a GEMM with its bias and activation, a norm with its residual add become one
-   kernel) and drop dead code. Extraction and application of the database both run exactly this
-   prefix, so the kernels' keys match.
+1. **Import**: ``torch.export`` and TVM's ``from_exported_program``, weights kept as parameters, in
+   torch's dtypes. Where our workloads beat what legalisation produces, they are substituted: each
+   RMSNorm becomes our ``rmsnorm`` kernel, each scaled-dot-product attention our ``attention`` kernel
+   (fused flash attention on the GPU) and, on the GPU, each Linear our ``gemm`` kernel on the weight as
+   stored (on the CPU, weights are transposed once, at build time, to the layout its space prefers).
+2. **Lower** (:func:`lowering`): legalise operators to TensorIR, fold constants, fuse operators
+   (``FuseOps``/``FuseTIR``: elementwise chains such as SwiGLU's, RoPE's or a residual add become one
+   kernel), turn reshapes of contiguous tensors into views and drop dead code. Extraction and
+   application of the database both run exactly this prefix, so the kernels' keys match.
 3. **Extract**: every distinct kernel becomes a :class:`~autosched.task.Task`, deduplicated by structural
    hash and weighted by how often the model calls it.
 4. **Tune**: one trial budget spread over the tasks by the task scheduler (:func:`~autosched.tuner.tune_tasks`).
@@ -17,6 +21,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import importlib.util
 import json
@@ -92,8 +97,13 @@ def load_model(spec: str, **kwargs: Any) -> Model:
     return Model(spec, module.eval(), tuple(inputs), {k: str(v).replace("torch.", "") for k, v in given.items()})
 
 
-def import_model(model: Model) -> tuple[IRModule, list]:
+def import_model(model: Model, linear_as_gemm: bool = True) -> tuple[IRModule, list]:
     """The Relax module (weights as parameters after the inputs) and the weights.
+
+    With ``linear_as_gemm``, each Linear's ``x @ W.T`` becomes our ``gemm`` kernel on W[n,k] as stored
+    (on the H200 its space ran the 7B layers' GEMMs at 176-317 TFLOP/s where the generic ``matmul``
+    kernels reached 70-96); without it, the product stays a ``matmul`` on W transposed once at build
+    time to [k,n], the layout the CPU space vectorises along (a 1 x 1376 x 512 product: 16 us against 56).
 
     Every operator is decomposed as usual except scaled-dot-product attention, which reaches Relax as
     one ``R.nn.attention`` call so that :func:`substitute_workloads` can hand it to our attention kernel,
@@ -112,7 +122,8 @@ def import_model(model: Model) -> tuple[IRModule, list]:
         for op in [op for op in table if "scaled_dot_product" in str(op) or "rms_norm" in str(op)]:
             del table[op]
         exported = exported.run_decompositions(table)
-        converters = {name: _matmul_in_torch_dtype for name in ("mm.default", "matmul.default", "bmm.default")}
+        matmul = functools.partial(_matmul_in_torch_dtype, linear_as_gemm=linear_as_gemm)
+        converters = {name: matmul for name in ("mm.default", "matmul.default", "bmm.default")}
         converters["rms_norm.default"] = _rms_norm_as_workload
         mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                     run_ep_decomposition=False, custom_convert_map=converters)
@@ -120,9 +131,9 @@ def import_model(model: Model) -> tuple[IRModule, list]:
     return substitute_workloads(mod), list(params["main"])
 
 
-def _matmul_in_torch_dtype(node, importer):
-    """``mm``/``matmul``/``bmm`` accumulated in float32 and returned in torch's dtype; a Linear's
-    ``x @ W.T`` becomes a call of our ``gemm`` workload's kernel on the weight as stored.
+def _matmul_in_torch_dtype(node, importer, linear_as_gemm: bool):
+    """``mm``/``matmul``/``bmm`` accumulated in float32 and returned in torch's dtype; with
+    ``linear_as_gemm``, a Linear's ``x @ W.T`` becomes a call of our ``gemm`` workload's kernel.
 
     TVM 0.27's importer gives every such product a float32 result, so in a half-precision model all that
     follows (attention, the next GEMM's weights, the residual stream) silently ran in float32: twice the
@@ -133,7 +144,7 @@ def _matmul_in_torch_dtype(node, importer):
     lhs, rhs = importer.retrieve_args(node)
     dtype = str(node.meta["val"].dtype).replace("torch.", "")
     bb = importer.block_builder
-    weight = _linear_weight(node, importer)
+    weight = _linear_weight(node, importer) if linear_as_gemm else None
     if weight is not None and len(lhs.ty.shape) == 2 and str(lhs.ty.dtype) == str(weight.ty.dtype) == dtype:
         (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[0])
         try:
@@ -267,12 +278,13 @@ def task_of(name: str, func, weight: float = 1.0) -> Task:
     return Task.from_func(name, func, weight=weight)
 
 
-def prepare(model: Model) -> tuple[IRModule, list]:
-    """Import and lower ``model``; weight-only computations (e.g. the transposes that put each Linear's
-    weight in the layout its GEMM reads) move to ``main_transform_params``, run once at build time."""
+def prepare(model: Model, target: TargetSpec) -> tuple[IRModule, list]:
+    """Import and lower ``model`` for ``target``; weight-only computations (e.g. the transposes that put
+    each Linear's weight in the layout its GEMM reads) move to ``main_transform_params``, run once at
+    build time."""
     from tvm import relax
 
-    mod, params = import_model(model)
+    mod, params = import_model(model, linear_as_gemm=target.is_gpu)
     return lower(relax.transform.LiftTransformParams()(mod)), params
 
 
@@ -438,7 +450,7 @@ def build_model(model: Model, target: TargetSpec, db: Database | None):
     ``main`` takes, report)."""
     from .target import compile_module
 
-    lowered, params = prepare(model)
+    lowered, params = prepare(model, target)
     scheduled, report = apply_database(lowered, db, target)
     executable = compile_module(scheduled, target, report.build_config)
     return executable, transform_params(lowered, params), report

@@ -2,11 +2,13 @@
 
 Usage: python benchmarks/model_benchmark.py [--target llvm|cuda] [--model NAME] [--configs B:T ...]
                                            [--trials N] [--time-budget S] [--out DIR]
+       python benchmarks/model_benchmark.py --combine results_a.json ... --out DIR
 
 A config B:T is a batch of B sequences of T tokens (T = 1 is one decode step of the decoder without a
 KV cache). Each build is checked against torch before it is timed; the four ways of running the model
 are timed side by side, in 7 interleaved rounds (median), since a shared machine's speed drifts.
-Writes results_<target>.json and results_<target>.md.
+Writes results_<target>.json and results_<target>.md. ``--combine`` merges the rows of several runs
+(e.g. one per configuration, to fit a GPU session's call limit) into one table.
 """
 
 from __future__ import annotations
@@ -61,6 +63,30 @@ def vm_timer(executable, params, inputs, target):
     return out, timer
 
 
+def write_results(rows: list[dict], out_dir: Path) -> None:
+    """results_<kind>.json and a Markdown table, results_<kind>.md, of ``rows``."""
+    kind = rows[0]["target"].split(":")[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"results_{kind}.json").write_text(json.dumps(rows, indent=2))
+    lines = [f"{rows[0]['model']} on {rows[0]['target']}; {rows[0].get('date', '')}.", "",
+             "| batch x tokens | torch eager (ms) | torch.compile (ms) | TVM untuned (ms) | autosched tuned (ms) | "
+             "tuned vs untuned | tuned vs eager | tuned vs compile | kernels | tuning (s) | budget |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tc = r.get("torch_compile_ms")
+        budget = f"{r.get('trial_budget', '?')} trials" + (f" or {r['time_budget_s']:.0f} s" if r.get("time_budget_s") else "")
+        lines.append(f"| {r['batch']} x {r['tokens']} | {r['torch_eager_ms']:.3f} | "
+                     + (f"{tc:.3f}" if tc else "-")
+                     + f" | {r['untuned_ms']:.3f} | {r['tuned_ms']:.3f} | {r['untuned_ms'] / r['tuned_ms']:.2f}x | "
+                     f"{r['torch_eager_ms'] / r['tuned_ms']:.2f}x | "
+                     + (f"{tc / r['tuned_ms']:.2f}x" if tc else "-")
+                     + f" | {r['tuned_kernels']}/{r['kernels']} | {r['tuning_s']:.0f} | {budget} |")
+    lines += ["", "Ratios above 1 mean the autosched build is faster. The four latencies of a row were timed side by "
+              "side in 7 interleaved rounds (median); both builds were checked against torch first."]
+    (out_dir / f"results_{kind}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="llvm")
@@ -70,7 +96,12 @@ def main() -> int:
     parser.add_argument("--time-budget", type=float, default=None, help="tuning seconds per config")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--out", default="benchmarks/results/model")
+    parser.add_argument("--combine", nargs="+", metavar="JSON", help="only merge these results into one table")
     args = parser.parse_args()
+    if args.combine:
+        rows = [row for path in args.combine for row in json.loads(Path(path).read_text())]
+        write_results(rows, Path(args.out))
+        return 0
 
     from autosched.database.store import Database
     from autosched.measure._worker import relative_error
@@ -92,7 +123,8 @@ def main() -> int:
         model = load_model(model_name, batch=batch, tokens=tokens, dtype=dtype)
         module = copy.deepcopy(model.module).to(device)  # the export below needs the CPU original
         inputs = tuple(t.to(device) for t in model.inputs)
-        row = {"model": model_name, "batch": batch, "tokens": tokens, "target": target.label}
+        row = {"model": model_name, "batch": batch, "tokens": tokens, "target": target.label,
+               "trial_budget": args.trials, "time_budget_s": args.time_budget, "date": time.strftime("%Y-%m-%d")}
         with torch.no_grad():
             ref = module(*inputs).double()
         timers = {"torch_eager_ms": torch_timer(lambda: module(*inputs), device)}
@@ -109,7 +141,7 @@ def main() -> int:
         executable, params, _ = build_model(model, target, None)
         out, timers["untuned_ms"] = vm_timer(executable, params, inputs, target)
         row["untuned_err"] = relative_error(torch.from_dlpack(out).to(ref.device), ref)
-        tasks, _ = split_tunable(extract_tasks(prepare(model)[0]), target)
+        tasks, _ = split_tunable(extract_tasks(prepare(model, target)[0]), target)
         start = time.perf_counter()
         tune_tasks(tasks, target, db, TuneOptions(trials=args.trials, batch_size=16, time_budget=args.time_budget))
         row["tuning_s"] = time.perf_counter() - start
@@ -123,22 +155,8 @@ def main() -> int:
         row.update({name: seconds * 1e3 for name, seconds in retimed.items()})
         rows.append(row)
         print(json.dumps(row), flush=True)
-        (out_dir / f"results_{target.kind}.json").write_text(json.dumps(rows, indent=2))
+        write_results(rows, out_dir)
     db.close()
-    lines = [f"{model_name} on {target.label}; {args.trials} trials per config; {time.strftime('%Y-%m-%d')}.", "",
-             "| batch x tokens | torch eager (ms) | torch.compile (ms) | TVM untuned (ms) | autosched tuned (ms) | "
-             "tuned vs untuned | tuned vs eager | tuned vs compile | tuning (s) |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        tc = r.get("torch_compile_ms")
-        lines.append(f"| {r['batch']} x {r['tokens']} | {r['torch_eager_ms']:.3f} | {tc:.3f} | " if tc else
-                     f"| {r['batch']} x {r['tokens']} | {r['torch_eager_ms']:.3f} | - | ")
-        lines[-1] += (f"{r['untuned_ms']:.3f} | {r['tuned_ms']:.3f} | {r['untuned_ms'] / r['tuned_ms']:.2f}x | "
-                      f"{r['torch_eager_ms'] / r['tuned_ms']:.2f}x | "
-                      f"{(tc / r['tuned_ms']) if tc else float('nan'):.2f}x | {r['tuning_s']:.0f} |")
-    lines += ["", "Ratios above 1 mean the autosched build is faster. The four latencies of a row were timed side by "
-              "side in 7 interleaved rounds (median)."]
-    (out_dir / f"results_{target.kind}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
     return 0
 
 

@@ -55,7 +55,7 @@ def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_pa
     from autosched.tuner import TuneOptions, tune_tasks
 
     model = load_model("tiny-llama", tokens=16, dtype=torch.float16)
-    tasks, _ = split_tunable(extract_tasks(prepare(model)[0]), gpu_target)
+    tasks, _ = split_tunable(extract_tasks(prepare(model, gpu_target)[0]), gpu_target)
     with Database(tmp_path / "model.db") as db:
         tune_tasks(tasks, gpu_target, db, TuneOptions(trials=2 * len(tasks), batch_size=8, seed=0))
         executable, params, report = build_model(model, gpu_target, db)

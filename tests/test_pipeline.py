@@ -30,8 +30,8 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def lowered(tiny):
-    return prepare(tiny)
+def lowered(tiny, cpu_target):
+    return prepare(tiny, cpu_target)
 
 
 def test_fusion_and_task_extraction(lowered):
@@ -43,15 +43,14 @@ def test_fusion_and_task_extraction(lowered):
     calls = kernel_calls(mod)
     assert sum(t.weight for t in tasks) == sum(calls.values())
     assert len({t.key for t in tasks}) == len(tasks)  # deduplicated by structural hash
-    # Each Linear is our gemm kernel on the weight as stored (no transposes); the two decoder layers
-    # share their kernels, so each is called at least twice.
-    gemms = [t for t in tasks if t.workload is not None and t.workload.op == "gemm"]
-    assert len(gemms) == 4 and all(t.weight >= 2 for t in gemms)
-    assert not [t for t in tasks if "matmul" in t.name or "transpose" == t.name[:9]]
+    # On the CPU each Linear is a matmul kernel on its weight transposed at build time; the two decoder
+    # layers share their kernels, so each is called at least twice.
+    matmuls = [t for t in tasks if "matmul" in t.name]
+    assert len(matmuls) == 4 and all(t.weight >= 2 for t in matmuls)
     assert any("fused" in t.name for t in tasks)  # FuseOps/FuseTIR fused elementwise chains
     # Scaled-dot-product attention and RMSNorm become our workloads, shared by both layers.
     ours = {t.workload.op: t for t in tasks if t.workload is not None}
-    assert sorted(ours) == ["attention", "gemm", "rmsnorm"]
+    assert sorted(ours) == ["attention", "rmsnorm"]
     assert ours["attention"].weight == 2 and ours["attention"].workload.attrs_dict["causal"] is True
     assert ours["rmsnorm"].weight == 5  # two per layer and the final norm
     # Reshapes of contiguous tensors are views at run time, not kernels to tune.
@@ -119,6 +118,49 @@ def test_half_precision_model_builds_for_cuda_without_a_gpu():
     assert not report.tuned and "autosched_attention" in report.default
     # TVM's importer returns float32 from every half-precision GEMM; ours keeps torch's dtypes, so the
     # attention (and all after the GEMMs) stays in half precision.
-    tasks = extract_tasks(prepare(model)[0])
+    tasks = extract_tasks(prepare(model, target)[0])
     assert {t.workload.dtype for t in tasks if t.workload is not None} == {"float16"}
+    # On the GPU each Linear is our gemm kernel on the weight as stored, with no transposes.
+    gemms = [t for t in tasks if t.workload is not None and t.workload.op == "gemm"]
+    assert len(gemms) == 4 and not [t for t in tasks if "matmul" in t.name or "transpose" == t.name[:9]]
     assert any(str(p.dtype) == "float16" and len(p.shape) == 2 for p in params)  # the GEMM weights
+
+
+class _OtherForms(__import__("torch").nn.Module):
+    """Forms the importer's substitutions do not take: an RMSNorm without a weight and with an eps our
+    workload has no kernel for, and a product with a factor that is not a transposed weight."""
+
+    def __init__(self):
+        import torch
+
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(64, eps=1e-3, elementwise_affine=False)
+        self.mix = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        return self.norm(x) @ self.mix
+
+
+def other_forms():
+    import torch
+
+    torch.manual_seed(0)
+    return _OtherForms(), (torch.randn(2, 8, 64),)
+
+
+def test_forms_without_a_workload_are_imported_as_torch_computes_them(cpu_target):
+    model = load_model(f"{__name__}:other_forms")
+    tasks = extract_tasks(prepare(model, cpu_target)[0])
+    assert not [t for t in tasks if t.workload is not None]  # decomposed, not substituted
+    executable, params, _ = build_model(model, cpu_target, None)
+
+    import torch
+    import tvm
+    from tvm import relax
+
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    out = vm["main"](tvm.runtime.from_dlpack(model.inputs[0]), *params)
+    with torch.no_grad():
+        ref = model.module(*model.inputs).double()
+    got = torch.from_dlpack(out).double()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
