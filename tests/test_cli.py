@@ -138,3 +138,18 @@ def test_interrupted_run_keeps_its_records(tmp_path, sig):
         con.close()
     best = json.loads(autosched("db", "best", "--db", db, "--format", "json").stdout)
     assert best[0]["trials"] == kept
+
+
+def test_tune_model_build_and_run_from_the_command_line(tmp_path):
+    db, out = str(tmp_path / "model.db"), str(tmp_path / "tiny")
+    proc = autosched("tune-model", "tiny-llama", "--tokens", "8", "--target", "llvm", "--trials", "16",
+                     "--batch-size", "8", "--db", db, "--format", "json")
+    rows = json.loads(proc.stdout)
+    assert sum(r["trials"] for r in rows) == 16 and "model estimate" in proc.stderr  # model-level progress
+    assert autosched("build", "tiny-llama", "--tokens", "8", "--target", "llvm", "--db", db, "-o", out).stdout.strip() == out
+    manifest = json.loads((tmp_path / "tiny" / "manifest.json").read_text())
+    assert manifest["tuned_kernels"]  # the kernels tuned above came from the database
+    result = json.loads(autosched("run", out, "--repeat", "3", "--format", "json").stdout)
+    assert result["matches_torch"] is True and result["latency_ms"] > 0
+    # The same model builds for the H200 on a machine without a GPU (CUDA code generation only).
+    assert autosched("build", "tiny-llama", "--tokens", "8", "--target", "cuda:sm_90", "-o", str(tmp_path / "gpu")).returncode == 0
