@@ -175,7 +175,6 @@ def _linear_weight(node, importer):
 def _workload_func(wl):
     """Our kernel of ``wl`` for a ``call_tir``: tagged with its workload (so that the task is the
     workload's), opaque to fusion, and without the ``main`` symbol it is built under."""
-
     func = get_operator(wl.op).build(wl).with_attr(WORKLOAD_ATTR, json.dumps(wl.to_json()))
     # Opaque, so that fusion keeps our kernel whole. Built as a module's "main"; kept, that symbol
     # clashes with Relax's main in the GPU build, where unscheduled kernels keep their attributes.
@@ -229,11 +228,8 @@ def substitute_workloads(mod: IRModule) -> IRModule:
     of our ``attention`` workload's kernel on [batch, heads, seq, dim]. The kernel keeps the workload in
     an attribute, so it is tuned and stored under the same key as ``autosched tune attention`` and gets
     the attention space (the fused FlashAttention template on the GPU) instead of generic fusion."""
-
     import tvm
     from tvm import relax
-
-    from .workloads import make_workload
 
     attention = tvm.ir.Op.get("relax.nn.attention")
 
