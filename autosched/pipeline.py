@@ -97,7 +97,7 @@ def load_model(spec: str, **kwargs: Any) -> Model:
     return Model(spec, module.eval(), tuple(inputs), {k: str(v).replace("torch.", "") for k, v in given.items()})
 
 
-def import_model(model: Model, linear_as_gemm: bool = True) -> tuple[IRModule, list]:
+def import_model(model: Model, *, linear_as_gemm: bool) -> tuple[IRModule, list]:
     """The Relax module (weights as parameters after the inputs) and the weights.
 
     With ``linear_as_gemm``, each Linear's ``x @ W.T`` becomes our ``gemm`` kernel on W[n,k] as stored
@@ -147,10 +147,7 @@ def _matmul_in_torch_dtype(node, importer, linear_as_gemm: bool):
     weight = _linear_weight(node, importer) if linear_as_gemm else None
     if weight is not None and len(lhs.ty.shape) == 2 and str(lhs.ty.dtype) == str(weight.ty.dtype) == dtype:
         (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[0])
-        try:
-            wl = make_workload("gemm", {"m": m, "n": n, "k": k}, dtype)
-        except UsageError:
-            wl = None
+        wl = _supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype)
         if wl is not None:
             gv = bb.add_func(_workload_func(wl), "autosched_gemm")
             return bb.emit(relax.call_tir(gv, [lhs, weight], relax.TensorType((m, n), dtype)))
@@ -170,6 +167,14 @@ def _linear_weight(node, importer):
     if axes != [1, 0] or weight is None or len(weight.ty.shape) != 2:
         return None
     return weight
+
+
+def _supported_workload(op: str, shape: dict, dtype: str, attrs: dict | None = None):
+    """The workload, or None where the operator does not take this shape, dtype or attribute value."""
+    try:
+        return make_workload(op, shape, dtype, attrs)
+    except UsageError:
+        return None
 
 
 def _workload_func(wl):
@@ -195,13 +200,11 @@ def _rms_norm_as_workload(node, importer):
     args = list(importer.retrieve_args(node)) + [None, None]
     x, normalized, weight, eps = args[:4]
     dims, dtype = [int(d) for d in x.ty.shape], str(x.ty.dtype)
+    rows, n = math.prod(dims[:-1]), dims[-1]
     bb = importer.block_builder
     wl = None
-    if weight is not None and list(normalized) == dims[-1:] and str(weight.ty.dtype) == dtype:
-        try:
-            wl = make_workload("rmsnorm", {"m": math.prod(dims[:-1]), "n": dims[-1]}, dtype, {"eps": eps})
-        except UsageError:
-            wl = None
+    if weight is not None and list(normalized) == [n] and str(weight.ty.dtype) == dtype:
+        wl = _supported_workload("rmsnorm", {"m": rows, "n": n}, dtype, {"eps": eps})
     if wl is None:
         import torch
 
@@ -215,8 +218,8 @@ def _rms_norm_as_workload(node, importer):
             y = bb.emit(relax.op.multiply(y, bb.emit(relax.op.astype(weight, "float32"))))
         return bb.emit(relax.op.astype(y, dtype))
     gv = bb.add_func(_workload_func(wl), "autosched_rmsnorm")
-    rows = bb.emit(relax.op.reshape(x, [math.prod(dims[:-1]), dims[-1]]))
-    out = bb.emit(relax.call_tir(gv, [rows, weight], relax.TensorType((math.prod(dims[:-1]), dims[-1]), dtype)))
+    flat = bb.emit(relax.op.reshape(x, [rows, n]))
+    out = bb.emit(relax.call_tir(gv, [flat, weight], relax.TensorType((rows, n), dtype)))
     return bb.emit(relax.op.reshape(out, dims))
 
 
@@ -263,8 +266,8 @@ def substitute_workloads(mod: IRModule) -> IRModule:
 
 
 def task_of(name: str, func, weight: float = 1.0) -> Task:
-    """The task of a lowered kernel: our workload's if it carries one (substituted attention), else the
-    function itself under its structural hash."""
+    """The task of a lowered kernel: our workload's if it carries one (a substituted attention, RMSNorm
+    or GEMM), else the function itself under its structural hash."""
     from autosched.workloads import Workload
 
     from .task import Task
