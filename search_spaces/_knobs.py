@@ -27,6 +27,11 @@ class InvalidPoint(Exception):
     """A point that the space cannot apply; ``str(exc)`` is the reason, which is recorded."""
 
 
+# Errors that mean the space's Python is wrong, not that the point is: :meth:`Space.apply` lets them
+# through. TVM reports a rejected schedule as a RuntimeError (ScheduleError) or ValueError.
+SPACE_BUGS: tuple[type[BaseException], ...] = (KeyError, TypeError, IndexError, AssertionError, NameError, AttributeError)
+
+
 @dataclass(frozen=True)
 class Knob:
     """One decision with its allowed values. ``ordered`` knobs mutate to a neighbouring value."""
@@ -207,7 +212,14 @@ class Space:
 
     # ---- provided -------------------------------------------------------------------------------
     def apply(self, point: Point) -> IRModule:
-        """The scheduled module for ``point``; raises :class:`InvalidPoint` with the reason."""
+        """The scheduled module for ``point``.
+
+        Raises:
+            InvalidPoint: the space or a TVM schedule primitive rejects the point; the reason is recorded.
+            KeyError, TypeError, IndexError, AssertionError, NameError, AttributeError: a bug in the
+                space's own code (a misspelled knob, a wrong argument), raised as is so tests fail
+                instead of the search recording every point as invalid.
+        """
         from tvm import s_tir
 
         reason = self.validate(point)
@@ -216,7 +228,9 @@ class Space:
         try:
             sch = s_tir.Schedule(self.initial(point))
             self.schedule(sch, point)
-        except (RuntimeError, ValueError, TypeError, AssertionError, IndexError, KeyError) as exc:  # TVM's errors
+        except (InvalidPoint, *SPACE_BUGS):
+            raise
+        except (RuntimeError, ValueError) as exc:  # TVM's ScheduleError, InternalError, DiagnosticError, ...
             raise InvalidPoint(f"{type(exc).__name__}: {_first_line(exc)}") from exc
         return sch.mod
 

@@ -9,7 +9,7 @@ import tvm_ffi
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autosched.search_spaces import InvalidPoint, create_space, point_from_json, point_key
+from autosched.search_spaces import InvalidPoint, Knob, Space, create_space, point_from_json, point_key
 from autosched.task import Task
 from autosched.workloads import get_operator, make_workload
 
@@ -107,3 +107,52 @@ def test_sampling_is_reproducible(cpu_target):
     a = [space.sample(np.random.default_rng(7)) for _ in range(3)]
     b = [space.sample(np.random.default_rng(7)) for _ in range(3)]
     assert a == b
+
+
+class _SplitSpace(Space):
+    """A one-knob space over an elementwise function, whose ``schedule`` can be made wrong on purpose."""
+
+    name = "split-test"
+    typo = False
+
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
+        self.knobs = [Knob("split", (3, 4, 8))]
+
+    def schedule(self, sch, point):
+        i, _ = sch.get_loops(sch.get_sblock("B"))
+        factor = point["spilt" if self.typo else "split"]
+        # 3 does not divide 64: the explicit factors [3, 3] do not cover the loop, which TVM refuses.
+        sch.split(i, [factor, factor] if factor == 3 else [None, factor])
+
+
+def _split_space(cpu_target, typo: bool) -> _SplitSpace:
+    from tvm import te
+
+    a = te.placeholder((64, 64), "float32", name="A")
+    b = te.compute((64, 64), lambda i, j: a[i, j] * 2, name="B")
+    space = _SplitSpace(te.create_prim_func([a, b]), cpu_target)
+    space.typo = typo
+    return space
+
+
+def test_a_point_tvm_refuses_is_an_invalid_point_with_the_reason(cpu_target):
+    space = _split_space(cpu_target, typo=False)
+    assert space.apply({"split": 4}) is not None
+    with pytest.raises(InvalidPoint, match="ScheduleError.*product of factors"):
+        space.apply({"split": 3})
+
+
+def test_a_bug_in_a_space_is_raised_not_recorded(cpu_target):
+    """Regression: Space.apply turned KeyError into InvalidPoint, so a misspelled knob in schedule() ended a
+    search with "no new valid points left in the space" instead of failing."""
+    from autosched.cost_model import FeatureExtractor, RandomModel
+    from autosched.search import EvolutionarySearch
+
+    space = _split_space(cpu_target, typo=True)
+    with pytest.raises(KeyError, match="spilt"):
+        space.apply({"split": 4})
+    search = EvolutionarySearch(space, RandomModel(), FeatureExtractor(cpu_target), seed=0)
+    with pytest.raises(KeyError, match="spilt"):
+        search.propose(2)
+    assert not search.rejected
