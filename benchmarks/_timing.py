@@ -13,8 +13,13 @@ def retime_interleaved(timers: dict[str, Callable[[], list[float]]], rounds: int
     On a shared machine the memory bandwidth drifts by tens of percent over minutes; timing finished
     kernels or builds side by side, round after round, keeps that drift out of their ratios.
     """
+    return {name: statistics.median(times) for name, times in interleaved_samples(timers, rounds).items()}
+
+
+def interleaved_samples(timers: dict[str, Callable[[], list[float]]], rounds: int = 7) -> dict[str, list[float]]:
+    """Every sample of each timer over ``rounds`` rounds that call every timer in turn."""
     samples: dict[str, list[float]] = {name: [] for name in timers}
     for _ in range(rounds):
         for name, timer in timers.items():
             samples[name] += timer()
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return samples

@@ -57,22 +57,23 @@ def time_host(fn, min_seconds: float = 0.1, repeat: int = 10) -> float:
     return statistics.median(samples)
 
 
-def time_tvm(mod, target, task, inputs, refs):
-    """Compile ``mod`` and check it against the reference; return its median seconds, its relative
-    error and a function that times it again (a list of seconds)."""
+def time_tvm(mod, target, task, inputs, refs, config: dict | None = None, repeat: int = 10, min_repeat_ms: int = 100):
+    """Compile ``mod`` (under a space's pass options ``config``) and check it against the reference;
+    return its median seconds, its relative error and a function that times it again (a list of seconds)."""
     import tvm
 
     from autosched.measure._worker import relative_error
+    from autosched.target import compile_module
 
     checker = task.spec.checker(task.func)
     outs = [torch.full(s, float("nan"), dtype=getattr(torch, d)) for s, d in checker.output_specs()]
-    lib = tvm.compile(mod, target=target.tvm_target()).jit()
+    lib = compile_module(mod, target, config).jit()
     args = [tvm.runtime.from_dlpack(t) for t in checker.arrange(inputs, outs)]
     lib["main"](*args)
     err = max(relative_error(o, r) for o, r in zip(outs, refs))
     if not err <= checker.tolerance:
         raise RuntimeError(f"{task.key}: relative error {err} above {checker.tolerance}")
-    timer = lib.time_evaluator("main", tvm.cpu(), number=1, repeat=10, min_repeat_ms=100)
+    timer = lib.time_evaluator("main", tvm.cpu(), number=1, repeat=repeat, min_repeat_ms=min_repeat_ms)
     return float(np.median(timer(*args).results)), err, lambda: list(timer(*args).results)
 
 
@@ -216,8 +217,9 @@ def main() -> int:
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 result, tune_s = run_autosched(task, target, trials, os.path.join(tmp, "a.db"))
-                mod = task.space(target).apply(result.best_point)
-                lat, err, timer = time_tvm(mod, target, task, inputs, refs)
+                space = task.space(target)
+                mod = space.apply(result.best_point)
+                lat, err, timer = time_tvm(mod, target, task, inputs, refs, space.build_config(result.best_point))
                 add(f"autosched {trials} trials", lat, tune_s, result.trials, err, timer)
                 keep_schedule(f"autosched {trials} trials", mod)
         if not args.skip_metaschedule:

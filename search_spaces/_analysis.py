@@ -28,13 +28,19 @@ def iter_kinds(sch: s_tir.Schedule, block: SBlockRV) -> str:
     return "".join(kinds.get(int(iv.iter_type), "O") for iv in sch.get(block).iter_vars)
 
 
+def block_realize(sch: s_tir.Schedule, block: SBlockRV):
+    """The ``SBlockRealize`` of ``block``: its iterator bindings and its predicate."""
+    from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
+
+    return get_sblockrealize(sch, block)
+
+
 def loop_kinds(sch: s_tir.Schedule, block: SBlockRV) -> list[str]:
     """For each loop around ``block``: "R" if a reduction iterator is bound to it, "S" if only spatial
     ones are, "U" if none (a unit or outer loop of another block)."""
     from tvm import tirx
-    from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
 
-    realize = get_sblockrealize(sch, block)
+    realize = block_realize(sch, block)
     uses: dict[str, set[str]] = {}
     for iv, value in zip(realize.block.iter_vars, realize.iter_values):
         kind = "R" if int(iv.iter_type) == tirx.IterVar.CommReduce else "S"

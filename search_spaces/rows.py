@@ -4,14 +4,16 @@ RMSNorm and softmax (one row = one vector), attention (one row = one query of on
 decode attention (one row = one head of one sequence) have this shape, and so do the norm and softmax
 chains that Relax fuses. On the CPU every stage of a group of rows is computed together while the rows
 are hot in cache: the groups run in parallel, row reductions are vectorised through rfactor and
-elementwise stages are vectorised directly.
+elementwise stages are vectorised directly. A row no vector divides ends in one guarded step, which
+loop partitioning turns into a shorter vector, so any width keeps the strategy its point names.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._analysis import blocks_of, const_extents, is_reduction, iter_kinds, loop_kinds
+from ._analysis import block_realize, blocks_of, const_extents, is_reduction, iter_kinds, loop_kinds
 from ._knobs import Knob, Point, Space
 
 if TYPE_CHECKING:
@@ -22,6 +24,67 @@ def row_depth(sch: s_tir.Schedule) -> int:
     """Number of leading row loops: the fewest spatial iterators among the reduction blocks (0: none)."""
     kinds = [iter_kinds(sch, b) for b in blocks_of(sch) if is_reduction(sch, b)]
     return min((k.count("S") for k in kinds), default=0)
+
+
+@dataclass(frozen=True)
+class RowTail:
+    """The guard a reduction over a row no vector divides needs after ``rfactor``: the block ``name`` may
+    only run where ``outer * vec + lane < extent``, with ``outer`` and ``lane`` the positions of those
+    iterators among the block's own."""
+
+    name: str
+    outer: int
+    lane: int
+    vec: int
+    extent: int
+
+
+def guard_row_tail(sch: s_tir.Schedule, tail: RowTail) -> None:
+    """Put the guard of ``tail`` back on its block, once the loops are final.
+
+    ``rfactor`` over a guarded (non-dividing) split keeps the guard, but TVM 0.27's ``compute_at`` of the
+    block it creates drops it, and the partial sums then read past the end of the row. This states the
+    guard again in terms of the block's current iterator bindings.
+    """
+    from tvm import tirx
+
+    block = sch.get_sblock(tail.name)
+    values = block_realize(sch, block).iter_values
+    guard = values[tail.outer] * tail.vec + values[tail.lane] < tail.extent
+    if not set_predicate(sch, block, lambda old: guard if isinstance(old, tirx.IntImm) and old.value else old & guard):
+        raise RuntimeError(f"block {tail.name} is not the only statement of its innermost loop")
+
+
+def mark_tails_likely(sch: s_tir.Schedule) -> None:
+    """Wrap each block's guard in ``likely``: ``s_tir.LoopPartition`` (see :meth:`RowsSpace.build_config`)
+    then splits a row's last, partial vector step off, and the rest of the row runs as whole vectors
+    instead of a loop LLVM scalarises because of the guard inside it."""
+    from tvm import tirx
+
+    for block in blocks_of(sch):
+        if not isinstance(block_realize(sch, block).predicate, tirx.IntImm):
+            set_predicate(sch, block, lambda old: old, likely=True)
+
+
+def set_predicate(sch: s_tir.Schedule, block, rewrite, likely: bool = False) -> bool:
+    """Replace the predicate of ``block`` by ``rewrite(old)`` (wrapped in ``likely``); False, and nothing
+    changed, where the block is not the only statement of its innermost loop."""
+    from tvm import s_tir, tirx
+
+    loops = sch.get_loops(block)
+    if not loops:
+        return False
+    loop = sch.get(loops[-1])
+    realize = loop.body
+    if not isinstance(realize, s_tir.SBlockRealize):
+        return False
+    predicate = rewrite(realize.predicate)
+    if likely:
+        predicate = tirx.likely(predicate)
+    guarded = s_tir.SBlockRealize(realize.iter_values, predicate, realize.block)
+    new_loop = tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, guarded, loop.thread_binding, loop.annotations)
+    sch.state.replace(sch.get_sref(loops[-1]), new_loop, {realize.block: realize.block})
+    return True
 
 
 def inline_spatial(sch: s_tir.Schedule) -> None:
@@ -46,7 +109,7 @@ def inline_spatial(sch: s_tir.Schedule) -> None:
 
 class RowsSpace(Space):
     name = "rows"
-    version = 1
+    version = 2  # 2: rows no vector divides keep the rfactor and vector they name (were scalar before)
     targets = ("llvm",)
     families = ("rows", "attention", "paged_attention")
 
@@ -82,12 +145,20 @@ class RowsSpace(Space):
     def default(self) -> Point:
         return {"rows_per_task": 1, "vector": 16, "rfactor": True, "unroll": 16}
 
+    def build_config(self, point: Point) -> dict:
+        # A row no vector divides ends in a guarded vector step; partitioning splits that step off so the
+        # rest of the row runs as whole vectors (otherwise LLVM gets the guarded loop and scalarises it).
+        return {"s_tir.LoopPartition": {"partition_const_loop": True}}
+
     def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
         inline_spatial(sch)
         vec = p["vector"]
+        tails = []
         if p["rfactor"] and vec > 1:
             for block in blocks_of(sch):
-                self._rfactor(sch, block, vec)
+                tail = self._rfactor(sch, block, vec)
+                if tail is not None:
+                    tails.append(tail)
         blocks = blocks_of(sch)
         out = blocks[-1]
         loops = sch.get_loops(out)
@@ -102,22 +173,30 @@ class RowsSpace(Space):
             if p["unroll"]:
                 sch.annotate(block, "pragma_auto_unroll_max_step", p["unroll"])
                 sch.annotate(block, "pragma_unroll_explicit", 1)
+        for tail in tails:
+            guard_row_tail(sch, tail)
+        mark_tails_likely(sch)
 
-    def _rfactor(self, sch, block, vec: int) -> None:
+    def _rfactor(self, sch, block, vec: int) -> RowTail | None:
         """Split a pure row reduction (row loops, then one reduction loop) into ``vec`` partial sums
-        that a vector register holds, followed by a short final reduction."""
+        that a vector register holds, followed by a short final reduction. Returns the guard the partial
+        sums need where ``vec`` does not divide the row."""
         kinds = iter_kinds(sch, block)
         if kinds != "S" * self.depth + "R":
-            return
+            return None
         loops = sch.get_loops(block)
         extent = const_extents(sch, loops[-1:])[0]
-        # Only exact splits: TVM 0.27's rfactor over a guarded (non-dividing) split sums wrongly.
-        while vec > 1 and extent % vec:
-            vec //= 2
         if vec < 4 or extent < 2 * vec:
-            return
+            return None
         _, lane = sch.split(loops[-1], [None, vec])
-        sch.rfactor(lane, factor_axis=self.depth)
+        rf = sch.rfactor(lane, factor_axis=self.depth)
+        if extent % vec == 0:
+            return None
+        values = list(block_realize(sch, rf).iter_values)
+        at = [[i for i, v in enumerate(values) if v.same_as(sch.get(loop).loop_var)] for loop in sch.get_loops(rf)[-2:]]
+        if len(at[0]) != 1 or len(at[1]) != 1:
+            raise RuntimeError("rfactor did not bind its block's iterators to the split loops")
+        return RowTail(sch.get(rf).name_hint, at[0][0], at[1][0], vec, extent)
 
     def _vectorize_stage(self, sch, block, vec: int) -> None:
         """Vectorise the innermost spatial loop of a stage below the row loop, reductions moved outside."""

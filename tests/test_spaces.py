@@ -3,6 +3,8 @@ on several shapes including ones no tile divides; points replay exactly from JSO
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm_ffi
@@ -156,3 +158,33 @@ def test_a_bug_in_a_space_is_raised_not_recorded(cpu_target):
     with pytest.raises(KeyError, match="spilt"):
         search.propose(2)
     assert not search.rejected
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "softmax"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_no_vector_divides_keep_their_vectorised_reduction(op, dtype, cpu_target):
+    """Regression: at n = 777 the rows space fell back to a scalar reduction (7x slower per element than
+    n = 768) while the point, and so `show` and `db best`, said rfactor=True, vector=16; rfactor over the
+    guarded split then lost its guard in compute_at and read past the row."""
+    import tvm
+    from tvm import s_tir, tirx
+
+    task, space = _task_space((op, "m=5,n=777", dtype, ""), cpu_target)
+    for vec in (4, 8, 16, 32):
+        point = dict(space.default(), vector=vec, rfactor=True)
+        mod = space.apply(point)
+        sch = s_tir.Schedule(mod)
+        rf = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint.endswith("_rf")]
+        assert rf, f"vector={vec}: no rfactor block"
+        assert check_point(task, space, point, cpu_target) < task.spec.checker(task.func).tolerance, f"vector={vec}"
+    # Lowered with the space's pass options, the reduction runs on whole vectors plus one shorter tail vector.
+    point = dict(space.default(), vector=16, rfactor=True)
+    mod = space.apply(point)
+    with tvm.transform.PassContext(opt_level=3, config=space.build_config(point)):
+        lowered = tvm.ir.transform.Sequential([
+            s_tir.transform.LowerInitBlock(), s_tir.transform.ConvertBlocksToOpaque(), s_tir.transform.LowerOpaqueBlock(),
+            tirx.transform.FlattenBuffer(), s_tir.transform.LoopPartition(), tirx.transform.VectorizeLoop(True)])(mod)
+    text = lowered.script()
+    assert re.search(r"_rf\[.*\] = .*T\.Ramp\([^)]*, 1, 16\)", text), "the partial sums are not 16-wide vectors"
+    assert re.search(r"_rf\[.*\] = .*T\.Ramp\([^)]*, 1, 9\)", text), "the 9-element tail is not one vector"
+    assert "_s in" not in text, "a loop was scalarised"
