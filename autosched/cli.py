@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from . import __version__
@@ -27,11 +28,18 @@ DEFAULT_DB = "autosched.db"
 # ---- output helpers ------------------------------------------------------------------------------
 def _console(stderr: bool = False):
     from rich.console import Console
+    from rich.markup import escape
+
+    class FileConsole(Console):
+        """Output to a pipe or file: tables up to 220 columns wide rather than wrapped at 80, and log lines
+        as long as their text (``Console.log`` pads every line to the console's width)."""
+
+        def log(self, *objects: Any, **_: Any) -> None:
+            self.print(escape(time.strftime("[%H:%M:%S]")), *objects, soft_wrap=True)
 
     console = Console(stderr=stderr, highlight=False, log_path=False)
     if not console.is_terminal:
-        # Piped output keeps whole lines rather than wrapping tables at 80 columns.
-        console = Console(stderr=stderr, highlight=False, log_path=False, width=220)
+        console = FileConsole(stderr=stderr, highlight=False, log_path=False, width=220)
     return console
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,16 @@ def tuning_curves(db: Database, out: Path) -> list[dict[str, Any]]:
 
 
 def throughput_chart(summary: list[dict], out: Path) -> str | None:
+    fig = throughput_figure(summary)
+    if fig is None:
+        return None
+    fig.savefig(out / "throughput.png", dpi=110, bbox_inches="tight")
+    _plt().close(fig)
+    return "throughput.png"
+
+
+def throughput_figure(summary: list[dict]):
+    """Bars of the best throughput of each workload and device (None if nothing succeeded)."""
     plt = _plt()
     rows = [r for r in summary if r["latency_us"]]
     if not rows:
@@ -72,20 +83,21 @@ def throughput_chart(summary: list[dict], out: Path) -> str | None:
     labels, values, units = [], [], []
     for r in rows:
         compute = r["gflops"] and r["gbps"] and r["gflops"] / max(r["gbps"], 1e-9) > 10
-        labels.append(f"{r['workload'][:40]}\n{r['device']}")
+        # The whole workload key, wrapped: a key cut at a fixed width loses the attributes that tell rows apart.
+        labels.append("\n".join(textwrap.wrap(r["workload"], 44, break_on_hyphens=False) + [r["device"]]))
         values.append(r["gflops"] if compute else (r["gbps"] or 0.0))
         units.append("GFLOP/s" if compute else "GB/s")
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    lines = sum(label.count("\n") + 1 for label in labels)
+    fig, ax = plt.subplots(figsize=(9, max(2.5, 0.13 * lines + 0.3 * len(rows) + 1.2)))
     bars = ax.barh(range(len(rows)), values, color=["C0" if u == "GFLOP/s" else "C2" for u in units])
     for bar, value, unit in zip(bars, values, units):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.1f} {unit}", va="center", fontsize=7)
+    ax.set_xlim(0, max(values) * 1.3 or 1.0)  # room for the value written after the longest bar
     ax.set_yticks(range(len(rows)), labels, fontsize=6)
-    ax.set_xlabel("best throughput (GFLOP/s for compute-bound, GB/s for memory-bound)")
+    ax.set_xlabel("best throughput (GFLOP/s if compute-bound, GB/s if memory-bound)")
     ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=110)
-    plt.close(fig)
-    return "throughput.png"
+    return fig
 
 
 def baseline_chart(bench_files: list[str], out: Path) -> tuple[str | None, list[dict]]:
@@ -127,6 +139,28 @@ def baseline_chart(bench_files: list[str], out: Path) -> tuple[str | None, list[
     return "baselines.png", rows
 
 
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a person reads them: ``0.42 s``, ``12 s``, ``3.5 min``, ``2.1 h``."""
+    if seconds < 10:
+        return f"{seconds:.2g} s" if seconds < 1 else f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def summary_line(st: dict[str, Any]) -> str:
+    """One sentence of :func:`autosched.database.queries.stats`: what is in the database and where the time went."""
+    where = ", ".join(st["devices"]) or "no device"
+    time = (f"{duration(st['tuning_seconds'])} of tuning, of which {duration(st['build_seconds'])} building "
+            f"and {duration(st['run_seconds'])} checking and timing candidates")
+    return (f"{plural(st['records'], 'record')} ({st['failed']} failed) of {plural(st['workloads'], 'workload')} "
+            f"on {where}; {plural(st['runs'], 'run')}; {time}.")
+
+
 def write_report(db_path: str, out_dir: str, bench_files: list[str] | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,10 +170,7 @@ def write_report(db_path: str, out_dir: str, bench_files: list[str] | None = Non
         st = stats(db)
     chart = throughput_chart(summary, out)
     base_chart, base_rows = baseline_chart(bench_files or [], out)
-    lines = [f"# Tuning report: `{db_path}`", "",
-             f"{st['records']} records ({st['failed']} failed) of {st['workloads']} workloads on "
-             f"{', '.join(st['devices']) or 'no device'}; {st['runs']} runs; "
-             f"{st['build_seconds']:.0f} s building and {st['run_seconds']:.0f} s measuring.", ""]
+    lines = [f"# Tuning report: `{db_path}`", "", summary_line(st), ""]
     if st["failures_by_reason"]:
         lines += ["Failures by reason: " + ", ".join(f"{k} {v}" for k, v in st["failures_by_reason"].items()), ""]
     lines += ["## Best schedule per workload", "",

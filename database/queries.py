@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -78,12 +79,21 @@ def stats(db: Database, flt: RecordFilter | None = None) -> dict[str, Any]:
         out["runs"] = len({r.run_id for r, _, _ in rows if r.run_id is not None})
         out["build_seconds"] = round(sum(r.build_seconds for r, _, _ in rows), 1)
         out["run_seconds"] = round(sum(r.run_seconds for r, _, _ in rows), 1)
+        # Wall time of the tuning runs that recorded these candidates (search, builds, timing, overheads).
+        run_ids = {r.run_id for r, _, _ in rows if r.run_id is not None}
+        spans = s.execute(select(RunRow.started_at, RunRow.finished_at).where(RunRow.id.in_(run_ids),
+                                                                            RunRow.status != "imported")).all()
+        out["tuning_seconds"] = round(sum(_seconds_between(a, b) for a, b in spans if a and b), 1)
         statuses = s.execute(select(RunRow.status, func.count(RunRow.id)).group_by(RunRow.status)).all()
         out["runs_by_status"] = {status: n for status, n in statuses}
         out["tvm_versions"] = sorted({v for (v,) in s.execute(select(TargetRow.tvm_version).distinct())})
         first_last = s.execute(select(func.min(RecordRow.created_at), func.max(RecordRow.created_at))).one()
         out["first_record"], out["last_record"] = first_last
     return out
+
+
+def _seconds_between(start: str, end: str) -> float:
+    return max(0.0, (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds())
 
 
 def workloads_of_op(db: Database, op: str, dtype: str, attrs: dict, match_key: str) -> list[tuple[dict, str]]:

@@ -1,8 +1,44 @@
-"""Test helpers: build and check one point of a space in-process (no worker pools)."""
+"""Test helpers: run the CLI as a user would, fill a database with records, and build and check one point
+of a space in-process (no worker pools)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
+
+ENV = {**os.environ, "TVM_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def autosched(*args, check=True, timeout=600):
+    """Run ``python -m autosched ARGS``; with ``check``, fail unless it exits 0."""
+    proc = subprocess.run([sys.executable, "-m", "autosched", *args], capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"autosched {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
+    return proc
+
+
+def start(*args):
+    """Start ``python -m autosched ARGS`` without waiting for it."""
+    return subprocess.Popen([sys.executable, "-m", "autosched", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def fill(db, task, target, latencies, space="matmul@1", failure=("build", "boom")) -> list[int]:
+    """One finished run of records for ``task``: point ``{"x": i}`` took ``latencies[i]`` seconds, or failed
+    with ``failure`` (kind, message) where that is None. Returns the record ids."""
+    from autosched.records import MeasureResult
+
+    wid, tid = db.ensure_workload(task), db.ensure_target(target)
+    run = db.start_run("test", 0)
+    points = [{"x": i} for i in range(len(latencies))]
+    results = [MeasureResult((lat,)) if lat else MeasureResult.failed(*failure) for lat in latencies]
+    ids = db.add_records(wid, tid, run, space, points, results)
+    db.finish_run(run, "finished")
+    return ids
 
 
 def check_point(task, space, point, target, seed: int = 0) -> float:

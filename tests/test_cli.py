@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 
 import pytest
 
-ENV = {**os.environ, "TVM_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-
-
-def autosched(*args, check=True, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "autosched", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"autosched {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
-    return proc
-
-
-def start(*args):
-    return subprocess.Popen([sys.executable, "-m", "autosched", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+from .helpers import autosched, start
 
 
 @pytest.mark.parametrize("args,code,message", [

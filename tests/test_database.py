@@ -17,25 +17,17 @@ from autosched.records import MeasureResult
 from autosched.task import Task
 from autosched.workloads import make_workload
 
+from .helpers import fill
+
 
 def _task(n=64):
     return Task.from_workload(make_workload("gemm", f"m={n},n={n},k={n}"))
 
 
-def _fill(db, task, target, latencies, space="matmul@1"):
-    wid, tid = db.ensure_workload(task), db.ensure_target(target)
-    run = db.start_run("test", 0)
-    points = [{"x": i} for i in range(len(latencies))]
-    results = [MeasureResult((lat,)) if lat else MeasureResult.failed("build", "boom") for lat in latencies]
-    ids = db.add_records(wid, tid, run, space, points, results)
-    db.finish_run(run, "finished")
-    return ids
-
-
 def test_round_trip_and_best(db_path, cpu_target):
     task = _task()
     with Database(db_path) as db:
-        _fill(db, task, cpu_target, [3e-3, 1e-3, None, 2e-3])
+        fill(db, task, cpu_target, [3e-3, 1e-3, None, 2e-3])
         best = db.best(task.key, cpu_target)
         assert best.point == {"x": 1} and best.median == pytest.approx(1e-3)
         records = db.records_for(task.key, cpu_target)
@@ -51,7 +43,7 @@ def test_records_apply_only_to_a_matching_target(db_path, cpu_target):
     task = _task()
     other_cpu = replace(cpu_target, arch="znver2", device_name="Other CPU")
     with Database(db_path) as db:
-        _fill(db, task, other_cpu, [1e-3])
+        fill(db, task, other_cpu, [1e-3])
         assert db.best(task.key, cpu_target) is None
         assert db.best(task.key, other_cpu) is not None
         # A newer TVM on the same device is the same match key: records are found (and flagged by version).
@@ -77,7 +69,7 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
 
 def test_newer_schema_is_refused_and_older_names_the_upgrade(db_path, cpu_target):
     with Database(db_path) as db:
-        _fill(db, _task(), cpu_target, [1e-3])
+        fill(db, _task(), cpu_target, [1e-3])
     con = sqlite3.connect(db_path)
     con.execute("UPDATE alembic_version SET version_num = 'ffff_future'")
     con.commit()
@@ -95,7 +87,7 @@ def test_export_import_is_idempotent(tmp_path, cpu_target):
     task = _task()
     src, dst = tmp_path / "a.db", tmp_path / "b.db"
     with Database(src) as db:
-        _fill(db, task, cpu_target, [2e-3, 1e-3, None])
+        fill(db, task, cpu_target, [2e-3, 1e-3, None])
         with open(tmp_path / "export.jsonl", "w") as f:
             assert export_records(db, f) == 3
     header = json.loads((tmp_path / "export.jsonl").read_text().splitlines()[0])

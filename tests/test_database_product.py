@@ -18,7 +18,7 @@ from autosched.records import MeasureResult
 from autosched.task import Task
 from autosched.workloads import make_workload
 
-from .test_cli import autosched
+from .helpers import autosched, fill
 
 FIXTURES = Path(__file__).resolve().parent.parent / "database" / "fixtures"
 
@@ -47,21 +47,12 @@ def test_old_schema_is_refused_with_the_upgrade_command_then_upgrades(tmp_path):
     con.close()
 
 
-def _fill(db, task, target, latencies, space="matmul@1"):
-    wid, tid = db.ensure_workload(task), db.ensure_target(target)
-    run = db.start_run("test")
-    points = [{"x": i} for i in range(len(latencies))]
-    results = [MeasureResult((t,)) if t else MeasureResult.failed("run", "crash") for t in latencies]
-    db.add_records(wid, tid, run, space, points, results)
-    db.finish_run(run, "finished")
-
-
 def test_history_compare_and_stats(tmp_path, cpu_target):
     task = Task.from_workload(make_workload("gemm", "m=64,n=64,k=64"))
     other_device = replace(cpu_target, device_name="Other CPU", arch="znver3")
     with Database(tmp_path / "q.db") as db:
-        _fill(db, task, cpu_target, [3e-3, 2e-3, None, 2.5e-3, 1e-3])
-        _fill(db, task, other_device, [4e-3, 2e-3])
+        fill(db, task, cpu_target, [3e-3, 2e-3, None, 2.5e-3, 1e-3], failure=("run", "crash"))
+        fill(db, task, other_device, [4e-3, 2e-3])
         rows = history(db, "gemm[m=64", device="AMD")
         assert [r["best_us"] for r in rows] == pytest.approx([3000, 2000, 2000, 2000, 1000])
         assert [r["improved"] for r in rows] == [True, True, False, False, True]
@@ -77,7 +68,7 @@ def test_report_writes_charts_and_a_page(tmp_path, cpu_target):
     task = Task.from_workload(make_workload("gemm", "m=64,n=64,k=64"))
     db_path = tmp_path / "r.db"
     with Database(db_path) as db:
-        _fill(db, task, cpu_target, [3e-3, 2e-3, None, 1e-3])
+        fill(db, task, cpu_target, [3e-3, 2e-3, None, 1e-3])
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"rows": [{"case": "gemm", "method": "numpy", "latency_ms": 2.0},
                                           {"case": "gemm", "method": "autosched", "latency_ms": 1.0}]}))
@@ -148,7 +139,7 @@ def test_filters_by_shape_and_dtype(tmp_path, cpu_target):
 
     with Database(tmp_path / "f.db") as db:
         for shape, dtype in (("m=64,n=64,k=64", "float32"), ("m=64,n=128,k=64", "float32"), ("m=64,n=64,k=64", "float16")):
-            _fill(db, Task.from_workload(make_workload("gemm", shape, dtype)), cpu_target, [1e-3])
+            fill(db, Task.from_workload(make_workload("gemm", shape, dtype)), cpu_target, [1e-3])
         with db.session() as s:
             def keys(flt):
                 return sorted(w.key for _, w, _ in record_rows(s, flt))

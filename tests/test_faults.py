@@ -16,7 +16,7 @@ import pytest
 
 from autosched.database.store import Database
 
-from .test_cli import ENV, autosched, start
+from .helpers import ENV, autosched, start
 
 
 def _count(path) -> int:

@@ -59,7 +59,7 @@ def test_tensor_core_space_offers_bf16(sm90):
 
 
 def test_show_prints_cuda_source_without_a_gpu(tmp_path):
-    from .test_cli import autosched
+    from .helpers import autosched
 
     out = autosched("show", "gemm", "--shape", "m=128,n=128,k=64", "--dtype", "fp16", "--target", "cuda",
                     "--db", str(tmp_path / "none.db")).stdout
