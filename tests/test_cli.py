@@ -45,6 +45,7 @@ def test_ops_lists_shape_keys():
                         "paged_decode_attention", "dequant_gemm"}
 
 
+@pytest.mark.slow
 def test_tune_query_show_export_import(tmp_path):
     db = str(tmp_path / "t.db")
     out = json.loads(autosched("tune", "gemm", "--shape", "m=64,n=48,k=40", "--trials", "8", "--batch-size", "4",
@@ -81,6 +82,7 @@ def test_tune_query_show_export_import(tmp_path):
     assert len(rows) == 12 and len({json.dumps(r["point"], sort_keys=True) for r in rows}) == 12
 
 
+@pytest.mark.slow
 def test_two_tuners_share_one_database(tmp_path):
     db = str(tmp_path / "shared.db")
     procs = [start("tune", op, "--shape", shape, "--trials", "6", "--batch-size", "3", "--db", db, "-q")
@@ -103,6 +105,7 @@ def _records(db: str) -> int:
         con.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_interrupted_run_keeps_its_records(tmp_path, sig):
     db = str(tmp_path / "int.db")
@@ -124,6 +127,7 @@ def test_interrupted_run_keeps_its_records(tmp_path, sig):
     assert best[0]["trials"] == kept
 
 
+@pytest.mark.slow
 def test_tune_model_build_and_run_from_the_command_line(tmp_path):
     db, out = str(tmp_path / "model.db"), str(tmp_path / "tiny")
     proc = autosched("tune-model", "tiny-llama", "--tokens", "8", "--target", "llvm", "--trials", "16",

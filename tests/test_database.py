@@ -111,6 +111,7 @@ def _writer(path: str, worker: int, n: int, target) -> None:
         db.finish_run(run, "finished")
 
 
+@pytest.mark.slow
 def test_concurrent_writers_all_succeed(db_path, cpu_target):
     """Eight processes write one file at once (creating it too); every record arrives."""
     ctx = mp.get_context("spawn")

@@ -82,6 +82,7 @@ def test_report_writes_charts_and_a_page(tmp_path, cpu_target):
     assert "gemm[m=64,n=64,k=64]" in text and "1 failed" in text
 
 
+@pytest.mark.slow
 def test_untuned_shape_starts_from_the_nearest_tuned_shapes(tmp_path, cpu_target):
     from autosched.transfer import adapt_point, nearest_workloads, transfer_points
     from autosched.tuner import TuneOptions, tune

@@ -36,10 +36,16 @@ def _integrity(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def tuned_db(tmp_path_factory):
-    """A small database with real records, copied by each test that damages it."""
+def tuned_db(tmp_path_factory, cpu_target):
+    """A small database with real records, copied by each test that damages it (tuned in-process: the
+    commands under test are the ones that then meet the damage)."""
+    from autosched.task import Task
+    from autosched.tuner import TuneOptions, tune
+    from autosched.workloads import make_workload
+
     path = tmp_path_factory.mktemp("tuned") / "tuned.db"
-    autosched("tune", "softmax", "--shape", "m=16,n=128", "--trials", "6", "--batch-size", "3", "--db", str(path), "-q")
+    with Database(path) as db:
+        tune(Task.from_workload(make_workload("softmax", "m=16,n=128")), cpu_target, db, TuneOptions(trials=6, batch_size=3))
     return path
 
 
@@ -179,6 +185,7 @@ def _count_safe(path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_eight_tuners_at_once(tmp_path):
     path = str(tmp_path / "eight.db")
     procs = [start("tune", "rmsnorm", "--shape", f"m={4 + i},n=64", "--trials", "2", "--batch-size", "2",

@@ -65,6 +65,7 @@ def test_untuned_model_builds_and_matches_torch(tiny, cpu_target, tmp_path):
     assert result["matches_torch"] is True and result["rel_error_vs_torch"] < 1e-4
 
 
+@pytest.mark.slow
 def test_tune_build_and_load_without_autosched(tiny, lowered, cpu_target, tmp_path):
     db_path = tmp_path / "model.db"
     tasks, _ = split_tunable(extract_tasks(lowered[0]), cpu_target)
@@ -105,6 +106,7 @@ print("ok", y.shape)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-4
 
 
+@pytest.mark.slow
 def test_half_precision_model_builds_for_cuda_without_a_gpu():
     # CUDA code generation needs no GPU: the untuned GPU build (dlight for every kernel, our attention
     # template included) must compile here, so that a model that builds in CI also builds on the H200.

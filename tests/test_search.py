@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from autosched.cost_model import FeatureExtractor, RandomModel, XGBCostModel
 from autosched.records import MeasureResult
@@ -53,6 +54,7 @@ def test_proposals_are_new_valid_and_reproducible(cpu_target):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.slow
 def test_model_guided_search_beats_random_on_the_oracle(cpu_target):
     """Averaged over seeds, XGBoost guidance finds a better point than random ranking at equal trials."""
     seeds = [0, 1, 2]

@@ -56,11 +56,16 @@ def test_every_operator_has_counts_and_presets():
             assert op.flops(wl) > 0 and op.min_bytes(wl) > 0
 
 
-def test_issue_shape_keys():
-    assert get_operator("gemm").shape_keys == ("m", "n", "k")
-    assert get_operator("rmsnorm").shape_keys == ("m", "n")
-    assert get_operator("softmax").shape_keys == ("m", "n")
-    assert get_operator("attention").shape_keys[:4] == ("b", "h", "s", "d")
+@pytest.mark.parametrize("op,shape,params", [
+    ("gemm", "m=3,n=5,k=7", [(3, 7), (5, 7), (3, 5)]),  # B is stored as [n, k]
+    ("rmsnorm", "m=3,n=5", [(3, 5), (5,), (3, 5)]),
+    ("softmax", "m=3,n=5", [(3, 5), (3, 5)]),
+    ("attention", "b=2,h=3,s=5,d=8", [(2, 3, 5, 8)] * 4),
+])
+def test_shape_keys_are_the_kernels_dimensions(op, shape, params):
+    """The shape keys the issues name (m, n, k; b, h, s, d) reach the built function's buffers as given."""
+    func = get_operator(op).build(make_workload(op, shape))
+    assert [tuple(int(x) for x in p.shape) for p in func.params] == params
 
 
 @pytest.mark.parametrize("call,message", [
