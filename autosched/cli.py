@@ -8,87 +8,22 @@ stderr. Exit codes: 0 success, 1 failure, 2 bad input, 130 interrupted. Errors a
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import math
 import os
 import signal
 import sys
-import time
-from typing import Any
 
 from . import __version__
 from .errors import AutoschedError, UsageError
+from .output import console as _console
+from .output import emit, plain
 
 DB_ENV = "AUTOSCHED_DB"
 DEFAULT_DB = "autosched.db"
 
 
 # ---- output helpers ------------------------------------------------------------------------------
-def _console(stderr: bool = False):
-    from rich.console import Console
-    from rich.markup import escape
-
-    class FileConsole(Console):
-        """Output to a pipe or file: tables up to 220 columns wide rather than wrapped at 80, and log lines
-        as long as their text (``Console.log`` pads every line to the console's width)."""
-
-        def log(self, *objects: Any, **_: Any) -> None:
-            self.print(escape(time.strftime("[%H:%M:%S]")), *objects, soft_wrap=True)
-
-    console = Console(stderr=stderr, highlight=False, log_path=False)
-    if not console.is_terminal:
-        console = FileConsole(stderr=stderr, highlight=False, log_path=False, width=220)
-    return console
-
-
-def emit(rows: list[dict[str, Any]], fmt: str, columns: list[tuple[str, str]] | None = None,
-         title: str | None = None) -> None:
-    """Print ``rows`` as a table, JSON list or CSV. ``columns``: (key, header) pairs for table and CSV."""
-    if fmt == "json":
-        print(json.dumps(rows, indent=2, default=str))
-        return
-    columns = columns or [(k, k) for k in (rows[0] if rows else {})]
-    if fmt == "csv":
-        buf = io.StringIO()
-        writer = csv.writer(buf)
-        writer.writerow([h for _, h in columns])
-        for row in rows:
-            writer.writerow([_plain(row.get(k)) for k, _ in columns])
-        sys.stdout.write(buf.getvalue())
-        return
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=escape(title) if title else None, header_style="bold")
-    for _, header in columns:
-        table.add_column(header, overflow="fold")
-    for row in rows:
-        table.add_row(*[escape(_cell(row.get(k))) for k, _ in columns])
-    _console().print(table)
-
-
-def _plain(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items())
-    return str(value)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        if math.isinf(value):
-            return "-"
-        if abs(value) >= 1000:
-            return f"{value:.0f}"
-        return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
-    return _plain(value) if value is not None else "-"
-
-
 def _fmt_time(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "failed"
@@ -207,7 +142,7 @@ def cmd_tune(args) -> int:
     if args.format == "json":
         print(json.dumps(summary, indent=2, default=str))
     else:
-        rows = [{"field": k, "value": _plain(v) if not isinstance(v, float) else f"{v:.4g}"} for k, v in summary.items()]
+        rows = [{"field": k, "value": plain(v) if not isinstance(v, float) else f"{v:.4g}"} for k, v in summary.items()]
         emit(rows, "table", [("field", "field"), ("value", "value")], title=f"autosched tune: {wl.key}")
     return 0 if best is not None else 1
 

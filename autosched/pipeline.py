@@ -25,7 +25,6 @@ import functools
 import importlib
 import importlib.util
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
     from autosched.target import TargetSpec
     from autosched.task import Task
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 MANIFEST = "manifest.json"
 LIBRARY = "model.so"
 PARAMS = "params.bin"
@@ -59,14 +57,9 @@ class Model:
 
 
 def _example_models() -> dict[str, Callable]:
-    path = EXAMPLES_DIR / "llama.py"
-    if not path.exists():
-        return {}
-    loaded = importlib.util.spec_from_file_location("autosched_examples_llama", path)
-    module = importlib.util.module_from_spec(loaded)
-    sys.modules[loaded.name] = module
-    loaded.loader.exec_module(module)
-    return module.MODELS
+    from autosched.examples import MODELS
+
+    return MODELS
 
 
 def load_model(spec: str, **kwargs: Any) -> Model:

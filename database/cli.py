@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from autosched.errors import DatabaseError, UsageError
+from autosched.output import emit
 
 from .transfer import RecordFilter, export_records, import_records, record_json, record_rows
 
@@ -111,7 +112,6 @@ def _filter(args) -> RecordFilter:
 
 
 def run(args) -> int:
-    from autosched.cli import emit
 
     from .store import Database
 

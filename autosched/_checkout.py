@@ -1,0 +1,51 @@
+"""Running from a plain checkout: the repository root on ``PYTHONPATH`` and nothing installed, as on the
+GPU machine (``PYTHONPATH=<repo> python3 -m autosched ...``).
+
+``pyproject.toml`` installs the top-level folders ``search_spaces/``, ``database/`` and ``examples/`` as
+``autosched.search_spaces``, ``autosched.database`` and ``autosched.examples`` (setuptools' package-dir),
+so an install, editable or not, needs nothing from here. In a plain checkout those three names would not
+exist; :func:`install` adds a finder that maps exactly them to the same folders, as setuptools' editable
+finder does. Nothing else in the checkout (``tests/``, ``benchmarks/``) becomes importable under
+``autosched``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from pathlib import Path
+
+# The package-dir table of pyproject.toml ([tool.setuptools]); tests/test_layout.py keeps the two equal.
+PACKAGE_DIRS = {
+    "autosched.search_spaces": "search_spaces",
+    "autosched.database": "database",
+    "autosched.examples": "examples",
+}
+
+
+class CheckoutFinder(importlib.abc.MetaPathFinder):
+    """Finds the packages of :data:`PACKAGE_DIRS` in the checkout at ``root``; their submodules are then
+    found the ordinary way, through each package's ``__path__``."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):
+        folder = PACKAGE_DIRS.get(fullname)
+        if folder is None:
+            return None
+        init = self.root / folder / "__init__.py"
+        if not init.exists():
+            return None
+        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(init.parent)])
+
+
+def install() -> None:
+    """Add the finder if this ``autosched`` is a checkout's (its parent has ``pyproject.toml``). It goes last,
+    so that an editable install's own finder, if any, answers first; both map to the same folders."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "pyproject.toml").exists():
+        return
+    if not any(isinstance(f, CheckoutFinder) for f in sys.meta_path):
+        sys.meta_path.append(CheckoutFinder(root))
