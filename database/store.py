@@ -232,38 +232,18 @@ class Database:
 
     # ---- writing ---------------------------------------------------------------------------------
     def ensure_workload(self, task: Task) -> int:
-        def fn(s: Session) -> int:
-            row = s.scalar(select(WorkloadRow).where(WorkloadRow.key == task.key))
-            if row is None:
-                wl = task.workload
-                # A kernel without an operator (e.g. from Relax) keeps its name, so queries can find it.
-                attrs = wl.attrs_dict if wl else {"kernel": task.name}
-                row = WorkloadRow(
-                    key=task.key, op=wl.op if wl else "func", dtype=wl.dtype if wl else "",
-                    shape_json=json.dumps(wl.shape_dict if wl else {}), attrs_json=json.dumps(attrs),
-                    structural_hash=task.structural_hash, func_json=task.spec.func_json,
-                    flops=task.flops, min_bytes=task.min_bytes)
-                s.add(row)
-                s.flush()
-            return row.id
-
-        return self._write(fn)
+        wl = task.workload
+        # A kernel without an operator (e.g. from Relax) keeps its name, so queries can find it.
+        fields = dict(key=task.key, op=wl.op if wl else "func", dtype=wl.dtype if wl else "",
+                      shape_json=json.dumps(wl.shape_dict if wl else {}),
+                      attrs_json=json.dumps(wl.attrs_dict if wl else {"kernel": task.name}),
+                      structural_hash=task.structural_hash, func_json=task.spec.func_json,
+                      flops=task.flops, min_bytes=task.min_bytes)
+        return self._write(lambda s: _workload_id(s, fields))
 
     def ensure_target(self, target: TargetSpec) -> int:
-        def fn(s: Session) -> int:
-            row = s.scalar(select(TargetRow).where(TargetRow.match_key == target.match_key,
-                                                   TargetRow.tvm_version == target.tvm_version,
-                                                   TargetRow.driver_version == target.driver_version))
-            if row is None:
-                row = TargetRow(match_key=target.match_key, kind=target.kind, arch=target.arch,
-                                device_name=target.device_name, num_cores=target.num_cores,
-                                max_shared_memory=target.max_shared_memory, tvm_version=target.tvm_version,
-                                driver_version=target.driver_version)
-                s.add(row)
-                s.flush()
-            return row.id
-
-        return self._write(fn)
+        fields = {k: getattr(target, k) for k in TARGET_FIELDS}
+        return self._write(lambda s: _target_id(s, fields))
 
     def start_run(self, command: str = "", seed: int | None = None) -> int:
         from autosched import __version__
@@ -299,6 +279,42 @@ class Database:
             s.add_all(rows)
             s.flush()
             return [r.id for r in rows]
+
+        return self._write(fn)
+
+    def merge_records(self, records: list[dict[str, Any]], exported_at: str | None = None) -> tuple[int, int]:
+        """Add exported records (see :mod:`autosched.database.transfer` for their fields) in one transaction,
+        with their workloads, targets and runs; a record whose ``uid`` is present is skipped. Returns
+        (added, skipped).
+
+        Raises:
+            DatabaseError: a record lacks a field.
+        """
+        def fn(s: Session) -> tuple[int, int]:
+            present = set(s.scalars(select(RecordRow.uid).where(RecordRow.uid.in_({r["uid"] for r in records}))))
+            added = 0
+            for rec in records:
+                if rec["uid"] in present:
+                    continue
+                try:
+                    w, t, run = rec["workload"], rec["target"], rec.get("run")
+                    wid = _workload_id(s, dict(key=w["key"], op=w["op"], shape_json=json.dumps(w["shape"]),
+                                               dtype=w["dtype"], attrs_json=json.dumps(w["attrs"]),
+                                               structural_hash=w["structural_hash"], func_json=w.get("func_json"),
+                                               flops=w.get("flops", 0.0), min_bytes=w.get("min_bytes", 0.0)))
+                    tid = _target_id(s, {k: t[k] for k in TARGET_FIELDS})
+                    run_id = _imported_run_id(s, run, exported_at) if run else None
+                    s.add(RecordRow(uid=rec["uid"], workload_id=wid, target_id=tid, run_id=run_id, space=rec["space"],
+                                    point_json=json.dumps(rec["point"], sort_keys=True, separators=(",", ":")),
+                                    latencies_json=json.dumps(rec["latencies"]), median_us=rec["median_us"],
+                                    error_kind=rec["error_kind"], error_msg=rec["error_msg"],
+                                    rel_error=rec["rel_error"], build_seconds=rec["build_seconds"],
+                                    run_seconds=rec["run_seconds"], created_at=rec["created_at"]))
+                except (KeyError, TypeError) as exc:
+                    raise DatabaseError(f"record {rec.get('uid', '?')} of the export is incomplete ({exc})") from None
+                present.add(rec["uid"])
+                added += 1
+            return added, len(records) - added
 
         return self._write(fn)
 
@@ -374,3 +390,41 @@ def to_record(row: RecordRow, workload_key: str, target_key: str, meta: dict | N
     return TuningRecord(workload_key, target_key, row.space, point_from_json(row.point_json), result,
                         row.run_id, row.created_at, row.id, meta or {})
 
+
+TARGET_FIELDS = ("match_key", "kind", "arch", "device_name", "num_cores", "max_shared_memory", "tvm_version",
+                 "driver_version")
+
+
+def _workload_id(s: Session, fields: dict[str, Any]) -> int:
+    """The id of the workload ``fields["key"]``, added with ``fields`` if it is new."""
+    row = s.scalar(select(WorkloadRow).where(WorkloadRow.key == fields["key"]))
+    if row is None:
+        row = WorkloadRow(**fields)
+        s.add(row)
+        s.flush()
+    return row.id
+
+
+def _target_id(s: Session, fields: dict[str, Any]) -> int:
+    """The id of the target with these match key and versions, added with ``fields`` if it is new."""
+    row = s.scalar(select(TargetRow).where(TargetRow.match_key == fields["match_key"],
+                                           TargetRow.tvm_version == fields["tvm_version"],
+                                           TargetRow.driver_version == fields["driver_version"]))
+    if row is None:
+        row = TargetRow(**fields)
+        s.add(row)
+        s.flush()
+    return row.id
+
+
+def _imported_run_id(s: Session, run: dict[str, Any], exported_at: str | None) -> int:
+    """Imported records keep their original run's host, time and command, in a run marked imported."""
+    row = s.scalar(select(RunRow).where(RunRow.host == run.get("host", ""), RunRow.started_at == run.get("started_at"),
+                                        RunRow.command == run.get("command", "")))
+    if row is None:
+        row = RunRow(started_at=run.get("started_at") or utcnow(), finished_at=exported_at, status="imported",
+                     host=run.get("host", ""), command=run.get("command", ""), seed=run.get("seed"),
+                     autosched_version=run.get("autosched_version", ""))
+        s.add(row)
+        s.flush()
+    return row.id

@@ -168,82 +168,14 @@ def import_records(db: Database, path: str | Path, batch: int = 500) -> ImportSt
         stats.read += 1
         pending.append(rec)
         if len(pending) >= batch:
-            _import_batch(db, pending, header, stats)
+            _merge(db, pending, header, stats)
             pending = []
     if pending:
-        _import_batch(db, pending, header, stats)
+        _merge(db, pending, header, stats)
     return stats
 
 
-def _import_batch(db: Database, recs: list[dict[str, Any]], header: dict[str, Any], stats: ImportStats) -> None:
-    def fn(s: Session) -> None:
-        uids = {r["uid"] for r in recs}
-        present = set(s.scalars(select(RecordRow.uid).where(RecordRow.uid.in_(uids))))
-        workloads: dict[str, int] = {}
-        targets: dict[tuple, int] = {}
-        runs: dict[tuple, int] = {}
-        for rec in recs:
-            if rec["uid"] in present:
-                stats.skipped += 1
-                continue
-            try:
-                w, t = rec["workload"], rec["target"]
-                wid = workloads.get(w["key"]) or _ensure_workload(s, w)
-                workloads[w["key"]] = wid
-                tkey = (t["match_key"], t["tvm_version"], t["driver_version"])
-                tid = targets.get(tkey) or _ensure_target(s, t)
-                targets[tkey] = tid
-                run_id = None
-                if rec.get("run"):
-                    run = rec["run"]
-                    rkey = (run.get("host"), run.get("started_at"), run.get("command"))
-                    run_id = runs.get(rkey) or _ensure_run(s, run, header)
-                    runs[rkey] = run_id
-                s.add(RecordRow(uid=rec["uid"], workload_id=wid, target_id=tid, run_id=run_id, space=rec["space"],
-                                point_json=json.dumps(rec["point"], sort_keys=True, separators=(",", ":")),
-                                latencies_json=json.dumps(rec["latencies"]), median_us=rec["median_us"],
-                                error_kind=rec["error_kind"], error_msg=rec["error_msg"], rel_error=rec["rel_error"],
-                                build_seconds=rec["build_seconds"], run_seconds=rec["run_seconds"],
-                                created_at=rec["created_at"]))
-                present.add(rec["uid"])
-                stats.added += 1
-            except (KeyError, TypeError) as exc:
-                raise DatabaseError(f"record {rec.get('uid', '?')} of the export is incomplete ({exc})") from None
-
-    db._write(fn)
-
-
-def _ensure_workload(s: Session, w: dict[str, Any]) -> int:
-    row = s.scalar(select(WorkloadRow).where(WorkloadRow.key == w["key"]))
-    if row is None:
-        row = WorkloadRow(key=w["key"], op=w["op"], shape_json=json.dumps(w["shape"]), dtype=w["dtype"],
-                          attrs_json=json.dumps(w["attrs"]), structural_hash=w["structural_hash"],
-                          func_json=w.get("func_json"), flops=w.get("flops", 0.0), min_bytes=w.get("min_bytes", 0.0))
-        s.add(row)
-        s.flush()
-    return row.id
-
-
-def _ensure_target(s: Session, t: dict[str, Any]) -> int:
-    row = s.scalar(select(TargetRow).where(TargetRow.match_key == t["match_key"],
-                                           TargetRow.tvm_version == t["tvm_version"],
-                                           TargetRow.driver_version == t["driver_version"]))
-    if row is None:
-        row = TargetRow(**{k: t[k] for k in ("match_key", "kind", "arch", "device_name", "num_cores",
-                                              "max_shared_memory", "tvm_version", "driver_version")})
-        s.add(row)
-        s.flush()
-    return row.id
-
-
-def _ensure_run(s: Session, run: dict[str, Any], header: dict[str, Any]) -> int:
-    """Imported records keep their original run's host, time and command, in a run marked imported."""
-    row = s.scalar(select(RunRow).where(RunRow.host == run.get("host", ""), RunRow.started_at == run.get("started_at"),
-                                        RunRow.command == run.get("command", "")))
-    if row is None:
-        row = RunRow(started_at=run.get("started_at") or utcnow(), finished_at=header.get("exported_at"),
-                     status="imported", host=run.get("host", ""), command=run.get("command", ""),
-                     seed=run.get("seed"), autosched_version=run.get("autosched_version", ""))
-        s.add(row)
-        s.flush()
-    return row.id
+def _merge(db: Database, records: list[dict[str, Any]], header: dict[str, Any], stats: ImportStats) -> None:
+    added, skipped = db.merge_records(records, header.get("exported_at"))
+    stats.added += added
+    stats.skipped += skipped
