@@ -128,7 +128,7 @@ class TaskTuner:
                 self.seeded = len(known)
                 if not known and options.transfer:
                     # A shape nobody tuned: start from the decisions of the nearest tuned shapes.
-                    from .transfer import transfer_points
+                    from .warm_start import transfer_points
 
                     self.transferred = transfer_points(db, task, target, self.space)
                     self.search.propose_first([p for p, _, _ in self.transferred])

@@ -33,8 +33,8 @@ def main() -> int:
     from autosched.measure import MeasureConfig, Measurer
     from autosched.target import parse_target
     from autosched.task import Task
-    from autosched.transfer import transfer_points
     from autosched.tuner import TuneOptions, tune
+    from autosched.warm_start import transfer_points
     from autosched.workloads import make_workload
 
     target = parse_target(args.target)

@@ -84,8 +84,8 @@ def test_report_writes_charts_and_a_page(tmp_path, cpu_target):
 
 @pytest.mark.slow
 def test_untuned_shape_starts_from_the_nearest_tuned_shapes(tmp_path, cpu_target):
-    from autosched.transfer import adapt_point, nearest_workloads, transfer_points
     from autosched.tuner import TuneOptions, tune
+    from autosched.warm_start import adapt_point, nearest_workloads, transfer_points
 
     with Database(tmp_path / "t.db") as db:
         for m in (32, 128):
