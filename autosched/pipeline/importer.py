@@ -1,0 +1,134 @@
+"""Importing a PyTorch model into Relax, with the converters that substitute our workloads for
+RMSNorm, attention and (on the GPU) Linear."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from autosched.errors import UsageError
+from autosched.workloads import make_workload
+
+from .substitute import substitute_workloads, workload_func
+
+if TYPE_CHECKING:
+    from tvm import IRModule
+
+    from .load import Model
+
+
+def import_model(model: Model, *, linear_as_gemm: bool) -> tuple[IRModule, list]:
+    """The Relax module (weights as parameters after the inputs) and the weights.
+
+    With ``linear_as_gemm``, each Linear's ``x @ W.T`` becomes our ``gemm`` kernel on W[n,k] as stored
+    (on the H200 its space ran the 7B layers' GEMMs at 176-317 TFLOP/s where the generic ``matmul``
+    kernels reached 70-96); without it, the product stays a ``matmul`` on W transposed once at build
+    time to [k,n], the layout the CPU space vectorises along (a 1 x 1376 x 512 product: 16 us against 56).
+
+    Every operator is decomposed as usual except scaled-dot-product attention, which reaches Relax as
+    one ``R.nn.attention`` call so that :func:`substitute_workloads` can hand it to our attention kernel,
+    and RMSNorm, which becomes a call of our ``rmsnorm`` kernel as it is imported.
+    """
+    import warnings
+
+    import torch
+    from tvm.relax.frontend import detach_params
+    from tvm.relax.frontend.torch import from_exported_program
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, not the user's
+        exported = torch.export.export(model.module, model.inputs)
+        table = torch.export.default_decompositions()
+        for op in [op for op in table if "scaled_dot_product" in str(op) or "rms_norm" in str(op)]:
+            del table[op]
+        exported = exported.run_decompositions(table)
+        matmul = functools.partial(_matmul_in_torch_dtype, linear_as_gemm=linear_as_gemm)
+        converters = {name: matmul for name in ("mm.default", "matmul.default", "bmm.default")}
+        converters["rms_norm.default"] = _rms_norm_as_workload
+        mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True,
+                                    run_ep_decomposition=False, custom_convert_map=converters)
+    mod, params = detach_params(mod)
+    return substitute_workloads(mod), list(params["main"])
+
+
+def _matmul_in_torch_dtype(node, importer, linear_as_gemm: bool):
+    """``mm``/``matmul``/``bmm`` accumulated in float32 and returned in torch's dtype; with
+    ``linear_as_gemm``, a Linear's ``x @ W.T`` becomes a call of our ``gemm`` workload's kernel.
+
+    TVM 0.27's importer gives every such product a float32 result, so in a half-precision model all that
+    follows (attention, the next GEMM's weights, the residual stream) silently ran in float32: twice the
+    bytes and no tensor cores. The cast back fuses into the GEMM's kernel as its epilogue.
+    """
+    from tvm import relax
+
+    lhs, rhs = importer.retrieve_args(node)
+    dtype = str(node.meta["val"].dtype).replace("torch.", "")
+    bb = importer.block_builder
+    weight = _linear_weight(node, importer) if linear_as_gemm else None
+    if weight is not None and len(lhs.ty.shape) == 2 and str(lhs.ty.dtype) == str(weight.ty.dtype) == dtype:
+        (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[0])
+        wl = _supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype)
+        if wl is not None:
+            gv = bb.add_func(workload_func(wl), "autosched_gemm")
+            return bb.emit(relax.call_tir(gv, [lhs, weight], relax.TensorType((m, n), dtype)))
+    product = bb.emit(relax.op.matmul(lhs, rhs, out_dtype="float32"))
+    if dtype in ("float16", "bfloat16"):
+        return bb.emit(relax.op.astype(product, dtype))
+    return product
+
+
+def _linear_weight(node, importer):
+    """The Relax variable of W[n,k] if the second factor of ``node`` is ``permute(W, [1, 0])``."""
+    factor = node.args[1]
+    if getattr(factor, "target", None) is None or "permute" not in str(factor.target):
+        return None
+    source, axes = factor.args[0], list(factor.args[1])
+    weight = importer.env.get(source)
+    if axes != [1, 0] or weight is None or len(weight.ty.shape) != 2:
+        return None
+    return weight
+
+
+def _supported_workload(op: str, shape: dict, dtype: str, attrs: dict | None = None):
+    """The workload, or None where the operator does not take this shape, dtype or attribute value."""
+    try:
+        return make_workload(op, shape, dtype, attrs)
+    except UsageError:
+        return None
+
+
+def _rms_norm_as_workload(node, importer):
+    """``aten.rms_norm`` over the last axis: a call of our ``rmsnorm`` workload's kernel on the rows.
+
+    Decomposed, it fused into three kernels (cast, square, and the rest) with float32 temporaries in
+    between; one pass over the rows reads each element once. Other forms (no weight, several normalised
+    axes, an eps the workload does not take) are decomposed here in Relax ops, computed in float32.
+    """
+    import math
+
+    from tvm import relax
+
+    args = list(importer.retrieve_args(node)) + [None, None]
+    x, normalized, weight, eps = args[:4]
+    dims, dtype = [int(d) for d in x.ty.shape], str(x.ty.dtype)
+    rows, n = math.prod(dims[:-1]), dims[-1]
+    bb = importer.block_builder
+    wl = None
+    if weight is not None and list(normalized) == [n] and str(weight.ty.dtype) == dtype:
+        wl = _supported_workload("rmsnorm", {"m": rows, "n": n}, dtype, {"eps": eps})
+    if wl is None:
+        import torch
+
+        axes = list(range(len(dims) - len(normalized), len(dims)))
+        eps = eps if eps is not None else float(torch.finfo(node.meta["val"].dtype).eps)  # torch's default
+        x32 = bb.emit(relax.op.astype(x, "float32"))
+        mean_square = bb.emit(relax.op.mean(bb.emit(relax.op.multiply(x32, x32)), axis=axes, keepdims=True))
+        y = bb.emit(relax.op.multiply(x32, bb.emit(relax.op.rsqrt(bb.emit(
+            relax.op.add(mean_square, relax.const(eps, "float32")))))))
+        if weight is not None:
+            y = bb.emit(relax.op.multiply(y, bb.emit(relax.op.astype(weight, "float32"))))
+        return bb.emit(relax.op.astype(y, dtype))
+    gv = bb.add_func(workload_func(wl), "autosched_rmsnorm")
+    flat = bb.emit(relax.op.reshape(x, [rows, n]))
+    out = bb.emit(relax.call_tir(gv, [flat, weight], relax.TensorType((rows, n), dtype)))
+    return bb.emit(relax.op.reshape(out, dims))
