@@ -31,15 +31,11 @@ class FeatureExtractor:
 
     def __init__(self, target: TargetSpec):
         from tvm.s_tir import meta_schedule as ms
-        from tvm.s_tir.meta_schedule import _ffi_api
+
+        from autosched.tvm_adapter import feature_tune_context
 
         self._ms = ms
-        # A bare tuning context that only carries the target. TuneContext.__init__ would import
-        # tvm.s_tir.tensor_intrin, which parses hundreds of TVMScript intrinsics (~100 s on 2 cores)
-        # that the feature extractor never uses, so the context is made through its FFI constructor.
-        ctx = ms.TuneContext.__new__(ms.TuneContext)
-        ctx.__init_handle_by_constructor__(_ffi_api.TuneContext, None, target.tvm_target(), None, None, "main", 1, -1, None)
-        self._ctx = ctx
+        self._ctx = feature_tune_context(target.tvm_target())
         self._extractor = ms.feature_extractor.PerStoreFeature()
 
     def __call__(self, mods: list[IRModule]) -> np.ndarray:

@@ -44,7 +44,7 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    from tvm import tirx
+    from autosched.tvm_adapter import register_llvm_lowering
 
-    tirx.register_intrin_lowering("tirx.exp", target="llvm", f=_fast_exp, level=99)
+    register_llvm_lowering("tirx.exp", _fast_exp)
     _INSTALLED = True

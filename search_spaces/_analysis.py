@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autosched.tvm_adapter import block_realize
+
 if TYPE_CHECKING:
     from tvm import s_tir
     from tvm.s_tir.schedule import SBlockRV
@@ -26,13 +28,6 @@ def iter_kinds(sch: s_tir.Schedule, block: SBlockRV) -> str:
 
     kinds = {IterVar.DataPar: "S", IterVar.CommReduce: "R"}
     return "".join(kinds.get(int(iv.iter_type), "O") for iv in sch.get(block).iter_vars)
-
-
-def block_realize(sch: s_tir.Schedule, block: SBlockRV):
-    """The ``SBlockRealize`` of ``block``: its iterator bindings and its predicate."""
-    from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
-
-    return get_sblockrealize(sch, block)
 
 
 def loop_kinds(sch: s_tir.Schedule, block: SBlockRV) -> list[str]:

@@ -51,7 +51,9 @@ class FlashAttentionSpace(Space):
         ]
 
     def check(self, p: Point) -> str | None:
-        from tvm.relax.frontend.nn.llm._kernel_common import _is_prefill_kernel_config_legal
+        from autosched.tvm_adapter import llm_prefill_kernels
+
+        _is_prefill_kernel_config_legal = llm_prefill_kernels()._is_prefill_kernel_config_legal
 
         tx, tz, warps, vec = p["tile_x"], p["tile_z"], p["warps"], p["load_vec"]
         smem = (tx + 2 * tz) * self.d * self.elem + tx * tz * 4 + 3 * tx * 4
@@ -79,11 +81,11 @@ class FlashAttentionSpace(Space):
 
 def _flash_prefill(b, h, hkv, s, d, dtype, causal, tile_x, tile_z, num_warps):
     """The kernel, for Q[b,h,s,d], K/V[b,hkv,s,d] -> O[b,h,s,d] (our attention workload's signature)."""
-    from tvm.relax.frontend.nn.llm._kernel_common import (
-        _alloc_mha_qkvo_buffers,
-        _alloc_softmax_state_buffers,
-        _make_prefill_macros,
-    )
+    from autosched.tvm_adapter import llm_prefill_kernels
+
+    kernels = llm_prefill_kernels()
+    _alloc_mha_qkvo_buffers, _alloc_softmax_state_buffers, _make_prefill_macros = (
+        kernels._alloc_mha_qkvo_buffers, kernels._alloc_softmax_state_buffers, kernels._make_prefill_macros)
     from tvm.script import tirx as T
 
     group = h // hkv
@@ -167,11 +169,11 @@ def _flash_prefill(b, h, hkv, s, d, dtype, causal, tile_x, tile_z, num_warps):
 def _schedule_flash(sch, load_vec, bdx, num_warps, tile_x, tile_y, tile_z) -> None:
     """Thread tiles of the template's blocks (after TVM's ``_schedule_prefill_kernel``, without the LSE
     output our workload does not have)."""
-    from tvm.relax.frontend.nn.llm._kernel_common import (
-        _get_prefill_load_config,
-        _get_prefill_tile_size,
-        _get_prefill_vector_size,
-    )
+    from autosched.tvm_adapter import llm_prefill_kernels
+
+    kernels = llm_prefill_kernels()
+    _get_prefill_load_config, _get_prefill_tile_size, _get_prefill_vector_size = (
+        kernels._get_prefill_load_config, kernels._get_prefill_tile_size, kernels._get_prefill_vector_size)
 
     def extents(*loops):
         return [int(sch.get(lp).extent) for lp in loops]

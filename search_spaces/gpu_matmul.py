@@ -394,6 +394,6 @@ class GpuGemvSpace(Space):
 
 
 def _realize(sch, block):
-    from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
+    from autosched.tvm_adapter import block_realize
 
-    return get_sblockrealize(sch, block)
+    return block_realize(sch, block)

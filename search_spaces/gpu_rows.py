@@ -31,9 +31,10 @@ def _param_names(func) -> set[str]:
 def _coalescing_loop(sch, block, loops, params: set[str]):
     """The loop (among ``loops``) that indexes the last dimension of the block's largest global read."""
     from tvm import tirx
-    from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
 
-    realize = get_sblockrealize(sch, block)
+    from autosched.tvm_adapter import block_realize
+
+    realize = block_realize(sch, block)
     binding = {iv.var.name: {v.name for v in tirx.analysis.undefined_vars(val)}
                for iv, val in zip(realize.block.iter_vars, realize.iter_values)}
     loop_vars = {sch.get(lp).loop_var.name: lp for lp in loops}

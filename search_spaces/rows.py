@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._analysis import block_realize, blocks_of, const_extents, is_reduction, iter_kinds, loop_kinds
+from autosched.tvm_adapter import LOOP_PARTITION, block_realize, set_block_predicate
+
+from ._analysis import blocks_of, const_extents, is_reduction, iter_kinds, loop_kinds
 from ._knobs import Knob, Point, Space
 
 if TYPE_CHECKING:
@@ -49,9 +51,10 @@ def guard_row_tail(sch: s_tir.Schedule, tail: RowTail) -> None:
     from tvm import tirx
 
     block = sch.get_sblock(tail.name)
-    values = block_realize(sch, block).iter_values
+    realize = block_realize(sch, block)
+    values, old = realize.iter_values, realize.predicate
     guard = values[tail.outer] * tail.vec + values[tail.lane] < tail.extent
-    if not set_predicate(sch, block, lambda old: guard if isinstance(old, tirx.IntImm) and old.value else old & guard):
+    if not set_block_predicate(sch, block, guard if isinstance(old, tirx.IntImm) and old.value else old & guard):
         raise RuntimeError(f"block {tail.name} is not the only statement of its innermost loop")
 
 
@@ -62,29 +65,9 @@ def mark_tails_likely(sch: s_tir.Schedule) -> None:
     from tvm import tirx
 
     for block in blocks_of(sch):
-        if not isinstance(block_realize(sch, block).predicate, tirx.IntImm):
-            set_predicate(sch, block, lambda old: old, likely=True)
-
-
-def set_predicate(sch: s_tir.Schedule, block, rewrite, likely: bool = False) -> bool:
-    """Replace the predicate of ``block`` by ``rewrite(old)`` (wrapped in ``likely``); False, and nothing
-    changed, where the block is not the only statement of its innermost loop."""
-    from tvm import s_tir, tirx
-
-    loops = sch.get_loops(block)
-    if not loops:
-        return False
-    loop = sch.get(loops[-1])
-    realize = loop.body
-    if not isinstance(realize, s_tir.SBlockRealize):
-        return False
-    predicate = rewrite(realize.predicate)
-    if likely:
-        predicate = tirx.likely(predicate)
-    guarded = s_tir.SBlockRealize(realize.iter_values, predicate, realize.block)
-    new_loop = tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, guarded, loop.thread_binding, loop.annotations)
-    sch.state.replace(sch.get_sref(loops[-1]), new_loop, {realize.block: realize.block})
-    return True
+        predicate = block_realize(sch, block).predicate
+        if not isinstance(predicate, tirx.IntImm):
+            set_block_predicate(sch, block, tirx.likely(predicate))
 
 
 def inline_spatial(sch: s_tir.Schedule) -> None:
@@ -148,7 +131,7 @@ class RowsSpace(Space):
     def build_config(self, point: Point) -> dict:
         # A row no vector divides ends in a guarded vector step; partitioning splits that step off so the
         # rest of the row runs as whole vectors (otherwise LLVM gets the guarded loop and scalarises it).
-        return {"s_tir.LoopPartition": {"partition_const_loop": True}}
+        return dict(LOOP_PARTITION)
 
     def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
         inline_spatial(sch)

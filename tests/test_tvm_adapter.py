@@ -1,0 +1,103 @@
+"""The TVM behaviours autosched/tvm_adapter.py relies on, pinned: a TVM upgrade that changes one fails here."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import s_tir, te, tirx
+
+from autosched import tvm_adapter
+
+
+def _rows(n: int = 20):
+    """A row sum: S[i] = sum_k X[i, k], then Y[i, j] = X[i, j] / S[i]."""
+    x = te.placeholder((4, n), "float32", name="X")
+    k = te.reduce_axis((0, n), name="k")
+    s = te.compute((4,), lambda i: te.sum(x[i, k], axis=k), name="S")
+    y = te.compute((4, n), lambda i, j: x[i, j] / s[i], name="Y")
+    return te.create_prim_func([x, y])
+
+
+def test_block_realize_gives_the_guard_of_a_non_dividing_split():
+    sch = s_tir.Schedule(_rows())
+    block = sch.get_sblock("S")
+    sch.split(sch.get_loops(block)[-1], [None, 8])
+    realize = tvm_adapter.block_realize(sch, block)
+    assert isinstance(realize, s_tir.SBlockRealize)
+    assert not isinstance(realize.predicate, tirx.IntImm)  # k_0 * 8 + k_1 < 20
+    assert len(realize.iter_values) == 2
+
+
+def test_compute_at_drops_the_guard_of_an_rfactor_block():
+    """The TVM 0.27 behaviour the rows space works around (search_spaces/rows.py, guard_row_tail): if this
+    fails, compute_at keeps the guard and the workaround can go."""
+    sch = s_tir.Schedule(_rows())
+    block = sch.get_sblock("S")
+    _, lane = sch.split(sch.get_loops(block)[-1], [None, 8])
+    rf = sch.rfactor(lane, factor_axis=1)
+    assert not isinstance(tvm_adapter.block_realize(sch, rf).predicate, tirx.IntImm)
+    row = sch.get_loops(sch.get_sblock("Y"))[0]
+    sch.compute_at(sch.get_sblock("S"), row)
+    sch.compute_at(rf, sch.get_loops(sch.get_sblock("S"))[0])
+    assert isinstance(tvm_adapter.block_realize(sch, rf).predicate, tirx.IntImm)
+
+
+def test_set_block_predicate_guards_the_block_and_keeps_the_schedule_usable():
+    sch = s_tir.Schedule(_rows())
+    block = sch.get_sblock("Y")
+    _, lane = sch.split(sch.get_loops(block)[-1], [None, 8])
+    predicate = tvm_adapter.block_realize(sch, block).predicate
+    assert tvm_adapter.set_block_predicate(sch, block, tirx.likely(predicate))
+    assert "T.likely" in sch.mod.script()
+    sch.vectorize(lane)  # the block handle still works after the state edit
+    with tvm.transform.PassContext(opt_level=3, config=tvm_adapter.LOOP_PARTITION):
+        lib = tvm.compile(sch.mod, target={"kind": "llvm"})
+    x = np.random.default_rng(0).standard_normal((4, 20)).astype("float32")
+    y = tvm.runtime.tensor(np.zeros((4, 20), "float32"))
+    lib(tvm.runtime.tensor(x), y)
+    np.testing.assert_allclose(y.numpy(), x / x.sum(1, keepdims=True), rtol=1e-5)
+    # A block that is not the only statement of its innermost loop is left alone.
+    sch = s_tir.Schedule(_rows())
+    assert not tvm_adapter.set_block_predicate(sch, sch.get_sblock("root"), tirx.const(True, "bool"))
+
+
+def test_loop_partition_option_exists():
+    configs = tvm.transform.PassContext.list_configs()
+    assert "s_tir.LoopPartition" in configs
+
+
+def test_feature_tune_context_serves_metaschedule_features(cpu_target):
+    from tvm.s_tir import meta_schedule as ms
+
+    ctx = tvm_adapter.feature_tune_context(cpu_target.tvm_target())
+    mod = tvm.IRModule({"main": _rows()})
+    candidate = ms.MeasureCandidate(s_tir.Schedule(mod), [])
+    features = ms.feature_extractor.PerStoreFeature().extract_from(ctx, [candidate])
+    assert len(features) == 1 and features[0].numpy().shape[1] == 164
+    assert tvm_ffi.structural_equal(ctx.target, cpu_target.tvm_target())
+
+
+def test_llm_prefill_kernels_offer_what_the_attention_template_uses():
+    kernels = tvm_adapter.llm_prefill_kernels()
+    for name in ("_is_prefill_kernel_config_legal", "_make_prefill_macros", "_alloc_mha_qkvo_buffers",
+                 "_alloc_softmax_state_buffers", "_get_prefill_load_config", "_get_prefill_tile_size",
+                 "_get_prefill_vector_size"):
+        assert callable(getattr(kernels, name)), name
+    assert len(kernels._make_prefill_macros(64, 64, 32, 64, 32, 4, 2)) >= 4
+
+
+def test_register_llvm_lowering_applies_to_later_compiles():
+    """The fast exp is registered this way (autosched/fastmath.py): after it, the LLVM code of an exp kernel
+    has no call of the llvm.exp intrinsic (one libm call per lane) and still computes exp."""
+    from autosched.fastmath import install
+
+    x = te.placeholder((64,), "float32", name="X")
+    y = te.compute((64,), lambda i: te.exp(x[i]), name="Y")
+    install()
+    lib = tvm.tirx.build(te.create_prim_func([x, y]), target="llvm")
+    assert "llvm.exp" not in lib.inspect_source("ll")
+    a = np.linspace(-20, 20, 64).astype("float32")
+    out = tvm.runtime.tensor(np.zeros(64, "float32"))
+    lib(tvm.runtime.tensor(a), out)
+    np.testing.assert_allclose(out.numpy(), np.exp(a), rtol=1e-6)
