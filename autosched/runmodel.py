@@ -17,10 +17,11 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True) -> dict[str, A
     from autosched.measure._worker import relative_error
 
     from .pipeline import load_artifact, load_model
+    from .target import KIND_FACTS
 
     vm, params, manifest = load_artifact(path)
-    device = tvm.cpu() if manifest["target"]["kind"] == "llvm" else tvm.cuda()
-    torch_device = "cpu" if manifest["target"]["kind"] == "llvm" else "cuda"
+    torch_device = KIND_FACTS[manifest["target"]["kind"]].device
+    device = tvm.device(torch_device, 0)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(spec["shape"], generator=gen).to(getattr(torch, spec["dtype"])).to(torch_device)
               for spec in manifest["inputs"]]

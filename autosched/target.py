@@ -16,7 +16,18 @@ from typing import Any
 
 from .errors import DeviceError, UsageError
 
-KINDS = ("llvm", "cuda")
+
+@dataclass(frozen=True)
+class KindFacts:
+    """What differs between target kinds, in one place: ``gpu`` (kernels bind threads, are timed with
+    CUDA events and get dlight's default schedules), and the device type TVM and torch name it by."""
+
+    gpu: bool
+    device: str
+
+
+KIND_FACTS = {"llvm": KindFacts(gpu=False, device="cpu"), "cuda": KindFacts(gpu=True, device="cuda")}
+KINDS = tuple(KIND_FACTS)
 KIND_ALIASES = {"cpu": "llvm", "llvm": "llvm", "cuda": "cuda", "gpu": "cuda", "nvidia": "cuda"}
 DEFAULT_CUDA_ARCH = "sm_90"
 
@@ -35,7 +46,7 @@ class TargetSpec:
 
     @property
     def is_gpu(self) -> bool:
-        return self.kind == "cuda"
+        return KIND_FACTS[self.kind].gpu
 
     @property
     def match_key(self) -> str:
@@ -66,11 +77,11 @@ class TargetSpec:
     def device(self):
         import tvm
 
-        return tvm.cpu(0) if self.kind == "llvm" else tvm.cuda(0)
+        return tvm.device(KIND_FACTS[self.kind].device, 0)
 
     @property
     def torch_device(self) -> str:
-        return "cpu" if self.kind == "llvm" else "cuda"
+        return KIND_FACTS[self.kind].device
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -8,6 +8,7 @@ from typing import Any
 
 from autosched.errors import DatabaseError, UsageError
 from autosched.output import emit
+from autosched.target import KINDS
 
 from .transfer import RecordFilter, export_records, import_records, record_json, record_rows
 
@@ -28,7 +29,7 @@ def add_parser(sub, add_db_arg, add_format) -> None:
         p.add_argument("--shape", help="only these shape values, e.g. m=2048 or m=2048,n=4096")
         p.add_argument("--dtype", help="only this dtype")
         p.add_argument("--workload", help="only workload keys (or kernel names) containing this text")
-        p.add_argument("--target", dest="target_kind", choices=("llvm", "cuda"), help="only this target kind")
+        p.add_argument("--target", dest="target_kind", choices=KINDS, help="only this target kind")
         p.add_argument("--device", help="only devices whose name contains this text")
         p.add_argument("--run", dest="run_id", type=int, help="only this run id")
         p.add_argument("--since", help="only records from this date on (YYYY-MM-DD)")
@@ -45,7 +46,7 @@ def add_parser(sub, add_db_arg, add_format) -> None:
     p = dsub.add_parser("best", help="the best record of each workload and device")
     add_db_arg(p)
     p.add_argument("--op", help="only this operator")
-    p.add_argument("--target", dest="target_kind", choices=("llvm", "cuda"), help="only this target kind")
+    p.add_argument("--target", dest="target_kind", choices=KINDS, help="only this target kind")
     add_format(p)
 
     p = dsub.add_parser("show", help="one record in full: point, timings, error, provenance")
@@ -56,7 +57,7 @@ def add_parser(sub, add_db_arg, add_format) -> None:
     p = dsub.add_parser("history", help="best latency so far against trials, for workloads matching a key")
     p.add_argument("workload", help="text the workload key contains, e.g. 'gemm[m=1024'")
     add_db_arg(p)
-    p.add_argument("--target", dest="target_kind", choices=("llvm", "cuda"), help="only this target kind")
+    p.add_argument("--target", dest="target_kind", choices=KINDS, help="only this target kind")
     p.add_argument("--device", help="only devices whose name contains this text")
     p.add_argument("--improvements", action="store_true", help="only the trials that improved the best")
     add_format(p)

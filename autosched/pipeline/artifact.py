@@ -50,12 +50,14 @@ def load_artifact(out_dir: str | Path):
     import tvm
     from tvm import relax
 
+    from autosched.target import KIND_FACTS
+
     out = Path(out_dir)
     manifest_path = out / MANIFEST
     if not manifest_path.exists():
         raise UsageError(f"{out} is not an autosched build (no {MANIFEST}): run `autosched build` first")
     manifest = json.loads(manifest_path.read_text())
-    device = tvm.cpu() if manifest["target"]["kind"] == "llvm" else tvm.cuda()
+    device = tvm.device(KIND_FACTS[manifest["target"]["kind"]].device, 0)
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(out / manifest["library"])), device)
     saved = tvm.runtime.load_param_dict((out / manifest["params"]).read_bytes())
     params = [saved[name].copyto(device) for name in manifest["param_order"]]
