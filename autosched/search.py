@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+import tvm_ffi
 
 from autosched.search_spaces import InvalidPoint, Point, point_key
 
@@ -62,6 +63,10 @@ class EvolutionarySearch:
         self.rng = np.random.default_rng(seed)
         self.measured: dict[str, tuple[Point, float]] = {}  # key -> (point, median seconds or inf)
         self.rejected: dict[str, str] = {}  # key -> why the space could not apply the point
+        # Points whose scheduled module is structurally equal to an earlier point's: the same kernel, which
+        # is measured once. This catches what a space's canonical() rules do not.
+        self.duplicates: dict[str, str] = {}  # key -> key of the earlier point
+        self._kernels: dict[int, str] = {}  # structural hash of a scheduled module -> its first point's key
         self._features: dict[str, np.ndarray] = {}
         self._fitted = False
         self._first: list[Point] = []  # proposed before anything else (e.g. transferred points)
@@ -136,7 +141,7 @@ class EvolutionarySearch:
             except InvalidPoint:
                 break
             key = point_key(point)
-            if key in self.measured or key in out or key in exclude or key in self.rejected:
+            if key in self.measured or key in out or key in exclude or key in self.rejected or key in self.duplicates:
                 continue
             if self._applies(point, key):
                 out[key] = point
@@ -175,13 +180,20 @@ class EvolutionarySearch:
 
     # ---- features --------------------------------------------------------------------------------
     def _applies(self, point: Point, key: str) -> bool:
-        """Featurise ``point`` (cached); False, with the reason kept, if the space cannot apply it."""
+        """Featurise ``point`` (cached); False, with the reason kept, if the space cannot apply it or an earlier
+        point gave the same kernel."""
         if key in self._features:
             return True
+        if key in self.duplicates or key in self.rejected:
+            return False
         try:
             mod = self.space.apply(point)
         except InvalidPoint as exc:
             self.rejected[key] = str(exc)
+            return False
+        first = self._kernels.setdefault(tvm_ffi.structural_hash(mod), key)
+        if first != key:
+            self.duplicates[key] = first
             return False
         self._features[key] = self.featurize([mod])[0]
         return True

@@ -74,3 +74,23 @@ def test_database_seeds_become_parents(cpu_target):
     assert search.best()[0] == known[0]
     proposed = {point_key(p) for p in search.propose(8)}
     assert not proposed & {point_key(p) for p in known}
+
+
+def test_points_that_give_the_same_kernel_are_proposed_once(cpu_target):
+    """Two points of the rows space schedule the same kernel when vector=1 (rfactor needs a vector, so its
+    value does not matter there), and the space has no canonical() rule for it: the structural hash of the
+    scheduled module catches them, so one kernel is not measured twice."""
+    import tvm_ffi
+
+    task = Task.from_workload(make_workload("softmax", "m=4,n=64"))
+    space = task.space(cpu_target)
+    search = EvolutionarySearch(space, RandomModel(), FeatureExtractor(cpu_target), seed=0)
+    proposed = []
+    while batch := search.propose(16):
+        proposed += batch
+        search.observe(batch, [MeasureResult((1e-3,))] * len(batch))
+    hashes = [tvm_ffi.structural_hash(space.apply(p)) for p in proposed]
+    assert len(set(hashes)) == len(hashes)
+    assert search.duplicates, "the rows space has points with equal kernels; none were found"
+    twins = {point_key({**p, "rfactor": not p["rfactor"]}) for p in proposed if p["vector"] == 1}
+    assert not twins & {point_key(p) for p in proposed}
