@@ -380,6 +380,9 @@ class ApplyReport:
     tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel -> record info
     default: list[str] = field(default_factory=list)  # kernels on a default schedule
     build_config: dict[str, Any] = field(default_factory=dict)  # pass options the schedules need
+    # Kernels compiled on their own (TIRx: another lowering pipeline than the model's) and called from the
+    # model as packed functions: name -> (kernel, pass options, codegen).
+    separate: dict[str, tuple[Any, dict, dict]] = field(default_factory=dict)
 
 
 def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tuple[IRModule, ApplyReport]:
@@ -416,14 +419,21 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
             space = task.space(target)
             best = trusted_best(db, task, target, space.id, measurer if can_measure else None) if db else None
             if best is not None:
-                scheduled = space.apply(best.point)["main"]
-                report.build_config.update(space.build_config(best.point))
+                point = best.point
                 report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
                                               "latency_us": best.median * 1e6, "space": best.space}
-            elif not target.is_gpu:
-                scheduled = space.apply(space.default())["main"]
-                report.build_config.update(space.build_config(space.default()))
+            elif not target.is_gpu or space.template:
+                # A template's default point is a hand-built kernel, better than dlight's generic one.
+                point = space.default()
                 report.default.append(gv.name_hint)
+            else:
+                point = None
+            if point is not None:
+                scheduled = space.apply(point)["main"]
+                if space.codegen:
+                    report.separate[gv.name_hint] = (scheduled, space.build_config(point), space.codegen)
+                    continue
+                report.build_config.update(space.build_config(point))
         except (SpaceError, InvalidPoint):
             scheduled = None
         if scheduled is None:
@@ -437,6 +447,8 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
         out[gv] = scheduled
     for m in measurers:
         m.close()
+    if report.separate:
+        out = _call_separately(out, set(report.separate))
     if target.is_gpu and pending:
         from tvm.s_tir import dlight as dl
 
@@ -446,6 +458,43 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     return out, report
 
 
+def _call_separately(mod: IRModule, names: set[str]) -> IRModule:
+    """``mod`` with every ``call_tir`` of a kernel in ``names`` turned into a call of the packed function of
+    that name (the kernel is compiled on its own and linked in), and those kernels removed."""
+    import tvm
+    from tvm import relax
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    @relax.expr_functor.mutator
+    class ToPacked(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if call.op == call_tir and isinstance(call.args[0], tvm.ir.GlobalVar) and call.args[0].name_hint in names:
+                out = call.ty_args[0]
+                out = list(out.fields) if isinstance(out, relax.TupleType) else [out]
+                return relax.call_dps_packed(relax.ExternFunc(call.args[0].name_hint), call.args[1], out)
+            return call
+
+    out = tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint not in names}, attrs=mod.attrs)
+    for gv, func in list(out.functions.items()):
+        if isinstance(func, relax.Function):
+            out[gv] = ToPacked(out).visit_expr(func)
+    return out
+
+
+def compile_separate(executable, report: ApplyReport, target: TargetSpec):
+    """Compile the kernels that ``apply_database`` set apart and link them into the model's executable."""
+    import tvm
+
+    from .target import compile_module
+
+    for name, (kernel, config, codegen) in report.separate.items():
+        lib = compile_module(tvm.IRModule({name: kernel.with_attr("global_symbol", name)}), target, config, codegen)
+        executable.mod.import_module(lib.mod)
+    return executable
+
+
 def build_model(model: Model, target: TargetSpec, db: Database | None):
     """Import, lower, apply the database and compile; returns (executable, the transformed parameters
     ``main`` takes, report)."""
@@ -453,7 +502,7 @@ def build_model(model: Model, target: TargetSpec, db: Database | None):
 
     lowered, params = prepare(model, target)
     scheduled, report = apply_database(lowered, db, target)
-    executable = compile_module(scheduled, target, report.build_config)
+    executable = compile_separate(compile_module(scheduled, target, report.build_config), report, target)
     return executable, transform_params(lowered, params), report
 
 

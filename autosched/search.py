@@ -178,6 +178,11 @@ class EvolutionarySearch:
         """Featurise ``point`` (cached); False, with the reason kept, if the space cannot apply it."""
         if key in self._features:
             return True
+        reason = self.space.validate(point)
+        analytic = self.space.point_features(point) if reason is None else None
+        if analytic is not None:
+            self._features[key] = np.asarray(analytic, dtype=np.float64)
+            return True
         try:
             mod = self.space.apply(point)
         except InvalidPoint as exc:

@@ -126,6 +126,23 @@ def test_half_precision_model_builds_for_cuda_without_a_gpu():
     assert any(str(p.dtype) == "float16" and len(p.shape) == 2 for p in params)  # the GEMM weights
 
 
+def test_prefill_model_links_hopper_gemm_kernels_built_apart():
+    # From 17 tokens on, the GEMMs of an sm_90 build are TIRx wgmma kernels: compiled by the TIRx pipeline
+    # on their own, called from the model as packed functions and linked into one exportable library.
+    import torch
+
+    from autosched.target import parse_target
+
+    target = parse_target("cuda:sm_90", require_device=False)
+    model = load_model("tiny-llama", tokens=64, dtype=torch.float16)
+    executable, _, report = build_model(model, target, None)
+    assert sorted(report.separate) == ["autosched_gemm", "autosched_gemm1", "autosched_gemm2", "autosched_gemm3"]
+    assert all(codegen["tir_pipeline"] == "tirx" for _, _, codegen in report.separate.values())
+    text = executable.mod.imports[0].inspect_source() if executable.mod.imports else ""
+    assert "autosched_gemm" not in text  # the model's own CUDA module has no copy of them
+    assert len(executable.mod.imports) > len(report.separate)  # one linked module per kernel, plus the model's
+
+
 class _OtherForms(__import__("torch").nn.Module):
     """Forms the importer's substitutions do not take: an RMSNorm without a weight and with an eps our
     workload has no kernel for, and a product with a factor that is not a transposed weight."""
