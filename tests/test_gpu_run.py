@@ -60,7 +60,7 @@ def test_tuning_on_the_gpu_records_the_device(gpu_target, db_path):
     assert row["device"] == gpu_target.device_name and row["target"].startswith("cuda:sm_")
 
 
-@pytest.mark.parametrize("tokens", [16, 64], ids=["decode-gemv", "prefill-hopper"])
+@pytest.mark.parametrize("tokens", [1, 16, 64], ids=["decode-gemv", "decode16-hopper", "prefill-hopper"])
 def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_path, tokens):
     import torch
 

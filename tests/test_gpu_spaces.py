@@ -83,3 +83,46 @@ def test_show_prints_cuda_source_without_a_gpu(tmp_path):
     assert "__global__" in out and "default point" in out and "cuda:sm_90" in out
     cpu = autosched("show", "rmsnorm", "--shape", "m=4,n=64", "--db", str(tmp_path / "none.db")).stdout
     assert "T.prim_func" in cpu and "__global__" not in cpu
+
+
+@pytest.mark.parametrize("arch,shape,dtype,space_name", [
+    ("sm_90", "m=64,n=128,k=64", "float16", "hopper_gemm"),
+    ("sm_90a", "m=16,n=128,k=64", "bfloat16", "hopper_gemm"),
+    ("sm_80", "m=64,n=128,k=64", "float16", "gpu_matmul"),  # no wgmma before Hopper
+    ("sm_90", "m=1,n=128,k=64", "float16", "gpu_gemv"),  # one row: a GEMV
+    ("sm_90", "m=64,n=128,k=60", "float16", "gpu_matmul"),  # rows of 120 bytes: TMA needs 16-byte strides
+    ("sm_90", "m=64,n=128,k=64", "float32", "gpu_matmul"),  # wgmma here takes fp16/bf16
+])
+def test_the_architecture_and_shape_choose_the_gemm_space(arch, shape, dtype, space_name):
+    target = parse_target(f"cuda:{arch}", require_device=False)
+    assert Task.from_workload(make_workload("gemm", shape, dtype)).space(target).name == space_name
+
+
+def test_hopper_space_rejects_points_before_a_build_with_the_reason(sm90):
+    from autosched.search_spaces import InvalidPoint
+
+    space = Task.from_workload(make_workload("gemm", "m=4096,n=4096,k=4096", "float16")).space(sm90)
+    too_many_accumulators = dict(space.default(), consumers=1, wg_rows=128, block_n=256)
+    assert "accumulator registers" in space.check(too_many_accumulators)
+    too_much_shared = dict(space.default(), consumers=2, wg_rows=64, block_n=256, stages=7)
+    assert "shared memory" in space.check(too_much_shared)
+    with pytest.raises(InvalidPoint, match="shared memory"):
+        space.apply(too_much_shared)
+    rng = np.random.default_rng(0)
+    assert all(space.check(space.sample(rng)) is None for _ in range(20))
+
+
+def test_hopper_space_gives_the_cost_model_its_own_features(sm90):
+    space = Task.from_workload(make_workload("gemm", "m=512,n=4096,k=4096", "float16")).space(sm90)
+    rng = np.random.default_rng(0)
+    rows = np.array([space.point_features(space.sample(rng)) for _ in range(16)])
+    assert rows.shape == (16, len(space.point_features(space.default()))) and np.isfinite(rows).all()
+    assert (rows.std(0) > 0).sum() >= 6  # knobs and derived quantities vary with the point
+
+
+def test_show_prints_the_wgmma_kernel_for_sm90a(tmp_path):
+    from .test_cli import autosched
+
+    out = autosched("show", "gemm", "--shape", "m=256,n=256,k=256", "--dtype", "bf16", "--target", "cuda:sm_90a",
+                    "--db", str(tmp_path / "none.db")).stdout
+    assert "wgmma.mma_async.sync.aligned.m64n" in out and "cp.async.bulk.tensor" in out and "setmaxnreg" in out
