@@ -12,8 +12,9 @@ rows       blocks share leading row loops and reduce within a row          rmsno
 injective  no reduction                                                    rope, casts, adds
 ========== =============================================================== =======================
 
-A space may also decline a function for a target (``Space.suits``): ``hopper_gemm``, the TIRx wgmma
-kernel, serves the ``gemm`` operator on sm_90 only; older GPUs get the WMMA space.
+A space may also decline a function for a target (``Space.suits``): ``hopper_gemm`` and
+``hopper_attention``, the TIRx wgmma kernels, serve ``gemm`` and prefill ``attention`` on sm_90 only;
+older GPUs get the WMMA and ``flash_attention`` spaces.
 """
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ def space_classes() -> dict[str, type[Space]]:
     from .gpu_attention import FlashAttentionSpace
     from .gpu_matmul import GpuGemvSpace, GpuMatmulSpace
     from .gpu_rows import GpuInjectiveSpace, GpuRowsSpace
+    from .hopper_attention import HopperAttentionSpace
     from .hopper_gemm import HopperGemmSpace
     from .injective import InjectiveSpace
     from .matmul import MatmulSpace
     from .rows import RowsSpace
 
     ordered = (MatmulSpace, RowsSpace, InjectiveSpace,  # CPU
-               HopperGemmSpace, FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
+               HopperGemmSpace, HopperAttentionSpace, FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}
 
 
