@@ -53,7 +53,8 @@ def space_classes() -> dict[str, type[Space]]:
     from .rows import RowsSpace
 
     ordered = (MatmulSpace, RowsSpace, InjectiveSpace,  # CPU
-               HopperGemmSpace, HopperAttentionSpace, FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
+               HopperGemmSpace, HopperAttentionSpace,  # CUDA, sm_90 (each declines other targets)
+               FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}
 
 
