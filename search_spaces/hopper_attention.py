@@ -257,12 +257,18 @@ class HopperAttentionSpace(Space):
     def suits(cls, func, target, hints) -> bool:
         from .hopper_gemm import HOPPER_ARCHS
 
-        b, h, hkv, s, d, dtype = _attention_shape(func)
-        return target.arch in HOPPER_ARCHS and dtype in PTX_TYPE and d in cls.HEAD_DIMS and h % hkv == 0
+        shape = _attention_shape(func)
+        if target.arch not in HOPPER_ARCHS or (hints or {}).get("op") != "attention" or shape is None:
+            return False
+        b, h, hkv, s, d, dtype = shape
+        return dtype in PTX_TYPE and d in cls.HEAD_DIMS and h % hkv == 0
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
-        self.b, self.h, self.hkv, self.s, self.d, self.dtype = _attention_shape(func)
+        shape = _attention_shape(func)
+        if shape is None:
+            raise ValueError("hopper_attention takes Q[b,h,s,d], K/V[b,hkv,s,d], O[b,h,s,d] functions only")
+        self.b, self.h, self.hkv, self.s, self.d, self.dtype = shape
         self.causal = bool(self.hints.get("causal", True))
         self.sms = target.num_cores or 132
         self.knobs = [Knob("consumers", (1, 2)), Knob("block_kv", (64, 128)), Knob("stages", (2, 3))]
@@ -302,8 +308,15 @@ class HopperAttentionSpace(Space):
                 math.ceil(self.s / p["block_kv"]), self.s % p["block_kv"] / p["block_kv"], float(self.causal)]
 
 
-def _attention_shape(func) -> tuple[int, int, int, int, int, str]:
-    """(b, h, hkv, s, d, dtype) of an attention function Q[b,h,s,d], K[b,hkv,s,d], V, O."""
-    q, k = func.params[0], func.params[1]
-    b, h, s, d = (int(x) for x in q.shape)
-    return b, h, int(k.shape[1]), s, d, str(q.dtype)
+def _attention_shape(func) -> tuple[int, int, int, int, int, str] | None:
+    """(b, h, hkv, s, d, dtype) of an attention function Q[b,h,s,d], K[b,hkv,s,d], V, O; None for others."""
+    params = list(func.params)
+    if len(params) != 4 or any(len(p.shape) != 4 for p in params):
+        return None
+    try:
+        (b, h, s, d), (b2, hkv, s2, d2) = ([int(x) for x in p.shape] for p in params[:2])
+    except (TypeError, ValueError):  # symbolic dimensions
+        return None
+    if (b2, s2, d2) != (b, s, d) or hkv < 1:
+        return None
+    return b, h, hkv, s, d, str(params[0].dtype)
