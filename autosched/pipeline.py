@@ -495,6 +495,38 @@ def compile_separate(executable, report: ApplyReport, target: TargetSpec):
     return executable
 
 
+def build_pipeline(target: TargetSpec):
+    """The Relax passes that compile a module :func:`apply_database` scheduled: TVM's default for the
+    target without its fusion.
+
+    On CUDA, ``tvm.compile``'s default pipeline legalises, re-annotates and fuses again (``FuseOps`` and
+    ``FuseTIR``) before dlight. Our lowering has fused already, and a second fusion over scheduled kernels
+    merges them with their neighbours: a kernel scheduled from a record has lost the opaque pattern it was
+    imported with, so e.g. a tuned GEMM was fused with the residual add after it. FuseTIR then failed on
+    the scheduled GEMM's buffers ("Inconsistent buffers epilogue and lv58 mapped to the same relax var"),
+    and where it did not fail, the merged kernel was no longer the schedule the database chose. The CPU's
+    default pipeline does not fuse."""
+    if not target.is_gpu:
+        return None
+    import tvm
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    tvm_target = target.tvm_target()
+    refusion = {"AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR"}
+    legalize = [p for p in cuda.legalize_passes(tvm_target) if p.info.name not in refusion]
+
+    @tvm.transform.module_pass(opt_level=0, name="AutoschedBuild")
+    def passes(mod, _ctx):
+        # LegalizeOps and dlight stay: anything still unlowered gets TVM's default kernel; dlight leaves
+        # scheduled kernels as they are.
+        with tvm_target:
+            return tvm.transform.Sequential(cuda.library_dispatch_passes(tvm_target) + legalize
+                                            + cuda.dataflow_lower_passes(tvm_target)
+                                            + cuda.finalize_passes(tvm_target))(mod)
+
+    return passes
+
+
 def build_model(model: Model, target: TargetSpec, db: Database | None):
     """Import, lower, apply the database and compile; returns (executable, the transformed parameters
     ``main`` takes, report)."""
@@ -502,7 +534,8 @@ def build_model(model: Model, target: TargetSpec, db: Database | None):
 
     lowered, params = prepare(model, target)
     scheduled, report = apply_database(lowered, db, target)
-    executable = compile_separate(compile_module(scheduled, target, report.build_config), report, target)
+    executable = compile_module(scheduled, target, report.build_config, relax_pipeline=build_pipeline(target))
+    executable = compile_separate(executable, report, target)
     return executable, transform_params(lowered, params), report
 
 
