@@ -377,12 +377,27 @@ def split_tunable(tasks: list[Task], target: TargetSpec) -> tuple[list[Task], li
 
 @dataclass
 class ApplyReport:
+    """How each kernel of a model was scheduled. ``tuned`` and ``default`` hold the kernels ``main`` calls
+    (each exactly once: together, every kernel of the forward pass); ``build_time`` those only
+    ``main_transform_params`` calls (run once, when the weights are prepared)."""
+
     tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel -> record info
     default: list[str] = field(default_factory=list)  # kernels on a default schedule
+    build_time: list[str] = field(default_factory=list)  # kernels of main_transform_params only, default schedule
     build_config: dict[str, Any] = field(default_factory=dict)  # pass options the schedules need
     # Kernels compiled on their own (TIRx: another lowering pipeline than the model's) and called from the
     # model as packed functions: name -> (kernel, pass options, codegen).
     separate: dict[str, tuple[Any, dict, dict]] = field(default_factory=dict)
+
+
+def build_summary(report: ApplyReport) -> str:
+    """One line on how the model's kernels were scheduled, e.g. "14 kernels per forward pass: 14 from the
+    database, 0 on default schedules (4 more run once at build time)"."""
+    text = (f"{len(report.tuned) + len(report.default)} kernels per forward pass: {len(report.tuned)} from the "
+            f"database, {len(report.default)} on default schedules")
+    if report.build_time:
+        text += f" ({len(report.build_time)} more run once, at build time, on default schedules)"
+    return text
 
 
 def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tuple[IRModule, ApplyReport]:
@@ -410,37 +425,43 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
         return measurers[0]
 
     can_measure = not target.is_gpu or bool(target.device_name)
+    per_pass = kernel_calls(mod)
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc):
             continue
         task = task_of(gv.name_hint, func)
-        scheduled = None
+        # Kernels run only once, at build time, get a default schedule and are not counted among the model's.
+        runs_per_pass = gv.name_hint in per_pass
+        default = report.default if runs_per_pass else report.build_time
+        scheduled = best = None
         try:
             space = task.space(target)
-            best = trusted_best(db, task, target, space.id, measurer if can_measure else None) if db else None
+            if db is not None and runs_per_pass:
+                best = trusted_best(db, task, target, space.id, measurer if can_measure else None)
             if best is not None:
                 point = best.point
-                report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
-                                              "latency_us": best.median * 1e6, "space": best.space}
             elif not target.is_gpu or space.template:
                 # A template's default point is a hand-built kernel, better than dlight's generic one.
                 point = space.default()
-                report.default.append(gv.name_hint)
             else:
                 point = None
             if point is not None:
                 scheduled = space.apply(point)["main"]
-                if space.codegen:
-                    report.separate[gv.name_hint] = (scheduled, space.build_config(point), space.codegen)
-                    continue
-                report.build_config.update(space.build_config(point))
         except (SpaceError, InvalidPoint):
             scheduled = None
+        if scheduled is not None and best is not None:
+            report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
+                                          "latency_us": best.median * 1e6, "space": best.space}
+        else:
+            default.append(gv.name_hint)
         if scheduled is None:
             # dlight schedules it below on the GPU; the CPU builds it as written.
-            report.default.append(gv.name_hint)
             pending.append(gv)
             continue
+        if space.codegen:
+            report.separate[gv.name_hint] = (scheduled, space.build_config(point), space.codegen)
+            continue
+        report.build_config.update(space.build_config(point))
         attrs = {"global_symbol": gv.name_hint, "tirx.is_scheduled": True}
         for key, value in attrs.items():
             scheduled = scheduled.with_attr(key, value)
@@ -558,6 +579,7 @@ def export_artifact(out_dir: str | Path, executable, params: list, model: Model,
         "library": LIBRARY, "params": PARAMS, "param_order": names,
         "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for t in model.inputs],
         "database": db_path, "tuned_kernels": report.tuned, "default_kernels": report.default,
+        "build_time_kernels": report.build_time,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out

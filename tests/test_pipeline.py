@@ -57,6 +57,51 @@ def test_fusion_and_task_extraction(lowered):
     assert not [t for t in tasks if t.name.startswith("reshape") and t.weight > 1]
 
 
+def test_apply_report_counts_every_kernel_of_the_forward_pass_once(lowered, cpu_target):
+    mod = lowered[0]
+    _, report = apply_database(mod, None, cpu_target)
+    per_pass = set(kernel_calls(mod))
+    assert not report.tuned and sorted(report.default) == sorted(per_pass)
+    # The weight transposes of main_transform_params run once, at build time: not the model's kernels.
+    assert report.build_time and not set(report.build_time) & per_pass
+    from autosched.pipeline import build_summary
+
+    assert build_summary(report).startswith(f"{len(per_pass)} kernels per forward pass: 0 from the database, "
+                                            f"{len(per_pass)} on default schedules")
+
+
+class _InstantMeasurer:
+    """Every point 'runs' in 1 us: what the task scheduler does with the budget, without building."""
+
+    def __init__(self):
+        self.measured = []
+
+    def measure(self, spec, points, cutoff=None):
+        from autosched.records import MeasureResult
+
+        self.measured.append((spec, list(points)))
+        return [MeasureResult((1e-6,)) for _ in points]
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("scheduler", ["gradient", "round-robin"])
+def test_every_kernel_gets_its_default_point_measured_before_trials_concentrate(lowered, cpu_target, scheduler):
+    tasks, _ = split_tunable(extract_tasks(lowered[0]), cpu_target)
+    measurer = _InstantMeasurer()
+    options = TuneOptions(trials=len(tasks) + 3, batch_size=16, seed=0, cost_model="random", scheduler=scheduler)
+    results = tune_tasks(tasks, cpu_target, None, options, measurer=measurer)
+    assert sum(r.trials for r in results) == len(tasks) + 3
+    assert all(r.trials >= 1 for r in results)  # a full first batch per task would have covered one task
+    # The first measurement of each task is its space's default point.
+    firsts = {}
+    for spec, points in measurer.measured:
+        firsts.setdefault(id(spec), points[0])
+    for task in tasks:
+        assert firsts[id(task.spec)] == task.space(cpu_target).default(), task.name
+
+
 def test_untuned_model_builds_and_matches_torch(tiny, cpu_target, tmp_path):
     executable, params, report = build_model(tiny, cpu_target, None)
     assert not report.tuned and report.default
