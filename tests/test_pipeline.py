@@ -274,3 +274,49 @@ def _cuda_source(module) -> str:
     if module.kind == "cuda":
         return module.inspect_source()
     return "".join(_cuda_source(m) for m in module.imports)
+
+
+class _Embedder(__import__("torch").nn.Module):
+    """Token ids -> embeddings -> a projection: a model whose input is integers with a meaning."""
+
+    def __init__(self, vocab=100, dim=32):
+        import torch
+
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, ids):
+        return self.proj(self.embed(ids))
+
+
+def embedder():
+    import torch
+
+    torch.manual_seed(0)
+    return _Embedder(), (torch.tensor([[3, 99, 17, 42, 0, 64, 8, 23]]),)
+
+
+def embedder_declared():
+    import torch
+
+    torch.manual_seed(0)
+    return _Embedder(), (torch.zeros(1, 8, dtype=torch.long),), {"input_ranges": [[0, 100]]}
+
+
+@pytest.mark.parametrize("factory", ["embedder", "embedder_declared"])
+def test_run_feeds_token_ids_within_the_vocabulary(factory, cpu_target, tmp_path):
+    from autosched.runmodel import random_input
+
+    model = load_model(f"{__name__}:{factory}")
+    executable, params, report = build_model(model, cpu_target, None)
+    out = export_artifact(tmp_path / factory, executable, params, model, cpu_target, report, None)
+    (spec,) = json.loads((out / "manifest.json").read_text())["inputs"]
+    # The example's range (its ids span [0, 100)), or as the factory declared it.
+    assert spec["dtype"] == "int64" and spec["range"] == [0, 100]
+    import torch
+
+    ids = random_input(spec, torch.Generator().manual_seed(0))
+    assert ids.dtype == torch.int64 and 0 <= int(ids.min()) and int(ids.max()) < spec["range"][1]
+    result = run_artifact(str(out), repeat=2)
+    assert result["matches_torch"] is True, result
