@@ -320,3 +320,54 @@ def test_run_feeds_token_ids_within_the_vocabulary(factory, cpu_target, tmp_path
     assert ids.dtype == torch.int64 and 0 <= int(ids.min()) and int(ids.max()) < spec["range"][1]
     result = run_artifact(str(out), repeat=2)
     assert result["matches_torch"] is True, result
+
+
+class _BiasedMLP(__import__("torch").nn.Module):
+    """Linear layers with a bias (as in Qwen2's q/k/v projections, GPT-2, Phi, BERT)."""
+
+    def __init__(self):
+        import torch
+
+        super().__init__()
+        self.up = torch.nn.Linear(64, 96)
+        self.down = torch.nn.Linear(96, 64)
+
+    def forward(self, x):
+        return self.down(__import__("torch").relu(self.up(x)))
+
+
+def biased_mlp(dtype=None):
+    import torch
+
+    torch.manual_seed(0)
+    dtype = dtype or torch.float32
+    return _BiasedMLP().to(dtype), (torch.randn(2, 8, 64).to(dtype),)
+
+
+def test_half_precision_linear_with_bias_is_our_gemm_with_its_bias_on_the_gpu():
+    import torch
+
+    from autosched.target import parse_target
+
+    target = parse_target("cuda:sm_90", require_device=False)
+    model = load_model(f"{__name__}:biased_mlp", dtype=torch.float16)
+    tasks = extract_tasks(prepare(model, target)[0])
+    gemms = [t.workload for t in tasks if t.workload is not None]
+    assert [(w.op, w.dtype, w.attrs_dict["bias"]) for w in gemms] == [("gemm", "float16", True)] * 2
+    build_model(model, target, None)  # imported and built (the bias used to be float16 + float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_linear_with_bias_runs_on_the_cpu_and_matches_torch(dtype, cpu_target):
+    import torch
+    import tvm
+    from tvm import relax
+
+    model = load_model(f"{__name__}:biased_mlp", dtype=getattr(torch, dtype))
+    executable, params, _ = build_model(model, cpu_target, None)
+    out = relax.VirtualMachine(executable, tvm.cpu())["main"](tvm.runtime.from_dlpack(model.inputs[0]), *params)
+    got = torch.from_dlpack(out)
+    assert str(got.dtype) == f"torch.{dtype}"  # the model's dtype, bias included
+    with torch.no_grad():
+        ref = model.module.float()(model.inputs[0].float()).double()
+    assert ((got.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == "float32" else 2e-3)
