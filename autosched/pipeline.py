@@ -4,7 +4,8 @@
    torch's dtypes. Where our workloads beat what legalisation produces, they are substituted: each
    RMSNorm becomes our ``rmsnorm`` kernel, each scaled-dot-product attention our ``attention`` kernel
    (fused flash attention on the GPU) and, on the GPU, each Linear our ``gemm`` kernel on the weight as
-   stored (on the CPU, weights are transposed once, at build time, to the layout its space prefers).
+   stored, a bias added in its epilogue (on the CPU, weights are transposed once, at build time, to the
+   layout its space prefers).
 2. **Lower** (:func:`lowering`): legalise operators to TensorIR, fold constants, fuse operators
    (``FuseOps``/``FuseTIR``: elementwise chains such as SwiGLU's, RoPE's or a residual add become one
    kernel), turn reshapes of contiguous tensors into views and drop dead code. Extraction and
@@ -56,6 +57,40 @@ class Model:
     module: torch.nn.Module
     inputs: tuple[torch.Tensor, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)  # what the factory was given (JSON-able)
+    # Per input: [low, high) of the values it takes (token ids within the vocabulary), or None (any float).
+    input_ranges: list[list[int] | None] = field(default_factory=list)
+
+    def input_specs(self) -> list[dict[str, Any]]:
+        """Shape, dtype and, for integer inputs, the range of values of each input (for the manifest)."""
+        specs = []
+        for i, t in enumerate(self.inputs):
+            spec: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+            if i < len(self.input_ranges) and self.input_ranges[i] is not None:
+                spec["range"] = list(self.input_ranges[i])
+            specs.append(spec)
+        return specs
+
+
+def _input_ranges(module, inputs, declared) -> list[list[int] | None]:
+    """[low, high) for each integer input: as the factory declared it, else the model's vocabulary size
+    (``module.config.vocab_size`` or ``module.vocab_size``), else [min(example), max(example) + 1)."""
+    import torch
+
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None) or getattr(module, "vocab_size", None)
+    ranges: list[list[int] | None] = []
+    for i, t in enumerate(inputs):
+        if declared is not None and i < len(declared) and declared[i] is not None:
+            ranges.append([int(declared[i][0]), int(declared[i][1])])
+        elif t.is_floating_point() or t.is_complex():
+            ranges.append(None)
+        elif t.dtype == torch.bool:
+            ranges.append([0, 2])
+        elif vocab:
+            ranges.append([0, int(vocab)])
+        else:
+            low = min(int(t.min()), 0) if t.numel() else 0
+            ranges.append([low, (int(t.max()) if t.numel() else 0) + 1])
+    return ranges
 
 
 def _example_models() -> dict[str, Callable]:
@@ -71,7 +106,9 @@ def _example_models() -> dict[str, Callable]:
 
 def load_model(spec: str, **kwargs: Any) -> Model:
     """A model named in ``examples/`` (e.g. ``tiny-llama``) or given as ``module:factory`` or
-    ``path/to/file.py:factory``; the factory returns ``(model, example_inputs)``."""
+    ``path/to/file.py:factory``; the factory returns ``(model, example_inputs)``, or
+    ``(model, example_inputs, {"input_ranges": [[low, high) or None per input]})`` to declare the values
+    integer inputs take (e.g. token ids below the vocabulary size; see :func:`_input_ranges`)."""
     examples = _example_models()
     if spec in examples:
         factory = examples[spec]
@@ -93,8 +130,11 @@ def load_model(spec: str, **kwargs: Any) -> Model:
         names = ", ".join(sorted(examples)) or "none found"
         raise UsageError(f"unknown model '{spec}': name an example ({names}) or give module:factory")
     given = {k: v for k, v in kwargs.items() if v is not None}
-    module, inputs = factory(**given)
-    return Model(spec, module.eval(), tuple(inputs), {k: str(v).replace("torch.", "") for k, v in given.items()})
+    made = factory(**given)
+    module, inputs = made[0], tuple(made[1])
+    declared = made[2].get("input_ranges") if len(made) > 2 and made[2] else None
+    return Model(spec, module.eval(), inputs, {k: str(v).replace("torch.", "") for k, v in given.items()},
+                 _input_ranges(module, inputs, declared))
 
 
 def import_model(model: Model, *, linear_as_gemm: bool) -> tuple[IRModule, list]:
@@ -124,6 +164,7 @@ def import_model(model: Model, *, linear_as_gemm: bool) -> tuple[IRModule, list]
         exported = exported.run_decompositions(table)
         matmul = functools.partial(_matmul_in_torch_dtype, linear_as_gemm=linear_as_gemm)
         converters = {name: matmul for name in ("mm.default", "matmul.default", "bmm.default")}
+        converters["addmm.default"] = functools.partial(_addmm_in_torch_dtype, linear_as_gemm=linear_as_gemm)
         converters["rms_norm.default"] = _rms_norm_as_workload
         mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                     run_ep_decomposition=False, custom_convert_map=converters)
@@ -157,9 +198,42 @@ def _matmul_in_torch_dtype(node, importer, linear_as_gemm: bool):
     return product
 
 
-def _linear_weight(node, importer):
-    """The Relax variable of W[n,k] if the second factor of ``node`` is ``permute(W, [1, 0])``."""
-    factor = node.args[1]
+def _addmm_in_torch_dtype(node, importer, linear_as_gemm: bool):
+    """``addmm(bias, x, W.T)``, a Linear with a bias as torch.export decomposes it: accumulated in float32,
+    the bias added, and returned in torch's dtype. With ``linear_as_gemm``, a call of our ``gemm``
+    workload's kernel with ``bias=True``, whose epilogue adds the bias.
+
+    TVM 0.27's importer adds the model's (half-precision) bias to its float32 product: an import failure
+    ("Binary operators must have the same datatype") for every half-precision model with biased Linears.
+    """
+    from tvm import relax
+
+    bias, lhs, rhs = importer.retrieve_args(node)[:3]
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    dtype = str(node.meta["val"].dtype).replace("torch.", "")
+    bb = importer.block_builder
+    weight = _linear_weight(node, importer, factor=2) if linear_as_gemm else None
+    if (weight is not None and beta == 1 and alpha == 1 and len(lhs.ty.shape) == 2 and len(bias.ty.shape) == 1
+            and str(lhs.ty.dtype) == str(weight.ty.dtype) == str(bias.ty.dtype) == dtype
+            and int(bias.ty.shape[0]) == int(weight.ty.shape[0])):
+        (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[0])
+        wl = _supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype, {"bias": True})
+        if wl is not None:
+            gv = bb.add_func(_workload_func(wl), "autosched_gemm")
+            return bb.emit(relax.call_tir(gv, [lhs, weight, bias], relax.TensorType((m, n), dtype)))
+    product = bb.emit(relax.op.matmul(lhs, rhs, out_dtype="float32"))
+    if alpha != 1:
+        product = bb.emit(relax.op.multiply(product, relax.const(alpha, "float32")))
+    bias32 = bb.emit(relax.op.astype(bias, "float32"))
+    if beta != 1:
+        bias32 = bb.emit(relax.op.multiply(bias32, relax.const(beta, "float32")))
+    out = bb.emit(relax.op.add(product, bias32))
+    return bb.emit(relax.op.astype(out, dtype)) if dtype != "float32" else out
+
+
+def _linear_weight(node, importer, factor: int = 1):
+    """The Relax variable of W[n,k] if argument ``factor`` of ``node`` is ``permute(W, [1, 0])``."""
+    factor = node.args[factor]
     if getattr(factor, "target", None) is None or "permute" not in str(factor.target):
         return None
     source, axes = factor.args[0], list(factor.args[1])
@@ -377,12 +451,27 @@ def split_tunable(tasks: list[Task], target: TargetSpec) -> tuple[list[Task], li
 
 @dataclass
 class ApplyReport:
+    """How each kernel of a model was scheduled. ``tuned`` and ``default`` hold the kernels ``main`` calls
+    (each exactly once: together, every kernel of the forward pass); ``build_time`` those only
+    ``main_transform_params`` calls (run once, when the weights are prepared)."""
+
     tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel -> record info
     default: list[str] = field(default_factory=list)  # kernels on a default schedule
+    build_time: list[str] = field(default_factory=list)  # kernels of main_transform_params only, default schedule
     build_config: dict[str, Any] = field(default_factory=dict)  # pass options the schedules need
     # Kernels compiled on their own (TIRx: another lowering pipeline than the model's) and called from the
     # model as packed functions: name -> (kernel, pass options, codegen).
     separate: dict[str, tuple[Any, dict, dict]] = field(default_factory=dict)
+
+
+def build_summary(report: ApplyReport) -> str:
+    """One line on how the model's kernels were scheduled, e.g. "14 kernels per forward pass: 14 from the
+    database, 0 on default schedules (4 more run once at build time)"."""
+    text = (f"{len(report.tuned) + len(report.default)} kernels per forward pass: {len(report.tuned)} from the "
+            f"database, {len(report.default)} on default schedules")
+    if report.build_time:
+        text += f" ({len(report.build_time)} more run once, at build time, on default schedules)"
+    return text
 
 
 def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tuple[IRModule, ApplyReport]:
@@ -410,37 +499,43 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
         return measurers[0]
 
     can_measure = not target.is_gpu or bool(target.device_name)
+    per_pass = kernel_calls(mod)
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc):
             continue
         task = task_of(gv.name_hint, func)
-        scheduled = None
+        # Kernels run only once, at build time, get a default schedule and are not counted among the model's.
+        runs_per_pass = gv.name_hint in per_pass
+        default = report.default if runs_per_pass else report.build_time
+        scheduled = best = None
         try:
             space = task.space(target)
-            best = trusted_best(db, task, target, space.id, measurer if can_measure else None) if db else None
+            if db is not None and runs_per_pass:
+                best = trusted_best(db, task, target, space.id, measurer if can_measure else None)
             if best is not None:
                 point = best.point
-                report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
-                                              "latency_us": best.median * 1e6, "space": best.space}
             elif not target.is_gpu or space.template:
                 # A template's default point is a hand-built kernel, better than dlight's generic one.
                 point = space.default()
-                report.default.append(gv.name_hint)
             else:
                 point = None
             if point is not None:
                 scheduled = space.apply(point)["main"]
-                if space.codegen:
-                    report.separate[gv.name_hint] = (scheduled, space.build_config(point), space.codegen)
-                    continue
-                report.build_config.update(space.build_config(point))
         except (SpaceError, InvalidPoint):
             scheduled = None
+        if scheduled is not None and best is not None:
+            report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
+                                          "latency_us": best.median * 1e6, "space": best.space}
+        else:
+            default.append(gv.name_hint)
         if scheduled is None:
             # dlight schedules it below on the GPU; the CPU builds it as written.
-            report.default.append(gv.name_hint)
             pending.append(gv)
             continue
+        if space.codegen:
+            report.separate[gv.name_hint] = (scheduled, space.build_config(point), space.codegen)
+            continue
+        report.build_config.update(space.build_config(point))
         attrs = {"global_symbol": gv.name_hint, "tirx.is_scheduled": True}
         for key, value in attrs.items():
             scheduled = scheduled.with_attr(key, value)
@@ -495,6 +590,38 @@ def compile_separate(executable, report: ApplyReport, target: TargetSpec):
     return executable
 
 
+def build_pipeline(target: TargetSpec):
+    """The Relax passes that compile a module :func:`apply_database` scheduled: TVM's default for the
+    target without its fusion.
+
+    On CUDA, ``tvm.compile``'s default pipeline legalises, re-annotates and fuses again (``FuseOps`` and
+    ``FuseTIR``) before dlight. Our lowering has fused already, and a second fusion over scheduled kernels
+    merges them with their neighbours: a kernel scheduled from a record has lost the opaque pattern it was
+    imported with, so e.g. a tuned GEMM was fused with the residual add after it. FuseTIR then failed on
+    the scheduled GEMM's buffers ("Inconsistent buffers epilogue and lv58 mapped to the same relax var"),
+    and where it did not fail, the merged kernel was no longer the schedule the database chose. The CPU's
+    default pipeline does not fuse."""
+    if not target.is_gpu:
+        return None
+    import tvm
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    tvm_target = target.tvm_target()
+    refusion = {"AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR"}
+    legalize = [p for p in cuda.legalize_passes(tvm_target) if p.info.name not in refusion]
+
+    @tvm.transform.module_pass(opt_level=0, name="AutoschedBuild")
+    def passes(mod, _ctx):
+        # LegalizeOps and dlight stay: anything still unlowered gets TVM's default kernel; dlight leaves
+        # scheduled kernels as they are.
+        with tvm_target:
+            return tvm.transform.Sequential(cuda.library_dispatch_passes(tvm_target) + legalize
+                                            + cuda.dataflow_lower_passes(tvm_target)
+                                            + cuda.finalize_passes(tvm_target))(mod)
+
+    return passes
+
+
 def build_model(model: Model, target: TargetSpec, db: Database | None):
     """Import, lower, apply the database and compile; returns (executable, the transformed parameters
     ``main`` takes, report)."""
@@ -502,7 +629,8 @@ def build_model(model: Model, target: TargetSpec, db: Database | None):
 
     lowered, params = prepare(model, target)
     scheduled, report = apply_database(lowered, db, target)
-    executable = compile_separate(compile_module(scheduled, target, report.build_config), report, target)
+    executable = compile_module(scheduled, target, report.build_config, relax_pipeline=build_pipeline(target))
+    executable = compile_separate(executable, report, target)
     return executable, transform_params(lowered, params), report
 
 
@@ -523,8 +651,9 @@ def export_artifact(out_dir: str | Path, executable, params: list, model: Model,
         "autosched_version": __version__,
         "tvm_version": tvm.__version__, "target": target.to_json(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "library": LIBRARY, "params": PARAMS, "param_order": names,
-        "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for t in model.inputs],
+        "inputs": model.input_specs(),
         "database": db_path, "tuned_kernels": report.tuned, "default_kernels": report.default,
+        "build_time_kernels": report.build_time,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out

@@ -170,10 +170,12 @@ def _cuda_driver_version() -> str:
     return f"cuda-api {tvm.cuda(0).driver_version}"
 
 
-def compile_module(mod, target: TargetSpec, config: dict | None = None, codegen: dict | None = None):
+def compile_module(mod, target: TargetSpec, config: dict | None = None, codegen: dict | None = None,
+                   relax_pipeline=None):
     """``tvm.compile`` for ``target`` under the pass options a space asked for (see Space.build_config)
     and its code generation (``Space.codegen``: TIRx kernels take ``tir_pipeline="tirx"`` and the
-    architecture-specific target ``sm_90a``, whose wgmma and setmaxnreg plain ``sm_90`` lacks)."""
+    architecture-specific target ``sm_90a``, whose wgmma and setmaxnreg plain ``sm_90`` lacks).
+    ``relax_pipeline``: the Relax passes of a model's build (TVM's default for the target if None)."""
     import dataclasses
 
     import tvm
@@ -182,4 +184,5 @@ def compile_module(mod, target: TargetSpec, config: dict | None = None, codegen:
     if "arch" in codegen:
         target = dataclasses.replace(target, arch=codegen["arch"])
     with tvm.transform.PassContext(opt_level=3, config=config or {}):
-        return tvm.compile(mod, target=target.tvm_target(), tir_pipeline=codegen.get("tir_pipeline", "default"))
+        return tvm.compile(mod, target=target.tvm_target(), relax_pipeline=relax_pipeline or "default",
+                           tir_pipeline=codegen.get("tir_pipeline", "default"))
