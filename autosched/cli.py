@@ -184,9 +184,25 @@ def cmd_tune_model(args) -> int:
              "latency_us": r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
              "weighted_us": t.weight * r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
              "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
+    estimate = model_estimate(tasks, results, untunable)
     emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
-                             ("latency_us", "best (us)"), ("weighted_us", "x calls (us)"), ("failures", "failed")])
+                             ("latency_us", "best (us)"), ("weighted_us", "x calls (us)"), ("failures", "failed")],
+         title=f"{args.model}: {estimate}")
+    log.log(f"{args.model}: {estimate}")
     return 0
+
+
+def model_estimate(tasks, results, untunable=()) -> str:
+    """The model's estimated latency: the sum over kernels of calls x best latency, and what it leaves out."""
+    measured = [(t, r) for t, r in zip(tasks, results) if math.isfinite(r.best_latency)]
+    total = sum(t.weight * r.best_latency for t, r in measured)
+    text = f"estimated {total * 1e3:.4g} ms per forward pass (sum over kernels of calls x best latency)"
+    missing = len(tasks) - len(measured)
+    if missing:
+        text += f"; {missing} of {len(tasks)} tunable kernels have no successful measurement and are left out"
+    if untunable:
+        text += f"; {len(untunable)} kernels without a space are not measured"
+    return text
 
 
 class _ModelProgress:
@@ -212,7 +228,7 @@ class _ModelProgress:
 
 
 def cmd_build(args) -> int:
-    from .pipeline import build_model, export_artifact, load_model
+    from .pipeline import build_model, build_summary, export_artifact, load_model
     from .target import parse_target
 
     target = parse_target(args.target, require_device=False)
@@ -223,8 +239,7 @@ def cmd_build(args) -> int:
     if db is not None:
         db.close()
     print(str(out))
-    _console(stderr=True).log(f"{len(report.tuned)} kernels from the database, {len(report.default)} on default "
-                              f"schedules; load it with TVM alone (see README)")
+    _console(stderr=True).log(f"{build_summary(report)}; load it with TVM alone (see README)")
     return 0
 
 

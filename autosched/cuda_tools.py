@@ -20,11 +20,11 @@ if TYPE_CHECKING:
     from autosched.target import TargetSpec
 
 
-def cuda_source(mod: IRModule, target: TargetSpec, config: dict | None = None) -> str:
+def cuda_source(mod: IRModule, target: TargetSpec, config: dict | None = None, codegen: dict | None = None) -> str:
     """The CUDA C++ that TVM generates for ``mod`` (no GPU or driver needed)."""
     from autosched.target import compile_module
 
-    executable = compile_module(mod, target, config)
+    executable = compile_module(mod, target, config, codegen)
     for imported in executable.mod.imports:
         if imported.kind == "cuda":
             return imported.inspect_source()
@@ -50,7 +50,9 @@ def nvcc_compile(source: str, arch: str = "sm_90") -> NvccReport:
         src = os.path.join(tmp, "kernel.cu")
         with open(src, "w") as f:
             f.write(source)
-        cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-I", include, "-o",
+        # Architecture-specific targets (sm_90a: wgmma, setmaxnreg) need the -gencode spelling.
+        arch_flag = f"-gencode=arch=compute_{arch[3:]},code={arch}" if arch.endswith("a") else f"-arch={arch}"
+        cmd = [nvcc, "-cubin", arch_flag, "-O3", "-Xptxas", "-v", "-I", include, "-o",
                os.path.join(tmp, "kernel.cubin"), src]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr

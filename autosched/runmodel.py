@@ -23,8 +23,7 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True) -> dict[str, A
     torch_device = KIND_FACTS[manifest["target"]["kind"]].device
     device = tvm.device(torch_device, 0)
     gen = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(spec["shape"], generator=gen).to(getattr(torch, spec["dtype"])).to(torch_device)
-              for spec in manifest["inputs"]]
+    inputs = [random_input(spec, gen).to(torch_device) for spec in manifest["inputs"]]
     args = [tvm.runtime.from_dlpack(t) for t in inputs] + params
     out = vm["main"](*args)
     out = out[0] if not hasattr(out, "numpy") else out
@@ -57,3 +56,18 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True) -> dict[str, A
         result["rel_error_vs_torch"] = err
         result["matches_torch"] = err <= MODEL_TOLERANCE.get(dtype, 1e-3)
     return result
+
+
+def random_input(spec: dict[str, Any], gen):
+    """A random tensor that fits an input of the manifest: normal values for a floating-point input,
+    integers drawn uniformly from its ``range`` [low, high) for an integer one (token ids within the
+    vocabulary; [0, 2) when an older manifest gives no range)."""
+    import torch
+
+    dtype = getattr(torch, spec["dtype"])
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(spec["shape"], generator=gen).to(dtype)
+    low, high = spec.get("range") or (0, 2)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, spec["shape"], generator=gen).bool()
+    return torch.randint(int(low), int(high), spec["shape"], generator=gen, dtype=dtype)

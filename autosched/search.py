@@ -186,6 +186,11 @@ class EvolutionarySearch:
             return True
         if key in self.duplicates or key in self.rejected:
             return False
+        reason = self.space.validate(point)
+        analytic = self.space.point_features(point) if reason is None else None
+        if analytic is not None:
+            self._features[key] = np.asarray(analytic, dtype=np.float64)
+            return True
         try:
             mod = self.space.apply(point)
         except InvalidPoint as exc:

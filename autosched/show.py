@@ -34,5 +34,5 @@ def render(wl: Workload, target_text: str, db_path: str | None) -> str:
     if target.is_gpu:
         from autosched.cuda_tools import cuda_source
 
-        return header + cuda_source(mod, target, space.build_config(point))
+        return header + cuda_source(mod, target, space.build_config(point), space.codegen)
     return header.replace("//", "#") + mod.script()

@@ -181,9 +181,19 @@ def _cuda_driver_version() -> str:
     return f"cuda-api {tvm.cuda(0).driver_version}"
 
 
-def compile_module(mod, target: TargetSpec, config: dict | None = None):
-    """``tvm.compile`` for ``target`` under the pass options a space asked for (see Space.build_config)."""
+def compile_module(mod, target: TargetSpec, config: dict | None = None, codegen: dict | None = None,
+                   relax_pipeline=None):
+    """``tvm.compile`` for ``target`` under the pass options a space asked for (see Space.build_config)
+    and its code generation (``Space.codegen``: TIRx kernels take ``tir_pipeline="tirx"`` and the
+    architecture-specific target ``sm_90a``, whose wgmma and setmaxnreg plain ``sm_90`` lacks).
+    ``relax_pipeline``: the Relax passes of a model's build (TVM's default for the target if None)."""
+    import dataclasses
+
     import tvm
 
+    codegen = codegen or {}
+    if "arch" in codegen:
+        target = dataclasses.replace(target, arch=codegen["arch"])
     with tvm.transform.PassContext(opt_level=3, config=config or {}):
-        return tvm.compile(mod, target=target.tvm_target())
+        return tvm.compile(mod, target=target.tvm_target(), relax_pipeline=relax_pipeline or "default",
+                           tir_pipeline=codegen.get("tir_pipeline", "default"))

@@ -52,12 +52,17 @@ class TaskSpec:
     @property
     def hints(self) -> dict[str, Any]:
         """The workload's attributes, which template spaces need (e.g. ``causal``)."""
-        return Workload.from_json(self.workload).attrs_dict if self.workload is not None else {}
+        return workload_hints(Workload.from_json(self.workload)) if self.workload is not None else {}
 
     def checker(self, func: PrimFunc) -> Checker:
         if self.workload is not None:
             return OperatorChecker(Workload.from_json(self.workload))
         return SelfChecker(func)
+
+
+def workload_hints(wl: Workload) -> dict[str, Any]:
+    """What template spaces read of a workload: its operator and attributes (e.g. ``causal``, ``bias``)."""
+    return {"op": wl.op, **wl.attrs_dict}
 
 
 @dataclass
@@ -122,7 +127,7 @@ class Task:
     def space(self, target: TargetSpec) -> Space:
         from autosched.search_spaces import create_space
 
-        return create_space(self.func, target, self.family, self.workload.attrs_dict if self.workload else None)
+        return create_space(self.func, target, self.family, workload_hints(self.workload) if self.workload else None)
 
 
 def normalize_func(func: PrimFunc) -> PrimFunc:

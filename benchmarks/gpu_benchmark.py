@@ -29,6 +29,12 @@ CASES = {
     "gemm-bf16-4096": ("gemm", "m=4096,n=4096,k=4096", "bfloat16", "", "compute"),
     "mlp-up-fp16": ("gemm", "m=2048,n=11008,k=4096", "float16", "", "compute"),
     "mlp-up-bf16": ("gemm", "m=2048,n=11008,k=4096", "bfloat16", "", "compute"),
+    # The Llama-2-7B prefill GEMMs of a 512-token prompt, and a shape no tile divides.
+    "prefill512-qkv": ("gemm", "m=512,n=12288,k=4096", "float16", "", "compute"),
+    "prefill512-o": ("gemm", "m=512,n=4096,k=4096", "float16", "", "compute"),
+    "prefill512-up": ("gemm", "m=512,n=11008,k=4096", "float16", "", "compute"),
+    "prefill512-down": ("gemm", "m=512,n=4096,k=11008", "float16", "", "compute"),
+    "gemm-awkward": ("gemm", "m=1000,n=4000,k=3000", "float16", "", "compute"),
     "batch16-gemm-fp16": ("gemm", "m=16,n=4096,k=4096", "float16", "", "memory"),
     "gemv-4096": ("gemm", "m=1,n=4096,k=4096", "float16", "", "memory"),
     "gemv-11008": ("gemm", "m=1,n=11008,k=4096", "float16", "", "memory"),
@@ -112,7 +118,7 @@ def dlight_module(func, target):
             tvm.IRModule({"main": func}))
 
 
-def run_tvm_module(mod, target, checker, inputs, refs, config=None):
+def run_tvm_module(mod, target, checker, inputs, refs, config=None, codegen=None):
     """Compile, check against the reference, return a zero-argument function that runs the kernel."""
     import tvm
 
@@ -120,7 +126,7 @@ def run_tvm_module(mod, target, checker, inputs, refs, config=None):
     from autosched.target import compile_module
     from autosched.workloads import torch_dtype
 
-    lib = compile_module(mod, target, config)
+    lib = compile_module(mod, target, config, codegen)
     outs = [torch.full(s, float("nan"), dtype=torch_dtype(d), device="cuda") for s, d in checker.output_specs()]
     args = [tvm.runtime.from_dlpack(t) for t in checker.arrange(inputs, outs)]
     fn = lib["main"]
@@ -128,6 +134,22 @@ def run_tvm_module(mod, target, checker, inputs, refs, config=None):
     torch.cuda.synchronize()
     err = max(relative_error(o, r) for o, r in zip(outs, refs))
     return (lambda: fn(*args)), err
+
+
+def seconds_to_90_percent(db, workload_key: str, run_id) -> float | None:
+    """Seconds from the run's first record to the first one within 90% of the run's best speed."""
+    from datetime import datetime
+
+    from autosched.database.queries import history
+
+    rows = [r for r in history(db, workload_key) if r["workload"] == workload_key and r["run_id"] == run_id]
+    times = [(datetime.fromisoformat(str(r["created_at"])), r["latency_us"]) for r in rows if r["latency_us"]]
+    if not times:
+        return None
+    best = min(lat for _, lat in times)
+    first = min(t for t, _ in times)
+    reached = min(t for t, lat in times if lat <= best / 0.9)
+    return (reached - first).total_seconds()
 
 
 def check_torch(fn, refs):
@@ -190,11 +212,12 @@ def main() -> int:
                 if result.best_point is not None:
                     space = task.space(target)
                     fn, err = run_tvm_module(space.apply(result.best_point), target, checker, inputs, refs,
-                                             space.build_config(result.best_point))
+                                             space.build_config(result.best_point), space.codegen)
                     row["autosched_err"] = err
                     row["autosched_s"] = timed(fn) if err <= checker.tolerance else None
                     row["best_point"] = result.best_point
                 row["failures"] = result.failures
+                row["to_90pct_s"] = seconds_to_90_percent(db, wl.key, result.run_id)
             except Exception:  # noqa: BLE001 - report and go on to the next case
                 row["autosched_error"] = traceback.format_exc(limit=3)
             try:
@@ -234,8 +257,9 @@ def markdown(machine, rows) -> str:
     lines = [f"GPU: {machine['gpu']} ({machine['arch']}, {machine['sms']} SMs, driver {machine['driver']}); "
              f"TVM {machine['tvm']}, torch {machine['torch']}; {machine['date']}. "
              f"Device-to-device copy: {machine['copy_bandwidth_gbps']:.0f} GB/s.", "",
-             "| case | autosched | rate | dlight | rate | torch | rate | vs dlight | vs torch | trials | tuning (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | space | autosched | rate | dlight | rate | torch | rate | vs dlight | vs torch | trials "
+             "| tuning (s) | to 90% (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def us(t):
         return f"{t * 1e6:.1f} us" if t else "failed"
@@ -244,9 +268,10 @@ def markdown(machine, rows) -> str:
         a, d, t = r.get("autosched_s"), r.get("dlight_s"), r.get("torch_s")
         vs_d = f"{d / a:.2f}x" if a and d else "-"
         vs_t = f"{t / a:.2f}x" if a and t else "-"
-        lines.append(f"| {r['case']} | {us(a)} | {_rate(r, 'autosched_s')} | {us(d)} | {_rate(r, 'dlight_s')} | "
-                     f"{us(t)} | {_rate(r, 'torch_s')} | {vs_d} | {vs_t} | {r.get('trials', '-')} | "
-                     f"{r.get('tuning_s', 0):.0f} |")
+        to90 = r.get("to_90pct_s")
+        lines.append(f"| {r['case']} | {r.get('space', '-')} | {us(a)} | {_rate(r, 'autosched_s')} | {us(d)} | "
+                     f"{_rate(r, 'dlight_s')} | {us(t)} | {_rate(r, 'torch_s')} | {vs_d} | {vs_t} | "
+                     f"{r.get('trials', '-')} | {r.get('tuning_s', 0):.0f} | {'-' if to90 is None else f'{to90:.0f}'} |")
     lines += ["", "Ratios are speed-ups of autosched (above 1: autosched faster). Memory-bound rates count each "
               "input read once and each output written once."]
     return "\n".join(lines) + "\n"

@@ -11,6 +11,10 @@ rows       blocks share leading row loops and reduce within a row          rmsno
                                                                            attention (CPU)
 injective  no reduction                                                    rope, casts, adds
 ========== =============================================================== =======================
+
+A space may also decline a function for a target (``Space.suits``): ``hopper_gemm`` and
+``hopper_attention``, the TIRx wgmma kernels, serve ``gemm`` and prefill ``attention`` on sm_90 only;
+older GPUs get the WMMA and ``flash_attention`` spaces.
 """
 
 from __future__ import annotations
@@ -42,11 +46,14 @@ def space_classes() -> dict[str, type[Space]]:
     from .gpu_attention import FlashAttentionSpace
     from .gpu_matmul import GpuGemvSpace, GpuMatmulSpace
     from .gpu_rows import GpuInjectiveSpace, GpuRowsSpace
+    from .hopper_attention import HopperAttentionSpace
+    from .hopper_gemm import HopperGemmSpace
     from .injective import InjectiveSpace
     from .matmul import MatmulSpace
     from .rows import RowsSpace
 
     ordered = (MatmulSpace, RowsSpace, InjectiveSpace,  # CPU
+               HopperGemmSpace, HopperAttentionSpace,  # CUDA, sm_90 (each declines other targets)
                FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}
 
@@ -67,7 +74,8 @@ def create_space(func: PrimFunc, target: TargetSpec, family: str | None = None,
     if has_dynamic_shape(func):
         raise SpaceError("the function has symbolic shapes; autosched tunes static shapes only")
     candidates = [cls for cls in space_classes().values()
-                  if target.kind in cls.targets and (family is None or family in cls.families)]
+                  if target.kind in cls.targets and (family is None or family in cls.families)
+                  and cls.suits(func, target, hints)]
     for cls in candidates:
         if cls.matches(func):
             return cls(func, target, hints)

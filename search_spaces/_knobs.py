@@ -169,6 +169,13 @@ class Space:
     targets: ClassVar[tuple[str, ...]] = ("llvm", "cuda")
     families: ClassVar[tuple[str, ...]] = ()  # operator families this space serves (Operator.family)
     template: ClassVar[bool] = False  # builds its own kernel for a family rather than scheduling func
+    # How the space's modules are compiled: {"tir_pipeline": "tirx", "arch": "sm_90a"} for TIRx kernels.
+    codegen: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def suits(cls, func: PrimFunc, target: TargetSpec, hints: dict | None) -> bool:
+        """Whether the space can serve ``func`` on ``target`` at all (e.g. an architecture's instructions)."""
+        return True
 
     @classmethod
     def matches(cls, func: PrimFunc) -> bool:
@@ -205,6 +212,11 @@ class Space:
     def build_config(self, point: Point) -> dict[str, Any]:
         """TVM pass-context options the scheduled module of ``point`` must be compiled with."""
         return {}
+
+    def point_features(self, point: Point) -> list[float] | None:
+        """Features of ``point`` for the cost model, for spaces whose kernels TVM's per-store features cannot
+        read (TIRx templates); None means: featurise the scheduled module."""
+        return None
 
     def default(self) -> Point:
         """A reasonable point without search; subclasses give a better one."""

@@ -3,6 +3,8 @@ tuning run stores records that carry the GPU's name and driver. Skipped without 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,21 +12,33 @@ from autosched.measure import MeasureConfig, Measurer
 from autosched.task import Task
 from autosched.workloads import make_workload
 
-from .test_gpu_spaces import CASES
+from .test_gpu_spaces import CASE_IDS, CASES
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def measurer(gpu_target):
-    with Measurer(gpu_target, MeasureConfig.for_target(gpu_target, repeat=3)) as m:
-        yield m
+def measurers(gpu_target):
+    """A measurer per architecture: code for older GPUs (sm_80) runs on the H200 too."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            target = dataclasses.replace(gpu_target, arch=arch)
+            made[arch] = (target, Measurer(target, MeasureConfig.for_target(target, repeat=3)))
+        return made[arch]
+
+    yield get
+    for _, m in made.values():
+        m.close()
 
 
-@pytest.mark.parametrize("op,shape,dtype,attrs,space_name", CASES, ids=[f"{c[0]}-{c[2]}-{c[1]}" for c in CASES])
-def test_sampled_kernels_are_correct_on_the_gpu(op, shape, dtype, attrs, space_name, gpu_target, measurer):
+@pytest.mark.parametrize("op,shape,dtype,attrs,space_name,arch", CASES, ids=CASE_IDS)
+def test_sampled_kernels_are_correct_on_the_gpu(op, shape, dtype, attrs, space_name, arch, measurers):
+    target, measurer = measurers(arch)
     task = Task.from_workload(make_workload(op, shape, dtype, attrs))
-    space = task.space(gpu_target)
+    space = task.space(target)
+    assert space.name == space_name
     rng = np.random.default_rng(1)
     points = [space.default()] + [space.sample(rng) for _ in range(3)]
     results = measurer.measure(task.spec, points)
@@ -46,7 +60,8 @@ def test_tuning_on_the_gpu_records_the_device(gpu_target, db_path):
     assert row["device"] == gpu_target.device_name and row["target"].startswith("cuda:sm_")
 
 
-def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_path):
+@pytest.mark.parametrize("tokens", [1, 16, 64], ids=["decode-gemv", "decode16-hopper", "prefill-hopper"])
+def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_path, tokens):
     import torch
 
     from autosched.database.store import Database
@@ -54,7 +69,7 @@ def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_pa
     from autosched.runmodel import run_artifact
     from autosched.tuner import TuneOptions, tune_tasks
 
-    model = load_model("tiny-llama", tokens=16, dtype=torch.float16)
+    model = load_model("tiny-llama", tokens=tokens, dtype=torch.float16)
     tasks, _ = split_tunable(extract_tasks(prepare(model, gpu_target)[0]), gpu_target)
     with Database(tmp_path / "model.db") as db:
         tune_tasks(tasks, gpu_target, db, TuneOptions(trials=2 * len(tasks), batch_size=8, seed=0))

@@ -1,5 +1,6 @@
 """GPU spaces without a GPU: sampled points of every CUDA space apply, and the CUDA source TVM
-generates for them compiles with nvcc for sm_90 (the H200). Running them is in test_gpu_run.py."""
+generates for them compiles with nvcc for their architecture (sm_90a for the TIRx wgmma kernels of the
+H200, sm_90 or sm_80 for the others). Running them is in test_gpu_run.py."""
 
 from __future__ import annotations
 
@@ -13,21 +14,30 @@ from autosched.target import parse_target
 from autosched.task import Task
 from autosched.workloads import make_workload
 
+# (op, shape, dtype, attrs, the space the target's architecture gets, architecture)
 CASES = [
-    ("gemm", "m=256,n=256,k=128", "float16", "", "gpu_matmul"),
-    ("gemm", "m=200,n=136,k=72", "bfloat16", "bias=1,act=gelu", "gpu_matmul"),
-    ("gemm", "m=64,n=96,k=40", "float32", "", "gpu_matmul"),
-    ("batch_matmul", "b=2,m=64,n=64,k=64", "float16", "", "gpu_matmul"),
-    ("gemm", "m=1,n=512,k=256", "float16", "", "gpu_gemv"),
-    ("dequant_gemm", "m=1,n=256,k=512", "float16", "bits=4,group=128", "gpu_gemv"),
-    ("rmsnorm", "m=8,n=1000", "float16", "", "gpu_rows"),
-    ("softmax", "m=8,n=4096", "float32", "", "gpu_rows"),
-    ("rope", "b=1,s=16,h=4,d=64", "float16", "", "gpu_injective"),
-    ("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16", "", "gpu_rows"),
-    ("attention", "b=1,h=4,hkv=2,s=100,d=64", "float16", "causal=1", "flash_attention"),
+    ("gemm", "m=256,n=256,k=128", "float16", "", "hopper_gemm", "sm_90"),
+    ("gemm", "m=200,n=136,k=72", "bfloat16", "bias=1,act=gelu", "hopper_gemm", "sm_90"),
+    ("gemm", "m=300,n=520,k=264", "float16", "act=silu", "hopper_gemm", "sm_90"),
+    ("gemm", "m=256,n=256,k=128", "float16", "", "gpu_matmul", "sm_80"),
+    ("gemm", "m=200,n=136,k=72", "bfloat16", "bias=1,act=gelu", "gpu_matmul", "sm_80"),
+    ("gemm", "m=64,n=96,k=40", "float32", "", "gpu_matmul", "sm_90"),
+    ("batch_matmul", "b=2,m=64,n=64,k=64", "float16", "", "gpu_matmul", "sm_90"),
+    ("gemm", "m=1,n=512,k=256", "float16", "", "gpu_gemv", "sm_90"),
+    ("dequant_gemm", "m=1,n=256,k=512", "float16", "bits=4,group=128", "gpu_gemv", "sm_90"),
+    ("rmsnorm", "m=8,n=1000", "float16", "", "gpu_rows", "sm_90"),
+    ("softmax", "m=8,n=4096", "float32", "", "gpu_rows", "sm_90"),
+    ("rope", "b=1,s=16,h=4,d=64", "float16", "", "gpu_injective", "sm_90"),
+    ("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16", "", "gpu_rows", "sm_90"),
+    ("attention", "b=1,h=4,hkv=2,s=100,d=64", "float16", "causal=1", "hopper_attention", "sm_90"),
+    ("attention", "b=2,h=4,s=200,d=128", "bfloat16", "causal=0", "hopper_attention", "sm_90"),
+    ("attention", "b=1,h=4,hkv=2,s=100,d=64", "float16", "causal=1", "flash_attention", "sm_80"),
 ]
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+
+
+CASE_IDS = [f"{c[0]}-{c[2]}-{c[1]}-{c[5]}" for c in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -35,26 +45,35 @@ def sm90():
     return parse_target("cuda:sm_90", require_device=False)
 
 
+@pytest.fixture(scope="module")
+def sm80():
+    return parse_target("cuda:sm_80", require_device=False)
+
+
 @needs_nvcc
-@pytest.mark.parametrize("op,shape,dtype,attrs,space_name", CASES, ids=[f"{c[0]}-{c[2]}-{c[1]}" for c in CASES])
-def test_sampled_cuda_kernels_compile_for_sm90(op, shape, dtype, attrs, space_name, sm90):
+@pytest.mark.parametrize("op,shape,dtype,attrs,space_name,arch", CASES, ids=CASE_IDS)
+def test_sampled_cuda_kernels_compile(op, shape, dtype, attrs, space_name, arch):
+    target = parse_target(f"cuda:{arch}", require_device=False)
     task = Task.from_workload(make_workload(op, shape, dtype, attrs))
-    space = task.space(sm90)
+    space = task.space(target)
     assert space.name == space_name
     rng = np.random.default_rng(0)
     points = [space.default()] + [space.sample(rng) for _ in range(2)]
     for point in points:
-        report = nvcc_compile(cuda_source(space.apply(point), sm90, space.build_config(point)), "sm_90")
+        source = cuda_source(space.apply(point), target, space.build_config(point), space.codegen)
+        report = nvcc_compile(source, space.codegen.get("arch", arch))
         assert report.ok, f"{point}:\n{report.log[-2000:]}"
         assert report.registers is not None
+        if space.name.startswith("hopper_"):  # their checks promise accumulators that fit in registers
+            assert report.spills == 0, f"{point}: {report.spills} bytes spilled"
 
 
-def test_tensor_core_space_offers_bf16(sm90):
+def test_tensor_core_space_offers_bf16(sm80):
     task = Task.from_workload(make_workload("gemm", "m=128,n=128,k=128", "bfloat16"))
-    space = task.space(sm90)
+    space = task.space(sm80)
     assert True in next(k for k in space.knobs if k.name == "tensor_core").choices
     point = space.canonical(dict(space.default(), tensor_core=True))
-    source = cuda_source(space.apply(point), sm90, space.build_config(point))
+    source = cuda_source(space.apply(point), sm80, space.build_config(point))
     assert "wmma::mma_sync" in source and "nv_bfloat16" in source
 
 
@@ -66,3 +85,46 @@ def test_show_prints_cuda_source_without_a_gpu(tmp_path):
     assert "__global__" in out and "default point" in out and "cuda:sm_90" in out
     cpu = autosched("show", "rmsnorm", "--shape", "m=4,n=64", "--db", str(tmp_path / "none.db")).stdout
     assert "T.prim_func" in cpu and "__global__" not in cpu
+
+
+@pytest.mark.parametrize("arch,shape,dtype,space_name", [
+    ("sm_90", "m=64,n=128,k=64", "float16", "hopper_gemm"),
+    ("sm_90a", "m=16,n=128,k=64", "bfloat16", "hopper_gemm"),
+    ("sm_80", "m=64,n=128,k=64", "float16", "gpu_matmul"),  # no wgmma before Hopper
+    ("sm_90", "m=1,n=128,k=64", "float16", "gpu_gemv"),  # one row: a GEMV
+    ("sm_90", "m=64,n=128,k=60", "float16", "gpu_matmul"),  # rows of 120 bytes: TMA needs 16-byte strides
+    ("sm_90", "m=64,n=128,k=64", "float32", "gpu_matmul"),  # wgmma here takes fp16/bf16
+])
+def test_the_architecture_and_shape_choose_the_gemm_space(arch, shape, dtype, space_name):
+    target = parse_target(f"cuda:{arch}", require_device=False)
+    assert Task.from_workload(make_workload("gemm", shape, dtype)).space(target).name == space_name
+
+
+def test_hopper_space_rejects_points_before_a_build_with_the_reason(sm90):
+    from autosched.search_spaces import InvalidPoint
+
+    space = Task.from_workload(make_workload("gemm", "m=4096,n=4096,k=4096", "float16")).space(sm90)
+    too_many_accumulators = dict(space.default(), consumers=1, wg_rows=128, block_n=256)
+    assert "accumulator registers" in space.check(too_many_accumulators)
+    too_much_shared = dict(space.default(), consumers=2, wg_rows=64, block_n=256, stages=7)
+    assert "shared memory" in space.check(too_much_shared)
+    with pytest.raises(InvalidPoint, match="shared memory"):
+        space.apply(too_much_shared)
+    rng = np.random.default_rng(0)
+    assert all(space.check(space.sample(rng)) is None for _ in range(20))
+
+
+def test_hopper_space_gives_the_cost_model_its_own_features(sm90):
+    space = Task.from_workload(make_workload("gemm", "m=512,n=4096,k=4096", "float16")).space(sm90)
+    rng = np.random.default_rng(0)
+    rows = np.array([space.point_features(space.sample(rng)) for _ in range(16)])
+    assert rows.shape == (16, len(space.point_features(space.default()))) and np.isfinite(rows).all()
+    assert (rows.std(0) > 0).sum() >= 6  # knobs and derived quantities vary with the point
+
+
+def test_show_prints_the_wgmma_kernel_for_sm90a(tmp_path):
+    from .helpers import autosched
+
+    out = autosched("show", "gemm", "--shape", "m=256,n=256,k=256", "--dtype", "bf16", "--target", "cuda:sm_90a",
+                    "--db", str(tmp_path / "none.db")).stdout
+    assert "wgmma.mma_async.sync.aligned.m64n" in out and "cp.async.bulk.tensor" in out and "setmaxnreg" in out

@@ -57,7 +57,7 @@ def build_candidate(spec, target, point: dict, path: str) -> BuildResult:
     try:
         from autosched.target import compile_module
 
-        compile_module(mod, target, space.build_config(point)).export_library(path)
+        compile_module(mod, target, space.build_config(point), space.codegen).export_library(path)
     except Exception as exc:  # noqa: BLE001
         return BuildResult(None, time.perf_counter() - start, "build", _short(exc))
     return BuildResult(path, time.perf_counter() - start)

@@ -21,13 +21,16 @@
 from __future__ import annotations
 
 from .artifact import LIBRARY, MANIFEST, PARAMS, export_artifact, load_artifact
-from .build import ApplyReport, apply_database, build_model
+from .build import ApplyReport, apply_database, build_model, build_pipeline, build_summary, compile_separate
 from .importer import import_model
 from .load import Model, load_model
 from .lowering import lower, lowering, prepare, transform_params
 from .substitute import WORKLOAD_ATTR, substitute_workloads
 from .tasks import extract_tasks, kernel_calls, split_tunable, task_of
 
-__all__ = ["LIBRARY", "MANIFEST", "PARAMS", "WORKLOAD_ATTR", "ApplyReport", "Model", "apply_database", "build_model",
-           "export_artifact", "extract_tasks", "import_model", "kernel_calls", "load_artifact", "load_model", "lower",
-           "lowering", "prepare", "split_tunable", "substitute_workloads", "task_of", "transform_params"]
+__all__ = [
+    "ApplyReport", "LIBRARY", "MANIFEST", "Model", "PARAMS", "WORKLOAD_ATTR", "apply_database", "build_model",
+    "build_pipeline", "build_summary", "compile_separate", "export_artifact", "extract_tasks", "import_model",
+    "kernel_calls", "load_artifact", "load_model", "lower", "lowering", "prepare", "split_tunable",
+    "substitute_workloads", "task_of", "transform_params",
+]

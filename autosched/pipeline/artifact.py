@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .build import ApplyReport
     from .load import Model
 
+
 MANIFEST = "manifest.json"
 LIBRARY = "model.so"
 PARAMS = "params.bin"
@@ -38,8 +39,9 @@ def export_artifact(out_dir: str | Path, executable, params: list, model: Model,
         "autosched_version": __version__,
         "tvm_version": tvm.__version__, "target": target.to_json(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "library": LIBRARY, "params": PARAMS, "param_order": names,
-        "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for t in model.inputs],
+        "inputs": model.input_specs(),
         "database": db_path, "tuned_kernels": report.tuned, "default_kernels": report.default,
+        "build_time_kernels": report.build_time,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .lowering import prepare, transform_params
-from .tasks import task_of
+from .tasks import kernel_calls, task_of
 
 if TYPE_CHECKING:
     from tvm import IRModule
@@ -17,11 +17,30 @@ if TYPE_CHECKING:
 
     from .load import Model
 
+
 @dataclass
 class ApplyReport:
+    """How each kernel of a model was scheduled. ``tuned`` and ``default`` hold the kernels ``main`` calls
+    (each exactly once: together, every kernel of the forward pass); ``build_time`` those only
+    ``main_transform_params`` calls (run once, when the weights are prepared)."""
+
     tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel -> record info
     default: list[str] = field(default_factory=list)  # kernels on a default schedule
+    build_time: list[str] = field(default_factory=list)  # kernels of main_transform_params only, default schedule
     build_config: dict[str, Any] = field(default_factory=dict)  # pass options the schedules need
+    # Kernels compiled on their own (TIRx: another lowering pipeline than the model's) and called from the
+    # model as packed functions: name -> (kernel, pass options, codegen).
+    separate: dict[str, tuple[Any, dict, dict]] = field(default_factory=dict)
+
+
+def build_summary(report: ApplyReport) -> str:
+    """One line on how the model's kernels were scheduled, e.g. "14 kernels per forward pass: 14 from the
+    database, 0 on default schedules (4 more run once at build time)"."""
+    text = (f"{len(report.tuned) + len(report.default)} kernels per forward pass: {len(report.tuned)} from the "
+            f"database, {len(report.default)} on default schedules")
+    if report.build_time:
+        text += f" ({len(report.build_time)} more run once, at build time, on default schedules)"
+    return text
 
 
 def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tuple[IRModule, ApplyReport]:
@@ -48,36 +67,51 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
         return measurers[0]
 
     can_measure = not target.is_gpu or bool(target.device_name)
+    per_pass = kernel_calls(mod)
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc):
             continue
         task = task_of(gv.name_hint, func)
-        scheduled = None
+        # Kernels run only once, at build time, get a default schedule and are not counted among the model's.
+        runs_per_pass = gv.name_hint in per_pass
+        default = report.default if runs_per_pass else report.build_time
+        scheduled = best = None
         try:
             space = task.space(target)
-            best = trusted_best(db, task, target, space.id, measurer if can_measure else None) if db else None
+            if db is not None and runs_per_pass:
+                best = trusted_best(db, task, target, space.id, measurer if can_measure else None)
             if best is not None:
-                scheduled = space.apply(best.point)["main"]
-                report.build_config.update(space.build_config(best.point))
-                report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
-                                              "latency_us": best.median * 1e6, "space": best.space}
-            elif not target.is_gpu:
-                scheduled = space.apply(space.default())["main"]
-                report.build_config.update(space.build_config(space.default()))
-                report.default.append(gv.name_hint)
+                point = best.point
+            elif not target.is_gpu or space.template:
+                # A template's default point is a hand-built kernel, better than dlight's generic one.
+                point = space.default()
+            else:
+                point = None
+            if point is not None:
+                scheduled = space.apply(point)["main"]
         except (SpaceError, InvalidPoint):
             scheduled = None
+        if scheduled is not None and best is not None:
+            report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
+                                          "latency_us": best.median * 1e6, "space": best.space}
+        else:
+            default.append(gv.name_hint)
         if scheduled is None:
             # dlight schedules it below on the GPU; the CPU builds it as written.
-            report.default.append(gv.name_hint)
             pending.append(gv)
             continue
+        if space.codegen:
+            report.separate[gv.name_hint] = (scheduled, space.build_config(point), space.codegen)
+            continue
+        report.build_config.update(space.build_config(point))
         attrs = {"global_symbol": gv.name_hint, "tirx.is_scheduled": True}
         for key, value in attrs.items():
             scheduled = scheduled.with_attr(key, value)
         out[gv] = scheduled
     for m in measurers:
         m.close()
+    if report.separate:
+        out = _call_separately(out, set(report.separate))
     if target.is_gpu and pending:
         from tvm.s_tir import dlight as dl
 
@@ -87,6 +121,75 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     return out, report
 
 
+def _call_separately(mod: IRModule, names: set[str]) -> IRModule:
+    """``mod`` with every ``call_tir`` of a kernel in ``names`` turned into a call of the packed function of
+    that name (the kernel is compiled on its own and linked in), and those kernels removed."""
+    import tvm
+    from tvm import relax
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    @relax.expr_functor.mutator
+    class ToPacked(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if call.op == call_tir and isinstance(call.args[0], tvm.ir.GlobalVar) and call.args[0].name_hint in names:
+                out = call.ty_args[0]
+                out = list(out.fields) if isinstance(out, relax.TupleType) else [out]
+                return relax.call_dps_packed(relax.ExternFunc(call.args[0].name_hint), call.args[1], out)
+            return call
+
+    out = tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint not in names}, attrs=mod.attrs)
+    for gv, func in list(out.functions.items()):
+        if isinstance(func, relax.Function):
+            out[gv] = ToPacked(out).visit_expr(func)
+    return out
+
+
+def compile_separate(executable, report: ApplyReport, target: TargetSpec):
+    """Compile the kernels that ``apply_database`` set apart and link them into the model's executable."""
+    import tvm
+
+    from autosched.target import compile_module
+
+    for name, (kernel, config, codegen) in report.separate.items():
+        lib = compile_module(tvm.IRModule({name: kernel.with_attr("global_symbol", name)}), target, config, codegen)
+        executable.mod.import_module(lib.mod)
+    return executable
+
+
+def build_pipeline(target: TargetSpec):
+    """The Relax passes that compile a module :func:`apply_database` scheduled: TVM's default for the
+    target without its fusion.
+
+    On CUDA, ``tvm.compile``'s default pipeline legalises, re-annotates and fuses again (``FuseOps`` and
+    ``FuseTIR``) before dlight. Our lowering has fused already, and a second fusion over scheduled kernels
+    merges them with their neighbours: a kernel scheduled from a record has lost the opaque pattern it was
+    imported with, so e.g. a tuned GEMM was fused with the residual add after it. FuseTIR then failed on
+    the scheduled GEMM's buffers ("Inconsistent buffers epilogue and lv58 mapped to the same relax var"),
+    and where it did not fail, the merged kernel was no longer the schedule the database chose. The CPU's
+    default pipeline does not fuse."""
+    if not target.is_gpu:
+        return None
+    import tvm
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    tvm_target = target.tvm_target()
+    refusion = {"AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR"}
+    legalize = [p for p in cuda.legalize_passes(tvm_target) if p.info.name not in refusion]
+
+    @tvm.transform.module_pass(opt_level=0, name="AutoschedBuild")
+    def passes(mod, _ctx):
+        # LegalizeOps and dlight stay: anything still unlowered gets TVM's default kernel; dlight leaves
+        # scheduled kernels as they are.
+        with tvm_target:
+            return tvm.transform.Sequential(cuda.library_dispatch_passes(tvm_target) + legalize
+                                            + cuda.dataflow_lower_passes(tvm_target)
+                                            + cuda.finalize_passes(tvm_target))(mod)
+
+    return passes
+
+
 def build_model(model: Model, target: TargetSpec, db: Database | None):
     """Import, lower, apply the database and compile; returns (executable, the transformed parameters
     ``main`` takes, report)."""
@@ -94,5 +197,6 @@ def build_model(model: Model, target: TargetSpec, db: Database | None):
 
     lowered, params = prepare(model, target)
     scheduled, report = apply_database(lowered, db, target)
-    executable = compile_module(scheduled, target, report.build_config)
+    executable = compile_module(scheduled, target, report.build_config, relax_pipeline=build_pipeline(target))
+    executable = compile_separate(executable, report, target)
     return executable, transform_params(lowered, params), report

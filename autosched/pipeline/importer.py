@@ -44,6 +44,7 @@ def import_model(model: Model, *, linear_as_gemm: bool) -> tuple[IRModule, list]
         exported = exported.run_decompositions(table)
         matmul = functools.partial(_matmul_in_torch_dtype, linear_as_gemm=linear_as_gemm)
         converters = {name: matmul for name in ("mm.default", "matmul.default", "bmm.default")}
+        converters["addmm.default"] = functools.partial(_addmm_in_torch_dtype, linear_as_gemm=linear_as_gemm)
         converters["rms_norm.default"] = _rms_norm_as_workload
         mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                     run_ep_decomposition=False, custom_convert_map=converters)
@@ -77,9 +78,42 @@ def _matmul_in_torch_dtype(node, importer, linear_as_gemm: bool):
     return product
 
 
-def _linear_weight(node, importer):
-    """The Relax variable of W[n,k] if the second factor of ``node`` is ``permute(W, [1, 0])``."""
-    factor = node.args[1]
+def _addmm_in_torch_dtype(node, importer, linear_as_gemm: bool):
+    """``addmm(bias, x, W.T)``, a Linear with a bias as torch.export decomposes it: accumulated in float32,
+    the bias added, and returned in torch's dtype. With ``linear_as_gemm``, a call of our ``gemm``
+    workload's kernel with ``bias=True``, whose epilogue adds the bias.
+
+    TVM 0.27's importer adds the model's (half-precision) bias to its float32 product: an import failure
+    ("Binary operators must have the same datatype") for every half-precision model with biased Linears.
+    """
+    from tvm import relax
+
+    bias, lhs, rhs = importer.retrieve_args(node)[:3]
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    dtype = str(node.meta["val"].dtype).replace("torch.", "")
+    bb = importer.block_builder
+    weight = _linear_weight(node, importer, factor=2) if linear_as_gemm else None
+    if (weight is not None and beta == 1 and alpha == 1 and len(lhs.ty.shape) == 2 and len(bias.ty.shape) == 1
+            and str(lhs.ty.dtype) == str(weight.ty.dtype) == str(bias.ty.dtype) == dtype
+            and int(bias.ty.shape[0]) == int(weight.ty.shape[0])):
+        (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[0])
+        wl = _supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype, {"bias": True})
+        if wl is not None:
+            gv = bb.add_func(workload_func(wl), "autosched_gemm")
+            return bb.emit(relax.call_tir(gv, [lhs, weight, bias], relax.TensorType((m, n), dtype)))
+    product = bb.emit(relax.op.matmul(lhs, rhs, out_dtype="float32"))
+    if alpha != 1:
+        product = bb.emit(relax.op.multiply(product, relax.const(alpha, "float32")))
+    bias32 = bb.emit(relax.op.astype(bias, "float32"))
+    if beta != 1:
+        bias32 = bb.emit(relax.op.multiply(bias32, relax.const(beta, "float32")))
+    out = bb.emit(relax.op.add(product, bias32))
+    return bb.emit(relax.op.astype(out, dtype)) if dtype != "float32" else out
+
+
+def _linear_weight(node, importer, factor: int = 1):
+    """The Relax variable of W[n,k] if argument ``factor`` of ``node`` is ``permute(W, [1, 0])``."""
+    factor = node.args[factor]
     if getattr(factor, "target", None) is None or "permute" not in str(factor.target):
         return None
     source, axes = factor.args[0], list(factor.args[1])

@@ -22,6 +22,40 @@ class Model:
     module: torch.nn.Module
     inputs: tuple[torch.Tensor, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)  # what the factory was given (JSON-able)
+    # Per input: [low, high) of the values it takes (token ids within the vocabulary), or None (any float).
+    input_ranges: list[list[int] | None] = field(default_factory=list)
+
+    def input_specs(self) -> list[dict[str, Any]]:
+        """Shape, dtype and, for integer inputs, the range of values of each input (for the manifest)."""
+        specs = []
+        for i, t in enumerate(self.inputs):
+            spec: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+            if i < len(self.input_ranges) and self.input_ranges[i] is not None:
+                spec["range"] = list(self.input_ranges[i])
+            specs.append(spec)
+        return specs
+
+
+def _input_ranges(module, inputs, declared) -> list[list[int] | None]:
+    """[low, high) for each integer input: as the factory declared it, else the model's vocabulary size
+    (``module.config.vocab_size`` or ``module.vocab_size``), else [min(example), max(example) + 1)."""
+    import torch
+
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None) or getattr(module, "vocab_size", None)
+    ranges: list[list[int] | None] = []
+    for i, t in enumerate(inputs):
+        if declared is not None and i < len(declared) and declared[i] is not None:
+            ranges.append([int(declared[i][0]), int(declared[i][1])])
+        elif t.is_floating_point() or t.is_complex():
+            ranges.append(None)
+        elif t.dtype == torch.bool:
+            ranges.append([0, 2])
+        elif vocab:
+            ranges.append([0, int(vocab)])
+        else:
+            low = min(int(t.min()), 0) if t.numel() else 0
+            ranges.append([low, (int(t.max()) if t.numel() else 0) + 1])
+    return ranges
 
 
 def _example_models() -> dict[str, Callable]:
@@ -32,7 +66,9 @@ def _example_models() -> dict[str, Callable]:
 
 def load_model(spec: str, **kwargs: Any) -> Model:
     """A model named in ``examples/`` (e.g. ``tiny-llama``) or given as ``module:factory`` or
-    ``path/to/file.py:factory``; the factory returns ``(model, example_inputs)``."""
+    ``path/to/file.py:factory``; the factory returns ``(model, example_inputs)``, or
+    ``(model, example_inputs, {"input_ranges": [[low, high) or None per input]})`` to declare the values
+    integer inputs take (e.g. token ids below the vocabulary size; see :func:`_input_ranges`)."""
     examples = _example_models()
     if spec in examples:
         factory = examples[spec]
@@ -54,5 +90,8 @@ def load_model(spec: str, **kwargs: Any) -> Model:
         names = ", ".join(sorted(examples)) or "none found"
         raise UsageError(f"unknown model '{spec}': name an example ({names}) or give module:factory")
     given = {k: v for k, v in kwargs.items() if v is not None}
-    module, inputs = factory(**given)
-    return Model(spec, module.eval(), tuple(inputs), {k: str(v).replace("torch.", "") for k, v in given.items()})
+    made = factory(**given)
+    module, inputs = made[0], tuple(made[1])
+    declared = made[2].get("input_ranges") if len(made) > 2 and made[2] else None
+    return Model(spec, module.eval(), inputs, {k: str(v).replace("torch.", "") for k, v in given.items()},
+                 _input_ranges(module, inputs, declared))

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from .load import Model
 
+
 def prepare(model: Model, target: TargetSpec) -> tuple[IRModule, list]:
     """Import and lower ``model`` for ``target``; weight-only computations (e.g. the transposes that put
     each Linear's weight in the layout its GEMM reads) move to ``main_transform_params``, run once at

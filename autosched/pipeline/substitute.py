@@ -11,7 +11,6 @@ from autosched.workloads import get_operator, make_workload
 if TYPE_CHECKING:
     from tvm import IRModule
 
-
 WORKLOAD_ATTR = "autosched.workload"
 
 
@@ -22,7 +21,6 @@ def workload_func(wl):
     # Opaque, so that fusion keeps our kernel whole. Built as a module's "main"; kept, that symbol
     # clashes with Relax's main in the GPU build, where unscheduled kernels keep their attributes.
     return func.with_attr("op_pattern", 8).without_attr("global_symbol")
-
 
 
 def substitute_workloads(mod: IRModule) -> IRModule:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from autosched.target import TargetSpec
     from autosched.task import Task
 
+
 def task_of(name: str, func, weight: float = 1.0) -> Task:
     """The task of a lowered kernel: our workload's if it carries one (a substituted attention, RMSNorm
     or GEMM), else the function itself under its structural hash."""

@@ -1,0 +1,322 @@
+"""Prefill attention on Hopper (sm_90a): a FlashAttention-3-style TIRx template.
+
+One CTA takes ``64 · consumers`` query rows of one head. A producer warpgroup (one elected thread) loads
+the Q tile once and streams K and V tiles of ``block_kv`` keys by TMA (128-byte swizzle) through a ring of
+``stages`` buffers, each with its own full barriers for K and for V, so S = QKᵀ can start before V lands.
+Each consumer warpgroup owns 64 query rows and, per KV tile:
+
+* computes S = Q·Kᵀ with ``wgmma`` from shared memory (both operands K-major over the head dimension);
+* applies the causal or sequence-end mask, only on the tiles that cross the diagonal or the end;
+* updates the online softmax in registers (base-2 exponentials, running max and sum per row, the row's
+  four threads combined with warp shuffles) and rescales its output accumulator;
+* keeps P in registers: a ``wgmma`` accumulator fragment of S is exactly the A-operand fragment of the
+  next product, so P·V is a register-shared ``wgmma`` with V read from shared memory (MN-major);
+* releases the stage through its empty barrier.
+
+Causal CTAs skip every tile above the diagonal, and the grid starts with the longest (last) query blocks.
+Grouped-query attention reads the K/V head of the query head's group. Sequence lengths no tile divides
+are masked; the epilogue is predicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._knobs import Knob, Point, Space
+from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, PTX_TYPE, SMEM_LIMIT
+
+CUDA_PAIR = {"float16": ("__half2", "__floats2half2_rn", "half"),
+             "bfloat16": ("__nv_bfloat162", "__floats2bfloat162_rn", "nv_bfloat16")}
+LOG2E = 1.4426950408889634
+
+
+def _helpers(dtype: str) -> dict[str, tuple[str, str]]:
+    """The register-level helpers, each as (name, CUDA source; TIRx emits a source once per name): pack two
+    floats into one 32-bit register of two 16-bit values, store such a pair, the quad (row) reductions over
+    warp shuffles, and exp2."""
+    pair, make_pair, scalar = CUDA_PAIR[dtype]
+    tag = PTX_TYPE[dtype]
+    sources = {
+        "pack": (f"autosched_pack_{tag}",
+                 f"__device__ __forceinline__ unsigned int autosched_pack_{tag}(float a, float b) {{\n"
+                 f"  {pair} h = {make_pair}(a, b); return *reinterpret_cast<unsigned int*>(&h);\n}}\n"),
+        "store": (f"autosched_store_pair_{tag}",
+                  f"__device__ __forceinline__ void autosched_store_pair_{tag}({scalar}* p, float a, float b) {{\n"
+                  f"  *reinterpret_cast<{pair}*>(p) = {make_pair}(a, b);\n}}\n"),
+        "qmax": ("autosched_quad_max",
+                 "__device__ __forceinline__ float autosched_quad_max(float x) {\n"
+                 "  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));\n"
+                 "  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));\n}\n"),
+        "qsum": ("autosched_quad_sum",
+                 "__device__ __forceinline__ float autosched_quad_sum(float x) {\n"
+                 "  x += __shfl_xor_sync(0xffffffffu, x, 1); return x + __shfl_xor_sync(0xffffffffu, x, 2);\n}\n"),
+        "exp2": ("autosched_exp2",
+                 "__device__ __forceinline__ float autosched_exp2(float x) {\n"
+                 "  float y; asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x)); return y;\n}\n"),
+    }
+    return sources
+
+
+def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str, causal: bool, p: Point):
+    """The TIRx kernel of point ``p`` for O = softmax(QKᵀ/√d [causal]) V, Q[b,h,s,d], K/V[b,hkv,s,d]."""
+    from tvm.script import tirx as T
+
+    consumers, bkv, stages = p["consumers"], p["block_kv"], p["stages"]
+    bm = 64 * consumers
+    threads = 128 * (consumers + 1)
+    group = h // hkv
+    cblocks = d // 64  # 64-element (128-byte) column blocks of the head dimension
+    q_blocks = math.ceil(s / bm)
+    grid = q_blocks * b * h
+    s_acc, o_acc = bkv // 2, d // 2  # accumulator registers per thread
+    tile_elems = bkv * d
+    q_elems = bm * d
+    smem_elems = q_elems + 2 * stages * tile_elems
+    tile_bytes = tile_elems * 2
+    scale_log2 = LOG2E / math.sqrt(d)
+    ptype = PTX_TYPE[dtype]
+    qk_mma = f"wgmma.mma_async.sync.aligned.m64n{bkv}k16.f32.{ptype}.{ptype}"
+    pv_mma = f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{ptype}.{ptype}"
+    fn = _helpers(dtype)
+    neg_inf = T.float32(-math.inf)
+
+    def kv_tiles(qb):
+        """KV tiles a query block visits: up to its last query when causal, else all of them."""
+        return (T.min(qb * bm + bm, s) + bkv - 1) // bkv if causal else (s + bkv - 1) // bkv
+
+    # fmt: off
+    @T.prim_func
+    def main(Q: T.Buffer((b, h, s, d), dtype, align=16), K: T.Buffer((b, hkv, s, d), dtype, align=16),
+             V: T.Buffer((b, hkv, s, d), dtype, align=16), O: T.Buffer((b, h, s, d), dtype, align=16)):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.tensormap_encode_tiled(Q_map, Q.data, d, b * h * s, d * 2, 64, 64, 1, 1,
+                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.tensormap_encode_tiled(K_map, K.data, d, b * hkv * s, d * 2, 64, bkv, 1, 1,
+                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        V_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.tensormap_encode_tiled(V_map, V.data, d, b * hkv * s, d * 2, 64, bkv, 1, 1,
+                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        T.device_entry()
+        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
+        bx = T.cta_id([grid])
+        tx = T.thread_id([threads])
+        smem = T.alloc_buffer((smem_elems,), dtype, scope="shared.dyn", align=1024)
+        q_full = T.alloc_shared((1,), "uint64", align=8)
+        k_full = T.alloc_shared((stages,), "uint64", align=8)
+        v_full = T.alloc_shared((stages,), "uint64", align=8)
+        empty = T.alloc_shared((stages,), "uint64", align=8)
+        S = T.alloc_local((s_acc,), "float32")
+        P = T.alloc_local((bkv // 4,), "uint32")
+        Oacc = T.alloc_local((o_acc,), "float32")
+        row_max = T.alloc_local((2,), "float32")
+        row_sum = T.alloc_local((2,), "float32")
+        tile_max = T.alloc_local((2,), "float32")
+        alpha = T.alloc_local((2,), "float32")
+        desc_a: T.uint64
+        desc_b: T.uint64
+        # Heaviest causal blocks (the last query rows) first.
+        qb = T.meta_var(q_blocks - 1 - bx // (b * h))
+        head = T.meta_var(bx % (b * h))
+        kv_head = T.meta_var((head // h) * hkv + (head % h) // group)
+        q_row0 = T.meta_var(head * s + qb * bm)
+        kv_row0 = T.meta_var(kv_head * s)
+        n_tiles = T.meta_var(kv_tiles(qb))
+        wg = T.meta_var(tx // 128)
+
+        if tx == 0:
+            T.ptx.mbarrier.init.shared.b64(T.address_of(q_full[0]), T.uint32(1))
+            for st in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(T.address_of(k_full[st]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(v_full[st]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[st]), T.uint32(consumers * 128))
+            T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+
+        if wg == 0:
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](40)
+            if tx == 0:
+                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(q_elems * 2))
+                for c in T.unroll(consumers):
+                    for cb in T.unroll(cblocks):
+                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                            smem.access_ptr("w", offset=(c * cblocks + cb) * 64 * 64),
+                            T.address_of(Q_map), cb * 64, q_row0 + c * 64, T.address_of(q_full[0]))
+                for j in T.serial(n_tiles):
+                    if j >= stages:
+                        T.cuda.mbarrier_wait(T.address_of(empty[j % stages]), ((j // stages) + 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(k_full[j % stages]), T.uint32(tile_bytes))
+                    for cb in T.unroll(cblocks):
+                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                            smem.access_ptr("w", offset=q_elems + (j % stages) * 2 * tile_elems + cb * bkv * 64),
+                            T.address_of(K_map), cb * 64, kv_row0 + j * bkv, T.address_of(k_full[j % stages]))
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(v_full[j % stages]), T.uint32(tile_bytes))
+                    for cb in T.unroll(cblocks):
+                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                            smem.access_ptr("w", offset=q_elems + (j % stages) * 2 * tile_elems + tile_elems
+                                            + cb * bkv * 64),
+                            T.address_of(V_map), cb * 64, kv_row0 + j * bkv, T.address_of(v_full[j % stages]))
+        else:
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
+            for i in T.unroll(2):
+                row_max[i] = neg_inf
+                row_sum[i] = T.float32(0)
+            for i in T.unroll(o_acc):
+                Oacc[i] = T.float32(0)
+                T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
+            T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
+            for j in T.serial(n_tiles):
+                T.cuda.mbarrier_wait(T.address_of(k_full[j % stages]), (j // stages) % 2)
+                # S = Q Kᵀ over the head dimension, 16 at a time.
+                T.ptx.wgmma.fence.sync.aligned()
+                for kk in T.unroll(d // 16):
+                    T.cuda.wgmma.encode_matrix_descriptor(
+                        T.address_of(desc_a),
+                        smem.access_ptr("r", offset=((wg - 1) * cblocks + kk // 4) * 64 * 64 + (kk % 4) * 16), 1, 64, 3)
+                    T.cuda.wgmma.encode_matrix_descriptor(
+                        T.address_of(desc_b),
+                        smem.access_ptr("r", offset=q_elems + (j % stages) * 2 * tile_elems + (kk // 4) * bkv * 64
+                                        + (kk % 4) * 16), 1, 64, 3)
+                    T.ptx[qk_mma](*[S[i] for i in range(s_acc)], desc_a, desc_b, T.bool(kk > 0), 1, 1, 0, 0)
+                T.ptx.wgmma.commit_group.sync.aligned()
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                for i in T.unroll(s_acc):
+                    T.cuda.func_call(FENCE_NAME, S[i], source_code=FENCE_SOURCE)
+                # Mask keys after the query (causal) and past the sequence, on the tiles that need it.
+                if (causal and j * bkv + bkv > qb * bm) or j * bkv + bkv > s:
+                    for i in T.unroll(s_acc):
+                        key = T.meta_var(j * bkv + (i // 4) * 8 + (tx % 4) * 2 + i % 2)
+                        query = T.meta_var(qb * bm + (wg - 1) * 64 + ((tx % 128) // 32) * 16 + (tx % 32) // 4
+                                           + ((i % 4) // 2) * 8)
+                        if key >= s or (causal and key > query):
+                            S[i] = neg_inf
+                # Online softmax, base 2: new row maximum, rescale of the running sum and output.
+                for r in T.unroll(2):
+                    tile_max[r] = row_max[r]
+                for i in T.unroll(s_acc):
+                    tile_max[(i % 4) // 2] = T.max(tile_max[(i % 4) // 2], S[i] * T.float32(scale_log2))
+                for r in T.unroll(2):
+                    tile_max[r] = T.cuda.func_call(fn["qmax"][0], tile_max[r], source_code=fn["qmax"][1],
+                                                   return_type="float32")
+                    alpha[r] = T.cuda.func_call(fn["exp2"][0], row_max[r] - tile_max[r], source_code=fn["exp2"][1],
+                                                return_type="float32")
+                    row_max[r] = tile_max[r]
+                    row_sum[r] = row_sum[r] * alpha[r]
+                for i in T.unroll(s_acc):
+                    S[i] = T.cuda.func_call(fn["exp2"][0], S[i] * T.float32(scale_log2) - row_max[(i % 4) // 2],
+                                            source_code=fn["exp2"][1], return_type="float32")
+                    row_sum[(i % 4) // 2] = row_sum[(i % 4) // 2] + S[i]
+                for i in T.unroll(bkv // 4):
+                    P[i] = T.cuda.func_call(fn["pack"][0], S[2 * i], S[2 * i + 1], source_code=fn["pack"][1],
+                                            return_type="uint32")
+                for i in T.unroll(o_acc):
+                    Oacc[i] = Oacc[i] * alpha[(i % 4) // 2]
+                    T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
+                # O += P V, P from registers, V (keys x head dim, MN-major) from shared memory.
+                T.cuda.mbarrier_wait(T.address_of(v_full[j % stages]), (j // stages) % 2)
+                T.ptx.wgmma.fence.sync.aligned()
+                for t in T.unroll(bkv // 16):
+                    T.cuda.wgmma.encode_matrix_descriptor(
+                        T.address_of(desc_b),
+                        smem.access_ptr("r", offset=q_elems + (j % stages) * 2 * tile_elems + tile_elems + t * 16 * 64),
+                        bkv * 8, 64, 3)
+                    T.ptx[pv_mma](*[Oacc[i] for i in range(o_acc)], P[4 * t], P[4 * t + 1], P[4 * t + 2], P[4 * t + 3],
+                                  desc_b, T.bool(True), 1, 1, 1)
+                T.ptx.wgmma.commit_group.sync.aligned()
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                for i in T.unroll(o_acc):
+                    T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[j % stages]))
+            # O / l, stored as pairs; rows past the sequence are not written.
+            for r in T.unroll(2):
+                row_sum[r] = T.cuda.func_call(fn["qsum"][0], row_sum[r], source_code=fn["qsum"][1], return_type="float32")
+            for i in T.unroll(o_acc // 2):
+                query = T.meta_var(qb * bm + (wg - 1) * 64 + ((tx % 128) // 32) * 16 + (tx % 32) // 4 + (i % 2) * 8)
+                col = T.meta_var((i // 2) * 8 + (tx % 4) * 2)
+                if query < s:
+                    T.cuda.func_call(fn["store"][0], O.access_ptr("w", offset=(head * s + query) * d + col),
+                                     Oacc[2 * i] / row_sum[i % 2], Oacc[2 * i + 1] / row_sum[i % 2],
+                                     source_code=fn["store"][1])
+    # fmt: on
+    return main
+
+
+class HopperAttentionSpace(Space):
+    """Prefill ``attention`` on sm_90: the TIRx kernel above; consumers, KV tile and stages are the knobs."""
+
+    name = "hopper_attention"
+    version = 1
+    targets = ("cuda",)
+    families = ("attention",)
+    template = True
+    codegen = {"tir_pipeline": "tirx", "arch": "sm_90a"}
+    HEAD_DIMS = (64, 128)  # whole 128-byte swizzle rows; other head dims take the flash_attention space
+
+    @classmethod
+    def suits(cls, func, target, hints) -> bool:
+        from .hopper_gemm import HOPPER_ARCHS
+
+        shape = _attention_shape(func)
+        if target.arch not in HOPPER_ARCHS or (hints or {}).get("op") != "attention" or shape is None:
+            return False
+        b, h, hkv, s, d, dtype = shape
+        return dtype in PTX_TYPE and d in cls.HEAD_DIMS and h % hkv == 0
+
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
+        shape = _attention_shape(func)
+        if shape is None:
+            raise ValueError("hopper_attention takes Q[b,h,s,d], K/V[b,hkv,s,d], O[b,h,s,d] functions only")
+        self.b, self.h, self.hkv, self.s, self.d, self.dtype = shape
+        self.causal = bool(self.hints.get("causal", True))
+        self.sms = target.num_cores or 132
+        self.knobs = [Knob("consumers", (1, 2)), Knob("block_kv", (64, 128)), Knob("stages", (2, 3))]
+
+    def check(self, p: Point) -> str | None:
+        bm, bkv = 64 * p["consumers"], p["block_kv"]
+        regs = bkv // 2 + self.d // 2 + bkv // 4
+        if regs > 200:
+            return f"{regs} registers of scores, output and probabilities per thread (at most 200 fit)"
+        smem = (bm * self.d + 2 * p["stages"] * bkv * self.d) * 2 + 1024
+        if smem > SMEM_LIMIT:
+            return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
+        return None
+
+    def default(self) -> Point:
+        # Measured on the H200 (causal 1x32x2048x128 fp16): 381 TFLOP/s, against 306 with one consumer.
+        for point in ({"consumers": 2, "block_kv": 128, "stages": 2}, {"consumers": 2, "block_kv": 64, "stages": 2}):
+            if self.check(point) is None:
+                return point
+        return super().default()
+
+    def apply(self, point: Point):
+        import tvm
+
+        from ._knobs import InvalidPoint
+
+        reason = self.validate(point)
+        if reason:
+            raise InvalidPoint(reason)
+        return tvm.IRModule({"main": hopper_attention_kernel(self.b, self.h, self.hkv, self.s, self.d, self.dtype,
+                                                             self.causal, point)})
+
+    def point_features(self, p: Point) -> list[float]:
+        bm = 64 * p["consumers"]
+        ctas = math.ceil(self.s / bm) * self.b * self.h
+        return [p["consumers"], p["block_kv"], p["stages"], bm, math.log2(ctas), ctas / self.sms,
+                math.ceil(self.s / p["block_kv"]), self.s % p["block_kv"] / p["block_kv"], float(self.causal)]
+
+
+def _attention_shape(func) -> tuple[int, int, int, int, int, str] | None:
+    """(b, h, hkv, s, d, dtype) of an attention function Q[b,h,s,d], K[b,hkv,s,d], V, O; None for others."""
+    params = list(func.params)
+    if len(params) != 4 or any(len(p.shape) != 4 for p in params):
+        return None
+    try:
+        (b, h, s, d), (b2, hkv, s2, d2) = ([int(x) for x in p.shape] for p in params[:2])
+    except (TypeError, ValueError):  # symbolic dimensions
+        return None
+    if (b2, s2, d2) != (b, s, d) or hkv < 1:
+        return None
+    return b, h, hkv, s, d, str(params[0].dtype)

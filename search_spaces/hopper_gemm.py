@@ -1,0 +1,345 @@
+"""GEMM on Hopper (sm_90a): TMA-fed, warp-specialised wgmma kernels written in TVM 0.27's TIRx.
+
+A template space: each point is a complete kernel, generated here as TIRx and compiled with
+``tir_pipeline="tirx"``. The structure is the one Hopper GEMMs share (CUTLASS's warp-specialised
+kernels, DeepGEMM, FlashAttention-3):
+
+* one *producer* warpgroup; one elected thread of it issues TMA loads (``cp.async.bulk.tensor``,
+  128-byte swizzle) of A and B tiles into a ring of ``stages`` shared-memory buffers, each with a
+  *full* mbarrier that the copy engine completes;
+* one or two *consumer* warpgroups, each owning ``wg_rows`` rows of the block tile, wait on the full
+  barrier, issue ``wgmma.mma_async m64nBNk16`` straight from shared memory (descriptors), keep one
+  wgmma group in flight, and release the previous stage through its *empty* mbarrier;
+* register reallocation (``setmaxnreg``): the producer gives its registers to the consumers, whose
+  accumulators take up to 128 registers per thread;
+* a grouped rasterisation of the block tiles (``group_m`` row tiles share the same B columns in L2),
+  optionally persistent CTAs that walk the tiles with a stride of the grid, so that one tile's
+  epilogue overlaps the next tile's loads;
+* the epilogue (bias, activation, cast) from registers, two elements per 4-byte store.
+
+Operands are C[m, n] = A[m, k] · B[n, k]ᵀ (the ``gemm`` workload: torch.nn.Linear's layout, both
+operands K-major, which wgmma reads without transposition). Shapes no tile divides need no padding:
+TMA fills out-of-bounds boxes with zeros and the epilogue is predicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._knobs import Knob, Point, Space
+
+BK = 64  # K elements per stage: one 128-byte swizzle row of fp16/bf16
+SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
+WGMMA_N = (64, 96, 128, 160, 192, 224, 256)
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+CUDA_TYPE = {"float16": ("half", "__half2", "__floats2half2_rn", "__float2half_rn"),
+             "bfloat16": ("nv_bfloat16", "__nv_bfloat162", "__floats2bfloat162_rn", "__float2bfloat16_rn")}
+
+
+def _epilogue_source(dtype: str, act: str) -> tuple[str, str, str]:
+    """CUDA helpers of the epilogue: (name of the pair store, name of the single store, source).
+
+    The accumulator pair (a, b) plus its bias pair goes through the activation and is stored as one
+    4-byte vector; the single store serves an odd last column."""
+    scalar, pair, make_pair, make_one = CUDA_TYPE[dtype]
+    tag = f"{PTX_TYPE[dtype]}_{act}"
+    if act == "silu":
+        f = "x / (1.0f + __expf(-x))"
+    elif act == "gelu":
+        f = "0.5f * x * (1.0f + erff(x * 0.70710678118654752f))"
+    else:
+        f = "x"
+    source = (
+        f"__device__ __forceinline__ float autosched_act_{tag}(float x) {{ return {f}; }}\n"
+        f"__device__ __forceinline__ void autosched_store2_{tag}({scalar}* p, float a, float b) {{\n"
+        f"  *reinterpret_cast<{pair}*>(p) = {make_pair}(autosched_act_{tag}(a), autosched_act_{tag}(b));\n}}\n"
+        f"__device__ __forceinline__ void autosched_store1_{tag}({scalar}* p, float a) {{\n"
+        f"  *p = {make_one}(autosched_act_{tag}(a));\n}}\n"
+    )
+    return f"autosched_store2_{tag}", f"autosched_store1_{tag}", source
+
+
+# Keeps nvcc from moving accumulator reads and writes across the asynchronous wgmma (the inline asm of
+# wgmma.wait_group names no registers). TIRx's own noop_barrier fails in 0.27's code generator.
+FENCE_NAME = "autosched_acc_fence"
+FENCE_SOURCE = (f"__device__ __forceinline__ void {FENCE_NAME}(float& x) "
+                "{ asm volatile(\"\" : \"+f\"(x) :: \"memory\"); }\n")
+
+
+def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str, p: Point):
+    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · B[n, k]ᵀ + bias[n])."""
+    from tvm.script import tirx as T
+
+    consumers, wg_rows, bn, stages = p["consumers"], p["wg_rows"], p["block_n"], p["stages"]
+    group_m, persistent = p["group_m"], p["persistent"]
+    bm = consumers * wg_rows
+    m_frags = wg_rows // 64  # wgmma m64 instructions per consumer per k step
+    acc_n = bn // 2  # fp32 accumulator registers per thread per m64 fragment
+    threads = 128 * (consumers + 1)
+    elem = 2
+    a_stage, b_stage = bm * BK * elem, bn * BK * elem
+    stage_bytes = a_stage + b_stage
+    tiles_m, tiles_n = math.ceil(m / bm), math.ceil(n / bn)
+    tiles = tiles_m * tiles_n
+    k_iters = math.ceil(k / BK)
+    grid = min(tiles, p["sms"]) if persistent else tiles
+    group_m = min(group_m, tiles_m)
+    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}"
+    store2, store1, epi_source = _epilogue_source(dtype, act)
+    # The shared buffer: [stage][A tile | B tile], each tile 1024-byte aligned (swizzle atoms).
+    smem_elems = stages * stage_bytes // elem
+    a_off, b_off = 0, a_stage // elem  # element offsets inside one stage
+    acc_len = m_frags * acc_n
+
+    def accs(acc, f):
+        return [acc[f * acc_n + i] for i in range(acc_n)]
+
+    # fmt: off
+    @T.macro
+    def body(A, B, Bias, C):
+        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.tensormap_encode_tiled(A_map, A.data, k, m, k * elem, BK, bm, 1, 1,
+                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.tensormap_encode_tiled(B_map, B.data, k, n, k * elem, BK, bn, 1, 1,
+                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        T.device_entry()
+        bx = T.cta_id([grid])
+        tx = T.thread_id([threads])
+        smem = T.alloc_buffer((smem_elems,), dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared((stages,), "uint64", align=8)
+        empty = T.alloc_shared((stages,), "uint64", align=8)
+        acc = T.alloc_local((acc_len,), "float32")
+        desc_a: T.uint64
+        desc_b: T.uint64
+        phase: T.int32
+        it: T.int32
+        tile: T.int32
+        tm: T.int32
+        tn: T.int32
+        wg = T.meta_var(tx // 128)
+
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(consumers * 128))
+            T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+
+        it = 0
+        if wg == 0:
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](40)
+            if tx == 0:
+                tile = bx
+                while tile < tiles:
+                    tm = (tile // (group_m * tiles_n)) * group_m \
+                        + (tile % (group_m * tiles_n)) % T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
+                    tn = (tile % (group_m * tiles_n)) // T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
+                    for kt in T.serial(k_iters):
+                        if it >= stages:
+                            T.cuda.mbarrier_wait(T.address_of(empty[it % stages]), ((it // stages) + 1) % 2)
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[it % stages]), T.uint32(stage_bytes))
+                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                            smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + a_off),
+                            T.address_of(A_map), kt * BK, tm * bm, T.address_of(full[it % stages]))
+                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                            smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + b_off),
+                            T.address_of(B_map), kt * BK, tn * bn, T.address_of(full[it % stages]))
+                        it = it + 1
+                    tile = tile + grid
+        else:
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
+            tile = bx
+            while tile < tiles:
+                tm = (tile // (group_m * tiles_n)) * group_m \
+                    + (tile % (group_m * tiles_n)) % T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
+                tn = (tile % (group_m * tiles_n)) // T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
+                for i in T.unroll(acc_len):
+                    acc[i] = T.float32(0)
+                    T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
+                for kt in T.serial(k_iters):
+                    phase = (it // stages) % 2
+                    T.cuda.mbarrier_wait(T.address_of(full[it % stages]), phase)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    for kk in T.unroll(BK // 16):
+                        for f in T.unroll(m_frags):
+                            T.cuda.wgmma.encode_matrix_descriptor(
+                                T.address_of(desc_a),
+                                smem.access_ptr("r", offset=(it % stages) * (stage_bytes // elem) + a_off
+                                                + ((wg - 1) * wg_rows + f * 64) * BK + kk * 16), 1, 64, 3)
+                            T.cuda.wgmma.encode_matrix_descriptor(
+                                T.address_of(desc_b),
+                                smem.access_ptr("r", offset=(it % stages) * (stage_bytes // elem) + b_off + kk * 16),
+                                1, 64, 3)
+                            T.ptx[mma](*accs(acc, f), desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
+                    T.ptx.wgmma.commit_group.sync.aligned()
+                    T.ptx.wgmma.wait_group.sync.aligned(1)
+                    if kt > 0:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
+                    it = it + 1
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
+                for i in T.unroll(acc_len):
+                    T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
+                for f in T.unroll(m_frags):
+                    for j in T.unroll(bn // 8):
+                        for h in T.unroll(2):
+                            row = T.meta_var(tm * bm + (wg - 1) * wg_rows + f * 64 + ((tx % 128) // 32) * 16
+                                             + (tx % 32) // 4 + h * 8)
+                            col = T.meta_var(tn * bn + j * 8 + (tx % 4) * 2)
+                            if row < m and col < n:
+                                if bias:
+                                    T.cuda.func_call(store2, C.access_ptr("w", offset=row * n + col),
+                                                     acc[f * acc_n + j * 4 + h * 2] + T.Cast("float32", Bias[col]),
+                                                     acc[f * acc_n + j * 4 + h * 2 + 1] + T.Cast("float32", Bias[col + 1]),
+                                                     source_code=epi_source)
+                                else:
+                                    T.cuda.func_call(store2, C.access_ptr("w", offset=row * n + col),
+                                                     acc[f * acc_n + j * 4 + h * 2],
+                                                     acc[f * acc_n + j * 4 + h * 2 + 1], source_code=epi_source)
+                tile = tile + grid
+
+    attrs = {"global_symbol": "main", "tirx.noalias": True, "tirx.launch_bounds_min_blocks_per_sm": 1}
+    if bias:
+        @T.prim_func
+        def main(A: T.Buffer((m, k), dtype, align=16), B: T.Buffer((n, k), dtype, align=16),
+                 Bias: T.Buffer((n,), dtype, align=16), C: T.Buffer((m, n), dtype, align=16)):
+            T.func_attr(attrs)
+            body(A, B, Bias, C)
+    else:
+        @T.prim_func
+        def main(A: T.Buffer((m, k), dtype, align=16), B: T.Buffer((n, k), dtype, align=16),
+                 C: T.Buffer((m, n), dtype, align=16)):
+            T.func_attr(attrs)
+            body(A, B, None, C)
+    # fmt: on
+    return main
+
+
+HOPPER_ARCHS = ("sm_90", "sm_90a")
+
+
+class HopperGemmSpace(Space):
+    """The ``gemm`` workload on sm_90: the TIRx kernel above, every structural choice a knob."""
+
+    name = "hopper_gemm"
+    version = 1
+    targets = ("cuda",)
+    families = ("matmul",)
+    template = True
+    codegen = {"tir_pipeline": "tirx", "arch": "sm_90a"}
+    # From two rows on the tensor cores win: rows past m are zeros that TMA fills in, and at m = 16 the
+    # kernel ran at 0.72x cuBLAS on the H200 where the GEMV space ran at 0.49x. One row stays a GEMV.
+    MIN_M = 2
+
+    @classmethod
+    def matches(cls, func) -> bool:
+        return _gemm_shape(func) is not None
+
+    @classmethod
+    def suits(cls, func, target, hints) -> bool:
+        if target.arch not in HOPPER_ARCHS or (hints or {}).get("op") != "gemm":
+            return False
+        shape = _gemm_shape(func)
+        if shape is None:
+            return False
+        m, n, k, dtype = shape
+        # TMA needs 16-byte row strides (k); the epilogue stores column pairs (n).
+        return dtype in PTX_TYPE and m >= cls.MIN_M and k % 8 == 0 and n % 8 == 0
+
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
+        shape = _gemm_shape(func)
+        if shape is None:
+            raise ValueError("hopper_gemm takes C[m, n] = A[m, k] · B[n, k]ᵀ (+ bias) functions only")
+        self.m, self.n, self.k, self.dtype = shape
+        self.bias = bool(self.hints.get("bias", False))
+        self.act = str(self.hints.get("act", "none"))
+        self.sms = target.num_cores or 132
+        self.knobs = [
+            Knob("consumers", (1, 2)),
+            Knob("wg_rows", (64, 128)),
+            Knob("block_n", (32, 64, 128, 192, 256)),
+            Knob("stages", (2, 3, 4, 5, 6, 7)),
+            Knob("group_m", (1, 4, 8, 16)),
+            Knob("persistent", (False, True), ordered=False),
+        ]
+
+    def check(self, p: Point) -> str | None:
+        bm, bn = p["consumers"] * p["wg_rows"], p["block_n"]
+        acc = p["wg_rows"] // 64 * bn // 2
+        if acc > 128:
+            return f"{acc} accumulator registers per thread (at most 128 fit without spilling)"
+        smem = p["stages"] * (bm + bn) * BK * 2 + 1024
+        if smem > SMEM_LIMIT:
+            return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
+        for name, extent, tile in (("m", self.m, bm), ("n", self.n, bn)):
+            if tile > 64 and math.ceil(extent / tile) * tile > 1.5 * extent:
+                return f"block tile {tile} pads {name}={extent} by more than half"
+        tiles = math.ceil(self.m / bm) * math.ceil(self.n / bn)
+        if p["persistent"] and tiles <= self.sms:
+            return f"persistent CTAs need more tiles ({tiles}) than multiprocessors ({self.sms})"
+        if p["group_m"] > 1 and math.ceil(self.m / bm) < 2:
+            return "grouped rasterisation needs two or more row tiles"
+        return None
+
+    def canonical(self, p: Point) -> Point:
+        # Groups of at least the number of row tiles all raster the same way (the kernel takes the minimum).
+        tiles_m = math.ceil(self.m / (p["consumers"] * p["wg_rows"]))
+        if tiles_m < 2:
+            return {**p, "group_m": 1}
+        if p["group_m"] >= tiles_m:
+            return {**p, "group_m": min(g for g in (1, 4, 8, 16) if g >= tiles_m or g == 16)}
+        return p
+
+    def default(self) -> Point:
+        for point in ({"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": False},
+                      {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 4, "group_m": 1, "persistent": False},
+                      {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 7, "group_m": 1, "persistent": False}):
+            point = self.canonical(point)
+            if self.check(point) is None:
+                return point
+        return super().default()
+
+    def kernel(self, p: Point):
+        return hopper_gemm_kernel(self.m, self.n, self.k, self.dtype, self.bias, self.act, {**p, "sms": self.sms})
+
+    def apply(self, point: Point):
+        import tvm
+
+        from ._knobs import InvalidPoint
+
+        reason = self.validate(point)
+        if reason:
+            raise InvalidPoint(reason)
+        return tvm.IRModule({"main": self.kernel(point)})
+
+    def point_features(self, p: Point) -> list[float]:
+        """The knobs and what they imply for the hardware: the cost model's view of a TIRx kernel, whose
+        loop nest TVM's per-store features do not see."""
+        bm, bn = p["consumers"] * p["wg_rows"], p["block_n"]
+        tiles = math.ceil(self.m / bm) * math.ceil(self.n / bn)
+        waves = tiles / self.sms
+        ctas = min(tiles, self.sms) if p["persistent"] else tiles
+        smem = p["stages"] * (bm + bn) * BK * 2
+        useful = self.m * self.n / (tiles * bm * bn)
+        return [p["consumers"], p["wg_rows"], bn, p["stages"], p["group_m"], float(p["persistent"]), bm, bm * bn,
+                math.log2(tiles), waves, waves / max(1, math.ceil(waves)), ctas / self.sms, smem / SMEM_LIMIT,
+                useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / BK) / p["stages"]]
+
+
+def _gemm_shape(func) -> tuple[int, int, int, str] | None:
+    """(m, n, k, dtype) of a function whose parameters are A[m, k], B[n, k], optional bias[n], C[m, n]."""
+    params = list(func.params)
+    if len(params) not in (3, 4):
+        return None
+    try:
+        a, b, c = params[0], params[1], params[-1]
+        (m, k), (n, k2), (m2, n2) = ([int(x) for x in buf.shape] for buf in (a, b, c))
+    except (TypeError, ValueError):
+        return None
+    if k != k2 or m != m2 or n != n2 or str(a.dtype) != str(b.dtype):
+        return None
+    if len(params) == 4 and [int(x) for x in params[2].shape] != [n]:
+        return None
+    return m, n, k, str(a.dtype)
