@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _isolated import run_isolated  # noqa: E402
 
 POINTS = [{"consumers": c, "block_kv": kv, "stages": st} for c in (2, 1) for kv in (128, 64) for st in (2, 3)]
 
@@ -76,21 +76,12 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     points = POINTS if args.points == "all" else json.loads(args.points)
-    ctx = mp.get_context("spawn")
     rows = []
     for text in args.case or ["1,32,32,2048,128,causal"]:
         *nums, mode = text.split(",")
         case = (*(int(x) for x in nums), mode == "causal")
         for point in points:
-            q = ctx.Queue()
-            proc = ctx.Process(target=_one, args=(case, args.dtype, point, q))
-            proc.start()
-            proc.join(args.timeout)
-            if proc.is_alive():
-                proc.kill()
-                row = {"case": case, "point": point, "error": f"timed out after {args.timeout} s (deadlock?)"}
-            else:
-                row = q.get() if not q.empty() else {"case": case, "point": point, "error": f"exit {proc.exitcode}"}
+            row = run_isolated(_one, (case, args.dtype, point), args.timeout, {"case": case, "point": point})
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _isolated import run_isolated  # noqa: E402
 
 BASE = {"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": False}
 
@@ -81,20 +81,11 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     points = [BASE] if args.points == "base" else probe_points() if args.points == "all" else json.loads(args.points)
-    ctx = mp.get_context("spawn")
     rows = []
     for shape in args.shape or ["4096,4096,4096"]:
         m, n, k = (int(x) for x in shape.split(","))
         for point in points:
-            q = ctx.Queue()
-            proc = ctx.Process(target=_one, args=(m, n, k, args.dtype, args.bias, args.act, point, q))
-            proc.start()
-            proc.join(args.timeout)
-            if proc.is_alive():
-                proc.kill()
-                row = {"point": point, "error": f"timed out after {args.timeout} s (deadlock?)"}
-            else:
-                row = q.get() if not q.empty() else {"point": point, "error": f"exit code {proc.exitcode}"}
+            row = run_isolated(_one, (m, n, k, args.dtype, args.bias, args.act, point), args.timeout, {"point": point})
             row["shape"] = [m, n, k]
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 
-from ._knobs import Knob, Point, Space
-from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, PTX_TYPE, SMEM_LIMIT
+from ._knobs import Knob, Point
+from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, HOPPER_ARCHS, PTX_TYPE, SMEM_LIMIT, HopperTemplate
 
 CUDA_PAIR = {"float16": ("__half2", "__floats2half2_rn", "half"),
              "bfloat16": ("__nv_bfloat162", "__floats2bfloat162_rn", "nv_bfloat16")}
@@ -242,21 +242,16 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
     return main
 
 
-class HopperAttentionSpace(Space):
+class HopperAttentionSpace(HopperTemplate):
     """Prefill ``attention`` on sm_90: the TIRx kernel above; consumers, KV tile and stages are the knobs."""
 
     name = "hopper_attention"
     version = 1
-    targets = ("cuda",)
     families = ("attention",)
-    template = True
-    codegen = {"tir_pipeline": "tirx", "arch": "sm_90a"}
     HEAD_DIMS = (64, 128)  # whole 128-byte swizzle rows; other head dims take the flash_attention space
 
     @classmethod
     def suits(cls, func, target, hints) -> bool:
-        from .hopper_gemm import HOPPER_ARCHS
-
         shape = _attention_shape(func)
         if target.arch not in HOPPER_ARCHS or (hints or {}).get("op") != "attention" or shape is None:
             return False
@@ -290,16 +285,8 @@ class HopperAttentionSpace(Space):
                 return point
         return super().default()
 
-    def apply(self, point: Point):
-        import tvm
-
-        from ._knobs import InvalidPoint
-
-        reason = self.validate(point)
-        if reason:
-            raise InvalidPoint(reason)
-        return tvm.IRModule({"main": hopper_attention_kernel(self.b, self.h, self.hkv, self.s, self.d, self.dtype,
-                                                             self.causal, point)})
+    def kernel(self, point: Point):
+        return hopper_attention_kernel(self.b, self.h, self.hkv, self.s, self.d, self.dtype, self.causal, point)
 
     def point_features(self, p: Point) -> list[float]:
         bm = 64 * p["consumers"]

@@ -219,15 +219,33 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
 HOPPER_ARCHS = ("sm_90", "sm_90a")
 
 
-class HopperGemmSpace(Space):
+class HopperTemplate(Space):
+    """A space whose points are whole TIRx kernels for sm_90a (``kernel``), not schedules of the workload."""
+
+    targets = ("cuda",)
+    template = True
+    codegen = {"tir_pipeline": "tirx", "arch": "sm_90a"}
+
+    def kernel(self, point: Point):
+        raise NotImplementedError
+
+    def apply(self, point: Point):
+        import tvm
+
+        from ._knobs import InvalidPoint
+
+        reason = self.validate(point)
+        if reason:
+            raise InvalidPoint(reason)
+        return tvm.IRModule({"main": self.kernel(point)})
+
+
+class HopperGemmSpace(HopperTemplate):
     """The ``gemm`` workload on sm_90: the TIRx kernel above, every structural choice a knob."""
 
     name = "hopper_gemm"
     version = 1
-    targets = ("cuda",)
     families = ("matmul",)
-    template = True
-    codegen = {"tir_pipeline": "tirx", "arch": "sm_90a"}
     # From two rows on the tensor cores win: rows past m are zeros that TMA fills in, and at m = 16 the
     # kernel ran at 0.72x cuBLAS on the H200 where the GEMV space ran at 0.49x. One row stays a GEMV.
     MIN_M = 2
@@ -303,16 +321,6 @@ class HopperGemmSpace(Space):
 
     def kernel(self, p: Point):
         return hopper_gemm_kernel(self.m, self.n, self.k, self.dtype, self.bias, self.act, {**p, "sms": self.sms})
-
-    def apply(self, point: Point):
-        import tvm
-
-        from ._knobs import InvalidPoint
-
-        reason = self.validate(point)
-        if reason:
-            raise InvalidPoint(reason)
-        return tvm.IRModule({"main": self.kernel(point)})
 
     def point_features(self, p: Point) -> list[float]:
         """The knobs and what they imply for the hardware: the cost model's view of a TIRx kernel, whose
