@@ -267,7 +267,7 @@ def test_half_precision_model_builds_for_cuda_whichever_kernels_have_records(hal
                                [MeasureResult((1e-5,))])
             scheduled, report = apply_database(lowered, db, target)
         assert {tasks[i].name for i in chosen} <= set(report.tuned), label
-        executable = compile_module(scheduled, target, report.build_config, relax_pipeline=build_pipeline(target))
+        executable = compile_module(scheduled, target, relax_pipeline=build_pipeline(target))
         executable = compile_separate(executable, report, target)
         source = _cuda_source(executable.mod)
         for name in report.tuned:  # compiled as scheduled, not merged into another kernel

@@ -27,9 +27,9 @@ class ApplyReport:
     tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel -> record info
     default: list[str] = field(default_factory=list)  # kernels on a default schedule
     build_time: list[str] = field(default_factory=list)  # kernels of main_transform_params only, default schedule
-    build_config: dict[str, Any] = field(default_factory=dict)  # pass options the schedules need
-    # Kernels compiled on their own (TIRx: another lowering pipeline than the model's) and called from the
-    # model as packed functions: name -> (kernel, pass options, codegen).
+    # Kernels compiled on their own and called from the model as packed functions, so that each keeps its
+    # own pass options (e.g. loop partitioning, no storage rewrite) and code generation (TIRx kernels take
+    # another lowering pipeline): name -> (kernel, pass options, codegen).
     separate: dict[str, tuple[Any, dict, dict]] = field(default_factory=dict)
 
 
@@ -100,10 +100,10 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
             # dlight schedules it below on the GPU; the CPU builds it as written.
             pending.append(gv)
             continue
-        if space.codegen:
-            report.separate[gv.name_hint] = (scheduled, space.build_config(point), space.codegen)
+        if space.codegen or space.build_config(point):
+            report.separate[gv.name_hint] = (scheduled.with_attr("tirx.is_scheduled", True),
+                                             space.build_config(point), space.codegen)
             continue
-        report.build_config.update(space.build_config(point))
         attrs = {"global_symbol": gv.name_hint, "tirx.is_scheduled": True}
         for key, value in attrs.items():
             scheduled = scheduled.with_attr(key, value)
@@ -197,6 +197,6 @@ def build_model(model: Model, target: TargetSpec, db: Database | None):
 
     lowered, params = prepare(model, target)
     scheduled, report = apply_database(lowered, db, target)
-    executable = compile_module(scheduled, target, report.build_config, relax_pipeline=build_pipeline(target))
+    executable = compile_module(scheduled, target, relax_pipeline=build_pipeline(target))
     executable = compile_separate(executable, report, target)
     return executable, transform_params(lowered, params), report
