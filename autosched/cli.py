@@ -204,12 +204,17 @@ def cmd_tune(args) -> int:
     wl = _workload_from_args(args)
     target = parse_target(args.target, require_device=args.runner == "local")
     task = Task.from_workload(wl)
-    db = _open_db(args.db, busy_timeout=args.busy_timeout)
+    measurer = _measurer(args, target)  # before the database: a missing tracker creates no file
+    try:
+        db = _open_db(args.db, busy_timeout=args.busy_timeout)
+    except BaseException:
+        if measurer is not None:
+            measurer.close()
+        raise
     reporter = ConsoleReporter(quiet=args.quiet)
     options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed,
                           time_budget=args.time_budget, patience=args.patience, cost_model=args.cost_model,
                           transfer=not args.no_transfer)
-    measurer = _measurer(args, target)
     try:
         result = tune(task, target, db, options, reporter, measurer=measurer, command=" ".join(sys.argv))
     finally:

@@ -60,6 +60,8 @@ class ParallelRunner:
     """Runs a batch over slots in parallel; subclasses say which slots exist (:meth:`slots`)."""
 
     max_attempts = 2  # sessions a candidate may lose before it is recorded as failed
+    measured_by: list[str | None] = []  # of the last batch: the slot that measured each candidate
+    lost_total = 0  # candidates handed back after their device was lost, over the runner's life
 
     def slots(self) -> list[Slot]:
         raise NotImplementedError
@@ -78,6 +80,7 @@ class ParallelRunner:
         lost: collections.Counter[int] = collections.Counter()
         lock = threading.Lock()
         best = [math.inf]
+        self.measured_by = [None] * len(builds)
 
         def drain(slot: Slot) -> None:
             opened = False
@@ -98,6 +101,7 @@ class ParallelRunner:
                     if isinstance(res, _Lost):
                         opened = False
                         lost[i] += 1
+                        self.lost_total += 1
                         if lost[i] < self.max_attempts:
                             pending.append(i)
                         else:
@@ -109,6 +113,7 @@ class ParallelRunner:
                     results[i] = MeasureResult(res.latencies, res.error_kind, res.error_msg, b.seconds,
                                                res.run_seconds, res.rel_error)
                     best[0] = min(best[0], results[i].median)
+                    self.measured_by[i] = slot.name
 
         stalled_since = None
         while pending:

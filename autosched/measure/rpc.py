@@ -24,6 +24,7 @@ queue for another server (:class:`~autosched.measure.parallel.ParallelRunner`).
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from typing import TYPE_CHECKING
@@ -154,16 +155,20 @@ class _RPCSlot:
         self.name = f"rpc slot {number}"
         self.runner = runner
         self.prepared: str | None = None
+        self.connected = False
         self.worker = PopenWorker(init_worker, stdout=subprocess.DEVNULL, stderr=runner._log)
 
     def open(self) -> bool:
+        others = sum(s.connected for s in self.runner._slots if s is not self)
+        if self.runner.server_count() <= others:
+            return False  # every server left is held by another slot: do not queue at the tracker
         try:
             self.worker.send(_slot_connect, (self.runner.tracker, self.runner.key), timeout=CONNECT_TIMEOUT)
             self.worker.recv()
         except Exception:  # noqa: BLE001 - no free server within the timeout, or the tracker is gone
             self.worker.kill()
             return False
-        self.prepared = None
+        self.prepared, self.connected = None, True
         return True
 
     def measure(self, spec, build, cutoff) -> MeasureResult | _Lost:
@@ -176,17 +181,21 @@ class _RPCSlot:
             res = self.worker.recv()
         except TimeoutError:
             self.worker.kill()  # closes the session's socket; the server is left to its own timeout
+            self.connected = False
             return _Lost(f"no answer within {timeout:.0f} s (hung server or kernel)")
         except ChildProcessError:
+            self.connected = False
             return _Lost("the local slot process died")
         if isinstance(res, str):
             self.worker.kill()
+            self.connected = False
             return _Lost(res)
         self.prepared = spec.key
         return res
 
     def close(self) -> None:
         self.worker.kill()
+        self.connected = False
 
 
 class RPCRunner(ParallelRunner):
@@ -224,6 +233,8 @@ class RPCRunner(ParallelRunner):
 
         host, port = self.tracker
         try:
+            # A quick probe first: connect_tracker itself retries for a minute before it gives up.
+            socket.create_connection((host, port), timeout=10).close()
             tracker = rpc.connect_tracker(host, port)
             summary = tracker.summary()
             tracker.close()
