@@ -126,7 +126,7 @@ class Database:
                 location = url.database
             else:
                 self.url = url
-                self.path = url.render_as_string(hide_password=True)
+                self.path = make_url(str(location)).render_as_string(hide_password=True)  # as the user wrote it
                 return
         self.path = Path(location)
 
