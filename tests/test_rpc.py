@@ -84,6 +84,33 @@ def test_a_server_killed_mid_batch_loses_no_record(cpu_target, tmp_path):
     assert all(r.result.rel_error is not None for r in records if r.result.ok)
 
 
+def test_a_hung_server_loses_only_its_candidate(cpu_target, tmp_path):
+    """Two servers; one freezes (SIGSTOP) in the second batch. Its candidate times out and is measured on
+    the other server; the frozen one, still registered, is not waited for beyond the connect timeout."""
+    from autosched.measure.rpc import RPCRunner
+
+    options = TuneOptions(trials=12, batch_size=6, seed=2, cost_model="random", transfer=False)
+    config = MeasureConfig.for_target(cpu_target, run_timeout=10.0)  # a loaded 2-core CI machine needs slack
+    with LocalCluster(2, key="test-hang") as cl, Database(tmp_path / "hang.db") as db, \
+            Measurer(cpu_target, config, runner=lambda t, c, w: RPCRunner(t, c, cl.address, cl.key, w, connect_timeout=10,
+                                                                          transfer_allowance=4)) as m:
+        runner, batches = m.runner, []
+        original = runner.run
+
+        def run_and_freeze(spec, builds, cutoff=None):
+            batches.append(len(builds))
+            if len(batches) == 2:
+                threading.Timer(0.3, cl.pause, (0,)).start()
+            return original(spec, builds, cutoff)
+
+        runner.run = run_and_freeze
+        result = tune(_task(), cpu_target, db, options, measurer=m)
+        assert runner.lost_total >= 1
+        records = db.records_for(_task().key, cpu_target)
+    assert result.trials == 12 and len(records) == 12
+    assert not [r for r in records if r.result.error_msg and "session was lost" in r.result.error_msg]
+
+
 def test_rpc_errors_are_one_line(cluster, tmp_path):
     db = str(tmp_path / "never.db")
     proc = autosched("tune", "softmax", "--trials", "2", "--runner", "rpc", "--tracker", "127.0.0.1:1", "--key", "x",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -158,13 +159,39 @@ class _RPCSlot:
         self.connected = False
         self.worker = PopenWorker(init_worker, stdout=subprocess.DEVNULL, stderr=runner._log)
 
+    def _call(self, fn, args: tuple, timeout: float):
+        """``fn(*args)`` in the slot process, which is killed if it has not answered after ``timeout`` s.
+
+        The timeout is kept here, not by the PopenWorker's own timer inside the slot process: that timer
+        is a Python thread, and it never runs while the process's main thread waits inside TVM's RPC
+        (C++, holding the GIL) on a server that does not answer. Raises TimeoutError or ChildProcessError.
+        """
+        self.worker.send(fn, args)
+        fired = threading.Event()
+
+        def hard_kill():
+            fired.set()
+            proc = self.worker._proc  # kill by pid: closing the pipes would block on the reader's lock
+            if proc is not None:
+                proc.kill()
+
+        watchdog = threading.Timer(timeout, hard_kill)
+        watchdog.start()
+        try:
+            return self.worker.recv()
+        except ChildProcessError:
+            if fired.is_set():
+                raise TimeoutError from None
+            raise
+        finally:
+            watchdog.cancel()
+
     def open(self) -> bool:
         others = sum(s.connected for s in self.runner._slots if s is not self)
         if self.runner.server_count() <= others:
             return False  # every server left is held by another slot: do not queue at the tracker
         try:
-            self.worker.send(_slot_connect, (self.runner.tracker, self.runner.key), timeout=CONNECT_TIMEOUT)
-            self.worker.recv()
+            self._call(_slot_connect, (self.runner.tracker, self.runner.key), self.runner.connect_timeout)
         except Exception:  # noqa: BLE001 - no free server within the timeout, or the tracker is gone
             self.worker.kill()
             return False
@@ -175,12 +202,11 @@ class _RPCSlot:
         cfg = self.runner.config
         config = {"repeat": cfg.repeat, "number": cfg.number, "min_repeat_ms": cfg.min_repeat_ms,
                   "flush_bytes": cfg.flush_bytes, "cutoff": cutoff}
-        timeout = cfg.run_timeout + TRANSFER_ALLOWANCE + (cfg.prepare_timeout if self.prepared != spec.key else 0)
+        timeout = cfg.run_timeout + self.runner.transfer_allowance + (cfg.prepare_timeout if self.prepared != spec.key else 0)
         try:
-            self.worker.send(_slot_measure, (spec, self.runner.target, build.artifact, config), timeout=timeout)
-            res = self.worker.recv()
+            res = self._call(_slot_measure, (spec, self.runner.target, build.artifact, config), timeout)
         except TimeoutError:
-            self.worker.kill()  # closes the session's socket; the server is left to its own timeout
+            self.worker.kill()  # and with it the session's socket; the server is left to its own devices
             self.connected = False
             return _Lost(f"no answer within {timeout:.0f} s (hung server or kernel)")
         except ChildProcessError:
@@ -207,10 +233,13 @@ class RPCRunner(ParallelRunner):
         tracker: ``HOST:PORT`` of the tracker.
         key: the servers' key.
         wait_for_servers: seconds to wait for a server to come back when none is left mid-run.
+        connect_timeout: seconds a slot waits for the tracker to hand it a free server.
+        transfer_allowance: seconds added to a candidate's ``run_timeout`` for its upload and round trip.
     """
 
     def __init__(self, target: TargetSpec, config: MeasureConfig, tracker: str, key: str,
-                 workdir: str | None = None, wait_for_servers: float = 60.0):
+                 workdir: str | None = None, wait_for_servers: float = 60.0,
+                 connect_timeout: float = CONNECT_TIMEOUT, transfer_allowance: float = TRANSFER_ALLOWANCE):
         import tempfile
 
         from . import _worker_log
@@ -220,6 +249,7 @@ class RPCRunner(ParallelRunner):
         self.target, self.config, self.key = target, config, key
         self.tracker = parse_tracker(tracker)
         self.wait_for_servers = wait_for_servers
+        self.connect_timeout, self.transfer_allowance = connect_timeout, transfer_allowance
         self.dir = workdir or tempfile.mkdtemp(prefix="autosched-rpc-")
         self._log = _worker_log(self.dir, "rpc-runner.log")
         self._slots: list[_RPCSlot] = []
@@ -284,7 +314,8 @@ def rpc_runner(tracker: str, key: str):
 class LocalCluster:
     """A tracker and ``servers`` RPC servers on this host's loopback (TVM's :class:`tvm.rpc.tracker.Tracker`
     and :class:`tvm.rpc.Server` with our callback), for tests and benchmarks. ``kill(i)`` kills server
-    ``i`` and its sessions outright, as a crash would; ``close()`` stops everything.
+    ``i`` and its sessions outright, as a crash would; ``pause(i)`` freezes them, as a hung machine
+    would; ``close()`` stops everything.
     """
 
     def __init__(self, servers: int, key: str = "autosched-test", host: str = "127.0.0.1", timeout: float = 120.0):
@@ -325,6 +356,16 @@ class LocalCluster:
 
     def kill(self, index: int) -> None:
         self.servers[index].terminate()
+
+    def pause(self, index: int) -> None:
+        """Stop server ``index`` and its sessions (SIGSTOP), as a hung machine: registered, never answering."""
+        import signal
+
+        import psutil
+
+        root = psutil.Process(self.servers[index].proc._proc.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            proc.send_signal(signal.SIGSTOP)
 
     def close(self) -> None:
         for server in self.servers:
