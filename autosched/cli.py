@@ -474,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", required=True, help="the device kind tuners ask for, e.g. h200")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for other machines)")
     p.add_argument("--port", type=int, default=9090, help="first port to try (default 9090)")
-    p.add_argument("--port-end", type=int, default=9199, help="last port to try (default 9199)")
+    p.add_argument("--port-end", type=int, help="first port not to try (default: --port + 100)")
     p.add_argument("--custom-addr", help="the address to report to the tracker, if not --host (e.g. behind NAT)")
     p.set_defaults(fn=cmd_rpc_server)
 

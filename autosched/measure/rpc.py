@@ -95,14 +95,18 @@ def register_functions() -> None:
     tvm_ffi.register_global_func(RUN_FUNC, _remote_run, override=True)
 
 
-def serve(tracker: str, key: str, host: str = "127.0.0.1", port: int = 9090, port_end: int = 9199,
+def serve(tracker: str, key: str, host: str = "127.0.0.1", port: int = 9090, port_end: int | None = None,
           custom_addr: str | None = None) -> None:
-    """Run one RPC server registered under ``key`` at ``tracker`` until killed (``autosched rpc-server``)."""
+    """Run one RPC server registered under ``key`` at ``tracker`` until killed (``autosched rpc-server``);
+    it listens on the first free port in [port, port_end) (default: the next 100)."""
     from tvm import rpc
 
     if not key:
         raise UsageError("--key is required: the tracker hands servers out by key (e.g. --key h200)")
     tracker_addr = parse_tracker(tracker)
+    port_end = port_end or port + 100
+    if port_end <= port:
+        raise UsageError(f"--port-end ({port_end}) must be above --port ({port})")
     server = rpc.Server(host, port, port_end, key=key, tracker_addr=tracker_addr, custom_addr=custom_addr,
                         server_init_callback=register_functions)
     print(f"autosched rpc-server: listening on {host}:{server.port}, registered as {key!r} at "
