@@ -4,7 +4,7 @@ and one runner process per device (laid out on the CPU here; the GPUs themselves
 from __future__ import annotations
 
 import json
-import threading
+import os
 
 import pytest
 
@@ -25,27 +25,38 @@ SOFTMAX = "m=32,n=256"
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(2, key="test-two") as c:
-        yield c
+    # One thread per server: two servers timing at once on a 2-core machine would otherwise run four
+    # threads on two cores and slow each other's fast kernels several times over.
+    before = os.environ.get("TVM_NUM_THREADS")
+    os.environ["TVM_NUM_THREADS"] = "1"
+    try:
+        with LocalCluster(2, key="test-two") as c:
+            yield c
+    finally:
+        os.environ["TVM_NUM_THREADS"] = before if before is not None else "2"
 
 
 def _task():
     return Task.from_workload(make_workload("softmax", SOFTMAX))
 
 
-def test_tuning_through_rpc_matches_a_local_run(cluster, cpu_target, tmp_path):
+def test_tuning_through_rpc_matches_a_local_run(cluster, cpu_target, tmp_path, monkeypatch):
     """The same search through two RPC servers and locally: every candidate is checked on the server
-    (a relative error comes back with each), and the two bests agree within noise."""
-    options = TuneOptions(trials=16, batch_size=8, seed=0, cost_model="random", transfer=False)
+    (a relative error comes back with each), and the two bests agree within noise. One batch, so that
+    both runs measure the same candidates (later batches follow the measurements, which differ)."""
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")  # the local runners as the servers: one thread
+    options = TuneOptions(trials=16, batch_size=16, seed=0, cost_model="random", transfer=False)
     config = MeasureConfig.for_target(cpu_target)
     with Database(tmp_path / "local.db") as db:
         local = tune(_task(), cpu_target, db, options)
+        local_points = {json.dumps(r.point, sort_keys=True) for r in db.records_for(_task().key, cpu_target)}
     with Database(tmp_path / "rpc.db") as db, \
             Measurer(cpu_target, config, runner=rpc_runner(cluster.address, cluster.key)) as measurer:
         remote = tune(_task(), cpu_target, db, options, measurer=measurer)
         records = db.records_for(_task().key, cpu_target)
         assert sorted(set(measurer.runner.measured_by)) == ["rpc slot 1", "rpc slot 2"]  # both servers measured
     assert remote.trials == local.trials == 16 and len(records) == 16
+    assert {json.dumps(r.point, sort_keys=True) for r in records} == local_points
     assert all(r.result.rel_error is not None for r in records if r.result.ok)
     assert sum(r.result.ok for r in records) >= 12
     # The servers of this test share the host's cores and time at once, which inflates their figures
@@ -58,9 +69,11 @@ def test_tuning_through_rpc_matches_a_local_run(cluster, cpu_target, tmp_path):
     assert 1 / 1.5 < remote_best / local_best < 1.5, (remote_best, local_best)
 
 
-def test_a_server_killed_mid_batch_loses_no_record(cpu_target, tmp_path):
-    """Three servers; one is killed while the second batch is in flight. Its candidate is measured on
-    another server, the run finishes with every record, none duplicated or failed for the loss."""
+def test_a_server_killed_mid_run_loses_no_record(cpu_target, tmp_path):
+    """Three servers; one is killed as the second batch starts, while the tuner holds an open session to
+    it (killing it at a chosen moment within a batch would race with the batch's end). The candidate sent
+    to it is lost and measured on another server; the run finishes with every record, none duplicated
+    or failed for the loss."""
     options = TuneOptions(trials=18, batch_size=9, seed=1, cost_model="random", transfer=False)
     with LocalCluster(3, key="test-kill") as cl, Database(tmp_path / "kill.db") as db, \
             Measurer(cpu_target, MeasureConfig.for_target(cpu_target), runner=rpc_runner(cl.address, cl.key)) as m:
@@ -70,12 +83,12 @@ def test_a_server_killed_mid_batch_loses_no_record(cpu_target, tmp_path):
         def run_and_kill(spec, builds, cutoff=None):
             batches.append(len(builds))
             if len(batches) == 2:
-                threading.Timer(0.3, cl.kill, (0,)).start()  # the runs of this batch take seconds
+                cl.kill(0)
             return original(spec, builds, cutoff)
 
         runner.run = run_and_kill
         result = tune(_task(), cpu_target, db, options, measurer=m)
-        assert runner.lost_total >= 1, "the kill did not land while candidates were in flight"
+        assert runner.lost_total >= 1, "no candidate was sent to the killed server"
         assert cl.registered() == 2
         records = db.records_for(_task().key, cpu_target)
     assert result.trials == 18 and len(records) == 18
@@ -85,12 +98,14 @@ def test_a_server_killed_mid_batch_loses_no_record(cpu_target, tmp_path):
 
 
 def test_a_hung_server_loses_only_its_candidate(cpu_target, tmp_path):
-    """Two servers; one freezes (SIGSTOP) in the second batch. Its candidate times out and is measured on
-    the other server; the frozen one, still registered, is not waited for beyond the connect timeout."""
+    """Two servers; one freezes (SIGSTOP) as the second batch starts, with the tuner's session to it open.
+    The candidate sent to it times out and is measured on the other server; the frozen one, still
+    registered, is not waited for beyond the connect timeout."""
     from autosched.measure.rpc import RPCRunner
 
     options = TuneOptions(trials=12, batch_size=6, seed=2, cost_model="random", transfer=False)
-    config = MeasureConfig.for_target(cpu_target, run_timeout=10.0)  # a loaded 2-core CI machine needs slack
+    # Timeouts short enough for a test, with slack for a loaded 2-core CI machine.
+    config = MeasureConfig.for_target(cpu_target, run_timeout=10.0, prepare_timeout=30.0)
     with LocalCluster(2, key="test-hang") as cl, Database(tmp_path / "hang.db") as db, \
             Measurer(cpu_target, config, runner=lambda t, c, w: RPCRunner(t, c, cl.address, cl.key, w, connect_timeout=10,
                                                                           transfer_allowance=4)) as m:
@@ -100,7 +115,7 @@ def test_a_hung_server_loses_only_its_candidate(cpu_target, tmp_path):
         def run_and_freeze(spec, builds, cutoff=None):
             batches.append(len(builds))
             if len(batches) == 2:
-                threading.Timer(0.3, cl.pause, (0,)).start()
+                cl.pause(0)
             return original(spec, builds, cutoff)
 
         runner.run = run_and_freeze

@@ -46,7 +46,8 @@ class Slot(Protocol):
     name: str
 
     def open(self) -> bool:
-        """Make the device ready (e.g. take an RPC session); False: no device can be had for now."""
+        """Make the device ready if it is not (e.g. take an RPC session): called before every candidate,
+        cheap when the device is ready. False: no device can be had through this slot for now."""
         ...
 
     def measure(self, spec: TaskSpec, build: BuildResult, cutoff: float | None) -> MeasureResult | _Lost:
@@ -83,7 +84,6 @@ class ParallelRunner:
         self.measured_by = [None] * len(builds)
 
         def drain(slot: Slot) -> None:
-            opened = False
             while True:
                 with lock:
                     if not pending:
@@ -91,15 +91,13 @@ class ParallelRunner:
                     i = pending.popleft()
                     # As in the local runner: the cutoff tightens with the batch's best so far.
                     limit = min(cutoff if cutoff is not None else math.inf, SLOW_CUTOFF * best[0])
-                if not opened and not slot.open():
+                if not slot.open():
                     with lock:
                         pending.appendleft(i)
                     return  # nothing to be had through this slot now; the others carry on
-                opened = True
                 res = slot.measure(spec, builds[i], None if math.isinf(limit) else limit)
                 with lock:
                     if isinstance(res, _Lost):
-                        opened = False
                         lost[i] += 1
                         self.lost_total += 1
                         if lost[i] < self.max_attempts:

@@ -118,7 +118,7 @@ def serve(tracker: str, key: str, host: str = "127.0.0.1", port: int = 9090, por
 
 
 # ---- client side: one slot process per server ------------------------------------------------------
-_SESSION: dict = {}  # in a slot process: the RPC session and the task whose reference it holds
+_SESSION: dict = {}  # in a slot process: its RPC session
 
 
 def _slot_connect(tracker: tuple[str, int], key: str) -> None:
@@ -126,29 +126,25 @@ def _slot_connect(tracker: tuple[str, int], key: str) -> None:
 
     _SESSION.clear()
     remote = rpc.connect_tracker(*tracker).request(key, priority=1, session_timeout=0, max_retry=1)
-    _SESSION.update(remote=remote, prepared=None)
+    _SESSION.update(remote=remote)
 
 
-def _slot_measure(spec, target, path: str, config: dict) -> MeasureResult | str:
-    """Measure one candidate on this slot's server; a string says why the session was lost."""
+def _slot_prepare(spec, target) -> str | None:
+    """Compute the task's inputs and reference on this slot's server; a string says why not."""
     import cloudpickle
 
-    remote = _SESSION.get("remote")
-    if remote is None:
-        return "no session"
-    try:
-        if _SESSION["prepared"] != spec.key:
-            reason = cloudpickle.loads(bytes(remote.get_function(PREPARE_FUNC)(cloudpickle.dumps((spec, target)))))
-            if reason is not None:
-                return MeasureResult.failed("run", f"could not prepare inputs/reference on the server: {reason}")
-            _SESSION["prepared"] = spec.key
-        name = os.path.basename(path)
-        remote.upload(path, name)
-        payload = cloudpickle.dumps((spec, target, name, config))
-        return cloudpickle.loads(bytes(remote.get_function(RUN_FUNC)(payload)))
-    except Exception as exc:  # noqa: BLE001 - any RPC failure means the session is gone
-        _SESSION.clear()
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    reason = cloudpickle.loads(bytes(_SESSION["remote"].get_function(PREPARE_FUNC)(cloudpickle.dumps((spec, target)))))
+    return None if reason is None else f"could not prepare inputs/reference on the server: {reason}"
+
+
+def _slot_measure(spec, target, path: str, config: dict) -> MeasureResult:
+    """Upload one candidate to this slot's server, check and time it there."""
+    import cloudpickle
+
+    remote = _SESSION["remote"]
+    name = os.path.basename(path)
+    remote.upload(path, name)
+    return cloudpickle.loads(bytes(remote.get_function(RUN_FUNC)(cloudpickle.dumps((spec, target, name, config)))))
 
 
 class _RPCSlot:
@@ -191,6 +187,8 @@ class _RPCSlot:
             watchdog.cancel()
 
     def open(self) -> bool:
+        if self.connected:
+            return True
         others = sum(s.connected for s in self.runner._slots if s is not self)
         if self.runner.server_count() <= others:
             return False  # every server left is held by another slot: do not queue at the tracker
@@ -206,21 +204,35 @@ class _RPCSlot:
         cfg = self.runner.config
         config = {"repeat": cfg.repeat, "number": cfg.number, "min_repeat_ms": cfg.min_repeat_ms,
                   "flush_bytes": cfg.flush_bytes, "cutoff": cutoff}
-        timeout = cfg.run_timeout + self.runner.transfer_allowance + (cfg.prepare_timeout if self.prepared != spec.key else 0)
-        try:
-            res = self._call(_slot_measure, (spec, self.runner.target, build.artifact, config), timeout)
-        except TimeoutError:
-            self.worker.kill()  # and with it the session's socket; the server is left to its own devices
-            self.connected = False
-            return _Lost(f"no answer within {timeout:.0f} s (hung server or kernel)")
-        except ChildProcessError:
-            self.connected = False
-            return _Lost("the local slot process died")
-        if isinstance(res, str):
+        # Step 1. The task's reference, once per session, under its own (long) timeout.
+        # Step 2. The candidate, under its run timeout plus the transfer allowance.
+        target, allowance = self.runner.target, self.runner.transfer_allowance
+        steps = [(_slot_measure, (spec, target, build.artifact, config), cfg.run_timeout + allowance)]
+        if self.prepared != spec.key:
+            steps.insert(0, (_slot_prepare, (spec, target), cfg.prepare_timeout + allowance))
+        for fn, args, timeout in steps:
+            try:
+                res = self._call(fn, args, timeout)
+            except TimeoutError:
+                self.worker.kill()  # and with it the session's socket; the server is left to its own devices
+                self.connected = False
+                return _Lost(f"no answer within {timeout:.0f} s (hung server or kernel)")
+            except ChildProcessError:
+                self.connected = False
+                return _Lost("the local slot process died")
+            except Exception as exc:  # noqa: BLE001 - an RPC error raised in the slot: the session is gone
+                self.worker.kill()
+                self.connected = False
+                return _Lost(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
+            if fn is _slot_prepare:
+                if res is not None:
+                    return MeasureResult.failed("run", res)
+                self.prepared = spec.key
+        if target.is_gpu and res.error_kind in ("run", "run_timeout"):
+            # As the local runner does: a faulting kernel can leave the session's CUDA context unusable,
+            # so the next candidate gets a fresh session (a new process forked by the server).
             self.worker.kill()
             self.connected = False
-            return _Lost(res)
-        self.prepared = spec.key
         return res
 
     def close(self) -> None:
@@ -283,13 +295,17 @@ class RPCRunner(ParallelRunner):
                            f"one (autosched rpc-server --tracker {host}:{port} --key {self.key}) or fix --key")
 
     def slots(self):
-        """One slot per registered server: new servers join at the next batch, gone ones leave."""
+        """One slot per registered server: new servers join at the next batch. When servers have gone,
+        slots without a session leave; one still holding a session stays, since which slots' servers
+        have gone is learnt only by using them (a lost session then fails to reopen and the slot rests)."""
         want = self.server_count()
         while len(self._slots) < want:
             self._made += 1
             self._slots.append(_RPCSlot(self._made, self))
-        while len(self._slots) > max(want, 1):
-            self._slots.pop().close()
+        idle = [slot for slot in self._slots if not slot.connected]
+        for slot in idle[:max(0, len(self._slots) - max(want, 1))]:
+            slot.close()
+            self._slots.remove(slot)
         return list(self._slots)
 
     def no_slot_accepted(self, stalled: float) -> None:
