@@ -69,6 +69,21 @@ def test_tuning_through_rpc_matches_a_local_run(cluster, cpu_target, tmp_path, m
     assert 1 / 1.5 < remote_best / local_best < 1.5, (remote_best, local_best)
 
 
+def _fault_at_second_batch(measurer, fault):
+    """Calls ``fault()`` as the measurer's runner starts its second batch; returns the runner."""
+    runner, batches = measurer.runner, []
+    original = runner.run
+
+    def run(spec, builds, cutoff=None):
+        batches.append(len(builds))
+        if len(batches) == 2:
+            fault()
+        return original(spec, builds, cutoff)
+
+    runner.run = run
+    return runner
+
+
 def test_a_server_killed_mid_run_loses_no_record(cpu_target, tmp_path):
     """Three servers; one is killed as the second batch starts, while the tuner holds an open session to
     it (killing it at a chosen moment within a batch would race with the batch's end). The candidate sent
@@ -77,16 +92,7 @@ def test_a_server_killed_mid_run_loses_no_record(cpu_target, tmp_path):
     options = TuneOptions(trials=18, batch_size=9, seed=1, cost_model="random", transfer=False)
     with LocalCluster(3, key="test-kill") as cl, Database(tmp_path / "kill.db") as db, \
             Measurer(cpu_target, MeasureConfig.for_target(cpu_target), runner=rpc_runner(cl.address, cl.key)) as m:
-        runner, batches = m.runner, []
-        original = runner.run
-
-        def run_and_kill(spec, builds, cutoff=None):
-            batches.append(len(builds))
-            if len(batches) == 2:
-                cl.kill(0)
-            return original(spec, builds, cutoff)
-
-        runner.run = run_and_kill
+        runner = _fault_at_second_batch(m, lambda: cl.kill(0))
         result = tune(_task(), cpu_target, db, options, measurer=m)
         assert runner.lost_total >= 1, "no candidate was sent to the killed server"
         assert cl.registered() == 2
@@ -109,16 +115,7 @@ def test_a_hung_server_loses_only_its_candidate(cpu_target, tmp_path):
     with LocalCluster(2, key="test-hang") as cl, Database(tmp_path / "hang.db") as db, \
             Measurer(cpu_target, config, runner=lambda t, c, w: RPCRunner(t, c, cl.address, cl.key, w, connect_timeout=10,
                                                                           transfer_allowance=4)) as m:
-        runner, batches = m.runner, []
-        original = runner.run
-
-        def run_and_freeze(spec, builds, cutoff=None):
-            batches.append(len(builds))
-            if len(batches) == 2:
-                cl.pause(0)
-            return original(spec, builds, cutoff)
-
-        runner.run = run_and_freeze
+        runner = _fault_at_second_batch(m, lambda: cl.pause(0))
         result = tune(_task(), cpu_target, db, options, measurer=m)
         assert runner.lost_total >= 1
         records = db.records_for(_task().key, cpu_target)
