@@ -106,6 +106,35 @@ def _open_db(path: str, readonly: bool = False, busy_timeout: float = 60.0):
     return Database(path, readonly=readonly, busy_timeout=busy_timeout)
 
 
+def _measurer(args, target):
+    """The measurer that ``--runner``, ``--tracker``, ``--key`` and ``--devices`` ask for (None: the tuner's
+    default, one local runner)."""
+    if args.runner == "local" and args.devices is None:
+        if args.tracker or args.key:
+            raise UsageError("--tracker and --key go with --runner rpc")
+        return None
+    from .measure import MeasureConfig, Measurer
+
+    if args.runner == "rpc":
+        if args.devices is not None:
+            raise UsageError("--devices is for GPUs of this host; with --runner rpc start one server per GPU instead")
+        if not args.tracker or not args.key:
+            raise UsageError("--runner rpc needs --tracker HOST:PORT and --key KEY (the key its servers registered under)")
+        from .measure.rpc import parse_tracker, rpc_runner
+
+        parse_tracker(args.tracker)
+        factory = rpc_runner(args.tracker, args.key)
+    else:
+        from .measure.parallel import device_runner, parse_devices
+
+        devices = parse_devices(args.devices)
+        if not target.is_gpu:
+            raise UsageError("--devices picks GPUs (--target cuda): CPU runners would share the cores and disturb "
+                             "each other's timings")
+        factory = device_runner(devices)
+    return Measurer(target, MeasureConfig.for_target(target), runner=factory)
+
+
 def cmd_tune(args) -> int:
     from .target import parse_target
     from .task import Task
@@ -116,17 +145,25 @@ def cmd_tune(args) -> int:
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1 (got {args.batch_size})")
     wl = _workload_from_args(args)
-    target = parse_target(args.target)
+    target = parse_target(args.target, require_device=args.runner == "local")
     task = Task.from_workload(wl)
-    db = _open_db(args.db, busy_timeout=args.busy_timeout)
+    measurer = _measurer(args, target)  # before the database: a missing tracker creates no file
+    try:
+        db = _open_db(args.db, busy_timeout=args.busy_timeout)
+    except BaseException:
+        if measurer is not None:
+            measurer.close()
+        raise
     reporter = ConsoleReporter(quiet=args.quiet)
     options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed,
                           time_budget=args.time_budget, patience=args.patience, cost_model=args.cost_model,
                           transfer=not args.no_transfer)
     try:
-        result = tune(task, target, db, options, reporter, command=" ".join(sys.argv))
+        result = tune(task, target, db, options, reporter, measurer=measurer, command=" ".join(sys.argv))
     finally:
         reporter.close()
+        if measurer is not None:
+            measurer.close()
     best = db.best(task.key, target)
     summary = {
         "op": wl.op, "shape": wl.shape_dict, "dtype": wl.dtype, "attrs": wl.attrs_dict, "target": target.label,
@@ -163,7 +200,7 @@ def cmd_tune_model(args) -> int:
     from .target import parse_target
     from .tuner import TuneOptions, tune_tasks
 
-    target = parse_target(args.target)
+    target = parse_target(args.target, require_device=args.runner == "local")
     model = load_model(args.model, **_model_kwargs(args))
     tasks, untunable = split_tunable(extract_tasks(prepare(model, target)[0]), target)
     log = _console(stderr=True)
@@ -175,10 +212,14 @@ def cmd_tune_model(args) -> int:
     options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
                           scheduler=args.scheduler)
     progress = _ModelProgress(log, tasks, args.trials) if not args.quiet else None
+    measurer = _measurer(args, target)
     try:
-        results = tune_tasks(tasks, target, db, options, progress or reporter, command=" ".join(sys.argv))
+        results = tune_tasks(tasks, target, db, options, progress or reporter, measurer=measurer,
+                             command=" ".join(sys.argv))
     finally:
         reporter.close()
+        if measurer is not None:
+            measurer.close()
     db.close()
     rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
              "latency_us": r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
@@ -233,9 +274,11 @@ def cmd_build(args) -> int:
 
     target = parse_target(args.target, require_device=False)
     model = load_model(args.model, **_model_kwargs(args))
-    db = _open_db(args.db) if args.db and os.path.exists(args.db) else None
+    from .database.store import is_url
+
+    db = _open_db(args.db) if args.db and (is_url(args.db) or os.path.exists(args.db)) else None
     executable, params, report = build_model(model, target, db)
-    out = export_artifact(args.output, executable, params, model, target, report, args.db if db else None)
+    out = export_artifact(args.output, executable, params, model, target, report, str(db.path) if db else None)
     if db is not None:
         db.close()
     print(str(out))
@@ -269,6 +312,13 @@ def cmd_show(args) -> int:
     return 0
 
 
+def cmd_rpc_server(args) -> int:
+    from .measure.rpc import serve
+
+    serve(args.tracker, args.key, args.host, args.port, args.port_end, args.custom_addr)
+    return 0
+
+
 def cmd_db(args) -> int:
     from .database import cli as db_cli
 
@@ -286,9 +336,18 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def _add_db_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=os.environ.get(DB_ENV, DEFAULT_DB),
-                   help=f"tuning database file (default: ${DB_ENV} or ./{DEFAULT_DB})")
+                   help=f"tuning database: a file, or a URL such as postgresql://user@host/db "
+                        f"(default: ${DB_ENV} or ./{DEFAULT_DB})")
     p.add_argument("--busy-timeout", type=float, default=60.0,
                    help="seconds to wait while another process writes the database (default 60)")
+
+
+def _add_measure_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runner", choices=("local", "rpc"), default="local",
+                   help="where candidates are checked and timed: this host (default), or every RPC server under --key")
+    p.add_argument("--tracker", help="HOST:PORT of the TVM RPC tracker (with --runner rpc)")
+    p.add_argument("--key", help="the key the RPC servers registered under (with --runner rpc)")
+    p.add_argument("--devices", help="GPUs of this host to measure on at once, e.g. 0,1 (one runner process per GPU)")
 
 
 def _add_format(p: argparse.ArgumentParser, choices=("table", "json", "csv")) -> None:
@@ -318,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transfer", action="store_true",
                    help="for a shape without records, do not start from the nearest tuned shapes' decisions")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    _add_measure_args(p)
     _add_db_arg(p)
     _add_format(p, ("table", "json"))
     p.set_defaults(fn=cmd_tune)
@@ -345,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, help="stop after this many seconds")
     p.add_argument("-q", "--quiet", action="store_true")
+    _add_measure_args(p)
     _add_format(p)
     p.set_defaults(fn=cmd_tune_model)
 
@@ -365,6 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="folder for report.md and the PNG charts")
     p.add_argument("--bench", nargs="*", default=[], help="benchmark results.json files to chart against baselines")
     p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("rpc-server", help="serve candidates to tuners through a TVM RPC tracker (runs until killed)")
+    p.add_argument("--tracker", required=True, help="HOST:PORT of the TVM RPC tracker to register with")
+    p.add_argument("--key", required=True, help="the device kind tuners ask for, e.g. h200")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for other machines)")
+    p.add_argument("--port", type=int, default=9090, help="first port to try (default 9090)")
+    p.add_argument("--port-end", type=int, help="first port not to try (default: --port + 100)")
+    p.add_argument("--custom-addr", help="the address to report to the tracker, if not --host (e.g. behind NAT)")
+    p.set_defaults(fn=cmd_rpc_server)
 
     from .database import cli as db_cli
 

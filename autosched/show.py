@@ -13,7 +13,7 @@ def render(wl: Workload, target_text: str, db_path: str | None) -> str:
     for this workload and target when there is one, else from the space's default point."""
     import os
 
-    from autosched.database.store import Database
+    from autosched.database.store import Database, is_url
     from autosched.target import parse_target
     from autosched.task import Task
 
@@ -21,7 +21,7 @@ def render(wl: Workload, target_text: str, db_path: str | None) -> str:
     task = Task.from_workload(wl)
     space = task.space(target)
     point, origin = space.default(), "the space's default point (no record for this workload and target)"
-    if db_path and os.path.exists(db_path):
+    if db_path and (is_url(db_path) or os.path.exists(db_path)):
         from autosched.validate import trusted_best
 
         with Database(db_path, readonly=True) as db:

@@ -9,12 +9,32 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from sqlalchemy import Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.sql.functions import GenericFunction
 
 
 def utcnow() -> str:
     """Timestamps are ISO-8601 strings in UTC: sortable, portable and readable in exports."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class json_extract(GenericFunction):  # noqa: N801 - SQL function names are lower case
+    """``func.json_extract(text_column, "$.key")``: SQLite's function of that name, on every dialect.
+
+    The JSON columns are text (one schema for every database); on PostgreSQL the text is cast to
+    ``jsonb`` and the path is evaluated as an SQL/JSON path, the value returned as a number (shape
+    values, the only use, are integers).
+    """
+
+    inherit_cache = True
+
+
+@compiles(json_extract, "postgresql")
+def _json_extract_postgresql(element, compiler, **kw):
+    column, path = list(element.clauses)
+    return (f"CAST(jsonb_path_query_first(CAST({compiler.process(column, **kw)} AS JSONB), "
+            f"CAST({compiler.process(path, **kw)} AS JSONPATH)) #>> '{{}}' AS NUMERIC)")
 
 
 class Base(DeclarativeBase):

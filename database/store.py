@@ -1,10 +1,14 @@
-"""Opening, checking and writing a tuning database.
+"""Opening, checking and writing a tuning database: an SQLite file, or a database server by its
+SQLAlchemy URL (``postgresql://user@host/db``).
 
-Every write is its own short ``BEGIN IMMEDIATE`` transaction, so a record is durable as soon as it is
-measured and an interrupted tuner loses nothing it measured. The file runs in WAL mode with a busy
-timeout: readers never block, and several tuners writing one file wait for each other instead of
-failing. Driver errors become :class:`~autosched.errors.DatabaseError` subclasses whose message says
-what to do.
+Every write is its own short transaction, so a record is durable as soon as it is measured and an
+interrupted tuner loses nothing it measured. An SQLite file runs in WAL mode and takes its write lock
+up front (``BEGIN IMMEDIATE``) with a busy timeout: readers never block, and several tuners writing one
+file wait for each other instead of failing. A server database lets writers run side by side (MVCC);
+two tuners inserting the same workload or target at once meet on a unique key, and the loser's
+transaction is retried and finds the winner's row. Creating the schema in an empty server database
+takes an advisory lock, so tuners started together run the migrations once. Driver errors become
+:class:`~autosched.errors.DatabaseError` subclasses whose message says what to do.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from sqlalchemy import create_engine, event, func, select
+from sqlalchemy import create_engine, event, func, inspect, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import DatabaseError as SADatabaseError
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from autosched.errors import DatabaseCorruptError, DatabaseError, DatabaseLockedError, SchemaVersionError
@@ -56,21 +61,48 @@ def known_revisions() -> list[str]:
     return [s.revision for s in ScriptDirectory.from_config(_alembic_config()).walk_revisions()]
 
 
+def is_url(location: str | os.PathLike) -> bool:
+    """Whether ``location`` names a database by URL (``dialect[+driver]://...``) rather than a file path."""
+    return "://" in str(location)
+
+
+def server_url(location: str):
+    """The SQLAlchemy URL of a server database; ``postgresql://`` gets the psycopg (v3) driver that
+    autosched depends on, instead of SQLAlchemy's default psycopg2."""
+    try:
+        url = make_url(location)
+    except ArgumentError:
+        raise DatabaseError(f"{location!r} is not a database URL: use a file path or e.g. "
+                            "postgresql://user@host:5432/dbname") from None
+    if url.drivername == "postgresql":
+        url = url.set(drivername="postgresql+psycopg")
+    return url
+
+
 class Database:
-    """A tuning database file.
+    """A tuning database: an SQLite file, or a server database (PostgreSQL) named by a URL.
 
     Args:
-        path: the SQLite file; created (with the newest schema) if missing and ``create`` is true.
+        path: the SQLite file, or a URL such as ``postgresql://user@host/db`` (``sqlite:///file`` is the
+            file). A file is created (with the newest schema) if missing and ``create`` is true; an empty
+            server database gets the newest schema on first open.
         readonly: open without writing anything (queries of a file one cannot write).
         create: create the file if it does not exist.
         busy_timeout: seconds to wait for another process's write lock.
+
+    ``path`` is the file's :class:`~pathlib.Path`, or the URL (password hidden) of a server database.
     """
 
     def __init__(self, path: str | os.PathLike, readonly: bool = False, create: bool = True,
                  busy_timeout: float = DEFAULT_BUSY_TIMEOUT):
-        self.path = Path(path)
         self.readonly = readonly
         self.busy_timeout = busy_timeout
+        self._setup(path)
+        if self.url is not None:
+            self._write_engine = self._server_engine() if not readonly else None
+            self._read_engine = self._server_engine()
+            self._check_schema()
+            return
         if not self.path.exists():
             if readonly or not create:
                 raise DatabaseError(f"no tuning database at {self.path}: check --db, or tune first to create one")
@@ -83,6 +115,35 @@ class Database:
         self._check_schema()
 
     # ---- connection setup ------------------------------------------------------------------------
+    def _setup(self, location: str | os.PathLike) -> None:
+        """``self.url`` (None for a file) and ``self.path``."""
+        self.url = None
+        if is_url(location):
+            url = server_url(str(location))
+            if url.get_backend_name() == "sqlite":
+                if not url.database or url.database == ":memory:":
+                    raise DatabaseError(f"{location} names no file: give a file path, e.g. sqlite:///tuning.db")
+                location = url.database
+            else:
+                self.url = url
+                self.path = make_url(str(location)).render_as_string(hide_password=True)  # as the user wrote it
+                return
+        self.path = Path(location)
+
+    @property
+    def is_server(self) -> bool:
+        return self.url is not None
+
+    def _server_engine(self):
+        # pool_pre_ping: a connection the server dropped (restart, idle timeout) is replaced, not fatal.
+        options = {"postgresql_readonly": True} if self.readonly and self.url.get_backend_name() == "postgresql" else {}
+        connect_args = {"connect_timeout": 10} if self.url.get_backend_name() == "postgresql" else {}
+        try:
+            engine = create_engine(self.url, pool_pre_ping=True, connect_args=connect_args)
+        except ImportError as exc:
+            raise DatabaseError(f"no driver for {self.path} ({exc}): pip install 'psycopg[binary]' for PostgreSQL") from None
+        return engine.execution_options(**options) if options else engine
+
     def _engine(self, immediate: bool):
         if self.readonly:
             url, kwargs = f"sqlite:///file:{self.path}?mode=ro&uri=true", {"uri": True}
@@ -111,8 +172,18 @@ class Database:
         return engine
 
     def _translate(self, exc: Exception) -> DatabaseError:
-        msg = str(getattr(exc, "orig", exc))
+        # Server drivers add detail lines (DETAIL:, HINT:, a caret under the SQL): the first line says it.
+        msg = (str(getattr(exc, "orig", exc)).strip().splitlines() or [repr(exc)])[0]
         low = msg.lower()
+        if self.is_server:
+            if "does not exist" in low and "database" in low:
+                return DatabaseError(f"database server at {self.path}: {msg}; create it (e.g. `createdb`) or fix the URL")
+            if "connect" in low or "connection" in low or "timeout" in low or "password" in low:
+                return DatabaseError(f"cannot reach the database server at {self.path} ({msg}): check that it runs "
+                                     "and the URL's host, port, user and password")
+            if "read-only" in low or "read only" in low:
+                return DatabaseError(f"database {self.path} was opened read-only ({msg})")
+            return DatabaseError(f"database {self.path}: {msg}")
         if "locked" in low or "busy" in low:
             return DatabaseLockedError(f"database {self.path} stayed locked by another process for over "
                                        f"{self.busy_timeout:.0f} s ({msg}); retry, or raise --busy-timeout")
@@ -138,29 +209,35 @@ class Database:
         try:
             with Session(engine, expire_on_commit=False) as session, session.begin():
                 yield session
-        except (OperationalError, SADatabaseError) as exc:
+        except IntegrityError:
+            raise  # a unique key met a concurrent writer's row: _write retries
+        except (OperationalError, SADatabaseError, InterfaceError) as exc:
             raise self._translate(exc) from exc
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
 
     def _write(self, fn, attempts: int = 5):
-        """Run ``fn(session)`` in a write transaction, retrying while another process holds the lock."""
+        """Run ``fn(session)`` in a write transaction, retrying while another process holds the lock, or
+        when a concurrent writer inserted the same workload/target first (the retry then finds it)."""
         for attempt in range(attempts):
             try:
                 with self.session(write=True) as s:
                     return fn(s)
-            except DatabaseLockedError:
+            except (DatabaseLockedError, IntegrityError) as exc:
                 if attempt == attempts - 1:
+                    if isinstance(exc, IntegrityError):
+                        raise self._translate(exc) from exc
                     raise
                 time.sleep(0.2 * (attempt + 1))
 
     # ---- schema ----------------------------------------------------------------------------------
     def _current_revision(self, conn) -> str | None:
-        tables = {r[0] for r in conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE type='table'")}
+        tables = set(inspect(conn).get_table_names())
         if "alembic_version" not in tables:
             if tables - {"sqlite_sequence"}:
-                raise DatabaseCorruptError(f"{self.path} is an SQLite database but not an autosched one "
-                                           f"(tables: {', '.join(sorted(tables))}): use another --db path")
+                kind = "a database server's database" if self.is_server else "an SQLite database"
+                raise DatabaseCorruptError(f"{self.path} is {kind} but not an autosched one "
+                                           f"(tables: {', '.join(sorted(tables))}): use another --db")
             return None
         row = conn.exec_driver_sql("SELECT version_num FROM alembic_version").first()
         return row[0] if row else None
@@ -173,6 +250,7 @@ class Database:
                     current = self._current_revision(conn)
             else:
                 with self._write_engine.begin() as conn:
+                    self._lock_schema(conn)
                     current = self._current_revision(conn)
                     if current is None:
                         # A new file: create the newest schema inside this write transaction, so two
@@ -183,7 +261,7 @@ class Database:
 
                         command.upgrade(cfg, "head")
                         current = head
-        except (OperationalError, SADatabaseError, sqlite3.Error) as exc:
+        except (OperationalError, SADatabaseError, InterfaceError, sqlite3.Error) as exc:
             raise self._translate(exc) from exc
         if current == head:
             return
@@ -195,25 +273,33 @@ class Database:
         raise SchemaVersionError(f"database {self.path} was written by a newer autosched (schema {current}, "
                                  f"this one knows up to {head}): upgrade autosched to read it")
 
+    def _lock_schema(self, conn) -> None:
+        """On PostgreSQL, serialise schema checks and migrations of processes opening one database at once
+        (a transaction-scoped advisory lock; SQLite's BEGIN IMMEDIATE does the same for a file)."""
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7215119)")
+
     @staticmethod
     def upgrade(path: str | os.PathLike) -> tuple[str | None, str]:
-        """Upgrade the file at ``path`` to the newest schema; returns (old revision, new revision)."""
+        """Upgrade the database at ``path`` (file or URL) to the newest schema; returns (old revision, new revision)."""
         from alembic import command
 
         db = Database.__new__(Database)
-        db.path, db.readonly, db.busy_timeout = Path(path), False, DEFAULT_BUSY_TIMEOUT
-        if not db.path.exists():
+        db.readonly, db.busy_timeout = False, DEFAULT_BUSY_TIMEOUT
+        db._setup(path)
+        if db.url is None and not db.path.exists():
             raise DatabaseError(f"no tuning database at {db.path}")
-        db._write_engine = db._engine(immediate=True)
+        db._write_engine = db._server_engine() if db.is_server else db._engine(immediate=True)
         try:
             with db._write_engine.begin() as conn:
+                db._lock_schema(conn)
                 old = db._current_revision(conn)
                 if old is not None and old not in known_revisions():
                     raise SchemaVersionError(f"database {db.path} has schema {old}, newer than this autosched knows")
                 cfg = _alembic_config()
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, "head")
-        except (OperationalError, SADatabaseError, sqlite3.Error) as exc:
+        except (OperationalError, SADatabaseError, InterfaceError, sqlite3.Error) as exc:
             raise db._translate(exc) from exc
         finally:
             db._write_engine.dispose()
@@ -343,10 +429,13 @@ class Database:
         """One row per (workload, target device): best latency, trials and failures."""
         with self.session() as s:
             best = func.min(RecordRow.median_us)
+            # kind, arch and device name are parts of the match key; grouping by them too changes no group
+            # but is what PostgreSQL requires of selected columns.
             q = (select(WorkloadRow, TargetRow.match_key, TargetRow.kind, TargetRow.arch, TargetRow.device_name,
                         best, func.count(RecordRow.id), func.count(RecordRow.median_us))
                  .join(RecordRow, RecordRow.workload_id == WorkloadRow.id).join(TargetRow)
-                 .group_by(WorkloadRow.id, TargetRow.match_key).order_by(WorkloadRow.key, TargetRow.match_key))
+                 .group_by(WorkloadRow.id, TargetRow.match_key, TargetRow.kind, TargetRow.arch, TargetRow.device_name)
+                 .order_by(WorkloadRow.key, TargetRow.match_key))
             if op:
                 q = q.where(WorkloadRow.op == op)
             if target_kind:

@@ -9,8 +9,9 @@ import sqlite3
 from dataclasses import replace
 
 import pytest
+from sqlalchemy import create_engine, text
 
-from autosched.database.store import Database, head_revision
+from autosched.database.store import Database, head_revision, server_url
 from autosched.database.transfer import export_records, import_records
 from autosched.errors import DatabaseCorruptError, DatabaseError, SchemaVersionError
 from autosched.records import MeasureResult
@@ -24,9 +25,17 @@ def _task(n=64):
     return Task.from_workload(make_workload("gemm", f"m={n},n={n},k={n}"))
 
 
-def test_round_trip_and_best(db_path, cpu_target):
+def _sql(location: str, statement: str) -> None:
+    """Run one statement on a database file or server, outside autosched."""
+    engine = create_engine(server_url(location) if "://" in location else f"sqlite:///{location}")
+    with engine.begin() as conn:
+        conn.execute(text(statement))
+    engine.dispose()
+
+
+def test_round_trip_and_best(db_url, cpu_target):
     task = _task()
-    with Database(db_path) as db:
+    with Database(db_url) as db:
         fill(db, task, cpu_target, [3e-3, 1e-3, None, 2e-3])
         best = db.best(task.key, cpu_target)
         assert best.point == {"x": 1} and best.median == pytest.approx(1e-3)
@@ -39,10 +48,10 @@ def test_round_trip_and_best(db_path, cpu_target):
         assert summary[0]["latency_us"] == pytest.approx(1000.0)
 
 
-def test_records_apply_only_to_a_matching_target(db_path, cpu_target):
+def test_records_apply_only_to_a_matching_target(db_url, cpu_target):
     task = _task()
     other_cpu = replace(cpu_target, arch="znver2", device_name="Other CPU")
-    with Database(db_path) as db:
+    with Database(db_url) as db:
         fill(db, task, other_cpu, [1e-3])
         assert db.best(task.key, cpu_target) is None
         assert db.best(task.key, other_cpu) is not None
@@ -67,25 +76,23 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
         Database(tmp_path / "missing.db", readonly=True)
 
 
-def test_newer_schema_is_refused_and_older_names_the_upgrade(db_path, cpu_target):
-    with Database(db_path) as db:
+def test_newer_schema_is_refused_and_older_names_the_upgrade(db_url, cpu_target):
+    with Database(db_url) as db:
         fill(db, _task(), cpu_target, [1e-3])
-    con = sqlite3.connect(db_path)
-    con.execute("UPDATE alembic_version SET version_num = 'ffff_future'")
-    con.commit()
-    con.close()
+    _sql(db_url, "UPDATE alembic_version SET version_num = 'ffff_future'")
     with pytest.raises(SchemaVersionError, match="newer autosched"):
-        Database(db_path)
-    con = sqlite3.connect(db_path)
-    con.execute(f"UPDATE alembic_version SET version_num = '{head_revision()}'")
-    con.commit()
-    con.close()
-    assert Database(db_path).count() == 1
+        Database(db_url)
+    _sql(db_url, f"UPDATE alembic_version SET version_num = '{head_revision()}'")
+    with Database(db_url) as db:
+        assert db.count() == 1
 
 
-def test_export_import_is_idempotent(tmp_path, cpu_target):
+@pytest.mark.parametrize("dst_kind", ["sqlite", "postgresql"])
+def test_export_import_is_idempotent(tmp_path, db_url, dst_kind, request, cpu_target):
+    """Records move between the two kinds of database, either way, and importing twice adds nothing."""
     task = _task()
-    src, dst = tmp_path / "a.db", tmp_path / "b.db"
+    src = db_url
+    dst = str(tmp_path / "b.db") if dst_kind == "sqlite" else request.getfixturevalue("new_pg_database")()
     with Database(src) as db:
         fill(db, task, cpu_target, [2e-3, 1e-3, None])
         with open(tmp_path / "export.jsonl", "w") as f:
@@ -111,16 +118,15 @@ def _writer(path: str, worker: int, n: int, target) -> None:
         db.finish_run(run, "finished")
 
 
-@pytest.mark.slow
-def test_concurrent_writers_all_succeed(db_path, cpu_target):
-    """Eight processes write one file at once (creating it too); every record arrives."""
+def test_concurrent_writers_all_succeed(db_url, cpu_target):
+    """Eight processes write one database at once (creating its schema too); every record arrives."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(str(db_path), w, 25, cpu_target)) for w in range(8)]
+    procs = [ctx.Process(target=_writer, args=(db_url, w, 25, cpu_target)) for w in range(8)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [0] * 8
-    with Database(db_path) as db:
+    with Database(db_url) as db:
         assert db.count() == 8 * 25
         assert len(db.summary()) == 8

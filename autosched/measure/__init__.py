@@ -114,9 +114,13 @@ class Builder:
 
 
 class Runner:
-    """Checks and times built candidates one at a time in a persistent runner process."""
+    """Checks and times built candidates one at a time in a persistent runner process.
 
-    def __init__(self, target: TargetSpec, config: MeasureConfig, workdir: str | None = None):
+    ``initializer(*initargs)`` prepares the process (default: import TVM); e.g. pins it to one GPU.
+    """
+
+    def __init__(self, target: TargetSpec, config: MeasureConfig, workdir: str | None = None,
+                 initializer=None, initargs: tuple = (), log_name: str = "runner.log"):
         from tvm.support.popen_pool import PopenWorker
 
         from ._worker import init_worker
@@ -124,8 +128,8 @@ class Runner:
         self.target = target
         self.config = config
         self.dir = workdir or tempfile.mkdtemp(prefix="autosched-run-")
-        self._log = _worker_log(self.dir, "runner.log")
-        self._worker = PopenWorker(init_worker, stdout=subprocess.DEVNULL, stderr=self._log)
+        self._log = _worker_log(self.dir, log_name)
+        self._worker = PopenWorker(initializer or init_worker, initargs, stdout=subprocess.DEVNULL, stderr=self._log)
         self._prepared: str | None = None  # key of the task whose reference the worker holds
 
     def run(self, spec: TaskSpec, builds: list[BuildResult], cutoff: float | None = None) -> list[MeasureResult]:
@@ -193,14 +197,25 @@ class Runner:
 
 
 class Measurer:
-    """Builder plus runner for one target: ``measure(spec, points)`` returns one result per point."""
+    """Builder plus runner for one target: ``measure(spec, points)`` returns one result per point.
 
-    def __init__(self, target: TargetSpec, config: MeasureConfig | None = None, build_workers: int | None = None):
+    ``runner``: ``"local"`` (one runner process on this host's first device), or a factory
+    ``runner(target, config, workdir)`` of an object with the :class:`Runner`'s ``run`` and ``close``,
+    such as :func:`autosched.measure.rpc.rpc_runner` or :func:`autosched.measure.parallel.device_runner`.
+    """
+
+    def __init__(self, target: TargetSpec, config: MeasureConfig | None = None, build_workers: int | None = None,
+                 runner="local"):
         self.target = target
         self.config = config or MeasureConfig.for_target(target)
         self.workdir = tempfile.mkdtemp(prefix="autosched-")
         self.builder = Builder(target, build_workers, self.config.build_timeout, self.workdir)
-        self.runner = Runner(target, self.config, self.workdir)
+        try:
+            self.runner = (Runner if runner == "local" else runner)(target, self.config, self.workdir)
+        except BaseException:
+            self.builder.close()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
 
     def measure(self, spec: TaskSpec, points: list[Point], cutoff: float | None = None) -> list[MeasureResult]:
         builds = self.builder.build(spec, points)
