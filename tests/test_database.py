@@ -118,6 +118,7 @@ def _writer(path: str, worker: int, n: int, target) -> None:
         db.finish_run(run, "finished")
 
 
+@pytest.mark.slow
 def test_concurrent_writers_all_succeed(db_url, cpu_target):
     """Eight processes write one database at once (creating its schema too); every record arrives."""
     ctx = mp.get_context("spawn")

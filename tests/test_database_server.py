@@ -69,6 +69,7 @@ def test_old_schema_on_the_server_is_refused_then_upgraded(pg_url):
     assert rows[0]["trials"] == 3 and rows[0]["failures"] == 1 and rows[0]["latency_us"] == pytest.approx(9.75)
 
 
+@pytest.mark.slow
 def test_every_db_command_on_the_server(pg_url, tmp_path):
     out = json.loads(autosched("tune", "gemm", "--shape", "m=64,n=48,k=40", "--trials", "6", "--batch-size", "3",
                                "--db", pg_url, "--format", "json").stdout)
@@ -94,6 +95,7 @@ def test_every_db_command_on_the_server(pg_url, tmp_path):
     assert json.loads(autosched("db", "import", str(export), "--db", pg_url).stdout)["added"] == 0
 
 
+@pytest.mark.slow
 def test_interrupted_run_keeps_its_records_on_the_server(pg_url):
     proc = start("tune", "gemm", "--shape", "m=128,n=128,k=128", "--trials", "400", "--batch-size", "4", "--db", pg_url)
     deadline = time.time() + 300
@@ -113,6 +115,7 @@ def test_interrupted_run_keeps_its_records_on_the_server(pg_url):
     assert best[0]["trials"] == kept
 
 
+@pytest.mark.slow
 def test_four_tuners_write_one_server_database_at_once(pg_url):
     """Four tuners start together on an empty database (one creates the schema, the others wait for it)
     and two of them share a workload, so their first writes meet on its unique key."""
