@@ -140,3 +140,47 @@ def test_kernel_of_a_narrower_input_domain_is_checked_on_positive_inputs(cpu_tar
     with Measurer(cpu_target, MeasureConfig(repeat=2, min_repeat_ms=1)) as m:
         results = m.measure(task.spec, [space.default(), space.sample(np.random.default_rng(0))])
     assert all(r.ok and r.rel_error < 1e-5 for r in results), results
+
+
+class _Slot:
+    """A device for the scheduling test below: ``opens`` says whether a session can be had."""
+
+    def __init__(self, name: str, opens: bool):
+        self.name, self.opens, self.measured = name, opens, 0
+
+    def open(self) -> bool:
+        if not self.opens:
+            import time
+
+            time.sleep(0.2)  # as a slot waiting on the tracker for a server that never frees
+        return self.opens
+
+    def measure(self, spec, build, cutoff):
+        from autosched.records import MeasureResult
+
+        self.measured += 1
+        return MeasureResult(latencies=(1e-3,))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_slot_that_cannot_open_holds_back_no_candidate():
+    """A slot waiting for a session (its server hung) comes first in the slot order; the open slot
+    still measures every candidate (it once kept the batch's last one, round after round)."""
+    from autosched.errors import DeviceError
+    from autosched.measure.parallel import ParallelRunner
+
+    stuck, healthy = _Slot("stuck", opens=False), _Slot("healthy", opens=True)
+
+    class Runner2(ParallelRunner):
+        def slots(self):
+            return [stuck, healthy]
+
+        def no_slot_accepted(self, stalled):
+            raise DeviceError("no slot accepted a candidate")
+
+    builds = [BuildResult(f"/nonexistent/{i}.so") for i in range(5)]
+    for _ in range(3):
+        results = Runner2().run(None, builds)
+        assert all(r.ok for r in results) and healthy.measured % 5 == 0 and stuck.measured == 0

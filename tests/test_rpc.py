@@ -4,7 +4,6 @@ and one runner process per device (laid out on the CPU here; the GPUs themselves
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -32,13 +31,10 @@ pytestmark = pytest.mark.slow
 def cluster():
     # One thread per server: two servers timing at once on a 2-core machine would otherwise run four
     # threads on two cores and slow each other's fast kernels several times over.
-    before = os.environ.get("TVM_NUM_THREADS")
-    os.environ["TVM_NUM_THREADS"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TVM_NUM_THREADS", "1")
         with LocalCluster(2, key="test-two") as c:
             yield c
-    finally:
-        os.environ["TVM_NUM_THREADS"] = before if before is not None else "2"
 
 
 def _task():

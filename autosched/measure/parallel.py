@@ -88,13 +88,17 @@ class ParallelRunner:
                 with lock:
                     if not pending:
                         return
+                # Open before taking a candidate: a slot waiting for a session must not hold one that an
+                # open slot could measure (seen: a slot retrying a hung server kept the batch's last
+                # candidate from the healthy one, round after round, until the run gave up).
+                if not slot.open():
+                    return  # nothing to be had through this slot now; the others carry on
+                with lock:
+                    if not pending:
+                        return
                     i = pending.popleft()
                     # As in the local runner: the cutoff tightens with the batch's best so far.
                     limit = min(cutoff if cutoff is not None else math.inf, SLOW_CUTOFF * best[0])
-                if not slot.open():
-                    with lock:
-                        pending.appendleft(i)
-                    return  # nothing to be had through this slot now; the others carry on
                 res = slot.measure(spec, builds[i], None if math.isinf(limit) else limit)
                 with lock:
                     if isinstance(res, _Lost):
