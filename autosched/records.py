@@ -31,6 +31,9 @@ class BuildResult:
         return self.error_kind is None
 
 
+REFERENCE_FAILED = "could not prepare inputs/reference"  # how a failed result names a task-level failure
+
+
 @dataclass(frozen=True)
 class MeasureResult:
     """The outcome of measuring one candidate.
@@ -54,6 +57,11 @@ class MeasureResult:
     def median(self) -> float:
         """Median latency in seconds; infinity for a failed candidate, so it ranks last."""
         return statistics.median(self.latencies) if self.ok else math.inf
+
+    @property
+    def reference_failed(self) -> bool:
+        """Whether the task's inputs or reference, not the candidate, failed: no candidate can be checked."""
+        return bool(self.error_msg) and self.error_msg.startswith(REFERENCE_FAILED)
 
     @classmethod
     def failed(cls, kind: str, msg: str, build_seconds: float = 0.0, run_seconds: float = 0.0,

@@ -221,7 +221,9 @@ class SelfChecker(Checker):
         out = []
         for i in self.inputs:
             shape, dtype = self._spec(i)
-            if dtype.startswith(("int", "uint")):
+            if dtype == "bool":
+                out.append(torch.randint(0, 2, shape, generator=gen).bool().to(device))
+            elif dtype.startswith(("int", "uint")):
                 # Integer inputs are often indices: keep them small and non-negative.
                 out.append(torch.randint(0, 2, shape, generator=gen, dtype=torch_dtype(dtype)).to(device))
             elif positive:

@@ -169,6 +169,9 @@ class TaskTuner:
             dict(self.failures)))
         if self.options.patience is not None and self.stale >= self.options.patience:
             self.done_reason = f"no improvement in {self.options.patience} rounds"
+        if results and all(r.reference_failed for r in results) and not math.isfinite(now):
+            # The task itself cannot be checked: more candidates would fail the same way.
+            self.done_reason = results[0].error_msg
         return len(points)
 
     def result(self, stop_reason: str) -> TuneResult:

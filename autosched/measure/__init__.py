@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from autosched.records import BuildResult, MeasureResult
+from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
 
 if TYPE_CHECKING:
     from autosched.search_spaces import Point
@@ -189,7 +189,7 @@ class Runner:
             self._prepared = spec.key
             return None
         self._prepared = None
-        return f"could not prepare inputs/reference: {reason}"
+        return f"{REFERENCE_FAILED}: {reason}"
 
     def close(self) -> None:
         self._worker.kill()

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from autosched.records import BuildResult, MeasureResult
+from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
 
 _CACHE: dict[str, Any] = {}
 
@@ -117,7 +117,7 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
     try:
         state = _task_state(spec, target)
     except Exception as exc:  # noqa: BLE001 - the reference itself failed: report, do not time
-        return MeasureResult.failed("run", "could not prepare inputs/reference: " + _short(exc))
+        return MeasureResult.failed("run", f"{REFERENCE_FAILED}: {_short(exc)}")
     dev = target.device()
     try:
         lib = tvm.runtime.load_module(path)

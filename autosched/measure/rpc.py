@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 from autosched.errors import DeviceError, UsageError
-from autosched.records import MeasureResult
+from autosched.records import REFERENCE_FAILED, MeasureResult
 
 from .parallel import ParallelRunner, _Lost
 
@@ -134,7 +134,7 @@ def _slot_prepare(spec, target) -> str | None:
     import cloudpickle
 
     reason = cloudpickle.loads(bytes(_SESSION["remote"].get_function(PREPARE_FUNC)(cloudpickle.dumps((spec, target)))))
-    return None if reason is None else f"could not prepare inputs/reference on the server: {reason}"
+    return None if reason is None else f"{REFERENCE_FAILED} on the server: {reason}"
 
 
 def _slot_measure(spec, target, path: str, config: dict) -> MeasureResult:

@@ -256,8 +256,11 @@ def _coerce_attr(value: Any, attr: Attr) -> Any:
 def torch_dtype(dtype: str) -> torch.dtype:
     import torch
 
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-            "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32}[dtype]
+    # Every TVM dtype a kernel's buffer can have that torch also has (int64: a model's token ids).
+    names = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+    if dtype not in names:
+        raise ValueError(f"no torch dtype for TVM dtype {dtype!r} (supported: {', '.join(names)})")
+    return getattr(torch, dtype)
 
 
 def randn(shape: tuple[int, ...], dtype: str, gen: torch.Generator, device: str, scale: float = 1.0) -> torch.Tensor:
