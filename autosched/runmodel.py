@@ -42,9 +42,7 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True) -> dict[str, A
             if key in kwargs:
                 kwargs[key] = int(kwargs[key])
         model = load_model(manifest["model"], **kwargs)
-        weights = [p for p in model.module.parameters()]
-        first = torch.from_dlpack(params[0]).cpu() if params else None
-        if first is not None and weights and not torch.equal(weights[0].detach().cpu().reshape(first.shape), first):
+        if not _same_weights(model, manifest, params):
             result["matches_torch"] = None
             result["note"] = "the model factory gave other weights than the artifact's; no comparison"
             return result
@@ -56,6 +54,20 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True) -> dict[str, A
         result["rel_error_vs_torch"] = err
         result["matches_torch"] = err <= MODEL_TOLERANCE.get(dtype, 1e-3)
     return result
+
+
+def _same_weights(model, manifest: dict[str, Any], params: list) -> bool:
+    """Whether the factory gave the weights the artifact was built from: by the manifest's digest, or
+    for an older manifest without one, by the first parameter where its size agrees."""
+    import torch
+
+    if "weights_sha256" in manifest:
+        return model.weights_digest() == manifest["weights_sha256"]
+    weights = list(model.module.parameters())
+    first = torch.from_dlpack(params[0]).cpu() if params else None
+    if first is None or not weights or weights[0].numel() != first.numel():
+        return first is None or not weights
+    return torch.equal(weights[0].detach().cpu().reshape(first.shape), first)
 
 
 def random_input(spec: dict[str, Any], gen):

@@ -39,7 +39,7 @@ def export_artifact(out_dir: str | Path, executable, params: list, model: Model,
         "autosched_version": __version__,
         "tvm_version": tvm.__version__, "target": target.to_json(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "library": LIBRARY, "params": PARAMS, "param_order": names,
-        "inputs": model.input_specs(),
+        "inputs": model.input_specs(), "weights_sha256": model.weights_digest(),
         "database": db_path, "tuned_kernels": report.tuned, "default_kernels": report.default,
         "build_time_kernels": report.build_time,
     }

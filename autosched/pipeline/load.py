@@ -25,6 +25,20 @@ class Model:
     # Per input: [low, high) of the values it takes (token ids within the vocabulary), or None (any float).
     input_ranges: list[list[int] | None] = field(default_factory=list)
 
+    def weights_digest(self) -> str:
+        """SHA-256 of the model's parameters and buffers (names, dtypes, shapes and bytes): whether a
+        factory called again gave the weights an artifact was built from."""
+        import hashlib
+
+        import torch
+
+        digest = hashlib.sha256()
+        for name, t in self.module.state_dict(keep_vars=False).items():
+            t = t.detach().cpu().contiguous()
+            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return digest.hexdigest()
+
     def input_specs(self) -> list[dict[str, Any]]:
         """Shape, dtype and, for integer inputs, the range of values of each input (for the manifest)."""
         specs = []
