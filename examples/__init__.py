@@ -6,6 +6,9 @@ Installed with autosched as ``autosched.examples``; a model of your own is named
 
 from __future__ import annotations
 
-from .llama import MODELS
+from .hf import MODELS as HF_MODELS
+from .llama import MODELS as LLAMA_MODELS
+
+MODELS = {**LLAMA_MODELS, **HF_MODELS}
 
 __all__ = ["MODELS"]

@@ -30,7 +30,7 @@ for name in ("autosched.tests", "autosched.benchmarks"):
         print("importable:", name)
     except ImportError:
         pass
-print(sorted(autosched.examples.MODELS)[0])
+print("llama-7b-layers" in autosched.examples.MODELS)
 """
 
 
@@ -53,7 +53,7 @@ def test_plain_checkout_on_the_path_imports_the_same_folders(tmp_path):
     assert files[:3] == [str(REPO / "database" / "store.py"), str(REPO / "search_spaces" / "rows.py"),
                          str(REPO / "examples" / "__init__.py")]
     assert not any(line.startswith("importable") for line in files), files
-    assert files[-1] == "llama-7b-layers"
+    assert files[-1] == "True"
 
 
 @pytest.mark.slow

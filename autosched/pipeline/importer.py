@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from autosched.errors import UsageError
 from autosched.workloads import make_workload
 
+from .graph_rewrites import CONSTANT_MASK, rewrite_exported
 from .substitute import substitute_workloads, workload_func
 
 if TYPE_CHECKING:
@@ -42,10 +43,12 @@ def import_model(model: Model, *, linear_as_gemm: bool) -> tuple[IRModule, list]
         for op in [op for op in table if "scaled_dot_product" in str(op) or "rms_norm" in str(op)]:
             del table[op]
         exported = exported.run_decompositions(table)
+        rewrite_exported(exported)
         matmul = functools.partial(_matmul_in_torch_dtype, linear_as_gemm=linear_as_gemm)
         converters = {name: matmul for name in ("mm.default", "matmul.default", "bmm.default")}
         converters["addmm.default"] = functools.partial(_addmm_in_torch_dtype, linear_as_gemm=linear_as_gemm)
         converters["rms_norm.default"] = _rms_norm_as_workload
+        converters["scaled_dot_product_attention.default"] = _attention
         mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                     run_ep_decomposition=False, custom_convert_map=converters)
     mod, params = detach_params(mod)
@@ -166,3 +169,47 @@ def _rms_norm_as_workload(node, importer):
     flat = bb.emit(relax.op.reshape(x, [rows, n]))
     out = bb.emit(relax.call_tir(gv, [flat, weight], relax.TensorType((rows, n), dtype)))
     return bb.emit(relax.op.reshape(out, dims))
+
+
+# ---- attention as model authors write it ------------------------------------------------------------
+def _attention(node, importer):
+    """``scaled_dot_product_attention`` on [batch, heads, seq, dim] as ``R.nn.attention`` (which
+    :func:`~autosched.pipeline.substitute.substitute_workloads` hands to our kernel), taking what models
+    pass and TVM 0.27's converter refuses or drops: a boolean mask (True = attend) becomes an additive one
+    (a constant one, computed at import by :mod:`.graph_rewrites`, is a constant here), a ``scale`` other
+    than 1/sqrt(dim) is applied to the query, and ``enable_gqa``'s fewer key/value heads stay as they are
+    for our kernel (its grouped-query form) or are repeated for a masked attention."""
+    import math
+
+    import torch
+    from tvm import relax
+
+    bb = importer.block_builder
+    q, k, v = (importer.env[a] for a in node.args[:3])
+    args = list(node.args) + [None, 0.0, False][len(node.args) - 3:]
+    mask = node.kwargs.get("attn_mask", args[3])
+    dropout, causal = node.kwargs.get("dropout_p", args[4]), node.kwargs.get("is_causal", args[5])
+    scale = node.kwargs.get("scale")
+    if len(q.ty.shape) != 4 or dropout:
+        raise UsageError(f"attention on {len(q.ty.shape)}-D tensors or with dropout ({dropout}) is not supported: "
+                         "export the model in eval mode with [batch, heads, seq, dim] tensors")
+    dtype, dim = str(q.ty.dtype), int(q.ty.shape[-1])
+    if scale is not None and not math.isclose(scale, 1 / math.sqrt(dim), rel_tol=1e-6):
+        q = bb.emit(relax.op.multiply(q, relax.const(scale * math.sqrt(dim), dtype)))
+    bias, constant = None, node.meta.get(CONSTANT_MASK)
+    if constant is not None:  # computed at import (graph_rewrites): an additive float32 constant
+        if constant.dtype == torch.bool:
+            constant = torch.zeros(constant.shape).masked_fill(~constant, float("-inf"))
+        bias = bb.emit(relax.op.astype(relax.const(constant.float().numpy()), dtype))
+    elif mask is not None:
+        bias = importer.env[mask]
+        if str(bias.ty.dtype) == "bool":
+            zero, masked = relax.const(0.0, dtype), relax.const(float("-inf"), dtype)
+            bias = bb.emit(relax.op.where(bias, zero, masked))
+    if bias is not None:
+        heads, kv_heads = int(q.ty.shape[1]), int(k.ty.shape[1])
+        if kv_heads != heads:  # enable_gqa: our kernel takes the groups, TVM's masked attention does not
+            k, v = (bb.emit(relax.op.repeat(x, heads // kv_heads, axis=1)) for x in (k, v))
+    bshd = [bb.emit(relax.op.permute_dims(x, [0, 2, 1, 3])) for x in (q, k, v)]
+    out = bb.emit(relax.op.nn.attention(*bshd, bias=bias, causal_mask="TopLeft" if causal else None))
+    return bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))

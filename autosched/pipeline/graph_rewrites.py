@@ -1,0 +1,118 @@
+"""Rewrites of an exported PyTorch graph before it is converted to Relax: what model authors write
+that converts badly, or not at all, made into the equivalent that converts well. Each rewrite keeps
+the graph's results exactly; each is skipped where its condition does not hold."""
+
+from __future__ import annotations
+
+_SDPA = "aten.scaled_dot_product_attention.default"
+_CAT = "aten.cat.default"
+CONSTANT_MASK = "autosched_constant_mask"  # meta key of an attention node: its mask, computed at import
+
+
+def rewrite_exported(exported) -> None:
+    """Apply every rewrite to ``exported`` (a ``torch.export.ExportedProgram``), in place."""
+    changed = _constant_masks_folded(exported)
+    changed |= _empty_concat_operands_dropped(exported)
+    if changed:
+        exported.graph_module.graph.eliminate_dead_code()
+        exported.graph_module.recompile()
+
+
+def _empty_concat_operands_dropped(exported) -> bool:
+    """``cat`` without its empty operands: a partial rotary embedding at full width (Phi-3's) concatenates
+    the rotated half with an empty slice, whose zero-extent kernel TVM's default GPU schedule divides by
+    ("Divide by zero" in dlight's fallback rule)."""
+    changed = False
+    for node in list(exported.graph_module.graph.nodes):
+        if node.op != "call_function" or str(node.target) != _CAT:
+            continue
+        tensors = list(node.args[0])
+        kept = [t for t in tensors if t.meta["val"].numel() != 0]
+        if not kept or len(kept) == len(tensors):
+            continue
+        if len(kept) == 1 and tuple(kept[0].meta["val"].shape) == tuple(node.meta["val"].shape):
+            node.replace_all_uses_with(kept[0])
+        else:
+            node.args = (kept, *node.args[1:])
+        changed = True
+    return changed
+
+
+def _constant_masks_folded(exported) -> bool:
+    """A mask that attention gets from constants alone (no model input) is computed here, once: the
+    causal pattern becomes ``is_causal=True`` (our causal kernel, which skips the masked blocks), any
+    other becomes the additive mask stored in the attention node's ``meta[CONSTANT_MASK]``, which the
+    attention converter reads.
+
+    Hugging Face's models build their masks with ``arange`` comparisons and, under ``torch.export``,
+    always hand them to attention (an exported graph may later see other shapes); at our static shapes
+    and with no padding input the causal one is ``is_causal``'s. Left in the graph, a sliding-window
+    mask (Mistral's) became a boolean kernel that TVM's LLVM code generator refuses. A mask that depends
+    on a model input is left as it is.
+    """
+    import torch
+
+    values, changed = _constant_values(exported), False
+    for node in list(exported.graph_module.graph.nodes):
+        if node.op != "call_function" or str(node.target) != _SDPA:
+            continue
+        args = list(node.args) + [None, 0.0, False][len(node.args) - 3:]
+        q, k, mask = node.args[0], node.args[1], args[3]
+        if mask is None or args[4] != 0.0 or args[5] or not isinstance(mask, torch.fx.Node):
+            continue
+        value = values(mask)
+        if value is None:
+            continue
+        keep = value if value.dtype == torch.bool else value == 0
+        sq, skv = q.meta["val"].shape[-2], k.meta["val"].shape[-2]
+        causal = torch.ones(sq, skv, dtype=torch.bool).tril()
+        additive = value.dtype != torch.bool and bool(((value == 0) | (value == float("-inf"))).all())
+        if sq == skv and (value.dtype == torch.bool or additive) and keep.shape[-2:] == (sq, skv) \
+                and bool((keep == causal).all()):
+            node.args = (*node.args[:3], None, 0.0, True)
+        else:
+            node.meta[CONSTANT_MASK] = value
+            node.args = (*node.args[:3], None, *node.args[4:])
+        changed = True
+    return changed
+
+
+def _constant_values(exported):
+    """A function of an FX node: its value if it depends on no model input (only on parameters, buffers,
+    constants and shapes), else None. Values are computed with torch, once each."""
+    import torch
+
+    sig = exported.graph_signature
+    named = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    stored = {**exported.state_dict, **exported.constants}
+    memo: dict = {}
+
+    def value(node):
+        if node in memo:
+            return memo[node]
+        memo[node] = None  # until computed: a cycle cannot occur in an FX graph, an input stays None
+        if node.op == "placeholder":
+            result = stored.get(named.get(node.name))
+        elif node.op == "call_function":
+            missing = []
+
+            def arg(a):
+                v = value(a)
+                if v is None:
+                    missing.append(a)
+                return v
+
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), arg)
+            if missing:
+                return None
+            try:
+                with torch.no_grad():
+                    result = node.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - an op that cannot run eagerly here: not a constant to us
+                result = None
+        else:
+            result = None
+        memo[node] = result
+        return result
+
+    return value
