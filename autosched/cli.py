@@ -192,19 +192,37 @@ def _model_kwargs(args) -> dict:
         from .workloads import normalize_dtype
 
         dtype = getattr(torch, normalize_dtype(args.dtype))
-    return {"batch": args.batch, "tokens": args.tokens, "dtype": dtype}
+    return {"batch": args.batch, "tokens": None, "dtype": dtype}
+
+
+def _token_lengths(args) -> list[int] | None:
+    """--tokens: None (the model's default), or the lengths to tune or build (several: a bucketed build)."""
+    from .pipeline import parse_lengths
+
+    return parse_lengths(args.tokens, args.max_tokens)
+
+
+def _models(args):
+    """The model at each length --tokens names (once at its default length without --tokens)."""
+    from .pipeline import load_model, models_at
+
+    lengths, kwargs = _token_lengths(args), _model_kwargs(args)
+    if lengths is None:
+        return [load_model(args.model, **kwargs)]
+    return models_at(args.model, kwargs, lengths)
 
 
 def cmd_tune_model(args) -> int:
-    from .pipeline import extract_tasks, load_model, prepare, split_tunable
+    from .pipeline import extract_tasks, prepare, split_tunable
     from .target import parse_target
     from .tuner import TuneOptions, tune_tasks
 
     target = parse_target(args.target, require_device=args.runner == "local")
-    model = load_model(args.model, **_model_kwargs(args))
-    tasks, untunable = split_tunable(extract_tasks(prepare(model, target)[0]), target)
+    models = _models(args)
+    tasks, untunable = split_tunable(_merged_tasks([extract_tasks(prepare(m, target)[0]) for m in models]), target)
     log = _console(stderr=True)
-    log.log(f"{args.model}: {len(tasks) + len(untunable)} distinct kernels, "
+    lengths = f" at {len(models)} lengths ({', '.join(m.kwargs['tokens'] for m in models)} tokens)" if len(models) > 1 else ""
+    log.log(f"{args.model}{lengths}: {len(tasks) + len(untunable)} distinct kernels, "
             f"{sum(t.weight for t in tasks + untunable):.0f} calls per forward pass; {len(tasks)} tunable"
             + (f" ({len(untunable)} without a space keep the default schedule)" if untunable else ""))
     db = _open_db(args.db)
@@ -226,11 +244,27 @@ def cmd_tune_model(args) -> int:
              "weighted_us": t.weight * r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
              "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
     estimate = model_estimate(tasks, results, untunable)
+    if len(models) > 1:
+        estimate = estimate.replace("per forward pass", f"for one forward pass at each of the {len(models)} lengths")
     emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
                              ("latency_us", "best (us)"), ("weighted_us", "x calls (us)"), ("failures", "failed")],
          title=f"{args.model}: {estimate}")
     log.log(f"{args.model}: {estimate}")
     return 0
+
+
+def _merged_tasks(per_model: list[list]) -> list:
+    """The kernels of several lengths of one model: each distinct kernel once, its calls added up."""
+    import dataclasses
+
+    merged: dict[str, object] = {}
+    for tasks in per_model:
+        for task in tasks:
+            if task.key in merged:
+                merged[task.key] = dataclasses.replace(merged[task.key], weight=merged[task.key].weight + task.weight)
+            else:
+                merged[task.key] = task
+    return list(merged.values())
 
 
 def model_estimate(tasks, results, untunable=()) -> str:
@@ -269,27 +303,42 @@ class _ModelProgress:
 
 
 def cmd_build(args) -> int:
-    from .pipeline import build_model, build_summary, export_artifact, load_model
+    from .pipeline import build_lengths, build_model, build_summary, check_padding_is_exact, export_artifact, export_bucketed
     from .target import parse_target
 
     target = parse_target(args.target, require_device=False)
-    model = load_model(args.model, **_model_kwargs(args))
     from .database.store import is_url
 
+    models = _models(args)
+    # Several lengths: first check that padding to a bucket is exact for this model (before minutes of building).
+    axes = check_padding_is_exact(args.model, _model_kwargs(args)) if len(models) > 1 else None
     db = _open_db(args.db) if args.db and (is_url(args.db) or os.path.exists(args.db)) else None
-    executable, params, report = build_model(model, target, db)
-    out = export_artifact(args.output, executable, params, model, target, report, str(db.path) if db else None)
-    if db is not None:
-        db.close()
+    db_path = str(db.path) if db else None
+    log = _console(stderr=True)
+    try:
+        if len(models) == 1:
+            executable, params, report = build_model(models[0], target, db)
+            out = export_artifact(args.output, executable, params, models[0], target, report, db_path)
+            summary = build_summary(report)
+        else:
+            executables, params, reports = build_lengths(models, target, db)
+            for length, report in reports.items():
+                log.log(f"{length} tokens: {build_summary(report)}")
+            out = export_bucketed(args.output, executables, params, models[0], target, reports, axes, db_path)
+            summary = (f"one artifact for 1 to {max(reports)} tokens, inputs padded to the smallest of "
+                       f"{len(reports)} bucket lengths")
+    finally:
+        if db is not None:
+            db.close()
     print(str(out))
-    _console(stderr=True).log(f"{build_summary(report)}; load it with TVM alone (see README)")
+    log.log(f"{summary}; load it with TVM alone (see README)")
     return 0
 
 
 def cmd_run(args) -> int:
     from .runmodel import run_artifact
 
-    result = run_artifact(args.artifact, repeat=args.repeat, check=not args.no_check)
+    result = run_artifact(args.artifact, repeat=args.repeat, check=not args.no_check, tokens=args.tokens)
     if args.format == "json":
         print(json.dumps(result, indent=2))
     else:
@@ -392,7 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("model", help="an example model (tiny-llama, llama-7b-layers, ...) or module:factory")
         p.add_argument("--target", default="llvm", help="llvm (default) or cuda")
         p.add_argument("--batch", type=int, help="batch size of the example input")
-        p.add_argument("--tokens", type=int, help="tokens of the example input (prefill length; 1 = one decode step)")
+        p.add_argument("--tokens", help="tokens of the example input (prefill length; 1 = one decode step); "
+                       "several lengths (64,256,1024) or 'dynamic' (16, 32, ... up to --max-tokens): tune-model "
+                       "tunes every length's kernels, build makes one artifact for any length up to the largest")
+        p.add_argument("--max-tokens", type=int, default=2048, help="the largest length of --tokens dynamic (default 2048)")
         p.add_argument("--dtype", help="model dtype (the example's default if not given)")
         _add_db_arg(p)
 
@@ -418,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("artifact", help="the folder `autosched build` wrote")
     p.add_argument("--repeat", type=int, default=20, help="timed runs (default 20)")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with torch")
+    p.add_argument("--tokens", type=int, help="for a --tokens dynamic build: the length to run (default: the largest)")
     _add_format(p, ("table", "json"))
     p.set_defaults(fn=cmd_run)
 

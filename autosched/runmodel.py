@@ -10,50 +10,80 @@ from typing import Any
 MODEL_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
 
-def run_artifact(path: str, repeat: int = 20, check: bool = True) -> dict[str, Any]:
+def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | None = None) -> dict[str, Any]:
+    """Run, time and check an artifact; ``tokens`` picks the length for a ``--tokens dynamic`` build
+    (default: its largest bucket)."""
     import torch
     import tvm
 
-    from autosched.measure._worker import relative_error
-
-    from .pipeline import load_artifact, load_model
+    from .errors import UsageError
+    from .pipeline import BucketedModel, load_artifact, read_manifest
     from .target import KIND_FACTS
 
-    vm, params, manifest = load_artifact(path)
+    manifest = read_manifest(path)
     torch_device = KIND_FACTS[manifest["target"]["kind"]].device
     device = tvm.device(torch_device, 0)
     gen = torch.Generator().manual_seed(0)
-    inputs = [random_input(spec, gen).to(torch_device) for spec in manifest["inputs"]]
-    args = [tvm.runtime.from_dlpack(t) for t in inputs] + params
+    result: dict[str, Any] = {"model": manifest["model"],
+                              "target": f"{manifest['target']['kind']}:{manifest['target']['arch']}"}
+    if "buckets" in manifest:
+        model = BucketedModel(path)
+        tokens = tokens or max(model.buckets)
+        bucket = model.bucket(tokens)
+        specs = [{**spec, "shape": [tokens if d == "tokens" else d for d in spec["shape"]]} for spec in manifest["inputs"]]
+        inputs = [random_input(spec, gen) for spec in specs]
+        vm, params = model.vm(bucket), model.params(bucket)
+        args = model.padded([t.numpy() for t in inputs], bucket) + params
+        kernels = manifest["kernels_per_bucket"][str(bucket)]
+        result.update(tokens=tokens, bucket=bucket)
+    else:
+        if tokens is not None:
+            raise UsageError(f"{path} was built for one length; --tokens picks a length of a --tokens dynamic build")
+        vm, params, _ = load_artifact(path)
+        inputs = [random_input(spec, gen).to(torch_device) for spec in manifest["inputs"]]
+        args = [tvm.runtime.from_dlpack(t) for t in inputs] + params
+        kernels = manifest
     out = vm["main"](*args)
     out = out[0] if not hasattr(out, "numpy") else out
-    result: dict[str, Any] = {"model": manifest["model"], "target": f"{manifest['target']['kind']}:{manifest['target']['arch']}",
-                              "tuned_kernels": len(manifest["tuned_kernels"]),
-                              "default_kernels": len(manifest["default_kernels"])}
+    if "buckets" in manifest:
+        out = tvm.runtime.tensor(model.cut([out], tokens)[0])
+    result.update(tuned_kernels=len(kernels["tuned_kernels"]),
+                  transferred_kernels=len(kernels.get("transferred_kernels", {})),
+                  default_kernels=len(kernels["default_kernels"]))
     timer = vm.time_evaluator("main", device, number=1, repeat=repeat, min_repeat_ms=0)
     times = list(timer(*args).results)
     result["latency_ms"] = statistics.median(times) * 1e3
     result["latency_min_ms"] = min(times) * 1e3
     if check:
-        kwargs = dict(manifest.get("model_kwargs", {}))
-        if "dtype" in kwargs:
-            kwargs["dtype"] = getattr(torch, kwargs["dtype"])
-        for key in ("batch", "tokens"):
-            if key in kwargs:
-                kwargs[key] = int(kwargs[key])
-        model = load_model(manifest["model"], **kwargs)
-        if not _same_weights(model, manifest, params):
-            result["matches_torch"] = None
-            result["note"] = "the model factory gave other weights than the artifact's; no comparison"
-            return result
-        with torch.no_grad():
-            ref = model.module.to(torch_device)(*inputs)
-        got = torch.from_dlpack(out)
-        err = relative_error(got.to(ref.device), ref.double())
-        dtype = str(ref.dtype).replace("torch.", "")
-        result["rel_error_vs_torch"] = err
-        result["matches_torch"] = err <= MODEL_TOLERANCE.get(dtype, 1e-3)
+        result.update(_against_torch(manifest, params, [t.to(torch_device) for t in inputs], out, tokens))
     return result
+
+
+def _against_torch(manifest: dict[str, Any], params: list, inputs: list, out, tokens: int | None) -> dict[str, Any]:
+    """The relative error of ``out`` against the PyTorch model the artifact came from, on ``inputs``."""
+    import torch
+
+    from autosched.measure._worker import relative_error
+
+    from .pipeline import load_model
+
+    kwargs = dict(manifest.get("model_kwargs", {}))
+    if "dtype" in kwargs:
+        kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    for key in ("batch", "tokens"):
+        if key in kwargs:
+            kwargs[key] = int(kwargs[key])
+    if tokens is not None:
+        kwargs["tokens"] = tokens
+    model = load_model(manifest["model"], **kwargs)
+    if not _same_weights(model, manifest, params):
+        return {"matches_torch": None, "note": "the model factory gave other weights than the artifact's; no comparison"}
+    with torch.no_grad():
+        ref = model.module.to(inputs[0].device if inputs else "cpu")(*inputs)
+    got = torch.from_dlpack(out)
+    err = relative_error(got.to(ref.device), ref.double())
+    dtype = str(ref.dtype).replace("torch.", "")
+    return {"rel_error_vs_torch": err, "matches_torch": err <= MODEL_TOLERANCE.get(dtype, 1e-3)}
 
 
 def _same_weights(model, manifest: dict[str, Any], params: list) -> bool:

@@ -25,6 +25,8 @@ class ApplyReport:
     ``main_transform_params`` calls (run once, when the weights are prepared)."""
 
     tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel -> record info
+    # Kernels of a shape nobody tuned, on the best point of the nearest tuned shape: kernel -> its source.
+    transferred: dict[str, str] = field(default_factory=dict)
     default: list[str] = field(default_factory=list)  # kernels on a default schedule
     build_time: list[str] = field(default_factory=list)  # kernels of main_transform_params only, default schedule
     # Kernels compiled on their own and called from the model as packed functions, so that each keeps its
@@ -36,8 +38,11 @@ class ApplyReport:
 def build_summary(report: ApplyReport) -> str:
     """One line on how the model's kernels were scheduled, e.g. "14 kernels per forward pass: 14 from the
     database, 0 on default schedules (4 more run once at build time)"."""
-    text = (f"{len(report.tuned) + len(report.default)} kernels per forward pass: {len(report.tuned)} from the "
-            f"database, {len(report.default)} on default schedules")
+    total = len(report.tuned) + len(report.transferred) + len(report.default)
+    text = f"{total} kernels per forward pass: {len(report.tuned)} from the database"
+    if report.transferred:
+        text += f", {len(report.transferred)} from the nearest tuned shape"
+    text += f", {len(report.default)} on default schedules"
     if report.build_time:
         text += f" ({len(report.build_time)} more run once, at build time, on default schedules)"
     return text
@@ -52,6 +57,7 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     from autosched.errors import SpaceError
     from autosched.search_spaces import InvalidPoint
     from autosched.validate import trusted_best
+    from autosched.warm_start import transfer_points
 
     report = ApplyReport()
     out = tvm.IRModule(mod.functions, attrs=mod.attrs)
@@ -59,7 +65,7 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     measurers = []
 
     def measurer():
-        # Only records from another TVM version need one; started on first use.
+        # Records from another TVM version and transferred points need one; started on first use.
         if not measurers:
             from autosched.measure import Measurer
 
@@ -75,13 +81,21 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
         # Kernels run only once, at build time, get a default schedule and are not counted among the model's.
         runs_per_pass = gv.name_hint in per_pass
         default = report.default if runs_per_pass else report.build_time
-        scheduled = best = None
+        scheduled = best = transferred = None
         try:
             space = task.space(target)
             if db is not None and runs_per_pass:
                 best = trusted_best(db, task, target, space.id, measurer if can_measure else None)
+                if best is None and can_measure:
+                    # A shape nobody tuned (e.g. a bucket length of a --tokens dynamic build): the nearest
+                    # tuned shape's best point, if it builds and checks out here.
+                    nearest = transfer_points(db, task, target, space, workloads=1, per_workload=1)
+                    if nearest and measurer().measure(task.spec, [nearest[0][0]])[0].ok:
+                        transferred, source = nearest[0][0], nearest[0][1]
             if best is not None:
                 point = best.point
+            elif transferred is not None:
+                point = transferred
             elif not target.is_gpu or space.template:
                 # A template's default point is a hand-built kernel, better than dlight's generic one.
                 point = space.default()
@@ -94,6 +108,8 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
         if scheduled is not None and best is not None:
             report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
                                           "latency_us": best.median * 1e6, "space": best.space}
+        elif scheduled is not None and transferred is not None:
+            report.transferred[gv.name_hint] = source
         else:
             default.append(gv.name_hint)
         if scheduled is None:
@@ -200,3 +216,29 @@ def build_model(model: Model, target: TargetSpec, db: Database | None):
     executable = compile_module(scheduled, target, relax_pipeline=build_pipeline(target))
     executable = compile_separate(executable, report, target)
     return executable, transform_params(lowered, params), report
+
+
+def build_lengths(models: list[Model], target: TargetSpec, db: Database | None):
+    """:func:`build_model` at each length of ``models`` (one model per bucket length, same weights):
+    returns ({length: executable}, {length: the parameters its ``main`` takes}, {length: report}).
+
+    The parameters are mostly the same weights at every length, but not all: tables computed from
+    constants alone (rotary embeddings' cos/sin) are folded into them at each length. A tensor equal to
+    one of an earlier length is that same object, so that the artifact stores it once."""
+    import hashlib
+
+    from autosched.target import compile_module
+
+    executables, params, reports, seen = {}, {}, {}, {}
+    for model in models:
+        length = int(model.kwargs["tokens"])
+        lowered, weights = prepare(model, target)
+        scheduled, reports[length] = apply_database(lowered, db, target)
+        executable = compile_module(scheduled, target, relax_pipeline=build_pipeline(target))
+        executables[length] = compile_separate(executable, reports[length], target)
+        params[length] = []
+        for tensor in transform_params(lowered, weights):
+            data = tensor.numpy()
+            digest = hashlib.sha256(f"{data.dtype}{data.shape}".encode() + data.tobytes()).hexdigest()
+            params[length].append(seen.setdefault(digest, tensor))
+    return executables, params, reports
