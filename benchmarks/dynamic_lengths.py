@@ -1,0 +1,82 @@
+"""One artifact for every length against one static build per length, at lengths never tuned.
+
+The dynamic side tunes the model at its bucket lengths (``tune-model --tokens dynamic``, the same trials
+per length as each static build) and builds one artifact (``build --tokens dynamic``); the static side
+tunes and builds the model for exactly each length measured. Both are run with ``autosched run`` (median
+of its timed runs, checked against torch), one after the other in one process tree.
+
+    python benchmarks/dynamic_lengths.py --model hf-llama --max-tokens 1024 --lengths 77,300,1000 \
+        --trials-per-length 32 --out benchmarks/results/dynamic_lengths_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def autosched(*args: str, env: dict) -> str:
+    proc = subprocess.run([sys.executable, "-m", "autosched", *args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"autosched {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def run(artifact: Path, env: dict, tokens: int | None = None) -> dict:
+    extra = ["--tokens", str(tokens)] if tokens is not None else []
+    return json.loads(autosched("run", str(artifact), "--format", "json", "--repeat", "30", *extra, env=env))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="hf-llama")
+    parser.add_argument("--target", default="llvm")
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--lengths", default="77,300,1000")
+    parser.add_argument("--trials-per-length", type=int, default=32)
+    parser.add_argument("--threads", default="1", help="TVM_NUM_THREADS for every step (1: steadier on a small VM)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    env = {**os.environ, "TVM_NUM_THREADS": args.threads}
+    lengths = [int(x) for x in args.lengths.split(",")]
+    from autosched.pipeline import parse_lengths
+
+    buckets = parse_lengths("dynamic", args.max_tokens)
+    work = Path(tempfile.mkdtemp(prefix="autosched-dynamic-"))
+    common = ["--target", args.target]
+    started = time.time()
+    dyn_db, dyn_out = work / "dynamic.db", work / "dynamic"
+    autosched("tune-model", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
+              "--trials", str(args.trials_per_length * len(buckets)), "--db", str(dyn_db), "-q", env=env)
+    autosched("build", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
+              "--db", str(dyn_db), "-o", str(dyn_out), env=env)
+    rows = []
+    for n in lengths:
+        db, out = work / f"static{n}.db", work / f"static{n}"
+        autosched("tune-model", args.model, *common, "--tokens", str(n), "--trials", str(args.trials_per_length),
+                  "--db", str(db), "-q", env=env)
+        autosched("build", args.model, *common, "--tokens", str(n), "--db", str(db), "-o", str(out), env=env)
+        dynamic, static = run(dyn_out, env, n), run(out, env)
+        rows.append({"tokens": n, "bucket": dynamic["bucket"], "dynamic_ms": dynamic["latency_ms"],
+                     "static_ms": static["latency_ms"], "dynamic_over_static": dynamic["latency_ms"] / static["latency_ms"],
+                     "dynamic_matches_torch": dynamic["matches_torch"], "static_matches_torch": static["matches_torch"]})
+        print(f"{n:5d} tokens (bucket {dynamic['bucket']:5d}): dynamic {dynamic['latency_ms']:.3f} ms, "
+              f"static {static['latency_ms']:.3f} ms, ratio {rows[-1]['dynamic_over_static']:.2f}, "
+              f"both match torch: {dynamic['matches_torch'] and static['matches_torch']}", flush=True)
+    result = {"model": args.model, "target": args.target, "buckets": buckets, "trials_per_length": args.trials_per_length,
+              "tvm_num_threads": args.threads, "machine": f"{platform.node()} ({os.cpu_count()} cores)",
+              "seconds": round(time.time() - started), "rows": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
