@@ -10,8 +10,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from autosched.errors import UsageError
-from autosched.pipeline import (BucketedModel, build_lengths, check_padding_is_exact, export_bucketed, load_model,
-                                models_at, parse_lengths)
+from autosched.pipeline import (
+    BucketedModel,
+    build_lengths,
+    check_padding_is_exact,
+    export_bucketed,
+    load_model,
+    models_at,
+    parse_lengths,
+)
 from autosched.runmodel import run_artifact
 
 
