@@ -43,6 +43,7 @@ __all__ = [
 
 def space_classes() -> dict[str, type[Space]]:
     """Every space by name, in the order they are tried on an unknown function."""
+    from .cpu_attention import BlockedAttentionSpace
     from .gpu_attention import FlashAttentionSpace
     from .gpu_matmul import GpuGemvSpace, GpuMatmulSpace
     from .gpu_rows import GpuInjectiveSpace, GpuRowsSpace
@@ -52,7 +53,7 @@ def space_classes() -> dict[str, type[Space]]:
     from .matmul import MatmulSpace
     from .rows import RowsSpace
 
-    ordered = (MatmulSpace, RowsSpace, InjectiveSpace,  # CPU
+    ordered = (MatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
                HopperGemmSpace, HopperAttentionSpace,  # CUDA, sm_90 (each declines other targets)
                FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}

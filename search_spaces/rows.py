@@ -148,17 +148,26 @@ class RowsSpace(Space):
         row = sch.fuse(*loops[: self.depth]) if self.depth > 1 else loops[0]
         r0, r1 = sch.split(row, [None, p["rows_per_task"]])
         sch.parallel(r0)
+        at = self._stages_at(p, r0, r1)
         for block in reversed(blocks[:-1]):
-            sch.compute_at(block, r1, preserve_unit_loops=True)
+            sch.compute_at(block, at, preserve_unit_loops=True)
+        self._before_vectorizing(sch, p, r0)
         for block in blocks_of(sch):
             if vec > 1:
-                self._vectorize_stage(sch, block, vec)
+                self._vectorize_stage(sch, block, vec, skip=2 if at.same_as(r1) or block.same_as(out) else 1)
             if p["unroll"]:
                 sch.annotate(block, "pragma_auto_unroll_max_step", p["unroll"])
                 sch.annotate(block, "pragma_unroll_explicit", 1)
         for tail in tails:
             guard_row_tail(sch, tail)
         mark_tails_likely(sch)
+
+    def _stages_at(self, p: Point, task, row):
+        """The loop under which every stage but the last is computed: each row on its own."""
+        return row
+
+    def _before_vectorizing(self, sch: s_tir.Schedule, p: Point, task) -> None:
+        """A hook for subclasses, after the stages are placed (e.g. layout caches at the task loop)."""
 
     def _rfactor(self, sch, block, vec: int) -> RowTail | None:
         """Split a pure row reduction (row loops, then one reduction loop) into ``vec`` partial sums
@@ -181,10 +190,11 @@ class RowsSpace(Space):
             raise RuntimeError("rfactor did not bind its block's iterators to the split loops")
         return RowTail(sch.get(rf).name_hint, at[0][0], at[1][0], vec, extent)
 
-    def _vectorize_stage(self, sch, block, vec: int) -> None:
-        """Vectorise the innermost spatial loop of a stage below the row loop, reductions moved outside."""
-        loops = sch.get_loops(block)[2:]  # below the parallel row loop and the rows-per-task loop
-        kinds = loop_kinds(sch, block)[2:]
+    def _vectorize_stage(self, sch, block, vec: int, skip: int = 2) -> None:
+        """Vectorise the innermost spatial loop of a stage below the row loop, reductions moved outside
+        (``skip``: the loops above the stage, the parallel row loop and, where placed per row, the row)."""
+        loops = sch.get_loops(block)[skip:]
+        kinds = loop_kinds(sch, block)[skip:]
         extents = const_extents(sch, loops)
         spatial = [lp for lp, k, e in zip(loops, kinds, extents) if k == "S" and e > 1]
         reduce = [lp for lp, k, e in zip(loops, kinds, extents) if k == "R" and e > 1]

@@ -27,6 +27,8 @@ CASES = [
     ("softmax", "m=9,n=77", "float16", ""),
     ("rope", "b=1,s=7,h=3,d=16", "float32", ""),
     ("attention", "b=1,h=2,s=13,d=8", "float32", "causal=1"),
+    ("attention", "b=1,h=4,hkv=2,s=48,d=16", "float32", "causal=1"),  # blocks of query rows, K transposed
+    ("attention", "b=2,h=2,s=16,d=8", "float32", "causal=0"),  # two sequences: the rows space
     ("paged_decode_attention", "b=2,h=4,hkv=2,d=8,ctx=21,page=4", "float32", ""),
 ]
 
@@ -188,3 +190,11 @@ def test_rows_no_vector_divides_keep_their_vectorised_reduction(op, dtype, cpu_t
     assert re.search(r"_rf\[.*\] = .*T\.Ramp\([^)]*, 1, 16\)", text), "the partial sums are not 16-wide vectors"
     assert re.search(r"_rf\[.*\] = .*T\.Ramp\([^)]*, 1, 9\)", text), "the 9-element tail is not one vector"
     assert "_s in" not in text, "a loop was scalarised"
+
+
+def test_cpu_attention_runs_in_blocks_of_query_rows_for_one_sequence(cpu_target):
+    """One sequence: the blocked space (whole-head row blocks, so the blocks divide the query length);
+    two: the rows space, since TVM cannot place the stages under a block of the fused batch loop."""
+    _, space = _task_space(CASES[9], cpu_target)
+    assert space.name == "cpu_attention" and space.knobs[0].choices == (6, 8, 12, 16, 24, 48)
+    assert _task_space(CASES[10], cpu_target)[1].name == "rows"
