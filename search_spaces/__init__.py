@@ -8,7 +8,9 @@ family     structure                                                       examp
 ========== =============================================================== =======================
 matmul     one contraction block; other blocks elementwise                 gemm, dequant_gemm
 rows       blocks share leading row loops and reduce within a row          rmsnorm, softmax,
-                                                                           attention (CPU)
+                                                                           attention (CPU, b > 1)
+attention  rows whose first stage reads Q and K (``cpu_attention``:       prefill attention
+           blocks of query rows, K transposed)                             (CPU, b = 1)
 injective  no reduction                                                    rope, casts, adds
 ========== =============================================================== =======================
 
