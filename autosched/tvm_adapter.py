@@ -73,3 +73,9 @@ def register_llvm_lowering(op_name: str, lower: Callable, level: int = 99) -> No
     from tvm import tirx
 
     tirx.register_intrin_lowering(op_name, target="llvm", f=lower, level=level)
+
+
+def convert_attention_as_tvm_does(importer: Any, node: Any) -> Any:
+    """TVM's own conversion of ``scaled_dot_product_attention`` (a method of the exported-program
+    importer): what our attention converter hands over the forms it does not take (dropout, 2-D)."""
+    return importer._scaled_dot_product_attention(node)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tvm
 import tvm_ffi
 from tvm import s_tir, te, tirx
@@ -101,3 +102,23 @@ def test_register_llvm_lowering_applies_to_later_compiles():
     out = tvm.runtime.tensor(np.zeros(64, "float32"))
     lib(tvm.runtime.tensor(a), out)
     np.testing.assert_allclose(out.numpy(), np.exp(a), rtol=1e-6)
+
+
+def test_tvm_converts_attention_on_two_dimensional_tensors():
+    """What our converter hands to TVM's: attention on [seq, dim] tensors becomes one R.nn.attention."""
+    import torch
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from autosched.pipeline.importer import _attention
+
+    class TwoD(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    x = torch.randn(6, 8)
+    exported = torch.export.export(TwoD(), (x, x, x))
+    table = {op: fn for op, fn in torch.export.default_decompositions().items() if "scaled_dot" not in str(op)}
+    with pytest.warns(UserWarning, match="TVM's own converter"):
+        mod = from_exported_program(exported.run_decompositions(table), run_ep_decomposition=False,
+                                    custom_convert_map={"scaled_dot_product_attention.default": _attention})
+    assert "R.nn.attention" in mod.script()

@@ -7,6 +7,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from autosched.errors import UsageError
+from autosched.tvm_adapter import convert_attention_as_tvm_does
 from autosched.workloads import make_workload
 
 from .graph_rewrites import CONSTANT_MASK, rewrite_exported
@@ -191,8 +192,11 @@ def _attention(node, importer):
     dropout, causal = node.kwargs.get("dropout_p", args[4]), node.kwargs.get("is_causal", args[5])
     scale = node.kwargs.get("scale")
     if len(q.ty.shape) != 4 or dropout:
-        raise UsageError(f"attention on {len(q.ty.shape)}-D tensors or with dropout ({dropout}) is not supported: "
-                         "export the model in eval mode with [batch, heads, seq, dim] tensors")
+        import warnings
+
+        warnings.warn(f"attention on {len(q.ty.shape)}-D tensors or with dropout {dropout}: TVM's own converter "
+                      "takes it, not our attention kernel", stacklevel=1)
+        return convert_attention_as_tvm_does(importer, node)
     dtype, dim = str(q.ty.dtype), int(q.ty.shape[-1])
     if scale is not None and not math.isclose(scale, 1 / math.sqrt(dim), rel_tol=1e-6):
         q = bb.emit(relax.op.multiply(q, relax.const(scale * math.sqrt(dim), dtype)))
