@@ -107,8 +107,10 @@ def _open_db(path: str, readonly: bool = False, busy_timeout: float = 60.0):
 
 
 def _measurer(args, target):
-    """The measurer that ``--runner``, ``--tracker``, ``--key`` and ``--devices`` ask for (None: the tuner's
-    default, one local runner)."""
+    """The measurer that ``--runner``, ``--builder``, ``--tracker``, ``--key`` and ``--devices`` ask for (None:
+    the tuner's default, one local runner)."""
+    if args.builder == "rpc" and args.runner != "rpc":
+        raise UsageError("--builder rpc goes with --runner rpc: the RPC servers build what they measure")
     if args.runner == "local" and args.devices is None:
         if args.tracker or args.key:
             raise UsageError("--tracker and --key go with --runner rpc")
@@ -120,10 +122,12 @@ def _measurer(args, target):
             raise UsageError("--devices is for GPUs of this host; with --runner rpc start one server per GPU instead")
         if not args.tracker or not args.key:
             raise UsageError("--runner rpc needs --tracker HOST:PORT and --key KEY (the key its servers registered under)")
-        from .measure.rpc import parse_tracker, rpc_runner
+        from .measure.rpc import RemoteBuilder, parse_tracker, rpc_runner
 
         parse_tracker(args.tracker)
         factory = rpc_runner(args.tracker, args.key)
+        if args.builder == "rpc":
+            return Measurer(target, MeasureConfig.for_target(target), runner=factory, builder=RemoteBuilder)
     else:
         from .measure.parallel import device_runner, parse_devices
 
@@ -396,6 +400,9 @@ def _add_measure_args(p: argparse.ArgumentParser) -> None:
                    help="where candidates are checked and timed: this host (default), or every RPC server under --key")
     p.add_argument("--tracker", help="HOST:PORT of the TVM RPC tracker (with --runner rpc)")
     p.add_argument("--key", help="the key the RPC servers registered under (with --runner rpc)")
+    p.add_argument("--builder", choices=("local", "rpc"), default="local",
+                   help="where candidates are compiled: this host's cores (default), or, with --runner rpc, the "
+                        "server that measures each one")
     p.add_argument("--devices", help="GPUs of this host to measure on at once, e.g. 0,1 (one runner process per GPU)")
 
 

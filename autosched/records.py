@@ -25,6 +25,8 @@ class BuildResult:
     seconds: float = 0.0
     error_kind: str | None = None
     error_msg: str | None = None
+    # With ``--builder rpc``: no artifact here; the point, for the server that measures it to build.
+    remote_point: dict | None = None
 
     @property
     def ok(self) -> bool:

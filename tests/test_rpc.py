@@ -171,3 +171,25 @@ def test_one_runner_process_per_device(cpu_target):
             # A lambda travels by value and reads the environment of the runner process itself.
             slot.runner._worker.send(lambda: __import__("os").environ.get("CUDA_VISIBLE_DEVICES"))
             assert slot.runner._worker.recv() == device
+
+
+def test_builder_rpc_builds_on_the_servers(cluster, cpu_target, tmp_path):
+    """--builder rpc: no candidate is compiled on the tuning host; each server builds what it measures,
+    and the records carry the servers' build times."""
+    from autosched.measure.rpc import RemoteBuilder
+
+    options = TuneOptions(trials=8, batch_size=8, seed=3, cost_model="random", transfer=False)
+    config = MeasureConfig.for_target(cpu_target)
+    with Database(tmp_path / "remote.db") as db, \
+            Measurer(cpu_target, config, runner=rpc_runner(cluster.address, cluster.key), builder=RemoteBuilder) as m:
+        result = tune(_task(), cpu_target, db, options, measurer=m)
+        records = db.records_for(_task().key, cpu_target)
+        assert sorted(set(m.runner.measured_by) - {None}) == ["rpc slot 1", "rpc slot 2"]
+    assert result.trials == 8 and len(records) == 8
+    ok = [r for r in records if r.result.ok]
+    assert len(ok) >= 6 and all(r.result.build_seconds > 0 and r.result.rel_error is not None for r in ok)
+
+
+def test_builder_rpc_needs_the_rpc_runner(tmp_path):
+    proc = autosched("tune", "softmax", "--trials", "2", "--builder", "rpc", "--db", str(tmp_path / "x.db"), check=False)
+    assert proc.returncode == 2 and "--builder rpc goes with --runner rpc" in proc.stderr

@@ -202,14 +202,17 @@ class Measurer:
     ``runner``: ``"local"`` (one runner process on this host's first device), or a factory
     ``runner(target, config, workdir)`` of an object with the :class:`Runner`'s ``run`` and ``close``,
     such as :func:`autosched.measure.rpc.rpc_runner` or :func:`autosched.measure.parallel.device_runner`.
+    ``builder``: ``"local"`` (a pool of this host's cores), or a factory of an object with the
+    :class:`Builder`'s ``build`` and ``close``, such as :class:`autosched.measure.rpc.RemoteBuilder`.
     """
 
     def __init__(self, target: TargetSpec, config: MeasureConfig | None = None, build_workers: int | None = None,
-                 runner="local"):
+                 runner="local", builder="local"):
         self.target = target
         self.config = config or MeasureConfig.for_target(target)
         self.workdir = tempfile.mkdtemp(prefix="autosched-")
-        self.builder = Builder(target, build_workers, self.config.build_timeout, self.workdir)
+        self.builder = (Builder(target, build_workers, self.config.build_timeout, self.workdir) if builder == "local"
+                        else builder(target, self.config, self.workdir))
         try:
             self.runner = (Runner if runner == "local" else runner)(target, self.config, self.workdir)
         except BaseException:

@@ -112,8 +112,8 @@ class ParallelRunner:
                                 f"(last: {res.reason}): the kernel crashes or hangs where it runs", builds[i].seconds)
                         continue
                     b = builds[i]
-                    results[i] = MeasureResult(res.latencies, res.error_kind, res.error_msg, b.seconds,
-                                               res.run_seconds, res.rel_error)
+                    results[i] = MeasureResult(res.latencies, res.error_kind, res.error_msg,
+                                               b.seconds or res.build_seconds, res.run_seconds, res.rel_error)
                     best[0] = min(best[0], results[i].median)
                     self.measured_by[i] = slot.name
 

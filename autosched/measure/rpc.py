@@ -40,10 +40,11 @@ if TYPE_CHECKING:
 
     from . import MeasureConfig
 
-__all__ = ["LocalCluster", "RPCRunner", "parse_tracker", "register_functions", "rpc_runner", "serve"]
+__all__ = ["LocalCluster", "RPCRunner", "RemoteBuilder", "parse_tracker", "register_functions", "rpc_runner", "serve"]
 
 PREPARE_FUNC = "autosched.measure.prepare"
 RUN_FUNC = "autosched.measure.run"
+BUILD_RUN_FUNC = "autosched.measure.build_and_run"
 CONNECT_TIMEOUT = 30.0  # seconds a slot waits for the tracker to hand it a free server
 TRANSFER_ALLOWANCE = 30.0  # seconds added to a candidate's run timeout for its upload and the round trip
 
@@ -81,6 +82,29 @@ def _remote_run(payload: bytes) -> bytes:
     return cloudpickle.dumps(result)
 
 
+def _remote_build_and_run(payload: bytes) -> bytes:
+    """``--builder rpc``: build a point here, then check and time it as :func:`_remote_run` does."""
+    import dataclasses
+    import uuid
+
+    import cloudpickle
+    import tvm
+
+    from ._worker import build_candidate, run_candidate
+
+    spec, target, point, config = cloudpickle.loads(bytes(payload))
+    path = tvm.get_global_func("tvm.rpc.server.workpath")(f"candidate-{uuid.uuid4().hex}.so")
+    build = build_candidate(spec, target, point, path)
+    if not build.ok:
+        return cloudpickle.dumps(MeasureResult.failed(build.error_kind, build.error_msg, build.seconds))
+    try:
+        result = run_candidate(spec, target, path, config)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return cloudpickle.dumps(dataclasses.replace(result, build_seconds=build.seconds))
+
+
 def register_functions() -> None:
     """The server's initialization callback: import TVM, torch and autosched once (session processes
     are forked from the server and inherit them) and register the two functions."""
@@ -93,6 +117,7 @@ def register_functions() -> None:
 
     tvm_ffi.register_global_func(PREPARE_FUNC, _remote_prepare, override=True)
     tvm_ffi.register_global_func(RUN_FUNC, _remote_run, override=True)
+    tvm_ffi.register_global_func(BUILD_RUN_FUNC, _remote_build_and_run, override=True)
 
 
 def serve(tracker: str, key: str, host: str = "127.0.0.1", port: int = 9090, port_end: int | None = None,
@@ -145,6 +170,31 @@ def _slot_measure(spec, target, path: str, config: dict) -> MeasureResult:
     name = os.path.basename(path)
     remote.upload(path, name)
     return cloudpickle.loads(bytes(remote.get_function(RUN_FUNC)(cloudpickle.dumps((spec, target, name, config)))))
+
+
+def _slot_build_and_measure(spec, target, point: dict, config: dict) -> MeasureResult:
+    """Have this slot's server build one point, then check and time it there."""
+    import cloudpickle
+
+    run = _SESSION["remote"].get_function(BUILD_RUN_FUNC)
+    return cloudpickle.loads(bytes(run(cloudpickle.dumps((spec, target, point, config)))))
+
+
+class RemoteBuilder:
+    """``--builder rpc``: builds nothing here. Each point goes to the RPC server that measures it, which
+    builds it on its own cores (and compiler) first: for a tuning host slower than its servers, or
+    without the compiler the target needs."""
+
+    def __init__(self, target: TargetSpec, config: MeasureConfig, workdir: str | None = None):
+        self.target = target
+
+    def build(self, spec, points: list, modules=None) -> list:
+        from autosched.records import BuildResult
+
+        return [BuildResult(None, remote_point=dict(point)) for point in points]
+
+    def close(self) -> None:
+        pass
 
 
 class _RPCSlot:
@@ -207,7 +257,11 @@ class _RPCSlot:
         # Step 1. The task's reference, once per session, under its own (long) timeout.
         # Step 2. The candidate, under its run timeout plus the transfer allowance.
         target, allowance = self.runner.target, self.runner.transfer_allowance
-        steps = [(_slot_measure, (spec, target, build.artifact, config), cfg.run_timeout + allowance)]
+        if build.remote_point is not None:  # --builder rpc: the server builds it first
+            steps = [(_slot_build_and_measure, (spec, target, build.remote_point, config),
+                      cfg.build_timeout + cfg.run_timeout + allowance)]
+        else:
+            steps = [(_slot_measure, (spec, target, build.artifact, config), cfg.run_timeout + allowance)]
         if self.prepared != spec.key:
             steps.insert(0, (_slot_prepare, (spec, target), cfg.prepare_timeout + allowance))
         for fn, args, timeout in steps:
