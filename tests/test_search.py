@@ -96,13 +96,15 @@ def test_points_that_give_the_same_kernel_are_proposed_once(cpu_target):
     assert not twins & {point_key(p) for p in proposed}
 
 
-def test_each_point_is_applied_once_and_its_module_is_what_the_builder_gets(cpu_target, monkeypatch):
+def test_a_point_slow_to_apply_is_applied_once_and_its_module_is_what_the_builder_gets(cpu_target, monkeypatch):
     """Tuning applies a point once, in the search (to featurise it and find twins by structural hash), and
     hands that module to the measurer, whose builder compiles it rather than applying the point again."""
     import collections
+    import time
 
     import tvm_ffi
 
+    from autosched.search import SEND_MODULE_AFTER
     from autosched.tuner import TuneOptions, tune
 
     task = Task.from_workload(make_workload("gemm", "m=64,n=64,k=64"))
@@ -110,11 +112,12 @@ def test_each_point_is_applied_once_and_its_module_is_what_the_builder_gets(cpu_
     apply = space_class.apply
     applied: collections.Counter[str] = collections.Counter()
 
-    def counting_apply(self, point):
+    def slow_counting_apply(self, point):
         applied[point_key(point)] += 1
+        time.sleep(SEND_MODULE_AFTER)
         return apply(self, point)
 
-    monkeypatch.setattr(space_class, "apply", counting_apply)
+    monkeypatch.setattr(space_class, "apply", slow_counting_apply)
 
     class Recorder:
         def __init__(self):
