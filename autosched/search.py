@@ -9,7 +9,9 @@ and proposes the best of them plus a share of random points (epsilon-greedy expl
 
 from __future__ import annotations
 
+import collections
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -19,9 +21,16 @@ import tvm_ffi
 from autosched.search_spaces import InvalidPoint, Point, point_key
 
 if TYPE_CHECKING:
+    from tvm import IRModule
+
     from autosched.cost_model import CostModel
     from autosched.records import MeasureResult
     from autosched.search_spaces import Space
+
+# Seconds of Space.apply from which the builder gets the search's module instead of applying the point
+# again. Below it, sending costs as much: writing and reading TVM's JSON of a CPU row kernel (20 kB) takes
+# 2 ms, as long as applying its point; a CPU GEMM's point takes 4 ms to apply and 2.6 ms to send.
+SEND_MODULE_AFTER = 0.003
 
 
 @dataclass(frozen=True)
@@ -68,13 +77,20 @@ class EvolutionarySearch:
         self.duplicates: dict[str, str] = {}  # key -> key of the earlier point
         self._kernels: dict[int, str] = {}  # structural hash of a scheduled module -> its first point's key
         self._features: dict[str, np.ndarray] = {}
+        # Scheduled modules of points not measured yet that were slow to apply, for the builder to compile
+        # instead of applying the point again. A module takes tens to hundreds of kB: those of about one
+        # round's applications are kept (on a GEMM, 96% of the proposed points still had theirs).
+        self._modules: collections.OrderedDict[str, IRModule] = collections.OrderedDict()
+        self._modules_kept = self.config.population * (self.config.generations + 1)
         self._fitted = False
         self._first: list[Point] = []  # proposed before anything else (e.g. transferred points)
 
     # ---- tell ------------------------------------------------------------------------------------
     def observe(self, points: list[Point], results: list[MeasureResult]) -> None:
         for point, result in zip(points, results):
-            self.measured[point_key(point)] = (point, result.median)
+            key = point_key(point)
+            self.measured[key] = (point, result.median)
+            self._modules.pop(key, None)
         self._refit()
 
     def observe_known(self, points: list[Point], latencies: list[float]) -> None:
@@ -129,6 +145,11 @@ class EvolutionarySearch:
         for point in self._random_new(n - len(chosen), exclude=set(chosen)):
             chosen[point_key(point)] = point
         return list(chosen.values())
+
+    def modules(self, points: list[Point]) -> list[IRModule | None]:
+        """The scheduled module of each proposed point, None where the search kept none (a point quick to apply,
+        a space with its own features, a module dropped for room): the builder applies those points itself."""
+        return [self._modules.get(point_key(p)) for p in points]
 
     def _random_new(self, n: int, exclude: set[str] | None = None, tries_per_point: int = 20) -> list[Point]:
         out: dict[str, Point] = {}
@@ -191,16 +212,22 @@ class EvolutionarySearch:
         if analytic is not None:
             self._features[key] = np.asarray(analytic, dtype=np.float64)
             return True
+        start = time.perf_counter()
         try:
             mod = self.space.apply(point)
         except InvalidPoint as exc:
             self.rejected[key] = str(exc)
             return False
+        apply_seconds = time.perf_counter() - start
         first = self._kernels.setdefault(tvm_ffi.structural_hash(mod), key)
         if first != key:
             self.duplicates[key] = first
             return False
         self._features[key] = self.featurize([mod])[0]
+        if key not in self.measured and apply_seconds >= SEND_MODULE_AFTER:
+            self._modules[key] = mod
+            while len(self._modules) > self._modules_kept:
+                self._modules.popitem(last=False)
         return True
 
     def _features_of(self, points: list[Point], keys: list[str]) -> np.ndarray:

@@ -153,7 +153,7 @@ class TaskTuner:
             return 0
         before = self.best
         cutoff = SLOW_CUTOFF * before if math.isfinite(before) else None
-        results = measurer.measure(self.task.spec, points, cutoff)
+        results = measurer.measure(self.task.spec, points, cutoff, modules=self.search.modules(points))
         if self.db is not None:
             self.db.add_records(self.workload_id, self.target_id, self.run_id, self.space.id, points, results)
         self.search.observe(points, results)

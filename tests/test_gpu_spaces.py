@@ -128,3 +128,26 @@ def test_show_prints_the_wgmma_kernel_for_sm90a(tmp_path):
     out = autosched("show", "gemm", "--shape", "m=256,n=256,k=256", "--dtype", "bf16", "--target", "cuda:sm_90a",
                     "--db", str(tmp_path / "none.db")).stdout
     assert "wgmma.mma_async.sync.aligned.m64n" in out and "cp.async.bulk.tensor" in out and "setmaxnreg" in out
+
+
+@pytest.mark.parametrize("arch,dtype,space_name", [("sm_90a", "float16", "hopper_gemm"), ("sm_90", "float32", "gpu_matmul")])
+def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_name, tmp_path):
+    """The builder gets the search's module in TVM's JSON: a TIRx kernel and a TIR schedule come back equal,
+    give the same CUDA source, and build in the builder's function with the space's code generation."""
+    import tvm
+    import tvm_ffi
+
+    from autosched.measure._worker import build_candidate
+
+    target = parse_target(f"cuda:{arch}", require_device=False)
+    task = Task.from_workload(make_workload("gemm", "m=128,n=128,k=64", dtype))
+    space = task.space(target)
+    assert space.name == space_name
+    point = space.default()
+    module = space.apply(point)
+    scheduled = tvm.ir.save_json(module)
+    assert tvm_ffi.structural_equal(tvm.ir.load_json(scheduled), module)
+    source = cuda_source(module, target, space.build_config(point), space.codegen)
+    assert cuda_source(tvm.ir.load_json(scheduled), target, space.build_config(point), space.codegen) == source
+    built = build_candidate(task.spec, target, point, str(tmp_path / "kernel.so"), scheduled)
+    assert built.ok, built.error_msg

@@ -94,6 +94,16 @@ def test_measurer_times_good_candidates_and_records_space_errors(gemm_task, cpu_
     assert bad.error_kind == "space" and "does not fit" in bad.error_msg
 
 
+def test_builder_compiles_the_module_it_is_given_instead_of_applying_the_point(gemm_task, cpu_target):
+    """The search's scheduled module is what gets built: given one, the worker compiles it as is (here a kernel
+    that writes half of C, so the check tells which kernel ran); without one, it applies the point."""
+    point = gemm_task.space(cpu_target).default()
+    with Measurer(cpu_target, MeasureConfig(repeat=1, min_repeat_ms=1)) as m:
+        given, applied = m.measure(gemm_task.spec, [point, point], modules=[tvm.IRModule({"main": _half_written}), None])
+    assert given.error_kind == "wrong_result" and "NaN" in given.error_msg
+    assert applied.ok
+
+
 def test_builder_survives_a_batch_larger_than_its_pool(gemm_task, cpu_target):
     space = gemm_task.space(cpu_target)
     rng = np.random.default_rng(0)

@@ -76,7 +76,7 @@ class _InstantMeasurer:
     def __init__(self):
         self.measured = []
 
-    def measure(self, spec, points, cutoff=None):
+    def measure(self, spec, points, cutoff=None, modules=None):
         from autosched.records import MeasureResult
 
         self.measured.append((spec, list(points)))

@@ -94,3 +94,44 @@ def test_points_that_give_the_same_kernel_are_proposed_once(cpu_target):
     assert search.duplicates, "the rows space has points with equal kernels; none were found"
     twins = {point_key({**p, "rfactor": not p["rfactor"]}) for p in proposed if p["vector"] == 1}
     assert not twins & {point_key(p) for p in proposed}
+
+
+def test_a_point_slow_to_apply_is_applied_once_and_its_module_is_what_the_builder_gets(cpu_target, monkeypatch):
+    """Tuning applies a point once, in the search (to featurise it and find twins by structural hash), and
+    hands that module to the measurer, whose builder compiles it rather than applying the point again."""
+    import collections
+    import time
+
+    import tvm_ffi
+
+    from autosched.search import SEND_MODULE_AFTER
+    from autosched.tuner import TuneOptions, tune
+
+    task = Task.from_workload(make_workload("gemm", "m=64,n=64,k=64"))
+    space_class = type(task.space(cpu_target))
+    apply = space_class.apply
+    applied: collections.Counter[str] = collections.Counter()
+
+    def slow_counting_apply(self, point):
+        applied[point_key(point)] += 1
+        time.sleep(SEND_MODULE_AFTER)
+        return apply(self, point)
+
+    monkeypatch.setattr(space_class, "apply", slow_counting_apply)
+
+    class Recorder:
+        def __init__(self):
+            self.given = []  # (point, module) handed to measure
+
+        def measure(self, spec, points, cutoff=None, modules=None):
+            self.given += zip(points, modules or [None] * len(points))
+            return [MeasureResult((_oracle(p),)) if math.isfinite(_oracle(p))
+                    else MeasureResult.failed("wrong_result", "oracle") for p in points]
+
+    recorder = Recorder()
+    options = TuneOptions(trials=24, batch_size=8, cost_model="random", search=SearchConfig(population=16, generations=2))
+    tune(task, cpu_target, None, options, measurer=recorder)
+    assert len(recorder.given) == 24
+    for point, module in recorder.given:
+        assert applied[point_key(point)] == 1, point
+        assert module is not None and tvm_ffi.structural_equal(module, apply(task.space(cpu_target), point))

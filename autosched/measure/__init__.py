@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
 
 if TYPE_CHECKING:
+    from tvm import IRModule
+
     from autosched.search_spaces import Point
     from autosched.target import TargetSpec
     from autosched.task import TaskSpec
@@ -86,14 +88,20 @@ class Builder:
                                        stdout=subprocess.DEVNULL, stderr=self._log)
         self._count = 0
 
-    def build(self, spec: TaskSpec, points: list[Point]) -> list[BuildResult]:
+    def build(self, spec: TaskSpec, points: list[Point], modules: list[IRModule | None] | None = None
+              ) -> list[BuildResult]:
+        """``modules``: the scheduled module of each point where the caller has it (the search does), which
+        the worker compiles as is; the worker applies the other points itself."""
+        import tvm
+
         from ._worker import build_candidate
 
         futures = []
-        for point in points:
+        for point, module in zip(points, modules or [None] * len(points), strict=True):
             self._count += 1
             path = os.path.join(self.dir, f"candidate_{self._count}.so")
-            futures.append(self._pool.submit(build_candidate, spec, self.target, point, path))
+            scheduled = None if module is None else tvm.ir.save_json(module)
+            futures.append(self._pool.submit(build_candidate, spec, self.target, point, path, scheduled))
         results = []
         for fut in futures:
             start = time.perf_counter()
@@ -220,8 +228,10 @@ class Measurer:
             shutil.rmtree(self.workdir, ignore_errors=True)
             raise
 
-    def measure(self, spec: TaskSpec, points: list[Point], cutoff: float | None = None) -> list[MeasureResult]:
-        builds = self.builder.build(spec, points)
+    def measure(self, spec: TaskSpec, points: list[Point], cutoff: float | None = None,
+                modules: list[IRModule | None] | None = None) -> list[MeasureResult]:
+        """``modules``: the points' scheduled modules where already made (see :meth:`Builder.build`)."""
+        builds = self.builder.build(spec, points, modules)
         results = self.runner.run(spec, builds, cutoff)
         for b in builds:
             if b.artifact and os.path.exists(b.artifact):

@@ -42,14 +42,18 @@ def _space(spec, target):
     return _CACHE[key]
 
 
-def build_candidate(spec, target, point: dict, path: str) -> BuildResult:
-    """Apply ``point`` to the task's function, compile it for ``target`` and export it to ``path``."""
+def build_candidate(spec, target, point: dict, path: str, scheduled: str | None = None) -> BuildResult:
+    """Compile ``point``'s scheduled module for ``target`` and export it to ``path``. The module is
+    ``scheduled`` (``tvm.ir.save_json`` of the one the search made) or, without it, made here by applying
+    ``point`` to the task's function."""
+    import tvm
+
     from autosched.search_spaces import InvalidPoint
 
     start = time.perf_counter()
     try:
-        space = _space(spec, target)
-        mod = space.apply(point)
+        space = _space(spec, target)  # its build options and code generation, even for a scheduled module
+        mod = space.apply(point) if scheduled is None else tvm.ir.load_json(scheduled)
     except InvalidPoint as exc:
         return BuildResult(None, time.perf_counter() - start, "space", str(exc))
     except Exception as exc:  # noqa: BLE001 - any failure of the space is the candidate's
