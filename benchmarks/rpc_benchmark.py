@@ -1,6 +1,7 @@
 """RPC benchmark: candidates measured per minute through 1, 2, 3 ... TVM RPC servers, against the local runner.
 
 Usage: python benchmarks/rpc_benchmark.py [--servers 1 2 3] [--candidates 24] [--threads 1] [--out DIR]
+       python benchmarks/rpc_benchmark.py --target cuda --devices 0 0,1 [--shape ...] --out DIR   (several GPUs)
 
 One set of candidates (a GEMM's space, sampled with a fixed seed) is built once on this host; then the
 same builds are checked and timed by the local runner and by a tracker with N servers on loopback
@@ -9,7 +10,9 @@ after a warm-up batch that computes the task's reference on every server. Only t
 timed: building is the same local step for every configuration. Every candidate is checked (the
 relative error comes back from the server) and timed with the default CPU settings (5 repeats of at
 least 20 ms). ``--threads`` sets TVM_NUM_THREADS for every runner: servers on one host share its cores,
-so N servers scale only up to the number of cores. Writes results.json and results.md to --out.
+so N servers scale only up to the number of cores. With ``--devices``, instead of servers, the same
+builds are measured by one runner process per GPU of each set (``--devices 0 0,1``: one GPU, then two),
+as ``autosched tune --devices`` does. Writes results.json and results.md to --out.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def main() -> int:
     parser.add_argument("--candidates", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1, help="TVM_NUM_THREADS of every runner (default 1)")
     parser.add_argument("--shape", default="m=256,n=256,k=256", help="the GEMM's shape")
+    parser.add_argument("--target", default="llvm", help="llvm, or cuda with --devices")
+    parser.add_argument("--devices", nargs="+", help="GPU sets to measure on at once, e.g. 0 0,1 (instead of servers)")
     parser.add_argument("--out", default="benchmarks/results/rpc")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # inherited by the runner and server processes
@@ -41,7 +46,7 @@ def main() -> int:
     from autosched.task import Task
     from autosched.workloads import make_workload
 
-    target = parse_target("llvm")
+    target = parse_target(args.target)
     config = MeasureConfig.for_target(target)
     task = Task.from_workload(make_workload("gemm", args.shape))
     space = task.space(target)
@@ -72,7 +77,16 @@ def main() -> int:
     rows.append({"runner": "local", "servers": 0, **measure(local)})
     local.close()
     print(rows[-1], file=sys.stderr)
-    for n in args.servers:
+    for devices in args.devices or []:
+        from autosched.measure.parallel import DeviceRunner, parse_devices
+
+        runner = DeviceRunner(target, config, parse_devices(devices))
+        try:
+            rows.append({"runner": f"devices {devices}", "servers": len(runner.devices), **measure(runner)})
+        finally:
+            runner.close()
+        print(rows[-1], file=sys.stderr)
+    for n in [] if args.devices else args.servers:
         with LocalCluster(n, key=f"bench-{n}") as cluster:
             runner = RPCRunner(target, config, cluster.address, cluster.key)
             try:
@@ -91,10 +105,10 @@ def main() -> int:
             "load_average_1_5_15": [round(x, 2) for x in meta_load],
             "workload": task.key, "date": time.strftime("%Y-%m-%d %H:%M")}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [f"# RPC measurement throughput ({meta['date']}, {meta['cpus']} CPUs, TVM_NUM_THREADS={args.threads}, "
+    lines = [f"# Measurement throughput, {target.label} ({meta['date']}, {meta['cpus']} CPUs, TVM_NUM_THREADS={args.threads}, "
              f"load average {meta_load[0]:.1f} at the end)", "",
              f"{task.key}, {len(builds)} candidates built once; only checking and timing is measured.", "",
-             "| runner | servers | seconds | candidates/min | measured at once | checked ok | best (us) |",
+             "| runner | servers or GPUs | seconds | candidates/min | measured at once | checked ok | best (us) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['runner']} | {r['servers'] or '-'} | {r['seconds']} | {r['per_minute']} | {r['concurrency']} | "

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Every GPU test in one call on the GPU machine, each result written to $OUT/gpu_tests.log as it comes
+# (a call cut off by its time limit still brings back what ran). Usage there, after
+# `bash .gpu/tvm/stage.sh` in the call before:
+#   source .gpu/deps/setup.sh && bash benchmarks/gpu_tests.sh [more pytest arguments]
+# The transformers tests need transformers on that machine: gpu-pack alembic mako transformers ...
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
+git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
+timeout "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 "$@" 2>&1 \
+  | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error" | tail -80
