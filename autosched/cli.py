@@ -203,7 +203,7 @@ def _token_lengths(args) -> list[int] | None:
     """--tokens: None (the model's default), or the lengths to tune or build (several: a bucketed build)."""
     from .pipeline import parse_lengths
 
-    return parse_lengths(args.tokens, args.max_tokens)
+    return parse_lengths(args.tokens, args.max_tokens, args.bucket_growth)
 
 
 def _models(args):
@@ -452,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "several lengths (64,256,1024) or 'dynamic' (16, 32, ... up to --max-tokens): tune-model "
                        "tunes every length's kernels, build makes one artifact for any length up to the largest")
         p.add_argument("--max-tokens", type=int, default=2048, help="the largest length of --tokens dynamic (default 2048)")
+        p.add_argument("--bucket-growth", type=float, default=2.0,
+                       help="--tokens dynamic: each bucket this many times the one before (default 2: 16, 32, 64, ...)")
         p.add_argument("--dtype", help="model dtype (the example's default if not given)")
         _add_db_arg(p)
 

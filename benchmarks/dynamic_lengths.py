@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--model", default="hf-llama")
     parser.add_argument("--target", default="llvm")
     parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--bucket-growth", default="2")
     parser.add_argument("--lengths", default="77,300,1000")
     parser.add_argument("--trials-per-length", type=int, default=32)
     parser.add_argument("--threads", default="1", help="TVM_NUM_THREADS for every step (1: steadier on a small VM)")
@@ -48,14 +49,15 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     from autosched.pipeline import parse_lengths
 
-    buckets = parse_lengths("dynamic", args.max_tokens)
+    buckets = parse_lengths("dynamic", args.max_tokens, float(args.bucket_growth))
+    growth = ["--bucket-growth", args.bucket_growth]
     work = Path(tempfile.mkdtemp(prefix="autosched-dynamic-"))
     common = ["--target", args.target]
     started = time.time()
     dyn_db, dyn_out = work / "dynamic.db", work / "dynamic"
-    autosched("tune-model", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
+    autosched("tune-model", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens), *growth,
               "--trials", str(args.trials_per_length * len(buckets)), "--db", str(dyn_db), "-q", env=env)
-    autosched("build", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
+    autosched("build", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens), *growth,
               "--db", str(dyn_db), "-o", str(dyn_out), env=env)
     rows = []
     for n in lengths:
@@ -70,7 +72,8 @@ def main() -> None:
         print(f"{n:5d} tokens (bucket {dynamic['bucket']:5d}): dynamic {dynamic['latency_ms']:.3f} ms, "
               f"static {static['latency_ms']:.3f} ms, ratio {rows[-1]['dynamic_over_static']:.2f}, "
               f"both match torch: {dynamic['matches_torch'] and static['matches_torch']}", flush=True)
-    result = {"model": args.model, "target": args.target, "buckets": buckets, "trials_per_length": args.trials_per_length,
+    result = {"model": args.model, "target": args.target, "bucket_growth": float(args.bucket_growth), "buckets": buckets,
+              "trials_per_length": args.trials_per_length,
               "tvm_num_threads": args.threads, "machine": f"{platform.node()} ({os.cpu_count()} cores)",
               "seconds": round(time.time() - started), "rows": rows}
     if args.out:

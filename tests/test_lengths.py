@@ -27,6 +27,7 @@ def test_bucket_lengths():
     assert parse_lengths("dynamic", 100) == [16, 32, 64, 100]
     assert parse_lengths("dynamic", 64) == [16, 32, 64]
     assert parse_lengths("300, 77,1000") == [77, 300, 1000]
+    assert parse_lengths("dynamic", 1024, 1.5) == [16, 32, 48, 80, 128, 192, 288, 432, 656, 992, 1024]
     for bad in ("0", "a,b", ""):
         with pytest.raises(UsageError, match="--tokens"):
             parse_lengths(bad)

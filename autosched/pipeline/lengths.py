@@ -22,18 +22,21 @@ DEFAULT_MAX_TOKENS = 2048
 SMALLEST_BUCKET = 16
 
 
-def parse_lengths(text: str | None, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[int] | None:
+def parse_lengths(text: str | None, max_tokens: int = DEFAULT_MAX_TOKENS, growth: float = 2.0) -> list[int] | None:
     """``--tokens``: None (the model's default length), one length, a comma list of lengths, or
-    ``dynamic``: powers of two from 16 up to ``max_tokens`` (which is the last bucket)."""
+    ``dynamic``: buckets from 16 up to ``max_tokens`` (the last one), each ``growth`` times the one
+    before, rounded up to a multiple of 16 (2: powers of two; 1.5 pads less, with more buckets)."""
     if text is None:
         return None
     if text == "dynamic":
         if max_tokens < 1:
             raise UsageError(f"--max-tokens must be positive (got {max_tokens})")
+        if growth <= 1:
+            raise UsageError(f"--bucket-growth must be above 1 (got {growth})")
         buckets, length = [], SMALLEST_BUCKET
         while length < max_tokens:
             buckets.append(length)
-            length *= 2
+            length = max(length + 16, -(-int(length * growth) // 16) * 16)
         return buckets + [max_tokens]
     try:
         lengths = sorted({int(part) for part in text.split(",") if part.strip()})
