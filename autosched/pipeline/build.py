@@ -227,17 +227,12 @@ def build_lengths(models: list[Model], target: TargetSpec, db: Database | None):
     one of an earlier length is that same object, so that the artifact stores it once."""
     import hashlib
 
-    from autosched.target import compile_module
-
     executables, params, reports, seen = {}, {}, {}, {}
     for model in models:
         length = int(model.kwargs["tokens"])
-        lowered, weights = prepare(model, target)
-        scheduled, reports[length] = apply_database(lowered, db, target)
-        executable = compile_module(scheduled, target, relax_pipeline=build_pipeline(target))
-        executables[length] = compile_separate(executable, reports[length], target)
+        executables[length], transformed, reports[length] = build_model(model, target, db)
         params[length] = []
-        for tensor in transform_params(lowered, weights):
+        for tensor in transformed:
             data = tensor.numpy()
             digest = hashlib.sha256(f"{data.dtype}{data.shape}".encode() + data.tobytes()).hexdigest()
             params[length].append(seen.setdefault(digest, tensor))
