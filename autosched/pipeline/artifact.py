@@ -25,7 +25,8 @@ PARAMS = "params.bin"
 def export_artifact(out_dir: str | Path, executable, params: list, model: Model, target: TargetSpec,
                     report: ApplyReport, db_path: str | None) -> Path:
     """Write ``model.so``, ``params.bin`` and ``manifest.json`` to ``out_dir``."""
-    out, manifest = _export_common(out_dir, params, model, target, db_path)
+    out, manifest = _export_common(out_dir, model, target, db_path)
+    manifest["param_order"] = _write_params(out, params)
     executable.export_library(str(out / LIBRARY))
     manifest.update(library=LIBRARY, **_kernels(report))
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -37,12 +38,10 @@ def export_bucketed(out_dir: str | Path, executables: dict, params: dict, model:
     """A ``--tokens dynamic`` build: one library per bucket length (``model-t{n}.so``), one parameter
     file holding each distinct tensor once (``param_order`` per bucket), and a manifest saying which
     axis of each input and output is the sequence."""
-    import tvm
-
-    shared = {id(t): t for bucket in params.values() for t in bucket}  # each tensor once (see build_lengths)
-    names = {key: f"p{i}" for i, key in enumerate(shared)}
-    out, manifest = _export_common(out_dir, [], model, target, db_path)
-    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict({names[k]: t for k, t in shared.items()}))
+    out, manifest = _export_common(out_dir, model, target, db_path)
+    # Each tensor once: build_lengths made a tensor shared by several buckets one object.
+    distinct = list({id(t): t for bucket in params.values() for t in bucket}.values())
+    names = dict(zip(map(id, distinct), _write_params(out, distinct)))
     manifest["param_order"] = {str(n): [names[id(t)] for t in bucket] for n, bucket in sorted(params.items())}
     for length, executable in executables.items():
         executable.export_library(str(out / f"model-t{length}.so"))
@@ -62,21 +61,28 @@ def _kernels(report: ApplyReport) -> dict:
             "default_kernels": report.default, "build_time_kernels": report.build_time}
 
 
-def _export_common(out_dir: str | Path, params: list, model: Model, target: TargetSpec, db_path: str | None):
+def _write_params(out: Path, tensors: list) -> list[str]:
+    """Write ``tensors`` to ``params.bin`` as ``p0``, ``p1``, ...; returns the names."""
+    import tvm
+
+    names = [f"p{i}" for i in range(len(tensors))]
+    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(dict(zip(names, tensors))))
+    return names
+
+
+def _export_common(out_dir: str | Path, model: Model, target: TargetSpec, db_path: str | None):
+    """The output folder, created, and the manifest's fields every build has."""
     import tvm
 
     from autosched import __version__
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names = [f"p{i}" for i in range(len(params))]
-    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(dict(zip(names, params))))
     manifest = {
         "format": "autosched-model", "version": 1, "model": model.spec, "model_kwargs": dict(model.kwargs),
         "autosched_version": __version__,
         "tvm_version": tvm.__version__, "target": target.to_json(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "params": PARAMS, "param_order": names,
-        "inputs": model.input_specs(), "weights_sha256": model.weights_digest(), "database": db_path,
+        "params": PARAMS, "inputs": model.input_specs(), "weights_sha256": model.weights_digest(), "database": db_path,
     }
     return out, manifest
 
@@ -88,11 +94,12 @@ def read_manifest(out_dir: str | Path) -> dict:
     return json.loads(manifest_path.read_text())
 
 
-def _params(out: Path, manifest: dict, device, order: list[str] | None = None) -> list:
+def _saved_params(out: Path, manifest: dict, device) -> dict:
+    """Every tensor of ``params.bin``, by name, on ``device``."""
     import tvm
 
     saved = tvm.runtime.load_param_dict((out / manifest["params"]).read_bytes())
-    return [saved[name].copyto(device) for name in (order or manifest["param_order"])]
+    return {name: t.copyto(device) for name, t in saved.items()}
 
 
 def _device(manifest: dict):
@@ -114,7 +121,8 @@ def load_artifact(out_dir: str | Path):
         raise UsageError(f"{out} is a --tokens dynamic build: load it with autosched.pipeline.BucketedModel")
     device = _device(manifest)
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(out / manifest["library"])), device)
-    return vm, _params(out, manifest, device), manifest
+    saved = _saved_params(out, manifest, device)
+    return vm, [saved[name] for name in manifest["param_order"]], manifest
 
 
 class BucketedModel:
@@ -124,16 +132,12 @@ class BucketedModel:
     given. Exact for the causal models the build accepts (no position sees the ones after it)."""
 
     def __init__(self, out_dir: str | Path):
-        import tvm
-
         self.path, self.manifest = Path(out_dir), read_manifest(out_dir)
         if "buckets" not in self.manifest:
             raise UsageError(f"{out_dir} was built for one length: load it with autosched.pipeline.load_artifact")
         self.buckets: list[int] = self.manifest["buckets"]
         self.device = _device(self.manifest)
-        # Each tensor on the device once, however many buckets take it.
-        saved = tvm.runtime.load_param_dict((self.path / self.manifest["params"]).read_bytes())
-        self._tensors = {name: t.copyto(self.device) for name, t in saved.items()}
+        self._tensors = _saved_params(self.path, self.manifest, self.device)  # once, however many buckets take each
         self._vms: dict[int, object] = {}
 
     def params(self, bucket: int) -> list:
