@@ -9,6 +9,25 @@ _CAT = "aten.cat.default"
 CONSTANT_MASK = "autosched_constant_mask"  # meta key of an attention node: its mask, computed at import
 
 
+_SDPA_POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def sdpa_arguments(node) -> dict:
+    """The arguments of a ``scaled_dot_product_attention`` node by name, defaults filled in (``scale``
+    and ``enable_gqa`` only where given)."""
+    args = dict(zip(_SDPA_POSITIONAL, (None, None, None, None, 0.0, False)))
+    args.update(zip(_SDPA_POSITIONAL, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _set_sdpa_mask(node, mask, causal: bool) -> None:
+    """Give the attention node ``mask`` and ``is_causal``, its other arguments as they were."""
+    args = sdpa_arguments(node)
+    node.args = (args["query"], args["key"], args["value"], mask, args["dropout_p"], causal)
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k not in _SDPA_POSITIONAL}
+
+
 def rewrite_exported(exported) -> None:
     """Apply every rewrite to ``exported`` (a ``torch.export.ExportedProgram``), in place."""
     changed = _constant_masks_folded(exported)
@@ -56,9 +75,9 @@ def _constant_masks_folded(exported) -> bool:
     for node in list(exported.graph_module.graph.nodes):
         if node.op != "call_function" or str(node.target) != _SDPA:
             continue
-        args = list(node.args) + [None, 0.0, False][len(node.args) - 3:]
-        q, k, mask = node.args[0], node.args[1], args[3]
-        if mask is None or args[4] != 0.0 or args[5] or not isinstance(mask, torch.fx.Node):
+        args = sdpa_arguments(node)
+        q, k, mask = args["query"], args["key"], args["attn_mask"]
+        if mask is None or args["dropout_p"] != 0.0 or args["is_causal"] or not isinstance(mask, torch.fx.Node):
             continue
         value = values(mask)
         if value is None:
@@ -69,10 +88,10 @@ def _constant_masks_folded(exported) -> bool:
         additive = value.dtype != torch.bool and bool(((value == 0) | (value == float("-inf"))).all())
         if sq == skv and (value.dtype == torch.bool or additive) and keep.shape[-2:] == (sq, skv) \
                 and bool((keep == causal).all()):
-            node.args = (*node.args[:3], None, 0.0, True)
+            _set_sdpa_mask(node, None, causal=True)
         else:
             node.meta[CONSTANT_MASK] = value
-            node.args = (*node.args[:3], None, *node.args[4:])
+            _set_sdpa_mask(node, None, causal=False)
         changed = True
     return changed
 

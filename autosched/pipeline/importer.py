@@ -10,7 +10,7 @@ from autosched.errors import UsageError
 from autosched.tvm_adapter import convert_attention_as_tvm_does
 from autosched.workloads import make_workload
 
-from .graph_rewrites import CONSTANT_MASK, rewrite_exported
+from .graph_rewrites import CONSTANT_MASK, rewrite_exported, sdpa_arguments
 from .substitute import substitute_workloads, workload_func
 
 if TYPE_CHECKING:
@@ -186,11 +186,9 @@ def _attention(node, importer):
     from tvm import relax
 
     bb = importer.block_builder
-    q, k, v = (importer.env[a] for a in node.args[:3])
-    args = list(node.args) + [None, 0.0, False][len(node.args) - 3:]
-    mask = node.kwargs.get("attn_mask", args[3])
-    dropout, causal = node.kwargs.get("dropout_p", args[4]), node.kwargs.get("is_causal", args[5])
-    scale = node.kwargs.get("scale")
+    args = sdpa_arguments(node)
+    q, k, v = (importer.env[args[name]] for name in ("query", "key", "value"))
+    mask, dropout, causal, scale = args["attn_mask"], args["dropout_p"], args["is_causal"], args.get("scale")
     if len(q.ty.shape) != 4 or dropout:
         import warnings
 
