@@ -66,43 +66,43 @@ def _remote_prepare(payload: bytes) -> bytes:
     return cloudpickle.dumps(prepare_task(spec, target))
 
 
-def _remote_run(payload: bytes) -> bytes:
-    import cloudpickle
-    import tvm
-
-    from ._worker import run_candidate
-
-    spec, target, name, config = cloudpickle.loads(bytes(payload))
-    path = tvm.get_global_func("tvm.rpc.server.workpath")(name)
-    try:
-        result = run_candidate(spec, target, path, config)
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
-    return cloudpickle.dumps(result)
-
-
-def _remote_build_and_run(payload: bytes) -> bytes:
-    """``--builder rpc``: build a point here, then check and time it as :func:`_remote_run` does."""
+def _run_in_workpath(spec, target, name: str, config: dict, build_point: dict | None = None) -> MeasureResult:
+    """Check and time the library ``name`` in this session's work folder, building it there first from
+    ``build_point`` if given (``--builder rpc``); the library is removed afterwards."""
     import dataclasses
-    import uuid
 
-    import cloudpickle
     import tvm
 
     from ._worker import build_candidate, run_candidate
 
-    spec, target, point, config = cloudpickle.loads(bytes(payload))
-    path = tvm.get_global_func("tvm.rpc.server.workpath")(f"candidate-{uuid.uuid4().hex}.so")
-    build = build_candidate(spec, target, point, path)
-    if not build.ok:
-        return cloudpickle.dumps(MeasureResult.failed(build.error_kind, build.error_msg, build.seconds))
+    path = tvm.get_global_func("tvm.rpc.server.workpath")(name)
     try:
-        result = run_candidate(spec, target, path, config)
+        if build_point is None:
+            return run_candidate(spec, target, path, config)
+        build = build_candidate(spec, target, build_point, path)
+        if not build.ok:
+            return MeasureResult.failed(build.error_kind, build.error_msg, build.seconds)
+        return dataclasses.replace(run_candidate(spec, target, path, config), build_seconds=build.seconds)
     finally:
         if os.path.exists(path):
             os.remove(path)
-    return cloudpickle.dumps(dataclasses.replace(result, build_seconds=build.seconds))
+
+
+def _remote_run(payload: bytes) -> bytes:
+    import cloudpickle
+
+    spec, target, name, config = cloudpickle.loads(bytes(payload))
+    return cloudpickle.dumps(_run_in_workpath(spec, target, name, config))
+
+
+def _remote_build_and_run(payload: bytes) -> bytes:
+    """``--builder rpc``: build a point here, then check and time it as :func:`_remote_run` does."""
+    import uuid
+
+    import cloudpickle
+
+    spec, target, point, config = cloudpickle.loads(bytes(payload))
+    return cloudpickle.dumps(_run_in_workpath(spec, target, f"candidate-{uuid.uuid4().hex}.so", config, point))
 
 
 def register_functions() -> None:
