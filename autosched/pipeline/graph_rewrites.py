@@ -6,6 +6,7 @@ from __future__ import annotations
 
 _SDPA = "aten.scaled_dot_product_attention.default"
 _CAT = "aten.cat.default"
+_POW = "aten.pow.Tensor_Scalar"
 CONSTANT_MASK = "autosched_constant_mask"  # meta key of an attention node: its mask, computed at import
 
 
@@ -32,9 +33,37 @@ def rewrite_exported(exported) -> None:
     """Apply every rewrite to ``exported`` (a ``torch.export.ExportedProgram``), in place."""
     changed = _constant_masks_folded(exported)
     changed |= _empty_concat_operands_dropped(exported)
+    changed |= _integer_powers_multiplied(exported)
     if changed:
         exported.graph_module.graph.eliminate_dead_code()
         exported.graph_module.recompile()
+
+
+def _integer_powers_multiplied(exported) -> bool:
+    """``x ** 2`` and ``x ** 3`` of a float tensor as products: TVM's CUDA kernel for ``power`` gives NaN
+    wherever the base is negative (seen on the H200: every transformers RMSNorm's ``pow(2)`` and GPT-2's
+    tanh GELU ``pow(3.0)`` made the whole output NaN), while LLVM's is right. ``x * x`` is exactly
+    ``x ** 2``; ``x * x * x`` rounds once more than a correctly rounded cube."""
+    import torch
+
+    changed = False
+    graph = exported.graph_module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not str(node.target).startswith(_POW) or len(node.args) != 2:
+            continue
+        base, exponent = node.args
+        if exponent not in (2, 3) or not isinstance(base, torch.fx.Node) \
+                or not base.meta["val"].dtype.is_floating_point:
+            continue
+        with graph.inserting_before(node):
+            product = graph.call_function(torch.ops.aten.mul.Tensor, (base, base))
+            product.meta = dict(node.meta)
+            if exponent == 3:
+                product = graph.call_function(torch.ops.aten.mul.Tensor, (product, base))
+                product.meta = dict(node.meta)
+        node.replace_all_uses_with(product)
+        changed = True
+    return changed
 
 
 def _empty_concat_operands_dropped(exported) -> bool:

@@ -49,6 +49,7 @@ def import_model(model: Model, *, linear_as_gemm: bool) -> tuple[IRModule, list]
         converters = {name: matmul for name in ("mm.default", "matmul.default", "bmm.default")}
         converters["addmm.default"] = functools.partial(_addmm_in_torch_dtype, linear_as_gemm=linear_as_gemm)
         converters["rms_norm.default"] = _rms_norm_as_workload
+        converters["native_layer_norm.default"] = _layer_norm_bfloat16_in_float32
         converters["scaled_dot_product_attention.default"] = _attention
         mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                     run_ep_decomposition=False, custom_convert_map=converters)
@@ -170,6 +171,26 @@ def _rms_norm_as_workload(node, importer):
     flat = bb.emit(relax.op.reshape(x, [rows, n]))
     out = bb.emit(relax.call_tir(gv, [flat, weight], relax.TensorType((rows, n), dtype)))
     return bb.emit(relax.op.reshape(out, dims))
+
+
+def _layer_norm_bfloat16_in_float32(node, importer):
+    """``native_layer_norm`` as TVM converts it, computed in float32 for a bfloat16 input: Relax's
+    ``layer_norm`` takes float32 and float16 only (a bfloat16 GPT-2 failed to import)."""
+    import torch
+    from tvm import relax
+
+    if str(importer.env[node.args[0]].ty.dtype) != "bfloat16":
+        return importer._native_layer_norm(node)
+    # input, weight and bias (args 0, 2 and 3) are cast while TVM's converter reads them
+    tensors = [a for i, a in enumerate(node.args) if i in (0, 2, 3) and isinstance(a, torch.fx.Node)]
+    bb, saved = importer.block_builder, {a: importer.env[a] for a in tensors}
+    try:
+        for a in tensors:
+            importer.env[a] = bb.emit(relax.op.astype(saved[a], "float32"))
+        y = importer._native_layer_norm(node)
+    finally:
+        importer.env.update(saved)
+    return bb.emit(relax.op.astype(y, "bfloat16"))
 
 
 # ---- attention as model authors write it ------------------------------------------------------------
