@@ -56,7 +56,44 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     result["latency_min_ms"] = min(times) * 1e3
     if check:
         result.update(_against_torch(manifest, params, [t.to(torch_device) for t in inputs], out, tokens))
+        if result.get("rel_error_vs_torch") == float("inf"):  # the output holds a NaN or infinity
+            result["first_nonfinite_kernel"] = first_nonfinite_kernel(vm, args, device)
     return result
+
+
+def first_nonfinite_kernel(vm, args: list, device) -> str | None:
+    """The first call of ``main(*args)`` whose inputs are finite and whose output is not, as
+    "name (call N)": where a NaN or infinity in the model's output came from. Every call is synchronised
+    and checked, so this runs once, after a failed check. A call's output is its return value, or its
+    last tensor argument for a kernel writing into its arguments (allocations are not calls here); None
+    if no call matches."""
+    import torch
+    import tvm
+
+    calls, found = [0], []
+
+    def finite(tensor) -> bool:
+        value = torch.from_dlpack(tensor)
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+
+    def instrument(func, symbol, before, ret, *call_args):
+        if before or found or symbol.startswith("vm.builtin.alloc"):  # new storage holds anything
+            return 0
+        device.sync()
+        calls[0] += 1
+        tensors = [a for a in call_args if isinstance(a, tvm.runtime.Tensor)]
+        output = ret if isinstance(ret, tvm.runtime.Tensor) else (tensors.pop() if tensors else None)
+        if output is not None and not finite(output) and all(finite(t) for t in tensors):
+            found.append(f"{symbol} (call {calls[0]})")
+        return 0
+
+    vm.set_instrument(instrument)
+    try:
+        vm["main"](*args)
+        device.sync()
+    finally:
+        vm.set_instrument(None)
+    return found[0] if found else None
 
 
 def _against_torch(manifest: dict[str, Any], params: list, inputs: list, out, tokens: int | None) -> dict[str, Any]:
