@@ -3,10 +3,13 @@
 # (a call cut off by its time limit still brings back what ran). Usage there, after
 # `bash .gpu/tvm/stage.sh` in the call before:
 #   source .gpu/deps/setup.sh && bash benchmarks/gpu_tests.sh [more pytest arguments]
-# The transformers tests need transformers on that machine: gpu-pack alembic mako transformers ...
+# The GPU machine's image has transformers (5.17 in 2026-11), so gpu-pack needs only alembic mako. The
+# tests run in GPU_TEST_WORKERS processes (pytest-xdist, also in that image): they check results, not
+# speed, and run one at a time they took more than one 10-minute call (each model build is ~50 s of CPU).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 "$@" 2>&1 \
-  | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error" | tail -80
+timeout "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short \
+  -n "${GPU_TEST_WORKERS:-8}" "$@" 2>&1 \
+  | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error|^E " | cut -c1-400 | tail -80
