@@ -62,6 +62,22 @@ def test_a_sliding_window_mask_stays_a_mask_and_matches_torch(cpu_target, tmp_pa
     assert result["matches_torch"] is True, result
 
 
+@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("gpt2", "bfloat16")])
+def test_integer_powers_are_products_and_bfloat16_layer_norm_imports(family, dtype):
+    """TVM's CUDA ``power`` kernel gives NaN for a negative base (on the H200 every transformers RMSNorm's
+    ``pow(2)`` and GPT-2's ``pow(3.0)`` made the whole output NaN): the import multiplies instead. And
+    Relax's ``layer_norm`` takes no bfloat16 (a bfloat16 GPT-2 failed to import): it runs in float32."""
+    import torch
+
+    from autosched.pipeline import import_model, load_model
+
+    mod, _ = import_model(load_model(f"hf-{family}", dtype=getattr(torch, dtype)), linear_as_gemm=True)
+    text = mod.script()
+    assert "R.power" not in text and "R.multiply" in text
+    if family == "gpt2":
+        assert "R.nn.layer_norm" in text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_transformers_model_builds_and_matches_torch_on_the_cpu(family, tmp_path):
@@ -75,11 +91,12 @@ def test_a_transformers_model_builds_and_matches_torch_on_the_cpu(family, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_half_precision_transformers_model_builds_for_the_h200(family, tmp_path):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_transformers_model_builds_for_the_h200(family, dtype, tmp_path):
     """The CUDA build needs no GPU. Qwen2's and GPT-2's biased Linears in float16 once failed at import,
     Phi-3's partial rotary slice in dlight ("Divide by zero"), and Gemma's build took 8.5 minutes
     (LLVM compiled every GPU kernel for the build-time weight transforms)."""
-    proc = autosched("build", f"hf-{family}", "--target", "cuda:sm_90a", "--dtype", "float16",
+    proc = autosched("build", f"hf-{family}", "--target", "cuda:sm_90a", "--dtype", dtype,
                      "-o", str(tmp_path / family), timeout=300)
     assert "kernels per forward pass" in proc.stderr and (tmp_path / family / "model.so").exists()
 
@@ -102,5 +119,5 @@ def test_qwen2_tunes_then_builds_from_its_records(tmp_path):
 def test_a_transformers_model_matches_torch_on_the_gpu(family, dtype, tmp_path):
     out = tmp_path / f"{family}-{dtype}"
     autosched("build", f"hf-{family}", "--target", "cuda", "--dtype", dtype, "-o", str(out), timeout=600)
-    result = json.loads(autosched("run", str(out), "--format", "json").stdout)
+    result = json.loads(autosched("run", str(out), "--format", "json", check=False).stdout)
     assert result["matches_torch"] is True, result

@@ -326,6 +326,39 @@ def test_run_feeds_token_ids_within_the_vocabulary(factory, cpu_target, tmp_path
     assert result["matches_torch"] is True, result
 
 
+class _NaNAfterAProjection(__import__("torch").nn.Module):
+    """A projection, then a square root of values most of which are negative: NaN in torch and in TVM."""
+
+    def __init__(self, dim=32):
+        import torch
+
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        import torch
+
+        return torch.sqrt(self.proj(x) - 100.0) + 1.0
+
+
+def nan_after_a_projection():
+    import torch
+
+    torch.manual_seed(0)
+    return _NaNAfterAProjection(), (torch.randn(4, 32),)
+
+
+def test_a_nonfinite_output_names_the_kernel_it_came_from(cpu_target, tmp_path):
+    """A model whose output holds NaN does not match, and the run names the first kernel whose inputs
+    were finite and whose output was not (on the H200 this found TVM's CUDA ``power`` kernel)."""
+    model = load_model(f"{__name__}:nan_after_a_projection")
+    executable, params, report = build_model(model, cpu_target, None)
+    out = export_artifact(tmp_path / "nan", executable, params, model, cpu_target, report, None)
+    result = run_artifact(str(out), repeat=2)
+    assert result["matches_torch"] is False and result["rel_error_vs_torch"] == float("inf")
+    assert "sqrt" in result["first_nonfinite_kernel"], result
+
+
 class _BiasedMLP(__import__("torch").nn.Module):
     """Linear layers with a bias (as in Qwen2's q/k/v projections, GPT-2, Phi, BERT)."""
 

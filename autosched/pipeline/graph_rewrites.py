@@ -40,10 +40,11 @@ def rewrite_exported(exported) -> None:
 
 
 def _integer_powers_multiplied(exported) -> bool:
-    """``x ** 2`` and ``x ** 3`` of a float tensor as products: TVM's CUDA kernel for ``power`` gives NaN
-    wherever the base is negative (seen on the H200: every transformers RMSNorm's ``pow(2)`` and GPT-2's
-    tanh GELU ``pow(3.0)`` made the whole output NaN), while LLVM's is right. ``x * x`` is exactly
-    ``x ** 2``; ``x * x * x`` rounds once more than a correctly rounded cube."""
+    """``x ** 2`` and ``x ** 3`` of a float tensor as products. TVM compiles CUDA with ``--use_fast_math``
+    (``tvm/support/nvcc.py``), where ``powf`` is ``__powf``, exp2(y * log2(x)): NaN for a negative base.
+    On the H200 every transformers RMSNorm's ``pow(2)`` and GPT-2's tanh GELU ``pow(3.0)`` made the
+    whole output NaN; LLVM's is right. ``x * x`` is exactly ``x ** 2``; ``x * x * x`` rounds once more
+    than a correctly rounded cube."""
     import torch
 
     changed = False
