@@ -1,6 +1,6 @@
 """CPU benchmark: autosched against the untuned schedule, numpy/torch and TVM's MetaSchedule.
 
-Usage: python benchmarks/cpu_benchmark.py [--trials 64 256] [--cases gemm rmsnorm softmax] [--out DIR]
+Usage: python benchmarks/cpu_benchmark.py [--trials 64 256] [--cases gemm rmsnorm softmax attention] [--out DIR]
                                          [--force] [--skip-metaschedule] [--metaschedule-trials N ...]
 
 For each case, in one run on this machine: the unscheduled TensorIR function compiled by TVM, numpy
@@ -15,6 +15,7 @@ and the tuned kernels' TensorIR (schedules/) to --out and prints the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -29,11 +30,15 @@ import numpy as np
 import torch
 from _timing import retime_interleaved
 
-CASES = {
+CASES = {  # name: (operator, shape[, attributes])
     "gemm": ("gemm", "m=1024,n=1024,k=1024"),
     "rmsnorm": ("rmsnorm", "m=2048,n=4096"),
     "softmax": ("softmax", "m=2048,n=4096"),
+    # small-llama's prefill attention (examples/llama.py, 128 tokens; K/V heads repeated by the import)
+    "attention": ("attention", "b=1,h=8,hkv=8,s=128,d=64", "causal=1"),
 }
+# Cases also tuned in a space that their kernel had before its own: (label, the space left out).
+EARLIER_SPACES = {"attention": ("rows space", "cpu_attention")}
 
 
 def time_host(fn, min_seconds: float = 0.1, repeat: int = 10) -> float:
@@ -94,7 +99,25 @@ def host_baselines(case: str, inputs) -> dict[str, object]:
             return e / e.sum(-1, keepdims=True)
 
         return {"numpy": np_softmax, "torch": lambda: torch.softmax(x, -1)}
+    if case == "attention":
+        q, k, v = inputs[:3]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return {"torch (scaled_dot_product_attention)": lambda: sdpa(q, k, v, is_causal=True)}
     return {}
+
+
+@contextlib.contextmanager
+def space_left_out(name: str):
+    """Spaces are chosen as if the space ``name`` did not exist (for the rows of EARLIER_SPACES)."""
+    from autosched.search_spaces import space_classes
+
+    cls = space_classes()[name]
+    suits = cls.__dict__["suits"]
+    cls.suits = classmethod(lambda *_args, **_kwargs: False)
+    try:
+        yield
+    finally:
+        cls.suits = suits
 
 
 def run_autosched(task, target, trials: int, db_path: str) -> tuple[object, float]:
@@ -176,8 +199,8 @@ def main() -> int:
         rows = [r for r in rows if r["case"] not in args.cases]
     done = {(r["case"], r["method"]) for r in rows}
     for case in args.cases:
-        op, shape = CASES[case]
-        task = Task.from_workload(make_workload(op, shape))
+        op, shape, *attrs = CASES[case]
+        task = Task.from_workload(make_workload(op, shape, attrs=attrs[0] if attrs else None))
         checker = task.spec.checker(task.func)
         inputs = checker.make_inputs(torch.Generator().manual_seed(0), "cpu")
         refs = checker.reference(inputs)
@@ -212,16 +235,20 @@ def main() -> int:
         for name, fn in host_baselines(case, inputs).items():
             if wanted(name):
                 add(name, time_host(fn), timer=lambda fn=fn: [time_host(fn, repeat=3)])
-        for trials in args.trials:
-            if not wanted(f"autosched {trials} trials"):
+        label, left_out = EARLIER_SPACES.get(case, (None, None))
+        runs = [(f"autosched {trials} trials", trials, None) for trials in args.trials]
+        runs += [(f"autosched {label}, {trials} trials", trials, left_out) for trials in args.trials if label]
+        for method, trials, without in runs:
+            if not wanted(method):
                 continue
-            with tempfile.TemporaryDirectory() as tmp:
+            with tempfile.TemporaryDirectory() as tmp, \
+                    space_left_out(without) if without else contextlib.nullcontext():
                 result, tune_s = run_autosched(task, target, trials, os.path.join(tmp, "a.db"))
                 space = task.space(target)
                 mod = space.apply(result.best_point)
                 lat, err, timer = time_tvm(mod, target, task, inputs, refs, space.build_config(result.best_point))
-                add(f"autosched {trials} trials", lat, tune_s, result.trials, err, timer)
-                keep_schedule(f"autosched {trials} trials", mod)
+                add(method, lat, tune_s, result.trials, err, timer)
+                keep_schedule(method, mod)
         if not args.skip_metaschedule:
             for trials in args.metaschedule_trials or args.trials:
                 if not wanted(f"MetaSchedule {trials} trials"):
