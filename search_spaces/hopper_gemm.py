@@ -94,6 +94,17 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     def accs(acc, f):
         return [acc[f * acc_n + i] for i in range(acc_n)]
 
+    # Grouped rasterisation, the producer's and the consumers' walk alike: tile numbers run down a group
+    # of group_m tile rows before the next column, so that neighbouring CTAs share A and B tiles in L2.
+    def group_rows(tile):  # the rows of tile's group (the last group may have fewer)
+        return T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
+
+    def tile_m(tile):
+        return (tile // (group_m * tiles_n)) * group_m + (tile % (group_m * tiles_n)) % group_rows(tile)
+
+    def tile_n(tile):
+        return (tile % (group_m * tiles_n)) // group_rows(tile)
+
     # fmt: off
     @T.macro
     def body(A, B, Bias, C):
@@ -132,9 +143,8 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
             if tx == 0:
                 tile = bx
                 while tile < tiles:
-                    tm = (tile // (group_m * tiles_n)) * group_m \
-                        + (tile % (group_m * tiles_n)) % T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
-                    tn = (tile % (group_m * tiles_n)) // T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
+                    tm = tile_m(tile)
+                    tn = tile_n(tile)
                     for kt in T.serial(k_iters):
                         if it >= stages:
                             T.cuda.mbarrier_wait(T.address_of(empty[it % stages]), ((it // stages) + 1) % 2)
@@ -151,9 +161,8 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
             tile = bx
             while tile < tiles:
-                tm = (tile // (group_m * tiles_n)) * group_m \
-                    + (tile % (group_m * tiles_n)) % T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
-                tn = (tile % (group_m * tiles_n)) // T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
+                tm = tile_m(tile)
+                tn = tile_n(tile)
                 for i in T.unroll(acc_len):
                     acc[i] = T.float32(0)
                     T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
