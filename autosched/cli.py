@@ -189,6 +189,7 @@ def cmd_tune(args) -> int:
 
 
 def _model_kwargs(args) -> dict:
+    """The factory's arguments that all buckets share (a --batch or --tokens with several sizes: None)."""
     import torch
 
     dtype = None
@@ -196,24 +197,36 @@ def _model_kwargs(args) -> dict:
         from .workloads import normalize_dtype
 
         dtype = getattr(torch, normalize_dtype(args.dtype))
-    return {"batch": args.batch, "tokens": None, "dtype": dtype}
+    batches, lengths = _sizes(args)
+    return {"batch": batches[0] if batches and len(batches) == 1 else None,
+            "tokens": lengths[0] if lengths and len(lengths) == 1 else None, "dtype": dtype}
 
 
-def _token_lengths(args) -> list[int] | None:
-    """--tokens: None (the model's default), or the lengths to tune or build (several: a bucketed build)."""
-    from .pipeline import parse_lengths
+def _sizes(args) -> tuple[list[int] | None, list[int] | None]:
+    """--batch and --tokens: None (the model's default), or the sizes to tune or build (several: a
+    bucketed build)."""
+    from .pipeline import parse_batches, parse_lengths
 
-    return parse_lengths(args.tokens, args.max_tokens, args.bucket_growth)
+    return parse_batches(args.batch, args.max_batch), parse_lengths(args.tokens, args.max_tokens, args.bucket_growth)
 
 
-def _models(args):
-    """The model at each length --tokens names (once at its default length without --tokens)."""
-    from .pipeline import load_model, models_at
+def _models(args) -> tuple[list, list]:
+    """The model at each bucket --batch and --tokens name, and the buckets ((batch, tokens) pairs; [] for
+    one model at one shape)."""
+    from .pipeline import bucket_grid, load_model, models_at
 
-    lengths, kwargs = _token_lengths(args), _model_kwargs(args)
-    if lengths is None:
-        return [load_model(args.model, **kwargs)]
-    return models_at(args.model, kwargs, lengths)
+    buckets, kwargs = bucket_grid(*_sizes(args)), _model_kwargs(args)
+    if not buckets:
+        return [load_model(args.model, **kwargs)], []
+    return models_at(args.model, kwargs, buckets), buckets
+
+
+def _describe_buckets(buckets: list) -> str:
+    batches = sorted({b for b, _ in buckets if b is not None})
+    lengths = sorted({t for _, t in buckets if t is not None})
+    parts = ([f"batch {', '.join(map(str, batches))}"] if batches else []) \
+        + ([f"{', '.join(map(str, lengths))} tokens"] if lengths else [])
+    return f"{len(buckets)} buckets ({'; '.join(parts)})"
 
 
 def cmd_tune_model(args) -> int:
@@ -222,11 +235,11 @@ def cmd_tune_model(args) -> int:
     from .tuner import TuneOptions, tune_tasks
 
     target = parse_target(args.target, require_device=args.runner == "local")
-    models = _models(args)
+    models, buckets = _models(args)
     tasks, untunable = split_tunable(_merged_tasks([extract_tasks(prepare(m, target)[0]) for m in models]), target)
     log = _console(stderr=True)
-    lengths = f" at {len(models)} lengths ({', '.join(m.kwargs['tokens'] for m in models)} tokens)" if len(models) > 1 else ""
-    log.log(f"{args.model}{lengths}: {len(tasks) + len(untunable)} distinct kernels, "
+    at = f" at {_describe_buckets(buckets)}" if buckets else ""
+    log.log(f"{args.model}{at}: {len(tasks) + len(untunable)} distinct kernels, "
             f"{sum(t.weight for t in tasks + untunable):.0f} calls per forward pass; {len(tasks)} tunable"
             + (f" ({len(untunable)} without a space keep the default schedule)" if untunable else ""))
     db = _open_db(args.db)
@@ -249,7 +262,7 @@ def cmd_tune_model(args) -> int:
              "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
     estimate = model_estimate(tasks, results, untunable)
     if len(models) > 1:
-        estimate = estimate.replace("per forward pass", f"for one forward pass at each of the {len(models)} lengths")
+        estimate = estimate.replace("per forward pass", f"for one forward pass in each of the {len(models)} buckets")
     emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
                              ("latency_us", "best (us)"), ("weighted_us", "x calls (us)"), ("failures", "failed")],
          title=f"{args.model}: {estimate}")
@@ -307,30 +320,33 @@ class _ModelProgress:
 
 
 def cmd_build(args) -> int:
-    from .pipeline import build_lengths, build_model, build_summary, check_padding_is_exact, export_artifact, export_bucketed
+    from .pipeline import build_buckets, build_model, build_summary, check_padding_is_exact, export_artifact, export_bucketed
+    from .pipeline.lengths import bucket_key
     from .target import parse_target
 
     target = parse_target(args.target, require_device=False)
     from .database.store import is_url
 
-    models = _models(args)
-    # Several lengths: first check that padding to a bucket is exact for this model (before minutes of building).
-    axes = check_padding_is_exact(args.model, _model_kwargs(args)) if len(models) > 1 else None
+    models, buckets = _models(args)
+    # Several buckets: first check that padding to one is exact for this model (before minutes of building).
+    axes = {axis: check_padding_is_exact(args.model, _model_kwargs(args), axis)
+            for axis, index in (("batch", 0), ("tokens", 1)) if any(b[index] is not None for b in buckets)}
     db = _open_db(args.db) if args.db and (is_url(args.db) or os.path.exists(args.db)) else None
     db_path = str(db.path) if db else None
     log = _console(stderr=True)
     try:
-        if len(models) == 1:
+        if not buckets:
             executable, params, report = build_model(models[0], target, db)
             out = export_artifact(args.output, executable, params, models[0], target, report, db_path)
             summary = build_summary(report)
         else:
-            executables, params, reports = build_lengths(models, target, db)
-            for length, report in reports.items():
-                log.log(f"{length} tokens: {build_summary(report)}")
+            executables, params, reports = build_buckets(models, buckets, target, db)
+            for bucket, report in reports.items():
+                log.log(f"bucket {bucket_key(bucket)}: {build_summary(report)}")
             out = export_bucketed(args.output, executables, params, models[0], target, reports, axes, db_path)
-            summary = (f"one artifact for 1 to {max(reports)} tokens, inputs padded to the smallest of "
-                       f"{len(reports)} bucket lengths")
+            upto = " and ".join(f"1 to {max(b[i] for b in buckets)} {what}" for i, what in ((0, "sequences"), (1, "tokens"))
+                                if buckets[0][i] is not None)
+            summary = f"one artifact for {upto}, inputs padded to the smallest of {_describe_buckets(buckets)}"
     finally:
         if db is not None:
             db.close()
@@ -342,7 +358,8 @@ def cmd_build(args) -> int:
 def cmd_run(args) -> int:
     from .runmodel import run_artifact
 
-    result = run_artifact(args.artifact, repeat=args.repeat, check=not args.no_check, tokens=args.tokens)
+    result = run_artifact(args.artifact, repeat=args.repeat, check=not args.no_check, tokens=args.tokens,
+                          batch=args.batch)
     if args.format == "json":
         print(json.dumps(result, indent=2))
     else:
@@ -447,7 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p):
         p.add_argument("model", help="an example model (tiny-llama, llama-7b-layers, ...) or module:factory")
         p.add_argument("--target", default="llvm", help="llvm (default) or cuda")
-        p.add_argument("--batch", type=int, help="batch size of the example input")
+        p.add_argument("--batch", help="batch size of the example input; several (1,4,16) or 'dynamic' (1, 2, 4, "
+                       "... up to --max-batch): tune-model tunes every size's kernels, build makes one artifact "
+                       "for any batch up to the largest")
+        p.add_argument("--max-batch", type=int, default=16, help="the largest batch of --batch dynamic (default 16)")
         p.add_argument("--tokens", help="tokens of the example input (prefill length; 1 = one decode step); "
                        "several lengths (64,256,1024) or 'dynamic' (16, 32, ... up to --max-tokens): tune-model "
                        "tunes every length's kernels, build makes one artifact for any length up to the largest")
@@ -480,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=20, help="timed runs (default 20)")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with torch")
     p.add_argument("--tokens", type=int, help="for a --tokens dynamic build: the length to run (default: the largest)")
+    p.add_argument("--batch", type=int, help="for a --batch dynamic build: the batch to run (default: the largest)")
     _add_format(p, ("table", "json"))
     p.set_defaults(fn=cmd_run)
 

@@ -10,9 +10,10 @@ from typing import Any
 MODEL_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
 
-def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | None = None) -> dict[str, Any]:
-    """Run, time and check an artifact; ``tokens`` picks the length for a ``--tokens dynamic`` build
-    (default: its largest bucket)."""
+def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | None = None,
+                 batch: int | None = None) -> dict[str, Any]:
+    """Run, time and check an artifact; ``tokens`` and ``batch`` pick the shape for a ``--tokens dynamic``
+    or ``--batch dynamic`` build (default: its largest bucket)."""
     import torch
     import tvm
 
@@ -28,17 +29,28 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
                               "target": f"{manifest['target']['kind']}:{manifest['target']['arch']}"}
     if "buckets" in manifest:
         model = BucketedModel(path)
-        tokens = tokens or max(model.buckets)
-        bucket = model.bucket(tokens)
-        specs = [{**spec, "shape": [tokens if d == "tokens" else d for d in spec["shape"]]} for spec in manifest["inputs"]]
+        for axis, size in (("tokens", tokens), ("batch", batch)):
+            if size is not None and axis not in model.axes:
+                raise UsageError(f"{path} was built for one {'length' if axis == 'tokens' else 'batch'}; "
+                                 f"--{axis} picks one of a --{axis} dynamic build")
+        bucket = model.bucket(tokens=tokens, batch=batch)
+        sizes = (batch or bucket[0], tokens or bucket[1])
+        shape = {"batch": sizes[0], "tokens": sizes[1]}
+        specs = [{**spec, "shape": [shape.get(d, d) for d in spec["shape"]]} for spec in manifest["inputs"]]
         inputs = [random_input(spec, gen) for spec in specs]
         vm, params = model.vm(bucket), model.params(bucket)
         args = model.padded([t.numpy() for t in inputs], bucket) + params
-        kernels = manifest["kernels_per_bucket"][str(bucket)]
-        result.update(tokens=tokens, bucket=bucket)
+        kernels = manifest["kernels_per_bucket"][model._key(bucket)]
+        if "tokens" in model.axes:
+            result.update(tokens=sizes[1], bucket=bucket[1])
+        if "batch" in model.axes:
+            result.update(batch=sizes[0], batch_bucket=bucket[0])
+        tokens = sizes[1] if "tokens" in model.axes else None
+        batch = sizes[0] if "batch" in model.axes else None
     else:
-        if tokens is not None:
-            raise UsageError(f"{path} was built for one length; --tokens picks a length of a --tokens dynamic build")
+        if tokens is not None or batch is not None:
+            raise UsageError(f"{path} was built for one shape; --tokens and --batch pick one of a --tokens dynamic "
+                             f"or --batch dynamic build")
         vm, params, _ = load_artifact(path)
         inputs = [random_input(spec, gen).to(torch_device) for spec in manifest["inputs"]]
         args = [tvm.runtime.from_dlpack(t) for t in inputs] + params
@@ -46,7 +58,7 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     out = vm["main"](*args)
     out = out[0] if not hasattr(out, "numpy") else out
     if "buckets" in manifest:
-        out = tvm.runtime.tensor(model.cut([out], tokens)[0])
+        out = tvm.runtime.tensor(model.cut([out], (batch, tokens))[0])
     result.update(tuned_kernels=len(kernels["tuned_kernels"]),
                   transferred_kernels=len(kernels.get("transferred_kernels", {})),
                   default_kernels=len(kernels["default_kernels"]))
@@ -55,7 +67,8 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     result["latency_ms"] = statistics.median(times) * 1e3
     result["latency_min_ms"] = min(times) * 1e3
     if check:
-        result.update(_against_torch(manifest, params, [t.to(torch_device) for t in inputs], out, tokens))
+        result.update(_against_torch(manifest, params, [t.to(torch_device) for t in inputs], out,
+                                     {"tokens": tokens, "batch": batch}))
         if result.get("rel_error_vs_torch") == float("inf"):  # the output holds a NaN or infinity
             result["first_nonfinite_kernel"] = first_nonfinite_kernel(vm, args, device)
     return result
@@ -96,8 +109,9 @@ def first_nonfinite_kernel(vm, args: list, device) -> str | None:
     return found[0] if found else None
 
 
-def _against_torch(manifest: dict[str, Any], params: list, inputs: list, out, tokens: int | None) -> dict[str, Any]:
-    """The relative error of ``out`` against the PyTorch model the artifact came from, on ``inputs``."""
+def _against_torch(manifest: dict[str, Any], params: list, inputs: list, out, sizes: dict) -> dict[str, Any]:
+    """The relative error of ``out`` against the PyTorch model the artifact came from, on ``inputs``
+    (``sizes``: the batch and tokens a bucketed build ran at, where they vary)."""
     import torch
 
     from autosched.measure._worker import relative_error
@@ -110,8 +124,7 @@ def _against_torch(manifest: dict[str, Any], params: list, inputs: list, out, to
     for key in ("batch", "tokens"):
         if key in kwargs:
             kwargs[key] = int(kwargs[key])
-    if tokens is not None:
-        kwargs["tokens"] = tokens
+    kwargs.update({k: v for k, v in sizes.items() if v is not None})
     model = load_model(manifest["model"], **kwargs)
     if not _same_weights(model, manifest, params):
         return {"matches_torch": None, "note": "the model factory gave other weights than the artifact's; no comparison"}

@@ -1,5 +1,5 @@
-"""One artifact for any length: bucket lengths, padding that is checked to be exact, and the runtime
-that pads, dispatches and cuts back."""
+"""One artifact for any length and batch: bucket sizes, padding that is checked to be exact, and the
+runtime that pads, dispatches and cuts back."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ from torch.nn import functional as F
 from autosched.errors import UsageError
 from autosched.pipeline import (
     BucketedModel,
-    build_lengths,
+    bucket_grid,
+    bucket_key,
+    build_buckets,
     check_padding_is_exact,
     export_bucketed,
     load_model,
     models_at,
+    parse_batches,
     parse_lengths,
 )
 from autosched.runmodel import run_artifact
@@ -31,6 +34,22 @@ def test_bucket_lengths():
     for bad in ("0", "a,b", ""):
         with pytest.raises(UsageError, match="--tokens"):
             parse_lengths(bad)
+
+
+def test_bucket_batches_and_grids():
+    assert parse_batches(None) is None
+    assert parse_batches("dynamic", 16) == [1, 2, 4, 8, 16]
+    assert parse_batches("dynamic", 12) == [1, 2, 4, 8, 12]
+    assert parse_batches("dynamic", 1) == [1]
+    assert parse_batches("4,1") == [1, 4]
+    for bad in ("0", "x", ""):
+        with pytest.raises(UsageError, match="--batch"):
+            parse_batches(bad)
+    assert bucket_grid(None, [64]) == [] and bucket_grid([4], None) == []
+    assert bucket_grid([1, 2], [1]) == [(1, None), (2, None)]
+    assert bucket_grid(None, [8, 16]) == [(None, 8), (None, 16)]
+    assert bucket_grid([1, 2], [8, 16]) == [(1, 8), (1, 16), (2, 8), (2, 16)]
+    assert [bucket_key(b) for b in ((None, 128), (4, None), (4, 128))] == ["128", "b4", "b4-t128"]
 
 
 class _Bidirectional(nn.Module):
@@ -62,13 +81,15 @@ def test_one_artifact_runs_lengths_between_its_buckets_exactly(cpu_target, tmp_p
     kwargs = {"batch": 1, "tokens": None, "dtype": None}
     axes = check_padding_is_exact("tiny-llama", kwargs)
     assert axes.inputs == [1] and axes.outputs == [1]
-    models = models_at("tiny-llama", kwargs, [8, 16])
-    executables, params, reports = build_lengths(models, cpu_target, None)
-    assert sum(a is b for a, b in zip(params[8], params[16])) >= len(params[8]) - 4  # the weights are shared
-    out = export_bucketed(tmp_path / "dyn", executables, params, models[0], cpu_target, reports, axes, None)
+    buckets = [(None, 8), (None, 16)]
+    models = models_at("tiny-llama", kwargs, buckets)
+    executables, params, reports = build_buckets(models, buckets, cpu_target, None)
+    short, long = params[(None, 8)], params[(None, 16)]
+    assert sum(a is b for a, b in zip(short, long)) >= len(short) - 4  # the weights are shared
+    out = export_bucketed(tmp_path / "dyn", executables, params, models[0], cpu_target, reports, {"tokens": axes}, None)
     model = BucketedModel(out)
     for tokens, bucket in ((5, 8), (11, 16)):
-        assert model.bucket(tokens) == bucket
+        assert model.bucket(tokens) == (None, bucket)
         reference = load_model("tiny-llama", tokens=tokens)
         got = model(reference.inputs[0].numpy())[0]
         with torch.no_grad():
@@ -78,3 +99,69 @@ def test_one_artifact_runs_lengths_between_its_buckets_exactly(cpu_target, tmp_p
         model.bucket(17)
     result = run_artifact(str(out), repeat=2, tokens=11)
     assert result["bucket"] == 16 and result["matches_torch"] is True, result
+
+
+class _MixesTheBatch(nn.Module):
+    """Each sequence minus the batch's mean: adding sequences changes the first one's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y - y.mean(0, keepdim=True)
+
+
+def mixes_the_batch(batch: int = 1, tokens: int = 16, dtype=torch.float32):
+    torch.manual_seed(0)
+    return _MixesTheBatch().to(dtype), (torch.randn(batch, tokens, 32, generator=torch.Generator().manual_seed(1)),)
+
+
+def test_a_model_whose_sequences_see_each_other_gets_no_dynamic_batch():
+    with pytest.raises(UsageError, match="sequences are not independent"):
+        check_padding_is_exact("tests.test_lengths:mixes_the_batch", {}, "batch")
+    assert check_padding_is_exact("tests.test_lengths:bidirectional", {}, "batch").inputs == [0]
+
+
+def test_one_artifact_runs_batches_and_lengths_between_its_buckets_exactly(cpu_target, tmp_path):
+    """Batches 1 and 2 by lengths 8 and 16 of tiny-llama: 2 sequences of 5 tokens run in the (2, 8)
+    bucket, 1 of 11 in (1, 16), each matching the model run at exactly that shape."""
+    kwargs = {"batch": None, "tokens": None, "dtype": None}
+    axes = {axis: check_padding_is_exact("tiny-llama", kwargs, axis) for axis in ("batch", "tokens")}
+    assert axes["batch"].inputs == [0] and axes["batch"].outputs == [0]
+    buckets = bucket_grid([1, 2], [8, 16])
+    models = models_at("tiny-llama", kwargs, buckets)
+    executables, params, reports = build_buckets(models, buckets, cpu_target, None)
+    out = export_bucketed(tmp_path / "grid", executables, params, models[0], cpu_target, reports, axes, None)
+    model = BucketedModel(out)
+    assert sorted(p.name for p in out.glob("*.so")) == ["model-b1-t16.so", "model-b1-t8.so", "model-b2-t16.so",
+                                                         "model-b2-t8.so"]
+    for batch, tokens, bucket in ((2, 5, (2, 8)), (1, 11, (1, 16))):
+        assert model.bucket(tokens=tokens, batch=batch) == bucket
+        reference = load_model("tiny-llama", batch=batch, tokens=tokens)
+        got = model(reference.inputs[0].numpy())[0]
+        with torch.no_grad():
+            expected = reference.module(*reference.inputs).numpy()
+        assert got.shape == expected.shape and np.allclose(got, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(UsageError, match="rebuild with --max-batch 3"):
+        model.bucket(tokens=8, batch=3)
+    result = run_artifact(str(out), repeat=2, tokens=11, batch=2)
+    assert (result["batch_bucket"], result["bucket"]) == (2, 16) and result["matches_torch"] is True, result
+
+
+@pytest.mark.slow
+def test_a_decode_step_for_any_batch_from_the_command_line(tmp_path):
+    """``build --tokens 1 --batch dynamic``: one decode-step artifact for 1 to 4 sequences."""
+    import json
+
+    from .helpers import autosched
+
+    out = tmp_path / "decode"
+    proc = autosched("build", "tiny-llama", "--tokens", "1", "--batch", "dynamic", "--max-batch", "4",
+                     "-o", str(out), "--db", str(tmp_path / "none.db"))
+    assert "one artifact for 1 to 4 sequences" in proc.stderr, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["buckets"] == [[1, None], [2, None], [4, None]] and "token_axes" not in manifest
+    result = json.loads(autosched("run", str(out), "--batch", "3", "--format", "json").stdout)
+    assert (result["batch"], result["batch_bucket"], result["matches_torch"]) == (3, 4, True), result

@@ -34,26 +34,40 @@ def export_artifact(out_dir: str | Path, executable, params: list, model: Model,
 
 
 def export_bucketed(out_dir: str | Path, executables: dict, params: dict, model: Model, target: TargetSpec,
-                    reports: dict, token_axes, db_path: str | None) -> Path:
-    """A ``--tokens dynamic`` build: one library per bucket length (``model-t{n}.so``), one parameter
-    file holding each distinct tensor once (``param_order`` per bucket), and a manifest saying which
-    axis of each input and output is the sequence."""
+                    reports: dict, axes: dict, db_path: str | None) -> Path:
+    """A build of several buckets, (batch, tokens) pairs: one library per bucket (``model-t128.so``,
+    ``model-b4.so``, ``model-b4-t128.so``), one parameter file holding each distinct tensor once
+    (``param_order`` per bucket), and a manifest saying which axis of each input and output is the
+    batch and the sequence. ``axes``: {"batch" and/or "tokens": PaddedAxes}, the axes that vary."""
+    from .lengths import bucket_key
+
     out, manifest = _export_common(out_dir, model, target, db_path)
-    # Each tensor once: build_lengths made a tensor shared by several buckets one object.
+    buckets = sorted(executables, key=lambda b: (b[0] or 0, b[1] or 0))
+    # Each tensor once: build_buckets made a tensor shared by several buckets one object.
     distinct = list({id(t): t for bucket in params.values() for t in bucket}.values())
     names = dict(zip(map(id, distinct), _write_params(out, distinct)))
-    manifest["param_order"] = {str(n): [names[id(t)] for t in bucket] for n, bucket in sorted(params.items())}
-    for length, executable in executables.items():
-        executable.export_library(str(out / f"model-t{length}.so"))
-    for spec, axis in zip(manifest["inputs"], token_axes.inputs):
-        if axis is not None:
-            spec["shape"][axis] = "tokens"
-    manifest["model_kwargs"].pop("tokens", None)
-    manifest.update(buckets=sorted(executables), libraries={str(n): f"model-t{n}.so" for n in sorted(executables)},
-                    token_axes={"inputs": token_axes.inputs, "outputs": token_axes.outputs},
-                    kernels_per_bucket={str(n): _kernels(r) for n, r in sorted(reports.items())})
+    manifest["param_order"] = {bucket_key(b): [names[id(t)] for t in params[b]] for b in buckets}
+    for bucket in buckets:
+        executables[bucket].export_library(str(out / _library(bucket)))
+    for axis, found in axes.items():
+        for spec, index in zip(manifest["inputs"], found.inputs):
+            if index is not None:
+                spec["shape"][index] = axis
+        manifest["model_kwargs"].pop(axis, None)
+        manifest[f"{'token' if axis == 'tokens' else axis}_axes"] = {"inputs": found.inputs, "outputs": found.outputs}
+    # Lengths alone: the buckets as lengths, as such builds have always written them.
+    listed = [b[1] for b in buckets] if "batch" not in axes else [list(b) for b in buckets]
+    manifest.update(buckets=listed, libraries={bucket_key(b): _library(b) for b in buckets},
+                    kernels_per_bucket={bucket_key(b): _kernels(reports[b]) for b in buckets})
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out
+
+
+def _library(bucket) -> str:
+    from .lengths import bucket_key
+
+    key = bucket_key(bucket)
+    return f"model-{key if key.startswith('b') else 't' + key}.so"
 
 
 def _kernels(report: ApplyReport) -> dict:
@@ -126,66 +140,100 @@ def load_artifact(out_dir: str | Path):
 
 
 class BucketedModel:
-    """A ``--tokens dynamic`` build, with TVM's runtime and numpy only: ``model(*inputs)`` pads each input
-    along its sequence axis to the smallest bucket that holds it (token ids with the lowest id of their
-    range, other inputs with zeros), runs that bucket's module and cuts the outputs back to the length
-    given. Exact for the causal models the build accepts (no position sees the ones after it)."""
+    """A ``--tokens dynamic`` and/or ``--batch dynamic`` build, with TVM's runtime and numpy only:
+    ``model(*inputs)`` pads each input along its sequence and batch axes to the smallest bucket that
+    holds it (token ids with the lowest id of their range, other inputs with zeros), runs that bucket's
+    module and cuts the outputs back. Exact for the models the build accepts (causal, and sequences of
+    a batch independent)."""
 
     def __init__(self, out_dir: str | Path):
         self.path, self.manifest = Path(out_dir), read_manifest(out_dir)
         if "buckets" not in self.manifest:
-            raise UsageError(f"{out_dir} was built for one length: load it with autosched.pipeline.load_artifact")
-        self.buckets: list[int] = self.manifest["buckets"]
+            raise UsageError(f"{out_dir} was built for one shape: load it with autosched.pipeline.load_artifact")
+        listed = self.manifest["buckets"]
+        # (batch, tokens) pairs; a build of lengths alone lists lengths
+        self.buckets: list[tuple] = [tuple(b) if isinstance(b, list) else (None, b) for b in listed]
+        self.axes = {axis: self.manifest[key] for axis, key in (("batch", "batch_axes"), ("tokens", "token_axes"))
+                     if key in self.manifest}
         self.device = _device(self.manifest)
         self._tensors = _saved_params(self.path, self.manifest, self.device)  # once, however many buckets take each
-        self._vms: dict[int, object] = {}
+        self._vms: dict[tuple, object] = {}
 
-    def params(self, bucket: int) -> list:
+    def _key(self, bucket: tuple) -> str:
+        from .lengths import bucket_key
+
+        return bucket_key(bucket)
+
+    def params(self, bucket: tuple) -> list:
         """The parameters the bucket's ``main`` takes after its inputs."""
-        return [self._tensors[name] for name in self.manifest["param_order"][str(bucket)]]
+        return [self._tensors[name] for name in self.manifest["param_order"][self._key(bucket)]]
 
-    def bucket(self, tokens: int) -> int:
+    def bucket(self, tokens: int | None = None, batch: int | None = None) -> tuple:
+        """The bucket, a (batch, tokens) pair, for inputs of ``tokens`` tokens and ``batch`` sequences
+        (None: the largest bucket along that axis)."""
         from .lengths import bucket_for
 
-        return bucket_for(self.buckets, tokens)
+        chosen = []
+        for index, (axis, size) in enumerate((("batch", batch), ("tokens", tokens))):
+            sizes = sorted({b[index] for b in self.buckets if b[index] is not None})
+            if not sizes:
+                chosen.append(None)
+            else:
+                chosen.append(sizes[-1] if size is None else bucket_for(sizes, size, axis))
+        return tuple(chosen)
 
-    def vm(self, bucket: int):
+    def vm(self, bucket: tuple):
         """The virtual machine of one bucket, loaded on first use."""
         import tvm
         from tvm import relax
 
         if bucket not in self._vms:
-            library = self.path / self.manifest["libraries"][str(bucket)]
+            library = self.path / self.manifest["libraries"][self._key(bucket)]
             self._vms[bucket] = relax.VirtualMachine(tvm.runtime.load_module(str(library)), self.device)
         return self._vms[bucket]
 
-    def tokens_of(self, inputs) -> int:
-        axes = self.manifest["token_axes"]["inputs"]
-        return next(x.shape[axis] for x, axis in zip(inputs, axes) if axis is not None)
+    def sizes_of(self, inputs) -> tuple:
+        """(batch, tokens) of ``inputs``, None along an axis the build does not vary."""
+        def size(axis):
+            if axis not in self.axes:
+                return None
+            return next(x.shape[a] for x, a in zip(inputs, self.axes[axis]["inputs"]) if a is not None)
 
-    def padded(self, inputs, bucket: int) -> list:
-        """The inputs (numpy arrays) padded to ``bucket`` tokens, as TVM tensors on the model's device."""
+        return size("batch"), size("tokens")
+
+    def padded(self, inputs, bucket: tuple) -> list:
+        """The inputs (numpy arrays) padded to ``bucket``, as TVM tensors on the model's device."""
         import numpy as np
         import tvm
 
         out = []
-        for x, axis, spec in zip(inputs, self.manifest["token_axes"]["inputs"], self.manifest["inputs"]):
+        for i, (x, spec) in enumerate(zip(inputs, self.manifest["inputs"])):
             x = np.asarray(x)
-            if axis is not None and x.shape[axis] < bucket:
-                widths = [(0, 0)] * x.ndim
-                widths[axis] = (0, bucket - x.shape[axis])
+            widths = [(0, 0)] * x.ndim
+            for axis, target in zip(("batch", "tokens"), bucket):
+                index = self.axes[axis]["inputs"][i] if axis in self.axes else None
+                if index is not None and x.shape[index] < target:
+                    widths[index] = (0, target - x.shape[index])
+            if any(w != (0, 0) for w in widths):
                 x = np.pad(x, widths, constant_values=(spec.get("range") or [0])[0])
             out.append(tvm.runtime.tensor(np.ascontiguousarray(x), self.device))
         return out
 
-    def cut(self, outputs, tokens: int) -> list:
-        """The outputs cut back to ``tokens`` along their sequence axes (numpy arrays)."""
-        return [o.numpy() if axis is None else o.numpy().take(range(tokens), axis=axis)
-                for o, axis in zip(outputs, self.manifest["token_axes"]["outputs"])]
+    def cut(self, outputs, sizes: tuple) -> list:
+        """The outputs cut back to ``sizes``, (batch, tokens), along their axes (numpy arrays)."""
+        cut = []
+        for i, o in enumerate(outputs):
+            o = o.numpy()
+            for axis, size in zip(("batch", "tokens"), sizes):
+                index = self.axes[axis]["outputs"][i] if axis in self.axes else None
+                if index is not None:
+                    o = o.take(range(size), axis=index)
+            cut.append(o)
+        return cut
 
     def __call__(self, *inputs) -> list:
-        tokens = self.tokens_of(inputs)
-        bucket = self.bucket(tokens)
+        sizes = self.sizes_of(inputs)
+        bucket = self.bucket(tokens=sizes[1], batch=sizes[0])
         out = self.vm(bucket)["main"](*self.padded(inputs, bucket), *self.params(bucket))
         outputs = [out] if hasattr(out, "numpy") else [out[i] for i in range(len(out))]
-        return self.cut(outputs, tokens)
+        return self.cut(outputs, sizes)

@@ -218,22 +218,22 @@ def build_model(model: Model, target: TargetSpec, db: Database | None):
     return executable, transform_params(lowered, params), report
 
 
-def build_lengths(models: list[Model], target: TargetSpec, db: Database | None):
-    """:func:`build_model` at each length of ``models`` (one model per bucket length, same weights):
-    returns ({length: executable}, {length: the parameters its ``main`` takes}, {length: report}).
+def build_buckets(models: list[Model], buckets: list, target: TargetSpec, db: Database | None):
+    """:func:`build_model` for each bucket (``models[i]`` is the model at ``buckets[i]``, a (batch, tokens)
+    pair, all with the same weights): returns ({bucket: executable}, {bucket: the parameters its ``main``
+    takes}, {bucket: report}).
 
-    The parameters are mostly the same weights at every length, but not all: tables computed from
+    The parameters are mostly the same weights in every bucket, but not all: tables computed from
     constants alone (rotary embeddings' cos/sin) are folded into them at each length. A tensor equal to
-    one of an earlier length is that same object, so that the artifact stores it once."""
+    one of an earlier bucket is that same object, so that the artifact stores it once."""
     import hashlib
 
     executables, params, reports, seen = {}, {}, {}, {}
-    for model in models:
-        length = int(model.kwargs["tokens"])
-        executables[length], transformed, reports[length] = build_model(model, target, db)
-        params[length] = []
+    for model, bucket in zip(models, buckets):
+        executables[bucket], transformed, reports[bucket] = build_model(model, target, db)
+        params[bucket] = []
         for tensor in transformed:
             data = tensor.numpy()
             digest = hashlib.sha256(f"{data.dtype}{data.shape}".encode() + data.tobytes()).hexdigest()
-            params[length].append(seen.setdefault(digest, tensor))
+            params[bucket].append(seen.setdefault(digest, tensor))
     return executables, params, reports
