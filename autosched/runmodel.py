@@ -40,7 +40,7 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
         inputs = [random_input(spec, gen) for spec in specs]
         vm, params = model.vm(bucket), model.params(bucket)
         args = model.padded([t.numpy() for t in inputs], bucket) + params
-        kernels = manifest["kernels_per_bucket"][model._key(bucket)]
+        kernels = manifest["kernels_per_bucket"][model.key(bucket)]
         if "tokens" in model.axes:
             result.update(tokens=sizes[1], bucket=bucket[1])
         if "batch" in model.axes:

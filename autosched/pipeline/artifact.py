@@ -159,14 +159,15 @@ class BucketedModel:
         self._tensors = _saved_params(self.path, self.manifest, self.device)  # once, however many buckets take each
         self._vms: dict[tuple, object] = {}
 
-    def _key(self, bucket: tuple) -> str:
+    def key(self, bucket: tuple) -> str:
+        """The bucket's name in the manifest."""
         from .lengths import bucket_key
 
         return bucket_key(bucket)
 
     def params(self, bucket: tuple) -> list:
         """The parameters the bucket's ``main`` takes after its inputs."""
-        return [self._tensors[name] for name in self.manifest["param_order"][self._key(bucket)]]
+        return [self._tensors[name] for name in self.manifest["param_order"][self.key(bucket)]]
 
     def bucket(self, tokens: int | None = None, batch: int | None = None) -> tuple:
         """The bucket, a (batch, tokens) pair, for inputs of ``tokens`` tokens and ``batch`` sequences
@@ -188,7 +189,7 @@ class BucketedModel:
         from tvm import relax
 
         if bucket not in self._vms:
-            library = self.path / self.manifest["libraries"][self._key(bucket)]
+            library = self.path / self.manifest["libraries"][self.key(bucket)]
             self._vms[bucket] = relax.VirtualMachine(tvm.runtime.load_module(str(library)), self.device)
         return self._vms[bucket]
 
