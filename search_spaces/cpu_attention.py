@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from tvm import s_tir
 
-from ._analysis import blocks_of
+from ._analysis import blocks_of, const_extents, loop_kinds
 from ._knobs import Knob, Point
 from .rows import RowsSpace
 
 
 class BlockedAttentionSpace(RowsSpace):
     name = "cpu_attention"
-    version = 1
+    version = 2  # 2: tile_rows (register tiles in QKᵀ and PV)
     targets = ("llvm",)
     families = ("attention",)
 
@@ -47,12 +47,27 @@ class BlockedAttentionSpace(RowsSpace):
             Knob("rfactor", (True, False), ordered=False),
             Knob("unroll", (0, 16, 64)),
             Knob("transpose_k", (True, False), ordered=False),
+            # rows of a register tile in the two GEMM stages: each K (or V) vector loaded once feeds
+            # this many rows' accumulators, which stay in registers over the reduction (1: none)
+            Knob("tile_rows", (1, 2, 4, 8)),
         ]
 
     def default(self) -> Point:
         blocks = self.knobs[0].choices
-        return {"rows_per_task": min(blocks, key=lambda r: abs(r - 32)), "vector": 16, "rfactor": True,
-                "unroll": 16, "transpose_k": True}
+        rows = min(blocks, key=lambda r: abs(r - 32))
+        return {"rows_per_task": rows, "vector": 16, "rfactor": True, "unroll": 16, "transpose_k": True,
+                "tile_rows": next(t for t in (8, 4, 2, 1) if rows % t == 0)}
+
+    def check(self, point: Point) -> str | None:
+        if point["rows_per_task"] % point["tile_rows"]:
+            return f"tile_rows={point['tile_rows']} does not divide rows_per_task={point['rows_per_task']}"
+        return super().check(point)
+
+    def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
+        super().schedule(sch, p)
+        if p["tile_rows"] > 1:
+            for block in (_qk_block(sch), blocks_of(sch)[-1]):  # QKᵀ and PV
+                _register_tile(sch, block, p["tile_rows"])
 
     def _stages_at(self, p: Point, task, row):
         return task  # every stage over the whole block of rows
@@ -67,10 +82,26 @@ class BlockedAttentionSpace(RowsSpace):
         sch.compute_at(copy, task, preserve_unit_loops=True)
 
 
+def _register_tile(sch: s_tir.Schedule, block, rows: int) -> None:
+    """Reorder a GEMM-shaped stage, whose loops below the task are (reduction, row, outer, vector), to
+    (row / rows, outer, reduction, rows unrolled, vector): ``rows`` x vector accumulators that stay in
+    registers over the reduction, the reduction's init hoisted out of it. Left as it is otherwise."""
+    loops = sch.get_loops(block)[1:]  # below the parallel task loop
+    kinds, extents = loop_kinds(sch, block)[1:], const_extents(sch, loops)
+    shaped = [(lp, k) for lp, k, e in zip(loops, kinds, extents) if e > 1]
+    if [k for _, k in shaped] != ["R", "S", "S", "S"]:
+        return
+    (reduction, _), (row, _), (outer, _), (vector, _) = shaped
+    row_out, row_in = sch.split(row, [None, rows])
+    sch.reorder(row_out, outer, reduction, row_in, vector)
+    sch.unroll(row_in)
+    sch.decompose_reduction(block, reduction)
+
+
 def _qk_block(sch: s_tir.Schedule):
-    """The block of QKᵀ: the one reading Q and K (None if the function has no such block)."""
+    """The block of QKᵀ: the one reading Q and K or its copy (None if the function has no such block)."""
     for block in blocks_of(sch):
         names = {region.source.name for region in sch.get(block).reads}
-        if {"Q", "K"} <= names:
+        if "Q" in names and ("K" in names or "K_global" in names):  # K_global: K's transposed copy
             return block
     return None

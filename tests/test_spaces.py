@@ -198,3 +198,16 @@ def test_cpu_attention_runs_in_blocks_of_query_rows_for_one_sequence(cpu_target)
     _, space = _task_space(CASES[9], cpu_target)
     assert space.name == "cpu_attention" and space.knobs[0].choices == (6, 8, 12, 16, 24, 48)
     assert _task_space(CASES[10], cpu_target)[1].name == "rows"
+
+
+def test_cpu_attention_keeps_register_tiles_over_the_reductions(cpu_target):
+    """tile_rows=8: QKᵀ and PV each load a K (V) vector once for 8 rows' accumulators, their inits
+    hoisted out of the reduction, and the result is right; a tile that does not divide the block is
+    refused with its reason."""
+    task, space = _task_space(CASES[9], cpu_target)
+    point = {**space.default(), "rows_per_task": 24, "tile_rows": 8, "vector": 8}
+    text = space.apply(point).script()
+    assert "qk_init" in text and "pv_init" in text
+    assert re.search(r"for ax4 in range\(16\):\s+for \w+ in T\.unroll\(8\):", text), "no 8-row tile under QKᵀ's reduction"
+    assert check_point(task, space, point, cpu_target) < task.spec.checker(task.func).tolerance
+    assert "does not divide rows_per_task" in space.validate({**point, "rows_per_task": 6})
