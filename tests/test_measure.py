@@ -124,6 +124,18 @@ def test_candidate_slower_than_the_cutoff_is_timed_once(gemm_task, cpu_target):
     assert cut.ok and len(cut.latencies) == 1 and cut.latencies[0] > fast.median / 100
 
 
+def test_a_short_kernel_is_not_settled_as_slow_by_its_cold_first_call(cpu_target):
+    """Under a cutoff it would meet, a microsecond kernel is timed in full: its first (cold) call and a
+    single run can each read many times its warm latency (3-4 ms for a 0.2 ms kernel on a 2-core VM),
+    which used to settle such candidates as slow after the first of a batch."""
+    task = Task.from_workload(make_workload("rmsnorm", "m=4,n=64"))
+    space = task.space(cpu_target)
+    with Measurer(cpu_target, MeasureConfig(repeat=5, min_repeat_ms=5)) as m:
+        (fast,) = m.measure(task.spec, [space.default()])
+        again = m.measure(task.spec, [space.default()] * 3, cutoff=3 * fast.median)
+    assert [len(r.latencies) for r in again] == [5, 5, 5], [r.latencies for r in again]
+
+
 def _norm_of_given_squares():
     """A fused kernel as Relax makes it: its input is a mean of squares, which normal noise makes
     negative, and rsqrt of a negative number is NaN."""
