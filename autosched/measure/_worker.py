@@ -168,12 +168,16 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
             # kernel read 3-4 ms on a 2-core VM (the thread pool's stalls), settling it as slow.
             probe = lib.time_evaluator("main", dev, number=config["number"], repeat=1,
                                        min_repeat_ms=config["min_repeat_ms"], cache_flush_bytes=config["flush_bytes"])
-            first = float(probe(*args).results[0])
-            if first > config["cutoff"]:
-                return MeasureResult((first,), None, None, 0.0, time.perf_counter() - start, worst)
-        timer = lib.time_evaluator("main", dev, number=config["number"], repeat=config["repeat"],
-                                   min_repeat_ms=config["min_repeat_ms"], cache_flush_bytes=config["flush_bytes"])
-        latencies = tuple(float(x) for x in timer(*args).results)
+            timed = [float(probe(*args).results[0])]
+            if timed[0] > config["cutoff"]:
+                return MeasureResult(tuple(timed), None, None, 0.0, time.perf_counter() - start, worst)
+        else:
+            timed = []
+        if config["repeat"] > len(timed):  # the probe is the first repeat
+            timer = lib.time_evaluator("main", dev, number=config["number"], repeat=config["repeat"] - len(timed),
+                                       min_repeat_ms=config["min_repeat_ms"], cache_flush_bytes=config["flush_bytes"])
+            timed += [float(x) for x in timer(*args).results]
+        latencies = tuple(timed)
     except Exception as exc:  # noqa: BLE001
         return MeasureResult.failed("run", _short(exc), run_seconds=time.perf_counter() - start)
     return MeasureResult(latencies, None, None, 0.0, time.perf_counter() - start, worst)
