@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Builder", "MeasureConfig", "Measurer", "Runner", "SLOW_CUTOFF"]
 
-# A candidate slower than this many times the best known is timed once, not repeatedly: its rank is
-# settled, and on a CPU slow candidates would otherwise take most of the tuning time.
+# A candidate slower than this many times the best known in a short probe is timed no further: its rank
+# is settled, and on a CPU slow candidates would otherwise take most of the tuning time.
 SLOW_CUTOFF = 2.0
 
 
