@@ -1,7 +1,8 @@
 """RPC benchmark: candidates measured per minute through 1, 2, 3 ... TVM RPC servers, against the local runner.
 
 Usage: python benchmarks/rpc_benchmark.py [--servers 1 2 3] [--candidates 24] [--threads 1] [--out DIR]
-       python benchmarks/rpc_benchmark.py --target cuda --devices 0 0,1 [--shape ...] --out DIR   (several GPUs)
+       python benchmarks/rpc_benchmark.py --target cuda --devices 0 0,1 [--shape ...] [--dtype float16] --out DIR
+       (several GPUs)
 
 One set of candidates (a GEMM's space, sampled with a fixed seed) is built once on this host; then the
 same builds are checked and timed by the local runner and by a tracker with N servers on loopback
@@ -32,6 +33,7 @@ def main() -> int:
     parser.add_argument("--candidates", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1, help="TVM_NUM_THREADS of every runner (default 1)")
     parser.add_argument("--shape", default="m=256,n=256,k=256", help="the GEMM's shape")
+    parser.add_argument("--dtype", default="float32", help="the GEMM's input type (float16: the tensor-core spaces)")
     parser.add_argument("--target", default="llvm", help="llvm, or cuda with --devices")
     parser.add_argument("--devices", nargs="+", help="GPU sets to measure on at once, e.g. 0 0,1 (instead of servers)")
     parser.add_argument("--out", default="benchmarks/results/rpc")
@@ -48,7 +50,7 @@ def main() -> int:
 
     target = parse_target(args.target)
     config = MeasureConfig.for_target(target)
-    task = Task.from_workload(make_workload("gemm", args.shape))
+    task = Task.from_workload(make_workload("gemm", args.shape, dtype=args.dtype))
     space = task.space(target)
     rng = np.random.default_rng(0)
     points = [space.default()] + [space.sample(rng) for _ in range(args.candidates - 1)]
@@ -82,7 +84,8 @@ def main() -> int:
 
         runner = DeviceRunner(target, config, parse_devices(devices))
         try:
-            rows.append({"runner": f"devices {devices}", "servers": len(runner.devices), **measure(runner)})
+            rows.append({"runner": f"devices {devices}", "servers": len(runner.devices), **measure(runner),
+                         "gpu_of_each_runner": _gpus_in_use(runner)})
         finally:
             runner.close()
         print(rows[-1], file=sys.stderr)
@@ -113,9 +116,22 @@ def main() -> int:
     for r in rows:
         lines.append(f"| {r['runner']} | {r['servers'] or '-'} | {r['seconds']} | {r['per_minute']} | {r['concurrency']} | "
                      f"{r['checked_ok']}/{r['candidates']} | {r['best_us']} |")
+    lines += [f"\n{r['runner']}: runner processes on the GPUs at {r['gpu_of_each_runner']}" for r in rows
+              if "gpu_of_each_runner" in r]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _gpus_in_use(runner) -> dict[str, str]:
+    """The PCI address of the GPU on which each device runner's process holds a context, as the driver
+    reports it: the check that N runners measure on N GPUs, not N times on one."""
+    import subprocess
+
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout
+    bus_of_pid = dict(line.split(", ") for line in apps.strip().splitlines() if ", " in line)
+    return {slot.name: bus_of_pid.get(str(slot.runner._worker._proc.pid), "none") for slot in runner.slots()}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ and one runner process per device (laid out on the CPU here; the GPUs themselves
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -155,8 +156,9 @@ def test_device_list_parsing():
 
 
 def test_one_runner_process_per_device(cpu_target):
-    """Each device's runner process sees only its GPU (CUDA_VISIBLE_DEVICES), and a batch is spread over
-    all of them. Laid out on the CPU: the processes are real, the devices they would pin are not used."""
+    """Each device's runner process starts seeing only its GPU (CUDA_VISIBLE_DEVICES), and a batch is
+    spread over all of them. Laid out on the CPU: the processes are real, the devices they would pin are
+    not used."""
     import numpy as np
 
     task = _task()
@@ -168,9 +170,12 @@ def test_one_runner_process_per_device(cpu_target):
         assert all(r.ok and r.rel_error is not None for r in results)
         assert sorted(set(m.runner.measured_by)) == ["device 0", "device 1"]
         for slot, device in zip(m.runner.slots(), ["0", "1"]):
-            # A lambda travels by value and reads the environment of the runner process itself.
-            slot.runner._worker.send(lambda: __import__("os").environ.get("CUDA_VISIBLE_DEVICES"))
-            assert slot.runner._worker.recv() == device
+            # The environment the process was started with, as the CUDA driver reads it while TVM imports
+            # (set later, in the process, it came too late: both runners measured on GPU 0 of a two-H200
+            # host). A lambda travels by value and runs in the runner process.
+            slot.runner._worker.send(lambda: open("/proc/self/environ", "rb").read().split(b"\0"))
+            assert f"CUDA_VISIBLE_DEVICES={device}".encode() in slot.runner._worker.recv()
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # set around each process's start only
 
 
 def test_builder_rpc_builds_on_the_servers(cluster, cpu_target, tmp_path):

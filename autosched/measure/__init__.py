@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -70,6 +71,36 @@ def _worker_log(directory: str, name: str):
     return open(os.path.join(directory, name), "ab")
 
 
+_ENVIRON_LOCK = threading.Lock()
+
+
+def _popen_worker(initializer, initargs: tuple, env: dict[str, str], **kwargs):
+    """TVM's ``PopenWorker``, whose process starts (and restarts) with ``env`` added to its environment.
+
+    Variables the CUDA driver reads must be there from the start: it initialises while TVM imports, before
+    any initializer runs (seen on a two-H200 host: a runner that set ``CUDA_VISIBLE_DEVICES=1`` in its
+    initializer still measured on GPU 0).
+    """
+    from tvm.support.popen_pool import PopenWorker
+
+    class _Worker(PopenWorker):
+        def _start(self):
+            # PopenWorker passes no env of its own: the child inherits ours, set around the fork only.
+            with _ENVIRON_LOCK:
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                try:
+                    super()._start()
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+
+    return _Worker(initializer, initargs, **kwargs) if env else PopenWorker(initializer, initargs, **kwargs)
+
+
 class Builder:
     """Compiles candidates in a pool of persistent worker processes."""
 
@@ -124,20 +155,21 @@ class Builder:
 class Runner:
     """Checks and times built candidates one at a time in a persistent runner process.
 
-    ``initializer(*initargs)`` prepares the process (default: import TVM); e.g. pins it to one GPU.
+    ``initializer(*initargs)`` prepares the process (default: import TVM); ``env``: variables the process
+    starts with, e.g. ``CUDA_VISIBLE_DEVICES`` to pin it to one GPU.
     """
 
     def __init__(self, target: TargetSpec, config: MeasureConfig, workdir: str | None = None,
-                 initializer=None, initargs: tuple = (), log_name: str = "runner.log"):
-        from tvm.support.popen_pool import PopenWorker
-
+                 initializer=None, initargs: tuple = (), log_name: str = "runner.log",
+                 env: dict[str, str] | None = None):
         from ._worker import init_worker
 
         self.target = target
         self.config = config
         self.dir = workdir or tempfile.mkdtemp(prefix="autosched-run-")
         self._log = _worker_log(self.dir, log_name)
-        self._worker = PopenWorker(initializer or init_worker, initargs, stdout=subprocess.DEVNULL, stderr=self._log)
+        self._worker = _popen_worker(initializer or init_worker, initargs, env or {},
+                                     stdout=subprocess.DEVNULL, stderr=self._log)
         self._prepared: str | None = None  # key of the task whose reference the worker holds
 
     def run(self, spec: TaskSpec, builds: list[BuildResult], cutoff: float | None = None) -> list[MeasureResult]:

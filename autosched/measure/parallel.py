@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 import tempfile
 import threading
 import time
@@ -149,19 +148,12 @@ def parse_devices(text: str) -> list[int]:
     return devices
 
 
-def _pin_device(device: int) -> None:
-    """Initializer of a device's runner process: it sees only its GPU (as cuda:0), before CUDA starts."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
-    from ._worker import init_worker
-
-    init_worker()
-
-
 class _DeviceSlot:
     def __init__(self, device: int, target: TargetSpec, config: MeasureConfig, workdir: str):
         self.name = f"device {device}"
         self.device = device
-        self.runner = Runner(target, config, workdir, initializer=_pin_device, initargs=(device,),
+        # The process starts seeing only its GPU, as cuda:0 (the CUDA driver starts as TVM imports).
+        self.runner = Runner(target, config, workdir, env={"CUDA_VISIBLE_DEVICES": str(device)},
                              log_name=f"runner-device{device}.log")
 
     def open(self) -> bool:
