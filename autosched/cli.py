@@ -230,13 +230,13 @@ def _describe_buckets(buckets: list) -> str:
 
 
 def cmd_tune_model(args) -> int:
-    from .pipeline import extract_tasks, prepare, split_tunable
+    from .pipeline import extract_tasks, merge_bucket_tasks, prepare, split_tunable
     from .target import parse_target
     from .tuner import TuneOptions, tune_tasks
 
     target = parse_target(args.target, require_device=args.runner == "local")
     models, buckets = _models(args)
-    tasks, untunable = split_tunable(_merged_tasks([extract_tasks(prepare(m, target)[0]) for m in models]), target)
+    tasks, untunable = split_tunable(merge_bucket_tasks([extract_tasks(prepare(m, target)[0]) for m in models]), target)
     log = _console(stderr=True)
     at = f" at {_describe_buckets(buckets)}" if buckets else ""
     log.log(f"{args.model}{at}: {len(tasks) + len(untunable)} distinct kernels, "
@@ -268,20 +268,6 @@ def cmd_tune_model(args) -> int:
          title=f"{args.model}: {estimate}")
     log.log(f"{args.model}: {estimate}")
     return 0
-
-
-def _merged_tasks(per_model: list[list]) -> list:
-    """The kernels of several lengths of one model: each distinct kernel once, its calls added up."""
-    import dataclasses
-
-    merged: dict[str, object] = {}
-    for tasks in per_model:
-        for task in tasks:
-            if task.key in merged:
-                merged[task.key] = dataclasses.replace(merged[task.key], weight=merged[task.key].weight + task.weight)
-            else:
-                merged[task.key] = task
-    return list(merged.values())
 
 
 def model_estimate(tasks, results, untunable=()) -> str:

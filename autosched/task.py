@@ -75,6 +75,9 @@ class Task:
     family: str | None = None
     weight: float = 1.0  # how many times the kernel runs per model invocation
     meta: dict[str, Any] = field(default_factory=dict)
+    # How much one second of this kernel counts for the task scheduler, per call: above 1 for the kernels
+    # of a dynamic build's short buckets, so that each bucket's latency counts relative to its own size.
+    share: float = 1.0
 
     @classmethod
     def from_workload(cls, wl: Workload) -> Task:

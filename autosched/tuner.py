@@ -253,13 +253,18 @@ def _first_measurements(tuners: list[TaskTuner], measurer: Measurer, options: Tu
         return 0
     share = max(1, options.trials // len(tuners))
     used = 0
-    for tuner in sorted(tuners, key=lambda t: t.task.weight * (t.task.flops + t.task.min_bytes), reverse=True):
+    for tuner in sorted(tuners, key=lambda t: _priority(t.task) * (t.task.flops + t.task.min_bytes), reverse=True):
         if used >= options.trials or (options.time_budget is not None
                                       and time.perf_counter() - start >= options.time_budget):
             break
         first = min(options.batch_size, share, 1 + len(tuner.transferred), options.trials - used)
         used += tuner.step(measurer, first)
     return used
+
+
+def _priority(task: Task) -> float:
+    """What a second of the task's kernel is worth to the model: its calls, times its bucket's share."""
+    return task.weight * task.share
 
 
 def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
@@ -272,7 +277,7 @@ def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
     if fewest == 0:
         # First round of each task, heaviest first (calls x work), in case the budget ends before all.
         return max((t for t in tuners if t.rounds == 0),
-                   key=lambda t: t.task.weight * (t.task.flops + t.task.min_bytes))
+                   key=lambda t: _priority(t.task) * (t.task.flops + t.task.min_bytes))
 
     def expected_gain(t: TaskTuner) -> float:
         if not math.isfinite(t.best):
@@ -280,6 +285,6 @@ def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
         recent = t.history[-3:]
         first = recent[0] if math.isfinite(recent[0]) else t.best
         slope = max(first - t.best, 0.0) / len(recent)
-        return t.task.weight * (slope + t.best / (1 + t.rounds))
+        return _priority(t.task) * (slope + t.best / (1 + t.rounds))
 
     return max(tuners, key=expected_gain)

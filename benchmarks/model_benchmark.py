@@ -68,14 +68,17 @@ def write_results(rows: list[dict], out_dir: Path) -> None:
     kind = rows[0]["target"].split(":")[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"results_{kind}.json").write_text(json.dumps(rows, indent=2))
-    lines = [f"{rows[0]['model']} on {rows[0]['target']}; {rows[0].get('date', '')}.", "",
-             "| batch x tokens | torch eager (ms) | torch.compile (ms) | TVM untuned (ms) | autosched tuned (ms) | "
+    models = list(dict.fromkeys(r["model"] for r in rows))  # several after --combine: a column of its own
+    lines = [f"{', '.join(models)} on {rows[0]['target']}; {rows[0].get('date', '')}.", "",
+             ("| model " if len(models) > 1 else "")
+             + "| batch x tokens | torch eager (ms) | torch.compile (ms) | TVM untuned (ms) | autosched tuned (ms) | "
              "tuned vs untuned | tuned vs eager | tuned vs compile | kernels | tuning (s) | budget |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("|---" if len(models) > 1 else "") + "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tc = r.get("torch_compile_ms")
         budget = f"{r.get('trial_budget', '?')} trials" + (f" or {r['time_budget_s']:.0f} s" if r.get("time_budget_s") else "")
-        lines.append(f"| {r['batch']} x {r['tokens']} | {r['torch_eager_ms']:.3f} | "
+        lines.append((f"| {r['model']} " if len(models) > 1 else "")
+                     + f"| {r['batch']} x {r['tokens']} | {r['torch_eager_ms']:.3f} | "
                      + (f"{tc:.3f}" if tc else "-")
                      + f" | {r['untuned_ms']:.3f} | {r['tuned_ms']:.3f} | {r['untuned_ms'] / r['tuned_ms']:.2f}x | "
                      f"{r['torch_eager_ms'] / r['tuned_ms']:.2f}x | "

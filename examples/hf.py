@@ -1,9 +1,11 @@
-"""Hugging Face transformers' own model classes, built from small configs with random weights.
+"""Hugging Face transformers' own model classes, built from configs with random weights.
 
-Nothing is downloaded: each factory makes the family's config (the dimensions of a tiny model with
-that family's structure), builds the ``*ForCausalLM`` class from it and returns it with token ids as
-the input, so that the whole model is imported, embedding gather and LM head included. What differs
-between the families, and what each one exercises in the pipeline:
+Nothing is downloaded: each factory makes the family's config, builds the ``*ForCausalLM`` class from
+it and returns it with token ids as the input, so that the whole model is imported, embedding gather
+and LM head included. ``hf-<family>`` has a tiny model's dimensions (for tests on a CPU);
+``hf-<family>-<size>-layers`` has two decoder layers of a real model of that family, with its full
+vocabulary (for benchmarks on a GPU): Llama-2-7B, Qwen2-1.5B, Mistral-7B, Gemma-2B, Phi-3-mini and
+GPT-2 XL. What differs between the families, and what each one exercises in the pipeline:
 
 - ``hf-llama``: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU;
 - ``hf-qwen2``: as Llama, with a bias on the q/k/v projections (Linear + bias in half precision);
@@ -22,8 +24,19 @@ from torch import nn
 
 from autosched.errors import UsageError
 
-# The dimensions every family shares here: small enough to import and build on a CPU in seconds.
+# The dimensions every family shares at the tiny size: small enough to import and build on a CPU in seconds.
 HIDDEN, HEADS, KV_HEADS, MLP, LAYERS, VOCAB = 128, 4, 2, 256, 2, 512
+TINY = dict(hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, mlp=MLP, vocab=VOCAB)
+
+# Two layers of a real model per family, at its published dimensions: (size name, dimensions).
+REAL = {
+    "llama": ("7b", dict(hidden=4096, heads=32, kv_heads=32, mlp=11008, vocab=32000)),  # Llama-2-7B
+    "qwen2": ("1.5b", dict(hidden=1536, heads=12, kv_heads=2, mlp=8960, vocab=151936)),  # Qwen2-1.5B
+    "mistral": ("7b", dict(hidden=4096, heads=32, kv_heads=8, mlp=14336, vocab=32000)),  # Mistral-7B-v0.1
+    "gemma": ("2b", dict(hidden=2048, heads=8, kv_heads=1, mlp=16384, vocab=256000, head_dim=256)),  # Gemma-2B
+    "phi3": ("mini", dict(hidden=3072, heads=32, kv_heads=32, mlp=8192, vocab=32064)),  # Phi-3-mini
+    "gpt2": ("xl", dict(hidden=1600, heads=25, kv_heads=25, mlp=6400, vocab=50257)),  # GPT-2 XL
+}
 
 
 class _Logits(nn.Module):
@@ -38,13 +51,15 @@ class _Logits(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def _config(family: str):
+def _config(family: str, dims: dict):
     try:
         import transformers
     except ImportError:
         raise UsageError("the hf-* example models need transformers: pip install transformers") from None
-    llama_like = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                      intermediate_size=MLP, num_hidden_layers=LAYERS, vocab_size=VOCAB, max_position_embeddings=4096)
+    hidden, heads, vocab = dims["hidden"], dims["heads"], dims["vocab"]
+    llama_like = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=dims["kv_heads"],
+                      intermediate_size=dims["mlp"], num_hidden_layers=LAYERS, vocab_size=vocab,
+                      max_position_embeddings=4096)
     if family == "llama":
         return transformers.LlamaConfig(**llama_like), transformers.LlamaForCausalLM
     if family == "qwen2":
@@ -52,33 +67,41 @@ def _config(family: str):
     if family == "mistral":
         return transformers.MistralConfig(**llama_like, sliding_window=4096), transformers.MistralForCausalLM
     if family == "gemma":
-        return (transformers.GemmaConfig(**llama_like, head_dim=HIDDEN // HEADS, hidden_activation="gelu_pytorch_tanh"),
+        return (transformers.GemmaConfig(**llama_like, head_dim=dims.get("head_dim", hidden // heads),
+                                         hidden_activation="gelu_pytorch_tanh"),
                 transformers.GemmaForCausalLM)
     if family == "phi3":
         return transformers.Phi3Config(**llama_like, pad_token_id=0), transformers.Phi3ForCausalLM
     if family == "gpt2":
-        return (transformers.GPT2Config(n_embd=HIDDEN, n_head=HEADS, n_inner=MLP, n_layer=LAYERS, vocab_size=VOCAB,
-                                        n_positions=4096), transformers.GPT2LMHeadModel)
+        return (transformers.GPT2Config(n_embd=hidden, n_head=heads, n_inner=dims["mlp"], n_layer=LAYERS,
+                                        vocab_size=vocab, n_positions=4096), transformers.GPT2LMHeadModel)
     raise ValueError(family)
 
 
-def _build(family: str, batch: int, tokens: int, dtype: torch.dtype, seed: int = 0):
-    config, cls = _config(family)
+def _build(family: str, dims: dict, batch: int, tokens: int, dtype: torch.dtype, seed: int = 0):
+    config, cls = _config(family, dims)
     config._attn_implementation = "sdpa"  # one scaled-dot-product call per layer: our attention kernel's pattern
     torch.manual_seed(seed)
     model = cls(config).eval().to(dtype)
-    ids = torch.randint(0, VOCAB, (batch, tokens), dtype=torch.int64, generator=torch.Generator().manual_seed(seed))
-    return _Logits(model).eval(), (ids,), {"input_ranges": [[0, VOCAB]]}
+    vocab = dims["vocab"]
+    ids = torch.randint(0, vocab, (batch, tokens), dtype=torch.int64, generator=torch.Generator().manual_seed(seed))
+    return _Logits(model).eval(), (ids,), {"input_ranges": [[0, vocab]]}
 
 
-def _factory(family: str):
-    def factory(batch: int = 1, tokens: int = 16, dtype: torch.dtype = torch.float32):
-        return _build(family, batch, tokens, dtype)
+def _factory(family: str, dims: dict, size: str | None = None):
+    # The real sizes are for a GPU: half precision and a 512-token prompt, as llama-7b-layers.
+    default_dtype, default_tokens = (torch.float32, 16) if size is None else (torch.float16, 512)
 
-    factory.__name__ = f"hf_{family}"
-    factory.__doc__ = f"transformers' {family} causal LM ({LAYERS} layers, hidden {HIDDEN}, vocabulary {VOCAB})."
+    def factory(batch: int = 1, tokens: int = default_tokens, dtype: torch.dtype = default_dtype):
+        return _build(family, dims, batch, tokens, dtype)
+
+    factory.__name__ = f"hf_{family}" + (f"_{size}_layers" if size else "")
+    factory.__doc__ = (f"transformers' {family} causal LM ({LAYERS} layers, hidden {dims['hidden']}, "
+                       f"vocabulary {dims['vocab']}{f'; as {family} {size}' if size else ''}).")
     return factory
 
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2")
-MODELS = {f"hf-{family}": _factory(family) for family in FAMILIES}
+MODELS = {f"hf-{family}": _factory(family, TINY) for family in FAMILIES}
+MODELS.update({f"hf-{family}-{REAL[family][0]}-layers": _factory(family, REAL[family][1], REAL[family][0])
+               for family in FAMILIES})

@@ -17,12 +17,16 @@ from autosched.pipeline import (
     build_buckets,
     check_padding_is_exact,
     export_bucketed,
+    extract_tasks,
     load_model,
+    merge_bucket_tasks,
     models_at,
     parse_batches,
     parse_lengths,
+    prepare,
 )
 from autosched.runmodel import run_artifact
+from autosched.tuner import TuneOptions, tune_tasks
 
 
 def test_bucket_lengths():
@@ -67,6 +71,48 @@ class _Bidirectional(nn.Module):
 def bidirectional(batch: int = 1, tokens: int = 16, dtype=torch.float32):
     torch.manual_seed(0)
     return _Bidirectional().to(dtype), (torch.randn(batch, tokens, 32, generator=torch.Generator().manual_seed(1)),)
+
+
+class _WorkMeasurer:
+    """Each kernel 'runs' in a time proportional to its work, without building: what the task scheduler
+    does with the trials of several buckets."""
+
+    def __init__(self, tasks):
+        self.seconds = {t.spec.key: (t.flops + t.min_bytes) * 1e-12 for t in tasks}
+
+    def measure(self, spec, points, cutoff=None, modules=None):
+        from autosched.records import MeasureResult
+
+        return [MeasureResult((self.seconds[spec.key],)) for _ in points]
+
+    def close(self):
+        pass
+
+
+def test_each_bucket_gets_its_share_of_the_trials(cpu_target):
+    """tune-model at several lengths: the short bucket's kernels are not starved by the long one's,
+    whose absolute times are larger (weighted by calls alone, they took nearly every trial)."""
+    import dataclasses
+
+    per_bucket = [extract_tasks(prepare(load_model("tiny-llama", tokens=n), cpu_target)[0]) for n in (16, 256)]
+    merged = merge_bucket_tasks(per_bucket)
+    assert sum(t.weight for t in merged) == sum(t.weight for tasks in per_bucket for t in tasks)  # calls add up
+    short, long = ({t.key for t in tasks} - {t.key for t in other}
+                   for tasks, other in ((per_bucket[0], per_bucket[1]), (per_bucket[1], per_bucket[0])))
+    assert short and long
+    assert all(t.share == 1.0 for t in merged if t.key in long)
+    assert all(t.share > 4 for t in merged if t.key in short)
+
+    def trials_of(tasks):
+        options = TuneOptions(trials=60, batch_size=4, seed=0, cost_model="random")
+        results = tune_tasks(tasks, cpu_target, None, options, measurer=_WorkMeasurer(tasks))
+        per = {t.key: r.trials for t, r in zip(tasks, results)}
+        return sum(per[k] for k in short), sum(per[k] for k in long)
+
+    fair_short, fair_long = trials_of(merged)
+    starved_short, starved_long = trials_of([dataclasses.replace(t, share=1.0) for t in merged])
+    assert fair_short >= 0.5 * fair_long, (fair_short, fair_long)
+    assert starved_short < 0.5 * starved_long, (starved_short, starved_long)  # what the shares change
 
 
 def test_a_model_that_is_not_causal_is_refused():

@@ -27,13 +27,13 @@ from .lengths import bucket_grid, bucket_key, check_padding_is_exact, models_at,
 from .load import Model, load_model
 from .lowering import lower, lowering, prepare, transform_params
 from .substitute import WORKLOAD_ATTR, substitute_workloads
-from .tasks import extract_tasks, kernel_calls, split_tunable, task_of
+from .tasks import extract_tasks, kernel_calls, merge_bucket_tasks, split_tunable, task_of
 
 __all__ = [
     "ApplyReport", "BucketedModel", "LIBRARY", "MANIFEST", "Model", "PARAMS", "WORKLOAD_ATTR",
     "apply_database", "bucket_grid", "bucket_key", "build_buckets", "build_model", "build_pipeline",
     "build_summary", "check_padding_is_exact", "compile_separate", "export_artifact", "export_bucketed",
     "extract_tasks", "import_model", "kernel_calls", "load_artifact", "load_model", "lower", "lowering",
-    "models_at", "parse_batches", "parse_lengths", "prepare", "read_manifest", "split_tunable",
+    "merge_bucket_tasks", "models_at", "parse_batches", "parse_lengths", "prepare", "read_manifest", "split_tunable",
     "substitute_workloads", "task_of", "transform_params",
 ]

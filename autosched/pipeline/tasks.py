@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import TYPE_CHECKING
 
 from .substitute import WORKLOAD_ATTR
@@ -62,6 +63,29 @@ def extract_tasks(mod: IRModule) -> list[Task]:
         else:
             by_key[task.key] = task
     return list(by_key.values())
+
+def merge_bucket_tasks(per_model: list[list[Task]]) -> list[Task]:
+    """The kernels of several buckets of one model: each distinct kernel once, its calls added up.
+
+    Each bucket counts alike relative to its size: a kernel's ``share`` scales its time by the largest
+    bucket's work over its own bucket's work (work: calls x (FLOPs + bytes)). Weighed by calls alone, the
+    longest bucket's kernels took nearly every trial, and a 64-token bucket ran 1.4x slower than a build
+    tuned for 77 tokens with the same trials per length.
+    """
+    work = [sum(t.weight * (t.flops + t.min_bytes) for t in tasks) or 1.0 for tasks in per_model]
+    merged: dict[str, Task] = {}
+    for tasks, bucket_work in zip(per_model, work):
+        share = max(work) / bucket_work
+        for task in tasks:
+            if task.key in merged:
+                old = merged[task.key]
+                weight = old.weight + task.weight
+                # The merged kernel's priority is the sum of its buckets' priorities (calls x share).
+                merged[task.key] = dataclasses.replace(old, weight=weight,
+                                                       share=(old.weight * old.share + task.weight * share) / weight)
+            else:
+                merged[task.key] = dataclasses.replace(task, share=share) if len(per_model) > 1 else task
+    return list(merged.values())
 
 
 def split_tunable(tasks: list[Task], target: TargetSpec) -> tuple[list[Task], list[Task]]:
