@@ -96,6 +96,16 @@ def _seconds_between(start: str, end: str) -> float:
     return max(0.0, (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds())
 
 
+def tuned_functions(db: Database, match_key: str) -> list[tuple[str, str]]:
+    """(workload key, function JSON) of every raw function (a kernel with no operator of ours) with at
+    least one successful record on targets of ``match_key``."""
+    with db.session() as s:
+        q = (select(WorkloadRow.key, WorkloadRow.func_json).join(RecordRow).join(TargetRow)
+             .where(WorkloadRow.op == "func", WorkloadRow.func_json.is_not(None), TargetRow.match_key == match_key,
+                    RecordRow.median_us.is_not(None)).distinct())
+        return [(key, text) for key, text in s.execute(q)]
+
+
 def workloads_of_op(db: Database, op: str, dtype: str, attrs: dict, match_key: str) -> list[tuple[dict, str]]:
     """(shape, workload key) of every workload of one operator, dtype and attribute set with at least one
     successful record on targets of ``match_key``."""

@@ -34,7 +34,7 @@ def test_bucket_lengths():
     assert parse_lengths("dynamic", 100) == [16, 32, 64, 100]
     assert parse_lengths("dynamic", 64) == [16, 32, 64]
     assert parse_lengths("300, 77,1000") == [77, 300, 1000]
-    assert parse_lengths("dynamic", 1024, 1.5) == [16, 32, 48, 80, 128, 192, 288, 432, 656, 992, 1024]
+    assert parse_lengths("dynamic", 1024, 1.5) == [16, 32, 48, 64, 80, 128, 192, 256, 288, 432, 512, 656, 992, 1024]
     for bad in ("0", "a,b", ""):
         with pytest.raises(UsageError, match="--tokens"):
             parse_lengths(bad)
@@ -113,6 +113,35 @@ def test_each_bucket_gets_its_share_of_the_trials(cpu_target):
     starved_short, starved_long = trials_of([dataclasses.replace(t, share=1.0) for t in merged])
     assert fair_short >= 0.5 * fair_long, (fair_short, fair_long)
     assert starved_short < 0.5 * starved_long, (starved_short, starved_long)  # what the shares change
+
+
+def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_target, tmp_path):
+    """Kernels with no operator of ours (the CPU's matmuls, fused elementwise chains) also transfer: the
+    same function at another length is found by its sizeless form, nearest length first."""
+    from autosched.database.store import Database
+    from autosched.tuner import tune
+    from autosched.warm_start import nearest_workloads, transfer_points
+
+    def matmuls(tokens):
+        tasks = extract_tasks(prepare(load_model("tiny-llama", tokens=tokens), cpu_target)[0])
+        return sorted((t for t in tasks if t.workload is None and t.name.startswith("matmul")), key=lambda t: t.name)
+
+    with Database(tmp_path / "t.db") as db:
+        for tokens in (16, 64):
+            for task in matmuls(tokens)[:2]:
+                tune(task, cpu_target, db, TuneOptions(trials=2, batch_size=2, cost_model="random", transfer=False))
+        new = matmuls(24)[0]
+        near = nearest_workloads(db, new, cpu_target, k=4)
+        assert len(near) == 4  # both tuned lengths' two matmuls: the same function with other sizes
+        nearest_key = near[0][1]
+        assert nearest_key == matmuls(16)[0].key  # 24 tokens is nearer 16 than 64, and the same weight
+        space = new.space(cpu_target)
+        points = transfer_points(db, new, cpu_target, space)
+        assert points and all(space.validate(p) is None for p, _, _ in points)
+        # A function of another computation is never matched: the database holds only matmuls.
+        others = [t for t in extract_tasks(prepare(load_model("tiny-llama", tokens=24), cpu_target)[0])
+                  if t.workload is None and not t.name.startswith("matmul")]
+        assert others and all(nearest_workloads(db, t, cpu_target) == [] for t in others)
 
 
 def test_a_model_that_is_not_causal_is_refused():

@@ -87,11 +87,17 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
             if db is not None and runs_per_pass:
                 best = trusted_best(db, task, target, space.id, measurer if can_measure else None)
                 if best is None and can_measure:
-                    # A shape nobody tuned (e.g. a bucket length of a --tokens dynamic build): the nearest
-                    # tuned shape's best point, if it builds and checks out here.
-                    nearest = transfer_points(db, task, target, space, workloads=1, per_workload=1)
-                    if nearest and measurer().measure(task.spec, [nearest[0][0]])[0].ok:
-                        transferred, source = nearest[0][0], nearest[0][1]
+                    # A shape nobody tuned (e.g. a bucket length of a --tokens dynamic build): the best
+                    # points of the two nearest tuned shapes (often the buckets below and above) and the
+                    # space's default, measured here; the fastest that checks out.
+                    nearest = transfer_points(db, task, target, space, workloads=2, per_workload=1)
+                    if nearest:
+                        points = [p for p, _, _ in nearest]
+                        with_default = not target.is_gpu or space.template  # else the default is dlight's
+                        results = measurer().measure(task.spec, points + ([space.default()] if with_default else []))
+                        ok = sorted((r.median, i) for i, r in enumerate(results) if r.ok)
+                        if ok and ok[0][1] < len(nearest):
+                            transferred, source = nearest[ok[0][1]][:2]
             if best is not None:
                 point = best.point
             elif transferred is not None:
