@@ -32,7 +32,8 @@ Bucket = tuple  # (batch or None, tokens or None)
 def parse_lengths(text: str | None, max_tokens: int = DEFAULT_MAX_TOKENS, growth: float = 2.0) -> list[int] | None:
     """``--tokens``: None (the model's default length), one length, a comma list of lengths, or
     ``dynamic``: buckets from 16 up to ``max_tokens`` (the last one), each ``growth`` times the one
-    before, rounded up to a multiple of 16 (2: powers of two; 1.5 pads less, with more buckets)."""
+    before, rounded up to a multiple of 16, and every power of two (2: powers of two; 1.5 pads less,
+    with more buckets)."""
     if text is None:
         return None
     if text == "dynamic":
@@ -44,7 +45,10 @@ def parse_lengths(text: str | None, max_tokens: int = DEFAULT_MAX_TOKENS, growth
         while length < max_tokens:
             buckets.append(length)
             length = max(length + 16, -(-int(length * growth) // 16) * 16)
-        return buckets + [max_tokens]
+        # Finer buckets keep the powers of two, the default's: a build finer than the tuning then has
+        # every tuned bucket among its own (the others take the nearest tuned bucket's schedules).
+        powers = [1 << i for i in range(SMALLEST_BUCKET.bit_length() - 1, max_tokens.bit_length()) if (1 << i) < max_tokens]
+        return sorted(set(buckets) | set(powers)) + [max_tokens]
     try:
         lengths = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
