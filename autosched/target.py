@@ -197,3 +197,13 @@ def compile_module(mod, target: TargetSpec, config: dict | None = None, codegen:
     with tvm.transform.PassContext(opt_level=3, config=config or {}):
         return tvm.compile(mod, target=target.tvm_target(), relax_pipeline=relax_pipeline or "default",
                            tir_pipeline=codegen.get("tir_pipeline", "default"))
+
+
+def default_gpu_schedule(mod, target: TargetSpec):
+    """``mod`` with every kernel not yet scheduled given TVM's own default GPU schedule (dlight): what a
+    GPU kernel that no tuned record serves is built with."""
+    from tvm.s_tir import dlight as dl
+
+    with target.tvm_target():
+        return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
+                                       dl.gpu.GeneralReduction(), dl.gpu.RMSNorm(), dl.gpu.Fallback())(mod)

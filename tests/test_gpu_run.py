@@ -74,7 +74,10 @@ def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_pa
     with Database(tmp_path / "model.db") as db:
         tune_tasks(tasks, gpu_target, db, TuneOptions(trials=2 * len(tasks), batch_size=8, seed=0))
         executable, params, report = build_model(model, gpu_target, db)
-    assert report.tuned  # kernels from the database, the rest from dlight
+    # Kernels from the database, the rest from dlight; a record that dlight's schedule beat when both were
+    # measured at build time is not used, and is counted among the defaults.
+    assert report.tuned or report.slower_than_default
+    assert set(report.slower_than_default) <= set(report.default)
     out = export_artifact(tmp_path / "tuned", executable, params, model, gpu_target, report, None)
     result = run_artifact(str(out), repeat=5)
     assert result["matches_torch"] is True, result

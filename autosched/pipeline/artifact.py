@@ -72,7 +72,8 @@ def _library(bucket) -> str:
 
 def _kernels(report: ApplyReport) -> dict:
     return {"tuned_kernels": report.tuned, "transferred_kernels": report.transferred,
-            "default_kernels": report.default, "build_time_kernels": report.build_time}
+            "default_kernels": report.default, "build_time_kernels": report.build_time,
+            "records_slower_than_default": report.slower_than_default}
 
 
 def _write_params(out: Path, tensors: list) -> list[str]:

@@ -28,6 +28,9 @@ class ApplyReport:
     # Kernels of a shape nobody tuned, on the best point of the nearest tuned shape: kernel -> its source.
     transferred: dict[str, str] = field(default_factory=dict)
     default: list[str] = field(default_factory=list)  # kernels on a default schedule
+    # Of those, the kernels whose record (or transferred point) ran slower than TVM's default schedule
+    # when both were measured at build time (GPU kernels of a generic space only; see apply_database).
+    slower_than_default: list[str] = field(default_factory=list)
     build_time: list[str] = field(default_factory=list)  # kernels of main_transform_params only, default schedule
     # Kernels compiled on their own and called from the model as packed functions, so that each keeps its
     # own pass options (e.g. loop partitioning, no storage rewrite) and code generation (TIRx kernels take
@@ -43,6 +46,8 @@ def build_summary(report: ApplyReport) -> str:
     if report.transferred:
         text += f", {len(report.transferred)} from the nearest tuned shape"
     text += f", {len(report.default)} on default schedules"
+    if report.slower_than_default:
+        text += f" ({len(report.slower_than_default)} of them had a record slower than the default, not used)"
     if report.build_time:
         text += f" ({len(report.build_time)} more run once, at build time, on default schedules)"
     return text
@@ -88,16 +93,19 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
                 best = trusted_best(db, task, target, space.id, measurer if can_measure else None)
                 if best is None and can_measure:
                     # A shape nobody tuned (e.g. a bucket length of a --tokens dynamic build): the best
-                    # points of the two nearest tuned shapes (often the buckets below and above) and the
-                    # space's default, measured here; the fastest that checks out.
+                    # points of the two nearest tuned shapes (often the buckets below and above) against
+                    # the default, measured here; the fastest that checks out.
                     nearest = transfer_points(db, task, target, space, workloads=2, per_workload=1)
-                    if nearest:
-                        points = [p for p, _, _ in nearest]
-                        with_default = not target.is_gpu or space.template  # else the default is dlight's
-                        results = measurer().measure(task.spec, points + ([space.default()] if with_default else []))
-                        ok = sorted((r.median, i) for i, r in enumerate(results) if r.ok)
-                        if ok and ok[0][1] < len(nearest):
-                            transferred, source = nearest[ok[0][1]][:2]
+                    winner = _fastest(measurer(), task, space, [p for p, _, _ in nearest], target) if nearest else None
+                    if winner is not None:
+                        transferred, source = nearest[winner][:2]
+                elif best is not None and can_measure and target.is_gpu and not space.template:
+                    # The tuner starts a generic GPU space from the space's default point, never from
+                    # dlight's schedule, so a short search can leave a record slower than what an untuned
+                    # build runs (a 16-row fused RMSNorm at 83 us on the H200): the record against it.
+                    if _fastest(measurer(), task, space, [best.point], target) is None:
+                        report.slower_than_default.append(gv.name_hint)
+                        best = None
             if best is not None:
                 point = best.point
             elif transferred is not None:
@@ -135,12 +143,26 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     if report.separate:
         out = _call_separately(out, set(report.separate))
     if target.is_gpu and pending:
-        from tvm.s_tir import dlight as dl
+        from autosched.target import default_gpu_schedule
 
-        with target.tvm_target():
-            out = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
-                                          dl.gpu.GeneralReduction(), dl.gpu.RMSNorm(), dl.gpu.Fallback())(out)
+        out = default_gpu_schedule(out, target)
     return out, report
+
+
+def _fastest(measurer, task, space, points: list, target: TargetSpec) -> int | None:
+    """The index of the fastest of ``points`` that checks out, measured here now next to the schedule an
+    untuned build gives the kernel (the space's default point; dlight's schedule for a generic space on
+    the GPU); None if that default is faster or no point checks out."""
+    import tvm
+
+    from autosched.target import default_gpu_schedule
+
+    dlight = None
+    if target.is_gpu and not space.template:
+        dlight = default_gpu_schedule(tvm.IRModule({"main": task.func}), target)
+    results = measurer.measure(task.spec, [*points, space.default()], modules=[None] * len(points) + [dlight])
+    ok = sorted((r.median, i) for i, r in enumerate(results) if r.ok)
+    return ok[0][1] if ok and ok[0][1] < len(points) else None
 
 
 def _call_separately(mod: IRModule, names: set[str]) -> IRModule:
