@@ -4,6 +4,7 @@ of a space in-process (no worker pools)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -22,9 +23,12 @@ def autosched(*args, check=True, timeout=600):
 
 
 def start(*args):
-    """Start ``python -m autosched ARGS`` without waiting for it."""
+    """Start ``python -m autosched ARGS`` without waiting for it. Ctrl-C (SIGINT) reaches it even where
+    the tests themselves run with SIGINT ignored, as every command started in the background by a
+    non-interactive shell does (Python then never installs its KeyboardInterrupt handler)."""
     return subprocess.Popen([sys.executable, "-m", "autosched", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+                            stderr=subprocess.PIPE, text=True, env=ENV,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def fill(db, task, target, latencies, space="matmul@1", failure=("build", "boom")) -> list[int]:
