@@ -89,6 +89,7 @@ class _WorkMeasurer:
         pass
 
 
+@pytest.mark.slow  # tunes or builds several lengths (10-25 s)
 def test_each_bucket_gets_its_share_of_the_trials(cpu_target):
     """tune-model at several lengths: the short bucket's kernels are not starved by the long one's,
     whose absolute times are larger (weighted by calls alone, they took nearly every trial)."""
@@ -115,6 +116,7 @@ def test_each_bucket_gets_its_share_of_the_trials(cpu_target):
     assert starved_short < 0.5 * starved_long, (starved_short, starved_long)  # what the shares change
 
 
+@pytest.mark.slow  # tunes or builds several lengths (10-25 s)
 def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_target, tmp_path):
     """Kernels with no operator of ours (the CPU's matmuls, fused elementwise chains) also transfer: the
     same function at another length is found by its sizeless form, nearest length first."""
@@ -122,9 +124,10 @@ def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_t
     from autosched.tuner import tune
     from autosched.warm_start import nearest_workloads, transfer_points
 
+    tasks = {tokens: extract_tasks(prepare(load_model("tiny-llama", tokens=tokens), cpu_target)[0]) for tokens in (16, 24, 64)}
+
     def matmuls(tokens):
-        tasks = extract_tasks(prepare(load_model("tiny-llama", tokens=tokens), cpu_target)[0])
-        return sorted((t for t in tasks if t.workload is None and t.name.startswith("matmul")), key=lambda t: t.name)
+        return sorted((t for t in tasks[tokens] if t.workload is None and t.name.startswith("matmul")), key=lambda t: t.name)
 
     with Database(tmp_path / "t.db") as db:
         for tokens in (16, 64):
@@ -139,8 +142,7 @@ def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_t
         points = transfer_points(db, new, cpu_target, space)
         assert points and all(space.validate(p) is None for p, _, _ in points)
         # A function of another computation is never matched: the database holds only matmuls.
-        others = [t for t in extract_tasks(prepare(load_model("tiny-llama", tokens=24), cpu_target)[0])
-                  if t.workload is None and not t.name.startswith("matmul")]
+        others = [t for t in tasks[24] if t.workload is None and not t.name.startswith("matmul")]
         assert others and all(nearest_workloads(db, t, cpu_target) == [] for t in others)
 
 
@@ -199,6 +201,7 @@ def test_a_model_whose_sequences_see_each_other_gets_no_dynamic_batch():
     assert check_padding_is_exact("tests.test_lengths:bidirectional", {}, "batch").inputs == [0]
 
 
+@pytest.mark.slow  # tunes or builds several lengths (10-25 s)
 def test_one_artifact_runs_batches_and_lengths_between_its_buckets_exactly(cpu_target, tmp_path):
     """Batches 1 and 2 by lengths 8 and 16 of tiny-llama: 2 sequences of 5 tokens run in the (2, 8)
     bucket, 1 of 11 in (1, 16), each matching the model run at exactly that shape."""
