@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from .helpers import autosched, start
+from .helpers import autosched, cli, start
 
 
 @pytest.mark.parametrize("args,code,message", [
@@ -22,7 +22,7 @@ from .helpers import autosched, start
     (["tune", "gemm", "--trials", "0"], 2, "--trials must be at least 1"),
 ])
 def test_bad_input_gives_one_line_and_exit_code(args, code, message, tmp_path):
-    proc = autosched(*args, "--db", str(tmp_path / "x.db"), check=False)
+    proc = cli(*args, "--db", str(tmp_path / "x.db"), check=False)
     assert proc.returncode == code, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
@@ -31,14 +31,14 @@ def test_bad_input_gives_one_line_and_exit_code(args, code, message, tmp_path):
 def test_unreadable_databases(tmp_path):
     bad = tmp_path / "bad.db"
     bad.write_text("garbage" * 50)
-    proc = autosched("db", "best", "--db", str(bad), check=False)
+    proc = cli("db", "best", "--db", str(bad), check=False)
     assert proc.returncode == 1 and "not a readable autosched database" in proc.stderr
-    proc = autosched("db", "list", "--db", str(tmp_path / "none.db"), check=False)
+    proc = cli("db", "list", "--db", str(tmp_path / "none.db"), check=False)
     assert proc.returncode == 1 and "no tuning database" in proc.stderr
 
 
 def test_ops_lists_shape_keys():
-    ops = {o["op"]: o for o in json.loads(autosched("ops", "--format", "json").stdout)}
+    ops = {o["op"]: o for o in json.loads(cli("ops", "--format", "json").stdout)}
     assert ops["gemm"]["shape_keys"] == "m,n,k" and ops["rmsnorm"]["shape_keys"] == "m,n"
     assert ops["attention"]["shape_keys"].startswith("b,h,s,d")
     assert set(ops) >= {"gemm", "batch_matmul", "rmsnorm", "softmax", "rope", "attention",

@@ -18,7 +18,7 @@ from autosched.records import MeasureResult
 from autosched.task import Task
 from autosched.workloads import make_workload
 
-from .helpers import autosched, fill
+from .helpers import autosched, cli, fill
 
 FIXTURES = Path(__file__).resolve().parent.parent / "database" / "fixtures"
 
@@ -34,14 +34,14 @@ def test_old_schema_is_refused_with_the_upgrade_command_then_upgrades(tmp_path):
     shutil.copy(FIXTURES / "schema_0001.db", path)
     with pytest.raises(SchemaVersionError, match=f"autosched db upgrade --db {path}"):
         Database(path)
-    proc = autosched("db", "best", "--db", str(path), check=False)
+    proc = cli("db", "best", "--db", str(path), check=False)
     assert proc.returncode == 1 and "autosched db upgrade" in proc.stderr
-    assert "0001 -> " in autosched("db", "upgrade", "--db", str(path)).stdout
+    assert "0001 -> " in cli("db", "upgrade", "--db", str(path)).stdout
     with Database(path) as db:
         rows = db.summary()
         assert rows[0]["trials"] == 3 and rows[0]["failures"] == 1
         assert rows[0]["latency_us"] == pytest.approx(9.75)
-    assert "already at schema" in autosched("db", "upgrade", "--db", str(path)).stdout
+    assert "already at schema" in cli("db", "upgrade", "--db", str(path)).stdout
     con = sqlite3.connect(path)
     assert con.execute("SELECT COUNT(*) FROM validations").fetchone()[0] == 0  # the 0002 table exists
     con.close()

@@ -16,7 +16,7 @@ import pytest
 
 from autosched.database.store import Database
 
-from .helpers import ENV, autosched, start
+from .helpers import ENV, cli, start
 
 
 def _count(path) -> int:
@@ -53,7 +53,7 @@ def tuned_db(tmp_path_factory, cpu_target):
 def big_export(tmp_path_factory, tuned_db):
     """An export of a few thousand synthetic records (copies of a real one under new ids)."""
     path = tmp_path_factory.mktemp("export") / "many.jsonl"
-    autosched("db", "export", "--db", str(tuned_db), "-o", str(path))
+    cli("db", "export", "--db", str(tuned_db), "-o", str(path))
     header, first = path.read_text().splitlines()[:2]
     record = json.loads(first)
     with open(path, "w") as f:
@@ -69,7 +69,7 @@ def test_corrupt_file(tmp_path):
     bad = tmp_path / "bad.db"
     bad.write_bytes(os.urandom(8192))
     for args in (["db", "best"], ["tune", "softmax", "--shape", "m=4,n=8", "--trials", "1"]):
-        proc = autosched(*args, "--db", str(bad), check=False)
+        proc = cli(*args, "--db", str(bad), check=False)
         assert proc.returncode == 1 and "not a readable autosched database" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
 
@@ -88,9 +88,9 @@ def test_read_only_file(tuned_db, tmp_path):
     before = _count(path)
     undo = _make_read_only(path)
     try:
-        best = json.loads(autosched("db", "best", "--db", str(path), "--format", "json").stdout)
+        best = json.loads(cli("db", "best", "--db", str(path), "--format", "json").stdout)
         assert best and best[0]["trials"] == before
-        proc = autosched("tune", "softmax", "--shape", "m=16,n=128", "--trials", "2", "--db", str(path), check=False)
+        proc = cli("tune", "softmax", "--shape", "m=16,n=128", "--trials", "2", "--db", str(path), check=False)
         assert proc.returncode == 1 and "read-only" in proc.stderr and "Traceback" not in proc.stderr
     finally:
         undo()
@@ -110,8 +110,8 @@ time.sleep(60)
 """], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        proc = autosched("tune", "softmax", "--shape", "m=16,n=128", "--trials", "2", "--db", str(path),
-                         "--busy-timeout", "2", check=False)
+        proc = cli("tune", "softmax", "--shape", "m=16,n=128", "--trials", "2", "--db", str(path),
+                   "--busy-timeout", "2", check=False)
         assert proc.returncode == 1 and "locked" in proc.stderr and "--busy-timeout" in proc.stderr
     finally:
         holder.kill()
@@ -157,7 +157,7 @@ def test_full_disk_keeps_committed_records(big_export, tmp_path):
     finally:
         if undo:
             undo()
-    best = json.loads(autosched("db", "best", "--db", str(copy), "--format", "json").stdout)
+    best = json.loads(cli("db", "best", "--db", str(copy), "--format", "json").stdout)
     assert best[0]["trials"] == kept
 
 
@@ -174,7 +174,7 @@ def test_killed_in_the_middle_of_a_write(big_export, tmp_path):
     kept = _count(path)
     assert kept >= 500 and _integrity(path) == "ok"
     # Importing again completes the job and adds nothing twice.
-    out = json.loads(autosched("db", "import", str(big_export), "--db", str(path)).stdout)
+    out = json.loads(cli("db", "import", str(big_export), "--db", str(path)).stdout)
     assert out["added"] == 4000 - kept and _count(path) == 4000
 
 

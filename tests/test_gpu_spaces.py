@@ -78,12 +78,12 @@ def test_tensor_core_space_offers_bf16(sm80):
 
 
 def test_show_prints_cuda_source_without_a_gpu(tmp_path):
-    from .helpers import autosched
+    from .helpers import cli
 
-    out = autosched("show", "gemm", "--shape", "m=128,n=128,k=64", "--dtype", "fp16", "--target", "cuda",
-                    "--db", str(tmp_path / "none.db")).stdout
+    out = cli("show", "gemm", "--shape", "m=128,n=128,k=64", "--dtype", "fp16", "--target", "cuda",
+              "--db", str(tmp_path / "none.db")).stdout
     assert "__global__" in out and "default point" in out and "cuda:sm_90" in out
-    cpu = autosched("show", "rmsnorm", "--shape", "m=4,n=64", "--db", str(tmp_path / "none.db")).stdout
+    cpu = cli("show", "rmsnorm", "--shape", "m=4,n=64", "--db", str(tmp_path / "none.db")).stdout
     assert "T.prim_func" in cpu and "__global__" not in cpu
 
 
@@ -123,10 +123,10 @@ def test_hopper_space_gives_the_cost_model_its_own_features(sm90):
 
 
 def test_show_prints_the_wgmma_kernel_for_sm90a(tmp_path):
-    from .helpers import autosched
+    from .helpers import cli
 
-    out = autosched("show", "gemm", "--shape", "m=256,n=256,k=256", "--dtype", "bf16", "--target", "cuda:sm_90a",
-                    "--db", str(tmp_path / "none.db")).stdout
+    out = cli("show", "gemm", "--shape", "m=256,n=256,k=256", "--dtype", "bf16", "--target", "cuda:sm_90a",
+              "--db", str(tmp_path / "none.db")).stdout
     assert "wgmma.mma_async.sync.aligned.m64n" in out and "cp.async.bulk.tensor" in out and "setmaxnreg" in out
 
 
