@@ -127,6 +127,11 @@ class Task:
             return get_operator(self.workload.op).min_bytes(self.workload)
         return float(sum(_param_bytes(p) for p in self.func.params))
 
+    @property
+    def work(self) -> float:
+        """How much the model asks of this kernel: its calls x (FLOPs + bytes it must move)."""
+        return self.weight * (self.flops + self.min_bytes)
+
     def space(self, target: TargetSpec) -> Space:
         from autosched.search_spaces import create_space
 

@@ -253,7 +253,7 @@ def _first_measurements(tuners: list[TaskTuner], measurer: Measurer, options: Tu
         return 0
     share = max(1, options.trials // len(tuners))
     used = 0
-    for tuner in sorted(tuners, key=lambda t: _priority(t.task) * (t.task.flops + t.task.min_bytes), reverse=True):
+    for tuner in sorted(tuners, key=lambda t: _heaviness(t.task), reverse=True):
         if used >= options.trials or (options.time_budget is not None
                                       and time.perf_counter() - start >= options.time_budget):
             break
@@ -267,6 +267,11 @@ def _priority(task: Task) -> float:
     return task.weight * task.share
 
 
+def _heaviness(task: Task) -> float:
+    """Which task to measure first: its work in the model, times its bucket's share."""
+    return task.work * task.share
+
+
 def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
     """Round-robin over the tasks that have had the fewest rounds first; then, with ``gradient``, the
     task whose weighted best latency improved most recently (plus an optimistic bonus for tasks with
@@ -277,7 +282,7 @@ def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
     if fewest == 0:
         # First round of each task, heaviest first (calls x work), in case the budget ends before all.
         return max((t for t in tuners if t.rounds == 0),
-                   key=lambda t: _priority(t.task) * (t.task.flops + t.task.min_bytes))
+                   key=lambda t: _heaviness(t.task))
 
     def expected_gain(t: TaskTuner) -> float:
         if not math.isfinite(t.best):

@@ -41,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="hf-llama")
     parser.add_argument("--target", default="llvm")
+    parser.add_argument("--dtype", help="model dtype (the example's default if not given), e.g. float16 on a GPU")
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--bucket-growth", default="2", help="growth of the buckets tune-model tunes")
     parser.add_argument("--build-growth", help="growth of the buckets the artifact is built at (default: the tuned "
@@ -59,7 +60,7 @@ def main() -> None:
     built = parse_lengths("dynamic", args.max_tokens, float(build_growth))
     growth = ["--bucket-growth", args.bucket_growth]
     work = Path(tempfile.mkdtemp(prefix="autosched-dynamic-"))
-    common = ["--target", args.target]
+    common = ["--target", args.target, *(["--dtype", args.dtype] if args.dtype else [])]
     started = time.time()
     dyn_db, dyn_out = work / "dynamic.db", work / "dynamic"
     autosched("tune-model", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens), *growth,
@@ -68,6 +69,8 @@ def main() -> None:
     autosched("build", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
               "--bucket-growth", build_growth, "--db", str(dyn_db), "-o", str(dyn_out), env=env)
     build_seconds = round(time.time() - build_started)
+    print(f"dynamic: tuned {len(buckets)} buckets in {build_started - started:.0f} s, built {len(built)} in "
+          f"{build_seconds} s", flush=True)
     rows = []
     for n in lengths:
         db, out = work / f"static{n}.db", work / f"static{n}"
@@ -81,7 +84,8 @@ def main() -> None:
         print(f"{n:5d} tokens (bucket {dynamic['bucket']:5d}): dynamic {dynamic['latency_ms']:.3f} ms, "
               f"static {static['latency_ms']:.3f} ms, ratio {rows[-1]['dynamic_over_static']:.2f}, "
               f"both match torch: {dynamic['matches_torch'] and static['matches_torch']}", flush=True)
-    result = {"model": args.model, "target": args.target, "bucket_growth": float(args.bucket_growth), "buckets": buckets,
+    result = {"model": args.model, "target": args.target, "dtype": args.dtype,
+              "bucket_growth": float(args.bucket_growth), "buckets": buckets,
               "build_growth": float(build_growth), "built_buckets": built, "dynamic_build_seconds": build_seconds,
               "trials_per_length": args.trials_per_length,
               "tvm_num_threads": args.threads, "machine": f"{platform.node()} ({os.cpu_count()} cores)",

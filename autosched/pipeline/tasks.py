@@ -72,10 +72,11 @@ def merge_bucket_tasks(per_model: list[list[Task]]) -> list[Task]:
     longest bucket's kernels took nearly every trial, and a 64-token bucket ran 1.4x slower than a build
     tuned for 77 tokens with the same trials per length.
     """
-    work = [sum(t.weight * (t.flops + t.min_bytes) for t in tasks) or 1.0 for tasks in per_model]
+    work = [sum(t.work for t in tasks) or 1.0 for tasks in per_model]
+    largest = max(work)
     merged: dict[str, Task] = {}
     for tasks, bucket_work in zip(per_model, work):
-        share = max(work) / bucket_work
+        share = largest / bucket_work
         for task in tasks:
             if task.key in merged:
                 old = merged[task.key]
@@ -84,7 +85,7 @@ def merge_bucket_tasks(per_model: list[list[Task]]) -> list[Task]:
                 merged[task.key] = dataclasses.replace(old, weight=weight,
                                                        share=(old.weight * old.share + task.weight * share) / weight)
             else:
-                merged[task.key] = dataclasses.replace(task, share=share) if len(per_model) > 1 else task
+                merged[task.key] = dataclasses.replace(task, share=share)
     return list(merged.values())
 
 
