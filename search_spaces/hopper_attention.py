@@ -15,7 +15,9 @@ Each consumer warpgroup owns 64 query rows and, per KV tile:
 
 Causal CTAs skip every tile above the diagonal, and the grid starts with the longest (last) query blocks.
 Grouped-query attention reads the K/V head of the query head's group. Sequence lengths no tile divides
-are masked; the epilogue is predicated.
+are masked; the epilogue is predicated. A head dimension that is not a multiple of 64 (96: Phi-3, 80) is
+laid out in shared memory at the next multiple: TMA fills the columns past the tensor's width with
+zeros, which add nothing to QKᵀ and give output columns that are not stored.
 """
 
 from __future__ import annotations
@@ -65,18 +67,19 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
     bm = 64 * consumers
     threads = 128 * (consumers + 1)
     group = h // hkv
-    cblocks = d // 64  # 64-element (128-byte) column blocks of the head dimension
+    dp = padded_head_dim(d)  # the head dimension as laid out in shared memory
+    cblocks = dp // 64  # 64-element (128-byte) column blocks of the head dimension
     q_blocks = math.ceil(s / bm)
     grid = q_blocks * b * h
-    s_acc, o_acc = bkv // 2, d // 2  # accumulator registers per thread
-    tile_elems = bkv * d
-    q_elems = bm * d
+    s_acc, o_acc = bkv // 2, dp // 2  # accumulator registers per thread
+    tile_elems = bkv * dp
+    q_elems = bm * dp
     smem_elems = q_elems + 2 * stages * tile_elems
     tile_bytes = tile_elems * 2
     scale_log2 = LOG2E / math.sqrt(d)
     ptype = PTX_TYPE[dtype]
     qk_mma = f"wgmma.mma_async.sync.aligned.m64n{bkv}k16.f32.{ptype}.{ptype}"
-    pv_mma = f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{ptype}.{ptype}"
+    pv_mma = f"wgmma.mma_async.sync.aligned.m64n{dp}k16.f32.{ptype}.{ptype}"
     fn = _helpers(dtype)
     neg_inf = T.float32(-math.inf)
 
@@ -170,7 +173,7 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                 T.cuda.mbarrier_wait(T.address_of(k_full[j % stages]), (j // stages) % 2)
                 # S = Q Kᵀ over the head dimension, 16 at a time.
                 T.ptx.wgmma.fence.sync.aligned()
-                for kk in T.unroll(d // 16):
+                for kk in T.unroll(dp // 16):
                     T.cuda.wgmma.encode_matrix_descriptor(
                         T.address_of(desc_a),
                         smem.access_ptr("r", offset=((wg - 1) * cblocks + kk // 4) * 64 * 64 + (kk % 4) * 16), 1, 64, 3)
@@ -228,13 +231,13 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                 for i in T.unroll(o_acc):
                     T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[j % stages]))
-            # O / l, stored as pairs; rows past the sequence are not written.
+            # O / l, stored as pairs; rows past the sequence and padding columns are not written.
             for r in T.unroll(2):
                 row_sum[r] = T.cuda.func_call(fn["qsum"][0], row_sum[r], source_code=fn["qsum"][1], return_type="float32")
             for i in T.unroll(o_acc // 2):
                 query = T.meta_var(qb * bm + (wg - 1) * 64 + ((tx % 128) // 32) * 16 + (tx % 32) // 4 + (i % 2) * 8)
                 col = T.meta_var((i // 2) * 8 + (tx % 4) * 2)
-                if query < s:
+                if query < s and col < d:
                     T.cuda.func_call(fn["store"][0], O.access_ptr("w", offset=(head * s + query) * d + col),
                                      Oacc[2 * i] / row_sum[i % 2], Oacc[2 * i + 1] / row_sum[i % 2],
                                      source_code=fn["store"][1])
@@ -248,7 +251,6 @@ class HopperAttentionSpace(HopperTemplate):
     name = "hopper_attention"
     version = 1
     families = ("attention",)
-    HEAD_DIMS = (64, 128)  # whole 128-byte swizzle rows; other head dims take the flash_attention space
 
     @classmethod
     def suits(cls, func, target, hints) -> bool:
@@ -256,7 +258,7 @@ class HopperAttentionSpace(HopperTemplate):
         if target.arch not in HOPPER_ARCHS or (hints or {}).get("op") != "attention" or shape is None:
             return False
         b, h, hkv, s, d, dtype = shape
-        return dtype in PTX_TYPE and d in cls.HEAD_DIMS and h % hkv == 0
+        return dtype in PTX_TYPE and takes_head_dim(d) and h % hkv == 0
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
@@ -270,10 +272,11 @@ class HopperAttentionSpace(HopperTemplate):
 
     def check(self, p: Point) -> str | None:
         bm, bkv = 64 * p["consumers"], p["block_kv"]
-        regs = bkv // 2 + self.d // 2 + bkv // 4
+        dp = padded_head_dim(self.d)
+        regs = bkv // 2 + dp // 2 + bkv // 4
         if regs > 200:
             return f"{regs} registers of scores, output and probabilities per thread (at most 200 fit)"
-        smem = (bm * self.d + 2 * p["stages"] * bkv * self.d) * 2 + 1024
+        smem = (bm * dp + 2 * p["stages"] * bkv * dp) * 2 + 1024
         if smem > SMEM_LIMIT:
             return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
         return None
@@ -293,6 +296,16 @@ class HopperAttentionSpace(HopperTemplate):
         ctas = math.ceil(self.s / bm) * self.b * self.h
         return [p["consumers"], p["block_kv"], p["stages"], bm, math.log2(ctas), ctas / self.sms,
                 math.ceil(self.s / p["block_kv"]), self.s % p["block_kv"] / p["block_kv"], float(self.causal)]
+
+
+def takes_head_dim(d: int) -> bool:
+    """64 to 256, in rows TMA can address (16-byte strides); smaller heads take the flash_attention space."""
+    return 64 <= d <= 256 and d % 8 == 0
+
+
+def padded_head_dim(d: int) -> int:
+    """The head dimension in whole 64-element (128-byte swizzle) column blocks."""
+    return -(-d // 64) * 64
 
 
 def _attention_shape(func) -> tuple[int, int, int, int, int, str] | None:
