@@ -345,11 +345,18 @@ def cmd_run(args) -> int:
     from .runmodel import run_artifact
 
     result = run_artifact(args.artifact, repeat=args.repeat, check=not args.no_check, tokens=args.tokens,
-                          batch=args.batch)
+                          batch=args.batch, profile=args.profile)
     if args.format == "json":
         print(json.dumps(result, indent=2))
     else:
+        kernels = result.pop("kernels", None)
         emit([{"field": k, "value": v} for k, v in result.items()], "table", [("field", "field"), ("value", "value")])
+        if kernels:
+            print()
+            emit([dict(k, kernel=k["kernel"][:72], ms=round(k["ms"], 4), share=f"{k['share']:.1%}") for k in kernels],
+                 "table",
+                 [("kernel", "kernel"), ("calls", "calls"), ("ms", "ms per run"), ("share", "share"),
+                  ("schedule", "schedule")])
     return 0 if result.get("matches_torch", True) else 1
 
 
@@ -487,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check", action="store_true", help="skip the comparison with torch")
     p.add_argument("--tokens", type=int, help="for a --tokens dynamic build: the length to run (default: the largest)")
     p.add_argument("--batch", type=int, help="for a --batch dynamic build: the batch to run (default: the largest)")
+    p.add_argument("--profile", action="store_true", help="also time each kernel (CUDA events on a GPU): where the "
+                   "run's time goes, and whether each kernel's schedule was tuned")
     _add_format(p, ("table", "json"))
     p.set_defaults(fn=cmd_run)
 

@@ -11,9 +11,10 @@ MODEL_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
 
 def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | None = None,
-                 batch: int | None = None) -> dict[str, Any]:
+                 batch: int | None = None, profile: bool = False) -> dict[str, Any]:
     """Run, time and check an artifact; ``tokens`` and ``batch`` pick the shape for a ``--tokens dynamic``
-    or ``--batch dynamic`` build (default: its largest bucket)."""
+    or ``--batch dynamic`` build (default: its largest bucket); ``profile`` adds each kernel's time
+    (:func:`kernel_times`) under ``kernels``."""
     import torch
     import tvm
 
@@ -66,12 +67,89 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     times = list(timer(*args).results)
     result["latency_ms"] = statistics.median(times) * 1e3
     result["latency_min_ms"] = min(times) * 1e3
+    if profile:
+        result["kernels"] = [dict(entry, schedule=schedule_of(entry["kernel"], kernels))
+                             for entry in kernel_times(vm, args, device)]
     if check:
         result.update(_against_torch(manifest, params, [t.to(torch_device) for t in inputs], out,
                                      {"tokens": tokens, "batch": batch}))
         if result.get("rel_error_vs_torch") == float("inf"):  # the output holds a NaN or infinity
             result["first_nonfinite_kernel"] = first_nonfinite_kernel(vm, args, device)
     return result
+
+
+def kernel_times(vm, args: list, device, repeat: int = 5) -> list[dict[str, Any]]:
+    """Where one run of ``main(*args)`` spends its time, kernel by kernel, slowest first: each kernel's
+    calls, its milliseconds per run (median of ``repeat`` runs) and its share of the kernels' sum.
+
+    On the CPU each call is timed on the host (TVM's CPU kernels return when done). On a GPU, CUDA events
+    are recorded around each call on the stream the kernels run on, and a sleep kernel first keeps the
+    GPU busy while the host queues the run, so that each pair of events brackets its kernel alone, not
+    the host's launch overhead (the kernels' sum is then close to the run's GPU time)."""
+    import statistics
+    import time
+
+    gpu = device.dlpack_device_type() != 1  # kDLCPU
+    if gpu:
+        import torch
+
+    def stamp():
+        if not gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(start, end) -> float:
+        return start.elapsed_time(end) if gpu else (end - start) * 1e3
+
+    pairs: list[tuple[str, Any, Any]] = []
+    opened: list[Any] = []
+
+    def instrument(func, symbol, before, ret, *call_args):
+        if symbol.startswith("vm.builtin."):
+            return 0
+        if before:
+            opened.append(stamp())
+        else:
+            pairs.append((symbol, opened.pop(), stamp()))
+        return 0
+
+    vm["main"](*args)  # warm-up: memory pools filled, modules loaded
+    device.sync()
+    runs: list[dict[str, list[float]]] = []
+    vm.set_instrument(instrument)
+    try:
+        for _ in range(repeat):
+            pairs.clear()
+            if gpu:
+                torch.cuda._sleep(50_000_000)  # ~25 ms of GPU clock: the host queues the run meanwhile
+            vm["main"](*args)
+            device.sync()
+            if gpu:
+                torch.cuda.synchronize()
+            per_kernel: dict[str, list[float]] = {}
+            for symbol, start, end in pairs:
+                per_kernel.setdefault(symbol, []).append(elapsed_ms(start, end))
+            runs.append(per_kernel)
+    finally:
+        vm.set_instrument(None)
+    totals = {name: statistics.median(sum(run[name]) for run in runs) for name in runs[0]}
+    whole = sum(totals.values()) or 1.0
+    return [{"kernel": name, "calls": len(runs[0][name]), "ms": ms, "share": ms / whole}
+            for name, ms in sorted(totals.items(), key=lambda item: -item[1])]
+
+
+def schedule_of(kernel: str, kernels: dict[str, Any]) -> str:
+    """Where a kernel's schedule came from, by the artifact's manifest: its record's space, the nearest
+    tuned shape, or the default (a template's default point or TVM's dlight rules)."""
+    if kernel in kernels.get("tuned_kernels", {}):
+        return f"tuned ({kernels['tuned_kernels'][kernel].get('space', '?')})"
+    if kernel in kernels.get("transferred_kernels", {}):
+        return "transferred"
+    if kernel in kernels.get("default_kernels", []):
+        return "default"
+    return "-"
 
 
 def first_nonfinite_kernel(vm, args: list, device) -> str | None:

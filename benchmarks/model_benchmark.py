@@ -46,7 +46,8 @@ def torch_timer(fn, device: str):
 
 
 def vm_timer(executable, params, inputs, target):
-    """The output of the built model on ``inputs`` and a function that times it like :func:`torch_timer`."""
+    """The output of the built model on ``inputs``, a function that times it like :func:`torch_timer`,
+    and one that times each of its kernels (:func:`autosched.runmodel.kernel_times`)."""
     import tvm
     from tvm import relax
 
@@ -60,7 +61,12 @@ def vm_timer(executable, params, inputs, target):
         evaluator = vm.time_evaluator("main", dev, number=1, repeat=repeat, min_repeat_ms=0 if target.is_gpu else 50)
         return list(evaluator(*args).results)
 
-    return out, timer
+    def per_kernel() -> list[dict]:
+        from autosched.runmodel import kernel_times
+
+        return kernel_times(vm, args, dev)
+
+    return out, timer, per_kernel
 
 
 def write_results(rows: list[dict], out_dir: Path) -> None:
@@ -86,6 +92,13 @@ def write_results(rows: list[dict], out_dir: Path) -> None:
                      + f" | {r['tuned_kernels']}/{r['kernels']} | {r['tuning_s']:.0f} | {budget} |")
     lines += ["", "Ratios above 1 mean the autosched build is faster. The four latencies of a row were timed side by "
               "side in 7 interleaved rounds (median); both builds were checked against torch first."]
+    for r in rows:
+        if r.get("tuned_kernel_times"):
+            lines += ["", f"Where the tuned build's time goes, {r['model']} {r['batch']} x {r['tokens']} (each kernel "
+                      "timed alone, median of 5 runs; the slowest 12):", "",
+                      "| kernel | calls | ms per run | share | schedule |", "|---|---|---|---|---|"]
+            lines += [f"| {k['kernel'][:70]} | {k['calls']} | {k['ms']:.4f} | {k['share']:.1%} | {k['schedule']} |"
+                      for k in r["tuned_kernel_times"][:12]]
     (out_dir / f"results_{kind}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -98,6 +111,7 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=256)
     parser.add_argument("--time-budget", type=float, default=None, help="tuning seconds per config")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--profile", action="store_true", help="also time each kernel of the tuned build")
     parser.add_argument("--out", default="benchmarks/results/model")
     parser.add_argument("--combine", nargs="+", metavar="JSON", help="only merge these results into one table")
     args = parser.parse_args()
@@ -142,7 +156,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - torch.compile needs a working toolchain
                 row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         executable, params, _ = build_model(model, target, None)
-        out, timers["untuned_ms"] = vm_timer(executable, params, inputs, target)
+        out, timers["untuned_ms"], _ = vm_timer(executable, params, inputs, target)
         row["untuned_err"] = relative_error(torch.from_dlpack(out).to(ref.device), ref)
         tasks, _ = split_tunable(extract_tasks(prepare(model, target)[0]), target)
         start = time.perf_counter()
@@ -150,12 +164,19 @@ def main() -> int:
         row["tuning_s"] = time.perf_counter() - start
         row["kernels"] = len(tasks)
         executable, params, report = build_model(model, target, db)
-        out, timers["tuned_ms"] = vm_timer(executable, params, inputs, target)
+        out, timers["tuned_ms"], tuned_kernel_times = vm_timer(executable, params, inputs, target)
         row["tuned_err"] = relative_error(torch.from_dlpack(out).to(ref.device), ref)
         row["tuned_kernels"] = len(report.tuned)
         # 7 interleaved rounds of 5 runs each (milliseconds)
         retimed = retime_interleaved({name: functools.partial(timer, 5) for name, timer in timers.items()})
         row.update({name: seconds * 1e3 for name, seconds in retimed.items()})
+        if args.profile:
+            from autosched.pipeline.artifact import kernel_sources
+            from autosched.runmodel import schedule_of
+
+            kernels = kernel_sources(report)
+            row["tuned_kernel_times"] = [dict(k, schedule=schedule_of(k["kernel"], kernels))
+                                         for k in tuned_kernel_times()]
         rows.append(row)
         print(json.dumps(row), flush=True)
         write_results(rows, out_dir)

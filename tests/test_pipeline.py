@@ -106,8 +106,14 @@ def test_untuned_model_builds_and_matches_torch(tiny, cpu_target, tmp_path):
     executable, params, report = build_model(tiny, cpu_target, None)
     assert not report.tuned and report.default
     out = export_artifact(tmp_path / "untuned", executable, params, tiny, cpu_target, report, None)
-    result = run_artifact(str(out), repeat=3)
+    result = run_artifact(str(out), repeat=3, profile=True)
     assert result["matches_torch"] is True and result["rel_error_vs_torch"] < 1e-4
+    # The profile names every kernel of the forward pass, each with where its schedule came from.
+    profiled = {k["kernel"]: k for k in result["kernels"]}
+    assert set(profiled) == set(report.default)
+    assert all(k["calls"] >= 1 and k["ms"] > 0 and k["schedule"] == "default" for k in profiled.values())
+    assert sum(k["share"] for k in profiled.values()) == pytest.approx(1.0)
+    assert [k["ms"] for k in result["kernels"]] == sorted((k["ms"] for k in result["kernels"]), reverse=True)
 
 
 @pytest.mark.slow

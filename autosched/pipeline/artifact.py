@@ -28,7 +28,7 @@ def export_artifact(out_dir: str | Path, executable, params: list, model: Model,
     out, manifest = _export_common(out_dir, model, target, db_path)
     manifest["param_order"] = _write_params(out, params)
     executable.export_library(str(out / LIBRARY))
-    manifest.update(library=LIBRARY, **_kernels(report))
+    manifest.update(library=LIBRARY, **kernel_sources(report))
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out
 
@@ -58,7 +58,7 @@ def export_bucketed(out_dir: str | Path, executables: dict, params: dict, model:
     # Lengths alone: the buckets as lengths, as such builds have always written them.
     listed = [b[1] for b in buckets] if "batch" not in axes else [list(b) for b in buckets]
     manifest.update(buckets=listed, libraries={bucket_key(b): _library(b) for b in buckets},
-                    kernels_per_bucket={bucket_key(b): _kernels(reports[b]) for b in buckets})
+                    kernels_per_bucket={bucket_key(b): kernel_sources(reports[b]) for b in buckets})
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out
 
@@ -70,7 +70,8 @@ def _library(bucket) -> str:
     return f"model-{key if key.startswith('b') else 't' + key}.so"
 
 
-def _kernels(report: ApplyReport) -> dict:
+def kernel_sources(report: ApplyReport) -> dict:
+    """The manifest's record of where each kernel's schedule came from: tuned, transferred or default."""
     return {"tuned_kernels": report.tuned, "transferred_kernels": report.transferred,
             "default_kernels": report.default, "build_time_kernels": report.build_time,
             "records_slower_than_default": report.slower_than_default}
