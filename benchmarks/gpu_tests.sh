@@ -9,7 +9,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
-git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
+# The GPU machine's .git can be older than the files it was sent (it printed the session's first commit),
+# so the files themselves are named: the same command in a checkout gives the same digest for the same code.
+echo "code digest: $(bash benchmarks/code_digest.sh)" | tee -a "$OUT/gpu.txt"
 timeout "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short \
   -n "${GPU_TEST_WORKERS:-8}" "$@" 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error|^E " | cut -c1-400 | tail -80

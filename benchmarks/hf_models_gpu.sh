@@ -5,8 +5,10 @@
 # tuning run's timings never share a GPU), the GPUs at once. Usage there, after the TVM stage call:
 #   source .gpu/deps/setup.sh && bash benchmarks/hf_models_gpu.sh llama qwen2 mistral gemma phi3 gpt2
 # CONFIGS (default "1:512 16:1": a 512-token prefill and a batch-16 decode step), TIME_BUDGET (tuning
-# seconds per config, default 60). Each family writes $OUT/hf/<family>/results_cuda.{json,md} and its
-# log $OUT/hf_<family>.log; the rows are combined into $OUT/hf/results_cuda.md at the end.
+# seconds per config, default 60). Each family writes $OUT/hf/<family>/results_cuda.{json,md} (with each
+# tuned build's per-kernel times) and its log $OUT/hf_<family>.log; the rows are combined into
+# $OUT/hf/results_cuda.md at the end. Delete $OUT/hf/*/model_cuda.db* before the call ends if the files
+# coming back would be too many.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
 gpus=$(nvidia-smi -L | wc -l)
@@ -15,7 +17,7 @@ run_family() {
   local family=$1 model
   model=$(python3 -c "from autosched.examples.hf import REAL; print('hf-$family-' + REAL['$family'][0] + '-layers')")
   python3 benchmarks/model_benchmark.py --target cuda --model "$model" --configs "${configs[@]}" --trials 1024 \
-    --time-budget "${TIME_BUDGET:-60}" --out "$OUT/hf/$family" > "$OUT/hf_$family.log" 2>&1
+    --time-budget "${TIME_BUDGET:-60}" --profile --out "$OUT/hf/$family" > "$OUT/hf_$family.log" 2>&1
   echo "$family on GPU $CUDA_VISIBLE_DEVICES: exit $? ($(grep -c '"model"' "$OUT/hf_$family.log") configs done)"
 }
 for ((gpu = 0; gpu < gpus; gpu++)); do
