@@ -78,6 +78,21 @@ def test_integer_powers_are_products_and_bfloat16_layer_norm_imports(family, dty
         assert "R.nn.layer_norm" in text
 
 
+@pytest.mark.parametrize("family,dtype", [("llama", "float16"), ("gemma", "float32")])
+def test_written_out_rms_norm_is_our_rmsnorm_kernel(family, dtype):
+    """transformers writes RMSNorm out (cast, square, mean, rsqrt, cast back, weight; Gemma's weight as
+    1 + w): each of the model's five becomes a call of our ``rmsnorm`` kernel, the weight as stored."""
+    import torch
+
+    from autosched.pipeline import import_model, load_model
+
+    mod, _ = import_model(load_model(f"hf-{family}", dtype=getattr(torch, dtype)), linear_as_gemm=True)
+    main = mod["main"].script()
+    assert main.count("R.call_tir(autosched_rmsnorm") == 5  # two per layer and the final norm
+    weight_plus_one = "= R.add(p_model_model_norm_weight, R.const(1" in main
+    assert weight_plus_one == (family == "gemma")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_transformers_model_builds_and_matches_torch_on_the_cpu(family, tmp_path):

@@ -1,6 +1,7 @@
 """Rewrites of an exported PyTorch graph before it is converted to Relax: what model authors write
 that converts badly, or not at all, made into the equivalent that converts well. Each rewrite keeps
-the graph's results exactly; each is skipped where its condition does not hold."""
+the graph's results exactly (but for the order of one rounding, where a docstring says so); each is
+skipped where its condition does not hold."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def rewrite_exported(exported) -> None:
     changed = _constant_masks_folded(exported)
     changed |= _empty_concat_operands_dropped(exported)
     changed |= _integer_powers_multiplied(exported)
+    changed |= _written_out_rms_norms_fused(exported)
     if changed:
         exported.graph_module.graph.eliminate_dead_code()
         exported.graph_module.recompile()
@@ -65,6 +67,119 @@ def _integer_powers_multiplied(exported) -> bool:
         node.replace_all_uses_with(product)
         changed = True
     return changed
+
+
+def _written_out_rms_norms_fused(exported) -> bool:
+    """RMSNorm as transformers writes it, as one ``aten.rms_norm`` node, which the importer makes our
+    ``rmsnorm`` kernel: ``w * (x32 * rsqrt(mean(x32 * x32, -1) + eps)).to(dtype)`` with ``x32`` the input
+    in float32 (Llama, Qwen2, Mistral, Phi-3), or Gemma's ``(x32 * rsqrt(...) * (1 + w32)).to(dtype)``,
+    whose weight becomes ``1 + w`` (computed once, at build time). Written out, it was a fused function
+    of its own in every model and at every shape, whose records no other kernel could use.
+
+    Not bit-exact in half precision: our kernel multiplies by the weight before its one rounding to the
+    model's dtype, where Llama's form rounds the normalised row first; Gemma's ``1 + w`` is rounded to
+    the model's dtype. Runs after :func:`_integer_powers_multiplied` (``x ** 2`` is ``x * x`` by then)."""
+    import torch
+
+    graph = exported.graph_module.graph
+    parameters = set(exported.graph_signature.inputs_to_parameters)
+    changed = False
+    for rsqrt in list(graph.nodes):
+        if _aten(rsqrt) != "rsqrt.default":
+            continue
+        match = _rms_norm_match(rsqrt, parameters)
+        if match is None:
+            continue
+        x, weight, eps, out, one_plus_weight = match
+        with graph.inserting_before(out):
+            if one_plus_weight:
+                plus_one = graph.call_function(torch.ops.aten.add.Tensor, (weight, 1.0))
+                plus_one.meta = dict(weight.meta)
+                weight = plus_one
+            fused = graph.call_function(torch.ops.aten.rms_norm.default,
+                                        (x, [int(x.meta["val"].shape[-1])], weight, eps))
+            fused.meta = dict(out.meta)
+        out.replace_all_uses_with(fused)
+        changed = True
+    return changed
+
+
+def _aten(node) -> str | None:
+    """``"mul.Tensor"`` for a call of ``aten.mul.Tensor``; None for other nodes."""
+    target = str(node.target) if node.op == "call_function" else ""
+    return target[5:] if target.startswith("aten.") else None
+
+
+def _only_user(node):
+    """The one node that uses ``node`` (metadata assertions aside), or None."""
+    users = [u for u in node.users if _aten(u) != "_assert_tensor_metadata.default"]
+    return users[0] if len(users) == 1 else None
+
+
+def _rms_norm_match(rsqrt, parameters: set[str]):
+    """(x, weight, eps, the node computing the result, whether the weight is used as 1 + w) of the
+    RMSNorm around ``rsqrt`` (see :func:`_written_out_rms_norms_fused`); None for anything else."""
+    import torch
+
+    def cast(node, dtype):  # the node's input if it is a cast to ``dtype`` and nothing else, else None
+        if _aten(node) != "_to_copy.default" or node.kwargs.get("dtype") != dtype:
+            return None
+        same_place = node.meta["val"].device == node.args[0].meta["val"].device
+        plain = node.kwargs.get("layout", torch.strided) == torch.strided \
+            and node.kwargs.get("memory_format") in (None, torch.preserve_format)
+        return node.args[0] if same_place and plain else None
+
+    def weight_of(node, n: int, dtype):  # a parameter of shape [n] and the model's dtype, else None
+        ok = node.op == "placeholder" and node.name in parameters and tuple(node.meta["val"].shape) == (n,)
+        return node if ok and node.meta["val"].dtype == dtype else None
+
+    def other(mul, node):  # the other operand of a product with ``node``
+        if _aten(mul) != "mul.Tensor" or len(mul.args) != 2 or node not in mul.args:
+            return None
+        return mul.args[1] if mul.args[0] is node else mul.args[0]
+
+    add_eps = rsqrt.args[0]
+    if _aten(add_eps) != "add.Tensor" or not isinstance(add_eps.args[1], float):
+        return None
+    mean, eps = add_eps.args
+    if _aten(mean) != "mean.dim" or len(mean.args) != 3 or mean.args[2] is not True:
+        return None
+    square = mean.args[0]
+    if _aten(square) != "mul.Tensor" or square.args[0] is not square.args[1]:
+        return None
+    x32 = square.args[0]
+    rank = x32.meta["val"].dim()
+    if x32.meta["val"].dtype != torch.float32 or list(mean.args[1]) not in ([-1], [rank - 1]):
+        return None
+    x = cast(x32, torch.float32)
+    x = x if x is not None else x32
+    dtype, n = x.meta["val"].dtype, int(x.meta["val"].shape[-1])
+    normalised = next((u for u in rsqrt.users if other(u, rsqrt) is x32), None)
+    after = _only_user(normalised) if normalised is not None else None
+    if after is None:
+        return None
+    # Llama's form: the weight times the normalised row in the model's dtype.
+    if dtype == torch.float32:
+        rounded, product = normalised, after
+    else:
+        rounded = after if cast(after, dtype) is normalised else None
+        product = _only_user(rounded) if rounded is not None else None
+    if product is not None:
+        weight = other(product, rounded)
+        if weight is not None and weight_of(weight, n, dtype) is not None:
+            return x, weight, eps, product, False
+    # Gemma's form: the normalised row times (1 + the weight in float32), then cast.
+    plus_one = other(after, normalised)
+    if plus_one is None or _aten(plus_one) != "add.Tensor" or plus_one.args[1] != 1.0:
+        return None
+    w32 = plus_one.args[0]
+    weight = w32 if dtype == torch.float32 else cast(w32, torch.float32)
+    result = after if dtype == torch.float32 else _only_user(after)
+    if weight is None or weight_of(weight, n, dtype) is None or result is None:
+        return None
+    if dtype != torch.float32 and cast(result, dtype) is not after:
+        return None
+    return x, weight, eps, result, True
 
 
 def _empty_concat_operands_dropped(exported) -> bool:
