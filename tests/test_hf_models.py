@@ -95,9 +95,15 @@ def test_written_out_rms_norm_is_our_rmsnorm_kernel(family, dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_transformers_model_builds_and_matches_torch_on_the_cpu(family, tmp_path):
-    out = tmp_path / family
-    autosched("build", f"hf-{family}", "--db", str(tmp_path / "none.db"), "-o", str(out))
+def test_a_transformers_model_tunes_builds_and_matches_torch_on_the_cpu(family, tmp_path):
+    """tune-model with a small budget, then build: every kernel was measured, so every kernel of the
+    forward pass comes from the database; the build runs on token ids and matches torch."""
+    db, out = str(tmp_path / "tune.db"), tmp_path / family
+    autosched("tune-model", f"hf-{family}", "--trials", "24", "--db", db, "-q")
+    proc = autosched("build", f"hf-{family}", "--db", db, "-o", str(out))
+    summary = next(line for line in proc.stderr.splitlines() if "kernels per forward pass" in line)
+    kernels = int(summary.split(" kernels per")[0].split()[-1])
+    assert f"{kernels} from the database, 0 on default schedules" in summary, summary
     result = json.loads(autosched("run", str(out), "--format", "json").stdout)
     assert result["matches_torch"] is True and result["rel_error_vs_torch"] < 1e-4, result
     assert json.loads((out / "manifest.json").read_text())["inputs"] == [
@@ -114,18 +120,6 @@ def test_a_half_precision_transformers_model_builds_for_the_h200(family, dtype, 
     proc = autosched("build", f"hf-{family}", "--target", "cuda:sm_90a", "--dtype", dtype,
                      "-o", str(tmp_path / family), timeout=300)
     assert "kernels per forward pass" in proc.stderr and (tmp_path / family / "model.so").exists()
-
-
-@pytest.mark.slow
-def test_qwen2_tunes_then_builds_from_its_records(tmp_path):
-    """tune-model, then build: every kernel was measured, so every kernel comes from the database."""
-    db = str(tmp_path / "q.db")
-    autosched("tune-model", "hf-qwen2", "--trials", "24", "--db", db, "-q")
-    proc = autosched("build", "hf-qwen2", "--db", db, "-o", str(tmp_path / "q"))
-    summary = next(line for line in proc.stderr.splitlines() if "kernels per forward pass" in line)
-    kernels = int(summary.split(" kernels per")[0].split()[-1])
-    assert f"{kernels} from the database, 0 on default schedules" in summary, summary
-    assert json.loads(autosched("run", str(tmp_path / "q"), "--format", "json").stdout)["matches_torch"] is True
 
 
 @pytest.mark.gpu
