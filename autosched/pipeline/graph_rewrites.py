@@ -129,9 +129,9 @@ def _rms_norm_match(rsqrt, parameters: set[str]):
             and node.kwargs.get("memory_format") in (None, torch.preserve_format)
         return node.args[0] if same_place and plain else None
 
-    def weight_of(node, n: int, dtype):  # a parameter of shape [n] and the model's dtype, else None
-        ok = node.op == "placeholder" and node.name in parameters and tuple(node.meta["val"].shape) == (n,)
-        return node if ok and node.meta["val"].dtype == dtype else None
+    def is_weight(node, n: int, dtype) -> bool:  # a parameter of shape [n] and the model's dtype
+        return node.op == "placeholder" and node.name in parameters \
+            and tuple(node.meta["val"].shape) == (n,) and node.meta["val"].dtype == dtype
 
     def other(mul, node):  # the other operand of a product with ``node``
         if _aten(mul) != "mul.Tensor" or len(mul.args) != 2 or node not in mul.args:
@@ -166,7 +166,7 @@ def _rms_norm_match(rsqrt, parameters: set[str]):
         product = _only_user(rounded) if rounded is not None else None
     if product is not None:
         weight = other(product, rounded)
-        if weight is not None and weight_of(weight, n, dtype) is not None:
+        if weight is not None and is_weight(weight, n, dtype):
             return x, weight, eps, product, False
     # Gemma's form: the normalised row times (1 + the weight in float32), then cast.
     plus_one = other(after, normalised)
@@ -175,7 +175,7 @@ def _rms_norm_match(rsqrt, parameters: set[str]):
     w32 = plus_one.args[0]
     weight = w32 if dtype == torch.float32 else cast(w32, torch.float32)
     result = after if dtype == torch.float32 else _only_user(after)
-    if weight is None or weight_of(weight, n, dtype) is None or result is None:
+    if weight is None or not is_weight(weight, n, dtype) or result is None:
         return None
     if dtype != torch.float32 and cast(result, dtype) is not after:
         return None
