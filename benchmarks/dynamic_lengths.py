@@ -69,6 +69,20 @@ def main() -> None:
     autosched("build", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
               "--bucket-growth", build_growth, "--db", str(dyn_db), "-o", str(dyn_out), env=env)
     build_seconds = round(time.time() - build_started)
+
+    def write_result(rows: list, complete: bool = False) -> None:
+        # Written after every length, so a run cut off by a time limit still leaves the lengths it finished.
+        if not args.out:
+            return
+        result = {"model": args.model, "target": args.target, "dtype": args.dtype,
+                  "bucket_growth": float(args.bucket_growth), "buckets": buckets,
+                  "build_growth": float(build_growth), "built_buckets": built, "dynamic_build_seconds": build_seconds,
+                  "trials_per_length": args.trials_per_length,
+                  "tvm_num_threads": args.threads, "machine": f"{platform.node()} ({os.cpu_count()} cores)",
+                  "seconds": round(time.time() - started), "complete": complete, "rows": rows}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
     print(f"dynamic: tuned {len(buckets)} buckets in {build_started - started:.0f} s, built {len(built)} in "
           f"{build_seconds} s", flush=True)
     rows = []
@@ -84,15 +98,8 @@ def main() -> None:
         print(f"{n:5d} tokens (bucket {dynamic['bucket']:5d}): dynamic {dynamic['latency_ms']:.3f} ms, "
               f"static {static['latency_ms']:.3f} ms, ratio {rows[-1]['dynamic_over_static']:.2f}, "
               f"both match torch: {dynamic['matches_torch'] and static['matches_torch']}", flush=True)
-    result = {"model": args.model, "target": args.target, "dtype": args.dtype,
-              "bucket_growth": float(args.bucket_growth), "buckets": buckets,
-              "build_growth": float(build_growth), "built_buckets": built, "dynamic_build_seconds": build_seconds,
-              "trials_per_length": args.trials_per_length,
-              "tvm_num_threads": args.threads, "machine": f"{platform.node()} ({os.cpu_count()} cores)",
-              "seconds": round(time.time() - started), "rows": rows}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(rows)
+    write_result(rows, complete=True)
 
 
 if __name__ == "__main__":
