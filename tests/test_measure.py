@@ -8,7 +8,7 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from autosched.measure import Builder, MeasureConfig, Measurer, Runner
+from autosched.measure import Builder, MeasureConfig, Measurer, MeasureRequest, Runner
 from autosched.records import BuildResult
 from autosched.task import Task
 from autosched.workloads import make_workload
@@ -102,6 +102,20 @@ def test_builder_compiles_the_module_it_is_given_instead_of_applying_the_point(g
         given, applied = m.measure(gemm_task.spec, [point, point], modules=[tvm.IRModule({"main": _half_written}), None])
     assert given.error_kind == "wrong_result" and "NaN" in given.error_msg
     assert applied.ok
+
+
+def test_a_batch_of_tasks_gives_each_task_its_own_results(gemm_task, cpu_target):
+    """measure_batch builds every task's points in one pool, then checks each task against its own reference:
+    a kernel checked against another task's reference would fail (or a wrong one pass)."""
+    rms = Task.from_workload(make_workload("rmsnorm", "m=8,n=256"))
+    gemm_default = gemm_task.space(cpu_target).default()
+    with Measurer(cpu_target, MeasureConfig(repeat=1, min_repeat_ms=1)) as m:
+        (gemm_ok, gemm_wrong), (rms_ok,) = m.measure_batch([
+            MeasureRequest(gemm_task.spec, [gemm_default, gemm_default], modules=[None, tvm.IRModule({"main": _half_written})]),
+            MeasureRequest(rms.spec, [rms.space(cpu_target).default()]),
+        ])
+    assert gemm_ok.ok and rms_ok.ok and rms_ok.rel_error < 1e-5
+    assert gemm_wrong.error_kind == "wrong_result"
 
 
 def test_builder_survives_a_batch_larger_than_its_pool(gemm_task, cpu_target):

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from autosched.target import TargetSpec
     from autosched.task import TaskSpec
 
-__all__ = ["Builder", "MeasureConfig", "Measurer", "Runner", "SLOW_CUTOFF"]
+__all__ = ["Builder", "MeasureConfig", "MeasureRequest", "Measurer", "Runner", "SLOW_CUTOFF"]
 
 # A candidate slower than this many times the best known in a short probe is timed no further: its rank
 # is settled, and on a CPU slow candidates would otherwise take most of the tuning time.
@@ -123,6 +123,11 @@ class Builder:
               ) -> list[BuildResult]:
         """``modules``: the scheduled module of each point where the caller has it (the search does), which
         the worker compiles as is; the worker applies the other points itself."""
+        return self.collect(self.submit(spec, points, modules))
+
+    def submit(self, spec: TaskSpec, points: list[Point], modules: list[IRModule | None] | None = None) -> list:
+        """Start building ``points`` in the pool without waiting; :meth:`collect` waits for them. Several
+        tasks' builds submitted before the first is collected are compiled side by side."""
         import tvm
 
         from ._worker import build_candidate
@@ -133,6 +138,10 @@ class Builder:
             path = os.path.join(self.dir, f"candidate_{self._count}.so")
             scheduled = None if module is None else tvm.ir.save_json(module)
             futures.append(self._pool.submit(build_candidate, spec, self.target, point, path, scheduled))
+        return futures
+
+    def collect(self, futures: list) -> list[BuildResult]:
+        """The build results of :meth:`submit`'s futures, in order."""
         results = []
         for fut in futures:
             start = time.perf_counter()
@@ -236,6 +245,16 @@ class Runner:
         self._log.close()
 
 
+@dataclass
+class MeasureRequest:
+    """One task's candidates for :meth:`Measurer.measure_batch` (the arguments of :meth:`Measurer.measure`)."""
+
+    spec: TaskSpec
+    points: list[Point]
+    cutoff: float | None = None
+    modules: list[IRModule | None] | None = None
+
+
 class Measurer:
     """Builder plus runner for one target: ``measure(spec, points)`` returns one result per point.
 
@@ -263,7 +282,19 @@ class Measurer:
     def measure(self, spec: TaskSpec, points: list[Point], cutoff: float | None = None,
                 modules: list[IRModule | None] | None = None) -> list[MeasureResult]:
         """``modules``: the points' scheduled modules where already made (see :meth:`Builder.build`)."""
-        builds = self.builder.build(spec, points, modules)
+        return self._run(spec, self.builder.build(spec, points, modules), cutoff)
+
+    def measure_batch(self, requests: list[MeasureRequest]) -> list[list[MeasureResult]]:
+        """Several tasks' candidates at once: every build is submitted to the pool first, so kernels compile
+        side by side across tasks (a model's first measurements are one point per kernel); then each task's
+        builds are checked and timed, one task after another, with no compiler running beside them."""
+        if not hasattr(self.builder, "submit"):  # e.g. the RPC servers build each point themselves
+            return [self.measure(r.spec, r.points, r.cutoff, r.modules) for r in requests]
+        pending = [self.builder.submit(r.spec, r.points, r.modules) for r in requests]
+        builds = [self.builder.collect(futures) for futures in pending]
+        return [self._run(r.spec, b, r.cutoff) for r, b in zip(requests, builds, strict=True)]
+
+    def _run(self, spec: TaskSpec, builds: list[BuildResult], cutoff: float | None) -> list[MeasureResult]:
         results = self.runner.run(spec, builds, cutoff)
         for b in builds:
             if b.artifact and os.path.exists(b.artifact):
