@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from .cost_model import FeatureExtractor, create_cost_model
-from .measure import SLOW_CUTOFF, MeasureConfig, Measurer
+from .measure import SLOW_CUTOFF, MeasureConfig, Measurer, MeasureRequest
 from .search import EvolutionarySearch, SearchConfig
 
 if TYPE_CHECKING:
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from autosched.search_spaces import Point, Space
     from autosched.target import TargetSpec
     from autosched.task import Task
+
+# Kernels whose first points are built together before any of them is run (see _first_measurements).
+FIRST_ROUND_GROUP = 16
 
 
 @dataclass(frozen=True)
@@ -147,13 +150,26 @@ class TaskTuner:
 
     def step(self, measurer: Measurer, budget: int) -> int:
         """Measure up to ``budget`` new candidates; returns how many were measured (0: space exhausted)."""
+        request = self.propose(budget)
+        if request is None:
+            return 0
+        return self.observe(request.points, measurer.measure(request.spec, request.points, request.cutoff,
+                                                             request.modules))
+
+    def propose(self, budget: int) -> MeasureRequest | None:
+        """The next up to ``budget`` candidates, to be measured and handed to :meth:`observe`; None when
+        the space has no new valid point left."""
         points = self.search.propose(min(self.options.batch_size, budget))
         if not points:
             self.done_reason = "no new valid points left in the space"
-            return 0
+            return None
         before = self.best
         cutoff = SLOW_CUTOFF * before if math.isfinite(before) else None
-        results = measurer.measure(self.task.spec, points, cutoff, modules=self.search.modules(points))
+        return MeasureRequest(self.task.spec, points, cutoff, self.search.modules(points))
+
+    def observe(self, points: list, results: list) -> int:
+        """Store and learn from the measurements of proposed ``points``; returns how many there were."""
+        before = self.best
         if self.db is not None:
             self.db.add_records(self.workload_id, self.target_id, self.run_id, self.space.id, points, results)
         self.search.observe(points, results)
@@ -253,12 +269,23 @@ def _first_measurements(tuners: list[TaskTuner], measurer: Measurer, options: Tu
         return 0
     share = max(1, options.trials // len(tuners))
     used = 0
-    for tuner in sorted(tuners, key=lambda t: _heaviness(t.task), reverse=True):
+    order = sorted(tuners, key=lambda t: _heaviness(t.task), reverse=True)
+    # In groups, so the builds of several kernels compile side by side (on the GPU a build takes longer
+    # than a run), while the time budget is still checked often.
+    for group_start in range(0, len(order), FIRST_ROUND_GROUP):
         if used >= options.trials or (options.time_budget is not None
                                       and time.perf_counter() - start >= options.time_budget):
             break
-        first = min(options.batch_size, share, 1 + len(tuner.transferred), options.trials - used)
-        used += tuner.step(measurer, first)
+        proposed = []
+        for tuner in order[group_start:group_start + FIRST_ROUND_GROUP]:
+            first = min(options.batch_size, share, 1 + len(tuner.transferred), options.trials - used)
+            request = tuner.propose(first) if first > 0 else None
+            if request is not None:
+                proposed.append((tuner, request))
+                used += len(request.points)
+        results = measurer.measure_batch([request for _, request in proposed])
+        for (tuner, request), measured in zip(proposed, results, strict=True):
+            tuner.observe(request.points, measured)
     return used
 
 
