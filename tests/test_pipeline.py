@@ -21,6 +21,7 @@ from autosched.pipeline import (
     split_tunable,
 )
 from autosched.runmodel import run_artifact
+from autosched.search_spaces import point_key
 from autosched.tuner import TuneOptions, tune_tasks
 
 
@@ -117,6 +118,31 @@ def test_untuned_model_builds_and_matches_torch(tiny, cpu_target, tmp_path):
     assert all(k["calls"] >= 1 and k["ms"] > 0 and k["schedule"] == "default" for k in profiled.values())
     assert sum(k["share"] for k in profiled.values()) == pytest.approx(1.0)
     assert [k["ms"] for k in result["kernels"]] == sorted((k["ms"] for k in result["kernels"]), reverse=True)
+
+
+@pytest.mark.slow
+def test_a_length_nobody_tuned_is_built_from_the_nearest_tuned_length_and_remembered(lowered, cpu_target, tmp_path):
+    """Kernels of a length without records take the nearest tuned length's best points where those beat
+    the default when measured at build time; the measurements are stored, so the next build finds them."""
+    tasks, _ = split_tunable(extract_tasks(lowered[0]), cpu_target)
+    other = prepare(load_model("tiny-llama", tokens=24), cpu_target)[0]
+    with Database(tmp_path / "t.db") as db:
+        tune_tasks(tasks, cpu_target, db, TuneOptions(trials=3 * len(tasks), batch_size=4, seed=0, transfer=False))
+        _, first = apply_database(other, db, cpu_target)
+        assert first.transferred and not first.tuned
+        assert set(first.transferred.values()) <= {t.key for t in tasks}  # each from a 16-token kernel
+        stored = [k for k in extract_tasks(other) if db.records_for(k.key, cpu_target)]
+        assert len(stored) >= len(first.transferred)
+        _, second = apply_database(other, db, cpu_target)
+        # The default's measurement is stored too: where it beat the transferred points, it is the best
+        # record, so the second build makes the first one's choice.
+        tasks_24 = {t.name: t for t in extract_tasks(other)}
+        default_won = set(second.tuned) - set(first.transferred)
+        assert default_won  # kernels whose transferred points all lost to the default
+        for name in default_won:
+            best = db.records_for(second.tuned[name]["key"], cpu_target, only_ok=True, limit=1)[0]
+            assert point_key(best.point) == point_key(tasks_24[name].space(cpu_target).default()), name
+    assert set(first.transferred) <= set(second.tuned)
 
 
 @pytest.mark.slow

@@ -79,14 +79,19 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
 
     can_measure = not target.is_gpu or bool(target.device_name)
     per_pass = kernel_calls(mod)
+    # First every kernel's choice, then every measurement those choices need, in one batch (the builds of
+    # a dynamic model's hundreds of kernels compile side by side), then each kernel's schedule.
+    # (global var, task, space, best record, transferred candidates, index of its measurement, runs per pass)
+    kernels = []
+    requests = []
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc):
             continue
         task = task_of(gv.name_hint, func)
         # Kernels run only once, at build time, get a default schedule and are not counted among the model's.
         runs_per_pass = gv.name_hint in per_pass
-        default = report.default if runs_per_pass else report.build_time
-        scheduled = best = transferred = None
+        space = best = None
+        nearest, measured = [], None
         try:
             space = task.space(target)
             if db is not None and runs_per_pass:
@@ -96,25 +101,48 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
                     # points of the two nearest tuned shapes (often the buckets below and above) against
                     # the default, measured here; the fastest that checks out.
                     nearest = transfer_points(db, task, target, space, workloads=2, per_workload=1)
-                    winner = _fastest(measurer(), task, space, [p for p, _, _ in nearest], target) if nearest else None
-                    if winner is not None:
-                        transferred, source = nearest[winner][:2]
+                    if nearest:
+                        measured = len(requests)
+                        requests.append(_against_default(task, space, [p for p, _, _ in nearest], target))
                 elif best is not None and can_measure and target.is_gpu and not space.template:
                     # The tuner starts a generic GPU space from the space's default point, never from
                     # dlight's schedule, so a short search can leave a record slower than what an untuned
                     # build runs (a 16-row fused RMSNorm at 83 us on the H200): the record against it.
-                    if _fastest(measurer(), task, space, [best.point], target) is None:
-                        report.slower_than_default.append(gv.name_hint)
-                        best = None
-            if best is not None:
+                    measured = len(requests)
+                    requests.append(_against_default(task, space, [best.point], target))
+        except (SpaceError, InvalidPoint):
+            space, best, nearest, measured = None, None, [], None
+        kernels.append((gv, task, space, best, nearest, measured, runs_per_pass))
+    results = measurer().measure_batch(requests) if requests else []
+
+    for gv, task, space, best, nearest, measured, runs_per_pass in kernels:
+        default = report.default if runs_per_pass else report.build_time
+        scheduled = transferred = point = None
+        if measured is not None:
+            winner = _fastest(results[measured])
+            if nearest:
+                # Measurements of this shape like any other: the next build (or tune-model) starts from them.
+                # The default point too, so that the best record is the same choice as this build's, unless
+                # what ran in its place was dlight's schedule, which is not a point of the space.
+                request = requests[measured]
+                kept = len(request.points) if request.modules[-1] is None else len(nearest)
+                db.add_records(db.ensure_workload(task), db.ensure_target(target), None, space.id,
+                               request.points[:kept], results[measured][:kept])
+            if nearest and winner is not None:
+                transferred, source = nearest[winner][:2]
+            elif best is not None and winner is None:
+                report.slower_than_default.append(gv.name_hint)
+                best = None
+        try:
+            if space is None:
+                pass
+            elif best is not None:
                 point = best.point
             elif transferred is not None:
                 point = transferred
             elif not target.is_gpu or space.template:
                 # A template's default point is a hand-built kernel, better than dlight's generic one.
                 point = space.default()
-            else:
-                point = None
             if point is not None:
                 scheduled = space.apply(point)["main"]
         except (SpaceError, InvalidPoint):
@@ -149,20 +177,25 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     return out, report
 
 
-def _fastest(measurer, task, space, points: list, target: TargetSpec) -> int | None:
-    """The index of the fastest of ``points`` that checks out, measured here now next to the schedule an
-    untuned build gives the kernel (the space's default point; dlight's schedule for a generic space on
-    the GPU); None if that default is faster or no point checks out."""
+def _against_default(task, space, points: list, target: TargetSpec):
+    """A measurement of ``points`` followed by the schedule an untuned build gives the kernel (the space's
+    default point; dlight's schedule for a generic space on the GPU), for :func:`_fastest`."""
     import tvm
 
+    from autosched.measure import MeasureRequest
     from autosched.target import default_gpu_schedule
 
     dlight = None
     if target.is_gpu and not space.template:
         dlight = default_gpu_schedule(tvm.IRModule({"main": task.func}), target)
-    results = measurer.measure(task.spec, [*points, space.default()], modules=[None] * len(points) + [dlight])
+    return MeasureRequest(task.spec, [*points, space.default()], modules=[None] * len(points) + [dlight])
+
+
+def _fastest(results: list) -> int | None:
+    """The index of the fastest point of an :func:`_against_default` measurement that checks out; None if
+    the default (measured last) is faster or no point checks out."""
     ok = sorted((r.median, i) for i, r in enumerate(results) if r.ok)
-    return ok[0][1] if ok and ok[0][1] < len(points) else None
+    return ok[0][1] if ok and ok[0][1] < len(results) - 1 else None
 
 
 def _call_separately(mod: IRModule, names: set[str]) -> IRModule:
