@@ -10,6 +10,9 @@ of its timed runs, checked against torch), one after the other in one process tr
 
 ``--build-growth 1.125`` builds the artifact at finer buckets than the tuned ones: a bucket nobody tuned
 runs the nearest tuned bucket's schedules (checked at build time), and pads a length less.
+
+On the GPU machine, whose calls are cut off after 10 minutes, give ``--work`` a folder that outlives the call
+(e.g. ``.bench/dynamic``, ignored by git) and repeat the same command until the result says ``complete``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ def main() -> None:
     parser.add_argument("--trials-per-length", type=int, default=32)
     parser.add_argument("--threads", default="1", help="TVM_NUM_THREADS for every step (1: steadier on a small VM)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--work", type=Path, help="folder for the databases and artifacts (default: a new temporary "
+                        "one); a second call with the same folder skips the steps the first one finished, so the "
+                        "benchmark can span several time-limited calls")
     args = parser.parse_args()
     env = {**os.environ, "TVM_NUM_THREADS": args.threads}
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -59,16 +65,30 @@ def main() -> None:
     build_growth = args.build_growth or args.bucket_growth
     built = parse_lengths("dynamic", args.max_tokens, float(build_growth))
     growth = ["--bucket-growth", args.bucket_growth]
-    work = Path(tempfile.mkdtemp(prefix="autosched-dynamic-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="autosched-dynamic-"))
+    work.mkdir(parents=True, exist_ok=True)
+    # Steps finished by an earlier call with the same --work (their seconds included) are not repeated.
+    steps_file = work / "steps.json"
+    steps = json.loads(steps_file.read_text()) if steps_file.exists() else {}
+
+    def step(name: str, *cli: str) -> None:
+        if name in steps:
+            print(f"{name}: done by an earlier call ({steps[name]} s)", flush=True)
+            return
+        began = time.time()
+        autosched(*cli, env=env)
+        steps[name] = round(time.time() - began)
+        steps_file.write_text(json.dumps(steps, indent=2) + "\n")
+        print(f"{name}: {steps[name]} s", flush=True)
+
     common = ["--target", args.target, *(["--dtype", args.dtype] if args.dtype else [])]
     started = time.time()
     dyn_db, dyn_out = work / "dynamic.db", work / "dynamic"
-    autosched("tune-model", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens), *growth,
-              "--trials", str(args.trials_per_length * len(buckets)), "--db", str(dyn_db), "-q", env=env)
-    build_started = time.time()
-    autosched("build", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
-              "--bucket-growth", build_growth, "--db", str(dyn_db), "-o", str(dyn_out), env=env)
-    build_seconds = round(time.time() - build_started)
+    step("tune dynamic", "tune-model", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
+         *growth, "--trials", str(args.trials_per_length * len(buckets)), "--db", str(dyn_db), "-q")
+    step("build dynamic", "build", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
+         "--bucket-growth", build_growth, "--db", str(dyn_db), "-o", str(dyn_out))
+    build_seconds = steps["build dynamic"]
 
     def write_result(rows: list, complete: bool = False) -> None:
         # Written after every length, so a run cut off by a time limit still leaves the lengths it finished.
@@ -79,18 +99,17 @@ def main() -> None:
                   "build_growth": float(build_growth), "built_buckets": built, "dynamic_build_seconds": build_seconds,
                   "trials_per_length": args.trials_per_length,
                   "tvm_num_threads": args.threads, "machine": f"{platform.node()} ({os.cpu_count()} cores)",
-                  "seconds": round(time.time() - started), "complete": complete, "rows": rows}
+                  "step_seconds": steps, "seconds": round(time.time() - started), "complete": complete,
+                  "rows": rows}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"dynamic: tuned {len(buckets)} buckets in {build_started - started:.0f} s, built {len(built)} in "
-          f"{build_seconds} s", flush=True)
     rows = []
     for n in lengths:
         db, out = work / f"static{n}.db", work / f"static{n}"
-        autosched("tune-model", args.model, *common, "--tokens", str(n), "--trials", str(args.trials_per_length),
-                  "--db", str(db), "-q", env=env)
-        autosched("build", args.model, *common, "--tokens", str(n), "--db", str(db), "-o", str(out), env=env)
+        step(f"tune {n}", "tune-model", args.model, *common, "--tokens", str(n), "--trials", str(args.trials_per_length),
+             "--db", str(db), "-q")
+        step(f"build {n}", "build", args.model, *common, "--tokens", str(n), "--db", str(db), "-o", str(out))
         dynamic, static = run(dyn_out, env, n), run(out, env)
         rows.append({"tokens": n, "bucket": dynamic["bucket"], "dynamic_ms": dynamic["latency_ms"],
                      "static_ms": static["latency_ms"], "dynamic_over_static": dynamic["latency_ms"] / static["latency_ms"],
