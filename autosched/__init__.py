@@ -5,7 +5,7 @@ Heavy dependencies (TVM, torch, xgboost) are imported lazily, so ``autosched --h
 
 from __future__ import annotations
 
-from . import _checkout
+from . import _checkout, tvm_adapter
 
 __version__ = "0.1.0"
 
@@ -15,3 +15,7 @@ __all__ = ["__version__"]
 # autosched.search_spaces, autosched.database and autosched.examples (pyproject.toml's package-dir). From
 # a plain checkout on PYTHONPATH, with nothing installed, the same three names come from _checkout.
 _checkout.install()
+
+# TVMScript parsing inside an import (TVM's tensor intrinsics, which dlight imports; our WMMA intrinsics)
+# took seconds per hundred functions in lookups that find nothing: answered once, here, for the process.
+tvm_adapter.cache_frozen_frame_lookups()

@@ -18,6 +18,24 @@ if TYPE_CHECKING:
 LOOP_PARTITION = {"s_tir.LoopPartition": {"partition_const_loop": True}}
 
 
+def cache_frozen_frame_lookups() -> None:
+    """Make TVMScript's parsing under an import cheap: TVMScript calls ``inspect.stack()`` for each function
+    it parses, and for each frame of Python's import machinery (``<frozen importlib._bootstrap>``, a file
+    that does not exist) ``inspect.getmodule`` scans all of ``sys.modules`` and finds nothing. Importing
+    TVM's tensor intrinsics (hundreds of functions, which dlight's matmul rule imports on first use) took 50
+    s of a GPT-2 build for CUDA with torch loaded. The scan's answer, no module, is cached here up front:
+    ``getmodule`` returns the same None, without the scan."""
+    import _imp
+    import inspect
+
+    try:  # every frozen module's frame file name, e.g. <frozen importlib._bootstrap>, <frozen runpy>
+        filenames = {_imp.get_frozen_object(name).co_filename for name in _imp._frozen_module_names()}
+    except (AttributeError, ImportError):  # not CPython 3.11+: the import machinery's two
+        filenames = {"<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>"}
+    for filename in filenames:
+        inspect.modulesbyfile.setdefault(filename, filename)  # a module name that is never in sys.modules
+
+
 def block_realize(sch: s_tir.Schedule, block: SBlockRV):
     """The ``SBlockRealize`` of ``block``: its iterator bindings and its predicate (dlight's helper)."""
     from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize

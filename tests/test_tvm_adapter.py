@@ -122,3 +122,22 @@ def test_tvm_converts_attention_on_two_dimensional_tensors():
         mod = from_exported_program(exported.run_decompositions(table), run_ep_decomposition=False,
                                     custom_convert_map={"scaled_dot_product_attention.default": _attention})
     assert "R.nn.attention" in mod.script()
+
+
+def test_frozen_frame_lookups_give_the_answer_of_the_scan_they_replace(tmp_path, monkeypatch):
+    """inspect.getmodule of an import-machinery frame scans sys.modules and finds nothing; the cached answer
+    is that same None, and it covers every such frame an import has."""
+    import importlib
+    import inspect
+
+    (tmp_path / "_frames_at_import.py").write_text("import inspect\nFRAMES = [f.frame for f in inspect.stack(0)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    frames = importlib.import_module("_frames_at_import").FRAMES
+    frozen = [f for f in frames if f.f_code.co_filename.startswith("<frozen")]
+    assert frozen, "an import runs through Python's frozen import machinery"
+    uncached = {k: v for k, v in inspect.modulesbyfile.items() if not k.startswith("<frozen")}
+    monkeypatch.setattr(inspect, "modulesbyfile", uncached)
+    scanned = [inspect.getmodule(f, f.f_code.co_filename) for f in frozen]
+    tvm_adapter.cache_frozen_frame_lookups()
+    assert {f.f_code.co_filename for f in frozen} <= set(inspect.modulesbyfile)
+    assert [inspect.getmodule(f, f.f_code.co_filename) for f in frozen] == scanned == [None] * len(frozen)
