@@ -78,6 +78,36 @@ def test_integer_powers_are_products_and_bfloat16_layer_norm_imports(family, dty
         assert "R.nn.layer_norm" in text
 
 
+def test_gpt2_conv1d_is_our_gemm_on_its_weight_transposed_at_build_time(cpu_target):
+    """GPT-2 writes its Linears as Conv1D, ``addmm(bias, x, W)`` on W[k,n] as stored: for the GPU each is our
+    gemm with the bias in its epilogue (it ran on dlight's matmul), on W transposed once at build time.
+    The GPU's import, compiled for the CPU, matches torch."""
+    import numpy as np
+    import torch
+    import tvm
+    from tvm import relax
+
+    from autosched.pipeline import apply_database, import_model, load_model
+    from autosched.pipeline.build import build_pipeline, compile_separate
+    from autosched.pipeline.lowering import lower, transform_params
+    from autosched.target import compile_module
+
+    model = load_model("hf-gpt2")
+    mod, params = import_model(model, linear_as_gemm=True)
+    main = mod["main"].script()
+    assert main.count("R.call_tir(autosched_gemm") == 9 and "R.matmul" not in main  # 4 a layer, and the logits
+    lowered = lower(relax.transform.LiftTransformParams()(mod))
+    transposes = [gv.name_hint for gv in relax.analysis.all_global_vars(lowered["main_transform_params"])]
+    assert len([name for name in transposes if name.startswith("transpose")]) == 4  # one per distinct shape
+    scheduled, report = apply_database(lowered, None, cpu_target)
+    executable = compile_module(scheduled, cpu_target, relax_pipeline=build_pipeline(cpu_target))
+    vm = relax.VirtualMachine(compile_separate(executable, report, cpu_target), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(model.inputs[0].numpy()), *transform_params(lowered, params)).numpy()
+    with torch.no_grad():
+        expected = model.module(*model.inputs).numpy()
+    assert np.abs(got - expected).max() < 1e-4 * np.abs(expected).max()
+
+
 @pytest.mark.parametrize("family,dtype", [("llama", "float16"), ("gemma", "float32")])
 def test_written_out_rms_norm_is_our_rmsnorm_kernel(family, dtype):
     """transformers writes RMSNorm out (cast, square, mean, rsqrt, cast back, weight; Gemma's weight as

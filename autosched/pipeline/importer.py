@@ -70,12 +70,13 @@ def _matmul_in_torch_dtype(node, importer, linear_as_gemm: bool):
     lhs, rhs = importer.retrieve_args(node)
     dtype = str(node.meta["val"].dtype).replace("torch.", "")
     bb = importer.block_builder
-    weight = _linear_weight(node, importer) if linear_as_gemm else None
+    weight, stored_kn = _gemm_weight(node, importer) if linear_as_gemm else (None, False)
     if weight is not None and len(lhs.ty.shape) == 2 and str(lhs.ty.dtype) == str(weight.ty.dtype) == dtype:
-        (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[0])
+        (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[1 if stored_kn else 0])
         wl = _supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype)
         if wl is not None:
             gv = bb.add_func(workload_func(wl), "autosched_gemm")
+            weight = _as_nk(bb, weight, stored_kn)
             return bb.emit(relax.call_tir(gv, [lhs, weight], relax.TensorType((m, n), dtype)))
     product = bb.emit(relax.op.matmul(lhs, rhs, out_dtype="float32"))
     if dtype in ("float16", "bfloat16"):
@@ -97,14 +98,15 @@ def _addmm_in_torch_dtype(node, importer, linear_as_gemm: bool):
     beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
     dtype = str(node.meta["val"].dtype).replace("torch.", "")
     bb = importer.block_builder
-    weight = _linear_weight(node, importer, factor=2) if linear_as_gemm else None
+    weight, stored_kn = _gemm_weight(node, importer, factor=2) if linear_as_gemm else (None, False)
     if (weight is not None and beta == 1 and alpha == 1 and len(lhs.ty.shape) == 2 and len(bias.ty.shape) == 1
             and str(lhs.ty.dtype) == str(weight.ty.dtype) == str(bias.ty.dtype) == dtype
-            and int(bias.ty.shape[0]) == int(weight.ty.shape[0])):
-        (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[0])
+            and int(bias.ty.shape[0]) == int(weight.ty.shape[1 if stored_kn else 0])):
+        (m, k), n = (int(d) for d in lhs.ty.shape), int(bias.ty.shape[0])
         wl = _supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype, {"bias": True})
         if wl is not None:
             gv = bb.add_func(workload_func(wl), "autosched_gemm")
+            weight = _as_nk(bb, weight, stored_kn)
             return bb.emit(relax.call_tir(gv, [lhs, weight, bias], relax.TensorType((m, n), dtype)))
     product = bb.emit(relax.op.matmul(lhs, rhs, out_dtype="float32"))
     if alpha != 1:
@@ -116,16 +118,30 @@ def _addmm_in_torch_dtype(node, importer, linear_as_gemm: bool):
     return bb.emit(relax.op.astype(out, dtype)) if dtype != "float32" else out
 
 
-def _linear_weight(node, importer, factor: int = 1):
-    """The Relax variable of W[n,k] if argument ``factor`` of ``node`` is ``permute(W, [1, 0])``."""
-    factor = node.args[factor]
-    if getattr(factor, "target", None) is None or "permute" not in str(factor.target):
-        return None
-    source, axes = factor.args[0], list(factor.args[1])
-    weight = importer.env.get(source)
-    if axes != [1, 0] or weight is None or len(weight.ty.shape) != 2:
-        return None
-    return weight
+def _gemm_weight(node, importer, factor: int = 1):
+    """(the Relax variable of the weight, whether it is stored W[k,n]) if argument ``factor`` of ``node`` is
+    a weight: a Linear's ``permute(W, [1, 0])`` (W[n,k], our gemm's layout as stored), or a parameter used
+    as it is (``x @ W``, W[k,n]: GPT-2's Conv1D); (None, False) otherwise."""
+    arg = node.args[factor]
+    if getattr(arg, "target", None) is not None and "permute" in str(arg.target):
+        weight = importer.env.get(arg.args[0])
+        if list(arg.args[1]) == [1, 0] and weight is not None and len(weight.ty.shape) == 2:
+            return weight, False
+        return None, False
+    # torch.export names the placeholders of parameters p_..., those of the inputs after the arguments.
+    if getattr(arg, "op", None) == "placeholder" and arg.name.startswith("p_"):
+        weight = importer.env.get(arg)
+        if weight is not None and len(weight.ty.shape) == 2:
+            return weight, True
+    return None, False
+
+
+def _as_nk(bb, weight, stored_kn: bool):
+    """W[n,k] for our gemm: a weight stored W[k,n] is transposed, weight-only work that LiftTransformParams
+    moves to build time."""
+    from tvm import relax
+
+    return bb.emit(relax.op.permute_dims(weight, [1, 0])) if stored_kn else weight
 
 
 def _supported_workload(op: str, shape: dict, dtype: str, attrs: dict | None = None):
