@@ -117,7 +117,7 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
 
     for gv, task, space, best, nearest, measured, runs_per_pass in kernels:
         default = report.default if runs_per_pass else report.build_time
-        scheduled = transferred = point = None
+        scheduled = transferred = None
         if measured is not None:
             winner = _fastest(results[measured])
             if nearest:
@@ -134,15 +134,7 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
                 report.slower_than_default.append(gv.name_hint)
                 best = None
         try:
-            if space is None:
-                pass
-            elif best is not None:
-                point = best.point
-            elif transferred is not None:
-                point = transferred
-            elif not target.is_gpu or space.template:
-                # A template's default point is a hand-built kernel, better than dlight's generic one.
-                point = space.default()
+            point = _chosen_point(space, best, transferred, target)
             if point is not None:
                 scheduled = space.apply(point)["main"]
         except (SpaceError, InvalidPoint):
@@ -175,6 +167,21 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
 
         out = default_gpu_schedule(out, target)
     return out, report
+
+
+def _chosen_point(space, best, transferred, target: TargetSpec):
+    """The point a kernel is built with: its best record's, a transferred one, or the space's default where
+    that beats TVM's own default schedule; None for TVM's (dlight on the GPU, the kernel as written on the CPU)."""
+    if space is None:
+        return None
+    if best is not None:
+        return best.point
+    if transferred is not None:
+        return transferred
+    if not target.is_gpu or space.template:
+        # A template's default point is a hand-built kernel, better than dlight's generic one.
+        return space.default()
+    return None
 
 
 def _against_default(task, space, points: list, target: TargetSpec):
