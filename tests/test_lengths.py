@@ -28,6 +28,8 @@ from autosched.pipeline import (
 from autosched.runmodel import run_artifact
 from autosched.tuner import TuneOptions, tune_tasks
 
+from .helpers import InstantMeasurer
+
 
 def test_bucket_lengths():
     assert parse_lengths(None) is None
@@ -73,22 +75,6 @@ def bidirectional(batch: int = 1, tokens: int = 16, dtype=torch.float32):
     return _Bidirectional().to(dtype), (torch.randn(batch, tokens, 32, generator=torch.Generator().manual_seed(1)),)
 
 
-class _WorkMeasurer:
-    """Each kernel 'runs' in a time proportional to its work, without building: what the task scheduler
-    does with the trials of several buckets."""
-
-    def __init__(self, tasks):
-        self.seconds = {t.spec.key: (t.flops + t.min_bytes) * 1e-12 for t in tasks}
-
-    def measure(self, spec, points, cutoff=None, modules=None):
-        from autosched.records import MeasureResult
-
-        return [MeasureResult((self.seconds[spec.key],)) for _ in points]
-
-    def close(self):
-        pass
-
-
 @pytest.mark.slow  # tunes or builds several lengths (10-25 s)
 def test_each_bucket_gets_its_share_of_the_trials(cpu_target):
     """tune-model at several lengths: the short bucket's kernels are not starved by the long one's,
@@ -106,7 +92,9 @@ def test_each_bucket_gets_its_share_of_the_trials(cpu_target):
 
     def trials_of(tasks):
         options = TuneOptions(trials=60, batch_size=4, seed=0, cost_model="random")
-        results = tune_tasks(tasks, cpu_target, None, options, measurer=_WorkMeasurer(tasks))
+        # Each kernel 'runs' in a time proportional to its work.
+        work = {t.spec.key: (t.flops + t.min_bytes) * 1e-12 for t in tasks}
+        results = tune_tasks(tasks, cpu_target, None, options, measurer=InstantMeasurer(lambda spec: work[spec.key]))
         per = {t.key: r.trials for t, r in zip(tasks, results)}
         return sum(per[k] for k in short), sum(per[k] for k in long)
 

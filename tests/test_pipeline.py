@@ -24,6 +24,8 @@ from autosched.runmodel import run_artifact
 from autosched.search_spaces import point_key
 from autosched.tuner import TuneOptions, tune_tasks
 
+from .helpers import InstantMeasurer
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -71,29 +73,10 @@ def test_apply_report_counts_every_kernel_of_the_forward_pass_once(lowered, cpu_
                                             f"{len(per_pass)} on default schedules")
 
 
-class _InstantMeasurer:
-    """Every point 'runs' in 1 us: what the task scheduler does with the budget, without building."""
-
-    def __init__(self):
-        self.measured = []
-
-    def measure(self, spec, points, cutoff=None, modules=None):
-        from autosched.records import MeasureResult
-
-        self.measured.append((spec, list(points)))
-        return [MeasureResult((1e-6,)) for _ in points]
-
-    def measure_batch(self, requests):
-        return [self.measure(r.spec, r.points, r.cutoff, r.modules) for r in requests]
-
-    def close(self):
-        pass
-
-
 @pytest.mark.parametrize("scheduler", ["gradient", "round-robin"])
 def test_every_kernel_gets_its_default_point_measured_before_trials_concentrate(lowered, cpu_target, scheduler):
     tasks, _ = split_tunable(extract_tasks(lowered[0]), cpu_target)
-    measurer = _InstantMeasurer()
+    measurer = InstantMeasurer()
     options = TuneOptions(trials=len(tasks) + 3, batch_size=16, seed=0, cost_model="random", scheduler=scheduler)
     results = tune_tasks(tasks, cpu_target, None, options, measurer=measurer)
     assert sum(r.trials for r in results) == len(tasks) + 3
