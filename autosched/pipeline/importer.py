@@ -45,9 +45,11 @@ def import_model(model: Model, *, linear_as_gemm: bool) -> tuple[IRModule, list]
             del table[op]
         exported = exported.run_decompositions(table)
         rewrite_exported(exported)
-        matmul = functools.partial(_matmul_in_torch_dtype, linear_as_gemm=linear_as_gemm)
+        # Weights are the graph's parameters: a product with one may become our gemm.
+        weights = frozenset(exported.graph_signature.inputs_to_parameters) if linear_as_gemm else None
+        matmul = functools.partial(_matmul_in_torch_dtype, weights=weights)
         converters = {name: matmul for name in ("mm.default", "matmul.default", "bmm.default")}
-        converters["addmm.default"] = functools.partial(_addmm_in_torch_dtype, linear_as_gemm=linear_as_gemm)
+        converters["addmm.default"] = functools.partial(_addmm_in_torch_dtype, weights=weights)
         converters["rms_norm.default"] = _rms_norm_as_workload
         converters["native_layer_norm.default"] = _layer_norm_bfloat16_in_float32
         converters["scaled_dot_product_attention.default"] = _attention
@@ -57,9 +59,9 @@ def import_model(model: Model, *, linear_as_gemm: bool) -> tuple[IRModule, list]
     return substitute_workloads(mod), list(params["main"])
 
 
-def _matmul_in_torch_dtype(node, importer, linear_as_gemm: bool):
-    """``mm``/``matmul``/``bmm`` accumulated in float32 and returned in torch's dtype; with
-    ``linear_as_gemm``, a Linear's ``x @ W.T`` becomes a call of our ``gemm`` workload's kernel.
+def _matmul_in_torch_dtype(node, importer, weights: frozenset[str] | None):
+    """``mm``/``matmul``/``bmm`` accumulated in float32 and returned in torch's dtype; given ``weights`` (the
+    names of the graph's parameters), a Linear's ``x @ W.T`` becomes a call of our ``gemm`` workload's kernel.
 
     TVM 0.27's importer gives every such product a float32 result, so in a half-precision model all that
     follows (attention, the next GEMM's weights, the residual stream) silently ran in float32: twice the
@@ -70,7 +72,7 @@ def _matmul_in_torch_dtype(node, importer, linear_as_gemm: bool):
     lhs, rhs = importer.retrieve_args(node)
     dtype = str(node.meta["val"].dtype).replace("torch.", "")
     bb = importer.block_builder
-    weight, stored_kn = _gemm_weight(node, importer) if linear_as_gemm else (None, False)
+    weight, stored_kn = _gemm_weight(node, importer, weights) if weights is not None else (None, False)
     if weight is not None and len(lhs.ty.shape) == 2 and str(lhs.ty.dtype) == str(weight.ty.dtype) == dtype:
         (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[1 if stored_kn else 0])
         wl = _supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype)
@@ -84,9 +86,9 @@ def _matmul_in_torch_dtype(node, importer, linear_as_gemm: bool):
     return product
 
 
-def _addmm_in_torch_dtype(node, importer, linear_as_gemm: bool):
+def _addmm_in_torch_dtype(node, importer, weights: frozenset[str] | None):
     """``addmm(bias, x, W.T)``, a Linear with a bias as torch.export decomposes it: accumulated in float32,
-    the bias added, and returned in torch's dtype. With ``linear_as_gemm``, a call of our ``gemm``
+    the bias added, and returned in torch's dtype. Given ``weights`` (as for ``mm``), a call of our ``gemm``
     workload's kernel with ``bias=True``, whose epilogue adds the bias.
 
     TVM 0.27's importer adds the model's (half-precision) bias to its float32 product: an import failure
@@ -98,7 +100,7 @@ def _addmm_in_torch_dtype(node, importer, linear_as_gemm: bool):
     beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
     dtype = str(node.meta["val"].dtype).replace("torch.", "")
     bb = importer.block_builder
-    weight, stored_kn = _gemm_weight(node, importer, factor=2) if linear_as_gemm else (None, False)
+    weight, stored_kn = _gemm_weight(node, importer, weights, factor=2) if weights is not None else (None, False)
     if (weight is not None and beta == 1 and alpha == 1 and len(lhs.ty.shape) == 2 and len(bias.ty.shape) == 1
             and str(lhs.ty.dtype) == str(weight.ty.dtype) == str(bias.ty.dtype) == dtype
             and int(bias.ty.shape[0]) == int(weight.ty.shape[1 if stored_kn else 0])):
@@ -118,18 +120,17 @@ def _addmm_in_torch_dtype(node, importer, linear_as_gemm: bool):
     return bb.emit(relax.op.astype(out, dtype)) if dtype != "float32" else out
 
 
-def _gemm_weight(node, importer, factor: int = 1):
+def _gemm_weight(node, importer, weights: frozenset[str], factor: int = 1):
     """(the Relax variable of the weight, whether it is stored W[k,n]) if argument ``factor`` of ``node`` is
-    a weight: a Linear's ``permute(W, [1, 0])`` (W[n,k], our gemm's layout as stored), or a parameter used
-    as it is (``x @ W``, W[k,n]: GPT-2's Conv1D); (None, False) otherwise."""
+    a weight: a Linear's ``permute(W, [1, 0])`` (W[n,k], our gemm's layout as stored), or a parameter (one
+    of ``weights``) used as it is (``x @ W``, W[k,n]: GPT-2's Conv1D); (None, False) otherwise."""
     arg = node.args[factor]
     if getattr(arg, "target", None) is not None and "permute" in str(arg.target):
         weight = importer.env.get(arg.args[0])
         if list(arg.args[1]) == [1, 0] and weight is not None and len(weight.ty.shape) == 2:
             return weight, False
         return None, False
-    # torch.export names the placeholders of parameters p_..., those of the inputs after the arguments.
-    if getattr(arg, "op", None) == "placeholder" and arg.name.startswith("p_"):
+    if getattr(arg, "op", None) == "placeholder" and arg.name in weights:
         weight = importer.env.get(arg)
         if weight is not None and len(weight.ty.shape) == 2:
             return weight, True
