@@ -114,6 +114,7 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
             space, best, nearest, measured = None, None, [], None
         kernels.append((gv, task, space, best, nearest, measured, runs_per_pass))
     results = measurer().measure_batch(requests) if requests else []
+    target_id = db.ensure_target(target) if db is not None and requests else None
 
     for gv, task, space, best, nearest, measured, runs_per_pass in kernels:
         default = report.default if runs_per_pass else report.build_time
@@ -126,7 +127,7 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
                 # what ran in its place was dlight's schedule, which is not a point of the space.
                 request = requests[measured]
                 kept = len(request.points) if request.modules[-1] is None else len(nearest)
-                db.add_records(db.ensure_workload(task), db.ensure_target(target), None, space.id,
+                db.add_records(db.ensure_workload(task), target_id, None, space.id,
                                request.points[:kept], results[measured][:kept])
             if nearest and winner is not None:
                 transferred, source = nearest[winner][:2]
@@ -170,8 +171,8 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
 
 
 def _chosen_point(space, best, transferred, target: TargetSpec):
-    """The point a kernel is built with: its best record's, a transferred one, or the space's default where
-    that beats TVM's own default schedule; None for TVM's (dlight on the GPU, the kernel as written on the CPU)."""
+    """The point a kernel is built with: its best record's, a transferred one, or the space's default (on the
+    CPU, or a template's); None where TVM's own default schedule (dlight) is better on the GPU."""
     if space is None:
         return None
     if best is not None:
