@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .workloads import Workload, get_operator
@@ -54,10 +55,11 @@ class TaskSpec:
         """The workload's attributes, which template spaces need (e.g. ``causal``)."""
         return workload_hints(Workload.from_json(self.workload)) if self.workload is not None else {}
 
-    def checker(self, func: PrimFunc) -> Checker:
+    def checker(self, func: PrimFunc, target: TargetSpec | None = None) -> Checker:
+        """``target``: the GPU a raw function's reference is compiled for (default: the first GPU's)."""
         if self.workload is not None:
             return OperatorChecker(Workload.from_json(self.workload))
-        return SelfChecker(func)
+        return SelfChecker(func, target)
 
 
 def workload_hints(wl: Workload) -> dict[str, Any]:
@@ -208,8 +210,9 @@ class OperatorChecker(Checker):
 class SelfChecker(Checker):
     """Checks a function of unknown origin against the same function under an independent schedule."""
 
-    def __init__(self, func: PrimFunc):
+    def __init__(self, func: PrimFunc, target: TargetSpec | None = None):
         self.func = func
+        self.target = target if target is not None and target.is_gpu else None
         self.outputs = output_indices(func)
         self.inputs = [i for i in range(len(func.params)) if i not in self.outputs]
         out_dtypes = {str(func.params[i].dtype) for i in self.outputs}
@@ -274,26 +277,76 @@ class SelfChecker(Checker):
 
         device = inputs[0].device if inputs else torch.device("cpu")
         outs = [torch.empty(s, dtype=getattr(torch, d), device=device) for s, d in self.output_specs()]
-        if device.type not in self._compiled:  # compiled once: a retry on other inputs reuses it
-            self._compiled[device.type] = self._reference_module(device.type)
+        if device.type not in self._compiled:  # loaded once: a retry on other inputs reuses it
+            self._compiled[device.type] = self._reference_function(device.type)
         self._compiled[device.type](*[_to_tvm(t) for t in self.arrange(inputs, outs)])
         return [o.double() for o in outs]
+
+    def reference_path(self, device_type: str) -> Path:
+        """Where the compiled reference is kept: named by everything that decides its code."""
+        import tvm
+
+        text = f"{REFERENCE_RECIPE}|{tvm.__version__}|{self._reference_target(device_type)}|{self.func.script()}"
+        return reference_cache() / f"{hashlib.sha1(text.encode()).hexdigest()[:24]}.so"
+
+    def export_reference(self, device_type: str) -> Path:
+        """Compile the reference into the reference cache unless it is there already. A builder process
+        does this ahead of the runner, which then loads it (on a GPU, a dlight build with nvcc takes
+        about 1.5 s, and the runner would otherwise compile one task's reference after another)."""
+        import os
+
+        path = self.reference_path(device_type)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.so")
+            self._reference_module(device_type).export_library(str(partial))
+            os.replace(partial, path)  # atomic: a process reading it never sees half a file
+        return path
+
+    def _reference_function(self, device_type: str):
+        import tvm
+
+        try:
+            return tvm.runtime.load_module(str(self.export_reference(device_type))).main
+        except OSError:  # the cache folder cannot be written: compile in memory only
+            return self._reference_module(device_type).jit().main
+
+    def _reference_target(self, device_type: str):
+        import tvm
+
+        if device_type == "cuda":
+            from .target import parse_target
+
+            return (self.target or parse_target("cuda")).tvm_target()
+        return tvm.target.Target({"kind": "llvm"})
 
     def _reference_module(self, device_type: str):
         import tvm
 
+        target = self._reference_target(device_type)
         if device_type == "cuda":
             from tvm.s_tir import dlight as dl
 
-            from .target import parse_target
-
-            target = parse_target("cuda").tvm_target()
             with target:
                 mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                               dl.gpu.GeneralReduction(), dl.gpu.Fallback())(
                     tvm.IRModule({"main": self.func}))
             return tvm.compile(mod, target=target)
-        return tvm.compile(self.func, target=tvm.target.Target({"kind": "llvm"}))
+        return tvm.compile(self.func, target=target)
+
+
+# Bump when what a reference is compiled with changes (the dlight rules above): the cache is then rebuilt.
+REFERENCE_RECIPE = "dlight-v1"
+CACHE_ENV = "AUTOSCHED_CACHE"
+
+
+def reference_cache() -> Path:
+    """The folder of compiled references, kept between runs: ``$AUTOSCHED_CACHE/references``, by default
+    under ``~/.cache/autosched``."""
+    import os
+
+    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autosched"
+    return Path(root) / "references"
 
 
 def _to_tvm(tensor):

@@ -4,11 +4,14 @@ skipped (with the reason) without one; tests marked ``slow`` run only with ``-m 
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 
 import pytest
 
 os.environ.setdefault("TVM_NUM_THREADS", "2")
+# Compiled references (autosched.task.reference_cache) go to a folder of this test session, not the user's.
+os.environ.setdefault("AUTOSCHED_CACHE", tempfile.mkdtemp(prefix="autosched-test-cache-"))
 
 
 def _has_cuda() -> bool:

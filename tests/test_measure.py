@@ -179,6 +179,35 @@ def test_kernel_of_a_narrower_input_domain_is_checked_on_positive_inputs(cpu_tar
     assert all(r.ok and r.rel_error < 1e-5 for r in results), results
 
 
+def test_a_fused_kernels_reference_is_compiled_by_the_builder_and_loaded_by_the_runner(cpu_target, tmp_path,
+                                                                                      monkeypatch):
+    """The builder pool compiles a raw function's reference beside its candidates, into the reference cache;
+    the runner loads it from there instead of compiling it between candidates. Shown by swapping the cached
+    library for another function's: the same candidate is then judged wrong."""
+    from tvm import te
+
+    monkeypatch.setenv("AUTOSCHED_CACHE", str(tmp_path))
+    task = Task.from_func("norm_of_squares", _norm_of_given_squares())
+    cached = task.spec.checker(task.func).reference_path("cpu")
+    point = task.space(cpu_target).default()
+    builder = Builder(cpu_target, workers=2)
+    try:
+        (built,) = builder.build(task.spec, [point])
+    finally:
+        builder.close()
+    assert built.ok and cached.exists() and cached.parent == tmp_path / "references"
+    with Measurer(cpu_target, MeasureConfig(repeat=1, min_repeat_ms=1)) as m:
+        (first,) = m.measure(task.spec, [point])
+    assert first.ok
+
+    sq, x = te.placeholder((8, 64), "float32", name="sq"), te.placeholder((8, 64), "float32", name="x")
+    other = te.compute((8, 64), lambda i, j: x[i, j] * 2.0 + sq[i, j], name="out")
+    tvm.compile(te.create_prim_func([sq, x, other]), target={"kind": "llvm"}).export_library(str(cached))
+    with Measurer(cpu_target, MeasureConfig(repeat=1, min_repeat_ms=1)) as m:
+        (second,) = m.measure(task.spec, [point])
+    assert second.error_kind == "wrong_result", second
+
+
 class _Slot:
     """A device for the scheduling test below: ``opens`` says whether a session can be had."""
 

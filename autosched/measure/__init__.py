@@ -101,6 +101,19 @@ def _popen_worker(initializer, initargs: tuple, env: dict[str, str], **kwargs):
     return _Worker(initializer, initargs, **kwargs) if env else PopenWorker(initializer, initargs, **kwargs)
 
 
+class _Reference:
+    """A task's reference compiling in the builder pool: waited for, never a build result."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def wait(self) -> None:
+        try:
+            self.future.result()  # None, or why not: the runner then compiles it and reports any error
+        except Exception:  # noqa: BLE001 - timed out or the worker died: the runner compiles it
+            pass
+
+
 class Builder:
     """Compiles candidates in a pool of persistent worker processes."""
 
@@ -118,6 +131,7 @@ class Builder:
         self._pool = PopenPoolExecutor(self.workers, timeout=timeout, initializer=init_worker,
                                        stdout=subprocess.DEVNULL, stderr=self._log)
         self._count = 0
+        self._references: set[str] = set()  # tasks whose reference was sent to the pool
 
     def build(self, spec: TaskSpec, points: list[Point], modules: list[IRModule | None] | None = None
               ) -> list[BuildResult]:
@@ -127,12 +141,16 @@ class Builder:
 
     def submit(self, spec: TaskSpec, points: list[Point], modules: list[IRModule | None] | None = None) -> list:
         """Start building ``points`` in the pool without waiting; :meth:`collect` waits for them. Several
-        tasks' builds submitted before the first is collected are compiled side by side."""
+        tasks' builds submitted before the first is collected are compiled side by side, and so is the
+        reference of a raw function (a fused kernel of a model), the first time its task comes."""
         import tvm
 
-        from ._worker import build_candidate
+        from ._worker import build_candidate, build_reference
 
         futures = []
+        if spec.workload is None and spec.key not in self._references:
+            self._references.add(spec.key)
+            futures.append(_Reference(self._pool.submit(build_reference, spec, self.target)))
         for point, module in zip(points, modules or [None] * len(points), strict=True):
             self._count += 1
             path = os.path.join(self.dir, f"candidate_{self._count}.so")
@@ -145,6 +163,9 @@ class Builder:
         results = []
         for fut in futures:
             start = time.perf_counter()
+            if isinstance(fut, _Reference):
+                fut.wait()
+                continue
             try:
                 results.append(fut.result())
             except TimeoutError:

@@ -67,6 +67,17 @@ def build_candidate(spec, target, point: dict, path: str, scheduled: str | None 
     return BuildResult(path, time.perf_counter() - start)
 
 
+def build_reference(spec, target) -> str | None:
+    """Compile a raw function's reference into the reference cache ahead of the runner, which would
+    otherwise compile one task's reference after another between candidates. Returns None, or why not
+    (the runner then compiles it itself and reports its own error)."""
+    try:
+        spec.checker(spec.func(), target).export_reference("cuda" if target.is_gpu else "cpu")
+    except Exception as exc:  # noqa: BLE001
+        return _short(exc)
+    return None
+
+
 # ---- runner ---------------------------------------------------------------------------------------
 def _task_state(spec, target) -> dict[str, Any]:
     """Inputs on the device, poisoned output buffers and float64 reference outputs of one task."""
@@ -77,7 +88,7 @@ def _task_state(spec, target) -> dict[str, Any]:
         from autosched.workloads import torch_dtype
 
         func = spec.func()
-        checker = spec.checker(func)
+        checker = spec.checker(func, target)
         gen = torch.Generator().manual_seed(spec.seed)
         device = target.torch_device
         inputs, refs = checker.inputs_and_reference(gen, device)
