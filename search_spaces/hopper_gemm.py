@@ -15,7 +15,8 @@ kernels, DeepGEMM, FlashAttention-3):
 * a grouped rasterisation of the block tiles (``group_m`` row tiles share the same B columns in L2),
   optionally persistent CTAs that walk the tiles with a stride of the grid, so that one tile's
   epilogue overlaps the next tile's loads;
-* the epilogue (bias, activation, cast) from registers, two elements per 4-byte store.
+* the epilogue (bias, activation, cast) from registers, two elements per 4-byte store (one per 2-byte
+  store where an odd n puts every other row at an odd address).
 
 Operands are C[m, n] = A[m, k] · B[n, k]ᵀ (the ``gemm`` workload: torch.nn.Linear's layout, both
 operands K-major, which wgmma reads without transposition). Shapes no tile divides need no padding:
@@ -93,6 +94,9 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
 
     def accs(acc, f):
         return [acc[f * acc_n + i] for i in range(acc_n)]
+
+    def stored(acc, Bias, i, col):  # accumulator i, plus the bias of its column, as the epilogue stores it
+        return acc[i] + T.Cast("float32", Bias[col]) if bias else acc[i]
 
     # Grouped rasterisation, the producer's and the consumers' walk alike: tile numbers run down a group
     # of group_m tile rows before the next column, so that neighbouring CTAs share A and B tiles in L2.
@@ -196,16 +200,18 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                             row = T.meta_var(tm * bm + (wg - 1) * wg_rows + f * 64 + ((tx % 128) // 32) * 16
                                              + (tx % 32) // 4 + h * 8)
                             col = T.meta_var(tn * bn + j * 8 + (tx % 4) * 2)
+                            i = T.meta_var(f * acc_n + j * 4 + h * 2)  # the pair (i, i + 1): columns col, col + 1
                             if row < m and col < n:
-                                if bias:
+                                if n % 2 == 0:
                                     T.cuda.func_call(store2, C.access_ptr("w", offset=row * n + col),
-                                                     acc[f * acc_n + j * 4 + h * 2] + T.Cast("float32", Bias[col]),
-                                                     acc[f * acc_n + j * 4 + h * 2 + 1] + T.Cast("float32", Bias[col + 1]),
+                                                     stored(acc, Bias, i, col), stored(acc, Bias, i + 1, col + 1),
                                                      source_code=epi_source)
-                                else:
-                                    T.cuda.func_call(store2, C.access_ptr("w", offset=row * n + col),
-                                                     acc[f * acc_n + j * 4 + h * 2],
-                                                     acc[f * acc_n + j * 4 + h * 2 + 1], source_code=epi_source)
+                                else:  # odd rows start at odd addresses: one column per store
+                                    T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col),
+                                                     stored(acc, Bias, i, col), source_code=epi_source)
+                                    if col + 1 < n:
+                                        T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col + 1),
+                                                         stored(acc, Bias, i + 1, col + 1), source_code=epi_source)
                 tile = tile + grid
 
     attrs = {"global_symbol": "main", "tirx.noalias": True, "tirx.launch_bounds_min_blocks_per_sm": 1}
@@ -271,8 +277,9 @@ class HopperGemmSpace(HopperTemplate):
         if shape is None:
             return False
         m, n, k, dtype = shape
-        # TMA needs 16-byte row strides (k); the epilogue stores column pairs (n).
-        return dtype in PTX_TYPE and m >= cls.MIN_M and k % 8 == 0 and n % 8 == 0
+        # TMA needs 16-byte row strides (k); any n (an odd n, e.g. GPT-2's 50257-token LM head, stores
+        # one column at a time).
+        return dtype in PTX_TYPE and m >= cls.MIN_M and k % 8 == 0
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
