@@ -326,9 +326,10 @@ def cmd_build(args) -> int:
             out = export_artifact(args.output, executable, params, models[0], target, report, db_path)
             summary = build_summary(report)
         else:
-            executables, params, reports = build_buckets(models, buckets, target, db)
-            for bucket, report in reports.items():
-                log.log(f"bucket {bucket_key(bucket)}: {build_summary(report)}")
+            def built(bucket, report):
+                log.log(f"bucket {bucket_key(bucket)} ({buckets.index(bucket) + 1}/{len(buckets)}): {build_summary(report)}")
+
+            executables, params, reports = build_buckets(models, buckets, target, db, progress=built)
             out = export_bucketed(args.output, executables, params, models[0], target, reports, axes, db_path)
             upto = " and ".join(f"1 to {max(b[i] for b in buckets)} {what}" for i, what in ((0, "sequences"), (1, "tokens"))
                                 if buckets[0][i] is not None)

@@ -28,8 +28,11 @@ import time
 from pathlib import Path
 
 
-def autosched(*args: str, env: dict) -> str:
+def autosched(*args: str, env: dict, log: Path | None = None) -> str:
+    """``log``: a file for the command's progress (stderr), e.g. the build's seconds per bucket and step."""
     proc = subprocess.run([sys.executable, "-m", "autosched", *args], capture_output=True, text=True, env=env)
+    if log is not None:
+        log.write_text(proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"autosched {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return proc.stdout
@@ -70,13 +73,16 @@ def main() -> None:
     # Steps finished by an earlier call with the same --work (their seconds included) are not repeated.
     steps_file = work / "steps.json"
     steps = json.loads(steps_file.read_text()) if steps_file.exists() else {}
+    # Each step's progress output, beside the result if there is one (a GPU call brings back only that folder).
+    logs = args.out.parent / f"{args.out.stem}_logs" if args.out else work
+    logs.mkdir(parents=True, exist_ok=True)
 
     def step(name: str, *cli: str) -> None:
         if name in steps:
             print(f"{name}: done by an earlier call ({steps[name]} s)", flush=True)
             return
         began = time.time()
-        autosched(*cli, env=env)
+        autosched(*cli, env=env, log=logs / f"{name.replace(' ', '_')}.log")
         steps[name] = round(time.time() - began)
         steps_file.write_text(json.dumps(steps, indent=2) + "\n")
         print(f"{name}: {steps[name]} s", flush=True)
@@ -85,7 +91,7 @@ def main() -> None:
     started = time.time()
     dyn_db, dyn_out = work / "dynamic.db", work / "dynamic"
     step("tune dynamic", "tune-model", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
-         *growth, "--trials", str(args.trials_per_length * len(buckets)), "--db", str(dyn_db), "-q")
+         *growth, "--trials", str(args.trials_per_length * len(buckets)), "--db", str(dyn_db))
     step("build dynamic", "build", args.model, *common, "--tokens", "dynamic", "--max-tokens", str(args.max_tokens),
          "--bucket-growth", build_growth, "--db", str(dyn_db), "-o", str(dyn_out))
     build_seconds = steps["build dynamic"]
@@ -108,7 +114,7 @@ def main() -> None:
     for n in lengths:
         db, out = work / f"static{n}.db", work / f"static{n}"
         step(f"tune {n}", "tune-model", args.model, *common, "--tokens", str(n), "--trials", str(args.trials_per_length),
-             "--db", str(db), "-q")
+             "--db", str(db))
         step(f"build {n}", "build", args.model, *common, "--tokens", str(n), "--db", str(db), "-o", str(out))
         dynamic, static = run(dyn_out, env, n), run(out, env)
         rows.append({"tokens": n, "bucket": dynamic["bucket"], "dynamic_ms": dynamic["latency_ms"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sqlite3
 import time
@@ -147,6 +148,7 @@ def test_tune_model_build_and_run_from_the_command_line(tmp_path):
     assert len(manifest["tuned_kernels"]) >= len(rows) and not manifest["default_kernels"]
     tuned = len(manifest["tuned_kernels"])
     assert f"{tuned} kernels per forward pass: {tuned} from the database, 0 on" in " ".join(build.stderr.split())
+    assert re.search(r"import [\d.]+ s, database [\d.]+ s, compile [\d.]+ s", " ".join(build.stderr.split()))
     result = json.loads(autosched("run", out, "--repeat", "3", "--profile", "--format", "json").stdout)
     assert result["matches_torch"] is True and result["latency_ms"] > 0
     # Each kernel's time, and the record's space for each: every kernel here was tuned.

@@ -148,7 +148,12 @@ def test_one_artifact_runs_lengths_between_its_buckets_exactly(cpu_target, tmp_p
     assert axes.inputs == [1] and axes.outputs == [1]
     buckets = [(None, 8), (None, 16)]
     models = models_at("tiny-llama", kwargs, buckets)
-    executables, params, reports = build_buckets(models, buckets, cpu_target, None)
+    built = []
+    executables, params, reports = build_buckets(models, buckets, cpu_target, None,
+                                                 progress=lambda bucket, report: built.append((bucket, report.seconds)))
+    # Progress as each bucket is built, with the seconds of its steps.
+    assert [b for b, _ in built] == buckets and all(set(s) == {"import", "database", "compile"} for _, s in built)
+    assert all(s["compile"] > 0 for _, s in built)
     short, long = params[(None, 8)], params[(None, 16)]
     assert sum(a is b for a, b in zip(short, long)) >= len(short) - 4  # the weights are shared
     out = export_bucketed(tmp_path / "dyn", executables, params, models[0], cpu_target, reports, {"tokens": axes}, None)

@@ -36,6 +36,8 @@ class ApplyReport:
     # own pass options (e.g. loop partitioning, no storage rewrite) and code generation (TIRx kernels take
     # another lowering pipeline): name -> (kernel, pass options, codegen).
     separate: dict[str, tuple[Any, dict, dict]] = field(default_factory=dict)
+    # Seconds of each step of the build (import, database, compile): where a slow build spent its time.
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def build_summary(report: ApplyReport) -> str:
@@ -50,6 +52,8 @@ def build_summary(report: ApplyReport) -> str:
         text += f" ({len(report.slower_than_default)} of them had a record slower than the default, not used)"
     if report.build_time:
         text += f" ({len(report.build_time)} more run once, at build time, on default schedules)"
+    if report.seconds:
+        text += "; " + ", ".join(f"{step} {s:.1f} s" for step, s in report.seconds.items())
     return text
 
 
@@ -278,19 +282,26 @@ def build_pipeline(target: TargetSpec):
 def build_model(model: Model, target: TargetSpec, db: Database | None):
     """Import, lower, apply the database and compile; returns (executable, the transformed parameters
     ``main`` takes, report)."""
+    import time
+
     from autosched.target import compile_module
 
+    began = time.perf_counter()
     lowered, params = prepare(model, target)
+    imported = time.perf_counter()
     scheduled, report = apply_database(lowered, db, target)
+    applied = time.perf_counter()
     executable = compile_module(scheduled, target, relax_pipeline=build_pipeline(target))
     executable = compile_separate(executable, report, target)
+    report.seconds = {"import": imported - began, "database": applied - imported,
+                      "compile": time.perf_counter() - applied}
     return executable, transform_params(lowered, params), report
 
 
-def build_buckets(models: list[Model], buckets: list, target: TargetSpec, db: Database | None):
+def build_buckets(models: list[Model], buckets: list, target: TargetSpec, db: Database | None, progress=None):
     """:func:`build_model` for each bucket (``models[i]`` is the model at ``buckets[i]``, a (batch, tokens)
     pair, all with the same weights): returns ({bucket: executable}, {bucket: the parameters its ``main``
-    takes}, {bucket: report}).
+    takes}, {bucket: report}). ``progress(bucket, report)`` is called as each bucket is built.
 
     The parameters are mostly the same weights in every bucket, but not all: tables computed from
     constants alone (rotary embeddings' cos/sin) are folded into them at each length. A tensor equal to
@@ -300,6 +311,8 @@ def build_buckets(models: list[Model], buckets: list, target: TargetSpec, db: Da
     executables, params, reports, seen = {}, {}, {}, {}
     for model, bucket in zip(models, buckets):
         executables[bucket], transformed, reports[bucket] = build_model(model, target, db)
+        if progress is not None:
+            progress(bucket, reports[bucket])
         params[bucket] = []
         for tensor in transformed:
             data = tensor.numpy()
