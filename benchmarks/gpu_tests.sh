@@ -12,6 +12,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/
 # The GPU machine's .git can be older than the files it was sent (it printed the session's first commit),
 # so the files themselves are named: the same command in a checkout gives the same digest for the same code.
 echo "code digest: $(bash benchmarks/code_digest.sh)" | tee -a "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short \
+timeout "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short --durations 20 \
   -n "${GPU_TEST_WORKERS:-8}" "$@" 2>&1 \
-  | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error|^E " | cut -c1-400 | tail -80
+  | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error|^E |s call|s setup" | cut -c1-400 | tail -100
