@@ -283,16 +283,19 @@ class SelfChecker(Checker):
         return [o.double() for o in outs]
 
     def reference_path(self, device_type: str) -> Path:
-        """Where the compiled reference is kept: named by everything that decides its code."""
+        """Where the compiled reference is kept: named by everything that decides its code (the function by
+        its structural hash, as the database keys a raw function's task)."""
         import tvm
+        import tvm_ffi
 
-        text = f"{REFERENCE_RECIPE}|{tvm.__version__}|{self._reference_target(device_type)}|{self.func.script()}"
+        function = tvm_ffi.structural_hash(self.func) & (2**64 - 1)
+        text = f"{REFERENCE_RECIPE}|{tvm.__version__}|{self._reference_target(device_type)}|{function:016x}"
         return reference_cache() / f"{hashlib.sha1(text.encode()).hexdigest()[:24]}.so"
 
     def export_reference(self, device_type: str) -> Path:
         """Compile the reference into the reference cache unless it is there already. A builder process
-        does this ahead of the runner, which then loads it (on a GPU, a dlight build with nvcc takes
-        about 1.5 s, and the runner would otherwise compile one task's reference after another)."""
+        does this ahead of the runner, which then loads it instead of compiling one task's reference after
+        another between candidates."""
         import os
 
         path = self.reference_path(device_type)

@@ -109,9 +109,9 @@ class _Reference:
 
     def wait(self) -> None:
         try:
-            self.future.result()  # None, or why not: the runner then compiles it and reports any error
-        except Exception:  # noqa: BLE001 - timed out or the worker died: the runner compiles it
-            pass
+            self.future.result()
+        except Exception:  # noqa: BLE001 - failed, timed out or the worker died: the runner compiles it
+            pass  # and reports its own error
 
 
 class Builder:
@@ -162,10 +162,10 @@ class Builder:
         """The build results of :meth:`submit`'s futures, in order."""
         results = []
         for fut in futures:
-            start = time.perf_counter()
             if isinstance(fut, _Reference):
                 fut.wait()
                 continue
+            start = time.perf_counter()
             try:
                 results.append(fut.result())
             except TimeoutError:

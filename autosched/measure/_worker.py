@@ -67,15 +67,10 @@ def build_candidate(spec, target, point: dict, path: str, scheduled: str | None 
     return BuildResult(path, time.perf_counter() - start)
 
 
-def build_reference(spec, target) -> str | None:
+def build_reference(spec, target) -> None:
     """Compile a raw function's reference into the reference cache ahead of the runner, which would
-    otherwise compile one task's reference after another between candidates. Returns None, or why not
-    (the runner then compiles it itself and reports its own error)."""
-    try:
-        spec.checker(spec.func(), target).export_reference("cuda" if target.is_gpu else "cpu")
-    except Exception as exc:  # noqa: BLE001
-        return _short(exc)
-    return None
+    otherwise compile one task's reference after another between candidates."""
+    spec.checker(spec.func(), target).export_reference("cuda" if target.is_gpu else "cpu")
 
 
 # ---- runner ---------------------------------------------------------------------------------------
