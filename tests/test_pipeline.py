@@ -20,6 +20,7 @@ from autosched.pipeline import (
     prepare,
     split_tunable,
 )
+from autosched.pipeline.build import LazyMeasurer
 from autosched.runmodel import run_artifact
 from autosched.search_spaces import point_key
 from autosched.tuner import TuneOptions, tune_tasks
@@ -106,12 +107,18 @@ def test_untuned_model_builds_and_matches_torch(tiny, cpu_target, tmp_path):
 @pytest.mark.slow
 def test_a_length_nobody_tuned_is_built_from_the_nearest_tuned_length_and_remembered(lowered, cpu_target, tmp_path):
     """Kernels of a length without records take the nearest tuned length's best points where those beat
-    the default when measured at build time; the measurements are stored, so the next build finds them."""
+    the default when measured at build time; the measurements are stored, so the next build finds them.
+    The lengths of one build share one measurer, started once."""
     tasks, _ = split_tunable(extract_tasks(lowered[0]), cpu_target)
     other = prepare(load_model("tiny-llama", tokens=24), cpu_target)[0]
+    longer = prepare(load_model("tiny-llama", tokens=40), cpu_target)[0]
     with Database(tmp_path / "t.db") as db:
         tune_tasks(tasks, cpu_target, db, TuneOptions(trials=3 * len(tasks), batch_size=4, seed=0, transfer=False))
-        _, first = apply_database(other, db, cpu_target)
+        with LazyMeasurer(cpu_target) as shared:
+            _, first = apply_database(other, db, cpu_target, shared)
+            started = shared()
+            _, longest = apply_database(longer, db, cpu_target, shared)
+            assert longest.transferred and shared() is started  # the same builder pool and runner
         assert first.transferred and not first.tuned
         assert set(first.transferred.values()) <= {t.key for t in tasks}  # each from a 16-token kernel
         stored = [k for k in extract_tasks(other) if db.records_for(k.key, cpu_target)]

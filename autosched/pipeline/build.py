@@ -57,9 +57,40 @@ def build_summary(report: ApplyReport) -> str:
     return text
 
 
-def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tuple[IRModule, ApplyReport]:
+class LazyMeasurer:
+    """A :class:`~autosched.measure.Measurer` started on first use and shared by every kernel of a build,
+    all its buckets included: its builder pool and runner process (seconds to start, with TVM imported in
+    each and a CUDA context) start once per build, not once per bucket. Call it for the measurer."""
+
+    def __init__(self, target: TargetSpec):
+        self.target = target
+        self._measurer = None
+
+    def __call__(self):
+        if self._measurer is None:
+            from autosched.measure import Measurer
+
+            self._measurer = Measurer(self.target)
+        return self._measurer
+
+    def close(self) -> None:
+        if self._measurer is not None:
+            self._measurer.close()
+            self._measurer = None
+
+    def __enter__(self) -> LazyMeasurer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def apply_database(mod: IRModule, db: Database | None, target: TargetSpec,
+                   measurer: LazyMeasurer | None = None) -> tuple[IRModule, ApplyReport]:
     """Schedule every kernel of the lowered ``mod``: the best record for it on ``target`` if the
-    database has one, else a default (dlight on the GPU, the space's default point on the CPU)."""
+    database has one, else a default (dlight on the GPU, the space's default point on the CPU).
+    ``measurer``: the build's shared one (records from another TVM version and transferred points need one);
+    without it, one is started if needed and closed on return."""
     import tvm
     from tvm import tirx
 
@@ -68,19 +99,12 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
     from autosched.validate import trusted_best
     from autosched.warm_start import transfer_points
 
+    if measurer is None:
+        with LazyMeasurer(target) as own:
+            return apply_database(mod, db, target, own)
     report = ApplyReport()
     out = tvm.IRModule(mod.functions, attrs=mod.attrs)
     pending = []
-    measurers = []
-
-    def measurer():
-        # Records from another TVM version and transferred points need one; started on first use.
-        if not measurers:
-            from autosched.measure import Measurer
-
-            measurers.append(Measurer(target))
-        return measurers[0]
-
     can_measure = not target.is_gpu or bool(target.device_name)
     per_pass = kernel_calls(mod)
     # First every kernel's choice, then every measurement those choices need, in one batch (the builds of
@@ -163,8 +187,6 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec) -> tu
         for key, value in attrs.items():
             scheduled = scheduled.with_attr(key, value)
         out[gv] = scheduled
-    for m in measurers:
-        m.close()
     if report.separate:
         out = _call_separately(out, set(report.separate))
     if target.is_gpu and pending:
@@ -279,9 +301,9 @@ def build_pipeline(target: TargetSpec):
     return passes
 
 
-def build_model(model: Model, target: TargetSpec, db: Database | None):
+def build_model(model: Model, target: TargetSpec, db: Database | None, measurer: LazyMeasurer | None = None):
     """Import, lower, apply the database and compile; returns (executable, the transformed parameters
-    ``main`` takes, report)."""
+    ``main`` takes, report). ``measurer``: a build's shared one (see :func:`apply_database`)."""
     import time
 
     from autosched.target import compile_module
@@ -289,7 +311,7 @@ def build_model(model: Model, target: TargetSpec, db: Database | None):
     began = time.perf_counter()
     lowered, params = prepare(model, target)
     imported = time.perf_counter()
-    scheduled, report = apply_database(lowered, db, target)
+    scheduled, report = apply_database(lowered, db, target, measurer)
     applied = time.perf_counter()
     executable = compile_module(scheduled, target, relax_pipeline=build_pipeline(target))
     executable = compile_separate(executable, report, target)
@@ -309,13 +331,14 @@ def build_buckets(models: list[Model], buckets: list, target: TargetSpec, db: Da
     import hashlib
 
     executables, params, reports, seen = {}, {}, {}, {}
-    for model, bucket in zip(models, buckets):
-        executables[bucket], transformed, reports[bucket] = build_model(model, target, db)
-        if progress is not None:
-            progress(bucket, reports[bucket])
-        params[bucket] = []
-        for tensor in transformed:
-            data = tensor.numpy()
-            digest = hashlib.sha256(f"{data.dtype}{data.shape}".encode() + data.tobytes()).hexdigest()
-            params[bucket].append(seen.setdefault(digest, tensor))
+    with LazyMeasurer(target) as measurer:
+        for model, bucket in zip(models, buckets):
+            executables[bucket], transformed, reports[bucket] = build_model(model, target, db, measurer)
+            if progress is not None:
+                progress(bucket, reports[bucket])
+            params[bucket] = []
+            for tensor in transformed:
+                data = tensor.numpy()
+                digest = hashlib.sha256(f"{data.dtype}{data.shape}".encode() + data.tobytes()).hexdigest()
+                params[bucket].append(seen.setdefault(digest, tensor))
     return executables, params, reports
