@@ -258,13 +258,25 @@ def _call_separately(mod: IRModule, names: set[str]) -> IRModule:
 
 
 def compile_separate(executable, report: ApplyReport, target: TargetSpec):
-    """Compile the kernels that ``apply_database`` set apart and link them into the model's executable."""
+    """Compile the kernels that ``apply_database`` set apart and link them into the model's executable.
+    They compile side by side in threads: TVM's compiler (and NVRTC) release the GIL, and a GPU model
+    sets apart one kernel per tuned TIRx GEMM and attention, each a second or so to compile."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     import tvm
 
     from autosched.target import compile_module
 
-    for name, (kernel, config, codegen) in report.separate.items():
-        lib = compile_module(tvm.IRModule({name: kernel.with_attr("global_symbol", name)}), target, config, codegen)
+    def compile_one(item):
+        name, (kernel, config, codegen) = item
+        return compile_module(tvm.IRModule({name: kernel.with_attr("global_symbol", name)}), target, config, codegen)
+
+    if not report.separate:
+        return executable
+    with ThreadPoolExecutor(max_workers=min(len(report.separate), os.cpu_count() or 1)) as pool:
+        libraries = list(pool.map(compile_one, report.separate.items()))
+    for lib in libraries:
         executable.mod.import_module(lib.mod)
     return executable
 
@@ -301,44 +313,72 @@ def build_pipeline(target: TargetSpec):
     return passes
 
 
-def build_model(model: Model, target: TargetSpec, db: Database | None, measurer: LazyMeasurer | None = None):
-    """Import, lower, apply the database and compile; returns (executable, the transformed parameters
-    ``main`` takes, report). ``measurer``: a build's shared one (see :func:`apply_database`)."""
+def schedule_model(model: Model, target: TargetSpec, db: Database | None, measurer: LazyMeasurer | None = None):
+    """Import, lower and apply the database: (the scheduled module, the transformed parameters ``main``
+    takes, report). ``measurer``: a build's shared one (see :func:`apply_database`)."""
     import time
-
-    from autosched.target import compile_module
 
     began = time.perf_counter()
     lowered, params = prepare(model, target)
     imported = time.perf_counter()
     scheduled, report = apply_database(lowered, db, target, measurer)
-    applied = time.perf_counter()
+    report.seconds = {"import": imported - began, "database": time.perf_counter() - imported}
+    return scheduled, transform_params(lowered, params), report
+
+
+def compile_scheduled(scheduled: IRModule, report: ApplyReport, target: TargetSpec):
+    """The executable of :func:`schedule_model`'s module, with the kernels it set apart linked in."""
+    import time
+
+    from autosched.target import compile_module
+
+    began = time.perf_counter()
     executable = compile_module(scheduled, target, relax_pipeline=build_pipeline(target))
     executable = compile_separate(executable, report, target)
-    report.seconds = {"import": imported - began, "database": applied - imported,
-                      "compile": time.perf_counter() - applied}
-    return executable, transform_params(lowered, params), report
+    report.seconds["compile"] = time.perf_counter() - began
+    return executable
+
+
+def build_model(model: Model, target: TargetSpec, db: Database | None, measurer: LazyMeasurer | None = None):
+    """Import, lower, apply the database and compile; returns (executable, the transformed parameters
+    ``main`` takes, report)."""
+    scheduled, params, report = schedule_model(model, target, db, measurer)
+    return compile_scheduled(scheduled, report, target), params, report
 
 
 def build_buckets(models: list[Model], buckets: list, target: TargetSpec, db: Database | None, progress=None):
     """:func:`build_model` for each bucket (``models[i]`` is the model at ``buckets[i]``, a (batch, tokens)
     pair, all with the same weights): returns ({bucket: executable}, {bucket: the parameters its ``main``
-    takes}, {bucket: report}). ``progress(bucket, report)`` is called as each bucket is built.
+    takes}, {bucket: report}). ``progress(bucket, report)`` is called as each bucket is built, in order.
+
+    One measurer serves every bucket, and each bucket compiles in a thread while the next one is imported
+    and measured (TVM's compiler releases the GIL).
 
     The parameters are mostly the same weights in every bucket, but not all: tables computed from
     constants alone (rotary embeddings' cos/sin) are folded into them at each length. A tensor equal to
     one of an earlier bucket is that same object, so that the artifact stores it once."""
     import hashlib
+    from concurrent.futures import ThreadPoolExecutor
 
     executables, params, reports, seen = {}, {}, {}, {}
-    with LazyMeasurer(target) as measurer:
-        for model, bucket in zip(models, buckets):
-            executables[bucket], transformed, reports[bucket] = build_model(model, target, db, measurer)
+    compiling = []  # (bucket, future of its executable), in bucket order
+
+    def finish_compiled(wait: bool) -> None:
+        while compiling and (wait or compiling[0][1].done()):
+            bucket, future = compiling.pop(0)
+            executables[bucket] = future.result()  # a compile error stops the build here
             if progress is not None:
                 progress(bucket, reports[bucket])
+
+    with LazyMeasurer(target) as measurer, ThreadPoolExecutor(max_workers=1) as compiler:
+        for model, bucket in zip(models, buckets):
+            scheduled, transformed, reports[bucket] = schedule_model(model, target, db, measurer)
+            compiling.append((bucket, compiler.submit(compile_scheduled, scheduled, reports[bucket], target)))
             params[bucket] = []
             for tensor in transformed:
                 data = tensor.numpy()
                 digest = hashlib.sha256(f"{data.dtype}{data.shape}".encode() + data.tobytes()).hexdigest()
                 params[bucket].append(seen.setdefault(digest, tensor))
+            finish_compiled(wait=False)
+        finish_compiled(wait=True)
     return executables, params, reports
