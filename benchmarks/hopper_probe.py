@@ -31,6 +31,14 @@ def probe_points() -> list[dict]:
     return pts
 
 
+def small_m_points() -> list[dict]:
+    """Points for a decode GEMM (m of 2-64): one consumer of 64 rows, narrow tiles, split-K across a cluster."""
+    base = {"consumers": 1, "wg_rows": 64, "group_m": 1, "persistent": False}
+    return [{**base, "block_n": bn, "stages": stages, "split_k": split}
+            for bn in (32, 64, 128) for stages in (4, 7) for split in (1, 2, 4)
+            if bn * 64 * 4 <= stages * (64 + bn) * 64 * 2]
+
+
 def _one(m, n, k, dtype, bias, act, point, queue):
     try:
         import torch
@@ -76,11 +84,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--bias", action="store_true")
     ap.add_argument("--act", default="none")
-    ap.add_argument("--points", default="base", help="base | all | JSON list of points")
+    ap.add_argument("--points", default="base", help="base | all | small (decode GEMMs) | JSON list of points")
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    points = [BASE] if args.points == "base" else probe_points() if args.points == "all" else json.loads(args.points)
+    presets = {"base": lambda: [BASE], "all": probe_points, "small": small_m_points}
+    points = presets[args.points]() if args.points in presets else json.loads(args.points)
     rows = []
     for shape in args.shape or ["4096,4096,4096"]:
         m, n, k = (int(x) for x in shape.split(","))

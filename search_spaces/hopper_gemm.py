@@ -67,12 +67,38 @@ FENCE_SOURCE = (f"__device__ __forceinline__ void {FENCE_NAME}(float& x) "
                 "{ asm volatile(\"\" : \"+f\"(x) :: \"memory\"); }\n")
 
 
+# Split-K across a thread-block cluster: the CTAs of one cluster share an output tile, each over its own
+# slice of K; every CTA but the first leaves its fp32 accumulators in its shared memory, laid out by
+# thread ([register][thread]), and the first CTA adds them in through distributed shared memory (mapa +
+# ld.shared::cluster), then stores the tile. The barrier carries release/acquire semantics and a memory
+# clobber, so that nvcc keeps the shared-memory accesses on their side of it.
+CLUSTER_SYNC = "autosched_cluster_sync"
+PART_STORE = "autosched_partial_store"
+PART_ADD = "autosched_partial_add_remote"
+# (TVM emits a helper's source once per name: one definition per source.)
+CLUSTER_SYNC_SOURCE = (
+    f"__device__ __forceinline__ void {CLUSTER_SYNC}() {{\n"
+    "  asm volatile(\"barrier.cluster.arrive.release.aligned;\\n\\tbarrier.cluster.wait.acquire.aligned;\" ::: \"memory\");\n}\n")
+PART_STORE_SOURCE = (
+    f"__device__ __forceinline__ void {PART_STORE}(void* base, int index, float x) {{\n"
+    "  reinterpret_cast<float*>(base)[index] = x;\n}\n")
+PART_ADD_SOURCE = (
+    f"__device__ __forceinline__ void {PART_ADD}(float& x, void* base, int index, unsigned rank) {{\n"
+    "  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<float*>(base) + index));\n"
+    "  unsigned remote;\n"
+    "  asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(remote) : \"r\"(local), \"r\"(rank));\n"
+    "  float v;\n"
+    "  asm volatile(\"ld.shared::cluster.f32 %0, [%1];\" : \"=f\"(v) : \"r\"(remote) : \"memory\");\n"
+    "  x += v;\n}\n")
+
+
 def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str, p: Point):
     """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · B[n, k]ᵀ + bias[n])."""
     from tvm.script import tirx as T
 
     consumers, wg_rows, bn, stages = p["consumers"], p["wg_rows"], p["block_n"], p["stages"]
     group_m, persistent = p["group_m"], p["persistent"]
+    split_k = p.get("split_k", 1)  # CTAs of a cluster that share one output tile, each over 1/split_k of K
     bm = consumers * wg_rows
     m_frags = wg_rows // 64  # wgmma m64 instructions per consumer per k step
     acc_n = bn // 2  # fp32 accumulator registers per thread per m64 fragment
@@ -84,6 +110,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     tiles = tiles_m * tiles_n
     k_iters = math.ceil(k / BK)
     grid = min(tiles, p["sms"]) if persistent else tiles
+    assert split_k == 1 or (not persistent and k_iters >= split_k), "split-K needs one tile per cluster"
     group_m = min(group_m, tiles_m)
     mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}"
     store2, store1, epi_source = _epilogue_source(dtype, act)
@@ -109,7 +136,39 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     def tile_n(tile):
         return (tile % (group_m * tiles_n)) // group_rows(tile)
 
+    def launch_ids():  # (the CTA's first tile, its rank in the cluster)
+        if split_k == 1:
+            return T.cta_id([grid]), 0
+        return T.cluster_id([tiles]), T.cta_id_in_cluster([split_k])
+
+    def k_begin(rank):  # the first K step of a rank's slice; every rank gets at least one
+        return rank * k_iters // split_k
+
+    def k_steps(rank):
+        return (rank + 1) * k_iters // split_k - rank * k_iters // split_k
+
     # fmt: off
+    @T.macro
+    def epilogue(acc, Bias, C, tm, tn, wg, tx):
+        for f in T.unroll(m_frags):
+            for j in T.unroll(bn // 8):
+                for h in T.unroll(2):
+                    row = T.meta_var(tm * bm + (wg - 1) * wg_rows + f * 64 + ((tx % 128) // 32) * 16
+                                     + (tx % 32) // 4 + h * 8)
+                    col = T.meta_var(tn * bn + j * 8 + (tx % 4) * 2)
+                    i = T.meta_var(f * acc_n + j * 4 + h * 2)  # the pair (i, i + 1): columns col, col + 1
+                    if row < m and col < n:
+                        if n % 2 == 0:
+                            T.cuda.func_call(store2, C.access_ptr("w", offset=row * n + col),
+                                             stored(acc, Bias, i, col), stored(acc, Bias, i + 1, col + 1),
+                                             source_code=epi_source)
+                        else:  # odd rows start at odd addresses: one column per store
+                            T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col),
+                                             stored(acc, Bias, i, col), source_code=epi_source)
+                            if col + 1 < n:
+                                T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col + 1),
+                                                 stored(acc, Bias, i + 1, col + 1), source_code=epi_source)
+
     @T.macro
     def body(A, B, Bias, C):
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -119,7 +178,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         T.tensormap_encode_tiled(B_map, B.data, k, n, k * elem, BK, bn, 1, 1,
                                  descriptor_dtype=dtype, rank=2, swizzle=3)
         T.device_entry()
-        bx = T.cta_id([grid])
+        bx, rank = launch_ids()
         tx = T.thread_id([threads])
         smem = T.alloc_buffer((smem_elems,), dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared((stages,), "uint64", align=8)
@@ -149,7 +208,8 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                 while tile < tiles:
                     tm = tile_m(tile)
                     tn = tile_n(tile)
-                    for kt in T.serial(k_iters):
+                    for ks in T.serial(k_steps(rank)):
+                        kt = T.meta_var(k_begin(rank) + ks)
                         if it >= stages:
                             T.cuda.mbarrier_wait(T.address_of(empty[it % stages]), ((it // stages) + 1) % 2)
                         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[it % stages]), T.uint32(stage_bytes))
@@ -170,7 +230,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                 for i in T.unroll(acc_len):
                     acc[i] = T.float32(0)
                     T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
-                for kt in T.serial(k_iters):
+                for ks in T.serial(k_steps(rank)):
                     phase = (it // stages) % 2
                     T.cuda.mbarrier_wait(T.address_of(full[it % stages]), phase)
                     T.ptx.wgmma.fence.sync.aligned()
@@ -187,32 +247,33 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                             T.ptx[mma](*accs(acc, f), desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
                     T.ptx.wgmma.commit_group.sync.aligned()
                     T.ptx.wgmma.wait_group.sync.aligned(1)
-                    if kt > 0:
+                    if ks > 0:
                         T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
                     it = it + 1
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
                 for i in T.unroll(acc_len):
                     T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
-                for f in T.unroll(m_frags):
-                    for j in T.unroll(bn // 8):
-                        for h in T.unroll(2):
-                            row = T.meta_var(tm * bm + (wg - 1) * wg_rows + f * 64 + ((tx % 128) // 32) * 16
-                                             + (tx % 32) // 4 + h * 8)
-                            col = T.meta_var(tn * bn + j * 8 + (tx % 4) * 2)
-                            i = T.meta_var(f * acc_n + j * 4 + h * 2)  # the pair (i, i + 1): columns col, col + 1
-                            if row < m and col < n:
-                                if n % 2 == 0:
-                                    T.cuda.func_call(store2, C.access_ptr("w", offset=row * n + col),
-                                                     stored(acc, Bias, i, col), stored(acc, Bias, i + 1, col + 1),
-                                                     source_code=epi_source)
-                                else:  # odd rows start at odd addresses: one column per store
-                                    T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col),
-                                                     stored(acc, Bias, i, col), source_code=epi_source)
-                                    if col + 1 < n:
-                                        T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col + 1),
-                                                         stored(acc, Bias, i + 1, col + 1), source_code=epi_source)
+                if split_k == 1:
+                    epilogue(acc, Bias, C, tm, tn, wg, tx)
                 tile = tile + grid
+        if split_k > 1:
+            # Every pipeline stage is consumed (the wgmma reads are complete): the ring's memory takes the
+            # partial tiles. The first barrier keeps a CTA from overwriting a stage its other consumer
+            # still reads; the last keeps the other CTAs' shared memory alive until the first has read it.
+            T.cuda.func_call(CLUSTER_SYNC, source_code=CLUSTER_SYNC_SOURCE)
+            if wg > 0 and rank > 0:
+                for i in T.unroll(acc_len):
+                    T.cuda.func_call(PART_STORE, smem.access_ptr("w"), i * (consumers * 128) + tx - 128, acc[i],
+                                     source_code=PART_STORE_SOURCE)
+            T.cuda.func_call(CLUSTER_SYNC, source_code=CLUSTER_SYNC_SOURCE)
+            if wg > 0 and rank == 0:
+                for r in T.serial(1, split_k):
+                    for i in T.unroll(acc_len):
+                        T.cuda.func_call(PART_ADD, acc[i], smem.access_ptr("r"), i * (consumers * 128) + tx - 128,
+                                         T.uint32(r), source_code=PART_ADD_SOURCE)
+                epilogue(acc, Bias, C, tm, tn, wg, tx)
+            T.cuda.func_call(CLUSTER_SYNC, source_code=CLUSTER_SYNC_SOURCE)
 
     attrs = {"global_symbol": "main", "tirx.noalias": True, "tirx.launch_bounds_min_blocks_per_sm": 1}
     if bias:
@@ -259,7 +320,7 @@ class HopperGemmSpace(HopperTemplate):
     """The ``gemm`` workload on sm_90: the TIRx kernel above, every structural choice a knob."""
 
     name = "hopper_gemm"
-    version = 1
+    version = 2  # 2: split-K across a cluster (the split_k knob)
     families = ("matmul",)
     # From two rows on the tensor cores win: rows past m are zeros that TMA fills in, and at m = 16 the
     # kernel ran at 0.72x cuBLAS on the H200 where the GEMV space ran at 0.49x. One row stays a GEMV.
@@ -297,6 +358,7 @@ class HopperGemmSpace(HopperTemplate):
             Knob("stages", (2, 3, 4, 5, 6, 7)),
             Knob("group_m", (1, 4, 8, 16)),
             Knob("persistent", (False, True), ordered=False),
+            Knob("split_k", (1, 2, 4)),
         ]
 
     def check(self, p: Point) -> str | None:
@@ -315,6 +377,18 @@ class HopperGemmSpace(HopperTemplate):
             return f"persistent CTAs need more tiles ({tiles}) than multiprocessors ({self.sms})"
         if p["group_m"] > 1 and math.ceil(self.m / bm) < 2:
             return "grouped rasterisation needs two or more row tiles"
+        split = p["split_k"]
+        if split > 1:
+            if p["persistent"]:
+                return "split-K gives each cluster one tile: not with persistent CTAs"
+            if acc > 64:  # 128 spilled 2.2 KB in nvcc 13.0: the reduction and epilogue need the rest
+                return f"split-K with {acc} accumulator registers per thread (at most 64)"
+            if tiles >= self.sms:
+                return f"split-K is for grids smaller than the multiprocessors ({tiles} tiles for {self.sms})"
+            if math.ceil(self.k / BK) < split:
+                return f"split-K {split} needs at least {split} K steps of {BK} (k={self.k})"
+            if bm * bn * 4 > p["stages"] * (bm + bn) * BK * 2:
+                return f"the {bm}x{bn} fp32 partial tile does not fit in the {p['stages']}-stage ring"
         return None
 
     def canonical(self, p: Point) -> Point:
@@ -327,9 +401,12 @@ class HopperGemmSpace(HopperTemplate):
         return p
 
     def default(self) -> Point:
-        for point in ({"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": False},
-                      {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 4, "group_m": 1, "persistent": False},
-                      {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 7, "group_m": 1, "persistent": False}):
+        for point in ({"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": False,
+                       "split_k": 1},
+                      {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 4, "group_m": 1, "persistent": False,
+                       "split_k": 1},
+                      {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 7, "group_m": 1, "persistent": False,
+                       "split_k": 1}):
             point = self.canonical(point)
             if self.check(point) is None:
                 return point
@@ -344,12 +421,13 @@ class HopperGemmSpace(HopperTemplate):
         bm, bn = p["consumers"] * p["wg_rows"], p["block_n"]
         tiles = math.ceil(self.m / bm) * math.ceil(self.n / bn)
         waves = tiles / self.sms
-        ctas = min(tiles, self.sms) if p["persistent"] else tiles
+        ctas = min(tiles, self.sms) if p["persistent"] else tiles * p["split_k"]
         smem = p["stages"] * (bm + bn) * BK * 2
         useful = self.m * self.n / (tiles * bm * bn)
         return [p["consumers"], p["wg_rows"], bn, p["stages"], p["group_m"], float(p["persistent"]), bm, bm * bn,
                 math.log2(tiles), waves, waves / max(1, math.ceil(waves)), ctas / self.sms, smem / SMEM_LIMIT,
-                useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / BK) / p["stages"]]
+                useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / BK) / p["stages"],
+                p["split_k"], math.ceil(self.k / BK) / p["split_k"]]
 
 
 def _gemm_shape(func) -> tuple[int, int, int, str] | None:

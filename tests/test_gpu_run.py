@@ -48,6 +48,20 @@ def test_sampled_kernels_are_correct_on_the_gpu(op, shape, dtype, attrs, space_n
         assert res.error_kind != "wrong_result", f"{point}: {res.error_msg}"
 
 
+def test_split_k_across_a_cluster_is_correct_on_the_gpu(measurers):
+    """A decode GEMM (m = 16) whose tiles are split over K between the CTAs of a cluster (2 and 4), with a
+    bias and an odd K-step count per CTA, against the same kernel unsplit: every point checks out."""
+    target, measurer = measurers("sm_90")
+    task = Task.from_workload(make_workload("gemm", "m=16,n=1024,k=1344", "float16", "bias=1"))
+    space = task.space(target)
+    base = {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 1, "persistent": False}
+    points = [{**base, "split_k": split} for split in (1, 2, 4)]
+    assert all(space.validate(p) is None for p in points)
+    results = measurer.measure(task.spec, points)
+    for point, res in zip(points, results):
+        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_tuning_on_the_gpu_records_the_device(gpu_target, db_path):
     from autosched.database.store import Database
     from autosched.tuner import TuneOptions, tune

@@ -71,6 +71,32 @@ def test_sampled_cuda_kernels_compile(op, shape, dtype, attrs, space_name, arch)
             assert report.spills == 0, f"{point}: {report.spills} bytes spilled"
 
 
+@needs_nvcc
+def test_split_k_points_launch_clusters_and_compile(sm90):
+    """Split-K across a cluster: the launch carries the cluster's size, the grid one CTA per tile and
+    rank, and the kernel compiles for sm_90a without spills; split-K is refused where it cannot help."""
+    import dataclasses
+
+    import tvm
+
+    task = Task.from_workload(make_workload("gemm", "m=16,n=4096,k=4096", "float16", "bias=1"))
+    space = task.space(sm90)
+    base = {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 1, "persistent": False}
+    for split in (2, 4):
+        point = {**base, "split_k": split}
+        assert space.validate(point) is None
+        hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
+        with hopper:
+            lowered = tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(space.apply(point)))
+        assert '"clusterCtaIdx.x", "blockIdx.x"' in str(lowered["main"])
+        assert f"main_kernel\", A_map, B_map, Bias_1.data, C_1.data, {split}, {64 * split}," in str(lowered["main"])
+        report = nvcc_compile(cuda_source(space.apply(point), sm90, {}, space.codegen), "sm_90a")
+        assert report.ok and report.spills == 0, report.log[-2000:]
+    assert "persistent" in space.validate({**base, "split_k": 2, "persistent": True})
+    big = Task.from_workload(make_workload("gemm", "m=4096,n=4096,k=4096", "float16")).space(sm90)
+    assert "smaller than the multiprocessors" in big.validate({**base, "split_k": 2})
+
+
 def test_tensor_core_space_offers_bf16(sm80):
     task = Task.from_workload(make_workload("gemm", "m=128,n=128,k=128", "bfloat16"))
     space = task.space(sm80)
