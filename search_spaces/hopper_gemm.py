@@ -16,7 +16,10 @@ kernels, DeepGEMM, FlashAttention-3):
   optionally persistent CTAs that walk the tiles with a stride of the grid, so that one tile's
   epilogue overlaps the next tile's loads;
 * the epilogue (bias, activation, cast) from registers, two elements per 4-byte store (one per 2-byte
-  store where an odd n puts every other row at an odd address).
+  store where an odd n puts every other row at an odd address);
+* for grids smaller than the GPU (decode GEMMs, m of 2-64), split-K across a thread-block cluster of 2
+  or 4 CTAs: each takes a slice of K for the same tile, and the first adds the others' accumulators
+  in through distributed shared memory before the epilogue.
 
 Operands are C[m, n] = A[m, k] · B[n, k]ᵀ (the ``gemm`` workload: torch.nn.Linear's layout, both
 operands K-major, which wgmma reads without transposition). Shapes no tile divides need no padding:
@@ -202,7 +205,9 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
 
         it = 0
         if wg == 0:
-            T.ptx["setmaxnreg.dec.sync.aligned.u32"](40)
+            if split_k == 1:  # with split-K the producer runs the cluster's barriers after its loop, on
+                # registers it would have given away; its consumers' 64 accumulators need no more anyway
+                T.ptx["setmaxnreg.dec.sync.aligned.u32"](40)
             if tx == 0:
                 tile = bx
                 while tile < tiles:
@@ -222,7 +227,8 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                         it = it + 1
                     tile = tile + grid
         else:
-            T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
+            if split_k == 1:
+                T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
             tile = bx
             while tile < tiles:
                 tm = tile_m(tile)
