@@ -34,9 +34,13 @@ def probe_points() -> list[dict]:
 def small_m_points() -> list[dict]:
     """Points for a decode GEMM (m of 2-64): one consumer of 64 rows, narrow tiles, split-K across a cluster."""
     base = {"consumers": 1, "wg_rows": 64, "group_m": 1, "persistent": False}
-    return [{**base, "block_n": bn, "stages": stages, "split_k": split}
-            for bn in (32, 64, 128) for stages in (4, 7) for split in (1, 2, 4)
-            if bn * 64 * 4 <= stages * (64 + bn) * 64 * 2]
+    plain = [{**base, "block_n": bn, "stages": stages, "split_k": split, "swap_ab": False}
+             for bn in (64, 128) for stages in (4, 7) for split in (1, 2)]
+    # Swapped: the tokens on wgmma's N side (16 or 32), the weights in 64- or 128-row tiles.
+    swapped = [{**base, "wg_rows": rows, "block_n": bn, "stages": stages, "split_k": split, "swap_ab": True}
+               for rows in (64, 128) for bn in (16, 32) for stages in (7, 12) for split in (1, 2)
+               if stages * (rows + bn) * 64 * 2 + 1024 <= 227 * 1024]
+    return plain + swapped
 
 
 def _one(m, n, k, dtype, bias, act, point, queue):

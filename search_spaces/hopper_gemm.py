@@ -19,7 +19,11 @@ kernels, DeepGEMM, FlashAttention-3):
   store where an odd n puts every other row at an odd address);
 * for grids smaller than the GPU (decode GEMMs, m of 2-64), split-K across a thread-block cluster of 2
   or 4 CTAs: each takes a slice of K for the same tile, and the first adds the others' accumulators
-  in through distributed shared memory before the epilogue.
+  in through distributed shared memory before the epilogue;
+* for the same few rows, swapped operands (``swap_ab``): Cᵀ = B · Aᵀ puts the weights on wgmma's
+  64-row side and the tokens on its N side (from 16), so a decode step's 16 tokens are not padded to 64
+  rows in every stage; the stages shrink and the ring can be deeper. Its epilogue stores transposed,
+  one element at a time.
 
 Operands are C[m, n] = A[m, k] · B[n, k]ᵀ (the ``gemm`` workload: torch.nn.Linear's layout, both
 operands K-major, which wgmma reads without transposition). Shapes no tile divides need no padding:
@@ -102,6 +106,10 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     consumers, wg_rows, bn, stages = p["consumers"], p["wg_rows"], p["block_n"], p["stages"]
     group_m, persistent = p["group_m"], p["persistent"]
     split_k = p.get("split_k", 1)  # CTAs of a cluster that share one output tile, each over 1/split_k of K
+    # Swapped operands compute Cᵀ = B · Aᵀ: the weights' rows fill wgmma's 64-row side and the few tokens
+    # of a decode step its N side (from 16), instead of padding the tokens to 64 rows.
+    swap = p.get("swap_ab", False)
+    rows, cols = (n, m) if swap else (m, n)  # the extents of wgmma's M and N sides
     bm = consumers * wg_rows
     m_frags = wg_rows // 64  # wgmma m64 instructions per consumer per k step
     acc_n = bn // 2  # fp32 accumulator registers per thread per m64 fragment
@@ -109,7 +117,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     elem = 2
     a_stage, b_stage = bm * BK * elem, bn * BK * elem
     stage_bytes = a_stage + b_stage
-    tiles_m, tiles_n = math.ceil(m / bm), math.ceil(n / bn)
+    tiles_m, tiles_n = math.ceil(rows / bm), math.ceil(cols / bn)
     tiles = tiles_m * tiles_n
     k_iters = math.ceil(k / BK)
     grid = min(tiles, p["sms"]) if persistent else tiles
@@ -125,7 +133,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     def accs(acc, f):
         return [acc[f * acc_n + i] for i in range(acc_n)]
 
-    def stored(acc, Bias, i, col):  # accumulator i, plus the bias of its column, as the epilogue stores it
+    def stored(acc, Bias, i, col):  # accumulator i, plus the bias of output column col
         return acc[i] + T.Cast("float32", Bias[col]) if bias else acc[i]
 
     # Grouped rasterisation, the producer's and the consumers' walk alike: tile numbers run down a group
@@ -160,7 +168,14 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                                      + (tx % 32) // 4 + h * 8)
                     col = T.meta_var(tn * bn + j * 8 + (tx % 4) * 2)
                     i = T.meta_var(f * acc_n + j * 4 + h * 2)  # the pair (i, i + 1): columns col, col + 1
-                    if row < m and col < n:
+                    if swap:  # (row, col) of Cᵀ: output column row, output rows col and col + 1
+                        if row < n and col < m:
+                            T.cuda.func_call(store1, C.access_ptr("w", offset=col * n + row),
+                                             stored(acc, Bias, i, row), source_code=epi_source)
+                            if col + 1 < m:
+                                T.cuda.func_call(store1, C.access_ptr("w", offset=(col + 1) * n + row),
+                                                 stored(acc, Bias, i + 1, row), source_code=epi_source)
+                    elif row < m and col < n:
                         if n % 2 == 0:
                             T.cuda.func_call(store2, C.access_ptr("w", offset=row * n + col),
                                              stored(acc, Bias, i, col), stored(acc, Bias, i + 1, col + 1),
@@ -175,10 +190,10 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     @T.macro
     def body(A, B, Bias, C):
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(A_map, A.data, k, m, k * elem, BK, bm, 1, 1,
+        T.tensormap_encode_tiled(A_map, A.data, k, m, k * elem, BK, bn if swap else bm, 1, 1,
                                  descriptor_dtype=dtype, rank=2, swizzle=3)
         B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(B_map, B.data, k, n, k * elem, BK, bn, 1, 1,
+        T.tensormap_encode_tiled(B_map, B.data, k, n, k * elem, BK, bm if swap else bn, 1, 1,
                                  descriptor_dtype=dtype, rank=2, swizzle=3)
         T.device_entry()
         bx, rank = launch_ids()
@@ -218,12 +233,13 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                         if it >= stages:
                             T.cuda.mbarrier_wait(T.address_of(empty[it % stages]), ((it // stages) + 1) % 2)
                         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[it % stages]), T.uint32(stage_bytes))
+                        # wgmma's M-side tile (a_off) and N-side tile (b_off): A and B, or B and A if swapped
                         T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
                             smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + a_off),
-                            T.address_of(A_map), kt * BK, tm * bm, T.address_of(full[it % stages]))
+                            T.address_of(B_map if swap else A_map), kt * BK, tm * bm, T.address_of(full[it % stages]))
                         T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
                             smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + b_off),
-                            T.address_of(B_map), kt * BK, tn * bn, T.address_of(full[it % stages]))
+                            T.address_of(A_map if swap else B_map), kt * BK, tn * bn, T.address_of(full[it % stages]))
                         it = it + 1
                     tile = tile + grid
         else:
@@ -326,11 +342,12 @@ class HopperGemmSpace(HopperTemplate):
     """The ``gemm`` workload on sm_90: the TIRx kernel above, every structural choice a knob."""
 
     name = "hopper_gemm"
-    version = 2  # 2: split-K across a cluster (the split_k knob)
+    version = 2  # 2: split-K across a cluster (split_k) and swapped operands for few rows (swap_ab)
     families = ("matmul",)
     # From two rows on the tensor cores win: rows past m are zeros that TMA fills in, and at m = 16 the
     # kernel ran at 0.72x cuBLAS on the H200 where the GEMV space ran at 0.49x. One row stays a GEMV.
     MIN_M = 2
+    SWAP_MAX_M = 64  # swapped operands put the tokens on wgmma's N side: a decode step's few rows
 
     @classmethod
     def matches(cls, func) -> bool:
@@ -360,28 +377,39 @@ class HopperGemmSpace(HopperTemplate):
         self.knobs = [
             Knob("consumers", (1, 2)),
             Knob("wg_rows", (64, 128)),
-            Knob("block_n", (32, 64, 128, 192, 256)),
-            Knob("stages", (2, 3, 4, 5, 6, 7)),
+            Knob("block_n", (16, 32, 64, 128, 192, 256)),
+            Knob("stages", (2, 3, 4, 5, 6, 7, 8, 10, 12)),  # deep rings: decode tiles are small
             Knob("group_m", (1, 4, 8, 16)),
             Knob("persistent", (False, True), ordered=False),
             Knob("split_k", (1, 2, 4)),
+            Knob("swap_ab", (False, True), ordered=False),
         ]
+
+    def extents(self, p: Point) -> tuple[int, int]:
+        """The extents of wgmma's M side (tiled by consumers x wg_rows) and N side (tiled by block_n)."""
+        return (self.n, self.m) if p.get("swap_ab", False) else (self.m, self.n)
 
     def check(self, p: Point) -> str | None:
         bm, bn = p["consumers"] * p["wg_rows"], p["block_n"]
+        rows, cols = self.extents(p)
+        if p.get("swap_ab", False) and self.m > self.SWAP_MAX_M:
+            return f"swapped operands are for few rows (m={self.m}, at most {self.SWAP_MAX_M})"
+        if bn < 32 and not p.get("swap_ab", False):
+            return f"block_n {bn} is for swapped operands (a few tokens on wgmma's N side)"
         acc = p["wg_rows"] // 64 * bn // 2
         if acc > 128:
             return f"{acc} accumulator registers per thread (at most 128 fit without spilling)"
         smem = p["stages"] * (bm + bn) * BK * 2 + 1024
         if smem > SMEM_LIMIT:
             return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
-        for name, extent, tile in (("m", self.m, bm), ("n", self.n, bn)):
+        for extent, tile in ((rows, bm), (cols, bn)):
             if tile > 64 and math.ceil(extent / tile) * tile > 1.5 * extent:
+                name = "m" if extent == self.m else "n"
                 return f"block tile {tile} pads {name}={extent} by more than half"
-        tiles = math.ceil(self.m / bm) * math.ceil(self.n / bn)
+        tiles = math.ceil(rows / bm) * math.ceil(cols / bn)
         if p["persistent"] and tiles <= self.sms:
             return f"persistent CTAs need more tiles ({tiles}) than multiprocessors ({self.sms})"
-        if p["group_m"] > 1 and math.ceil(self.m / bm) < 2:
+        if p["group_m"] > 1 and math.ceil(rows / bm) < 2:
             return "grouped rasterisation needs two or more row tiles"
         split = p["split_k"]
         if split > 1:
@@ -399,7 +427,7 @@ class HopperGemmSpace(HopperTemplate):
 
     def canonical(self, p: Point) -> Point:
         # Groups of at least the number of row tiles all raster the same way (the kernel takes the minimum).
-        tiles_m = math.ceil(self.m / (p["consumers"] * p["wg_rows"]))
+        tiles_m = math.ceil(self.extents(p)[0] / (p["consumers"] * p["wg_rows"]))
         if tiles_m < 2:
             return {**p, "group_m": 1}
         if p["group_m"] >= tiles_m:
@@ -413,6 +441,7 @@ class HopperGemmSpace(HopperTemplate):
                        "split_k": 1},
                       {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 7, "group_m": 1, "persistent": False,
                        "split_k": 1}):
+            point = {**point, "swap_ab": False}
             point = self.canonical(point)
             if self.check(point) is None:
                 return point
@@ -425,15 +454,16 @@ class HopperGemmSpace(HopperTemplate):
         """The knobs and what they imply for the hardware: the cost model's view of a TIRx kernel, whose
         loop nest TVM's per-store features do not see."""
         bm, bn = p["consumers"] * p["wg_rows"], p["block_n"]
-        tiles = math.ceil(self.m / bm) * math.ceil(self.n / bn)
+        rows, cols = self.extents(p)
+        tiles = math.ceil(rows / bm) * math.ceil(cols / bn)
         waves = tiles / self.sms
         ctas = min(tiles, self.sms) if p["persistent"] else tiles * p["split_k"]
         smem = p["stages"] * (bm + bn) * BK * 2
-        useful = self.m * self.n / (tiles * bm * bn)
+        useful = rows * cols / (tiles * bm * bn)
         return [p["consumers"], p["wg_rows"], bn, p["stages"], p["group_m"], float(p["persistent"]), bm, bm * bn,
                 math.log2(tiles), waves, waves / max(1, math.ceil(waves)), ctas / self.sms, smem / SMEM_LIMIT,
                 useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / BK) / p["stages"],
-                p["split_k"], math.ceil(self.k / BK) / p["split_k"]]
+                p["split_k"], math.ceil(self.k / BK) / p["split_k"], float(p.get("swap_ab", False))]
 
 
 def _gemm_shape(func) -> tuple[int, int, int, str] | None:

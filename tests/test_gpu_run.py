@@ -55,10 +55,26 @@ def test_split_k_across_a_cluster_is_correct_on_the_gpu(measurers):
     task = Task.from_workload(make_workload("gemm", "m=16,n=1024,k=1344", "float16", "bias=1"))
     space = task.space(target)
     base = {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 1, "persistent": False}
-    points = [{**base, "split_k": split} for split in (1, 2, 4)]
+    points = [{**base, "split_k": split, "swap_ab": False} for split in (1, 2, 4)]
+    # Swapped operands (Cᵀ = B·Aᵀ, the tokens on wgmma's N side), alone and with split-K.
+    points += [{**base, "block_n": bn, "split_k": split, "swap_ab": True} for bn in (16, 32) for split in (1, 2)]
     assert all(space.validate(p) is None for p in points)
     results = measurer.measure(task.spec, points)
     for point, res in zip(points, results):
+        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+
+
+def test_swapped_operands_are_correct_at_shapes_no_tile_divides(measurers):
+    """Five tokens, an odd n and a K of two and a bit steps: the swapped kernel's zero-filled token rows
+    and its per-element transposed stores (with the bias of each output column) check out."""
+    target, measurer = measurers("sm_90")
+    task = Task.from_workload(make_workload("gemm", "m=5,n=1001,k=136", "float16", "bias=1,act=silu"))
+    space = task.space(target)
+    base = {"consumers": 1, "wg_rows": 64, "group_m": 1, "persistent": False, "stages": 4, "swap_ab": True}
+    points = [{**base, "block_n": 16, "split_k": 1}, {**base, "block_n": 16, "split_k": 2},
+              {**base, "wg_rows": 128, "block_n": 32, "split_k": 1}]
+    assert all(space.validate(p) is None for p in points)
+    for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
 
 

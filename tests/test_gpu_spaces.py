@@ -81,7 +81,8 @@ def test_split_k_points_launch_clusters_and_compile(sm90):
 
     task = Task.from_workload(make_workload("gemm", "m=16,n=4096,k=4096", "float16", "bias=1"))
     space = task.space(sm90)
-    base = {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 1, "persistent": False}
+    base = {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 1, "persistent": False,
+            "swap_ab": False}
     for split in (2, 4):
         point = {**base, "split_k": split}
         assert space.validate(point) is None
@@ -95,6 +96,36 @@ def test_split_k_points_launch_clusters_and_compile(sm90):
     assert "persistent" in space.validate({**base, "split_k": 2, "persistent": True})
     big = Task.from_workload(make_workload("gemm", "m=4096,n=4096,k=4096", "float16")).space(sm90)
     assert "smaller than the multiprocessors" in big.validate({**base, "split_k": 2})
+
+
+@needs_nvcc
+def test_swapped_operands_put_a_decode_steps_tokens_on_wgmmas_n_side(sm90):
+    """swap_ab computes Cᵀ = B·Aᵀ: the weights load as wgmma's 64-row operand and the tokens as its
+    N = 16 operand (TMA boxes of 64 and 16 rows), it compiles without spills, with split-K too, and it
+    is refused where the tokens are many; N = 16 only with swapped operands."""
+    import dataclasses
+
+    import tvm
+
+    space = Task.from_workload(make_workload("gemm", "m=16,n=4096,k=4096", "float16", "bias=1")).space(sm90)
+    base = {"consumers": 1, "wg_rows": 64, "block_n": 16, "stages": 7, "group_m": 1, "persistent": False,
+            "swap_ab": True}
+    hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
+    for split in (1, 2):
+        point = {**base, "split_k": split}
+        assert space.validate(point) is None
+        with hopper:
+            lowered = tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(space.apply(point)))
+        text = str(lowered["main"])
+        assert "T.tensormap_encode_tiled(A_map, A_1.data, 4096, 16, 8192, 64, 16," in text  # the tokens
+        assert "T.tensormap_encode_tiled(B_map, B_1.data, 4096, 4096, 8192, 64, 64," in text  # the weights
+        source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+        assert "wgmma.mma_async.sync.aligned.m64n16k16" in source
+        report = nvcc_compile(source, "sm_90a")
+        assert report.ok and report.spills == 0, report.log[-2000:]
+    assert "block_n 16 is for swapped operands" in space.validate({**base, "swap_ab": False, "split_k": 1})
+    prefill = Task.from_workload(make_workload("gemm", "m=512,n=4096,k=4096", "float16")).space(sm90)
+    assert "for few rows" in prefill.validate({**base, "block_n": 64, "split_k": 1})
 
 
 def test_tensor_core_space_offers_bf16(sm80):
