@@ -25,7 +25,9 @@ CASES = [
     ("gemm", "m=64,n=96,k=40", "float32", "", "gpu_matmul", "sm_90"),
     ("batch_matmul", "b=2,m=64,n=64,k=64", "float16", "", "gpu_matmul", "sm_90"),
     ("gemm", "m=1,n=512,k=256", "float16", "", "gpu_gemv", "sm_90"),
-    ("dequant_gemm", "m=1,n=256,k=512", "float16", "bits=4,group=128", "gpu_gemv", "sm_90"),
+    ("dequant_gemm", "m=1,n=256,k=512", "float16", "bits=4,group=128", "gpu_gemv", "sm_80"),
+    ("dequant_gemm", "m=1,n=256,k=512", "float16", "bits=4,group=128", "int4_gemv", "sm_90"),
+    ("dequant_gemm", "m=3,n=1000,k=352", "bfloat16", "bits=4,group=32,bias=1,act=silu", "int4_gemv", "sm_90"),
     ("rmsnorm", "m=8,n=1000", "float16", "", "gpu_rows", "sm_90"),
     ("softmax", "m=8,n=4096", "float32", "", "gpu_rows", "sm_90"),
     ("rope", "b=1,s=16,h=4,d=64", "float16", "", "gpu_injective", "sm_90"),
@@ -211,3 +213,67 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
     assert cuda_source(tvm.ir.load_json(scheduled), target, space.build_config(point), space.codegen) == source
     built = build_candidate(task.spec, target, point, str(tmp_path / "kernel.so"), scheduled)
     assert built.ok, built.error_msg
+
+
+def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
+    """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90; int8 weights, more
+    rows and older GPUs keep the TensorIR spaces."""
+
+    def space(shape, attrs, target):
+        return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
+
+    assert space("m=1,n=4096,k=4096", "bits=4", sm90) == "int4_gemv"
+    assert space("m=8,n=4096,k=4096", "bits=4,group=64", sm90) == "int4_gemv"
+    assert space("m=1,n=4096,k=4096", "bits=8", sm90) == "gpu_gemv"
+    assert space("m=16,n=4096,k=4096", "bits=4", sm90) == "gpu_gemv"
+    assert space("m=1,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
+
+
+@needs_nvcc
+def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
+    """The kernel's chunk helper (two nibbles per mask through half2's exponent trick, fp32 products,
+    one scale per chunk), compiled for the host by nvcc and run on 32-weight chunks against the
+    workload's definition: low nibble first, zero point 8."""
+    import re
+    import subprocess
+
+    from autosched.search_spaces.int4_gemv import _dot_source
+
+    for dtype, to_type, rows in (("float16", "__float2half", 2), ("bfloat16", "__float2bfloat16", 1)):
+        name, source = _dot_source(dtype, rows)
+        source = source.replace("__device__ __forceinline__", "__host__ __device__ inline")
+        source = re.sub(r"asm\(.*?\);\n", "v = *reinterpret_cast<const uint4*>(p);\n", source, flags=re.S)
+        accs = ", ".join(f"acc[{i}]" for i in range(rows))
+        program = f"""#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+{source}
+int main() {{
+  const int M = {rows}, K = 64;
+  alignas(16) uint8_t wq[K / 2];
+  alignas(16) decltype({to_type}(0.f)) a[M * K];
+  for (int i = 0; i < K / 2; ++i) wq[i] = (uint8_t)(i * 37 + 11);
+  for (int i = 0; i < M * K; ++i) a[i] = {to_type}(((i * 29) % 41 - 20) / 8.f);
+  double worst = 0;
+  for (int c = 0; c < K / 32; ++c) {{
+    float acc[M] = {{0}};
+    {name}({accs}, wq + c * 16, a + c * 32, K * 2, 0.5f);
+    for (int i = 0; i < M; ++i) {{
+      double ref = 0;
+      for (int r = c * 32; r < c * 32 + 32; ++r)
+        ref += (((wq[r / 2] >> ((r % 2) * 4)) & 15) - 8) * (double)(float)a[i * K + r];
+      worst = fmax(worst, fabs(ref * 0.5 - acc[i]));
+    }}
+  }}
+  printf("%g\\n", worst);
+  return 0;
+}}
+"""
+        (tmp_path / f"{dtype}.cu").write_text(program)
+        exe = tmp_path / dtype
+        subprocess.run(["nvcc", "-std=c++17", "-o", str(exe), str(tmp_path / f"{dtype}.cu")], check=True,
+                       capture_output=True)
+        worst = float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
+        assert worst < 1e-4, f"{dtype}: the chunk helper is off by {worst}"

@@ -1,0 +1,230 @@
+"""int4 decode GEMV (``dequant_gemm`` with 4-bit weights and a few rows) as a TIRx kernel for sm_90.
+
+The TensorIR GEMV space reads a packed weight byte per lane and unpacks one nibble at a time, which
+left the int4 decode GEMV at a quarter of the copy bandwidth. This template streams the weights
+instead:
+
+* each warp owns ``rows_per_warp`` output columns (weight rows); its 32 lanes take consecutive 16-byte
+  chunks of a row (32 weights each), so a warp reads 512 contiguous bytes per load, through the
+  non-coherent path with no L1 allocation (the weights are read once);
+* a chunk is unpacked eight nibbles per 32-bit word: two nibbles at a time become a half2 of
+  1024 + q by one mask-and-or (1024's exponent leaves the mantissa's last four bits to the nibble),
+  then q - 8 by one subtraction, exactly; the products and sums are fp32, and each chunk's sum is
+  multiplied once by its group's scale (a chunk never straddles two groups: groups are multiples of 32);
+* the activations (``m`` rows, at most 8) are read from L1/L2, where every warp of the block finds them;
+* the lanes' partial sums meet by warp shuffles, and lane 0 applies bias and activation and stores.
+
+Knobs: warps per block, weight rows per warp, and whether the lane's loop over its chunks is unrolled
+(all its loads issued before the arithmetic: more bytes in flight per thread).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._knobs import Knob, Point
+from .hopper_gemm import HOPPER_ARCHS, HopperTemplate, _epilogue_source
+
+CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
+MAX_M = 8  # activation rows: a decode step of a few sequences
+MAX_UNROLLED_STEPS = 16
+
+# Loads a 16-byte chunk of weights without allocating it in L1 (read once); not volatile, so that the
+# compiler may issue an unrolled loop's loads ahead of its arithmetic.
+_LOAD_SOURCE = (
+    "__device__ __forceinline__ uint4 autosched_ld_stream_v4(const void* p) {\n"
+    "  uint4 v;\n"
+    "  asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\"\n"
+    "      : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n"
+    "  return v;\n}\n")
+_WARP_SUM = "autosched_warp_sum"
+_WARP_SUM_SOURCE = (
+    f"__device__ __forceinline__ void {_WARP_SUM}(float& x) {{\n"
+    "  #pragma unroll\n"
+    "  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);\n}\n")
+_TO_FLOAT2 = {"float16": ("__half2", "__half22float2"), "bfloat16": ("__nv_bfloat162", "__bfloat1622float2")}
+
+
+def _dot_source(dtype: str, m: int) -> tuple[str, str]:
+    """(name, source) of the helper that adds one chunk's scaled dot product to each row's accumulator."""
+    pair, to_float2 = _TO_FLOAT2[dtype]
+    name = f"autosched_q4_chunk_{dtype}_m{m}"
+    accs = ", ".join(f"float& acc{i}" for i in range(m))
+    rows = "".join(
+        f"  {{ const uint4* x = reinterpret_cast<const uint4*>(static_cast<const char*>(xp) + {i} * row_bytes);\n"
+        "    float s = 0.f;\n"
+        "    #pragma unroll\n"
+        "    for (int v = 0; v < 4; ++v) {\n"
+        "      uint4 a = x[v];\n"
+        "      const uint32_t aw[4] = {a.x, a.y, a.z, a.w};\n"
+        "      #pragma unroll\n"
+        "      for (int t = 0; t < 4; ++t) {\n"
+        f"        float2 f = {to_float2}(*reinterpret_cast<const {pair}*>(&aw[t]));\n"
+        "        s += f.x * w[v * 8 + 2 * t] + f.y * w[v * 8 + 2 * t + 1];\n"
+        "      }\n"
+        "    }\n"
+        f"    acc{i} += s * scale; }}\n" for i in range(m))
+    source = (
+        f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) {{\n"
+        "  uint4 q4 = autosched_ld_stream_v4(wp);\n"
+        "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
+        "  float w[32];  // q - 8 in k order: byte b of word j holds k = 8j + 2b (low nibble), 8j + 2b + 1\n"
+        "  const __half2 bias = __float2half2_rn(1032.f);\n"
+        "  #pragma unroll\n"
+        "  for (int j = 0; j < 4; ++j) {\n"
+        "    #pragma unroll\n"
+        "    for (int s = 0; s < 2; ++s) {  // low nibbles, then high\n"
+        "      uint32_t even = ((q[j] >> (4 * s)) & 0x000F000Fu) | 0x64006400u;     // bytes 0, 2\n"
+        "      uint32_t odd = ((q[j] >> (4 * s + 8)) & 0x000F000Fu) | 0x64006400u;  // bytes 1, 3\n"
+        "      float2 e = __half22float2(__hsub2(*reinterpret_cast<__half2*>(&even), bias));\n"
+        "      float2 o = __half22float2(__hsub2(*reinterpret_cast<__half2*>(&odd), bias));\n"
+        "      w[8 * j + s] = e.x; w[8 * j + 4 + s] = e.y; w[8 * j + 2 + s] = o.x; w[8 * j + 6 + s] = o.y;\n"
+        "    }\n"
+        "  }\n"
+        f"{rows}}}\n")
+    return name, _LOAD_SOURCE + source
+
+
+def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point):
+    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · dequant(Wq[n, k / 2])ᵀ + bias[n])."""
+    from tvm.script import tirx as T
+
+    warps, rows_pw, unroll = p["warps"], p["rows_per_warp"], p["unroll"]
+    threads, rows_pb = 32 * warps, warps * rows_pw
+    grid = math.ceil(n / rows_pb)
+    chunks = k // CHUNK  # per weight row
+    steps = math.ceil(chunks / 32)  # per lane
+    groups = math.ceil(k / group)
+    dot, dot_source = _dot_source(dtype, m)
+    _, store1, epi_source = _epilogue_source(dtype, act)
+    loop = T.unroll if unroll else T.serial
+
+    def stored(acc, Bias, i, row):
+        return acc[i] + T.Cast("float32", Bias[row]) if bias else acc[i]
+
+    # fmt: off
+    @T.macro
+    def body(A, Wq, S, Bias, C):
+        T.device_entry()
+        bx = T.cta_id([grid])
+        tx = T.thread_id([threads])
+        acc = T.alloc_local((rows_pw * m,), "float32")
+        lane = T.meta_var(tx % 32)
+        for i in T.unroll(rows_pw * m):
+            acc[i] = T.float32(0)
+        for step in loop(steps):
+            for r in T.unroll(rows_pw):
+                row = T.meta_var(bx * rows_pb + (tx // 32) * rows_pw + r)
+                chunk = T.meta_var(step * 32 + lane)
+                if row < n and chunk < chunks:
+                    T.cuda.func_call(dot, *[acc[r * m + i] for i in range(m)],
+                                     Wq.access_ptr("r", offset=row * (k // 2) + chunk * (CHUNK // 2)),
+                                     A.access_ptr("r", offset=chunk * CHUNK), k * 2,
+                                     T.Cast("float32", S[row, chunk * CHUNK // group]), source_code=dot_source)
+        for i in T.unroll(rows_pw * m):
+            T.cuda.func_call(_WARP_SUM, acc[i], source_code=_WARP_SUM_SOURCE)
+        if lane == 0:
+            for r in T.unroll(rows_pw):
+                row = T.meta_var(bx * rows_pb + (tx // 32) * rows_pw + r)
+                if row < n:
+                    for i in T.unroll(m):
+                        T.cuda.func_call(store1, C.access_ptr("w", offset=i * n + row),
+                                         stored(acc, Bias, r * m + i, row), source_code=epi_source)
+
+    attrs = {"global_symbol": "main", "tirx.noalias": True}
+    if bias:
+        @T.prim_func
+        def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
+                 S: T.Buffer((n, groups), dtype), Bias: T.Buffer((n,), dtype), C: T.Buffer((m, n), dtype)):
+            T.func_attr(attrs)
+            body(A, Wq, S, Bias, C)
+    else:
+        @T.prim_func
+        def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
+                 S: T.Buffer((n, groups), dtype), C: T.Buffer((m, n), dtype)):
+            T.func_attr(attrs)
+            body(A, Wq, S, None, C)
+    # fmt: on
+    return main
+
+
+class Int4GemvSpace(HopperTemplate):
+    """``dequant_gemm`` with int4 weights and at most eight rows on sm_90: the streaming kernel above."""
+
+    name = "int4_gemv"
+    version = 1
+    families = ("matmul",)
+
+    @classmethod
+    def matches(cls, func) -> bool:
+        return _shape(func) is not None
+
+    @classmethod
+    def suits(cls, func, target, hints) -> bool:
+        hints = hints or {}
+        if target.arch not in HOPPER_ARCHS or hints.get("op") != "dequant_gemm" or hints.get("bits") != 4:
+            return False
+        shape = _shape(func)
+        # 16-byte chunks of whole rows: k a multiple of 32 (the groups, 32 to 256, are too).
+        return shape is not None and shape[0] <= MAX_M and shape[2] % CHUNK == 0 and shape[3] in _TO_FLOAT2
+
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
+        shape = _shape(func)
+        if shape is None:
+            raise ValueError("int4_gemv takes C[m, n] = A[m, k] · dequant(Wq[n, k / 2])ᵀ functions only")
+        self.m, self.n, self.k, self.dtype = shape
+        self.group = int(self.hints.get("group", 128))
+        self.bias = bool(self.hints.get("bias", False))
+        self.act = str(self.hints.get("act", "none"))
+        self.sms = target.num_cores or 132
+        self.knobs = [
+            Knob("warps", (1, 2, 4, 8)),
+            Knob("rows_per_warp", (1, 2, 4)),
+            Knob("unroll", (False, True), ordered=False),
+        ]
+
+    def steps(self) -> int:
+        return math.ceil(self.k // CHUNK / 32)
+
+    def check(self, p: Point) -> str | None:
+        if p["rows_per_warp"] * self.m > 32:
+            return f"{p['rows_per_warp'] * self.m} accumulators per thread (at most 32)"
+        if p["unroll"] and self.steps() * p["rows_per_warp"] > MAX_UNROLLED_STEPS:
+            return f"unrolling {self.steps() * p['rows_per_warp']} loads per thread (at most {MAX_UNROLLED_STEPS})"
+        if p["rows_per_warp"] * p["warps"] > 2 * self.n:
+            return "more rows per block than the weights have"
+        return None
+
+    def default(self) -> Point:
+        for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},
+                      {"warps": 4, "rows_per_warp": 1, "unroll": False}):
+            if self.check(point) is None:
+                return point
+        return super().default()
+
+    def kernel(self, p: Point):
+        return int4_gemv_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act, p)
+
+    def point_features(self, p: Point) -> list[float]:
+        """Knobs, the bytes each thread has in flight, and how the blocks fill the machine."""
+        rows_pb = p["warps"] * p["rows_per_warp"]
+        blocks = math.ceil(self.n / rows_pb)
+        in_flight = 16 * p["rows_per_warp"] * (self.steps() if p["unroll"] else 1)
+        return [p["warps"], p["rows_per_warp"], float(p["unroll"]), rows_pb, math.log2(blocks), blocks / self.sms,
+                in_flight, in_flight * 32 * p["warps"], self.steps(), self.m]
+
+
+def _shape(func) -> tuple[int, int, int, str] | None:
+    """(m, n, k, dtype) of A[m, k], Wq[n, k / 2] (uint8), scale[n, groups], optional bias[n], C[m, n]."""
+    params = list(func.params)
+    if len(params) not in (4, 5):
+        return None
+    try:
+        a, wq, c = params[0], params[1], params[-1]
+        (m, k), (n, half_k), (m2, n2) = ([int(x) for x in buf.shape] for buf in (a, wq, c))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if str(wq.dtype) != "uint8" or half_k * 2 != k or m != m2 or n != n2:
+        return None
+    return m, n, k, str(a.dtype)
