@@ -54,10 +54,12 @@ def space_classes() -> dict[str, type[Space]]:
     from .injective import InjectiveSpace
     from .int4_gemv import Int4GemvSpace
     from .matmul import MatmulSpace
+    from .paged_decode import PagedDecodeSpace
     from .rows import RowsSpace
 
     ordered = (MatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
-               HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace,  # CUDA, sm_90 (each declines other targets)
+               HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace, PagedDecodeSpace,  # CUDA, sm_90 (each declines
+               # other targets)
                FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}
 

@@ -78,6 +78,22 @@ def test_swapped_operands_are_correct_at_shapes_no_tile_divides(measurers):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
 
 
+
+def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
+    """Flash-decoding over a paged cache with GQA (4 query heads per K/V head), a last sequence half as
+    long as the others (a partly filled last page), and the pages of a sequence split 1, 2, 4 and 8 ways
+    across a cluster: every point matches the float64 reference."""
+    target, measurer = measurers("sm_90")
+    task = Task.from_workload(make_workload("paged_decode_attention", "b=3,h=8,hkv=2,d=128,ctx=520,page=16",
+                                            "float16"))
+    space = task.space(target)
+    assert space.name == "paged_decode"
+    points = [{"warps": 4, "unroll": 4, "split": 1}, {"warps": 2, "unroll": 1, "split": 2},
+              {"warps": 8, "unroll": 2, "split": 4}, {"warps": 4, "unroll": 8, "split": 8}]
+    assert all(space.validate(p) is None for p in points)
+    for point, res in zip(points, measurer.measure(task.spec, points)):
+        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+
 def test_tuning_on_the_gpu_records_the_device(gpu_target, db_path):
     from autosched.database.store import Database
     from autosched.tuner import TuneOptions, tune

@@ -31,7 +31,9 @@ CASES = [
     ("rmsnorm", "m=8,n=1000", "float16", "", "gpu_rows", "sm_90"),
     ("softmax", "m=8,n=4096", "float32", "", "gpu_rows", "sm_90"),
     ("rope", "b=1,s=16,h=4,d=64", "float16", "", "gpu_injective", "sm_90"),
-    ("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16", "", "gpu_rows", "sm_90"),
+    ("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16", "", "gpu_rows", "sm_80"),
+    ("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16", "", "paged_decode", "sm_90"),
+    ("paged_decode_attention", "b=3,h=8,hkv=1,d=128,ctx=300,page=16", "bfloat16", "", "paged_decode", "sm_90"),
     ("attention", "b=1,h=4,hkv=2,s=100,d=64", "float16", "causal=1", "hopper_attention", "sm_90"),
     ("attention", "b=2,h=4,s=200,d=128", "bfloat16", "causal=0", "hopper_attention", "sm_90"),
     ("attention", "b=1,h=4,hkv=1,s=100,d=96", "float16", "causal=1", "hopper_attention", "sm_90"),
@@ -277,3 +279,31 @@ int main() {{
                        capture_output=True)
         worst = float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
         assert worst < 1e-4, f"{dtype}: the chunk helper is off by {worst}"
+
+
+@needs_nvcc
+def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
+    """Few sequences: the pages of one are split between the CTAs of a cluster (the launch carries the
+    cluster's size), every split compiles for sm_90a without spills, and a split is refused where the
+    (sequence, head) pairs already fill the GPU; older GPUs keep the TensorIR rows space."""
+    import dataclasses
+
+    import tvm
+
+    task = Task.from_workload(make_workload("paged_decode_attention", "b=1,h=32,hkv=8,d=128,ctx=32768,page=16",
+                                            "float16"))
+    space = task.space(sm90)
+    assert space.name == "paged_decode" and space.default()["split"] == 8  # 8 pairs: the most it may split
+    hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
+    for split in (2, 8):
+        point = {"warps": 4, "unroll": 2, "split": split}
+        assert space.validate(point) is None
+        with hopper:
+            lowered = tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(space.apply(point)))
+        assert '"clusterCtaIdx.x", "blockIdx.x"' in str(lowered["main"])
+        report = nvcc_compile(cuda_source(space.apply(point), sm90, {}, space.codegen), "sm_90a")
+        assert report.ok and report.spills == 0, report.log[-2000:]
+    full = Task.from_workload(make_workload("paged_decode_attention", "b=16,h=32,d=128,ctx=4096,page=16", "float16"))
+    assert "already fill the GPU" in full.space(sm90).validate({"warps": 4, "unroll": 2, "split": 2})
+    older = parse_target("cuda:sm_80", require_device=False)
+    assert task.space(older).name == "gpu_rows"

@@ -1,0 +1,325 @@
+"""Decode attention over a paged KV cache on sm_90: a flash-decoding kernel as a template space.
+
+One query token per sequence; the cost is reading K and V once. The kernel (a CUDA body inside a TIRx
+launch) is built for that:
+
+* one CTA per (sequence, K/V head), so a GQA group's query heads share every K and V row read;
+* a row of K (and of V) is read by ``d / 8`` lanes, 16 bytes each, through the read-only path; a warp
+  takes 32·8/d tokens per step and issues ``unroll`` steps of K and V loads before any arithmetic, so
+  that enough bytes are in flight to cover the memory latency;
+* online softmax in registers (exp2 with the scale folded in, one rescale per ``unroll`` steps), partial
+  outputs of 8 elements per lane, then merged within the warp by shuffles and across the warps in
+  shared memory;
+* with few sequences (``split`` > 1) the pages of a sequence are split between the CTAs of a thread-block
+  cluster, and the first CTA merges the others' (max, sum, output) through distributed shared memory:
+  no second kernel and no workspace in global memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._knobs import Knob, Point
+from .hopper_gemm import CLUSTER_SYNC, CLUSTER_SYNC_SOURCE, HOPPER_ARCHS, HopperTemplate
+
+_CUDA = {"float16": ("half", "__half2", "__half22float2", "__float2half_rn"),
+         "bfloat16": ("nv_bfloat16", "__nv_bfloat162", "__bfloat1622float2", "__float2bfloat16_rn")}
+STATIC_SMEM = 48 * 1024  # the merge buffers are static shared arrays
+
+
+def _body_source(name: str, dtype: str, s: dict) -> str:
+    """The kernel's body: one thread's work, for the constants in ``s``."""
+    scalar, pair, to_float2, from_float = _CUDA[dtype]
+    consts = "".join(f"  constexpr int {key} = {value};\n" for key, value in s.items())
+    return CLUSTER_SYNC_SOURCE + (
+        # -inf spelled by its bits: INFINITY comes from math.h, which NVRTC (the GPU machine's compiler) may lack.
+        "__device__ __forceinline__ float autosched_pd_neg_inf() { return __int_as_float(0xff800000); }\n"
+        "__device__ __forceinline__ float autosched_pd_weight(float m, float top) {\n"
+        "  return m == autosched_pd_neg_inf() ? 0.f : exp2f(m - top);\n}\n"
+        "__device__ __forceinline__ uint4 autosched_pd_load(const void* p) {\n"
+        "  uint4 v;\n"
+        "  asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\"\n"
+        "      : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n"
+        "  return v;\n}\n"
+        f"__device__ __forceinline__ void autosched_pd_unpack_{dtype}(const uint4& v, float* out) {{\n"
+        "  const uint32_t w[4] = {v.x, v.y, v.z, v.w};\n"
+        "  #pragma unroll\n"
+        "  for (int i = 0; i < 4; ++i) {\n"
+        f"    float2 f = {to_float2}(*reinterpret_cast<const {pair}*>(&w[i]));\n"
+        "    out[2 * i] = f.x; out[2 * i + 1] = f.y;\n"
+        "  }\n}\n"
+        f"__device__ __forceinline__ void {name}(const {scalar}* __restrict__ Q, const {scalar}* __restrict__ K,\n"
+        f"    const {scalar}* __restrict__ V, const int* __restrict__ table, const int* __restrict__ lens,\n"
+        f"    {scalar}* __restrict__ O, int pair, int rank) {{\n"
+        f"{consts}"
+        "  constexpr int TG = D / 8;             // lanes per token row (16 bytes each)\n"
+        "  constexpr int TPW = 32 / TG;          // tokens per warp per step\n"
+        "  constexpr int NG = WARPS * TPW;       // tokens per CTA per step\n"
+        "  __shared__ float part_o[WARPS][G][D];\n"
+        "  __shared__ float part_ml[WARPS][G][2];\n"
+        "  __shared__ float fin_o[G][D];\n"
+        "  __shared__ float fin_ml[G][2];\n"
+        "  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;\n"
+        "  const int sub = lane % TG, gid = warp * TPW + lane / TG;\n"
+        "  const int seq = pair / HKV, kvh = pair % HKV;\n"
+        "  const int len = lens[seq];\n"
+        "  const int pages = (len + PAGE - 1) / PAGE;\n"
+        "  const int begin = (rank * pages / SPLIT) * PAGE;\n"
+        "  const int end = min(((rank + 1) * pages / SPLIT) * PAGE, len);\n"
+        "  float q[G][8], o[G][8], m[G], l[G];\n"
+        "  #pragma unroll\n"
+        "  for (int h = 0; h < G; ++h) {\n"
+        "    uint4 raw = *reinterpret_cast<const uint4*>(Q + ((size_t)seq * H + kvh * G + h) * D + sub * 8);\n"
+        f"    autosched_pd_unpack_{dtype}(raw, q[h]);\n"
+        "    #pragma unroll\n"
+        "    for (int j = 0; j < 8; ++j) { q[h][j] *= SCALE_LOG2E; o[h][j] = 0.f; }\n"
+        "    m[h] = autosched_pd_neg_inf(); l[h] = 0.f;\n"
+        "  }\n"
+        "  for (int base = begin; base < end; base += NG * UNROLL) {\n"
+        "    uint4 kr[UNROLL], vr[UNROLL];\n"
+        "    bool live[UNROLL];\n"
+        "    #pragma unroll\n"
+        "    for (int u = 0; u < UNROLL; ++u) {  // every load of the step first: bytes in flight\n"
+        "      const int t = base + u * NG + gid;\n"
+        "      live[u] = t < end;\n"
+        "      if (live[u]) {\n"
+        "        const size_t row = ((size_t)table[seq * PPS + t / PAGE] * PAGE + t % PAGE) * HKV + kvh;\n"
+        "        kr[u] = autosched_pd_load(K + row * D + sub * 8);\n"
+        "        vr[u] = autosched_pd_load(V + row * D + sub * 8);\n"
+        "      }\n"
+        "    }\n"
+        "    float s[UNROLL][G];\n"
+        "    #pragma unroll\n"
+        "    for (int u = 0; u < UNROLL; ++u) {\n"
+        "      float k[8];\n"
+        f"      autosched_pd_unpack_{dtype}(kr[u], k);\n"
+        "      #pragma unroll\n"
+        "      for (int h = 0; h < G; ++h) {\n"
+        "        float x = 0.f;\n"
+        "        #pragma unroll\n"
+        "        for (int j = 0; j < 8; ++j) x += q[h][j] * k[j];\n"
+        "        #pragma unroll\n"
+        "        for (int off = TG / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);\n"
+        "        s[u][h] = live[u] ? x : autosched_pd_neg_inf();\n"
+        "      }\n"
+        "    }\n"
+        "    #pragma unroll\n"
+        "    for (int h = 0; h < G; ++h) {\n"
+        "      float top = m[h];\n"
+        "      #pragma unroll\n"
+        "      for (int u = 0; u < UNROLL; ++u) top = fmaxf(top, s[u][h]);\n"
+        "      const float keep = autosched_pd_weight(m[h], top);\n"
+        "      l[h] *= keep;\n"
+        "      #pragma unroll\n"
+        "      for (int j = 0; j < 8; ++j) o[h][j] *= keep;\n"
+        "      m[h] = top;\n"
+        "    }\n"
+        "    #pragma unroll\n"
+        "    for (int u = 0; u < UNROLL; ++u) {\n"
+        "      float v[8];\n"
+        f"      autosched_pd_unpack_{dtype}(vr[u], v);\n"
+        "      #pragma unroll\n"
+        "      for (int h = 0; h < G; ++h) {\n"
+        "        const float p = autosched_pd_weight(s[u][h], m[h]);\n"
+        "        l[h] += p;\n"
+        "        #pragma unroll\n"
+        "        for (int j = 0; j < 8; ++j) o[h][j] += p * (live[u] ? v[j] : 0.f);\n"
+        "      }\n"
+        "    }\n"
+        "  }\n"
+        "  // The warp's token groups meet by shuffles (same sub-lane, other groups).\n"
+        "  #pragma unroll\n"
+        "  for (int off = TG; off < 32; off <<= 1) {\n"
+        "    #pragma unroll\n"
+        "    for (int h = 0; h < G; ++h) {\n"
+        "      const float m2 = __shfl_xor_sync(0xffffffffu, m[h], off);\n"
+        "      const float l2 = __shfl_xor_sync(0xffffffffu, l[h], off);\n"
+        "      const float top = fmaxf(m[h], m2);\n"
+        "      const float a = autosched_pd_weight(m[h], top), b = autosched_pd_weight(m2, top);\n"
+        "      l[h] = l[h] * a + l2 * b;\n"
+        "      #pragma unroll\n"
+        "      for (int j = 0; j < 8; ++j) o[h][j] = o[h][j] * a + __shfl_xor_sync(0xffffffffu, o[h][j], off) * b;\n"
+        "      m[h] = top;\n"
+        "    }\n"
+        "  }\n"
+        "  if (lane < TG) {\n"
+        "    #pragma unroll\n"
+        "    for (int h = 0; h < G; ++h) {\n"
+        "      #pragma unroll\n"
+        "      for (int j = 0; j < 8; ++j) part_o[warp][h][sub * 8 + j] = o[h][j];\n"
+        "      if (lane == 0) { part_ml[warp][h][0] = m[h]; part_ml[warp][h][1] = l[h]; }\n"
+        "    }\n"
+        "  }\n"
+        "  __syncthreads();\n"
+        "  // The warps meet in shared memory: each thread merges elements of the CTA's G x D output.\n"
+        "  for (int e = tid; e < G * D; e += WARPS * 32) {\n"
+        "    const int h = e / D, c = e % D;\n"
+        "    float top = autosched_pd_neg_inf();\n"
+        "    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, part_ml[w][h][0]);\n"
+        "    float sum = 0.f, acc = 0.f;\n"
+        "    for (int w = 0; w < WARPS; ++w) {\n"
+        "      const float a = autosched_pd_weight(part_ml[w][h][0], top);\n"
+        "      sum += part_ml[w][h][1] * a;\n"
+        "      acc += part_o[w][h][c] * a;\n"
+        "    }\n"
+        "    if (SPLIT == 1) {\n"
+        f"      O[((size_t)seq * H + kvh * G + h) * D + c] = {from_float}(acc / sum);\n"
+        "    } else {\n"
+        "      fin_o[h][c] = acc;\n"
+        "      if (c == 0) { fin_ml[h][0] = top; fin_ml[h][1] = sum; }\n"
+        "    }\n"
+        "  }\n"
+        "  if (SPLIT > 1) {\n"
+        "    // The cluster's CTAs meet in the first one's registers through distributed shared memory.\n"
+        f"    {CLUSTER_SYNC}();\n"
+        "    if (rank == 0) {\n"
+        "      for (int e = tid; e < G * D; e += WARPS * 32) {\n"
+        "        const int h = e / D, c = e % D;\n"
+        "        float mr[SPLIT], lr[SPLIT], orr[SPLIT];\n"
+        "        float top = autosched_pd_neg_inf();\n"
+        "        #pragma unroll\n"
+        "        for (int r = 0; r < SPLIT; ++r) {\n"
+        "          const unsigned base_m = static_cast<unsigned>(__cvta_generic_to_shared(&fin_ml[h][0]));\n"
+        "          const unsigned base_l = static_cast<unsigned>(__cvta_generic_to_shared(&fin_ml[h][1]));\n"
+        "          const unsigned base_o = static_cast<unsigned>(__cvta_generic_to_shared(&fin_o[h][c]));\n"
+        "          unsigned am, al, ao;\n"
+        "          asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(am) : \"r\"(base_m), \"r\"(r));\n"
+        "          asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(al) : \"r\"(base_l), \"r\"(r));\n"
+        "          asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(ao) : \"r\"(base_o), \"r\"(r));\n"
+        "          asm volatile(\"ld.shared::cluster.f32 %0, [%1];\" : \"=f\"(mr[r]) : \"r\"(am) : \"memory\");\n"
+        "          asm volatile(\"ld.shared::cluster.f32 %0, [%1];\" : \"=f\"(lr[r]) : \"r\"(al) : \"memory\");\n"
+        "          asm volatile(\"ld.shared::cluster.f32 %0, [%1];\" : \"=f\"(orr[r]) : \"r\"(ao) : \"memory\");\n"
+        "          top = fmaxf(top, mr[r]);\n"
+        "        }\n"
+        "        float sum = 0.f, acc = 0.f;\n"
+        "        #pragma unroll\n"
+        "        for (int r = 0; r < SPLIT; ++r) {\n"
+        "          const float a = autosched_pd_weight(mr[r], top);\n"
+        "          sum += lr[r] * a;\n"
+        "          acc += orr[r] * a;\n"
+        "        }\n"
+        f"        O[((size_t)seq * H + kvh * G + h) * D + c] = {from_float}(acc / sum);\n"
+        "      }\n"
+        "    }\n"
+        "    // The other CTAs' shared memory stays until the first has read it.\n"
+        f"    {CLUSTER_SYNC}();\n"
+        "  }\n"
+        "}\n")
+
+
+def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, dtype: str, p: Point):
+    """The TIRx launch of point ``p``'s kernel for the ``paged_decode_attention`` workload's signature."""
+    from tvm.script import tirx as T
+
+    warps, unroll, split = p["warps"], p["unroll"], p["split"]
+    pps = math.ceil(ctx / page)
+    consts = {"H": h, "HKV": hkv, "G": h // hkv, "D": d, "PAGE": page, "PPS": pps, "WARPS": warps,
+              "UNROLL": unroll, "SPLIT": split}
+    name = "autosched_paged_decode_" + "_".join(f"{k.lower()}{v}" for k, v in consts.items()) + f"_{dtype}"
+    source = _body_source(name, dtype, consts).replace(
+        "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / math.sqrt(d)!r}f;\n  constexpr int D =")
+    pairs, threads = b * hkv, 32 * warps
+
+    def launch_ids():  # (the (sequence, K/V head) pair, the CTA's rank among the pair's split)
+        if split == 1:
+            return T.cta_id([pairs]), 0
+        return T.cluster_id([pairs]), T.cta_id_in_cluster([split])
+
+    # fmt: off
+    @T.prim_func
+    def main(Q: T.Buffer((b, h, d), dtype, align=16), K: T.Buffer((b * pps, page, hkv, d), dtype, align=16),
+             V: T.Buffer((b * pps, page, hkv, d), dtype, align=16), table: T.Buffer((b, pps), "int32"),
+             lens: T.Buffer((b,), "int32"), O: T.Buffer((b, h, d), dtype, align=16)):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        T.device_entry()
+        pair, rank = launch_ids()
+        tx = T.thread_id([threads])  # noqa: F841 (declares the block's threads)
+        T.cuda.func_call(name, Q.access_ptr("r"), K.access_ptr("r"), V.access_ptr("r"), table.access_ptr("r"),
+                         lens.access_ptr("r"), O.access_ptr("w"), pair, rank, source_code=source)
+    # fmt: on
+    return main
+
+
+class PagedDecodeSpace(HopperTemplate):
+    """``paged_decode_attention`` on sm_90: the flash-decoding kernel above."""
+
+    name = "paged_decode"
+    version = 1
+    families = ("paged_attention",)
+
+    @classmethod
+    def matches(cls, func) -> bool:
+        return _shape(func) is not None
+
+    @classmethod
+    def suits(cls, func, target, hints) -> bool:
+        if target.arch not in HOPPER_ARCHS or (hints or {}).get("op") != "paged_decode_attention":
+            return False
+        shape = _shape(func)
+        return shape is not None and shape["d"] in (64, 128, 256) and shape["dtype"] in _CUDA
+
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
+        shape = _shape(func)
+        if shape is None:
+            raise ValueError("paged_decode takes the paged_decode_attention workload's functions only")
+        self.shape = shape
+        self.sms = target.num_cores or 132
+        self.knobs = [
+            Knob("warps", (2, 4, 8)),
+            Knob("unroll", (1, 2, 4, 8)),
+            Knob("split", (1, 2, 4, 8)),
+        ]
+
+    def check(self, p: Point) -> str | None:
+        s = self.shape
+        g = s["h"] // s["hkv"]
+        smem = 4 * (p["warps"] * g * (s["d"] + 2) + g * (s["d"] + 2))
+        if smem > STATIC_SMEM:
+            return f"{smem} bytes of merge buffers (at most {STATIC_SMEM} of static shared memory)"
+        # Registers per thread, roughly: q, o (8 per head), the step's K and V rows (8 each) and scores.
+        regs = 16 * g + 8 * p["unroll"] + p["unroll"] * g + 24
+        if regs > 200:
+            return f"about {regs} registers per thread for {g} heads per group and unroll {p['unroll']}"
+        pairs = s["b"] * s["hkv"]
+        if p["split"] > 1 and pairs * p["split"] > 2 * self.sms:
+            return f"{pairs} (sequence, head) pairs already fill the GPU: no split"
+        if p["split"] > math.ceil(s["ctx"] / s["page"]):
+            return f"split {p['split']} exceeds the {math.ceil(s['ctx'] / s['page'])} pages of a sequence"
+        return None
+
+    def default(self) -> Point:
+        # The smallest split that fills the GPU, else the largest that the pages allow.
+        pairs = self.shape["b"] * self.shape["hkv"]
+        splits = [x for x in (1, 2, 4, 8) if x <= math.ceil(self.shape["ctx"] / self.shape["page"])]
+        split = next((x for x in splits if pairs * x >= self.sms), splits[-1])
+        for point in ({"warps": 4, "unroll": 4, "split": split}, {"warps": 4, "unroll": 2, "split": split},
+                      {"warps": 4, "unroll": 1, "split": split}, {"warps": 4, "unroll": 1, "split": 1}):
+            if self.check(point) is None:
+                return point
+        return super().default()
+
+    def kernel(self, p: Point):
+        s = self.shape
+        return paged_decode_kernel(s["b"], s["h"], s["hkv"], s["d"], s["ctx"], s["page"], s["dtype"], p)
+
+    def point_features(self, p: Point) -> list[float]:
+        """Knobs, the CTAs against the SMs, and the bytes each thread has in flight."""
+        s = self.shape
+        ctas = s["b"] * s["hkv"] * p["split"]
+        return [p["warps"], p["unroll"], p["split"], ctas / self.sms, math.log2(ctas), 32 * p["unroll"] * p["warps"] * 32,
+                s["h"] // s["hkv"], s["d"], s["ctx"] / p["split"]]
+
+
+def _shape(func) -> dict | None:
+    """The workload's sizes from Q[b, h, d], K/V[pages, page, hkv, d], table[b, pps], lens[b], O[b, h, d]."""
+    params = list(func.params)
+    if len(params) != 6:
+        return None
+    try:
+        (b, h, d), (pages, page, hkv, d2), (b2, pps) = ([int(x) for x in params[i].shape] for i in (0, 1, 3))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if d != d2 or b != b2 or pages != b * pps or h % hkv or str(params[3].dtype) != "int32":
+        return None
+    return {"b": b, "h": h, "hkv": hkv, "d": d, "page": page, "ctx": pps * page, "dtype": str(params[0].dtype)}
