@@ -59,13 +59,16 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         "  __shared__ float part_ml[WARPS][G][2];\n"
         "  __shared__ float fin_o[G][D];\n"
         "  __shared__ float fin_ml[G][2];\n"
+        "  constexpr int MAXP = (PPS + SPLIT - 1) / SPLIT + 1;\n"
+        "  __shared__ int page_of[MAXP];  // the CTA's slice of the block table: no dependent global load per step\n"
         "  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;\n"
         "  const int sub = lane % TG, gid = warp * TPW + lane / TG;\n"
         "  const int seq = pair / HKV, kvh = pair % HKV;\n"
         "  const int len = lens[seq];\n"
         "  const int pages = (len + PAGE - 1) / PAGE;\n"
-        "  const int begin = (rank * pages / SPLIT) * PAGE;\n"
-        "  const int end = min(((rank + 1) * pages / SPLIT) * PAGE, len);\n"
+        "  const int first = rank * pages / SPLIT, last = (rank + 1) * pages / SPLIT;\n"
+        "  const int begin = first * PAGE, end = min(last * PAGE, len);\n"
+        "  for (int i = tid; i < last - first; i += WARPS * 32) page_of[i] = table[seq * PPS + first + i];\n"
         "  float q[G][8], o[G][8], m[G], l[G];\n"
         "  #pragma unroll\n"
         "  for (int h = 0; h < G; ++h) {\n"
@@ -75,6 +78,7 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         "    for (int j = 0; j < 8; ++j) { q[h][j] *= SCALE_LOG2E; o[h][j] = 0.f; }\n"
         "    m[h] = autosched_pd_neg_inf(); l[h] = 0.f;\n"
         "  }\n"
+        "  __syncthreads();\n"
         "  for (int base = begin; base < end; base += NG * UNROLL) {\n"
         "    uint4 kr[UNROLL], vr[UNROLL];\n"
         "    bool live[UNROLL];\n"
@@ -83,7 +87,7 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         "      const int t = base + u * NG + gid;\n"
         "      live[u] = t < end;\n"
         "      if (live[u]) {\n"
-        "        const size_t row = ((size_t)table[seq * PPS + t / PAGE] * PAGE + t % PAGE) * HKV + kvh;\n"
+        "        const size_t row = ((size_t)page_of[t / PAGE - first] * PAGE + t % PAGE) * HKV + kvh;\n"
         "        kr[u] = autosched_pd_load(K + row * D + sub * 8);\n"
         "        vr[u] = autosched_pd_load(V + row * D + sub * 8);\n"
         "      }\n"
@@ -274,9 +278,10 @@ class PagedDecodeSpace(HopperTemplate):
     def check(self, p: Point) -> str | None:
         s = self.shape
         g = s["h"] // s["hkv"]
-        smem = 4 * (p["warps"] * g * (s["d"] + 2) + g * (s["d"] + 2))
+        pages = math.ceil(s["ctx"] / s["page"])
+        smem = 4 * (p["warps"] * g * (s["d"] + 2) + g * (s["d"] + 2) + math.ceil(pages / p["split"]) + 1)
         if smem > STATIC_SMEM:
-            return f"{smem} bytes of merge buffers (at most {STATIC_SMEM} of static shared memory)"
+            return f"{smem} bytes of merge buffers and page table (at most {STATIC_SMEM} of static shared memory)"
         # Registers per thread, roughly: q, o (8 per head), the step's K and V rows (8 each) and scores.
         regs = 16 * g + 8 * p["unroll"] + p["unroll"] * g + 24
         if regs > 200:
@@ -284,8 +289,8 @@ class PagedDecodeSpace(HopperTemplate):
         pairs = s["b"] * s["hkv"]
         if p["split"] > 1 and pairs * p["split"] > 2 * self.sms:
             return f"{pairs} (sequence, head) pairs already fill the GPU: no split"
-        if p["split"] > math.ceil(s["ctx"] / s["page"]):
-            return f"split {p['split']} exceeds the {math.ceil(s['ctx'] / s['page'])} pages of a sequence"
+        if p["split"] > pages:
+            return f"split {p['split']} exceeds the {pages} pages of a sequence"
         return None
 
     def default(self) -> Point:
