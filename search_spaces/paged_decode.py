@@ -20,11 +20,15 @@ from __future__ import annotations
 import math
 
 from ._knobs import Knob, Point
-from .hopper_gemm import CLUSTER_SYNC, CLUSTER_SYNC_SOURCE, HOPPER_ARCHS, HopperTemplate
+from .hopper_gemm import CLUSTER_SYNC, CLUSTER_SYNC_SOURCE, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate
 
 _CUDA = {"float16": ("half", "__half2", "__half22float2", "__float2half_rn"),
          "bfloat16": ("nv_bfloat16", "__nv_bfloat162", "__bfloat1622float2", "__float2bfloat16_rn")}
-STATIC_SMEM = 48 * 1024  # the merge buffers are static shared arrays
+
+
+def smem_floats(g: int, d: int, warps: int, pages: int, split: int) -> int:
+    """Shared memory the body takes, in 4-byte words: partial results per warp and per CTA, page table."""
+    return (warps + 1) * g * (d + 2) + (pages + split - 1) // split + 1
 
 
 def _body_source(name: str, dtype: str, s: dict) -> str:
@@ -41,6 +45,14 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         "  asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\"\n"
         "      : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n"
         "  return v;\n}\n"
+        # A float of another CTA of the cluster: the same offset in its shared memory.
+        "__device__ __forceinline__ float autosched_pd_remote(const float* local, int rank) {\n"
+        "  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(local));\n"
+        "  unsigned remote;\n"
+        "  float v;\n"
+        "  asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(remote) : \"r\"(address), \"r\"(rank));\n"
+        "  asm volatile(\"ld.shared::cluster.f32 %0, [%1];\" : \"=f\"(v) : \"r\"(remote) : \"memory\");\n"
+        "  return v;\n}\n"
         f"__device__ __forceinline__ void autosched_pd_unpack_{dtype}(const uint4& v, float* out) {{\n"
         "  const uint32_t w[4] = {v.x, v.y, v.z, v.w};\n"
         "  #pragma unroll\n"
@@ -50,17 +62,18 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         "  }\n}\n"
         f"__device__ __forceinline__ void {name}(const {scalar}* __restrict__ Q, const {scalar}* __restrict__ K,\n"
         f"    const {scalar}* __restrict__ V, const int* __restrict__ table, const int* __restrict__ lens,\n"
-        f"    {scalar}* __restrict__ O, int pair, int rank) {{\n"
+        f"    {scalar}* __restrict__ O, float* smem, int pair, int rank) {{\n"
         f"{consts}"
         "  constexpr int TG = D / 8;             // lanes per token row (16 bytes each)\n"
         "  constexpr int TPW = 32 / TG;          // tokens per warp per step\n"
         "  constexpr int NG = WARPS * TPW;       // tokens per CTA per step\n"
-        "  __shared__ float part_o[WARPS][G][D];\n"
-        "  __shared__ float part_ml[WARPS][G][2];\n"
-        "  __shared__ float fin_o[G][D];\n"
-        "  __shared__ float fin_ml[G][2];\n"
-        "  constexpr int MAXP = (PPS + SPLIT - 1) / SPLIT + 1;\n"
-        "  __shared__ int page_of[MAXP];  // the CTA's slice of the block table: no dependent global load per step\n"
+        "  // Shared memory (the caller's): the warps' and the CTA's partial results, then the CTA's slice of the\n"
+        "  // block table (so that no K/V load waits on a table load).\n"
+        "  auto part_o = reinterpret_cast<float (*)[G][D]>(smem);\n"
+        "  auto part_ml = reinterpret_cast<float (*)[G][2]>(smem + WARPS * G * D);\n"
+        "  auto fin_o = reinterpret_cast<float (*)[D]>(smem + WARPS * G * (D + 2));\n"
+        "  auto fin_ml = reinterpret_cast<float (*)[2]>(smem + (WARPS + 1) * G * D + WARPS * G * 2);\n"
+        "  int* page_of = reinterpret_cast<int*>(smem + (WARPS + 1) * G * (D + 2));\n"
         "  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;\n"
         "  const int sub = lane % TG, gid = warp * TPW + lane / TG;\n"
         "  const int seq = pair / HKV, kvh = pair % HKV;\n"
@@ -183,16 +196,9 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         "        float top = autosched_pd_neg_inf();\n"
         "        #pragma unroll\n"
         "        for (int r = 0; r < SPLIT; ++r) {\n"
-        "          const unsigned base_m = static_cast<unsigned>(__cvta_generic_to_shared(&fin_ml[h][0]));\n"
-        "          const unsigned base_l = static_cast<unsigned>(__cvta_generic_to_shared(&fin_ml[h][1]));\n"
-        "          const unsigned base_o = static_cast<unsigned>(__cvta_generic_to_shared(&fin_o[h][c]));\n"
-        "          unsigned am, al, ao;\n"
-        "          asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(am) : \"r\"(base_m), \"r\"(r));\n"
-        "          asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(al) : \"r\"(base_l), \"r\"(r));\n"
-        "          asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(ao) : \"r\"(base_o), \"r\"(r));\n"
-        "          asm volatile(\"ld.shared::cluster.f32 %0, [%1];\" : \"=f\"(mr[r]) : \"r\"(am) : \"memory\");\n"
-        "          asm volatile(\"ld.shared::cluster.f32 %0, [%1];\" : \"=f\"(lr[r]) : \"r\"(al) : \"memory\");\n"
-        "          asm volatile(\"ld.shared::cluster.f32 %0, [%1];\" : \"=f\"(orr[r]) : \"r\"(ao) : \"memory\");\n"
+        "          mr[r] = autosched_pd_remote(&fin_ml[h][0], r);\n"
+        "          lr[r] = autosched_pd_remote(&fin_ml[h][1], r);\n"
+        "          orr[r] = autosched_pd_remote(&fin_o[h][c], r);\n"
         "          top = fmaxf(top, mr[r]);\n"
         "        }\n"
         "        float sum = 0.f, acc = 0.f;\n"
@@ -223,6 +229,7 @@ def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, d
     source = _body_source(name, dtype, consts).replace(
         "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / math.sqrt(d)!r}f;\n  constexpr int D =")
     pairs, threads = b * hkv, 32 * warps
+    words = smem_floats(h // hkv, d, warps, pps, split)
 
     def launch_ids():  # (the (sequence, K/V head) pair, the CTA's rank among the pair's split)
         if split == 1:
@@ -238,8 +245,10 @@ def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, d
         T.device_entry()
         pair, rank = launch_ids()
         tx = T.thread_id([threads])  # noqa: F841 (declares the block's threads)
+        smem = T.alloc_buffer((words,), "float32", scope="shared.dyn", align=16)
         T.cuda.func_call(name, Q.access_ptr("r"), K.access_ptr("r"), V.access_ptr("r"), table.access_ptr("r"),
-                         lens.access_ptr("r"), O.access_ptr("w"), pair, rank, source_code=source)
+                         lens.access_ptr("r"), O.access_ptr("w"), smem.access_ptr("rw"), pair, rank,
+                         source_code=source)
     # fmt: on
     return main
 
@@ -279,9 +288,9 @@ class PagedDecodeSpace(HopperTemplate):
         s = self.shape
         g = s["h"] // s["hkv"]
         pages = math.ceil(s["ctx"] / s["page"])
-        smem = 4 * (p["warps"] * g * (s["d"] + 2) + g * (s["d"] + 2) + math.ceil(pages / p["split"]) + 1)
-        if smem > STATIC_SMEM:
-            return f"{smem} bytes of merge buffers and page table (at most {STATIC_SMEM} of static shared memory)"
+        smem = 4 * smem_floats(g, s["d"], p["warps"], pages, p["split"])
+        if smem > SMEM_LIMIT:
+            return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
         # Registers per thread, roughly: q, o (8 per head), the step's K and V rows (8 each) and scores.
         regs = 16 * g + 8 * p["unroll"] + p["unroll"] * g + 24
         if regs > 200:

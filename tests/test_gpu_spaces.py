@@ -307,3 +307,141 @@ def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
     assert "already fill the GPU" in full.space(sm90).validate({"warps": 4, "unroll": 2, "split": 2})
     older = parse_target("cuda:sm_80", require_device=False)
     assert task.space(older).name == "gpu_rows"
+
+
+# A CUDA body run on the host: one OS thread per CUDA thread of one cluster's CTAs, warp shuffles, block
+# and cluster barriers emulated with std::barrier, each CTA's shared memory a host buffer that the others
+# can read (distributed shared memory). Enough for kernels whose body is our own CUDA (not TVM's generated
+# code): it checks their indexing and arithmetic without a GPU, not their speed or their memory model.
+HOST_SHIM = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+using std::min;
+struct HostDim { int x = 0, y = 0, z = 0; };
+thread_local HostDim host_thread;
+thread_local int host_rank;  // the CTA's rank in its cluster
+static int host_warps_per_cta;
+static std::barrier<>* host_cluster_barrier;
+static std::vector<std::barrier<>*> host_block_barriers;  // per CTA
+static std::vector<std::barrier<>*> host_warp_barriers;   // per CTA and warp
+static std::vector<float*> host_smem;                      // per CTA
+static float host_warp_lanes[512][32];
+inline void host_syncthreads() { host_block_barriers[host_rank]->arrive_and_wait(); }
+inline void host_cluster_sync() { host_cluster_barrier->arrive_and_wait(); }
+inline float host_remote(const float* local, int rank) { return host_smem[rank][local - host_smem[host_rank]]; }
+inline float host_shfl_xor(unsigned, float v, int offset) {
+  const int w = host_rank * host_warps_per_cta + host_thread.x / 32, l = host_thread.x % 32;
+  host_warp_barriers[w]->arrive_and_wait();
+  host_warp_lanes[w][l] = v;
+  host_warp_barriers[w]->arrive_and_wait();
+  return host_warp_lanes[w][l ^ offset];
+}
+inline float host_int_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+inline unsigned long long host_cvta(const void*) { return 0; }
+"""
+
+# The CUDA names the body uses, and the host shim's stand-ins (nvcc reserves the CUDA names for the device).
+HOST_NAMES = {"threadIdx": "host_thread", "__syncthreads": "host_syncthreads", "__shfl_xor_sync": "host_shfl_xor",
+              "__int_as_float": "host_int_as_float", "__cvta_generic_to_shared": "host_cvta"}
+
+
+def _host_body(source: str) -> str:
+    """Our kernel body's CUDA source made host C++: the CUDA names and PTX replaced by the shim's."""
+    import re
+
+    source = source.replace("__device__ __forceinline__", "inline")
+    source = source.replace("autosched_cluster_sync();", "host_cluster_sync();")
+    source = source.replace("autosched_pd_remote(&", "host_remote(&")
+    for cuda_name, host_name in HOST_NAMES.items():
+        source = source.replace(cuda_name, host_name)
+    source = re.sub(r"asm\(\"ld\.global.*?\);\n", "v = *reinterpret_cast<const uint4*>(p);\n", source, flags=re.S)
+    return re.sub(r"asm volatile\(.*?\);", ";", source, flags=re.S)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("shape,dtype,point", [
+    ("b=3,h=8,hkv=2,d=128,ctx=150,page=16", "float16", {"warps": 4, "unroll": 4, "split": 1}),
+    ("b=2,h=4,hkv=4,d=64,ctx=100,page=16", "bfloat16", {"warps": 2, "unroll": 1, "split": 1}),
+    ("b=2,h=2,hkv=1,d=256,ctx=70,page=16", "float16", {"warps": 2, "unroll": 2, "split": 1}),
+    ("b=2,h=8,hkv=2,d=128,ctx=300,page=16", "float16", {"warps": 2, "unroll": 2, "split": 4}),
+    ("b=1,h=2,hkv=1,d=64,ctx=40,page=16", "bfloat16", {"warps": 2, "unroll": 1, "split": 8}),
+], ids=["gqa4-d128-fp16", "mha-d64-bf16", "gqa2-d256-fp16", "gqa4-split4", "split8-more-ctas-than-pages"])
+def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point, tmp_path):
+    """The paged-decode kernel's body, compiled for the host by nvcc and run CTA by CTA with one thread
+    per CUDA thread, against the workload's float64 reference on its own inputs (a shorter last
+    sequence, shuffled pages)."""
+    import subprocess
+
+    import torch
+
+    from autosched.search_spaces.paged_decode import _body_source, smem_floats
+    from autosched.workloads import get_operator
+
+    wl = make_workload("paged_decode_attention", shape, dtype)
+    op = get_operator("paged_decode_attention")
+    ins = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    s = wl.shape_dict
+    pps = -(-s["ctx"] // s["page"])
+    split = point["split"]
+    consts = {"H": s["h"], "HKV": s["hkv"], "G": s["h"] // s["hkv"], "D": s["d"], "PAGE": s["page"], "PPS": pps,
+              "WARPS": point["warps"], "UNROLL": point["unroll"], "SPLIT": split}
+    words = smem_floats(s["h"] // s["hkv"], s["d"], point["warps"], pps, split)
+    body = _body_source("paged_decode_body", dtype, consts).replace(
+        "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / s['d'] ** 0.5!r}f;\n  constexpr int D =")
+    for name, tensor in zip(("q", "k", "v", "table", "lens"), ins):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    scalar = "half" if dtype == "float16" else "nv_bfloat16"
+    program = HOST_SHIM + _host_body(body) + f"""
+template <class T> std::vector<T> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<T> data(n / sizeof(T)); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+  auto q = load<{scalar}>("q.bin"); auto k = load<{scalar}>("k.bin"); auto v = load<{scalar}>("v.bin");
+  auto table = load<int>("table.bin"); auto lens = load<int>("lens.bin");
+  std::vector<{scalar}> out(q.size());
+  const int threads = {point["warps"]} * 32, split = {split};
+  host_warps_per_cta = {point["warps"]};
+  for (int pair = 0; pair < {s["b"] * s["hkv"]}; ++pair) {{  // one cluster at a time
+    std::barrier<> cluster(threads * split);
+    host_cluster_barrier = &cluster;
+    std::vector<std::vector<float>> smem(split, std::vector<float>({words}, -1.f));
+    host_block_barriers.clear(); host_warp_barriers.clear(); host_smem.clear();
+    for (int r = 0; r < split; ++r) {{
+      host_block_barriers.push_back(new std::barrier<>(threads));
+      host_smem.push_back(smem[r].data());
+      for (int w = 0; w < {point["warps"]}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    }}
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads * split; ++t)
+      pool.emplace_back([&, t] {{
+        host_rank = t / threads;
+        host_thread.x = t % threads;
+        paged_decode_body(q.data(), k.data(), v.data(), table.data(), lens.data(), out.data(), host_smem[host_rank],
+                          pair, host_rank);
+      }});
+    for (auto& th : pool) th.join();
+    for (auto* b : host_block_barriers) delete b;
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("out.bin", "wb"); fwrite(out.data(), sizeof({scalar}), out.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    (tmp_path / "host.cu").write_text(program)
+    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=300)
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=ins[0].dtype).reshape(ins[0].shape)
+    ref = op.reference(wl, ins)[0]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 1e-2, f"relative error {err}"
