@@ -29,10 +29,11 @@ CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
 MAX_M = 8  # activation rows: a decode step of a few sequences
 MAX_UNROLLED_STEPS = 16
 
-# Loads a 16-byte chunk of weights without allocating it in L1 (read once); not volatile, so that the
-# compiler may issue an unrolled loop's loads ahead of its arithmetic.
-_LOAD_SOURCE = (
-    "__device__ __forceinline__ uint4 autosched_ld_stream_v4(const void* p) {\n"
+# Loads 16 bytes that are read once (weights, a KV cache) without allocating them in L1; not volatile, so
+# that the compiler may issue an unrolled loop's loads ahead of its arithmetic.
+STREAM_LOAD = "autosched_ld_stream_v4"
+STREAM_LOAD_SOURCE = (
+    f"__device__ __forceinline__ uint4 {STREAM_LOAD}(const void* p) {{\n"
     "  uint4 v;\n"
     "  asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\"\n"
     "      : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n"
@@ -66,7 +67,7 @@ def _dot_source(dtype: str, m: int) -> tuple[str, str]:
         f"    acc{i} += s * scale; }}\n" for i in range(m))
     source = (
         f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) {{\n"
-        "  uint4 q4 = autosched_ld_stream_v4(wp);\n"
+        f"  uint4 q4 = {STREAM_LOAD}(wp);\n"
         "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
         "  float w[32];  // q - 8 in k order: byte b of word j holds k = 8j + 2b (low nibble), 8j + 2b + 1\n"
         "  const __half2 bias = __float2half2_rn(1032.f);\n"
@@ -82,7 +83,7 @@ def _dot_source(dtype: str, m: int) -> tuple[str, str]:
         "    }\n"
         "  }\n"
         f"{rows}}}\n")
-    return name, _LOAD_SOURCE + source
+    return name, STREAM_LOAD_SOURCE + source
 
 
 def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point):

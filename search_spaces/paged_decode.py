@@ -21,6 +21,7 @@ import math
 
 from ._knobs import Knob, Point
 from .hopper_gemm import CLUSTER_SYNC, CLUSTER_SYNC_SOURCE, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate
+from .int4_gemv import STREAM_LOAD, STREAM_LOAD_SOURCE
 
 _CUDA = {"float16": ("half", "__half2", "__half22float2", "__float2half_rn"),
          "bfloat16": ("nv_bfloat16", "__nv_bfloat162", "__bfloat1622float2", "__float2bfloat16_rn")}
@@ -35,16 +36,11 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
     """The kernel's body: one thread's work, for the constants in ``s``."""
     scalar, pair, to_float2, from_float = _CUDA[dtype]
     consts = "".join(f"  constexpr int {key} = {value};\n" for key, value in s.items())
-    return CLUSTER_SYNC_SOURCE + (
+    return CLUSTER_SYNC_SOURCE + STREAM_LOAD_SOURCE + (
         # -inf spelled by its bits: INFINITY comes from math.h, which NVRTC (the GPU machine's compiler) may lack.
         "__device__ __forceinline__ float autosched_pd_neg_inf() { return __int_as_float(0xff800000); }\n"
         "__device__ __forceinline__ float autosched_pd_weight(float m, float top) {\n"
         "  return m == autosched_pd_neg_inf() ? 0.f : exp2f(m - top);\n}\n"
-        "__device__ __forceinline__ uint4 autosched_pd_load(const void* p) {\n"
-        "  uint4 v;\n"
-        "  asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\"\n"
-        "      : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n"
-        "  return v;\n}\n"
         # A float of another CTA of the cluster: the same offset in its shared memory.
         "__device__ __forceinline__ float autosched_pd_remote(const float* local, int rank) {\n"
         "  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(local));\n"
@@ -101,8 +97,8 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         "      live[u] = t < end;\n"
         "      if (live[u]) {\n"
         "        const size_t row = ((size_t)page_of[t / PAGE - first] * PAGE + t % PAGE) * HKV + kvh;\n"
-        "        kr[u] = autosched_pd_load(K + row * D + sub * 8);\n"
-        "        vr[u] = autosched_pd_load(V + row * D + sub * 8);\n"
+        f"        kr[u] = {STREAM_LOAD}(K + row * D + sub * 8);\n"
+        f"        vr[u] = {STREAM_LOAD}(V + row * D + sub * 8);\n"
         "      }\n"
         "    }\n"
         "    float s[UNROLL][G];\n"
