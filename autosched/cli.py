@@ -21,6 +21,7 @@ from .output import emit, plain
 
 DB_ENV = "AUTOSCHED_DB"
 DEFAULT_DB = "autosched.db"
+BUILD_BUCKET_GROWTH = 1.25  # `build --tokens dynamic`: finer than the tuned buckets (tune-model: 2)
 
 
 # ---- output helpers ------------------------------------------------------------------------------
@@ -455,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db_arg(p)
     p.set_defaults(fn=cmd_show)
 
-    def model_args(p):
+    def model_args(p, growth=2.0):
         p.add_argument("model", help="an example model (tiny-llama, llama-7b-layers, ...) or module:factory")
         p.add_argument("--target", default="llvm", help="llvm (default) or cuda")
         p.add_argument("--batch", help="batch size of the example input; several (1,4,16) or 'dynamic' (1, 2, 4, "
@@ -466,8 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "several lengths (64,256,1024) or 'dynamic' (16, 32, ... up to --max-tokens): tune-model "
                        "tunes every length's kernels, build makes one artifact for any length up to the largest")
         p.add_argument("--max-tokens", type=int, default=2048, help="the largest length of --tokens dynamic (default 2048)")
-        p.add_argument("--bucket-growth", type=float, default=2.0,
-                       help="--tokens dynamic: each bucket this many times the one before (default 2: 16, 32, 64, ...)")
+        p.add_argument("--bucket-growth", type=float, default=growth,
+                       help=f"--tokens dynamic: each bucket this many times the one before (default {growth:g}; "
+                       "powers of two always among them)")
         p.add_argument("--dtype", help="model dtype (the example's default if not given)")
         _add_db_arg(p)
 
@@ -485,7 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_tune_model)
 
     p = sub.add_parser("build", help="build a deployable module of a model with the database's best kernels")
-    model_args(p)
+    # Build finer than tune-model tunes: a bucket nobody tuned takes the nearest tuned one's schedules, and
+    # padding by at most a quarter kept lengths never tuned within 10% of a build for exactly that length.
+    model_args(p, growth=BUILD_BUCKET_GROWTH)
     p.add_argument("-o", "--output", required=True, help="folder for model.so, params.bin and manifest.json")
     p.set_defaults(fn=cmd_build)
 

@@ -134,6 +134,20 @@ def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_t
         assert others and all(nearest_workloads(db, t, cpu_target) == [] for t in others)
 
 
+
+def test_build_makes_finer_buckets_than_tune_model_tunes():
+    """By default ``build --tokens dynamic`` pads by at most a quarter (300 tokens run as 304), while
+    ``tune-model`` tunes the powers of two, which the build's buckets include; both take --bucket-growth."""
+    from autosched.cli import _sizes, build_parser
+
+    def buckets(*argv):
+        return _sizes(build_parser().parse_args([*argv, "tiny-llama", "--tokens", "dynamic", "--max-tokens", "1024"]))[1]
+
+    tuned, built = buckets("tune-model"), buckets("build", "-o", "out")
+    assert tuned == [16, 32, 64, 128, 256, 512, 1024]
+    assert set(tuned) <= set(built) and 304 in built and len(built) == 19
+    assert buckets("build", "-o", "out", "--bucket-growth", "2") == tuned
+
 def test_a_model_that_is_not_causal_is_refused():
     with pytest.raises(UsageError, match="not a causal model"):
         check_padding_is_exact("tests.test_lengths:bidirectional", {})
