@@ -17,7 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _isolated import run_isolated  # noqa: E402
 
-POINTS = [{"consumers": c, "block_kv": kv, "stages": st} for c in (2, 1) for kv in (128, 64) for st in (2, 3)]
+POINTS = [{"consumers": c, "block_kv": kv, "stages": st, "overlap": ov}
+          for c in (2, 1) for kv in (128, 64) for st in (2, 3) for ov in (False, True)]
 
 
 def _one(case, dtype, point, queue):

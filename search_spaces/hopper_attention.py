@@ -13,6 +13,10 @@ Each consumer warpgroup owns 64 query rows and, per KV tile:
   next product, so P·V is a register-shared ``wgmma`` with V read from shared memory (MN-major);
 * releases the stage through its empty barrier.
 
+With ``overlap`` (FlashAttention-3's intra-warpgroup pipelining) a consumer issues tile j's QKᵀ and tile
+j - 1's P·V together and computes tile j's softmax while the tensor cores still accumulate P·V; the output
+is rescaled once that product has landed.
+
 Causal CTAs skip every tile above the diagonal, and the grid starts with the longest (last) query blocks.
 Grouped-query attention reads the K/V head of the query head's group. Sequence lengths no tile divides
 are masked; the epilogue is predicated. A head dimension that is not a multiple of 64 (96: Phi-3, 80) is
@@ -64,6 +68,7 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
     from tvm.script import tirx as T
 
     consumers, bkv, stages = p["consumers"], p["block_kv"], p["stages"]
+    overlap = p.get("overlap", False)  # FlashAttention-3's intra-warpgroup overlap of softmax and P·V
     bm = 64 * consumers
     threads = 128 * (consumers + 1)
     group = h // hkv
@@ -88,6 +93,83 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
         return (T.min(qb * bm + bm, s) + bkv - 1) // bkv if causal else (s + bkv - 1) // bkv
 
     # fmt: off
+    @T.macro
+    def qk_issue(S, smem, k_full, desc_a, desc_b, j, wg):
+        """S = Q Kᵀ of KV tile j over the head dimension, 16 at a time (issued and committed, not waited)."""
+        T.cuda.mbarrier_wait(T.address_of(k_full[j % stages]), (j // stages) % 2)
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(dp // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(
+                T.address_of(desc_a),
+                smem.access_ptr("r", offset=((wg - 1) * cblocks + kk // 4) * 64 * 64 + (kk % 4) * 16), 1, 64, 3)
+            T.cuda.wgmma.encode_matrix_descriptor(
+                T.address_of(desc_b),
+                smem.access_ptr("r", offset=q_elems + (j % stages) * 2 * tile_elems + (kk // 4) * bkv * 64
+                                + (kk % 4) * 16), 1, 64, 3)
+            T.ptx[qk_mma](*[S[i] for i in range(s_acc)], desc_a, desc_b, T.bool(kk > 0), 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def softmax(S, row_max, row_sum, tile_max, alpha, j, qb, wg, tx):
+        """Tile j's scores (complete) become exp2(S - max): the row maxima, their rescale factor alpha and
+        the running sums are updated; the output is not touched (a P·V may still be accumulating it)."""
+        for i in T.unroll(s_acc):
+            T.cuda.func_call(FENCE_NAME, S[i], source_code=FENCE_SOURCE)
+        # Mask keys after the query (causal) and past the sequence, on the tiles that need it.
+        if (causal and j * bkv + bkv > qb * bm) or j * bkv + bkv > s:
+            for i in T.unroll(s_acc):
+                key = T.meta_var(j * bkv + (i // 4) * 8 + (tx % 4) * 2 + i % 2)
+                query = T.meta_var(qb * bm + (wg - 1) * 64 + ((tx % 128) // 32) * 16 + (tx % 32) // 4
+                                   + ((i % 4) // 2) * 8)
+                if key >= s or (causal and key > query):
+                    S[i] = neg_inf
+        for r in T.unroll(2):
+            tile_max[r] = row_max[r]
+        for i in T.unroll(s_acc):
+            tile_max[(i % 4) // 2] = T.max(tile_max[(i % 4) // 2], S[i] * T.float32(scale_log2))
+        for r in T.unroll(2):
+            tile_max[r] = T.cuda.func_call(fn["qmax"][0], tile_max[r], source_code=fn["qmax"][1],
+                                           return_type="float32")
+            alpha[r] = T.cuda.func_call(fn["exp2"][0], row_max[r] - tile_max[r], source_code=fn["exp2"][1],
+                                        return_type="float32")
+            row_max[r] = tile_max[r]
+            row_sum[r] = row_sum[r] * alpha[r]
+        for i in T.unroll(s_acc):
+            S[i] = T.cuda.func_call(fn["exp2"][0], S[i] * T.float32(scale_log2) - row_max[(i % 4) // 2],
+                                    source_code=fn["exp2"][1], return_type="float32")
+            row_sum[(i % 4) // 2] = row_sum[(i % 4) // 2] + S[i]
+
+    @T.macro
+    def pack_and_rescale(S, P, Oacc, alpha):
+        """P = S as 16-bit pairs (the next P·V's A operand), and the output rescaled to the new maxima."""
+        for i in T.unroll(bkv // 4):
+            P[i] = T.cuda.func_call(fn["pack"][0], S[2 * i], S[2 * i + 1], source_code=fn["pack"][1],
+                                    return_type="uint32")
+        for i in T.unroll(o_acc):
+            Oacc[i] = Oacc[i] * alpha[(i % 4) // 2]
+            T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
+
+    @T.macro
+    def pv_issue(Oacc, P, smem, v_full, desc_b, j):
+        """O += P V of tile j: P from registers, V (keys x head dim, MN-major) from shared memory."""
+        T.cuda.mbarrier_wait(T.address_of(v_full[j % stages]), (j // stages) % 2)
+        T.ptx.wgmma.fence.sync.aligned()
+        for t in T.unroll(bkv // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(
+                T.address_of(desc_b),
+                smem.access_ptr("r", offset=q_elems + (j % stages) * 2 * tile_elems + tile_elems + t * 16 * 64),
+                bkv * 8, 64, 3)
+            T.ptx[pv_mma](*[Oacc[i] for i in range(o_acc)], P[4 * t], P[4 * t + 1], P[4 * t + 2], P[4 * t + 3],
+                          desc_b, T.bool(True), 1, 1, 1)
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def pv_done(Oacc, empty, j):
+        """Tile j's P·V has completed: its stage goes back to the producer."""
+        for i in T.unroll(o_acc):
+            T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
+        T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[j % stages]))
+
     @T.prim_func
     def main(Q: T.Buffer((b, h, s, d), dtype, align=16), K: T.Buffer((b, hkv, s, d), dtype, align=16),
              V: T.Buffer((b, hkv, s, d), dtype, align=16), O: T.Buffer((b, h, s, d), dtype, align=16)):
@@ -169,68 +251,32 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                 Oacc[i] = T.float32(0)
                 T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
             T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
-            for j in T.serial(n_tiles):
-                T.cuda.mbarrier_wait(T.address_of(k_full[j % stages]), (j // stages) % 2)
-                # S = Q Kᵀ over the head dimension, 16 at a time.
-                T.ptx.wgmma.fence.sync.aligned()
-                for kk in T.unroll(dp // 16):
-                    T.cuda.wgmma.encode_matrix_descriptor(
-                        T.address_of(desc_a),
-                        smem.access_ptr("r", offset=((wg - 1) * cblocks + kk // 4) * 64 * 64 + (kk % 4) * 16), 1, 64, 3)
-                    T.cuda.wgmma.encode_matrix_descriptor(
-                        T.address_of(desc_b),
-                        smem.access_ptr("r", offset=q_elems + (j % stages) * 2 * tile_elems + (kk // 4) * bkv * 64
-                                        + (kk % 4) * 16), 1, 64, 3)
-                    T.ptx[qk_mma](*[S[i] for i in range(s_acc)], desc_a, desc_b, T.bool(kk > 0), 1, 1, 0, 0)
-                T.ptx.wgmma.commit_group.sync.aligned()
+            if overlap:
+                # The softmax of tile j runs while the tensor cores compute P·V of tile j - 1.
+                qk_issue(S, smem, k_full, desc_a, desc_b, 0, wg)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
-                for i in T.unroll(s_acc):
-                    T.cuda.func_call(FENCE_NAME, S[i], source_code=FENCE_SOURCE)
-                # Mask keys after the query (causal) and past the sequence, on the tiles that need it.
-                if (causal and j * bkv + bkv > qb * bm) or j * bkv + bkv > s:
-                    for i in T.unroll(s_acc):
-                        key = T.meta_var(j * bkv + (i // 4) * 8 + (tx % 4) * 2 + i % 2)
-                        query = T.meta_var(qb * bm + (wg - 1) * 64 + ((tx % 128) // 32) * 16 + (tx % 32) // 4
-                                           + ((i % 4) // 2) * 8)
-                        if key >= s or (causal and key > query):
-                            S[i] = neg_inf
-                # Online softmax, base 2: new row maximum, rescale of the running sum and output.
-                for r in T.unroll(2):
-                    tile_max[r] = row_max[r]
-                for i in T.unroll(s_acc):
-                    tile_max[(i % 4) // 2] = T.max(tile_max[(i % 4) // 2], S[i] * T.float32(scale_log2))
-                for r in T.unroll(2):
-                    tile_max[r] = T.cuda.func_call(fn["qmax"][0], tile_max[r], source_code=fn["qmax"][1],
-                                                   return_type="float32")
-                    alpha[r] = T.cuda.func_call(fn["exp2"][0], row_max[r] - tile_max[r], source_code=fn["exp2"][1],
-                                                return_type="float32")
-                    row_max[r] = tile_max[r]
-                    row_sum[r] = row_sum[r] * alpha[r]
-                for i in T.unroll(s_acc):
-                    S[i] = T.cuda.func_call(fn["exp2"][0], S[i] * T.float32(scale_log2) - row_max[(i % 4) // 2],
-                                            source_code=fn["exp2"][1], return_type="float32")
-                    row_sum[(i % 4) // 2] = row_sum[(i % 4) // 2] + S[i]
-                for i in T.unroll(bkv // 4):
-                    P[i] = T.cuda.func_call(fn["pack"][0], S[2 * i], S[2 * i + 1], source_code=fn["pack"][1],
-                                            return_type="uint32")
-                for i in T.unroll(o_acc):
-                    Oacc[i] = Oacc[i] * alpha[(i % 4) // 2]
-                    T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
-                # O += P V, P from registers, V (keys x head dim, MN-major) from shared memory.
-                T.cuda.mbarrier_wait(T.address_of(v_full[j % stages]), (j // stages) % 2)
-                T.ptx.wgmma.fence.sync.aligned()
-                for t in T.unroll(bkv // 16):
-                    T.cuda.wgmma.encode_matrix_descriptor(
-                        T.address_of(desc_b),
-                        smem.access_ptr("r", offset=q_elems + (j % stages) * 2 * tile_elems + tile_elems + t * 16 * 64),
-                        bkv * 8, 64, 3)
-                    T.ptx[pv_mma](*[Oacc[i] for i in range(o_acc)], P[4 * t], P[4 * t + 1], P[4 * t + 2], P[4 * t + 3],
-                                  desc_b, T.bool(True), 1, 1, 1)
-                T.ptx.wgmma.commit_group.sync.aligned()
+                softmax(S, row_max, row_sum, tile_max, alpha, 0, qb, wg, tx)
+                pack_and_rescale(S, P, Oacc, alpha)
+                for j in T.serial(1, n_tiles):
+                    qk_issue(S, smem, k_full, desc_a, desc_b, j, wg)
+                    pv_issue(Oacc, P, smem, v_full, desc_b, j - 1)
+                    T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile j; P·V of tile j - 1 may still run
+                    softmax(S, row_max, row_sum, tile_max, alpha, j, qb, wg, tx)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    pv_done(Oacc, empty, j - 1)
+                    pack_and_rescale(S, P, Oacc, alpha)
+                pv_issue(Oacc, P, smem, v_full, desc_b, n_tiles - 1)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
-                for i in T.unroll(o_acc):
-                    T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
-                T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[j % stages]))
+                pv_done(Oacc, empty, n_tiles - 1)
+            else:
+                for j in T.serial(n_tiles):
+                    qk_issue(S, smem, k_full, desc_a, desc_b, j, wg)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    softmax(S, row_max, row_sum, tile_max, alpha, j, qb, wg, tx)
+                    pack_and_rescale(S, P, Oacc, alpha)
+                    pv_issue(Oacc, P, smem, v_full, desc_b, j)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    pv_done(Oacc, empty, j)
             # O / l, stored as pairs; rows past the sequence and padding columns are not written.
             for r in T.unroll(2):
                 row_sum[r] = T.cuda.func_call(fn["qsum"][0], row_sum[r], source_code=fn["qsum"][1], return_type="float32")
@@ -249,7 +295,7 @@ class HopperAttentionSpace(HopperTemplate):
     """Prefill ``attention`` on sm_90: the TIRx kernel above; consumers, KV tile and stages are the knobs."""
 
     name = "hopper_attention"
-    version = 1
+    version = 2  # 2: the overlap knob
     families = ("attention",)
 
     @classmethod
@@ -268,7 +314,8 @@ class HopperAttentionSpace(HopperTemplate):
         self.b, self.h, self.hkv, self.s, self.d, self.dtype = shape
         self.causal = bool(self.hints.get("causal", True))
         self.sms = target.num_cores or 132
-        self.knobs = [Knob("consumers", (1, 2)), Knob("block_kv", (64, 128)), Knob("stages", (2, 3))]
+        self.knobs = [Knob("consumers", (1, 2)), Knob("block_kv", (64, 128)), Knob("stages", (2, 3)),
+                      Knob("overlap", (False, True), ordered=False)]
 
     def check(self, p: Point) -> str | None:
         bm, bkv = 64 * p["consumers"], p["block_kv"]
@@ -283,7 +330,8 @@ class HopperAttentionSpace(HopperTemplate):
 
     def default(self) -> Point:
         # Measured on the H200 (causal 1x32x2048x128 fp16): 381 TFLOP/s, against 306 with one consumer.
-        for point in ({"consumers": 2, "block_kv": 128, "stages": 2}, {"consumers": 2, "block_kv": 64, "stages": 2}):
+        for point in ({"consumers": 2, "block_kv": 128, "stages": 2, "overlap": False},
+                      {"consumers": 2, "block_kv": 64, "stages": 2, "overlap": False}):
             if self.check(point) is None:
                 return point
         return super().default()
@@ -295,7 +343,8 @@ class HopperAttentionSpace(HopperTemplate):
         bm = 64 * p["consumers"]
         ctas = math.ceil(self.s / bm) * self.b * self.h
         return [p["consumers"], p["block_kv"], p["stages"], bm, math.log2(ctas), ctas / self.sms,
-                math.ceil(self.s / p["block_kv"]), self.s % p["block_kv"] / p["block_kv"], float(self.causal)]
+                math.ceil(self.s / p["block_kv"]), self.s % p["block_kv"] / p["block_kv"], float(self.causal),
+                float(p.get("overlap", False))]
 
 
 def takes_head_dim(d: int) -> bool:

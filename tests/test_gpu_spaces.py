@@ -445,3 +445,22 @@ int main() {{
     ref = op.reference(wl, ins)[0]
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     assert err < 1e-2, f"relative error {err}"
+
+
+
+@needs_nvcc
+def test_overlapped_softmax_compiles_and_leaves_the_serial_kernel_as_it_was(sm90):
+    """The overlap knob issues tile j's QKᵀ and tile j - 1's P·V together (two wgmma groups in flight,
+    the first waited with wait_group 1); it compiles for sm_90a without spills, and without it the
+    kernel waits for every group (wait_group 0 only)."""
+    task = Task.from_workload(make_workload("attention", "b=1,h=4,hkv=2,s=200,d=128", "float16", "causal=1"))
+    space = task.space(sm90)
+    serial, overlapped = ({**space.default(), "overlap": flag} for flag in (False, True))
+    for point in (serial, overlapped):
+        assert space.validate(point) is None
+    sources = {flag: cuda_source(space.apply(p), sm90, {}, space.codegen) for flag, p in ((False, serial),
+                                                                                         (True, overlapped))}
+    assert "wgmma.wait_group.sync.aligned 1" not in sources[False]
+    assert "wgmma.wait_group.sync.aligned 1" in sources[True]
+    report = nvcc_compile(sources[True], "sm_90a")
+    assert report.ok and report.spills == 0, report.log[-2000:]
