@@ -15,5 +15,7 @@ tail -15 "$OUT/decode_tests.log"
 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/decode_bench" --cases \
   batch16-gemm-fp16 dequant-int4-decode paged-decode paged-decode-b1-32k paged-decode-gqa8
 python3 benchmarks/hopper_attention_probe.py --case 1,32,32,2048,128,causal --case 1,32,32,2048,128,full \
+  --points '[{"consumers": 2, "block_kv": 128, "stages": 2, "overlap": false},
+             {"consumers": 2, "block_kv": 128, "stages": 2, "overlap": true}]' \
   --out "$OUT/attention_probe" > "$OUT/attention_probe.log" 2>&1
 tail -20 "$OUT/attention_probe.log"
