@@ -14,8 +14,10 @@ instead:
 * the activations (``m`` rows, at most 8) are read from L1/L2, where every warp of the block finds them;
 * the lanes' partial sums meet by warp shuffles, and lane 0 applies bias and activation and stores.
 
-Knobs: warps per block, weight rows per warp, and whether the lane's loop over its chunks is unrolled
-(all its loads issued before the arithmetic: more bytes in flight per thread).
+Knobs: warps per block, weight rows per warp, whether the lane's loop over its chunks is unrolled
+(all its loads issued before the arithmetic: more bytes in flight per thread) and, for fp16, whether the
+products are taken in half2 (``half_products``: about half the instructions per weight, sums of eight
+products in fp16, then fp32).
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ _WARP_SUM_SOURCE = (
 _TO_FLOAT2 = {"float16": ("__half2", "__half22float2"), "bfloat16": ("__nv_bfloat162", "__bfloat1622float2")}
 
 
-def _dot_source(dtype: str, m: int) -> tuple[str, str]:
+def _dot_source(dtype: str, m: int, half_products: bool = False) -> tuple[str, str]:
     """(name, source) of the helper that adds one chunk's scaled dot product to each row's accumulator."""
+    if half_products:
+        return _half_dot_source(m)
     pair, to_float2 = _TO_FLOAT2[dtype]
     name = f"autosched_q4_chunk_{dtype}_m{m}"
     accs = ", ".join(f"float& acc{i}" for i in range(m))
@@ -86,17 +90,69 @@ def _dot_source(dtype: str, m: int) -> tuple[str, str]:
     return name, STREAM_LOAD_SOURCE + source
 
 
+def _half_dot_source(m: int) -> tuple[str, str]:
+    """The fp16 chunk helper with products in half2: about half the instructions per weight of the fp32 one.
+
+    Weights become (q - 8) / 16, exactly, by one half2 FMA per two nibbles (a low nibble is 1024 + q
+    under 0x6400's exponent, a high one 1024 + 16q); the 1/16 keeps a half's sum of 8 products below
+    4 |x|, so activations up to 16384 in magnitude cannot overflow. Activation pairs are regrouped to the
+    nibbles' order, (k, k + 4), by byte permutes; every two words' half2 sums go to fp32, and the chunk's
+    sum is scaled by 16 x its group's scale."""
+    name = f"autosched_q4_chunk_float16_half_m{m}"
+    accs = ", ".join(f"float& acc{i}" for i in range(m))
+    rows = "".join(
+        f"  {{ const uint4* x = reinterpret_cast<const uint4*>(static_cast<const char*>(xp) + {i} * row_bytes);\n"
+        "    float s = 0.f;\n"
+        "    #pragma unroll\n"
+        "    for (int half = 0; half < 2; ++half) {\n"
+        "      __half2 h = __float2half2_rn(0.f);\n"
+        "      #pragma unroll\n"
+        "      for (int v = 2 * half; v < 2 * half + 2; ++v) {\n"
+        "        const uint4 a = x[v];  // k = 8v .. 8v + 7\n"
+        "        uint32_t pairs[4] = {(a.x & 0xFFFFu) | (a.z << 16), (a.x >> 16) | (a.z & 0xFFFF0000u),\n"
+        "                             (a.y & 0xFFFFu) | (a.w << 16), (a.y >> 16) | (a.w & 0xFFFF0000u)};\n"
+        "        #pragma unroll\n"
+        "        for (int t = 0; t < 4; ++t) h = __hfma2(*reinterpret_cast<__half2*>(&pairs[t]), w[v][t], h);\n"
+        "      }\n"
+        "      const float2 f = __half22float2(h);\n"
+        "      s += f.x + f.y;\n"
+        "    }\n"
+        f"    acc{i} += s * scale16; }}\n" for i in range(m))
+    source = (
+        f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) {{\n"
+        f"  uint4 q4 = {STREAM_LOAD}(wp);\n"
+        "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
+        "  // w[j][t]: (q - 8) / 16 of k = 8j + t and 8j + t + 4 (byte b of word j holds k = 8j + 2b, 8j + 2b + 1)\n"
+        "  __half2 w[4][4];\n"
+        "  const __half2 lo_mul = __float2half2_rn(0.0625f), lo_add = __float2half2_rn(-64.5f);\n"
+        "  const __half2 hi_mul = __float2half2_rn(0.00390625f), hi_add = __float2half2_rn(-4.5f);\n"
+        "  #pragma unroll\n"
+        "  for (int j = 0; j < 4; ++j) {\n"
+        "    #pragma unroll\n"
+        "    for (int s = 0; s < 2; ++s) {  // bytes 0 and 2, then 1 and 3\n"
+        "      const uint32_t v = q[j] >> (8 * s);\n"
+        "      uint32_t lo = (v & 0x000F000Fu) | 0x64006400u, hi = (v & 0x00F000F0u) | 0x64006400u;\n"
+        "      w[j][2 * s] = __hfma2(*reinterpret_cast<__half2*>(&lo), lo_mul, lo_add);\n"
+        "      w[j][2 * s + 1] = __hfma2(*reinterpret_cast<__half2*>(&hi), hi_mul, hi_add);\n"
+        "    }\n"
+        "  }\n"
+        "  const float scale16 = 16.f * scale;\n"
+        f"{rows}}}\n")
+    return name, STREAM_LOAD_SOURCE + source
+
+
 def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point):
     """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · dequant(Wq[n, k / 2])ᵀ + bias[n])."""
     from tvm.script import tirx as T
 
     warps, rows_pw, unroll = p["warps"], p["rows_per_warp"], p["unroll"]
+    half_products = p.get("half_products", False)
     threads, rows_pb = 32 * warps, warps * rows_pw
     grid = math.ceil(n / rows_pb)
     chunks = k // CHUNK  # per weight row
     steps = math.ceil(chunks / 32)  # per lane
     groups = math.ceil(k / group)
-    dot, dot_source = _dot_source(dtype, m)
+    dot, dot_source = _dot_source(dtype, m, half_products)
     _, store1, epi_source = _epilogue_source(dtype, act)
     loop = T.unroll if unroll else T.serial
 
@@ -153,7 +209,7 @@ class Int4GemvSpace(HopperTemplate):
     """``dequant_gemm`` with int4 weights and at most eight rows on sm_90: the streaming kernel above."""
 
     name = "int4_gemv"
-    version = 1
+    version = 2
     families = ("matmul",)
 
     @classmethod
@@ -184,6 +240,8 @@ class Int4GemvSpace(HopperTemplate):
             Knob("rows_per_warp", (1, 2, 4)),
             Knob("unroll", (False, True), ordered=False),
         ]
+        if self.dtype == "float16":  # bf16's 8-bit mantissa is too coarse for half2 sums
+            self.knobs.append(Knob("half_products", (False, True), ordered=False))
 
     def steps(self) -> int:
         return math.ceil(self.k // CHUNK / 32)
@@ -198,10 +256,11 @@ class Int4GemvSpace(HopperTemplate):
         return None
 
     def default(self) -> Point:
+        extra = {"half_products": False} if self.dtype == "float16" else {}
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},
                       {"warps": 4, "rows_per_warp": 1, "unroll": False}):
-            if self.check(point) is None:
-                return point
+            if self.check(point | extra) is None:
+                return point | extra
         return super().default()
 
     def kernel(self, p: Point):
@@ -212,7 +271,8 @@ class Int4GemvSpace(HopperTemplate):
         rows_pb = p["warps"] * p["rows_per_warp"]
         blocks = math.ceil(self.n / rows_pb)
         in_flight = 16 * p["rows_per_warp"] * (self.steps() if p["unroll"] else 1)
-        return [p["warps"], p["rows_per_warp"], float(p["unroll"]), rows_pb, math.log2(blocks), blocks / self.sms,
+        return [p["warps"], p["rows_per_warp"], float(p["unroll"]), float(p.get("half_products", False)), rows_pb,
+                math.log2(blocks), blocks / self.sms,
                 in_flight, in_flight * 32 * p["warps"], self.steps(), self.m]
 
 
