@@ -13,6 +13,11 @@ launch) is built for that:
 * with few sequences (``split`` > 1) the pages of a sequence are split between the CTAs of a thread-block
   cluster, and the first CTA merges the others' (max, sum, output) through distributed shared memory:
   no second kernel and no workspace in global memory.
+
+On CUDA cores a GQA group costs 2·G·D FMAs per token, so at G = 8 the kernel is issue-bound (33% of the
+copy bandwidth on the H200) where at G = 1 it streams at 96%. The ``mma`` knob (groups of 2-16 heads,
+head dim 64 or 128) takes QKᵀ and PV to tensor cores instead: ``mma.sync`` m16n8k16 with the group's
+heads as M, 16-token tiles, the scores' accumulators reused as PV's A fragment (see ``_mma_loop``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from ._knobs import Knob, Point
 from .hopper_gemm import CLUSTER_SYNC, CLUSTER_SYNC_SOURCE, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate
 from .int4_gemv import STREAM_LOAD, STREAM_LOAD_SOURCE
 
+MMA_MAX_GROUP = 16  # query heads per K/V head on the M side of m16n8k16
 _CUDA = {"float16": ("half", "__half2", "__half22float2", "__float2half_rn"),
          "bfloat16": ("nv_bfloat16", "__nv_bfloat162", "__bfloat1622float2", "__float2bfloat16_rn")}
 
@@ -32,11 +38,12 @@ def smem_floats(g: int, d: int, warps: int, pages: int, split: int) -> int:
     return (warps + 1) * g * (d + 2) + (pages + split - 1) // split + 1
 
 
-def _body_source(name: str, dtype: str, s: dict) -> str:
-    """The kernel's body: one thread's work, for the constants in ``s``."""
+def _body_source(name: str, dtype: str, s: dict, mma: bool = False) -> str:
+    """The kernel's body: one thread's work, for the constants in ``s``; with ``mma``, the main loop's
+    products on tensor cores."""
     scalar, pair, to_float2, from_float = _CUDA[dtype]
     consts = "".join(f"  constexpr int {key} = {value};\n" for key, value in s.items())
-    return CLUSTER_SYNC_SOURCE + STREAM_LOAD_SOURCE + (
+    head = CLUSTER_SYNC_SOURCE + STREAM_LOAD_SOURCE + (
         # -inf spelled by its bits: INFINITY comes from math.h, which NVRTC (the GPU machine's compiler) may lack.
         "__device__ __forceinline__ float autosched_pd_neg_inf() { return __int_as_float(0xff800000); }\n"
         "__device__ __forceinline__ float autosched_pd_weight(float m, float top) {\n"
@@ -78,6 +85,8 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         "  const int first = rank * pages / SPLIT, last = (rank + 1) * pages / SPLIT;\n"
         "  const int begin = first * PAGE, end = min(last * PAGE, len);\n"
         "  for (int i = tid; i < last - first; i += WARPS * 32) page_of[i] = table[seq * PPS + first + i];\n"
+    )
+    cuda_core_loop = (
         "  float q[G][8], o[G][8], m[G], l[G];\n"
         "  #pragma unroll\n"
         "  for (int h = 0; h < G; ++h) {\n"
@@ -163,6 +172,8 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         "      if (lane == 0) { part_ml[warp][h][0] = m[h]; part_ml[warp][h][1] = l[h]; }\n"
         "    }\n"
         "  }\n"
+    )
+    tail = (
         "  __syncthreads();\n"
         "  // The warps meet in shared memory: each thread merges elements of the CTA's G x D output.\n"
         "  for (int e = tid; e < G * D; e += WARPS * 32) {\n"
@@ -211,18 +222,164 @@ def _body_source(name: str, dtype: str, s: dict) -> str:
         f"    {CLUSTER_SYNC}();\n"
         "  }\n"
         "}\n")
+    return (_mma_helpers(dtype) if mma else "") + head + (_mma_loop(dtype) if mma else cuda_core_loop) + tail
+
+
+_MMA_TYPES = {"float16": ("f16", "__floats2half2_rn", "__half2"), "bfloat16": ("bf16", "__floats2bfloat162_rn", "__nv_bfloat162")}
+
+
+def _mma_helpers(dtype: str) -> str:
+    """One warp's m16n8k16 tensor-core product (fp32 accumulators), and two floats packed as a pair."""
+    ptx, pack, pair = _MMA_TYPES[dtype]
+    return (
+        f"__device__ __forceinline__ void autosched_pd_mma_{dtype}(float* c, uint32_t a0, uint32_t a1, uint32_t a2,\n"
+        "    uint32_t a3, uint32_t b0, uint32_t b1) {\n"
+        f"  asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, \"\n"
+        "               \"{%8, %9}, {%0, %1, %2, %3};\"\n"
+        "               : \"+f\"(c[0]), \"+f\"(c[1]), \"+f\"(c[2]), \"+f\"(c[3])\n"
+        "               : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"r\"(b0), \"r\"(b1));\n}\n"
+        f"__device__ __forceinline__ uint32_t autosched_pd_pack_{dtype}(float x, float y) {{\n"
+        f"  {pair} v = {pack}(x, y);\n"
+        "  return *reinterpret_cast<uint32_t*>(&v);\n}\n")
+
+
+def _mma_loop(dtype: str) -> str:
+    """The main loop with QKᵀ and PV on tensor cores (``mma.sync`` m16n8k16), for GQA groups of 2-16 heads.
+
+    A warp takes tiles of 16 tokens. The group's heads are the M side (rows g and g + 8 of lane's quad
+    g = lane / 4; rows past G are zero). For QKᵀ the head dimension is permuted so that lane t = lane % 4
+    of a quad reads one contiguous quarter of a K row (16-byte loads) and finds in it its B fragments of
+    every k-step; Q, loaded once, follows the same order. The scores' accumulators are PV's A fragment
+    (FlashAttention-2's register reuse); for PV each lane reads a contiguous eighth of four V rows and
+    pairs them by byte permutes. Output column j of n-tile ``nt`` is element (n · D/8 + j) of the head."""
+    mma, pack = f"autosched_pd_mma_{dtype}", f"autosched_pd_pack_{dtype}"
+    return (
+        "  constexpr int KS = D / 16;  // k-steps of QKᵀ\n"
+        "  constexpr int KV4 = D / 32;  // 16-byte loads per lane per K row (a quarter row)\n"
+        "  constexpr int VV4 = D / 64;  // 16-byte loads per lane per V row (an eighth)\n"
+        "  constexpr int NT = D / 8;  // n-tiles of PV\n"
+        "  const int g = lane / 4, t4 = lane % 4;\n"
+        "  uint32_t qa[KS][2], qb[KS][2];  // Q's A fragments: rows g (a0, a2) and g + 8 (a1, a3)\n"
+        "  #pragma unroll\n"
+        "  for (int s = 0; s < KS; ++s) {\n"
+        "    const size_t qrow = (size_t)seq * H + kvh * G;\n"
+        "    uint2 ra = make_uint2(0u, 0u), rb = make_uint2(0u, 0u);\n"
+        "    if (g < G) ra = *reinterpret_cast<const uint2*>(Q + (qrow + g) * D + t4 * (D / 4) + 4 * s);\n"
+        "    if (g + 8 < G) rb = *reinterpret_cast<const uint2*>(Q + (qrow + g + 8) * D + t4 * (D / 4) + 4 * s);\n"
+        "    qa[s][0] = ra.x; qa[s][1] = ra.y; qb[s][0] = rb.x; qb[s][1] = rb.y;\n"
+        "  }\n"
+        "  float o[NT][4], mrow[2], lrow[2];\n"
+        "  #pragma unroll\n"
+        "  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;\n"
+        "  mrow[0] = mrow[1] = autosched_pd_neg_inf(); lrow[0] = lrow[1] = 0.f;\n"
+        "  __syncthreads();\n"
+        "  for (int tile0 = begin + warp * UNROLL * 16; tile0 < end; tile0 += WARPS * UNROLL * 16) {\n"
+        "    uint4 kr[UNROLL][2][KV4], vr[UNROLL][4][VV4];\n"
+        "    #pragma unroll\n"
+        "    for (int u = 0; u < UNROLL; ++u) {  // every load of the step first: bytes in flight\n"
+        "      const int base = tile0 + u * 16;\n"
+        "      #pragma unroll\n"
+        "      for (int nt = 0; nt < 2; ++nt) {  // K rows base + 8 nt + g: a quarter each\n"
+        "        const int t = base + 8 * nt + g;\n"
+        "        const size_t row = t < end ? ((size_t)page_of[t / PAGE - first] * PAGE + t % PAGE) * HKV + kvh : 0;\n"
+        "        #pragma unroll\n"
+        "        for (int i = 0; i < KV4; ++i)\n"
+        f"          kr[u][nt][i] = t < end ? {STREAM_LOAD}(K + row * D + t4 * (D / 4) + 8 * i) : make_uint4(0u, 0u, 0u, 0u);\n"
+        "      }\n"
+        "      #pragma unroll\n"
+        "      for (int r = 0; r < 4; ++r) {  // V rows base + 2 t4 + {0, 1, 8, 9}: an eighth each\n"
+        "        const int t = base + 2 * t4 + (r & 1) + 8 * (r >> 1);\n"
+        "        const size_t row = t < end ? ((size_t)page_of[t / PAGE - first] * PAGE + t % PAGE) * HKV + kvh : 0;\n"
+        "        #pragma unroll\n"
+        "        for (int i = 0; i < VV4; ++i)\n"
+        f"          vr[u][r][i] = t < end ? {STREAM_LOAD}(V + row * D + g * (D / 8) + 8 * i) : make_uint4(0u, 0u, 0u, 0u);\n"
+        "      }\n"
+        "    }\n"
+        "    float sc[UNROLL][2][4];  // scores: rows g (0, 1) and g + 8 (2, 3), tokens 8 nt + 2 t4 + {0, 1}\n"
+        "    float top[2] = {mrow[0], mrow[1]};\n"
+        "    #pragma unroll\n"
+        "    for (int u = 0; u < UNROLL; ++u) {\n"
+        "      #pragma unroll\n"
+        "      for (int nt = 0; nt < 2; ++nt) {\n"
+        "        float c[4] = {0.f, 0.f, 0.f, 0.f};\n"
+        "        #pragma unroll\n"
+        "        for (int s = 0; s < KS; ++s) {\n"
+        "          const uint4 w = kr[u][nt][s / 2];\n"
+        f"          {mma}(c, qa[s][0], qb[s][0], qa[s][1], qb[s][1], s % 2 ? w.z : w.x, s % 2 ? w.w : w.y);\n"
+        "        }\n"
+        "        const int t = tile0 + u * 16 + 8 * nt + 2 * t4;\n"
+        "        #pragma unroll\n"
+        "        for (int i = 0; i < 4; ++i) {\n"
+        "          sc[u][nt][i] = t + (i & 1) < end ? c[i] * SCALE_LOG2E : autosched_pd_neg_inf();\n"
+        "          top[i / 2] = fmaxf(top[i / 2], sc[u][nt][i]);\n"
+        "        }\n"
+        "      }\n"
+        "    }\n"
+        "    float keep[2];\n"
+        "    #pragma unroll\n"
+        "    for (int r = 0; r < 2; ++r) {  // the row's maximum over its quad\n"
+        "      top[r] = fmaxf(top[r], __shfl_xor_sync(0xffffffffu, top[r], 1));\n"
+        "      top[r] = fmaxf(top[r], __shfl_xor_sync(0xffffffffu, top[r], 2));\n"
+        "      keep[r] = autosched_pd_weight(mrow[r], top[r]);\n"
+        "      lrow[r] *= keep[r];\n"
+        "      mrow[r] = top[r];\n"
+        "    }\n"
+        "    #pragma unroll\n"
+        "    for (int j = 0; j < NT; ++j) { o[j][0] *= keep[0]; o[j][1] *= keep[0]; o[j][2] *= keep[1]; o[j][3] *= keep[1]; }\n"
+        "    #pragma unroll\n"
+        "    for (int u = 0; u < UNROLL; ++u) {\n"
+        "      float p[2][4];\n"
+        "      #pragma unroll\n"
+        "      for (int nt = 0; nt < 2; ++nt) {\n"
+        "        #pragma unroll\n"
+        "        for (int i = 0; i < 4; ++i) {\n"
+        "          p[nt][i] = autosched_pd_weight(sc[u][nt][i], mrow[i / 2]);\n"
+        "          lrow[i / 2] += p[nt][i];\n"
+        "        }\n"
+        "      }\n"
+        f"      const uint32_t pa0 = {pack}(p[0][0], p[0][1]), pa1 = {pack}(p[0][2], p[0][3]);\n"
+        f"      const uint32_t pa2 = {pack}(p[1][0], p[1][1]), pa3 = {pack}(p[1][2], p[1][3]);\n"
+        "      #pragma unroll\n"
+        "      for (int j = 0; j < NT; ++j) {  // element g * D/8 + j of V rows 2 t4 + {0, 1} and + {8, 9}\n"
+        "        const unsigned sel = j % 2 ? 0x7632u : 0x5410u;\n"
+        "        const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&vr[u][0][j / 8]);\n"
+        "        const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&vr[u][1][j / 8]);\n"
+        "        const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&vr[u][2][j / 8]);\n"
+        "        const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&vr[u][3][j / 8]);\n"
+        "        const int wd = (j % 8) / 2;\n"
+        f"        {mma}(o[j], pa0, pa1, pa2, pa3, __byte_perm(v0[wd], v1[wd], sel), __byte_perm(v2[wd], v3[wd], sel));\n"
+        "      }\n"
+        "    }\n"
+        "  }\n"
+        "  #pragma unroll\n"
+        "  for (int r = 0; r < 2; ++r) {\n"
+        "    lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);\n"
+        "    lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);\n"
+        "  }\n"
+        "  #pragma unroll\n"
+        "  for (int r = 0; r < 2; ++r) {  // output columns n = 2 t4 + {0, 1} of every n-tile j\n"
+        "    const int h = g + 8 * r;\n"
+        "    if (h < G) {\n"
+        "      #pragma unroll\n"
+        "      for (int j = 0; j < NT; ++j) {\n"
+        "        part_o[warp][h][(2 * t4) * (D / 8) + j] = o[j][2 * r];\n"
+        "        part_o[warp][h][(2 * t4 + 1) * (D / 8) + j] = o[j][2 * r + 1];\n"
+        "      }\n"
+        "      if (t4 == 0) { part_ml[warp][h][0] = mrow[r]; part_ml[warp][h][1] = lrow[r]; }\n"
+        "    }\n"
+        "  }\n")
 
 
 def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, dtype: str, p: Point):
     """The TIRx launch of point ``p``'s kernel for the ``paged_decode_attention`` workload's signature."""
     from tvm.script import tirx as T
 
-    warps, unroll, split = p["warps"], p["unroll"], p["split"]
+    warps, unroll, split, mma = p["warps"], p["unroll"], p["split"], p.get("mma", False)
     pps = math.ceil(ctx / page)
     consts = {"H": h, "HKV": hkv, "G": h // hkv, "D": d, "PAGE": page, "PPS": pps, "WARPS": warps,
-              "UNROLL": unroll, "SPLIT": split}
+              "UNROLL": unroll, "SPLIT": split} | ({"MMA": 1} if mma else {})
     name = "autosched_paged_decode_" + "_".join(f"{k.lower()}{v}" for k, v in consts.items()) + f"_{dtype}"
-    source = _body_source(name, dtype, consts).replace(
+    source = _body_source(name, dtype, consts, mma).replace(
         "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / math.sqrt(d)!r}f;\n  constexpr int D =")
     pairs, threads = b * hkv, 32 * warps
     words = smem_floats(h // hkv, d, warps, pps, split)
@@ -253,7 +410,7 @@ class PagedDecodeSpace(HopperTemplate):
     """``paged_decode_attention`` on sm_90: the flash-decoding kernel above."""
 
     name = "paged_decode"
-    version = 1
+    version = 2
     families = ("paged_attention",)
 
     @classmethod
@@ -279,6 +436,12 @@ class PagedDecodeSpace(HopperTemplate):
             Knob("unroll", (1, 2, 4, 8)),
             Knob("split", (1, 2, 4, 8)),
         ]
+        if self.tensor_cores_fit():
+            self.knobs.append(Knob("mma", (False, True), ordered=False))
+
+    def tensor_cores_fit(self) -> bool:
+        """GQA groups of 2-16 heads at head dim 64 or 128: the products on tensor cores (m16n8k16)."""
+        return 2 <= self.shape["h"] // self.shape["hkv"] <= MMA_MAX_GROUP and self.shape["d"] in (64, 128)
 
     def check(self, p: Point) -> str | None:
         s = self.shape
@@ -287,8 +450,13 @@ class PagedDecodeSpace(HopperTemplate):
         smem = 4 * smem_floats(g, s["d"], p["warps"], pages, p["split"])
         if smem > SMEM_LIMIT:
             return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
-        # Registers per thread, roughly: q, o (8 per head), the step's K and V rows (8 each) and scores.
-        regs = 16 * g + 8 * p["unroll"] + p["unroll"] * g + 24
+        if p.get("mma"):
+            # Registers per thread, roughly: the step's K and V loads (a quarter of two K rows and an eighth
+            # of four V rows per 16-token tile), the output's accumulators and Q's fragments.
+            regs = p["unroll"] * s["d"] // 2 + s["d"] // 2 + s["d"] // 4 + 40
+        else:
+            # Registers per thread, roughly: q, o (8 per head), the step's K and V rows (8 each) and scores.
+            regs = 16 * g + 8 * p["unroll"] + p["unroll"] * g + 24
         if regs > 200:
             return f"about {regs} registers per thread for {g} heads per group and unroll {p['unroll']}"
         pairs = s["b"] * s["hkv"]
@@ -303,10 +471,11 @@ class PagedDecodeSpace(HopperTemplate):
         pairs = self.shape["b"] * self.shape["hkv"]
         splits = [x for x in (1, 2, 4, 8) if x <= math.ceil(self.shape["ctx"] / self.shape["page"])]
         split = next((x for x in splits if pairs * x >= self.sms), splits[-1])
+        extra = {"mma": False} if self.tensor_cores_fit() else {}
         for point in ({"warps": 4, "unroll": 4, "split": split}, {"warps": 4, "unroll": 2, "split": split},
                       {"warps": 4, "unroll": 1, "split": split}, {"warps": 4, "unroll": 1, "split": 1}):
-            if self.check(point) is None:
-                return point
+            if self.check(point | extra) is None:
+                return point | extra
         return super().default()
 
     def kernel(self, p: Point):
@@ -318,7 +487,7 @@ class PagedDecodeSpace(HopperTemplate):
         s = self.shape
         ctas = s["b"] * s["hkv"] * p["split"]
         return [p["warps"], p["unroll"], p["split"], ctas / self.sms, math.log2(ctas), 32 * p["unroll"] * p["warps"] * 32,
-                s["h"] // s["hkv"], s["d"], s["ctx"] / p["split"]]
+                s["h"] // s["hkv"], s["d"], s["ctx"] / p["split"], float(p.get("mma", False))]
 
 
 def _shape(func) -> dict | None:

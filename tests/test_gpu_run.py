@@ -82,7 +82,8 @@ def test_swapped_operands_are_correct_at_shapes_no_tile_divides(measurers):
 def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
     """Flash-decoding over a paged cache with GQA (4 query heads per K/V head), a last sequence half as
     long as the others (a partly filled last page), and the pages of a sequence split 1, 2, 4 and 8 ways
-    across a cluster: every point matches the float64 reference."""
+    across a cluster, the products on CUDA cores and on tensor cores: every point matches the float64
+    reference."""
     target, measurer = measurers("sm_90")
     task = Task.from_workload(make_workload("paged_decode_attention", "b=3,h=8,hkv=2,d=128,ctx=520,page=16",
                                             "float16"))
@@ -90,9 +91,19 @@ def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
     assert space.name == "paged_decode"
     points = [{"warps": 4, "unroll": 4, "split": 1}, {"warps": 2, "unroll": 1, "split": 2},
               {"warps": 8, "unroll": 2, "split": 4}, {"warps": 4, "unroll": 8, "split": 8}]
+    # The same on tensor cores (the group's heads as mma.sync's M side), one 16-token tile per step.
+    points = [{**p, "mma": False} for p in points] + [{"warps": w, "unroll": 1, "split": split, "mma": True}
+                                                         for w, split in ((4, 1), (2, 2), (8, 4), (4, 8))]
     assert all(space.validate(p) is None for p in points)
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+    # bf16, head dim 64, eight query heads per K/V head, on tensor cores.
+    task = Task.from_workload(make_workload("paged_decode_attention", "b=2,h=32,hkv=4,d=64,ctx=300,page=16",
+                                            "bfloat16"))
+    points = [{"warps": 4, "unroll": u, "split": split, "mma": True} for u, split in ((2, 1), (1, 4))]
+    assert all(task.space(target).validate(p) is None for p in points)
+    for point, res in zip(points, measurer.measure(task.spec, points)):
+        assert res.ok, f"bf16 d=64 {point}: {res.error_kind}: {res.error_msg}"
 
 
 def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):

@@ -293,8 +293,9 @@ int main() {{
 @needs_nvcc
 def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
     """Few sequences: the pages of one are split between the CTAs of a cluster (the launch carries the
-    cluster's size), every split compiles for sm_90a without spills, and a split is refused where the
-    (sequence, head) pairs already fill the GPU; older GPUs keep the TensorIR rows space."""
+    cluster's size), every split compiles for sm_90a without spills (products on CUDA or tensor cores),
+    and a split is refused where the (sequence, head) pairs already fill the GPU; older GPUs keep the
+    TensorIR rows space."""
     import dataclasses
 
     import tvm
@@ -304,8 +305,8 @@ def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
     space = task.space(sm90)
     assert space.name == "paged_decode" and space.default()["split"] == 8  # 8 pairs: the most it may split
     hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
-    for split in (2, 8):
-        point = {"warps": 4, "unroll": 2, "split": split}
+    for split, mma in ((2, False), (8, False), (2, True), (8, True)):  # tensor cores: one 16-token tile a step
+        point = {"warps": 4, "unroll": 1 if mma else 2, "split": split, "mma": mma}
         assert space.validate(point) is None
         with hopper:
             lowered = tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(space.apply(point)))
@@ -355,11 +356,46 @@ inline float host_shfl_xor(unsigned, float v, int offset) {
 }
 inline float host_int_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 inline unsigned long long host_cvta(const void*) { return 0; }
+inline uint32_t host_byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t bytes = (uint64_t)y << 32 | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= (uint32_t)(bytes >> (8 * ((s >> (4 * i)) & 7)) & 0xff) << (8 * i);
+  return r;
+}
+// mma.sync m16n8k16 (row.col, fp32 accumulators): each lane posts its fragments, then computes its own
+// accumulators from the warp's, by the PTX ISA's fragment layouts.
+static uint32_t host_mma_regs[512][32][6];
+template <class T> inline float host_elem(uint32_t reg, int high) {
+  const uint16_t bits = high ? reg >> 16 : reg & 0xffff;
+  T v; std::memcpy(&v, &bits, 2); return (float)v;
+}
+template <class T> inline void host_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
+  const int w = host_rank * host_warps_per_cta + host_thread.x / 32, l = host_thread.x % 32;
+  host_warp_barriers[w]->arrive_and_wait();
+  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+  std::memcpy(host_mma_regs[w][l], mine, sizeof mine);
+  host_warp_barriers[w]->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) {
+    const int row = l / 4 + 8 * (i / 2), col = 2 * (l % 4) + i % 2;
+    double acc = 0;
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t a = host_mma_regs[w][(row % 8) * 4 + (k % 8) / 2][row / 8 + 2 * (k / 8)];
+      const uint32_t b = host_mma_regs[w][col * 4 + (k % 8) / 2][4 + k / 8];
+      acc += (double)host_elem<T>(a, k % 2) * host_elem<T>(b, k % 2);
+    }
+    c[i] += (float)acc;
+  }
+  host_warp_barriers[w]->arrive_and_wait();
+}
+#define host_mma_float16 host_mma<__half>
+#define host_mma_bfloat16 host_mma<__nv_bfloat16>
 """
 
 # The CUDA names the body uses, and the host shim's stand-ins (nvcc reserves the CUDA names for the device).
 HOST_NAMES = {"threadIdx": "host_thread", "__syncthreads": "host_syncthreads", "__shfl_xor_sync": "host_shfl_xor",
-              "__int_as_float": "host_int_as_float", "__cvta_generic_to_shared": "host_cvta"}
+              "__int_as_float": "host_int_as_float", "__cvta_generic_to_shared": "host_cvta",
+              "__byte_perm": "host_byte_perm", "autosched_pd_mma_": "host_mma_"}
 
 
 def _host_body(source: str) -> str:
@@ -369,6 +405,7 @@ def _host_body(source: str) -> str:
     source = source.replace("__device__ __forceinline__", "inline")
     source = source.replace("autosched_cluster_sync();", "host_cluster_sync();")
     source = source.replace("autosched_pd_remote(&", "host_remote(&")
+    source = re.sub(r"inline void autosched_pd_mma_\w+\(.*?\n}\n", "", source, flags=re.S)  # the shim's instead
     for cuda_name, host_name in HOST_NAMES.items():
         source = source.replace(cuda_name, host_name)
     source = re.sub(r"asm\(\"ld\.global.*?\);\n", "v = *reinterpret_cast<const uint4*>(p);\n", source, flags=re.S)
@@ -382,7 +419,11 @@ def _host_body(source: str) -> str:
     ("b=2,h=2,hkv=1,d=256,ctx=70,page=16", "float16", {"warps": 2, "unroll": 2, "split": 1}),
     ("b=2,h=8,hkv=2,d=128,ctx=300,page=16", "float16", {"warps": 2, "unroll": 2, "split": 4}),
     ("b=1,h=2,hkv=1,d=64,ctx=40,page=16", "bfloat16", {"warps": 2, "unroll": 1, "split": 8}),
-], ids=["gqa4-d128-fp16", "mha-d64-bf16", "gqa2-d256-fp16", "gqa4-split4", "split8-more-ctas-than-pages"])
+    ("b=3,h=16,hkv=2,d=128,ctx=150,page=16", "float16", {"warps": 4, "unroll": 1, "split": 1, "mma": True}),
+    ("b=2,h=16,hkv=1,d=64,ctx=100,page=16", "bfloat16", {"warps": 2, "unroll": 2, "split": 1, "mma": True}),
+    ("b=2,h=8,hkv=4,d=128,ctx=300,page=16", "float16", {"warps": 2, "unroll": 1, "split": 4, "mma": True}),
+], ids=["gqa4-d128-fp16", "mha-d64-bf16", "gqa2-d256-fp16", "gqa4-split4", "split8-more-ctas-than-pages",
+        "mma-gqa8-d128-fp16", "mma-gqa16-d64-bf16", "mma-gqa2-split4"])
 def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point, tmp_path):
     """The paged-decode kernel's body, compiled for the host by nvcc and run CTA by CTA with one thread
     per CUDA thread, against the workload's float64 reference on its own inputs (a shorter last
@@ -403,7 +444,7 @@ def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point
     consts = {"H": s["h"], "HKV": s["hkv"], "G": s["h"] // s["hkv"], "D": s["d"], "PAGE": s["page"], "PPS": pps,
               "WARPS": point["warps"], "UNROLL": point["unroll"], "SPLIT": split}
     words = smem_floats(s["h"] // s["hkv"], s["d"], point["warps"], pps, split)
-    body = _body_source("paged_decode_body", dtype, consts).replace(
+    body = _body_source("paged_decode_body", dtype, consts, point.get("mma", False)).replace(
         "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / s['d'] ** 0.5!r}f;\n  constexpr int D =")
     for name, tensor in zip(("q", "k", "v", "table", "lens"), ins):
         (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
