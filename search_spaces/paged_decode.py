@@ -33,14 +33,24 @@ _CUDA = {"float16": ("half", "__half2", "__half22float2", "__float2half_rn"),
          "bfloat16": ("nv_bfloat16", "__nv_bfloat162", "__bfloat1622float2", "__float2bfloat16_rn")}
 
 
-def smem_floats(g: int, d: int, warps: int, pages: int, split: int) -> int:
-    """Shared memory the body takes, in 4-byte words: partial results per warp and per CTA, page table."""
-    return (warps + 1) * g * (d + 2) + (pages + split - 1) // split + 1
+def smem_floats(g: int, d: int, warps: int, pages: int, split: int, ring: int = 0) -> int:
+    """Shared memory the body takes, in 4-byte words: partial results per warp and per CTA, page table,
+    then (16-byte aligned) each warp's ring of ``ring`` K/V tiles for the tensor-core loop."""
+    words = (warps + 1) * g * (d + 2) + (pages + split - 1) // split + 1
+    if not ring:
+        return words
+    pieces = 2 * (d // 32) + 4 * (d // 64)  # 16-byte pieces per lane per 16-token tile
+    return (words + 3) // 4 * 4 + ring * warps * pieces * 32 * 4
 
 
-def _body_source(name: str, dtype: str, s: dict, mma: bool = False) -> str:
+def ring_stages(p: Point) -> int:
+    """Tiles in each warp's shared-memory ring: tensor-core points unrolled past one tile use a ring."""
+    return p["unroll"] if p.get("mma") and p["unroll"] > 1 else 0
+
+
+def _body_source(name: str, dtype: str, s: dict, mma: bool = False, ring: bool = False) -> str:
     """The kernel's body: one thread's work, for the constants in ``s``; with ``mma``, the main loop's
-    products on tensor cores."""
+    products on tensor cores (with ``ring``, fed through shared memory)."""
     scalar, pair, to_float2, from_float = _CUDA[dtype]
     consts = "".join(f"  constexpr int {key} = {value};\n" for key, value in s.items())
     head = CLUSTER_SYNC_SOURCE + STREAM_LOAD_SOURCE + (
@@ -222,7 +232,7 @@ def _body_source(name: str, dtype: str, s: dict, mma: bool = False) -> str:
         f"    {CLUSTER_SYNC}();\n"
         "  }\n"
         "}\n")
-    return (_mma_helpers(dtype) if mma else "") + head + (_mma_loop(dtype) if mma else cuda_core_loop) + tail
+    return (_mma_helpers(dtype) if mma else "") + head + (_mma_loop(dtype, ring) if mma else cuda_core_loop) + tail
 
 
 _MMA_TYPES = {"float16": ("f16", "__floats2half2_rn", "__half2"), "bfloat16": ("bf16", "__floats2bfloat162_rn", "__nv_bfloat162")}
@@ -240,10 +250,15 @@ def _mma_helpers(dtype: str) -> str:
         "               : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"r\"(b0), \"r\"(b1));\n}\n"
         f"__device__ __forceinline__ uint32_t autosched_pd_pack_{dtype}(float x, float y) {{\n"
         f"  {pair} v = {pack}(x, y);\n"
-        "  return *reinterpret_cast<uint32_t*>(&v);\n}\n")
+        "  return *reinterpret_cast<uint32_t*>(&v);\n}\n"
+        # 16 bytes into shared memory without registers; zeros where ``valid`` is false (src-size 0).
+        "__device__ __forceinline__ void autosched_pd_cp_async(void* dst, const void* src, bool valid) {\n"
+        "  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst));\n"
+        "  asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\\n\"\n"
+        "               :: \"r\"(address), \"l\"(src), \"r\"(valid ? 16 : 0) : \"memory\");\n}\n")
 
 
-def _mma_loop(dtype: str) -> str:
+def _mma_loop(dtype: str, ring: bool) -> str:
     """The main loop with QKᵀ and PV on tensor cores (``mma.sync`` m16n8k16), for GQA groups of 2-16 heads.
 
     A warp takes tiles of 16 tokens. The group's heads are the M side (rows g and g + 8 of lane's quad
@@ -251,9 +266,13 @@ def _mma_loop(dtype: str) -> str:
     of a quad reads one contiguous quarter of a K row (16-byte loads) and finds in it its B fragments of
     every k-step; Q, loaded once, follows the same order. The scores' accumulators are PV's A fragment
     (FlashAttention-2's register reuse); for PV each lane reads a contiguous eighth of four V rows and
-    pairs them by byte permutes. Output column j of n-tile ``nt`` is element (n · D/8 + j) of the head."""
+    pairs them by byte permutes. Output column j of n-tile ``nt`` is element (n · D/8 + j) of the head.
+
+    Without ``ring`` a lane loads ``UNROLL`` tiles into registers, then computes; with it, each warp keeps
+    a ring of ``UNROLL`` tiles in shared memory filled by ``cp.async`` (every lane reads back only its own
+    16-byte pieces, so no barrier is needed), so that more bytes are in flight than registers could hold."""
     mma, pack = f"autosched_pd_mma_{dtype}", f"autosched_pd_pack_{dtype}"
-    return (
+    head = (
         "  constexpr int KS = D / 16;  // k-steps of QKᵀ\n"
         "  constexpr int KV4 = D / 32;  // 16-byte loads per lane per K row (a quarter row)\n"
         "  constexpr int VV4 = D / 64;  // 16-byte loads per lane per V row (an eighth)\n"
@@ -273,10 +292,54 @@ def _mma_loop(dtype: str) -> str:
         "  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;\n"
         "  mrow[0] = mrow[1] = autosched_pd_neg_inf(); lrow[0] = lrow[1] = 0.f;\n"
         "  __syncthreads();\n"
-        "  for (int tile0 = begin + warp * UNROLL * 16; tile0 < end; tile0 += WARPS * UNROLL * 16) {\n"
-        "    uint4 kr[UNROLL][2][KV4], vr[UNROLL][4][VV4];\n"
+    )
+    ring_loads = (
+        "  constexpr int TPS = 1;  // tiles per step\n"
+        "  constexpr int PIECES = 2 * KV4 + 4 * VV4;  // 16-byte pieces per lane per tile\n"
+        "  constexpr int RING_OFFSET = ((WARPS + 1) * G * (D + 2) + (PPS + SPLIT - 1) / SPLIT + 1 + 3) / 4 * 4;\n"
+        "  uint4* ring = reinterpret_cast<uint4*>(smem + RING_OFFSET) + (size_t)warp * UNROLL * PIECES * 32 + lane;\n"
+        "  const int tiles = end - begin > warp * 16 ? (end - begin - warp * 16 + WARPS * 16 - 1) / (WARPS * 16) : 0;\n"
+        "  auto issue = [&](int k) {  // the warp's tile k into slot k % UNROLL, as one commit group\n"
+        "    if (k < tiles) {\n"
+        "      const int base = begin + (warp + k * WARPS) * 16;\n"
+        "      uint4* slot = ring + (k % UNROLL) * PIECES * 32;\n"
+        "      #pragma unroll\n"
+        "      for (int nt = 0; nt < 2; ++nt) {\n"
+        "        const int t = base + 8 * nt + g;\n"
+        "        const size_t row = t < end ? ((size_t)page_of[t / PAGE - first] * PAGE + t % PAGE) * HKV + kvh : 0;\n"
+        "        #pragma unroll\n"
+        "        for (int i = 0; i < KV4; ++i)\n"
+        "          autosched_pd_cp_async(slot + (nt * KV4 + i) * 32, K + row * D + t4 * (D / 4) + 8 * i, t < end);\n"
+        "      }\n"
+        "      #pragma unroll\n"
+        "      for (int r = 0; r < 4; ++r) {\n"
+        "        const int t = base + 2 * t4 + (r & 1) + 8 * (r >> 1);\n"
+        "        const size_t row = t < end ? ((size_t)page_of[t / PAGE - first] * PAGE + t % PAGE) * HKV + kvh : 0;\n"
+        "        #pragma unroll\n"
+        "        for (int i = 0; i < VV4; ++i)\n"
+        "          autosched_pd_cp_async(slot + (2 * KV4 + r * VV4 + i) * 32, V + row * D + g * (D / 8) + 8 * i, t < end);\n"
+        "      }\n"
+        "    }\n"
+        "    asm volatile(\"cp.async.commit_group;\\n\" ::: \"memory\");\n"
+        "  };\n"
+        "  for (int k = 0; k < UNROLL - 1; ++k) issue(k);\n"
+        "  for (int k = 0; k < tiles; ++k) {\n"
+        "    issue(k + UNROLL - 1);\n"
+        "    asm volatile(\"cp.async.wait_group %0;\\n\" :: \"n\"(UNROLL - 1) : \"memory\");\n"
+        "    const int tile0 = begin + (warp + k * WARPS) * 16;\n"
+        "    const uint4* slot = ring + (k % UNROLL) * PIECES * 32;\n"
+        "    uint4 kr[1][2][KV4], vr[1][4][VV4];\n"
         "    #pragma unroll\n"
-        "    for (int u = 0; u < UNROLL; ++u) {  // every load of the step first: bytes in flight\n"
+        "    for (int i = 0; i < 2 * KV4; ++i) kr[0][i / KV4][i % KV4] = slot[i * 32];\n"
+        "    #pragma unroll\n"
+        "    for (int i = 0; i < 4 * VV4; ++i) vr[0][i / VV4][i % VV4] = slot[(2 * KV4 + i) * 32];\n"
+    )
+    direct_loads = (
+        "  constexpr int TPS = UNROLL;  // tiles per step\n"
+        "  for (int tile0 = begin + warp * TPS * 16; tile0 < end; tile0 += WARPS * TPS * 16) {\n"
+        "    uint4 kr[TPS][2][KV4], vr[TPS][4][VV4];\n"
+        "    #pragma unroll\n"
+        "    for (int u = 0; u < TPS; ++u) {  // every load of the step first: bytes in flight\n"
         "      const int base = tile0 + u * 16;\n"
         "      #pragma unroll\n"
         "      for (int nt = 0; nt < 2; ++nt) {  // K rows base + 8 nt + g: a quarter each\n"
@@ -295,10 +358,12 @@ def _mma_loop(dtype: str) -> str:
         f"          vr[u][r][i] = t < end ? {STREAM_LOAD}(V + row * D + g * (D / 8) + 8 * i) : make_uint4(0u, 0u, 0u, 0u);\n"
         "      }\n"
         "    }\n"
-        "    float sc[UNROLL][2][4];  // scores: rows g (0, 1) and g + 8 (2, 3), tokens 8 nt + 2 t4 + {0, 1}\n"
+    )
+    compute = (
+        "    float sc[TPS][2][4];  // scores: rows g (0, 1) and g + 8 (2, 3), tokens 8 nt + 2 t4 + {0, 1}\n"
         "    float top[2] = {mrow[0], mrow[1]};\n"
         "    #pragma unroll\n"
-        "    for (int u = 0; u < UNROLL; ++u) {\n"
+        "    for (int u = 0; u < TPS; ++u) {\n"
         "      #pragma unroll\n"
         "      for (int nt = 0; nt < 2; ++nt) {\n"
         "        float c[4] = {0.f, 0.f, 0.f, 0.f};\n"
@@ -327,7 +392,7 @@ def _mma_loop(dtype: str) -> str:
         "    #pragma unroll\n"
         "    for (int j = 0; j < NT; ++j) { o[j][0] *= keep[0]; o[j][1] *= keep[0]; o[j][2] *= keep[1]; o[j][3] *= keep[1]; }\n"
         "    #pragma unroll\n"
-        "    for (int u = 0; u < UNROLL; ++u) {\n"
+        "    for (int u = 0; u < TPS; ++u) {\n"
         "      float p[2][4];\n"
         "      #pragma unroll\n"
         "      for (int nt = 0; nt < 2; ++nt) {\n"
@@ -368,6 +433,7 @@ def _mma_loop(dtype: str) -> str:
         "      if (t4 == 0) { part_ml[warp][h][0] = mrow[r]; part_ml[warp][h][1] = lrow[r]; }\n"
         "    }\n"
         "  }\n")
+    return head + (ring_loads if ring else direct_loads) + compute
 
 
 def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, dtype: str, p: Point):
@@ -379,10 +445,10 @@ def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, d
     consts = {"H": h, "HKV": hkv, "G": h // hkv, "D": d, "PAGE": page, "PPS": pps, "WARPS": warps,
               "UNROLL": unroll, "SPLIT": split} | ({"MMA": 1} if mma else {})
     name = "autosched_paged_decode_" + "_".join(f"{k.lower()}{v}" for k, v in consts.items()) + f"_{dtype}"
-    source = _body_source(name, dtype, consts, mma).replace(
+    source = _body_source(name, dtype, consts, mma, ring_stages(p) > 0).replace(
         "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / math.sqrt(d)!r}f;\n  constexpr int D =")
     pairs, threads = b * hkv, 32 * warps
-    words = smem_floats(h // hkv, d, warps, pps, split)
+    words = smem_floats(h // hkv, d, warps, pps, split, ring_stages(p))
 
     def launch_ids():  # (the (sequence, K/V head) pair, the CTA's rank among the pair's split)
         if split == 1:
@@ -447,13 +513,14 @@ class PagedDecodeSpace(HopperTemplate):
         s = self.shape
         g = s["h"] // s["hkv"]
         pages = math.ceil(s["ctx"] / s["page"])
-        smem = 4 * smem_floats(g, s["d"], p["warps"], pages, p["split"])
+        smem = 4 * smem_floats(g, s["d"], p["warps"], pages, p["split"], ring_stages(p))
         if smem > SMEM_LIMIT:
             return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
         if p.get("mma"):
-            # Registers per thread, roughly: the step's K and V loads (a quarter of two K rows and an eighth
-            # of four V rows per 16-token tile), the output's accumulators and Q's fragments.
-            regs = p["unroll"] * s["d"] // 2 + s["d"] // 2 + s["d"] // 4 + 40
+            # Registers per thread, roughly: one tile's K and V pieces (a quarter of two K rows and an eighth
+            # of four V rows; further tiles wait in the shared-memory ring), the output's accumulators and
+            # Q's fragments.
+            regs = s["d"] // 2 + s["d"] // 2 + s["d"] // 4 + 40
         else:
             # Registers per thread, roughly: q, o (8 per head), the step's K and V rows (8 each) and scores.
             regs = 16 * g + 8 * p["unroll"] + p["unroll"] * g + 24

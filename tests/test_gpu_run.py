@@ -91,9 +91,11 @@ def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
     assert space.name == "paged_decode"
     points = [{"warps": 4, "unroll": 4, "split": 1}, {"warps": 2, "unroll": 1, "split": 2},
               {"warps": 8, "unroll": 2, "split": 4}, {"warps": 4, "unroll": 8, "split": 8}]
-    # The same on tensor cores (the group's heads as mma.sync's M side), one 16-token tile per step.
-    points = [{**p, "mma": False} for p in points] + [{"warps": w, "unroll": 1, "split": split, "mma": True}
-                                                         for w, split in ((4, 1), (2, 2), (8, 4), (4, 8))]
+    # The same on tensor cores (the group's heads as mma.sync's M side): one 16-token tile per step in
+    # registers, or rings of 2-8 tiles per warp in shared memory filled by cp.async.
+    points = [{**p, "mma": False} for p in points] + [{"warps": w, "unroll": u, "split": split, "mma": True}
+                                                         for w, u, split in ((4, 1, 1), (2, 1, 2), (8, 1, 4), (4, 1, 8),
+                                                                             (4, 4, 1), (2, 2, 2), (2, 8, 4))]
     assert all(space.validate(p) is None for p in points)
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"

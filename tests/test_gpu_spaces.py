@@ -388,6 +388,9 @@ template <class T> inline void host_mma(float* c, uint32_t a0, uint32_t a1, uint
   }
   host_warp_barriers[w]->arrive_and_wait();
 }
+inline void host_cp_async(void* dst, const void* src, bool valid) {
+  if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+}
 #define host_mma_float16 host_mma<__half>
 #define host_mma_bfloat16 host_mma<__nv_bfloat16>
 """
@@ -395,7 +398,7 @@ template <class T> inline void host_mma(float* c, uint32_t a0, uint32_t a1, uint
 # The CUDA names the body uses, and the host shim's stand-ins (nvcc reserves the CUDA names for the device).
 HOST_NAMES = {"threadIdx": "host_thread", "__syncthreads": "host_syncthreads", "__shfl_xor_sync": "host_shfl_xor",
               "__int_as_float": "host_int_as_float", "__cvta_generic_to_shared": "host_cvta",
-              "__byte_perm": "host_byte_perm", "autosched_pd_mma_": "host_mma_"}
+              "__byte_perm": "host_byte_perm", "autosched_pd_mma_": "host_mma_", "autosched_pd_cp_": "host_cp_"}
 
 
 def _host_body(source: str) -> str:
@@ -405,7 +408,7 @@ def _host_body(source: str) -> str:
     source = source.replace("__device__ __forceinline__", "inline")
     source = source.replace("autosched_cluster_sync();", "host_cluster_sync();")
     source = source.replace("autosched_pd_remote(&", "host_remote(&")
-    source = re.sub(r"inline void autosched_pd_mma_\w+\(.*?\n}\n", "", source, flags=re.S)  # the shim's instead
+    source = re.sub(r"inline void autosched_pd_(mma|cp)_\w+\(.*?\n}\n", "", source, flags=re.S)  # the shim's instead
     for cuda_name, host_name in HOST_NAMES.items():
         source = source.replace(cuda_name, host_name)
     source = re.sub(r"asm\(\"ld\.global.*?\);\n", "v = *reinterpret_cast<const uint4*>(p);\n", source, flags=re.S)
@@ -422,8 +425,9 @@ def _host_body(source: str) -> str:
     ("b=3,h=16,hkv=2,d=128,ctx=150,page=16", "float16", {"warps": 4, "unroll": 1, "split": 1, "mma": True}),
     ("b=2,h=16,hkv=1,d=64,ctx=100,page=16", "bfloat16", {"warps": 2, "unroll": 2, "split": 1, "mma": True}),
     ("b=2,h=8,hkv=4,d=128,ctx=300,page=16", "float16", {"warps": 2, "unroll": 1, "split": 4, "mma": True}),
+    ("b=3,h=16,hkv=2,d=128,ctx=230,page=16", "float16", {"warps": 2, "unroll": 3, "split": 2, "mma": True}),
 ], ids=["gqa4-d128-fp16", "mha-d64-bf16", "gqa2-d256-fp16", "gqa4-split4", "split8-more-ctas-than-pages",
-        "mma-gqa8-d128-fp16", "mma-gqa16-d64-bf16", "mma-gqa2-split4"])
+        "mma-gqa8-d128-fp16", "mma-ring2-gqa16-d64-bf16", "mma-gqa2-split4", "mma-ring3-split2"])
 def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point, tmp_path):
     """The paged-decode kernel's body, compiled for the host by nvcc and run CTA by CTA with one thread
     per CUDA thread, against the workload's float64 reference on its own inputs (a shorter last
@@ -432,7 +436,7 @@ def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point
 
     import torch
 
-    from autosched.search_spaces.paged_decode import _body_source, smem_floats
+    from autosched.search_spaces.paged_decode import _body_source, ring_stages, smem_floats
     from autosched.workloads import get_operator
 
     wl = make_workload("paged_decode_attention", shape, dtype)
@@ -443,8 +447,8 @@ def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point
     split = point["split"]
     consts = {"H": s["h"], "HKV": s["hkv"], "G": s["h"] // s["hkv"], "D": s["d"], "PAGE": s["page"], "PPS": pps,
               "WARPS": point["warps"], "UNROLL": point["unroll"], "SPLIT": split}
-    words = smem_floats(s["h"] // s["hkv"], s["d"], point["warps"], pps, split)
-    body = _body_source("paged_decode_body", dtype, consts, point.get("mma", False)).replace(
+    words = smem_floats(s["h"] // s["hkv"], s["d"], point["warps"], pps, split, ring_stages(point))
+    body = _body_source("paged_decode_body", dtype, consts, point.get("mma", False), ring_stages(point) > 0).replace(
         "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / s['d'] ** 0.5!r}f;\n  constexpr int D =")
     for name, tensor in zip(("q", "k", "v", "table", "lens"), ins):
         (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
