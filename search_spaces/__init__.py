@@ -14,9 +14,10 @@ attention  rows whose first stage reads Q and K (``cpu_attention``:       prefil
 injective  no reduction                                                    rope, casts, adds
 ========== =============================================================== =======================
 
-A space may also decline a function for a target (``Space.suits``): ``hopper_gemm`` and
-``hopper_attention``, the TIRx wgmma kernels, serve ``gemm`` and prefill ``attention`` on sm_90 only;
-older GPUs get the WMMA and ``flash_attention`` spaces.
+A space may also decline a function for a target (``Space.suits``): ``hopper_gemm``,
+``hopper_dequant_gemm`` and ``hopper_attention``, the TIRx wgmma kernels, serve ``gemm``, int4
+``dequant_gemm`` past eight rows and prefill ``attention`` on sm_90 only; older GPUs get the WMMA and
+``flash_attention`` spaces.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def space_classes() -> dict[str, type[Space]]:
     from .gpu_matmul import GpuGemvSpace, GpuMatmulSpace
     from .gpu_rows import GpuInjectiveSpace, GpuRowsSpace
     from .hopper_attention import HopperAttentionSpace
+    from .hopper_dequant import HopperDequantGemmSpace
     from .hopper_gemm import HopperGemmSpace
     from .injective import InjectiveSpace
     from .int4_gemv import Int4GemvSpace
@@ -58,8 +60,8 @@ def space_classes() -> dict[str, type[Space]]:
     from .rows import RowsSpace
 
     ordered = (MatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
-               HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace, PagedDecodeSpace,  # CUDA, sm_90 (each declines
-               # other targets)
+               HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace, HopperDequantGemmSpace, PagedDecodeSpace,
+               # (CUDA, sm_90: each declines other targets)
                FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}
 

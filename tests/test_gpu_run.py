@@ -124,6 +124,28 @@ def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
 
 
+def test_int4_prefill_dequantised_for_wgmma_is_correct_on_the_gpu(measurers):
+    """hopper_dequant_gemm: int4 weights dequantised in shared memory for wgmma, fp16 and bf16, a bias and
+    SiLU, m and n that no tile divides, groups of 64 and 128, one and two consumers, persistent CTAs: every
+    point matches the float64 reference."""
+    target, measurer = measurers("sm_90")
+    cases = (("m=1000,n=1032,k=512", "float16", "bits=4,group=128"),
+             ("m=77,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu"))
+    for shape, dtype, attrs in cases:
+        task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
+        space = task.space(target)
+        assert space.name == "hopper_dequant_gemm"
+        points = [space.default(),
+                  {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 2, "group_m": 1, "persistent": False},
+                  {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 3, "group_m": 4, "persistent": False},
+                  {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 4, "persistent": True}]
+        points = [space.canonical(p) for p in points]
+        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        assert len(points) >= 2, shape
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+
+
 @pytest.mark.parametrize("shape,dtype,causal", [
     ("b=1,h=4,hkv=2,s=1000,d=128", "float16", 1), ("b=2,h=2,s=700,d=128", "bfloat16", 0),
     ("b=1,h=2,hkv=1,s=300,d=64", "float16", 1), ("b=1,h=2,s=260,d=256", "bfloat16", 0),

@@ -28,6 +28,8 @@ CASES = [
     ("dequant_gemm", "m=1,n=256,k=512", "float16", "bits=4,group=128", "gpu_gemv", "sm_80"),
     ("dequant_gemm", "m=1,n=256,k=512", "float16", "bits=4,group=128", "int4_gemv", "sm_90"),
     ("dequant_gemm", "m=3,n=1000,k=352", "bfloat16", "bits=4,group=32,bias=1,act=silu", "int4_gemv", "sm_90"),
+    ("dequant_gemm", "m=300,n=512,k=256", "float16", "bits=4,group=128", "hopper_dequant_gemm", "sm_90"),
+    ("dequant_gemm", "m=100,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu", "hopper_dequant_gemm", "sm_90"),
     ("rmsnorm", "m=8,n=1000", "float16", "", "gpu_rows", "sm_90"),
     ("softmax", "m=8,n=4096", "float32", "", "gpu_rows", "sm_90"),
     ("rope", "b=1,s=16,h=4,d=64", "float16", "", "gpu_injective", "sm_90"),
@@ -218,8 +220,9 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
 
 
 def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
-    """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90; int8 weights, more
-    rows and older GPUs keep the TensorIR spaces."""
+    """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, the wgmma dequant
+    kernel 17 rows on (one scale per k step); int8 weights, 9-16 rows, groups of 32 and older GPUs keep
+    the TensorIR spaces."""
 
     def space(shape, attrs, target):
         return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
@@ -228,6 +231,8 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=8,n=4096,k=4096", "bits=4,group=64", sm90) == "int4_gemv"
     assert space("m=1,n=4096,k=4096", "bits=8", sm90) == "gpu_gemv"
     assert space("m=16,n=4096,k=4096", "bits=4", sm90) == "gpu_gemv"
+    assert space("m=17,n=4096,k=4096", "bits=4", sm90) == "hopper_dequant_gemm"  # prefill: wgmma
+    assert space("m=512,n=4096,k=4096", "bits=4,group=32", sm90) == "gpu_matmul"  # two scales per k step
     assert space("m=1,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
 
 
@@ -288,6 +293,60 @@ int main() {{
         worst = float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
         # A chunk's sum is up to 32 x 8 x |a| (|a| <= 2.5 x magnitude): the half2 bounds are ~1e-4 of it.
         assert worst < bound, f"{dtype} (half2 products: {half}, |a| up to {2.5 * magnitude}): off by {worst}"
+
+
+@needs_nvcc
+def test_prefill_dequantisation_writes_the_swizzled_tile_tma_would(tmp_path):
+    """hopper_dequant_gemm's 8-weight helper, compiled for the host by nvcc: for every row and chunk of a
+    packed 64-column tile it writes (q - 8) x scale, rounded once to the half type as the workload's
+    definition rounds it, at the 128-byte-swizzled place that TMA would have put the fp16/bf16 tile."""
+    import subprocess
+
+    from autosched.search_spaces.hopper_dequant import _dequant_source
+
+    for dtype, scalar in (("float16", "__half"), ("bfloat16", "__nv_bfloat16")):
+        name, source = _dequant_source(dtype)
+        source = source.replace("__device__ __forceinline__", "inline").replace("__byte_perm", "host_byte_perm")
+        program = f"""#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+inline uint32_t host_byte_perm(uint32_t x, uint32_t y, uint32_t s) {{
+  const uint64_t bytes = (uint64_t)y << 32 | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= (uint32_t)(bytes >> (8 * ((s >> (4 * i)) & 7)) & 0xff) << (8 * i);
+  return r;
+}}
+{source}
+int main() {{
+  const int ROWS = 24;
+  alignas(16) uint8_t packed[ROWS * 32];
+  alignas(16) {scalar} tile[ROWS * 64];
+  for (int i = 0; i < ROWS * 32; ++i) packed[i] = (uint8_t)(i * 73 + 19);
+  int wrong = 0;
+  for (int r = 0; r < ROWS; ++r) {{
+    const float scale = (float)({scalar})(0.01f * (r + 1) + 0.003f);
+    for (int j = 0; j < 8; ++j) {name}(tile, packed, r, j, scale);
+    for (int kk = 0; kk < 64; ++kk) {{
+      const int q = (packed[r * 32 + kk / 2] >> (4 * (kk % 2))) & 15;
+      const float want = (float)({scalar})((q - 8) * scale);
+      const int chunk = (kk / 8) ^ (r % 8);
+      const float got = (float)tile[r * 64 + chunk * 8 + kk % 8];
+      wrong += got != want;
+    }}
+  }}
+  printf("%d\\n", wrong);
+  return 0;
+}}
+"""
+        (tmp_path / f"{dtype}.cu").write_text(program)
+        exe = tmp_path / dtype
+        build = subprocess.run(["nvcc", "-std=c++17", "-o", str(exe), str(tmp_path / f"{dtype}.cu")],
+                               capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr[-3000:]
+        wrong = int(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
+        assert wrong == 0, f"{dtype}: {wrong} of {24 * 64} weights differ from the definition"
 
 
 @needs_nvcc
