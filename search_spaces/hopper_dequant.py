@@ -230,7 +230,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
                 tile = tile + grid
 
     attrs = {"global_symbol": "main", "tirx.noalias": True, "tirx.launch_bounds_min_blocks_per_sm": 1}
-    groups = k // group
+    groups = math.ceil(k / group)  # the last group may be short
     if bias:
         @T.prim_func
         def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),

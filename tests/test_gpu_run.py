@@ -129,7 +129,7 @@ def test_int4_prefill_dequantised_for_wgmma_is_correct_on_the_gpu(measurers):
     SiLU, m and n that no tile divides, groups of 64 and 128, one and two consumers, persistent CTAs: every
     point matches the float64 reference."""
     target, measurer = measurers("sm_90")
-    cases = (("m=1000,n=1032,k=512", "float16", "bits=4,group=128"),
+    cases = (("m=1000,n=1032,k=576", "float16", "bits=4,group=128"),  # a short last group
              ("m=77,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu"))
     for shape, dtype, attrs in cases:
         task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
