@@ -45,9 +45,12 @@ CASES = {
     "rope-llama": ("rope", "b=1,s=2048,h=32,d=128", "float16", "", "memory"),
     "attention-prefill": ("attention", "b=1,h=32,s=2048,d=128", "float16", "causal=1", "compute"),
     "paged-decode": ("paged_decode_attention", "b=16,h=32,d=128,ctx=4096,page=16", "float16", "", "memory"),
-    # One long sequence (few (sequence, head) pairs: the split case), and GQA 8:1 (K/V read once per group).
+    # One long sequence (few (sequence, head) pairs: the split case), and GQA 8:1 and Llama-3's 4:1 (K/V read
+    # once per group).
     "paged-decode-b1-32k": ("paged_decode_attention", "b=1,h=32,d=128,ctx=32768,page=16", "float16", "", "memory"),
     "paged-decode-gqa8": ("paged_decode_attention", "b=16,h=32,hkv=4,d=128,ctx=4096,page=16", "float16", "", "memory"),
+    "paged-decode-gqa4-llama3": ("paged_decode_attention", "b=16,h=32,hkv=8,d=128,ctx=4096,page=16", "float16", "",
+                                 "memory"),
 }
 
 
