@@ -26,7 +26,9 @@ def probe_points() -> list[dict]:
     pts = [dict(BASE)]
     for change in ({"stages": 3}, {"stages": 5}, {"block_n": 128}, {"block_n": 192}, {"wg_rows": 128, "block_n": 128},
                    {"consumers": 1, "wg_rows": 128, "block_n": 256}, {"persistent": True}, {"group_m": 1},
-                   {"group_m": 16}, {"persistent": True, "stages": 5}, {"consumers": 1, "block_n": 256}):
+                   {"group_m": 16}, {"persistent": True, "stages": 5}, {"consumers": 1, "block_n": 256},
+                   {"persistent": True, "pingpong": True}, {"persistent": True, "pingpong": True, "stages": 5},
+                   {"persistent": True, "pingpong": True, "wg_rows": 128, "block_n": 128}):
         pts.append({**BASE, **change})
     return pts
 

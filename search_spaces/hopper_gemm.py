@@ -20,6 +20,9 @@ kernels, DeepGEMM, FlashAttention-3):
 * for grids smaller than the GPU (decode GEMMs, m of 2-64), split-K across a thread-block cluster of 2
   or 4 CTAs: each takes a slice of K for the same tile, and the first adds the others' accumulators
   in through distributed shared memory before the epilogue;
+* ping-pong (``pingpong``, persistent CTAs): the two consumers take every other tile of the CTA instead
+  of half of each tile's rows, so that one's epilogue overlaps the other's main loop (the stage ring
+  hands them the tensor cores in turn);
 * for the same few rows, swapped operands (``swap_ab``): Cᵀ = B · Aᵀ puts the weights on wgmma's
   64-row side and the tokens on its N side (from 16), so a decode step's 16 tokens are not padded to 64
   rows in every stage; the stages shrink and the ring can be deeper. Its epilogue stores transposed,
@@ -109,8 +112,11 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     # Swapped operands compute Cᵀ = B · Aᵀ: the weights' rows fill wgmma's 64-row side and the few tokens
     # of a decode step its N side (from 16), instead of padding the tokens to 64 rows.
     swap = p.get("swap_ab", False)
+    # Ping-pong: each consumer warpgroup owns whole tiles (every other one of the CTA's), so that one's
+    # epilogue runs while the other's main loop has the tensor cores; otherwise they split each tile's rows.
+    pingpong = p.get("pingpong", False)
     rows, cols = (n, m) if swap else (m, n)  # the extents of wgmma's M and N sides
-    bm = consumers * wg_rows
+    bm = wg_rows if pingpong else consumers * wg_rows
     m_frags = wg_rows // 64  # wgmma m64 instructions per consumer per k step
     acc_n = bn // 2  # fp32 accumulator registers per thread per m64 fragment
     threads = 128 * (consumers + 1)
@@ -159,12 +165,15 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         return (rank + 1) * k_iters // split_k - rank * k_iters // split_k
 
     # fmt: off
+    def first_row(wg):  # the consumer's first row in the block tile
+        return 0 if pingpong else (wg - 1) * wg_rows
+
     @T.macro
     def epilogue(acc, Bias, C, tm, tn, wg, tx):
         for f in T.unroll(m_frags):
             for j in T.unroll(bn // 8):
                 for h in T.unroll(2):
-                    row = T.meta_var(tm * bm + (wg - 1) * wg_rows + f * 64 + ((tx % 128) // 32) * 16
+                    row = T.meta_var(tm * bm + first_row(wg) + f * 64 + ((tx % 128) // 32) * 16
                                      + (tx % 32) // 4 + h * 8)
                     col = T.meta_var(tn * bn + j * 8 + (tx % 4) * 2)
                     i = T.meta_var(f * acc_n + j * 4 + h * 2)  # the pair (i, i + 1): columns col, col + 1
@@ -207,6 +216,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         phase: T.int32
         it: T.int32
         tile: T.int32
+        turn: T.int32
         tm: T.int32
         tn: T.int32
         wg = T.meta_var(tx // 128)
@@ -214,7 +224,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         if tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(consumers * 128))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(128 if pingpong else consumers * 128))
             T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
 
@@ -246,39 +256,44 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
             if split_k == 1:
                 T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
             tile = bx
+            turn = 0
             while tile < tiles:
-                tm = tile_m(tile)
-                tn = tile_n(tile)
-                for i in T.unroll(acc_len):
-                    acc[i] = T.float32(0)
-                    T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
-                for ks in T.serial(k_steps(rank)):
-                    phase = (it // stages) % 2
-                    T.cuda.mbarrier_wait(T.address_of(full[it % stages]), phase)
-                    T.ptx.wgmma.fence.sync.aligned()
-                    for kk in T.unroll(BK // 16):
-                        for f in T.unroll(m_frags):
-                            T.cuda.wgmma.encode_matrix_descriptor(
-                                T.address_of(desc_a),
-                                smem.access_ptr("r", offset=(it % stages) * (stage_bytes // elem) + a_off
-                                                + ((wg - 1) * wg_rows + f * 64) * BK + kk * 16), 1, 64, 3)
-                            T.cuda.wgmma.encode_matrix_descriptor(
-                                T.address_of(desc_b),
-                                smem.access_ptr("r", offset=(it % stages) * (stage_bytes // elem) + b_off + kk * 16),
-                                1, 64, 3)
-                            T.ptx[mma](*accs(acc, f), desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
-                    T.ptx.wgmma.commit_group.sync.aligned()
-                    T.ptx.wgmma.wait_group.sync.aligned(1)
-                    if ks > 0:
-                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
-                    it = it + 1
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
-                for i in T.unroll(acc_len):
-                    T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
-                if split_k == 1:
-                    epilogue(acc, Bias, C, tm, tn, wg, tx)
+                if pingpong and turn % 2 != wg - 1:
+                    it = it + k_steps(rank)  # the other warpgroup's tile: its stages are not ours
+                else:
+                    tm = tile_m(tile)
+                    tn = tile_n(tile)
+                    for i in T.unroll(acc_len):
+                        acc[i] = T.float32(0)
+                        T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
+                    for ks in T.serial(k_steps(rank)):
+                        phase = (it // stages) % 2
+                        T.cuda.mbarrier_wait(T.address_of(full[it % stages]), phase)
+                        T.ptx.wgmma.fence.sync.aligned()
+                        for kk in T.unroll(BK // 16):
+                            for f in T.unroll(m_frags):
+                                T.cuda.wgmma.encode_matrix_descriptor(
+                                    T.address_of(desc_a),
+                                    smem.access_ptr("r", offset=(it % stages) * (stage_bytes // elem) + a_off
+                                                    + (first_row(wg) + f * 64) * BK + kk * 16), 1, 64, 3)
+                                T.cuda.wgmma.encode_matrix_descriptor(
+                                    T.address_of(desc_b),
+                                    smem.access_ptr("r", offset=(it % stages) * (stage_bytes // elem) + b_off + kk * 16),
+                                    1, 64, 3)
+                                T.ptx[mma](*accs(acc, f), desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
+                        T.ptx.wgmma.commit_group.sync.aligned()
+                        T.ptx.wgmma.wait_group.sync.aligned(1)
+                        if ks > 0:
+                            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
+                        it = it + 1
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
+                    for i in T.unroll(acc_len):
+                        T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
+                    if split_k == 1:
+                        epilogue(acc, Bias, C, tm, tn, wg, tx)
                 tile = tile + grid
+                turn = turn + 1
         if split_k > 1:
             # Every pipeline stage is consumed (the wgmma reads are complete): the ring's memory takes the
             # partial tiles. The first barrier keeps a CTA from overwriting a stage its other consumer
@@ -342,7 +357,7 @@ class HopperGemmSpace(HopperTemplate):
     """The ``gemm`` workload on sm_90: the TIRx kernel above, every structural choice a knob."""
 
     name = "hopper_gemm"
-    version = 2  # 2: split-K across a cluster (split_k) and swapped operands for few rows (swap_ab)
+    version = 3  # 2: split-K across a cluster (split_k) and swapped operands for few rows (swap_ab); 3: pingpong
     families = ("matmul",)
     # From two rows on the tensor cores win: rows past m are zeros that TMA fills in, and at m = 16 the
     # kernel ran at 0.72x cuBLAS on the H200 where the GEMV space ran at 0.49x. One row stays a GEMV.
@@ -383,15 +398,26 @@ class HopperGemmSpace(HopperTemplate):
             Knob("persistent", (False, True), ordered=False),
             Knob("split_k", (1, 2, 4)),
             Knob("swap_ab", (False, True), ordered=False),
+            Knob("pingpong", (False, True), ordered=False),
         ]
+
+    @staticmethod
+    def block_m(p: Point) -> int:
+        """The block tile's extent on wgmma's M side: one consumer's rows with ping-pong, else all of theirs."""
+        return p["wg_rows"] if p.get("pingpong", False) else p["consumers"] * p["wg_rows"]
 
     def extents(self, p: Point) -> tuple[int, int]:
         """The extents of wgmma's M side (tiled by consumers x wg_rows) and N side (tiled by block_n)."""
         return (self.n, self.m) if p.get("swap_ab", False) else (self.m, self.n)
 
     def check(self, p: Point) -> str | None:
-        bm, bn = p["consumers"] * p["wg_rows"], p["block_n"]
+        bm, bn = self.block_m(p), p["block_n"]
         rows, cols = self.extents(p)
+        if p.get("pingpong", False):
+            if p["consumers"] != 2 or not p["persistent"]:
+                return "ping-pong alternates two consumers' tiles: two consumers and persistent CTAs"
+            if p["split_k"] > 1 or p.get("swap_ab", False):
+                return "ping-pong is for prefill tiles (no split-K, no swapped operands)"
         if p.get("swap_ab", False) and self.m > self.SWAP_MAX_M:
             return f"swapped operands are for few rows (m={self.m}, at most {self.SWAP_MAX_M})"
         if bn < 32 and not p.get("swap_ab", False):
@@ -427,7 +453,7 @@ class HopperGemmSpace(HopperTemplate):
 
     def canonical(self, p: Point) -> Point:
         # Groups of at least the number of row tiles all raster the same way (the kernel takes the minimum).
-        tiles_m = math.ceil(self.extents(p)[0] / (p["consumers"] * p["wg_rows"]))
+        tiles_m = math.ceil(self.extents(p)[0] / self.block_m(p))
         if tiles_m < 2:
             return {**p, "group_m": 1}
         if p["group_m"] >= tiles_m:
@@ -441,7 +467,7 @@ class HopperGemmSpace(HopperTemplate):
                        "split_k": 1},
                       {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 7, "group_m": 1, "persistent": False,
                        "split_k": 1}):
-            point = {**point, "swap_ab": False}
+            point = {**point, "swap_ab": False, "pingpong": False}
             point = self.canonical(point)
             if self.check(point) is None:
                 return point
@@ -453,7 +479,7 @@ class HopperGemmSpace(HopperTemplate):
     def point_features(self, p: Point) -> list[float]:
         """The knobs and what they imply for the hardware: the cost model's view of a TIRx kernel, whose
         loop nest TVM's per-store features do not see."""
-        bm, bn = p["consumers"] * p["wg_rows"], p["block_n"]
+        bm, bn = self.block_m(p), p["block_n"]
         rows, cols = self.extents(p)
         tiles = math.ceil(rows / bm) * math.ceil(cols / bn)
         waves = tiles / self.sms
@@ -463,7 +489,8 @@ class HopperGemmSpace(HopperTemplate):
         return [p["consumers"], p["wg_rows"], bn, p["stages"], p["group_m"], float(p["persistent"]), bm, bm * bn,
                 math.log2(tiles), waves, waves / max(1, math.ceil(waves)), ctas / self.sms, smem / SMEM_LIMIT,
                 useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / BK) / p["stages"],
-                p["split_k"], math.ceil(self.k / BK) / p["split_k"], float(p.get("swap_ab", False))]
+                p["split_k"], math.ceil(self.k / BK) / p["split_k"], float(p.get("swap_ab", False)),
+                float(p.get("pingpong", False))]
 
 
 def _gemm_shape(func) -> tuple[int, int, int, str] | None:

@@ -88,7 +88,7 @@ def test_split_k_points_launch_clusters_and_compile(sm90):
     task = Task.from_workload(make_workload("gemm", "m=16,n=4096,k=4096", "float16", "bias=1"))
     space = task.space(sm90)
     base = {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 1, "persistent": False,
-            "swap_ab": False}
+            "swap_ab": False, "pingpong": False}
     for split in (2, 4):
         point = {**base, "split_k": split}
         assert space.validate(point) is None
@@ -105,6 +105,24 @@ def test_split_k_points_launch_clusters_and_compile(sm90):
 
 
 @needs_nvcc
+def test_pingpong_consumers_take_whole_tiles(sm90):
+    """With ping-pong each consumer owns whole tiles of wg_rows rows (the A box is one consumer's rows,
+    the empty barriers count one warpgroup), it compiles for sm_90a without spills, and it is refused
+    without two consumers and persistent CTAs."""
+    space = Task.from_workload(make_workload("gemm", "m=4096,n=4096,k=4096", "float16")).space(sm90)
+    point = {"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": True,
+             "split_k": 1, "swap_ab": False, "pingpong": True}
+    assert space.validate(point) is None and space.block_m(point) == 64
+    source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+    report = nvcc_compile(source, "sm_90a")
+    assert report.ok and report.spills == 0, report.log[-2000:]
+    assert "ping-pong" in space.validate({**point, "persistent": False})
+    assert "ping-pong" in space.validate({**point, "consumers": 1})
+    cooperative = {**point, "pingpong": False}
+    assert space.block_m(cooperative) == 128 and space.validate(cooperative) is None
+
+
+@needs_nvcc
 def test_swapped_operands_put_a_decode_steps_tokens_on_wgmmas_n_side(sm90):
     """swap_ab computes Cᵀ = B·Aᵀ: the weights load as wgmma's 64-row operand and the tokens as its
     N = 16 operand (TMA boxes of 64 and 16 rows), it compiles without spills, with split-K too, and it
@@ -115,7 +133,7 @@ def test_swapped_operands_put_a_decode_steps_tokens_on_wgmmas_n_side(sm90):
 
     space = Task.from_workload(make_workload("gemm", "m=16,n=4096,k=4096", "float16", "bias=1")).space(sm90)
     base = {"consumers": 1, "wg_rows": 64, "block_n": 16, "stages": 7, "group_m": 1, "persistent": False,
-            "swap_ab": True}
+            "swap_ab": True, "pingpong": False}
     hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
     for split in (1, 2):
         point = {**base, "split_k": split}
