@@ -17,8 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _isolated import run_isolated  # noqa: E402
 
-POINTS = [{"consumers": c, "block_kv": kv, "stages": st, "overlap": ov}
+POINTS = [{"consumers": c, "block_kv": kv, "stages": st, "overlap": ov, "pingpong": False}
           for c in (2, 1) for kv in (128, 64) for st in (2, 3) for ov in (False, True)]
+POINTS += [{"consumers": 2, "block_kv": kv, "stages": st, "overlap": False, "pingpong": True}
+           for kv in (128, 64) for st in (2, 3)]
 
 
 def _one(case, dtype, point, queue):

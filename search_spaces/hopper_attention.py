@@ -17,6 +17,9 @@ With ``overlap`` (FlashAttention-3's intra-warpgroup pipelining) a consumer issu
 j - 1's P·V together and computes tile j's softmax while the tensor cores still accumulate P·V; the output
 is rescaled once that product has landed.
 
+With ``pingpong`` (FlashAttention-3's inter-warpgroup scheduling, two consumers) the warpgroups take turns
+on the tensor cores through two named barriers: one's softmax runs while the other's products do.
+
 Causal CTAs skip every tile above the diagonal, and the grid starts with the longest (last) query blocks.
 Grouped-query attention reads the K/V head of the query head's group. Sequence lengths no tile divides
 are masked; the epilogue is predicated. A head dimension that is not a multiple of 64 (96: Phi-3, 80) is
@@ -56,6 +59,14 @@ def _helpers(dtype: str) -> dict[str, tuple[str, str]]:
         "qsum": ("autosched_quad_sum",
                  "__device__ __forceinline__ float autosched_quad_sum(float x) {\n"
                  "  x += __shfl_xor_sync(0xffffffffu, x, 1); return x + __shfl_xor_sync(0xffffffffu, x, 2);\n}\n"),
+        # Named barriers 1 and 2 over both consumer warpgroups (256 threads): a warpgroup syncs on its own to
+        # take its turn on the tensor cores and arrives on the other's to hand the turn over.
+        "turn": ("autosched_turn_sync",
+                 "__device__ __forceinline__ void autosched_turn_sync(int id) {\n"
+                 "  asm volatile(\"bar.sync %0, 256;\" :: \"r\"(id) : \"memory\");\n}\n"),
+        "handover": ("autosched_turn_handover",
+                     "__device__ __forceinline__ void autosched_turn_handover(int id) {\n"
+                     "  asm volatile(\"bar.arrive %0, 256;\" :: \"r\"(id) : \"memory\");\n}\n"),
         "exp2": ("autosched_exp2",
                  "__device__ __forceinline__ float autosched_exp2(float x) {\n"
                  "  float y; asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x)); return y;\n}\n"),
@@ -69,6 +80,9 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
 
     consumers, bkv, stages = p["consumers"], p["block_kv"], p["stages"]
     overlap = p.get("overlap", False)  # FlashAttention-3's intra-warpgroup overlap of softmax and P·V
+    # FlashAttention-3's inter-warpgroup ping-pong: the two consumers take turns on the tensor cores, so that
+    # one's softmax runs while the other's products do.
+    pingpong = p.get("pingpong", False)
     bm = 64 * consumers
     threads = 128 * (consumers + 1)
     group = h // hkv
@@ -268,6 +282,25 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                 pv_issue(Oacc, P, smem, v_full, desc_b, n_tiles - 1)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 pv_done(Oacc, empty, n_tiles - 1)
+            elif pingpong:
+                # Turns alternate QKᵀ(j) of warpgroup 1, of 2, P·V(j) of 1, of 2, ...; each hands the turn over
+                # once its product is issued. Warpgroup 2 opens the first turn and skips its last handover, so
+                # that every sync on a barrier meets exactly one arrival.
+                if wg == 2:
+                    T.cuda.func_call(fn["handover"][0], 1, source_code=fn["handover"][1])
+                for j in T.serial(n_tiles):
+                    T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+                    qk_issue(S, smem, k_full, desc_a, desc_b, j, wg)
+                    T.cuda.func_call(fn["handover"][0], 3 - wg, source_code=fn["handover"][1])
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    softmax(S, row_max, row_sum, tile_max, alpha, j, qb, wg, tx)
+                    pack_and_rescale(S, P, Oacc, alpha)
+                    T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+                    pv_issue(Oacc, P, smem, v_full, desc_b, j)
+                    if wg == 1 or j < n_tiles - 1:
+                        T.cuda.func_call(fn["handover"][0], 3 - wg, source_code=fn["handover"][1])
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    pv_done(Oacc, empty, j)
             else:
                 for j in T.serial(n_tiles):
                     qk_issue(S, smem, k_full, desc_a, desc_b, j, wg)
@@ -295,7 +328,7 @@ class HopperAttentionSpace(HopperTemplate):
     """Prefill ``attention`` on sm_90: the TIRx kernel above; consumers, KV tile and stages are the knobs."""
 
     name = "hopper_attention"
-    version = 2  # 2: the overlap knob
+    version = 3  # 2: the overlap knob; 3: pingpong
     families = ("attention",)
 
     @classmethod
@@ -315,7 +348,7 @@ class HopperAttentionSpace(HopperTemplate):
         self.causal = bool(self.hints.get("causal", True))
         self.sms = target.num_cores or 132
         self.knobs = [Knob("consumers", (1, 2)), Knob("block_kv", (64, 128)), Knob("stages", (2, 3)),
-                      Knob("overlap", (False, True), ordered=False)]
+                      Knob("overlap", (False, True), ordered=False), Knob("pingpong", (False, True), ordered=False)]
 
     def check(self, p: Point) -> str | None:
         bm, bkv = 64 * p["consumers"], p["block_kv"]
@@ -326,12 +359,14 @@ class HopperAttentionSpace(HopperTemplate):
         smem = (bm * dp + 2 * p["stages"] * bkv * dp) * 2 + 1024
         if smem > SMEM_LIMIT:
             return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
+        if p.get("pingpong", False) and (p["consumers"] != 2 or p.get("overlap", False)):
+            return "ping-pong alternates two consumers' serial loops (two consumers, no overlap)"
         return None
 
     def default(self) -> Point:
         # Measured on the H200 (causal 1x32x2048x128 fp16): 381 TFLOP/s, against 306 with one consumer.
-        for point in ({"consumers": 2, "block_kv": 128, "stages": 2, "overlap": False},
-                      {"consumers": 2, "block_kv": 64, "stages": 2, "overlap": False}):
+        for point in ({"consumers": 2, "block_kv": 128, "stages": 2, "overlap": False, "pingpong": False},
+                      {"consumers": 2, "block_kv": 64, "stages": 2, "overlap": False, "pingpong": False}):
             if self.check(point) is None:
                 return point
         return super().default()
@@ -344,7 +379,7 @@ class HopperAttentionSpace(HopperTemplate):
         ctas = math.ceil(self.s / bm) * self.b * self.h
         return [p["consumers"], p["block_kv"], p["stages"], bm, math.log2(ctas), ctas / self.sms,
                 math.ceil(self.s / p["block_kv"]), self.s % p["block_kv"] / p["block_kv"], float(self.causal),
-                float(p.get("overlap", False))]
+                float(p.get("overlap", False)), float(p.get("pingpong", False))]
 
 
 def takes_head_dim(d: int) -> bool:

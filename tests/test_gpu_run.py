@@ -176,11 +176,30 @@ def test_overlapped_softmax_attention_is_correct_on_the_gpu(shape, dtype, causal
     target, measurer = measurers("sm_90")
     task = Task.from_workload(make_workload("attention", shape, dtype, f"causal={causal}"))
     space = task.space(target)
-    points = [{**space.default(), "overlap": True}, {"consumers": 1, "block_kv": 64, "stages": 3, "overlap": True}]
+    points = [{**space.default(), "overlap": True},
+              {"consumers": 1, "block_kv": 64, "stages": 3, "overlap": True, "pingpong": False}]
     points = [p for p in points if space.validate(p) is None]
     assert points
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+
+@pytest.mark.parametrize("shape,dtype,causal", [
+    ("b=1,h=4,hkv=2,s=1000,d=128", "float16", 1), ("b=2,h=2,s=700,d=128", "bfloat16", 0),
+    ("b=1,h=2,hkv=1,s=300,d=64", "float16", 1), ("b=1,h=2,s=260,d=256", "bfloat16", 0),
+])
+def test_pingpong_attention_is_correct_on_the_gpu(shape, dtype, causal, measurers):
+    """hopper_attention with the two consumers taking turns on the tensor cores (named barriers): causal
+    and not, GQA, lengths no tile divides, head dims 64 to 256 (a causal CTA's two warpgroups visit the
+    same tiles, so their turns pair up), against the float64 reference."""
+    target, measurer = measurers("sm_90")
+    task = Task.from_workload(make_workload("attention", shape, dtype, f"causal={causal}"))
+    space = task.space(target)
+    points = [{"consumers": 2, "block_kv": kv, "stages": 2, "overlap": False, "pingpong": True} for kv in (128, 64)]
+    points = [p for p in points if space.validate(p) is None]
+    assert points
+    for point, res in zip(points, measurer.measure(task.spec, points)):
+        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+
 
 def test_tuning_on_the_gpu_records_the_device(gpu_target, db_path):
     from autosched.database.store import Database

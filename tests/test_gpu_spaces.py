@@ -580,6 +580,24 @@ int main() {{
 
 
 @needs_nvcc
+def test_pingpong_attention_takes_turns_through_named_barriers(sm90):
+    """hopper_attention's ping-pong compiles for sm_90a without spills, syncs on a warpgroup's own named
+    barrier and arrives on the other's, and is refused with one consumer or with the overlapped loop."""
+    task = Task.from_workload(make_workload("attention", "b=1,h=4,hkv=2,s=200,d=128", "float16", "causal=1"))
+    space = task.space(sm90)
+    point = {**space.default(), "pingpong": True}
+    assert space.validate(point) is None
+    source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+    assert "bar.sync %0, 256;" in source and "bar.arrive %0, 256;" in source
+    report = nvcc_compile(source, "sm_90a")
+    assert report.ok and report.spills == 0, report.log[-2000:]
+    assert "ping-pong" in space.validate({**point, "consumers": 1})
+    assert "ping-pong" in space.validate({**point, "overlap": True})
+    serial = cuda_source(space.apply(space.default()), sm90, {}, space.codegen)
+    assert "bar.arrive" not in serial
+
+
+@needs_nvcc
 def test_overlapped_softmax_compiles_and_leaves_the_serial_kernel_as_it_was(sm90):
     """The overlap knob issues tile j's QKᵀ and tile j - 1's P·V together (two wgmma groups in flight,
     the first waited with wait_group 1); it compiles for sm_90a without spills, and without it the
