@@ -26,8 +26,17 @@ from __future__ import annotations
 import math
 
 from ._knobs import Knob, Point
-from .hopper_gemm import BK, FENCE_NAME, FENCE_SOURCE, HOPPER_ARCHS, PTX_TYPE, SMEM_LIMIT, HopperTemplate, _epilogue_source
-from .int4_gemv import _shape
+from .hopper_gemm import (
+    BK,
+    FENCE_NAME,
+    FENCE_SOURCE,
+    PTX_TYPE,
+    SMEM_LIMIT,
+    _epilogue_source,
+    canonical_group_m,
+    grouped_raster,
+)
+from .int4_gemv import Int4Template, _shape, dequant_main
 
 PACKED_BK = BK // 2  # bytes of packed int4 weights per row and k step
 CONSUMERS_SYNC = "autosched_consumers_sync"
@@ -96,14 +105,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
     def stored(acc, Bias, i, col):
         return acc[i] + T.Cast("float32", Bias[col]) if bias else acc[i]
 
-    def group_rows(tile):
-        return T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
-
-    def tile_m(tile):
-        return (tile // (group_m * tiles_n)) * group_m + (tile % (group_m * tiles_n)) % group_rows(tile)
-
-    def tile_n(tile):
-        return (tile % (group_m * tiles_n)) // group_rows(tile)
+    tile_m, tile_n = grouped_raster(tiles_m, tiles_n, group_m)
 
     # fmt: off
     @T.macro
@@ -229,40 +231,22 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
                 epilogue(acc, Bias, C, tm, tn, wg, tx)
                 tile = tile + grid
 
-    attrs = {"global_symbol": "main", "tirx.noalias": True, "tirx.launch_bounds_min_blocks_per_sm": 1}
-    groups = math.ceil(k / group)  # the last group may be short
-    if bias:
-        @T.prim_func
-        def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
-                 S: T.Buffer((n, groups), dtype), Bias: T.Buffer((n,), dtype), C: T.Buffer((m, n), dtype, align=16)):
-            T.func_attr(attrs)
-            body(A, Wq, S, Bias, C)
-    else:
-        @T.prim_func
-        def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
-                 S: T.Buffer((n, groups), dtype), C: T.Buffer((m, n), dtype, align=16)):
-            T.func_attr(attrs)
-            body(A, Wq, S, None, C)
     # fmt: on
-    return main
+    attrs = {"global_symbol": "main", "tirx.noalias": True, "tirx.launch_bounds_min_blocks_per_sm": 1}
+    return dequant_main(body, m, n, k, math.ceil(k / group), dtype, bias, attrs)  # a short last group too
 
 
-class HopperDequantGemmSpace(HopperTemplate):
+class HopperDequantGemmSpace(Int4Template):
     """``dequant_gemm`` with int4 weights past a decode step's rows on sm_90: the kernel above."""
 
     name = "hopper_dequant_gemm"
     version = 1
-    families = ("matmul",)
     MIN_M = 17  # up to 16 rows the GEMV spaces stream the weights at bandwidth (int4_gemv to 8, gpu_gemv to 16)
-
-    @classmethod
-    def matches(cls, func) -> bool:
-        return _shape(func) is not None
 
     @classmethod
     def suits(cls, func, target, hints) -> bool:
         hints = hints or {}
-        if target.arch not in HOPPER_ARCHS or hints.get("op") != "dequant_gemm" or hints.get("bits") != 4:
+        if not cls.suits_target(target, hints):
             return False
         shape = _shape(func)
         if shape is None:
@@ -274,14 +258,6 @@ class HopperDequantGemmSpace(HopperTemplate):
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
-        shape = _shape(func)
-        if shape is None:
-            raise ValueError("hopper_dequant_gemm takes C[m, n] = A[m, k] · dequant(Wq[n, k / 2])ᵀ functions only")
-        self.m, self.n, self.k, self.dtype = shape
-        self.group = int(self.hints.get("group", 128))
-        self.bias = bool(self.hints.get("bias", False))
-        self.act = str(self.hints.get("act", "none"))
-        self.sms = target.num_cores or 132
         self.knobs = [
             Knob("consumers", (1, 2)),
             Knob("wg_rows", (64, 128)),
@@ -317,12 +293,7 @@ class HopperDequantGemmSpace(HopperTemplate):
         return None
 
     def canonical(self, p: Point) -> Point:
-        tiles_m = math.ceil(self.m / (p["consumers"] * p["wg_rows"]))
-        if tiles_m < 2:
-            return {**p, "group_m": 1}
-        if p["group_m"] >= tiles_m:
-            return {**p, "group_m": min(g for g in (1, 4, 8, 16) if g >= tiles_m or g == 16)}
-        return p
+        return canonical_group_m(p, math.ceil(self.m / (p["consumers"] * p["wg_rows"])))
 
     def default(self) -> Point:
         for point in ({"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": False},

@@ -102,6 +102,33 @@ PART_ADD_SOURCE = (
     "  x += v;\n}\n")
 
 
+def grouped_raster(tiles_m: int, tiles_n: int, group_m: int):
+    """(tile_m, tile_n): a tile number's row and column tile under grouped rasterisation. Tile numbers run
+    down a group of group_m tile rows before the next column, so that neighbouring CTAs share A and B
+    tiles in L2 (the producer's and the consumers' walk alike)."""
+    from tvm.script import tirx as T
+
+    def group_rows(tile):  # the rows of tile's group (the last group may have fewer)
+        return T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
+
+    def tile_m(tile):
+        return (tile // (group_m * tiles_n)) * group_m + (tile % (group_m * tiles_n)) % group_rows(tile)
+
+    def tile_n(tile):
+        return (tile % (group_m * tiles_n)) // group_rows(tile)
+
+    return tile_m, tile_n
+
+
+def canonical_group_m(p: Point, tiles_m: int) -> Point:
+    """Groups of at least the number of row tiles all raster the same way (the kernel takes the minimum)."""
+    if tiles_m < 2:
+        return {**p, "group_m": 1}
+    if p["group_m"] >= tiles_m:
+        return {**p, "group_m": min(g for g in (1, 4, 8, 16) if g >= tiles_m or g == 16)}
+    return p
+
+
 def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str, p: Point):
     """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · B[n, k]ᵀ + bias[n])."""
     from tvm.script import tirx as T
@@ -142,16 +169,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     def stored(acc, Bias, i, col):  # accumulator i, plus the bias of output column col
         return acc[i] + T.Cast("float32", Bias[col]) if bias else acc[i]
 
-    # Grouped rasterisation, the producer's and the consumers' walk alike: tile numbers run down a group
-    # of group_m tile rows before the next column, so that neighbouring CTAs share A and B tiles in L2.
-    def group_rows(tile):  # the rows of tile's group (the last group may have fewer)
-        return T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
-
-    def tile_m(tile):
-        return (tile // (group_m * tiles_n)) * group_m + (tile % (group_m * tiles_n)) % group_rows(tile)
-
-    def tile_n(tile):
-        return (tile % (group_m * tiles_n)) // group_rows(tile)
+    tile_m, tile_n = grouped_raster(tiles_m, tiles_n, group_m)
 
     def launch_ids():  # (the CTA's first tile, its rank in the cluster)
         if split_k == 1:
@@ -452,13 +470,7 @@ class HopperGemmSpace(HopperTemplate):
         return None
 
     def canonical(self, p: Point) -> Point:
-        # Groups of at least the number of row tiles all raster the same way (the kernel takes the minimum).
-        tiles_m = math.ceil(self.extents(p)[0] / self.block_m(p))
-        if tiles_m < 2:
-            return {**p, "group_m": 1}
-        if p["group_m"] >= tiles_m:
-            return {**p, "group_m": min(g for g in (1, 4, 8, 16) if g >= tiles_m or g == 16)}
-        return p
+        return canonical_group_m(p, math.ceil(self.extents(p)[0] / self.block_m(p)))
 
     def default(self) -> Point:
         for point in ({"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": False,

@@ -188,28 +188,34 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
                         T.cuda.func_call(store1, C.access_ptr("w", offset=i * n + row),
                                          stored(acc, Bias, r * m + i, row), source_code=epi_source)
 
-    attrs = {"global_symbol": "main", "tirx.noalias": True}
+    # fmt: on
+    return dequant_main(body, m, n, k, groups, dtype, bias, {"global_symbol": "main", "tirx.noalias": True})
+
+
+def dequant_main(body, m: int, n: int, k: int, groups: int, dtype: str, bias: bool, attrs: dict):
+    """The ``dequant_gemm`` workload's signature (A, Wq, scales[, bias], C) around a kernel's body macro."""
+    from tvm.script import tirx as T
+
+    # fmt: off
     if bias:
         @T.prim_func
         def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
-                 S: T.Buffer((n, groups), dtype), Bias: T.Buffer((n,), dtype), C: T.Buffer((m, n), dtype)):
+                 S: T.Buffer((n, groups), dtype), Bias: T.Buffer((n,), dtype), C: T.Buffer((m, n), dtype, align=16)):
             T.func_attr(attrs)
             body(A, Wq, S, Bias, C)
     else:
         @T.prim_func
         def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
-                 S: T.Buffer((n, groups), dtype), C: T.Buffer((m, n), dtype)):
+                 S: T.Buffer((n, groups), dtype), C: T.Buffer((m, n), dtype, align=16)):
             T.func_attr(attrs)
             body(A, Wq, S, None, C)
     # fmt: on
     return main
 
 
-class Int4GemvSpace(HopperTemplate):
-    """``dequant_gemm`` with int4 weights and at most eight rows on sm_90: the streaming kernel above."""
+class Int4Template(HopperTemplate):
+    """A TIRx template for ``dequant_gemm`` with int4 weights on sm_90: the workload's sizes and hints."""
 
-    name = "int4_gemv"
-    version = 2
     families = ("matmul",)
 
     @classmethod
@@ -217,9 +223,31 @@ class Int4GemvSpace(HopperTemplate):
         return _shape(func) is not None
 
     @classmethod
-    def suits(cls, func, target, hints) -> bool:
+    def suits_target(cls, target, hints) -> bool:
         hints = hints or {}
-        if target.arch not in HOPPER_ARCHS or hints.get("op") != "dequant_gemm" or hints.get("bits") != 4:
+        return target.arch in HOPPER_ARCHS and hints.get("op") == "dequant_gemm" and hints.get("bits") == 4
+
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
+        shape = _shape(func)
+        if shape is None:
+            raise ValueError(f"{self.name} takes C[m, n] = A[m, k] · dequant(Wq[n, k / 2])ᵀ functions only")
+        self.m, self.n, self.k, self.dtype = shape
+        self.group = int(self.hints.get("group", 128))
+        self.bias = bool(self.hints.get("bias", False))
+        self.act = str(self.hints.get("act", "none"))
+        self.sms = target.num_cores or 132
+
+
+class Int4GemvSpace(Int4Template):
+    """``dequant_gemm`` with int4 weights and at most eight rows on sm_90: the streaming kernel above."""
+
+    name = "int4_gemv"
+    version = 2
+
+    @classmethod
+    def suits(cls, func, target, hints) -> bool:
+        if not cls.suits_target(target, hints):
             return False
         shape = _shape(func)
         # 16-byte chunks of whole rows: k a multiple of 32 (the groups, 32 to 256, are too).
@@ -227,14 +255,6 @@ class Int4GemvSpace(HopperTemplate):
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
-        shape = _shape(func)
-        if shape is None:
-            raise ValueError("int4_gemv takes C[m, n] = A[m, k] · dequant(Wq[n, k / 2])ᵀ functions only")
-        self.m, self.n, self.k, self.dtype = shape
-        self.group = int(self.hints.get("group", 128))
-        self.bias = bool(self.hints.get("bias", False))
-        self.act = str(self.hints.get("act", "none"))
-        self.sms = target.num_cores or 132
         self.knobs = [
             Knob("warps", (1, 2, 4, 8)),
             Knob("rows_per_warp", (1, 2, 4)),
