@@ -92,6 +92,12 @@ def write_results(rows: list[dict], out_dir: Path) -> None:
                      + f" | {r['tuned_kernels']}/{r['kernels']} | {r['tuning_s']:.0f} | {budget} |")
     lines += ["", "Ratios above 1 mean the autosched build is faster. The four latencies of a row were timed side by "
               "side in 7 interleaved rounds (median); both builds were checked against torch first."]
+    autotuned = [r for r in rows if r.get("torch_max_autotune_ms")]
+    if autotuned:
+        lines += ["", "torch.compile(mode='max-autotune'), timed in the same rounds: " + "; ".join(
+            f"{r['batch']} x {r['tokens']}: {r['torch_max_autotune_ms']:.3f} ms, tuned "
+            f"{r['torch_max_autotune_ms'] / r['tuned_ms']:.2f}x (compile {r['torch_max_autotune_build_s']:.0f} s)"
+            for r in autotuned) + "."]
     for r in rows:
         if r.get("tuned_kernel_times"):
             lines += ["", f"Where the tuned build's time goes, {r['model']} {r['batch']} x {r['tokens']} (each kernel "
@@ -111,6 +117,8 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=256)
     parser.add_argument("--time-budget", type=float, default=None, help="tuning seconds per config")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--max-autotune", action="store_true",
+                        help="also time torch.compile(mode='max-autotune') (Triton GEMM autotuning, CUDA graphs)")
     parser.add_argument("--profile", action="store_true", help="also time each kernel of the tuned build")
     parser.add_argument("--out", default="benchmarks/results/model")
     parser.add_argument("--combine", nargs="+", metavar="JSON", help="only merge these results into one table")
@@ -155,6 +163,17 @@ def main() -> int:
                 timers["torch_compile_ms"] = torch_timer(lambda: compiled(*inputs), device)
             except Exception as exc:  # noqa: BLE001 - torch.compile needs a working toolchain
                 row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if args.max_autotune:
+            # torch's strongest setting: Triton GEMM autotuning and CUDA graphs (minutes of compiling).
+            try:
+                autotuned = torch.compile(module, mode="max-autotune")
+                start = time.perf_counter()
+                with torch.no_grad():
+                    autotuned(*inputs)
+                row["torch_max_autotune_build_s"] = time.perf_counter() - start
+                timers["torch_max_autotune_ms"] = torch_timer(lambda: autotuned(*inputs), device)
+            except Exception as exc:  # noqa: BLE001
+                row["torch_max_autotune_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         executable, params, _ = build_model(model, target, None)
         out, timers["untuned_ms"], _ = vm_timer(executable, params, inputs, target)
         row["untuned_err"] = relative_error(torch.from_dlpack(out).to(ref.device), ref)
