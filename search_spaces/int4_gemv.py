@@ -53,26 +53,7 @@ def _dot_source(dtype: str, m: int, half_products: bool = False) -> tuple[str, s
     if half_products:
         return _half_dot_source(m)
     pair, to_float2 = _TO_FLOAT2[dtype]
-    name = f"autosched_q4_chunk_{dtype}_m{m}"
-    accs = ", ".join(f"float& acc{i}" for i in range(m))
-    rows = "".join(
-        f"  {{ const uint4* x = reinterpret_cast<const uint4*>(static_cast<const char*>(xp) + {i} * row_bytes);\n"
-        "    float s = 0.f;\n"
-        "    #pragma unroll\n"
-        "    for (int v = 0; v < 4; ++v) {\n"
-        "      uint4 a = x[v];\n"
-        "      const uint32_t aw[4] = {a.x, a.y, a.z, a.w};\n"
-        "      #pragma unroll\n"
-        "      for (int t = 0; t < 4; ++t) {\n"
-        f"        float2 f = {to_float2}(*reinterpret_cast<const {pair}*>(&aw[t]));\n"
-        "        s += f.x * w[v * 8 + 2 * t] + f.y * w[v * 8 + 2 * t + 1];\n"
-        "      }\n"
-        "    }\n"
-        f"    acc{i} += s * scale; }}\n" for i in range(m))
-    source = (
-        f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) {{\n"
-        f"  uint4 q4 = {STREAM_LOAD}(wp);\n"
-        "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
+    unpack = (
         "  float w[32];  // q - 8 in k order: byte b of word j holds k = 8j + 2b (low nibble), 8j + 2b + 1\n"
         "  const __half2 bias = __float2half2_rn(1032.f);\n"
         "  #pragma unroll\n"
@@ -85,9 +66,19 @@ def _dot_source(dtype: str, m: int, half_products: bool = False) -> tuple[str, s
         "      float2 o = __half22float2(__hsub2(*reinterpret_cast<__half2*>(&odd), bias));\n"
         "      w[8 * j + s] = e.x; w[8 * j + 4 + s] = e.y; w[8 * j + 2 + s] = o.x; w[8 * j + 6 + s] = o.y;\n"
         "    }\n"
-        "  }\n"
-        f"{rows}}}\n")
-    return name, STREAM_LOAD_SOURCE + source
+        "  }\n")
+    row_dot = (
+        "    #pragma unroll\n"
+        "    for (int v = 0; v < 4; ++v) {\n"
+        "      uint4 a = x[v];\n"
+        "      const uint32_t aw[4] = {a.x, a.y, a.z, a.w};\n"
+        "      #pragma unroll\n"
+        "      for (int t = 0; t < 4; ++t) {\n"
+        f"        float2 f = {to_float2}(*reinterpret_cast<const {pair}*>(&aw[t]));\n"
+        "        s += f.x * w[v * 8 + 2 * t] + f.y * w[v * 8 + 2 * t + 1];\n"
+        "      }\n"
+        "    }\n")
+    return _chunk_helper(f"autosched_q4_chunk_{dtype}_m{m}", m, unpack, row_dot, "scale")
 
 
 def _half_dot_source(m: int) -> tuple[str, str]:
@@ -98,30 +89,7 @@ def _half_dot_source(m: int) -> tuple[str, str]:
     4 |x|, so activations up to 16384 in magnitude cannot overflow. Activation pairs are regrouped to the
     nibbles' order, (k, k + 4), by byte permutes; every two words' half2 sums go to fp32, and the chunk's
     sum is scaled by 16 x its group's scale."""
-    name = f"autosched_q4_chunk_float16_half_m{m}"
-    accs = ", ".join(f"float& acc{i}" for i in range(m))
-    rows = "".join(
-        f"  {{ const uint4* x = reinterpret_cast<const uint4*>(static_cast<const char*>(xp) + {i} * row_bytes);\n"
-        "    float s = 0.f;\n"
-        "    #pragma unroll\n"
-        "    for (int half = 0; half < 2; ++half) {\n"
-        "      __half2 h = __float2half2_rn(0.f);\n"
-        "      #pragma unroll\n"
-        "      for (int v = 2 * half; v < 2 * half + 2; ++v) {\n"
-        "        const uint4 a = x[v];  // k = 8v .. 8v + 7\n"
-        "        uint32_t pairs[4] = {(a.x & 0xFFFFu) | (a.z << 16), (a.x >> 16) | (a.z & 0xFFFF0000u),\n"
-        "                             (a.y & 0xFFFFu) | (a.w << 16), (a.y >> 16) | (a.w & 0xFFFF0000u)};\n"
-        "        #pragma unroll\n"
-        "        for (int t = 0; t < 4; ++t) h = __hfma2(*reinterpret_cast<__half2*>(&pairs[t]), w[v][t], h);\n"
-        "      }\n"
-        "      const float2 f = __half22float2(h);\n"
-        "      s += f.x + f.y;\n"
-        "    }\n"
-        f"    acc{i} += s * scale16; }}\n" for i in range(m))
-    source = (
-        f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) {{\n"
-        f"  uint4 q4 = {STREAM_LOAD}(wp);\n"
-        "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
+    unpack = (
         "  // w[j][t]: (q - 8) / 16 of k = 8j + t and 8j + t + 4 (byte b of word j holds k = 8j + 2b, 8j + 2b + 1)\n"
         "  __half2 w[4][4];\n"
         "  const __half2 lo_mul = __float2half2_rn(0.0625f), lo_add = __float2half2_rn(-64.5f);\n"
@@ -136,8 +104,40 @@ def _half_dot_source(m: int) -> tuple[str, str]:
         "      w[j][2 * s + 1] = __hfma2(*reinterpret_cast<__half2*>(&hi), hi_mul, hi_add);\n"
         "    }\n"
         "  }\n"
-        "  const float scale16 = 16.f * scale;\n"
-        f"{rows}}}\n")
+        "  const float scale16 = 16.f * scale;\n")
+    row_dot = (
+        "    #pragma unroll\n"
+        "    for (int half = 0; half < 2; ++half) {\n"
+        "      __half2 h = __float2half2_rn(0.f);\n"
+        "      #pragma unroll\n"
+        "      for (int v = 2 * half; v < 2 * half + 2; ++v) {\n"
+        "        const uint4 a = x[v];  // k = 8v .. 8v + 7\n"
+        "        uint32_t pairs[4] = {(a.x & 0xFFFFu) | (a.z << 16), (a.x >> 16) | (a.z & 0xFFFF0000u),\n"
+        "                             (a.y & 0xFFFFu) | (a.w << 16), (a.y >> 16) | (a.w & 0xFFFF0000u)};\n"
+        "        #pragma unroll\n"
+        "        for (int t = 0; t < 4; ++t) h = __hfma2(*reinterpret_cast<__half2*>(&pairs[t]), w[v][t], h);\n"
+        "      }\n"
+        "      const float2 f = __half22float2(h);\n"
+        "      s += f.x + f.y;\n"
+        "    }\n")
+    return _chunk_helper(f"autosched_q4_chunk_float16_half_m{m}", m, unpack, row_dot, "scale16")
+
+
+def _chunk_helper(name: str, m: int, unpack: str, row_dot: str, scale: str) -> tuple[str, str]:
+    """(name, source) of a chunk helper: 16 packed bytes streamed in as q[4], ``unpack`` turning them into
+    the weights w, then for each of the m rows ``row_dot`` summing into s over the row's activations x,
+    added to the row's accumulator times ``scale``."""
+    accs = ", ".join(f"float& acc{i}" for i in range(m))
+    rows = "".join(
+        f"  {{ const uint4* x = reinterpret_cast<const uint4*>(static_cast<const char*>(xp) + {i} * row_bytes);\n"
+        "    float s = 0.f;\n"
+        f"{row_dot}"
+        f"    acc{i} += s * {scale}; }}\n" for i in range(m))
+    source = (
+        f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) {{\n"
+        f"  uint4 q4 = {STREAM_LOAD}(wp);\n"
+        "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
+        f"{unpack}{rows}}}\n")
     return name, STREAM_LOAD_SOURCE + source
 
 
