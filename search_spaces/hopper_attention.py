@@ -32,7 +32,18 @@ from __future__ import annotations
 import math
 
 from ._knobs import Knob, Point
-from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, HOPPER_ARCHS, PTX_TYPE, SMEM_LIMIT, HopperTemplate
+from .hopper_gemm import (
+    FENCE_NAME,
+    FENCE_SOURCE,
+    HOPPER_ARCHS,
+    PTX_TYPE,
+    SMEM_LIMIT,
+    TURN_HANDOVER,
+    TURN_HANDOVER_SOURCE,
+    TURN_SYNC,
+    TURN_SYNC_SOURCE,
+    HopperTemplate,
+)
 
 CUDA_PAIR = {"float16": ("__half2", "__floats2half2_rn", "half"),
              "bfloat16": ("__nv_bfloat162", "__floats2bfloat162_rn", "nv_bfloat16")}
@@ -59,14 +70,8 @@ def _helpers(dtype: str) -> dict[str, tuple[str, str]]:
         "qsum": ("autosched_quad_sum",
                  "__device__ __forceinline__ float autosched_quad_sum(float x) {\n"
                  "  x += __shfl_xor_sync(0xffffffffu, x, 1); return x + __shfl_xor_sync(0xffffffffu, x, 2);\n}\n"),
-        # Named barriers 1 and 2 over both consumer warpgroups (256 threads): a warpgroup syncs on its own to
-        # take its turn on the tensor cores and arrives on the other's to hand the turn over.
-        "turn": ("autosched_turn_sync",
-                 "__device__ __forceinline__ void autosched_turn_sync(int id) {\n"
-                 "  asm volatile(\"bar.sync %0, 256;\" :: \"r\"(id) : \"memory\");\n}\n"),
-        "handover": ("autosched_turn_handover",
-                     "__device__ __forceinline__ void autosched_turn_handover(int id) {\n"
-                     "  asm volatile(\"bar.arrive %0, 256;\" :: \"r\"(id) : \"memory\");\n}\n"),
+        "turn": (TURN_SYNC, TURN_SYNC_SOURCE),  # named barriers 1 and 2: see hopper_gemm
+        "handover": (TURN_HANDOVER, TURN_HANDOVER_SOURCE),
         "exp2": ("autosched_exp2",
                  "__device__ __forceinline__ float autosched_exp2(float x) {\n"
                  "  float y; asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x)); return y;\n}\n"),

@@ -21,8 +21,9 @@ kernels, DeepGEMM, FlashAttention-3):
   or 4 CTAs: each takes a slice of K for the same tile, and the first adds the others' accumulators
   in through distributed shared memory before the epilogue;
 * ping-pong (``pingpong``, persistent CTAs): the two consumers take every other tile of the CTA instead
-  of half of each tile's rows, so that one's epilogue overlaps the other's main loop (the stage ring
-  hands them the tensor cores in turn);
+  of half of each tile's rows, so that one's epilogue overlaps the other's main loop; two named
+  barriers hand the main loop over in turn (a consumer that ran ahead by a lap of the stage ring would
+  take an mbarrier phase a lap old for its own);
 * for the same few rows, swapped operands (``swap_ab``): Cᵀ = B · Aᵀ puts the weights on wgmma's
   64-row side and the tokens on its N side (from 16), so a decode step's 16 tokens are not padded to 64
   rows in every stage; the stages shrink and the ring can be deeper. Its epilogue stores transposed,
@@ -75,6 +76,14 @@ def _epilogue_source(dtype: str, act: str) -> tuple[str, str, str]:
 FENCE_NAME = "autosched_acc_fence"
 FENCE_SOURCE = (f"__device__ __forceinline__ void {FENCE_NAME}(float& x) "
                 "{ asm volatile(\"\" : \"+f\"(x) :: \"memory\"); }\n")
+# Ping-pong turns between two consumer warpgroups: named barriers 1 and 2 over both (256 threads). A
+# warpgroup syncs on its own barrier to take its turn and arrives on the other's to hand the turn over.
+TURN_SYNC = "autosched_turn_sync"
+TURN_SYNC_SOURCE = (f"__device__ __forceinline__ void {TURN_SYNC}(int id) {{\n"
+                    "  asm volatile(\"bar.sync %0, 256;\" :: \"r\"(id) : \"memory\");\n}\n")
+TURN_HANDOVER = "autosched_turn_handover"
+TURN_HANDOVER_SOURCE = (f"__device__ __forceinline__ void {TURN_HANDOVER}(int id) {{\n"
+                        "  asm volatile(\"bar.arrive %0, 256;\" :: \"r\"(id) : \"memory\");\n}\n")
 
 
 # Split-K across a thread-block cluster: the CTAs of one cluster share an output tile, each over its own
@@ -284,6 +293,10 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                     for i in T.unroll(acc_len):
                         acc[i] = T.float32(0)
                         T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
+                    if pingpong and turn > 0:
+                        # The other warpgroup's main loop has waited on every stage before ours: only then
+                        # does each full barrier's phase parity name our stage and not one a lap earlier.
+                        T.cuda.func_call(TURN_SYNC, wg, source_code=TURN_SYNC_SOURCE)
                     for ks in T.serial(k_steps(rank)):
                         phase = (it // stages) % 2
                         T.cuda.mbarrier_wait(T.address_of(full[it % stages]), phase)
@@ -304,6 +317,8 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                         if ks > 0:
                             T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
                         it = it + 1
+                    if pingpong and tile + grid < tiles:  # the other's next tile follows: its turn
+                        T.cuda.func_call(TURN_HANDOVER, 3 - wg, source_code=TURN_HANDOVER_SOURCE)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
                     for i in T.unroll(acc_len):

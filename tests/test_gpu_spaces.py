@@ -107,7 +107,8 @@ def test_split_k_points_launch_clusters_and_compile(sm90):
 @needs_nvcc
 def test_pingpong_consumers_take_whole_tiles(sm90):
     """With ping-pong each consumer owns whole tiles of wg_rows rows (the A box is one consumer's rows,
-    the empty barriers count one warpgroup), it compiles for sm_90a without spills, and it is refused
+    the empty barriers count one warpgroup, named barriers hand the main loop over in turn), it compiles
+    for sm_90a without spills, and it is refused
     without two consumers and persistent CTAs."""
     space = Task.from_workload(make_workload("gemm", "m=4096,n=4096,k=4096", "float16")).space(sm90)
     point = {"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": True,
@@ -116,6 +117,10 @@ def test_pingpong_consumers_take_whole_tiles(sm90):
     source = cuda_source(space.apply(point), sm90, {}, space.codegen)
     report = nvcc_compile(source, "sm_90a")
     assert report.ok and report.spills == 0, report.log[-2000:]
+    # the main loop is handed over through named barriers (without them a consumer a lap of the ring ahead
+    # took a full barrier's old phase for its own and the kernel hung on the H200)
+    assert "autosched_turn_sync(" in source and "autosched_turn_handover(" in source
+    assert "autosched_turn_sync(" not in cuda_source(space.apply({**point, "pingpong": False}), sm90, {}, space.codegen)
     assert "ping-pong" in space.validate({**point, "persistent": False})
     assert "ping-pong" in space.validate({**point, "consumers": 1})
     cooperative = {**point, "pingpong": False}
