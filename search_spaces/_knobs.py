@@ -220,7 +220,7 @@ class Space:
 
     def default(self) -> Point:
         """A reasonable point without search; subclasses give a better one."""
-        return self.sample(np.random.default_rng(0))
+        return self._draw(np.random.default_rng(0))
 
     # ---- provided -------------------------------------------------------------------------------
     def apply(self, point: Point) -> IRModule:
@@ -256,22 +256,30 @@ class Space:
                 return f"knob {knob.name}={point[knob.name]!r} is not one of its choices"
         return self.check(point)
 
-    def sample(self, rng: np.random.Generator, tries: int = 1000) -> Point:
-        """A random valid point: knobs drawn independently until the point is valid, else (in spaces where
-        few combinations are, e.g. hopper_gemm on a small GEMM: 1.5% of them) a random walk of valid
-        mutations from the default point."""
+    def _draw(self, rng: np.random.Generator, tries: int = 1000) -> Point:
+        """Knobs drawn independently until the point is valid."""
         last = None
         for _ in range(tries):
             point = self.canonical({k.name: k.sample(rng) for k in self.knobs})
             last = self.check(point)
             if last is None:
                 return point
-        point = self.default()
-        if self.check(point) is None:
-            for _ in range(int(rng.integers(1, 9))):
-                point = self.mutate(point, rng) or point
-            return point
         raise InvalidPoint(f"no valid point found in {tries} samples of {self.id}; last reason: {last}")
+
+    def sample(self, rng: np.random.Generator, tries: int = 1000) -> Point:
+        """A random valid point: knobs drawn independently until the point is valid, else (in spaces where
+        few combinations are, e.g. hopper_gemm on a small GEMM: 1.5% of them) a random walk of valid
+        mutations from the default point. (The base default draws without this fallback, so the two never
+        call each other in a loop.)"""
+        try:
+            return self._draw(rng, tries)
+        except InvalidPoint as drawn:
+            point = self.default()  # raises InvalidPoint itself where no valid point is known
+            if self.check(point) is not None:
+                raise drawn from None
+        for _ in range(int(rng.integers(1, 9))):
+            point = self.mutate(point, rng) or point
+        return point
 
     def mutate(self, point: Point, rng: np.random.Generator, tries: int = 50) -> Point | None:
         """A valid neighbour of ``point`` (one or two knobs changed), or None if none was found."""

@@ -130,6 +130,21 @@ class _SplitSpace(Space):
         sch.split(i, [factor, factor] if factor == 3 else [None, factor])
 
 
+def test_a_space_without_valid_points_says_so(cpu_target):
+    """No knob combination passes check and the space has no default of its own: sampling and the default
+    both raise InvalidPoint with the reason (the sampler's fallback to the default point does not loop)."""
+
+    class _Empty(_SplitSpace):
+        def check(self, point):
+            return "no split fits"
+
+    space = _Empty(_split_space(cpu_target, typo=False).func, cpu_target)
+    with pytest.raises(InvalidPoint, match="no split fits"):
+        space.sample(np.random.default_rng(0))
+    with pytest.raises(InvalidPoint, match="no split fits"):
+        space.default()
+
+
 def _split_space(cpu_target, typo: bool) -> _SplitSpace:
     from tvm import te
 
