@@ -396,6 +396,7 @@ class HopperGemmSpace(HopperTemplate):
     # kernel ran at 0.72x cuBLAS on the H200 where the GEMV space ran at 0.49x. One row stays a GEMV.
     MIN_M = 2
     SWAP_MAX_M = 64  # swapped operands put the tokens on wgmma's N side: a decode step's few rows
+    BLOCK_NS = (16, 32, 64, 128, 192, 256)  # and, per shape, whole_wave_block_ns
 
     @classmethod
     def matches(cls, func) -> bool:
@@ -425,7 +426,7 @@ class HopperGemmSpace(HopperTemplate):
         self.knobs = [
             Knob("consumers", (1, 2)),
             Knob("wg_rows", (64, 128)),
-            Knob("block_n", (16, 32, 64, 128, 192, 256)),
+            Knob("block_n", tuple(sorted({*self.BLOCK_NS, *whole_wave_block_ns(self.m, self.n, self.sms)}))),
             Knob("stages", (2, 3, 4, 5, 6, 7, 8, 10, 12)),  # deep rings: decode tiles are small
             Knob("group_m", (1, 4, 8, 16)),
             Knob("persistent", (False, True), ordered=False),
@@ -518,6 +519,33 @@ class HopperGemmSpace(HopperTemplate):
                 useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / BK) / p["stages"],
                 p["split_k"], math.ceil(self.k / BK) / p["split_k"], float(p.get("swap_ab", False)),
                 float(p.get("pingpong", False))]
+
+
+def wave_efficiency(tiles: int, sms: int) -> float:
+    """The share of the multiprocessors' rounds that do work: tiles over whole waves of ``sms`` tiles."""
+    return tiles / (math.ceil(tiles / sms) * sms)
+
+
+def whole_wave_block_ns(m: int, n: int, sms: int, least: float = 0.97) -> set[int]:
+    """block_n values, beyond HopperGemmSpace.BLOCK_NS, that cut n into tiles filling whole waves.
+
+    A 512-token prefill's 512×11008 output in 128×192 tiles is 232 tiles, 1.76 waves on 132
+    multiprocessors: the second wave is three quarters full. block_n 168 makes 264 tiles, two whole
+    waves of smaller tiles. wgmma takes any N that is a multiple of 8 (up to 256), and TMA boxes and
+    128-byte swizzle atoms take any multiple of 8 rows. For each block_m (64, 128 and 256 rows) the
+    widest such block_n whose waves are at least ``least`` full is added where no standard block_n
+    at least as wide is as full.
+    """
+    def fills(bm: int, bn: int) -> bool:
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        return tiles >= sms and math.ceil(n / bn) * bn <= 1.5 * n and wave_efficiency(tiles, sms) >= least
+
+    extra = set()
+    for bm, widest in ((64, 256), (128, 256), (256, 128)):  # 256 rows fit 128 accumulator registers at n 128
+        fitting = [bn for bn in range(64, widest + 1, 8) if fills(bm, bn)]
+        if fitting and not any(fills(bm, bn) for bn in HopperGemmSpace.BLOCK_NS if fitting[-1] <= bn <= widest):
+            extra.add(fitting[-1])
+    return extra
 
 
 def _gemm_shape(func) -> tuple[int, int, int, str] | None:

@@ -65,6 +65,21 @@ def test_split_k_across_a_cluster_is_correct_on_the_gpu(measurers):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
 
 
+def test_whole_wave_block_n_is_correct_on_the_gpu(measurers):
+    """block_n 168 (a multiple of 8 that no standard tile uses, chosen to fill whole waves): wgmma n168,
+    its TMA box and swizzled stages, and the predicated epilogue where n (11000) is no multiple of it,
+    cooperative and ping-pong, with bias and SiLU: every point checks out."""
+    target, measurer = measurers("sm_90")
+    task = Task.from_workload(make_workload("gemm", "m=500,n=11000,k=200", "float16", "bias=1,act=silu"))
+    space = task.space(target)
+    base = {"consumers": 2, "wg_rows": 64, "block_n": 168, "group_m": 4, "persistent": True, "split_k": 1,
+            "swap_ab": False}
+    points = [{**base, "stages": 5, "pingpong": False}, {**base, "stages": 4, "pingpong": True}]
+    assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
+    for point, res in zip(points, measurer.measure(task.spec, points)):
+        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_swapped_operands_are_correct_at_shapes_no_tile_divides(measurers):
     """Five tokens, an odd n and a K of two and a bit steps: the swapped kernel's zero-filled token rows
     and its per-element transposed stores (with the bias of each output column) check out."""

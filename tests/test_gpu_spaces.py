@@ -4,6 +4,7 @@ H200, sm_90 or sm_80 for the others). Running them is in test_gpu_run.py."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import numpy as np
@@ -136,6 +137,40 @@ def test_pingpong_consumers_take_whole_tiles(sm90):
     assert "ping-pong" in space.validate({**point, "consumers": 1})
     cooperative = {**point, "pingpong": False}
     assert space.block_m(cooperative) == 128 and space.validate(cooperative) is None
+
+
+def test_block_n_choices_add_tiles_that_fill_whole_waves(sm90):
+    """A 512-token prefill's gate/up GEMM (512×11008) in 128×192 tiles fills 1.76 waves of 132
+    multiprocessors; block_n 168 is added to its choices and makes exactly two. Shapes whose standard
+    tiles already fill their waves, and decode shapes, keep the standard choices."""
+    from autosched.search_spaces.hopper_gemm import HopperGemmSpace, wave_efficiency, whole_wave_block_ns
+
+    assert whole_wave_block_ns(512, 11008, 132) == {168}
+    assert wave_efficiency(4 * math.ceil(11008 / 192), 132) < 0.9 and wave_efficiency(4 * 66, 132) == 1.0
+    assert whole_wave_block_ns(512, 4096, 132) == set() and whole_wave_block_ns(16, 4096, 132) == set()
+    space = Task.from_workload(make_workload("gemm", "m=512,n=11008,k=4096", "float16")).space(sm90)
+    block_ns = next(k for k in space.knobs if k.name == "block_n").choices
+    assert 168 in block_ns and set(HopperGemmSpace.BLOCK_NS) <= set(block_ns) and list(block_ns) == sorted(block_ns)
+    point = {"consumers": 2, "wg_rows": 64, "block_n": 168, "stages": 5, "group_m": 4, "persistent": True,
+             "split_k": 1, "swap_ab": False, "pingpong": False}
+    assert space.validate(point) is None
+    features = space.point_features(point)
+    assert features[9] == 2.0 and features[10] == 1.0  # waves, and how full they are
+
+
+@needs_nvcc
+def test_whole_wave_block_n_compiles_for_sm90a(sm90):
+    """wgmma m64n168k16 with its 84 accumulators per m64 fragment compiles for sm_90a without spills,
+    cooperative and ping-pong."""
+    space = Task.from_workload(make_workload("gemm", "m=500,n=11000,k=200", "float16", "bias=1,act=silu")).space(sm90)
+    base = {"consumers": 2, "wg_rows": 64, "block_n": 168, "group_m": 4, "persistent": True, "split_k": 1,
+            "swap_ab": False}
+    for point in ({**base, "stages": 5, "pingpong": False}, {**base, "stages": 4, "pingpong": True}):
+        assert space.validate(point) is None, space.validate(point)
+        source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+        assert "m64n168k16" in source
+        report = nvcc_compile(source, "sm_90a")
+        assert report.ok and report.spills == 0, report.log[-2000:]
 
 
 @needs_nvcc
