@@ -18,7 +18,7 @@ CASES = [
     ("dequant_gemm", "m=1000,n=1032,k=576", "float16", "bits=4,group=128", None),
     ("gemm", "m=1000,n=1576,k=328", "float16", "bias=1,act=gelu",
      {"consumers": 2, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 4, "persistent": True, "split_k": 1,
-      "swap_ab": False, "pingpong": True}),
+      "swap_ab": False, "pingpong": True, "multicast": "none"}),
     ("attention", "b=1,h=4,hkv=2,s=1000,d=128", "float16", "causal=1",
      {"consumers": 2, "block_kv": 128, "stages": 2, "overlap": False, "pingpong": True}),
     ("paged_decode_attention", "b=3,h=16,hkv=2,d=128,ctx=520,page=16", "float16", "",

@@ -24,6 +24,12 @@ kernels, DeepGEMM, FlashAttention-3):
   of half of each tile's rows, so that one's epilogue overlaps the other's main loop; two named
   barriers hand the main loop over in turn (a consumer that ran ahead by a lap of the stage ring would
   take an mbarrier phase a lap old for its own);
+* TMA multicast (``multicast``, not yet run on a GPU): a cluster of two CTAs on neighbouring tiles that
+  share the B tile (two row tiles, "b") or the A tile (two column tiles, "a"); each producer loads half
+  of the shared tile and multicasts it into both CTAs, so L2 serves it once per pair. Both CTAs' consumer
+  warps release each stage in both CTAs (one lane per warp and CTA, through the cluster's shared window);
+* block_n, beyond the standard widths, takes per shape the widths that fill whole waves of the
+  multiprocessors (``whole_wave_block_ns``);
 * for the same few rows, swapped operands (``swap_ab``): Cᵀ = B · Aᵀ puts the weights on wgmma's
   64-row side and the tokens on its N side (from 16), so a decode step's 16 tokens are not padded to 64
   rows in every stage; the stages shrink and the ring can be deeper. Its epilogue stores transposed,
@@ -111,6 +117,25 @@ PART_ADD_SOURCE = (
     "  x += v;\n}\n")
 
 
+# TMA multicast across a cluster of two CTAs: each CTA's empty barrier counts the consumer warps of both
+# (a stage of either CTA is written by both producers), and one lane of each warp releases a stage in
+# CTA 0 and another in CTA 1, through its address in the cluster's shared window.
+CLUSTER_ARRIVE = "autosched_cluster_arrive"
+CLUSTER_ARRIVE_SOURCE = (
+    f"__device__ __forceinline__ void {CLUSTER_ARRIVE}(void* bar, int rank) {{\n"
+    "  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(bar));\n"
+    "  unsigned remote;\n"
+    "  asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(remote) : \"r\"(local), \"r\"(rank));\n"
+    "  asm volatile(\"mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\" :: \"r\"(remote) : \"memory\");\n}\n")
+# The other CTA's producer may multicast into this CTA's stages as soon as the cluster barrier after the
+# barriers' initialisation lets it: the initialisation is released to the cluster first.
+BARRIER_INIT_FENCE = "autosched_barrier_init_fence"
+BARRIER_INIT_FENCE_SOURCE = (f"__device__ __forceinline__ void {BARRIER_INIT_FENCE}() {{\n"
+                             "  asm volatile(\"fence.mbarrier_init.release.cluster;\" ::: \"memory\");\n}\n")
+MULTICAST_LOAD = ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                  ".multicast::cluster")
+
+
 def grouped_raster(tiles_m: int, tiles_n: int, group_m: int):
     """(tile_m, tile_n): a tile number's row and column tile under grouped rasterisation. Tile numbers run
     down a group of group_m tile rows before the next column, so that neighbouring CTAs share A and B
@@ -151,6 +176,11 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     # Ping-pong: each consumer warpgroup owns whole tiles (every other one of the CTA's), so that one's
     # epilogue runs while the other's main loop has the tensor cores; otherwise they split each tile's rows.
     pingpong = p.get("pingpong", False)
+    # Multicast: a cluster of two CTAs on neighbouring tiles that share one operand's tile ("b": two row
+    # tiles share B's; "a": two column tiles share A's); each CTA's producer loads half of the shared tile
+    # and multicasts it into both CTAs' stages, so L2 serves that operand once per pair.
+    multicast = p.get("multicast", "none")
+    paired = multicast != "none"
     rows, cols = (n, m) if swap else (m, n)  # the extents of wgmma's M and N sides
     bm = wg_rows if pingpong else consumers * wg_rows
     m_frags = wg_rows // 64  # wgmma m64 instructions per consumer per k step
@@ -160,17 +190,28 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     a_stage, b_stage = bm * BK * elem, bn * BK * elem
     stage_bytes = a_stage + b_stage
     tiles_m, tiles_n = math.ceil(rows / bm), math.ceil(cols / bn)
-    tiles = tiles_m * tiles_n
+    # Units of work: tiles, or with multicast the pairs of tiles of one cluster (an odd last row or column
+    # tile pairs with one past the edge, which TMA fills with zeros and the epilogue does not store).
+    units_m = math.ceil(tiles_m / 2) if multicast == "b" else tiles_m
+    units_n = math.ceil(tiles_n / 2) if multicast == "a" else tiles_n
+    tiles = units_m * units_n
     k_iters = math.ceil(k / BK)
-    grid = min(tiles, p["sms"]) if persistent else tiles
+    grid = min(tiles, p["sms"] // (2 if paired else 1)) if persistent else tiles  # CTAs, or clusters
     assert split_k == 1 or (not persistent and k_iters >= split_k), "split-K needs one tile per cluster"
-    group_m = min(group_m, tiles_m)
+    assert not (paired and (split_k > 1 or swap or pingpong)), "multicast is for cooperative prefill tiles"
+    group_m = min(group_m, units_m)
+    # Rows of the A box and the B box: a shared operand's box is half its tile.
+    a_box = (bm // 2 if multicast == "a" else bm)
+    b_box = (bn // 2 if multicast == "b" else bn)
     mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}"
     store2, store1, epi_source = _epilogue_source(dtype, act)
     # The shared buffer: [stage][A tile | B tile], each tile 1024-byte aligned (swizzle atoms).
     smem_elems = stages * stage_bytes // elem
     a_off, b_off = 0, a_stage // elem  # element offsets inside one stage
     acc_len = m_frags * acc_n
+    # Arrivals that release a stage: every consumer thread of the CTA, or with multicast one lane per
+    # consumer warp of either CTA.
+    empty_count = 2 * consumers * 4 if paired else 128 if pingpong else consumers * 128
 
     def accs(acc, f):
         return [acc[f * acc_n + i] for i in range(acc_n)]
@@ -178,12 +219,23 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     def stored(acc, Bias, i, col):  # accumulator i, plus the bias of output column col
         return acc[i] + T.Cast("float32", Bias[col]) if bias else acc[i]
 
-    tile_m, tile_n = grouped_raster(tiles_m, tiles_n, group_m)
+    unit_m, unit_n = grouped_raster(units_m, units_n, group_m)
 
-    def launch_ids():  # (the CTA's first tile, its rank in the cluster)
+    def tile_m(unit, rank):  # the row and column tile of a CTA of rank `rank` in its cluster
+        return unit_m(unit) * 2 + rank if multicast == "b" else unit_m(unit)
+
+    def tile_n(unit, rank):
+        return unit_n(unit) * 2 + rank if multicast == "a" else unit_n(unit)
+
+    def launch_ids():  # (the CTA's first unit, its rank in the cluster)
+        if paired:
+            return T.cluster_id([grid]), T.cta_id_in_cluster([2])
         if split_k == 1:
             return T.cta_id([grid]), 0
         return T.cluster_id([tiles]), T.cta_id_in_cluster([split_k])
+
+    def k_rank(rank):  # the rank's slice of K: its cluster rank with split-K, else the whole of K
+        return rank if split_k > 1 else 0
 
     def k_begin(rank):  # the first K step of a rank's slice; every rank gets at least one
         return rank * k_iters // split_k
@@ -224,12 +276,20 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                                                  stored(acc, Bias, i + 1, col + 1), source_code=epi_source)
 
     @T.macro
+    def release(empty, stage, tx):  # the consumer is done reading a stage: its producers may refill it
+        if paired:
+            if tx % 32 < 2:  # lane r releases the stage in the cluster's CTA r
+                T.cuda.func_call(CLUSTER_ARRIVE, T.address_of(empty[stage]), tx % 32, source_code=CLUSTER_ARRIVE_SOURCE)
+        else:
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[stage]))
+
+    @T.macro
     def body(A, B, Bias, C):
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(A_map, A.data, k, m, k * elem, BK, bn if swap else bm, 1, 1,
+        T.tensormap_encode_tiled(A_map, A.data, k, m, k * elem, BK, bn if swap else a_box, 1, 1,
                                  descriptor_dtype=dtype, rank=2, swizzle=3)
         B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(B_map, B.data, k, n, k * elem, BK, bm if swap else bn, 1, 1,
+        T.tensormap_encode_tiled(B_map, B.data, k, n, k * elem, BK, bm if swap else b_box, 1, 1,
                                  descriptor_dtype=dtype, rank=2, swizzle=3)
         T.device_entry()
         bx, rank = launch_ids()
@@ -251,9 +311,14 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         if tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(128 if pingpong else consumers * 128))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(empty_count))
             T.ptx.fence.proxy.async_.shared__cta()
-        T.cuda.cta_sync()
+            if paired:
+                T.cuda.func_call(BARRIER_INIT_FENCE, source_code=BARRIER_INIT_FENCE_SOURCE)
+        if paired:
+            T.cuda.func_call(CLUSTER_SYNC, source_code=CLUSTER_SYNC_SOURCE)
+        else:
+            T.cuda.cta_sync()
 
         it = 0
         if wg == 0:
@@ -263,20 +328,36 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
             if tx == 0:
                 tile = bx
                 while tile < tiles:
-                    tm = tile_m(tile)
-                    tn = tile_n(tile)
-                    for ks in T.serial(k_steps(rank)):
-                        kt = T.meta_var(k_begin(rank) + ks)
+                    tm = tile_m(tile, rank)
+                    tn = tile_n(tile, rank)
+                    for ks in T.serial(k_steps(k_rank(rank))):
+                        kt = T.meta_var(k_begin(k_rank(rank)) + ks)
                         if it >= stages:
                             T.cuda.mbarrier_wait(T.address_of(empty[it % stages]), ((it // stages) + 1) % 2)
                         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[it % stages]), T.uint32(stage_bytes))
                         # wgmma's M-side tile (a_off) and N-side tile (b_off): A and B, or B and A if swapped
-                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
-                            smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + a_off),
-                            T.address_of(B_map if swap else A_map), kt * BK, tm * bm, T.address_of(full[it % stages]))
-                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
-                            smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + b_off),
-                            T.address_of(A_map if swap else B_map), kt * BK, tn * bn, T.address_of(full[it % stages]))
+                        if multicast == "a":  # this CTA's half of the shared A tile, into both CTAs
+                            T.ptx[MULTICAST_LOAD](
+                                smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + a_off
+                                                + rank * a_box * BK),
+                                T.address_of(A_map), kt * BK, tm * bm + rank * a_box, T.address_of(full[it % stages]),
+                                T.uint16(3))
+                        else:
+                            T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                                smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + a_off),
+                                T.address_of(B_map if swap else A_map), kt * BK, tm * bm,
+                                T.address_of(full[it % stages]))
+                        if multicast == "b":
+                            T.ptx[MULTICAST_LOAD](
+                                smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + b_off
+                                                + rank * b_box * BK),
+                                T.address_of(B_map), kt * BK, tn * bn + rank * b_box, T.address_of(full[it % stages]),
+                                T.uint16(3))
+                        else:
+                            T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                                smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + b_off),
+                                T.address_of(A_map if swap else B_map), kt * BK, tn * bn,
+                                T.address_of(full[it % stages]))
                         it = it + 1
                     tile = tile + grid
         else:
@@ -286,10 +367,10 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
             turn = 0
             while tile < tiles:
                 if pingpong and turn % 2 != wg - 1:
-                    it = it + k_steps(rank)  # the other warpgroup's tile: its stages are not ours
+                    it = it + k_steps(k_rank(rank))  # the other warpgroup's tile: its stages are not ours
                 else:
-                    tm = tile_m(tile)
-                    tn = tile_n(tile)
+                    tm = tile_m(tile, rank)
+                    tn = tile_n(tile, rank)
                     for i in T.unroll(acc_len):
                         acc[i] = T.float32(0)
                         T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
@@ -297,7 +378,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                         # The other warpgroup's main loop has waited on every stage before ours: only then
                         # does each full barrier's phase parity name our stage and not one a lap earlier.
                         T.cuda.func_call(TURN_SYNC, wg, source_code=TURN_SYNC_SOURCE)
-                    for ks in T.serial(k_steps(rank)):
+                    for ks in T.serial(k_steps(k_rank(rank))):
                         phase = (it // stages) % 2
                         T.cuda.mbarrier_wait(T.address_of(full[it % stages]), phase)
                         T.ptx.wgmma.fence.sync.aligned()
@@ -315,12 +396,12 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                         T.ptx.wgmma.commit_group.sync.aligned()
                         T.ptx.wgmma.wait_group.sync.aligned(1)
                         if ks > 0:
-                            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
+                            release(empty, (it + stages - 1) % stages, tx)
                         it = it + 1
                     if pingpong and tile + grid < tiles:  # the other's next tile follows: its turn
                         T.cuda.func_call(TURN_HANDOVER, 3 - wg, source_code=TURN_HANDOVER_SOURCE)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
-                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
+                    release(empty, (it + stages - 1) % stages, tx)
                     for i in T.unroll(acc_len):
                         T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
                     if split_k == 1:
@@ -343,6 +424,8 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                         T.cuda.func_call(PART_ADD, acc[i], smem.access_ptr("r"), i * (consumers * 128) + tx - 128,
                                          T.uint32(r), source_code=PART_ADD_SOURCE)
                 epilogue(acc, Bias, C, tm, tn, wg, tx)
+            T.cuda.func_call(CLUSTER_SYNC, source_code=CLUSTER_SYNC_SOURCE)
+        if paired:  # the other CTA may still release stages of this one: its shared memory stays until then
             T.cuda.func_call(CLUSTER_SYNC, source_code=CLUSTER_SYNC_SOURCE)
 
     attrs = {"global_symbol": "main", "tirx.noalias": True, "tirx.launch_bounds_min_blocks_per_sm": 1}
@@ -390,7 +473,8 @@ class HopperGemmSpace(HopperTemplate):
     """The ``gemm`` workload on sm_90: the TIRx kernel above, every structural choice a knob."""
 
     name = "hopper_gemm"
-    version = 3  # 2: split-K across a cluster (split_k) and swapped operands for few rows (swap_ab); 3: pingpong
+    version = 4  # 2: split-K across a cluster (split_k) and swapped operands for few rows (swap_ab); 3: pingpong;
+    # 4: multicast
     families = ("matmul",)
     # From two rows on the tensor cores win: rows past m are zeros that TMA fills in, and at m = 16 the
     # kernel ran at 0.72x cuBLAS on the H200 where the GEMV space ran at 0.49x. One row stays a GEMV.
@@ -433,12 +517,21 @@ class HopperGemmSpace(HopperTemplate):
             Knob("split_k", (1, 2, 4)),
             Knob("swap_ab", (False, True), ordered=False),
             Knob("pingpong", (False, True), ordered=False),
+            Knob("multicast", ("none", "a", "b"), ordered=False),
         ]
 
     @staticmethod
     def block_m(p: Point) -> int:
         """The block tile's extent on wgmma's M side: one consumer's rows with ping-pong, else all of theirs."""
         return p["wg_rows"] if p.get("pingpong", False) else p["consumers"] * p["wg_rows"]
+
+    def unit_tiles(self, p: Point) -> tuple[int, int]:
+        """Row and column tiles of the units of work: tiles, or with multicast the clusters' pairs of tiles."""
+        rows, cols = self.extents(p)
+        tiles_m, tiles_n = math.ceil(rows / self.block_m(p)), math.ceil(cols / p["block_n"])
+        multicast = p.get("multicast", "none")
+        return (math.ceil(tiles_m / 2) if multicast == "b" else tiles_m,
+                math.ceil(tiles_n / 2) if multicast == "a" else tiles_n)
 
     def extents(self, p: Point) -> tuple[int, int]:
         """The extents of wgmma's M side (tiled by consumers x wg_rows) and N side (tiled by block_n)."""
@@ -452,6 +545,15 @@ class HopperGemmSpace(HopperTemplate):
                 return "ping-pong alternates two consumers' tiles: two consumers and persistent CTAs"
             if p["split_k"] > 1 or p.get("swap_ab", False):
                 return "ping-pong is for prefill tiles (no split-K, no swapped operands)"
+        multicast = p.get("multicast", "none")
+        if multicast != "none":
+            if p["pingpong"] or p["split_k"] > 1 or p.get("swap_ab", False):
+                return "multicast pairs cooperative prefill tiles (no ping-pong, split-K or swapped operands)"
+            if multicast == "b" and bn % 16:
+                return f"multicast halves of a {bn}-column B tile are not whole 8-row swizzle atoms"
+            tiles_m, tiles_n = math.ceil(rows / bm), math.ceil(cols / bn)
+            if (tiles_m if multicast == "b" else tiles_n) < 2:
+                return f"multicast of {multicast.upper()} needs two or more {'row' if multicast == 'b' else 'column'} tiles"
         if p.get("swap_ab", False) and self.m > self.SWAP_MAX_M:
             return f"swapped operands are for few rows (m={self.m}, at most {self.SWAP_MAX_M})"
         if bn < 32 and not p.get("swap_ab", False):
@@ -467,9 +569,11 @@ class HopperGemmSpace(HopperTemplate):
                 name = "m" if extent == self.m else "n"
                 return f"block tile {tile} pads {name}={extent} by more than half"
         tiles = math.ceil(rows / bm) * math.ceil(cols / bn)
-        if p["persistent"] and tiles <= self.sms:
-            return f"persistent CTAs need more tiles ({tiles}) than multiprocessors ({self.sms})"
-        if p["group_m"] > 1 and math.ceil(rows / bm) < 2:
+        units_m, units_n = self.unit_tiles(p)
+        slots = self.sms // (1 if multicast == "none" else 2)  # CTAs, or clusters of two, at once
+        if p["persistent"] and units_m * units_n <= slots:
+            return f"persistent CTAs need more tiles ({units_m * units_n}) than multiprocessors ({slots})"
+        if p["group_m"] > 1 and units_m < 2:
             return "grouped rasterisation needs two or more row tiles"
         split = p["split_k"]
         if split > 1:
@@ -486,7 +590,7 @@ class HopperGemmSpace(HopperTemplate):
         return None
 
     def canonical(self, p: Point) -> Point:
-        return canonical_group_m(p, math.ceil(self.extents(p)[0] / self.block_m(p)))
+        return canonical_group_m(p, self.unit_tiles(p)[0])
 
     def default(self) -> Point:
         for point in ({"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": False,
@@ -495,7 +599,7 @@ class HopperGemmSpace(HopperTemplate):
                        "split_k": 1},
                       {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 7, "group_m": 1, "persistent": False,
                        "split_k": 1}):
-            point = {**point, "swap_ab": False, "pingpong": False}
+            point = {**point, "swap_ab": False, "pingpong": False, "multicast": "none"}
             point = self.canonical(point)
             if self.check(point) is None:
                 return point
@@ -518,7 +622,16 @@ class HopperGemmSpace(HopperTemplate):
                 math.log2(tiles), waves, waves / max(1, math.ceil(waves)), ctas / self.sms, smem / SMEM_LIMIT,
                 useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / BK) / p["stages"],
                 p["split_k"], math.ceil(self.k / BK) / p["split_k"], float(p.get("swap_ab", False)),
-                float(p.get("pingpong", False))]
+                float(p.get("pingpong", False)), float(p.get("multicast", "none") == "a"),
+                float(p.get("multicast", "none") == "b"), self._l2_bytes_per_flop(p)]
+
+    def _l2_bytes_per_flop(self, p: Point) -> float:
+        """Bytes the CTAs read from L2 per FLOP: each tile reads its A and B tiles for every k step, and a
+        multicast pair reads the shared operand's tile once for both tiles."""
+        bm, bn = self.block_m(p), p["block_n"]
+        a_rows = bm / 2 if p.get("multicast", "none") == "a" else bm
+        b_rows = bn / 2 if p.get("multicast", "none") == "b" else bn
+        return (a_rows + b_rows) / (bm * bn)
 
 
 def wave_efficiency(tiles: int, sms: int) -> float:

@@ -55,7 +55,7 @@ def test_split_k_across_a_cluster_is_correct_on_the_gpu(measurers):
     task = Task.from_workload(make_workload("gemm", "m=16,n=1024,k=1344", "float16", "bias=1"))
     space = task.space(target)
     base = {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 1, "persistent": False,
-            "pingpong": False}
+            "pingpong": False, "multicast": "none"}
     points = [{**base, "split_k": split, "swap_ab": False} for split in (1, 2, 4)]
     # Swapped operands (Cᵀ = B·Aᵀ, the tokens on wgmma's N side), alone and with split-K.
     points += [{**base, "block_n": bn, "split_k": split, "swap_ab": True} for bn in (16, 32) for split in (1, 2)]
@@ -73,8 +73,25 @@ def test_whole_wave_block_n_is_correct_on_the_gpu(measurers):
     task = Task.from_workload(make_workload("gemm", "m=500,n=11000,k=200", "float16", "bias=1,act=silu"))
     space = task.space(target)
     base = {"consumers": 2, "wg_rows": 64, "block_n": 168, "group_m": 4, "persistent": True, "split_k": 1,
-            "swap_ab": False}
+            "swap_ab": False, "multicast": "none"}
     points = [{**base, "stages": 5, "pingpong": False}, {**base, "stages": 4, "pingpong": True}]
+    assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
+    for point, res in zip(points, measurer.measure(task.spec, points)):
+        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+
+
+def test_multicast_pairs_are_correct_on_the_gpu(measurers):
+    """TMA multicast in clusters of two: B shared by two row tiles, A by two column tiles, persistent or
+    not, with odd tile counts (the last pair's second tile past the edge), bias and GELU: every point
+    checks out."""
+    target, measurer = measurers("sm_90")
+    task = Task.from_workload(make_workload("gemm", "m=2100,n=2056,k=328", "float16", "bias=1,act=gelu"))
+    space = task.space(target)
+    base = {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 4, "group_m": 4, "split_k": 1,
+            "swap_ab": False, "pingpong": False}
+    points = [space.canonical({**base, "multicast": mc, "persistent": persistent})
+              for mc in ("b", "a") for persistent in (False, True)]
+    points.append(space.canonical({**base, "multicast": "b", "persistent": True, "block_n": 256, "group_m": 1}))
     assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
@@ -87,7 +104,7 @@ def test_swapped_operands_are_correct_at_shapes_no_tile_divides(measurers):
     task = Task.from_workload(make_workload("gemm", "m=5,n=1001,k=136", "float16", "bias=1,act=silu"))
     space = task.space(target)
     base = {"consumers": 1, "wg_rows": 64, "group_m": 1, "persistent": False, "stages": 4, "swap_ab": True,
-            "pingpong": False}
+            "pingpong": False, "multicast": "none"}
     points = [{**base, "block_n": 16, "split_k": 1}, {**base, "block_n": 16, "split_k": 2},
               {**base, "wg_rows": 128, "block_n": 32, "split_k": 1}]
     assert all(space.validate(p) is None for p in points)
@@ -100,7 +117,8 @@ def test_pingpong_consumers_are_correct_on_the_gpu(measurers):
     """Ping-pong: the two consumer warpgroups of a persistent CTA take every other tile (an odd number of
     tiles per CTA included, m and n that no tile divides, bias and GELU): every point checks out."""
     target, measurer = measurers("sm_90")
-    base = {"consumers": 2, "persistent": True, "split_k": 1, "swap_ab": False, "pingpong": True, "group_m": 4}
+    base = {"consumers": 2, "persistent": True, "split_k": 1, "swap_ab": False, "pingpong": True, "multicast": "none",
+            "group_m": 4}
     cases = {  # tiles per CTA: 1 or 2 (one warpgroup idle in some CTAs), 3 or 4
         "m=1000,n=2056,k=328": [{**base, "wg_rows": 128, "block_n": 128, "stages": 3},
                                 {**base, "wg_rows": 64, "block_n": 192, "stages": 5, "group_m": 1}],

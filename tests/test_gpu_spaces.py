@@ -100,7 +100,7 @@ def test_split_k_points_launch_clusters_and_compile(sm90):
     task = Task.from_workload(make_workload("gemm", "m=16,n=4096,k=4096", "float16", "bias=1"))
     space = task.space(sm90)
     base = {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 1, "persistent": False,
-            "swap_ab": False, "pingpong": False}
+            "swap_ab": False, "pingpong": False, "multicast": "none"}
     for split in (2, 4):
         point = {**base, "split_k": split}
         assert space.validate(point) is None
@@ -124,7 +124,7 @@ def test_pingpong_consumers_take_whole_tiles(sm90):
     without two consumers and persistent CTAs."""
     space = Task.from_workload(make_workload("gemm", "m=4096,n=4096,k=4096", "float16")).space(sm90)
     point = {"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": True,
-             "split_k": 1, "swap_ab": False, "pingpong": True}
+             "split_k": 1, "swap_ab": False, "pingpong": True, "multicast": "none"}
     assert space.validate(point) is None and space.block_m(point) == 64
     source = cuda_source(space.apply(point), sm90, {}, space.codegen)
     report = nvcc_compile(source, "sm_90a")
@@ -152,7 +152,7 @@ def test_block_n_choices_add_tiles_that_fill_whole_waves(sm90):
     block_ns = next(k for k in space.knobs if k.name == "block_n").choices
     assert 168 in block_ns and set(HopperGemmSpace.BLOCK_NS) <= set(block_ns) and list(block_ns) == sorted(block_ns)
     point = {"consumers": 2, "wg_rows": 64, "block_n": 168, "stages": 5, "group_m": 4, "persistent": True,
-             "split_k": 1, "swap_ab": False, "pingpong": False}
+             "split_k": 1, "swap_ab": False, "pingpong": False, "multicast": "none"}
     assert space.validate(point) is None
     features = space.point_features(point)
     assert features[9] == 2.0 and features[10] == 1.0  # waves, and how full they are
@@ -164,13 +164,49 @@ def test_whole_wave_block_n_compiles_for_sm90a(sm90):
     cooperative and ping-pong."""
     space = Task.from_workload(make_workload("gemm", "m=500,n=11000,k=200", "float16", "bias=1,act=silu")).space(sm90)
     base = {"consumers": 2, "wg_rows": 64, "block_n": 168, "group_m": 4, "persistent": True, "split_k": 1,
-            "swap_ab": False}
+            "swap_ab": False, "multicast": "none"}
     for point in ({**base, "stages": 5, "pingpong": False}, {**base, "stages": 4, "pingpong": True}):
         assert space.validate(point) is None, space.validate(point)
         source = cuda_source(space.apply(point), sm90, {}, space.codegen)
         assert "m64n168k16" in source
         report = nvcc_compile(source, "sm_90a")
         assert report.ok and report.spills == 0, report.log[-2000:]
+
+
+@needs_nvcc
+def test_multicast_pairs_share_one_operand_tile(sm90):
+    """Multicast: two CTAs of a cluster on neighbouring tiles (an odd last one paired with a tile past the
+    edge) each load half of the shared operand's tile and multicast it into both; the launch is a cluster
+    of two, the stages are released in both CTAs, and the kernel compiles for sm_90a without spills,
+    persistent or not. Points that cannot pair are refused with the reason."""
+    import dataclasses
+
+    import tvm
+
+    task = Task.from_workload(make_workload("gemm", "m=2100,n=2056,k=328", "float16", "bias=1,act=gelu"))
+    space = task.space(sm90)
+    base = {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 4, "group_m": 4, "split_k": 1,
+            "swap_ab": False, "pingpong": False}
+    hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
+    for multicast, persistent, ctas in (("b", True, 132), ("a", False, 2 * 17 * 9)):
+        point = space.canonical({**base, "multicast": multicast, "persistent": persistent})
+        assert space.validate(point) is None, space.validate(point)
+        with hopper:
+            lowered = tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(space.apply(point)))
+        assert f"C_1.data, 2, {ctas}, 384," in str(lowered["main"])  # clusters of two CTAs
+        source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+        assert ".multicast::cluster" in source and "autosched_cluster_arrive((&(empty" in source
+        report = nvcc_compile(source, "sm_90a")
+        assert report.ok and report.spills == 0, report.log[-2000:]
+    # a pair reads the shared operand's tile once: fewer bytes from L2 per FLOP
+    cooperative = {**base, "multicast": "none", "persistent": False}
+    assert space.point_features({**cooperative, "multicast": "b"})[-1] < space.point_features(cooperative)[-1]
+    assert "ping-pong" in space.validate({**base, "multicast": "b", "persistent": True, "pingpong": True})
+    wide = Task.from_workload(make_workload("gemm", "m=512,n=11008,k=4096", "float16")).space(sm90)
+    assert "swizzle atoms" in wide.validate({**base, "block_n": 168, "multicast": "b", "persistent": True})
+    assert wide.validate({**base, "block_n": 168, "multicast": "a", "persistent": True}) is None
+    thin = Task.from_workload(make_workload("gemm", "m=100,n=2048,k=256", "float16")).space(sm90)
+    assert "two or more row tiles" in thin.validate({**base, "multicast": "b", "persistent": False, "group_m": 1})
 
 
 @needs_nvcc
@@ -184,7 +220,7 @@ def test_swapped_operands_put_a_decode_steps_tokens_on_wgmmas_n_side(sm90):
 
     space = Task.from_workload(make_workload("gemm", "m=16,n=4096,k=4096", "float16", "bias=1")).space(sm90)
     base = {"consumers": 1, "wg_rows": 64, "block_n": 16, "stages": 7, "group_m": 1, "persistent": False,
-            "swap_ab": True, "pingpong": False}
+            "swap_ab": True, "pingpong": False, "multicast": "none"}
     hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
     for split in (1, 2):
         point = {**base, "split_k": split}
