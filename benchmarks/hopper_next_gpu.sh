@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
-# The kernels written since the last GPU run, checked and measured on the GPU machine in three calls of
-# under ten minutes (after the TVM stage call):
-#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh tests      # their GPU tests
-#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh gemm       # GEMM rows, int4 prefill, GQA decode
-#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh attention  # ping-pong attention beside cuDNN
+# The kernels written since the last GPU run (hopper_gemm v4: TMA multicast in clusters of two, and the
+# block_n widths that fill whole waves), checked and measured on the GPU machine in three calls of under
+# ten minutes each (after the TVM stage call):
+#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh tests   # their GPU tests
+#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh probe   # hand-picked points beside cuBLAS
+#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh gemm    # the GEMM rows of the issue, searched
 # Correctness first: run `tests` before the others. TIME_BUDGET: tuning seconds per benchmark case
-# (default 25). Writes under $OUT.
+# (default 30). Writes under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
 echo "code digest: $(bash benchmarks/code_digest.sh)" | tee -a "$OUT/digest.txt"
 case "${1:-tests}" in
   tests)
     timeout 500 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -n 8 tests/test_gpu_run.py \
-      -k "pingpong or paged or dequant or int4" > "$OUT/next_tests.log" 2>&1
+      -k "multicast or whole_wave or pingpong or split_k or swapped" > "$OUT/next_tests.log" 2>&1
     tail -15 "$OUT/next_tests.log" ;;
+  probe)
+    # Each point in its own process with a timeout (a deadlock costs its timeout, not the call).
+    P='[{"consumers":2,"wg_rows":64,"block_n":256,"stages":4,"group_m":8,"persistent":true},
+        {"consumers":2,"wg_rows":64,"block_n":256,"stages":4,"group_m":8,"persistent":true,"multicast":"b"},
+        {"consumers":2,"wg_rows":64,"block_n":256,"stages":4,"group_m":8,"persistent":true,"multicast":"a"},
+        {"consumers":2,"wg_rows":64,"block_n":256,"stages":4,"group_m":8,"persistent":false,"multicast":"b"},
+        {"consumers":2,"wg_rows":64,"block_n":168,"stages":5,"group_m":8,"persistent":true},
+        {"consumers":2,"wg_rows":64,"block_n":168,"stages":5,"group_m":8,"persistent":true,"multicast":"a"},
+        {"consumers":2,"wg_rows":128,"block_n":192,"stages":4,"group_m":8,"persistent":true,"pingpong":true}]'
+    timeout 560 python3 benchmarks/hopper_probe.py --shape 4096,4096,4096 --shape 2048,11008,4096 \
+      --shape 512,11008,4096 --shape 1000,4000,3000 --points "$P" --timeout 40 --out "$OUT/probe" \
+      > "$OUT/probe.log" 2>&1
+    tail -c 4000 "$OUT/probe.log" ;;
   gemm)
-    python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-25}" --out "$OUT/next_bench" --cases \
-      gemm-fp16-4096 mlp-up-fp16 prefill512-up gemm-awkward dequant-int4-prefill paged-decode-gqa8 \
-      paged-decode-gqa4-llama3 ;;
-  attention)
-    python3 benchmarks/hopper_attention_probe.py --case 1,32,32,2048,128,causal --case 1,32,32,2048,128,full \
-      --points '[{"consumers": 2, "block_kv": 128, "stages": 2, "overlap": false, "pingpong": false},
-                 {"consumers": 2, "block_kv": 128, "stages": 2, "overlap": false, "pingpong": true},
-                 {"consumers": 2, "block_kv": 128, "stages": 3, "overlap": false, "pingpong": true}]' \
-      --out "$OUT/attention_probe" > "$OUT/attention_probe.log" 2>&1
-    tail -20 "$OUT/attention_probe.log" ;;
-  *) echo "usage: hopper_next_gpu.sh tests|gemm|attention" >&2; exit 2 ;;
+    python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/next_bench" --cases \
+      gemm-fp16-4096 mlp-up-fp16 mlp-up-bf16 prefill512-up prefill512-o gemm-awkward ;;
+  *) echo "usage: hopper_next_gpu.sh tests|probe|gemm" >&2; exit 2 ;;
 esac
