@@ -172,6 +172,8 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=128)
     parser.add_argument("--time-budget", type=float, default=35.0, help="tuning seconds per case")
     parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--flush", choices=("read", "write"), default="read",
+                        help="how the L2 is flushed before each timed run (write: the flush of runs before 2026-12)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/gpu"))
     args = parser.parse_args()
 
@@ -193,6 +195,7 @@ def main() -> int:
                "tvm": tvm.__version__, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     print(f"machine: {machine}", flush=True)
     machine["copy_bandwidth_gbps"] = copy_bandwidth(time_cuda)
+    machine["l2_flush"] = args.flush
     print(f"device-to-device copy: {machine['copy_bandwidth_gbps']:.0f} GB/s", flush=True)
     rows = []
     measurer = Measurer(target, MeasureConfig.for_target(target, repeat=10))
@@ -207,7 +210,7 @@ def main() -> int:
             row = {"case": name, "workload": wl.key, "bound": bound, "flops": task.flops, "bytes": task.min_bytes}
 
             def timed(fn):
-                return statistics.median(time_cuda(fn, args.repeat, 256 << 20))
+                return statistics.median(time_cuda(fn, args.repeat, 256 << 20, flush_by=args.flush))
 
             try:
                 start = time.perf_counter()
@@ -262,7 +265,8 @@ def _rate(row, key):
 def markdown(machine, rows) -> str:
     lines = [f"GPU: {machine['gpu']} ({machine['arch']}, {machine['sms']} SMs, driver {machine['driver']}); "
              f"TVM {machine['tvm']}, torch {machine['torch']}; {machine['date']}. "
-             f"Device-to-device copy: {machine['copy_bandwidth_gbps']:.0f} GB/s.", "",
+             f"Device-to-device copy: {machine['copy_bandwidth_gbps']:.0f} GB/s. L2 flushed by {machine['l2_flush']}.",
+             "",
              "| case | space | autosched | rate | dlight | rate | torch | rate | vs dlight | vs torch | trials "
              "| tuning (s) | to 90% (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -5,6 +5,8 @@
 #   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh tests   # their GPU tests
 #   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh probe   # hand-picked points beside cuBLAS
 #   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh gemm    # the GEMM rows of the issue, searched
+#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh flush   # the L2 flush's cost, then the
+#                                                                          # memory-bound rows under both flushes
 # Correctness first: run `tests` before the others. TIME_BUDGET: tuning seconds per benchmark case
 # (default 30). Writes under $OUT.
 set -uo pipefail
@@ -31,5 +33,13 @@ case "${1:-tests}" in
   gemm)
     python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/next_bench" --cases \
       gemm-fp16-4096 mlp-up-fp16 mlp-up-bf16 prefill512-up prefill512-o gemm-awkward ;;
-  *) echo "usage: hopper_next_gpu.sh tests|probe|gemm" >&2; exit 2 ;;
+  flush)
+    python3 benchmarks/l2_flush_probe.py --out "$OUT/flush" > "$OUT/flush_probe.log" 2>&1
+    cat "$OUT/flush_probe.log"
+    for flush in write read; do
+      python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-15}" --flush "$flush" --out "$OUT/bench_$flush" \
+        --cases gemv-11008 dequant-int4-decode paged-decode paged-decode-gqa8 > "$OUT/bench_$flush.log" 2>&1
+      tail -8 "$OUT/bench_$flush.log"
+    done ;;
+  *) echo "usage: hopper_next_gpu.sh tests|probe|gemm|flush" >&2; exit 2 ;;
 esac

@@ -192,17 +192,27 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
 _FLUSH: dict[int, Any] = {}
 
 
-def time_cuda(fn, repeat: int, flush_bytes: int, cutoff: float | None = None, warmup: int = 3) -> list[float]:
-    """Times of ``repeat`` single runs of ``fn`` on the GPU, each after the L2 cache was flushed by
-    writing ``flush_bytes`` (so memory-bound kernels are not timed out of the cache), with CUDA events.
+def time_cuda(fn, repeat: int, flush_bytes: int, cutoff: float | None = None, warmup: int = 3,
+              flush_by: str = "read") -> list[float]:
+    """Times of ``repeat`` single runs of ``fn`` on the GPU, each after the L2 cache was flushed, with
+    CUDA events. Stops after one run if that run is slower than ``cutoff`` seconds.
 
-    The flush also keeps the GPU busy while the host enqueues the timed launch, so launch latency does
-    not enter the measurement. Stops after one run if that run is slower than ``cutoff`` seconds.
+    The flush reads ``flush_bytes`` (a sum over a buffer several times the L2's size), so that memory-bound
+    kernels are not timed out of the cache. Reading leaves the cache full of clean lines: the timed kernel
+    finds none of its data there and has no other kernel's data to write back. ``flush_by="write"``
+    (zeroing the buffer, autosched's flush until 2026-12) leaves it full of dirty lines instead, whose
+    write-back can fall into the timed kernel: up to the L2's size in extra DRAM writes, which would look
+    like a fixed cost per launch of a memory-bound kernel. ``benchmarks/l2_flush_probe.py`` measures
+    whether it does. Either flush
+    also keeps the GPU busy while the host enqueues the timed launch, so launch latency does not enter
+    the measurement.
     """
     import torch
 
+    if flush_by not in ("read", "write"):
+        raise ValueError(f"flush_by={flush_by!r}: use 'read' or 'write'")
     if flush_bytes and flush_bytes not in _FLUSH:
-        _FLUSH[flush_bytes] = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
+        _FLUSH[flush_bytes] = torch.ones(flush_bytes // 4, dtype=torch.int32, device="cuda")
     flush = _FLUSH.get(flush_bytes)
     for _ in range(warmup):
         fn()
@@ -210,7 +220,10 @@ def time_cuda(fn, repeat: int, flush_bytes: int, cutoff: float | None = None, wa
     times = []
     for _ in range(repeat):
         if flush is not None:
-            flush.zero_()
+            if flush_by == "read":
+                flush.sum()
+            else:
+                flush.zero_()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         fn()
