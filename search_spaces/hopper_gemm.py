@@ -276,6 +276,19 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                                                  stored(acc, Bias, i + 1, col + 1), source_code=epi_source)
 
     @T.macro
+    def load(smem, full, stage, tmap, kt, row, offset, box, shared, rank):
+        # One operand's tile of k step kt into the stage: wgmma's M-side tile at a_off, its N-side tile at
+        # b_off. A tile shared by a multicast pair: this CTA's half (box rows), into both CTAs' stages.
+        if shared:
+            T.ptx[MULTICAST_LOAD](
+                smem.access_ptr("w", offset=stage * (stage_bytes // elem) + offset + rank * box * BK),
+                T.address_of(tmap), kt * BK, row + rank * box, T.address_of(full[stage]), T.uint16(3))
+        else:
+            T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                smem.access_ptr("w", offset=stage * (stage_bytes // elem) + offset), T.address_of(tmap), kt * BK,
+                row, T.address_of(full[stage]))
+
+    @T.macro
     def release(empty, stage, tx):  # the consumer is done reading a stage: its producers may refill it
         if paired:
             if tx % 32 < 2:  # lane r releases the stage in the cluster's CTA r
@@ -336,28 +349,10 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                             T.cuda.mbarrier_wait(T.address_of(empty[it % stages]), ((it // stages) + 1) % 2)
                         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[it % stages]), T.uint32(stage_bytes))
                         # wgmma's M-side tile (a_off) and N-side tile (b_off): A and B, or B and A if swapped
-                        if multicast == "a":  # this CTA's half of the shared A tile, into both CTAs
-                            T.ptx[MULTICAST_LOAD](
-                                smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + a_off
-                                                + rank * a_box * BK),
-                                T.address_of(A_map), kt * BK, tm * bm + rank * a_box, T.address_of(full[it % stages]),
-                                T.uint16(3))
-                        else:
-                            T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
-                                smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + a_off),
-                                T.address_of(B_map if swap else A_map), kt * BK, tm * bm,
-                                T.address_of(full[it % stages]))
-                        if multicast == "b":
-                            T.ptx[MULTICAST_LOAD](
-                                smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + b_off
-                                                + rank * b_box * BK),
-                                T.address_of(B_map), kt * BK, tn * bn + rank * b_box, T.address_of(full[it % stages]),
-                                T.uint16(3))
-                        else:
-                            T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
-                                smem.access_ptr("w", offset=(it % stages) * (stage_bytes // elem) + b_off),
-                                T.address_of(A_map if swap else B_map), kt * BK, tn * bn,
-                                T.address_of(full[it % stages]))
+                        load(smem, full, it % stages, B_map if swap else A_map, kt, tm * bm, a_off, a_box,
+                             multicast == "a", rank)
+                        load(smem, full, it % stages, A_map if swap else B_map, kt, tn * bn, b_off, b_box,
+                             multicast == "b", rank)
                         it = it + 1
                     tile = tile + grid
         else:
