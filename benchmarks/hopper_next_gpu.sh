@@ -7,6 +7,8 @@
 #   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh gemm    # the GEMM rows of the issue, searched
 #   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh flush   # the L2 flush's cost, then the
 #                                                                          # memory-bound rows under both flushes
+#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh model 1:512 16:1   # the whole model beside
+#                         # torch.compile and its max-autotune mode (one or two configs per call: 16:512 alone)
 # Correctness first: run `tests` before the others. TIME_BUDGET: tuning seconds per benchmark case
 # (default 30). Writes under $OUT.
 set -uo pipefail
@@ -41,5 +43,10 @@ case "${1:-tests}" in
         --cases gemv-11008 dequant-int4-decode paged-decode paged-decode-gqa8 > "$OUT/bench_$flush.log" 2>&1
       tail -8 "$OUT/bench_$flush.log"
     done ;;
-  *) echo "usage: hopper_next_gpu.sh tests|probe|gemm|flush" >&2; exit 2 ;;
+  model)
+    shift
+    timeout 580 python3 benchmarks/model_benchmark.py --target cuda --configs "${@:-1:512}" \
+      --time-budget "${TIME_BUDGET:-60}" --profile --max-autotune --out "$OUT/model" > "$OUT/model.log" 2>&1
+    tail -12 "$OUT/model.log" ;;
+  *) echo "usage: hopper_next_gpu.sh tests|probe|gemm|flush|model [batch:tokens ...]" >&2; exit 2 ;;
 esac
