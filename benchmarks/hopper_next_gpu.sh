@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The kernels written since the last GPU run (hopper_gemm v4: TMA multicast in clusters of two, and the
-# block_n widths that fill whole waves), checked and measured on the GPU machine in three calls of under
-# ten minutes each (after the TVM stage call):
-#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh tests   # their GPU tests
-#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh probe   # hand-picked points beside cuBLAS
-#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh gemm    # the GEMM rows of the issue, searched
-#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh flush   # the L2 flush's cost, then the
-#                                                                          # memory-bound rows under both flushes
-#   source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh model 1:512 16:1   # the whole model beside
-#                         # torch.compile and its max-autotune mode (one or two configs per call: 16:512 alone)
+# The kernels written since the last GPU run, checked and measured on the GPU machine in calls of under ten
+# minutes each (after the TVM stage call), each as `source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh MODE`:
+#   tests      their GPU tests: hopper_attention's ping-pong with overlap and KV tiles of 160/176,
+#              paged_decode's and int4_gemv's L2 prefetch (plus hopper_gemm's multicast and whole waves)
+#   attention  hand-picked hopper_attention points beside torch's flash and cuDNN backends
+#   decode     the memory-bound rows of the issues (paged decode, GQA, int4 decode GEMV), searched
+#   probe      hand-picked hopper_gemm points beside cuBLAS
+#   gemm       the GEMM rows of the issue, searched
+#   flush      the L2 flush's cost, then the memory-bound rows under both flushes
+#   model B:T  the whole model beside torch.compile and its max-autotune mode (one or two configs per call)
 # Correctness first: run `tests` before the others. TIME_BUDGET: tuning seconds per benchmark case
 # (default 30). Writes under $OUT.
 set -uo pipefail
@@ -18,7 +18,22 @@ case "${1:-tests}" in
   tests)
     timeout 500 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -n 8 tests/test_gpu_run.py \
       -k "multicast or whole_wave or pingpong or split_k or swapped" > "$OUT/next_tests.log" 2>&1
-    tail -15 "$OUT/next_tests.log" ;;
+    timeout 500 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -n 8 tests/test_gpu_run.py \
+      -k "attention or paged or int4" > "$OUT/next_tests_decode_attention.log" 2>&1
+    tail -15 "$OUT/next_tests.log" "$OUT/next_tests_decode_attention.log" ;;
+  attention)
+    P='[{"consumers":2,"block_kv":128,"stages":3,"overlap":false,"pingpong":true},
+        {"consumers":2,"block_kv":128,"stages":2,"overlap":true,"pingpong":true},
+        {"consumers":2,"block_kv":176,"stages":2,"overlap":false,"pingpong":true},
+        {"consumers":2,"block_kv":176,"stages":2,"overlap":true,"pingpong":true},
+        {"consumers":2,"block_kv":160,"stages":2,"overlap":true,"pingpong":true}]'
+    timeout 560 python3 benchmarks/hopper_attention_probe.py --case 1,32,32,2048,128,full \
+      --case 1,32,32,2048,128,causal --points "$P" --timeout 60 --out "$OUT/attention" > "$OUT/attention.log" 2>&1
+    tail -c 5000 "$OUT/attention.log" ;;
+  decode)
+    timeout 560 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/decode_bench" \
+      --cases paged-decode-gqa8 paged-decode-gqa4-llama3 dequant-int4-decode > "$OUT/decode_bench.log" 2>&1
+    tail -12 "$OUT/decode_bench.log" ;;
   probe)
     # Each point in its own process with a timeout (a deadlock costs its timeout, not the call).
     P='[{"consumers":2,"wg_rows":64,"block_n":256,"stages":4,"group_m":8,"persistent":true},
@@ -48,5 +63,5 @@ case "${1:-tests}" in
     timeout 580 python3 benchmarks/model_benchmark.py --target cuda --configs "${@:-1:512}" \
       --time-budget "${TIME_BUDGET:-60}" --profile --max-autotune --out "$OUT/model" > "$OUT/model.log" 2>&1
     tail -12 "$OUT/model.log" ;;
-  *) echo "usage: hopper_next_gpu.sh tests|probe|gemm|flush|model [batch:tokens ...]" >&2; exit 2 ;;
+  *) echo "usage: hopper_next_gpu.sh tests|attention|decode|probe|gemm|flush|model [batch:tokens ...]" >&2; exit 2 ;;
 esac

@@ -18,7 +18,8 @@ j - 1's P·V together and computes tile j's softmax while the tensor cores still
 is rescaled once that product has landed.
 
 With ``pingpong`` (FlashAttention-3's inter-warpgroup scheduling, two consumers) the warpgroups take turns
-on the tensor cores through two named barriers: one's softmax runs while the other's products do.
+on the tensor cores through two named barriers: one's softmax runs while the other's products do. With
+both, as in FlashAttention-3, a turn issues QKᵀ(j) and P·V(j - 1) together.
 
 Causal CTAs skip every tile above the diagonal, and the grid starts with the longest (last) query blocks.
 Grouped-query attention reads the K/V head of the query head's group. Sequence lengths no tile divides
@@ -142,13 +143,14 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                                    + ((i % 4) // 2) * 8)
                 if key >= s or (causal and key > query):
                     S[i] = neg_inf
+        # The row maxima over the raw scores, scaled once (the scale is positive): no multiply per score.
         for r in T.unroll(2):
-            tile_max[r] = row_max[r]
+            tile_max[r] = neg_inf
         for i in T.unroll(s_acc):
-            tile_max[(i % 4) // 2] = T.max(tile_max[(i % 4) // 2], S[i] * T.float32(scale_log2))
+            tile_max[(i % 4) // 2] = T.max(tile_max[(i % 4) // 2], S[i])
         for r in T.unroll(2):
-            tile_max[r] = T.cuda.func_call(fn["qmax"][0], tile_max[r], source_code=fn["qmax"][1],
-                                           return_type="float32")
+            tile_max[r] = T.max(row_max[r], T.cuda.func_call(fn["qmax"][0], tile_max[r], source_code=fn["qmax"][1],
+                                                             return_type="float32") * T.float32(scale_log2))
             alpha[r] = T.cuda.func_call(fn["exp2"][0], row_max[r] - tile_max[r], source_code=fn["exp2"][1],
                                         return_type="float32")
             row_max[r] = tile_max[r]
@@ -270,7 +272,35 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                 Oacc[i] = T.float32(0)
                 T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
             T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
-            if overlap:
+            if overlap and pingpong:
+                # Both: each turn issues QKᵀ(j) with P·V(j - 1), and the softmax of tile j runs while the
+                # tensor cores compute this warpgroup's P·V and then the other's products. n_tiles + 1 turns
+                # per warpgroup; as below, warpgroup 2 opens the first turn and skips its last handover.
+                if wg == 2:
+                    T.cuda.func_call(fn["handover"][0], 1, source_code=fn["handover"][1])
+                T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+                qk_issue(S, smem, k_full, desc_a, desc_b, 0, wg)
+                T.cuda.func_call(fn["handover"][0], 3 - wg, source_code=fn["handover"][1])
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                softmax(S, row_max, row_sum, tile_max, alpha, 0, qb, wg, tx)
+                pack_and_rescale(S, P, Oacc, alpha)
+                for j in T.serial(1, n_tiles):
+                    T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+                    qk_issue(S, smem, k_full, desc_a, desc_b, j, wg)
+                    pv_issue(Oacc, P, smem, v_full, desc_b, j - 1)
+                    T.cuda.func_call(fn["handover"][0], 3 - wg, source_code=fn["handover"][1])
+                    T.ptx.wgmma.wait_group.sync.aligned(1)
+                    softmax(S, row_max, row_sum, tile_max, alpha, j, qb, wg, tx)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    pv_done(Oacc, empty, j - 1)
+                    pack_and_rescale(S, P, Oacc, alpha)
+                T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+                pv_issue(Oacc, P, smem, v_full, desc_b, n_tiles - 1)
+                if wg == 1:
+                    T.cuda.func_call(fn["handover"][0], 2, source_code=fn["handover"][1])
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                pv_done(Oacc, empty, n_tiles - 1)
+            elif overlap:
                 # The softmax of tile j runs while the tensor cores compute P·V of tile j - 1.
                 qk_issue(S, smem, k_full, desc_a, desc_b, 0, wg)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
@@ -333,7 +363,7 @@ class HopperAttentionSpace(HopperTemplate):
     """Prefill ``attention`` on sm_90: the TIRx kernel above; consumers, KV tile and stages are the knobs."""
 
     name = "hopper_attention"
-    version = 3  # 2: the overlap knob; 3: pingpong
+    version = 4  # 2: the overlap knob; 3: pingpong; 4: KV tiles of 160 and 176, pingpong with overlap
     families = ("attention",)
 
     @classmethod
@@ -352,7 +382,7 @@ class HopperAttentionSpace(HopperTemplate):
         self.b, self.h, self.hkv, self.s, self.d, self.dtype = shape
         self.causal = bool(self.hints.get("causal", True))
         self.sms = target.num_cores or 132
-        self.knobs = [Knob("consumers", (1, 2)), Knob("block_kv", (64, 128)), Knob("stages", (2, 3)),
+        self.knobs = [Knob("consumers", (1, 2)), Knob("block_kv", (64, 128, 160, 176)), Knob("stages", (2, 3)),
                       Knob("overlap", (False, True), ordered=False), Knob("pingpong", (False, True), ordered=False)]
 
     def check(self, p: Point) -> str | None:
@@ -364,8 +394,8 @@ class HopperAttentionSpace(HopperTemplate):
         smem = (bm * dp + 2 * p["stages"] * bkv * dp) * 2 + 1024
         if smem > SMEM_LIMIT:
             return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
-        if p.get("pingpong", False) and (p["consumers"] != 2 or p.get("overlap", False)):
-            return "ping-pong alternates two consumers' serial loops (two consumers, no overlap)"
+        if p.get("pingpong", False) and p["consumers"] != 2:
+            return "ping-pong alternates two consumers' turns on the tensor cores (two consumers)"
         return None
 
     def default(self) -> Point:

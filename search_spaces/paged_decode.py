@@ -48,9 +48,10 @@ def ring_stages(p: Point) -> int:
     return p["unroll"] if p.get("mma") and p["unroll"] > 1 else 0
 
 
-def _body_source(name: str, dtype: str, s: dict, mma: bool = False, ring: bool = False) -> str:
+def _body_source(name: str, dtype: str, s: dict, mma: bool = False, ring: bool = False, prefetch: int = 0) -> str:
     """The kernel's body: one thread's work, for the constants in ``s``; with ``mma``, the main loop's
-    products on tensor cores (with ``ring``, fed through shared memory)."""
+    products on tensor cores (with ``ring``, fed through shared memory; with ``prefetch``, tiles fetched
+    into L2 that many steps ahead)."""
     scalar, pair, to_float2, from_float = _CUDA[dtype]
     consts = "".join(f"  constexpr int {key} = {value};\n" for key, value in s.items())
     head = CLUSTER_SYNC_SOURCE + STREAM_LOAD_SOURCE + (
@@ -232,7 +233,7 @@ def _body_source(name: str, dtype: str, s: dict, mma: bool = False, ring: bool =
         f"    {CLUSTER_SYNC}();\n"
         "  }\n"
         "}\n")
-    return (_mma_helpers(dtype) if mma else "") + head + (_mma_loop(dtype, ring) if mma else cuda_core_loop) + tail
+    return (_mma_helpers(dtype) if mma else "") + head + (_mma_loop(dtype, ring, prefetch) if mma else cuda_core_loop) + tail
 
 
 _MMA_TYPES = {"float16": ("f16", "__floats2half2_rn", "__half2"), "bfloat16": ("bf16", "__floats2bfloat162_rn", "__nv_bfloat162")}
@@ -255,10 +256,13 @@ def _mma_helpers(dtype: str) -> str:
         "__device__ __forceinline__ void autosched_pd_cp_async(void* dst, const void* src, bool valid) {\n"
         "  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst));\n"
         "  asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\\n\"\n"
-        "               :: \"r\"(address), \"l\"(src), \"r\"(valid ? 16 : 0) : \"memory\");\n}\n")
+        "               :: \"r\"(address), \"l\"(src), \"r\"(valid ? 16 : 0) : \"memory\");\n}\n"
+        # A whole K or V row into the L2 cache by the copy engine, without registers or shared memory.
+        "__device__ __forceinline__ void autosched_pd_prefetch_l2(const void* src, int bytes) {\n"
+        "  asm volatile(\"cp.async.bulk.prefetch.L2.global [%0], %1;\" :: \"l\"(src), \"r\"(bytes) : \"memory\");\n}\n")
 
 
-def _mma_loop(dtype: str, ring: bool) -> str:
+def _mma_loop(dtype: str, ring: bool, prefetch: int = 0) -> str:
     """The main loop with QKᵀ and PV on tensor cores (``mma.sync`` m16n8k16), for GQA groups of 2-16 heads.
 
     A warp takes tiles of 16 tokens. The group's heads are the M side (rows g and g + 8 of lane's quad
@@ -270,7 +274,11 @@ def _mma_loop(dtype: str, ring: bool) -> str:
 
     Without ``ring`` a lane loads ``UNROLL`` tiles into registers, then computes; with it, each warp keeps
     a ring of ``UNROLL`` tiles in shared memory filled by ``cp.async`` (every lane reads back only its own
-    16-byte pieces, so no barrier is needed), so that more bytes are in flight than registers could hold."""
+    16-byte pieces, so no barrier is needed), so that more bytes are in flight than registers could hold.
+
+    With ``prefetch`` (tiles in registers only), once a tile's loads are issued the warp asks the L2 for
+    its tile ``prefetch`` steps ahead (lanes 0-15 a K row each, 16-31 a V row, by bulk prefetches), so
+    that DRAM keeps streaming while the warp waits on its loads and computes; its later loads hit L2."""
     mma, pack = f"autosched_pd_mma_{dtype}", f"autosched_pd_pack_{dtype}"
     head = (
         "  constexpr int KS = D / 16;  // k-steps of QKᵀ\n"
@@ -359,6 +367,15 @@ def _mma_loop(dtype: str, ring: bool) -> str:
         "      }\n"
         "    }\n"
     )
+    if prefetch:
+        direct_loads += (
+            "    {  // the warp's tile PREFETCH steps ahead, into L2: a K row per lane 0-15, a V row per lane 16-31\n"
+            f"      const int t = tile0 + {prefetch} * WARPS * TPS * 16 + lane % 16;\n"
+            "      if (t < end) {\n"
+            "        const size_t row = ((size_t)page_of[t / PAGE - first] * PAGE + t % PAGE) * HKV + kvh;\n"
+            "        autosched_pd_prefetch_l2((lane < 16 ? K : V) + row * D, D * 2);\n"
+            "      }\n"
+            "    }\n")
     compute = (
         "    float sc[TPS][2][4];  // scores: rows g (0, 1) and g + 8 (2, 3), tokens 8 nt + 2 t4 + {0, 1}\n"
         "    float top[2] = {mrow[0], mrow[1]};\n"
@@ -444,8 +461,10 @@ def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, d
     pps = math.ceil(ctx / page)
     consts = {"H": h, "HKV": hkv, "G": h // hkv, "D": d, "PAGE": page, "PPS": pps, "WARPS": warps,
               "UNROLL": unroll, "SPLIT": split} | ({"MMA": 1} if mma else {})
-    name = "autosched_paged_decode_" + "_".join(f"{k.lower()}{v}" for k, v in consts.items()) + f"_{dtype}"
-    source = _body_source(name, dtype, consts, mma, ring_stages(p) > 0).replace(
+    prefetch = p.get("prefetch", 0)
+    name = ("autosched_paged_decode_" + "_".join(f"{k.lower()}{v}" for k, v in consts.items())
+            + (f"_prefetch{prefetch}" if prefetch else "") + f"_{dtype}")
+    source = _body_source(name, dtype, consts, mma, ring_stages(p) > 0, prefetch).replace(
         "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / math.sqrt(d)!r}f;\n  constexpr int D =")
     pairs, threads = b * hkv, 32 * warps
     words = smem_floats(h // hkv, d, warps, pps, split, ring_stages(p))
@@ -476,7 +495,7 @@ class PagedDecodeSpace(HopperTemplate):
     """``paged_decode_attention`` on sm_90: the flash-decoding kernel above."""
 
     name = "paged_decode"
-    version = 2
+    version = 3  # 2: tensor cores (mma); 3: L2 prefetch
     families = ("paged_attention",)
 
     @classmethod
@@ -503,7 +522,7 @@ class PagedDecodeSpace(HopperTemplate):
             Knob("split", (1, 2, 4, 8)),
         ]
         if self.tensor_cores_fit():
-            self.knobs.append(Knob("mma", (False, True), ordered=False))
+            self.knobs += [Knob("mma", (False, True), ordered=False), Knob("prefetch", (0, 1, 2))]
 
     def tensor_cores_fit(self) -> bool:
         """GQA groups of 2-16 heads at head dim 64 or 128: the products on tensor cores (m16n8k16)."""
@@ -516,6 +535,8 @@ class PagedDecodeSpace(HopperTemplate):
         smem = 4 * smem_floats(g, s["d"], p["warps"], pages, p["split"], ring_stages(p))
         if smem > SMEM_LIMIT:
             return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
+        if p.get("prefetch", 0) and not (p.get("mma") and ring_stages(p) == 0):
+            return "prefetch feeds the tensor-core loop that holds its tile in registers (mma, unroll 1)"
         if p.get("mma"):
             # Registers per thread, roughly: one tile's K and V pieces (a quarter of two K rows and an eighth
             # of four V rows; further tiles wait in the shared-memory ring), the output's accumulators and
@@ -538,7 +559,7 @@ class PagedDecodeSpace(HopperTemplate):
         pairs = self.shape["b"] * self.shape["hkv"]
         splits = [x for x in (1, 2, 4, 8) if x <= math.ceil(self.shape["ctx"] / self.shape["page"])]
         split = next((x for x in splits if pairs * x >= self.sms), splits[-1])
-        extra = {"mma": False} if self.tensor_cores_fit() else {}
+        extra = {"mma": False, "prefetch": 0} if self.tensor_cores_fit() else {}
         for point in ({"warps": 4, "unroll": 4, "split": split}, {"warps": 4, "unroll": 2, "split": split},
                       {"warps": 4, "unroll": 1, "split": split}, {"warps": 4, "unroll": 1, "split": 1}):
             if self.check(point | extra) is None:
@@ -554,7 +575,7 @@ class PagedDecodeSpace(HopperTemplate):
         s = self.shape
         ctas = s["b"] * s["hkv"] * p["split"]
         return [p["warps"], p["unroll"], p["split"], ctas / self.sms, math.log2(ctas), 32 * p["unroll"] * p["warps"] * 32,
-                s["h"] // s["hkv"], s["d"], s["ctx"] / p["split"], float(p.get("mma", False))]
+                s["h"] // s["hkv"], s["d"], s["ctx"] / p["split"], float(p.get("mma", False)), p.get("prefetch", 0)]
 
 
 def _shape(func) -> dict | None:

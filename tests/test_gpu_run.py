@@ -146,16 +146,19 @@ def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
               {"warps": 8, "unroll": 2, "split": 4}, {"warps": 4, "unroll": 8, "split": 8}]
     # The same on tensor cores (the group's heads as mma.sync's M side): one 16-token tile per step in
     # registers, or rings of 2-8 tiles per warp in shared memory filled by cp.async.
-    points = [{**p, "mma": False} for p in points] + [{"warps": w, "unroll": u, "split": split, "mma": True}
-                                                         for w, u, split in ((4, 1, 1), (2, 1, 2), (8, 1, 4), (4, 1, 8),
-                                                                             (4, 4, 1), (2, 2, 2), (2, 8, 4))]
+    # With prefetch, the warp's tile one or two steps ahead is fetched into L2 while it computes.
+    points = [{**p, "mma": False, "prefetch": 0} for p in points] + [
+        {"warps": w, "unroll": u, "split": split, "mma": True, "prefetch": pf}
+        for w, u, split, pf in ((4, 1, 1, 0), (2, 1, 2, 0), (8, 1, 4, 0), (4, 1, 8, 0), (4, 4, 1, 0), (2, 2, 2, 0),
+                                (2, 8, 4, 0), (8, 1, 2, 1), (4, 1, 1, 2), (2, 1, 8, 2))]
     assert all(space.validate(p) is None for p in points)
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
     # bf16, head dim 64, eight query heads per K/V head, on tensor cores.
     task = Task.from_workload(make_workload("paged_decode_attention", "b=2,h=32,hkv=4,d=64,ctx=300,page=16",
                                             "bfloat16"))
-    points = [{"warps": 4, "unroll": u, "split": split, "mma": True} for u, split in ((2, 1), (1, 4))]
+    points = [{"warps": 4, "unroll": u, "split": split, "mma": True, "prefetch": pf} for u, split, pf in
+              ((2, 1, 0), (1, 4, 0), (1, 2, 1))]
     assert all(task.space(target).validate(p) is None for p in points)
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"bf16 d=64 {point}: {res.error_kind}: {res.error_msg}"
@@ -163,13 +166,14 @@ def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
 
 def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):
     """int4 decode GEMVs with the products taken in half2: one row and five, groups of 128 and 32, a bias
-    and SiLU, every block shape, unrolled or not, against the float64 reference."""
+    and SiLU, every block shape, unrolled or not, with each row prefetched into L2 or not, against the
+    float64 reference."""
     target, measurer = measurers("sm_90")
     for shape, attrs in (("m=1,n=1000,k=4096", "bits=4,group=128"), ("m=5,n=300,k=352", "bits=4,group=32,bias=1,act=silu")):
         task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
         space = task.space(target)
         assert space.name == "int4_gemv"
-        points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": True}
+        points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": True, "prefetch": w == 4}
                   for w in (1, 4) for r in (1, 2, 4) for u in (False, True)]
         points = [p for p in points if space.validate(p) is None]
         assert len(points) >= 6
@@ -221,13 +225,15 @@ def test_overlapped_softmax_attention_is_correct_on_the_gpu(shape, dtype, causal
     ("b=1,h=2,hkv=1,s=300,d=64", "float16", 1), ("b=1,h=2,s=260,d=256", "bfloat16", 0),
 ])
 def test_pingpong_attention_is_correct_on_the_gpu(shape, dtype, causal, measurers):
-    """hopper_attention with the two consumers taking turns on the tensor cores (named barriers): causal
-    and not, GQA, lengths no tile divides, head dims 64 to 256 (a causal CTA's two warpgroups visit the
-    same tiles, so their turns pair up), against the float64 reference."""
+    """hopper_attention with the two consumers taking turns on the tensor cores (named barriers), alone and
+    with the overlapped loop, KV tiles of 64 to 176: causal and not, GQA, lengths no tile divides, head
+    dims 64 to 256 (a causal CTA's two warpgroups visit the same tiles, so their turns pair up), against
+    the float64 reference."""
     target, measurer = measurers("sm_90")
     task = Task.from_workload(make_workload("attention", shape, dtype, f"causal={causal}"))
     space = task.space(target)
-    points = [{"consumers": 2, "block_kv": kv, "stages": 2, "overlap": False, "pingpong": True} for kv in (128, 64)]
+    points = [{"consumers": 2, "block_kv": kv, "stages": 2, "overlap": overlap, "pingpong": True}
+              for kv, overlap in ((128, False), (64, False), (128, True), (176, True), (160, False))]
     points = [p for p in points if space.validate(p) is None]
     assert points
     for point, res in zip(points, measurer.measure(task.spec, points)):

@@ -470,7 +470,7 @@ def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
     assert space.name == "paged_decode" and space.default()["split"] == 8  # 8 pairs: the most it may split
     hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
     for split, mma in ((2, False), (8, False), (2, True), (8, True)):  # tensor cores: one 16-token tile a step
-        point = {"warps": 4, "unroll": 1 if mma else 2, "split": split, "mma": mma}
+        point = {"warps": 4, "unroll": 1 if mma else 2, "split": split, "mma": mma, "prefetch": int(mma)}
         assert space.validate(point) is None
         with hopper:
             lowered = tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(space.apply(point)))
@@ -590,8 +590,11 @@ def _host_body(source: str) -> str:
     ("b=2,h=16,hkv=1,d=64,ctx=100,page=16", "bfloat16", {"warps": 2, "unroll": 2, "split": 1, "mma": True}),
     ("b=2,h=8,hkv=4,d=128,ctx=300,page=16", "float16", {"warps": 2, "unroll": 1, "split": 4, "mma": True}),
     ("b=3,h=16,hkv=2,d=128,ctx=230,page=16", "float16", {"warps": 2, "unroll": 3, "split": 2, "mma": True}),
+    ("b=3,h=16,hkv=2,d=128,ctx=230,page=16", "float16",
+     {"warps": 2, "unroll": 1, "split": 2, "mma": True, "prefetch": 2}),
 ], ids=["gqa4-d128-fp16", "mha-d64-bf16", "gqa2-d256-fp16", "gqa4-split4", "split8-more-ctas-than-pages",
-        "mma-gqa8-d128-fp16", "mma-ring2-gqa16-d64-bf16", "mma-gqa2-split4", "mma-ring3-split2"])
+        "mma-gqa8-d128-fp16", "mma-ring2-gqa16-d64-bf16", "mma-gqa2-split4", "mma-ring3-split2",
+        "mma-prefetch2-split2"])
 def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point, tmp_path):
     """The paged-decode kernel's body, compiled for the host by nvcc and run CTA by CTA with one thread
     per CUDA thread, against the workload's float64 reference on its own inputs (a shorter last
@@ -612,7 +615,8 @@ def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point
     consts = {"H": s["h"], "HKV": s["hkv"], "G": s["h"] // s["hkv"], "D": s["d"], "PAGE": s["page"], "PPS": pps,
               "WARPS": point["warps"], "UNROLL": point["unroll"], "SPLIT": split}
     words = smem_floats(s["h"] // s["hkv"], s["d"], point["warps"], pps, split, ring_stages(point))
-    body = _body_source("paged_decode_body", dtype, consts, point.get("mma", False), ring_stages(point) > 0).replace(
+    body = _body_source("paged_decode_body", dtype, consts, point.get("mma", False), ring_stages(point) > 0,
+                        point.get("prefetch", 0)).replace(
         "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / s['d'] ** 0.5!r}f;\n  constexpr int D =")
     for name, tensor in zip(("q", "k", "v", "table", "lens"), ins):
         (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
@@ -668,8 +672,9 @@ int main() {{
 
 @needs_nvcc
 def test_pingpong_attention_takes_turns_through_named_barriers(sm90):
-    """hopper_attention's ping-pong compiles for sm_90a without spills, syncs on a warpgroup's own named
-    barrier and arrives on the other's, and is refused with one consumer or with the overlapped loop."""
+    """hopper_attention's ping-pong, alone, with the overlapped loop and with the widest KV tile, compiles
+    for sm_90a without spills, syncs on a warpgroup's own named barrier and arrives on the other's, and is
+    refused with one consumer."""
     task = Task.from_workload(make_workload("attention", "b=1,h=4,hkv=2,s=200,d=128", "float16", "causal=1"))
     space = task.space(sm90)
     point = {**space.default(), "pingpong": True}
@@ -679,7 +684,13 @@ def test_pingpong_attention_takes_turns_through_named_barriers(sm90):
     report = nvcc_compile(source, "sm_90a")
     assert report.ok and report.spills == 0, report.log[-2000:]
     assert "ping-pong" in space.validate({**point, "consumers": 1})
-    assert "ping-pong" in space.validate({**point, "overlap": True})
+    for both in ({**point, "overlap": True}, {**point, "overlap": True, "block_kv": 176}):
+        assert space.validate(both) is None
+        source = cuda_source(space.apply(both), sm90, {}, space.codegen)
+        assert "bar.sync %0, 256;" in source and "wgmma.wait_group.sync.aligned 1" in source
+        assert "m64n176k16" in source or both["block_kv"] != 176
+        report = nvcc_compile(source, "sm_90a")
+        assert report.ok and report.spills == 0, report.log[-2000:]
     serial = cuda_source(space.apply(space.default()), sm90, {}, space.codegen)
     assert "bar.arrive" not in serial
 
