@@ -22,11 +22,12 @@ case "${1:-tests}" in
       -k "attention or paged or int4" > "$OUT/next_tests_decode_attention.log" 2>&1
     tail -15 "$OUT/next_tests.log" "$OUT/next_tests_decode_attention.log" ;;
   attention)
-    P='[{"consumers":2,"block_kv":128,"stages":3,"overlap":false,"pingpong":true},
-        {"consumers":2,"block_kv":128,"stages":2,"overlap":true,"pingpong":true},
+    # POINTS: a JSON list of points instead of these.
+    P=${POINTS:-'[{"consumers":2,"block_kv":128,"stages":3,"overlap":false,"pingpong":true},
+        {"consumers":2,"block_kv":160,"stages":2,"overlap":false,"pingpong":true},
         {"consumers":2,"block_kv":176,"stages":2,"overlap":false,"pingpong":true},
         {"consumers":2,"block_kv":176,"stages":2,"overlap":true,"pingpong":true},
-        {"consumers":2,"block_kv":160,"stages":2,"overlap":true,"pingpong":true}]'
+        {"consumers":2,"block_kv":176,"stages":2,"overlap":false,"pingpong":false}]'}
     timeout 560 python3 benchmarks/hopper_attention_probe.py --case 1,32,32,2048,128,full \
       --case 1,32,32,2048,128,causal --points "$P" --timeout 60 --out "$OUT/attention" > "$OUT/attention.log" 2>&1
     tail -c 5000 "$OUT/attention.log" ;;
