@@ -4,7 +4,6 @@
 #   tests      their GPU tests: hopper_attention's ping-pong with overlap and KV tiles of 160/176,
 #              paged_decode's and int4_gemv's L2 prefetch (plus hopper_gemm's multicast and whole waves)
 #   attention  hand-picked hopper_attention points beside torch's flash and cuDNN backends
-#   int4       int4_gemv's streaming variant: the int4 GPU tests, then the int4 decode GEMV searched
 #   decode     the memory-bound rows of the issues (paged decode, GQA, int4 decode GEMV), searched
 #   probe      hand-picked hopper_gemm points beside cuBLAS
 #   gemm       the GEMM rows of the issue, searched
@@ -32,14 +31,6 @@ case "${1:-tests}" in
     timeout 560 python3 benchmarks/hopper_attention_probe.py --case 1,32,32,2048,128,full \
       --case 1,32,32,2048,128,causal --points "$P" --timeout 60 --out "$OUT/attention" > "$OUT/attention.log" 2>&1
     tail -c 5000 "$OUT/attention.log" ;;
-  int4)
-    # int4_gemv's streaming variant: its GPU tests with the other int4 ones, then the decode GEMV searched.
-    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -n 8 tests/test_gpu_run.py \
-      -k "int4 or dequant" > "$OUT/int4_tests.log" 2>&1
-    tail -n 4 "$OUT/int4_tests.log"
-    timeout 200 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/int4_bench" \
-      --cases dequant-int4-decode > "$OUT/int4_bench.log" 2>&1
-    tail -n 6 "$OUT/int4_bench.log" ;;
   decode)
     timeout 560 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/decode_bench" \
       --cases paged-decode-gqa8 paged-decode-gqa4-llama3 dequant-int4-decode > "$OUT/decode_bench.log" 2>&1
@@ -73,5 +64,5 @@ case "${1:-tests}" in
     timeout 580 python3 benchmarks/model_benchmark.py --target cuda --configs "${@:-1:512}" \
       --time-budget "${TIME_BUDGET:-60}" --profile --max-autotune --out "$OUT/model" > "$OUT/model.log" 2>&1
     tail -12 "$OUT/model.log" ;;
-  *) echo "usage: hopper_next_gpu.sh tests|attention|int4|decode|probe|gemm|flush|model [batch:tokens ...]" >&2; exit 2 ;;
+  *) echo "usage: hopper_next_gpu.sh tests|attention|decode|probe|gemm|flush|model [batch:tokens ...]" >&2; exit 2 ;;
 esac
