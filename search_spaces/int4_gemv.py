@@ -19,8 +19,6 @@ Knobs: warps per block, weight rows per warp, whether the lane's loop over its c
 warp first asks the L2 for the warp's whole row r by one bulk prefetch, so that each row streams from
 DRAM in order, ahead of the lanes' loads) and, for fp16, whether the products are taken in half2
 (``half_products``: about half the instructions per weight, sums of eight products in fp16, then fp32).
-``stream`` > 0 (one activation row) takes the streaming variant instead (``stream_rows_kernel``): a fixed
-grid of warps, each keeping its next ``stream`` rows' loads in flight while it computes.
 """
 
 from __future__ import annotations
@@ -135,20 +133,18 @@ def _half_dot_source(m: int) -> tuple[str, str]:
 def _chunk_helper(name: str, m: int, unpack: str, row_dot: str, scale: str) -> tuple[str, str]:
     """(name, source) of a chunk helper: 16 packed bytes streamed in as q[4], ``unpack`` turning them into
     the weights w, then for each of the m rows ``row_dot`` summing into s over the row's activations x,
-    added to the row's accumulator times ``scale``. ``name``_q takes the 16 bytes already loaded."""
+    added to the row's accumulator times ``scale``."""
     accs = ", ".join(f"float& acc{i}" for i in range(m))
     rows = "".join(
         f"  {{ const uint4* x = reinterpret_cast<const uint4*>(static_cast<const char*>(xp) + {i} * row_bytes);\n"
         "    float s = 0.f;\n"
         f"{row_dot}"
         f"    acc{i} += s * {scale}; }}\n" for i in range(m))
-    refs = ", ".join(f"acc{i}" for i in range(m))
     source = (
-        f"__device__ __forceinline__ void {name}_q({accs}, const uint4& q4, const void* xp, int row_bytes, float scale) {{\n"
-        "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
-        f"{unpack}{rows}}}\n"
         f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) {{\n"
-        f"  {name}_q({refs}, {STREAM_LOAD}(wp), xp, row_bytes, scale);\n}}\n")
+        f"  uint4 q4 = {STREAM_LOAD}(wp);\n"
+        "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
+        f"{unpack}{rows}}}\n")
     return name, STREAM_LOAD_SOURCE + source
 
 
@@ -210,89 +206,6 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
     return dequant_main(body, m, n, k, groups, dtype, bias, {"global_symbol": "main", "tirx.noalias": True})
 
 
-STREAM_WARPS_PER_SM = 16  # resident warps of the streaming kernel: up to 128 registers per thread
-
-
-def stream_rows_kernel(n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point, sms: int):
-    """The streaming variant (``stream`` = rows ahead, one activation row): a fixed grid of
-    ``STREAM_WARPS_PER_SM`` warps per SM, each warp taking every W-th weight row and keeping the loads of
-    its next ``stream`` rows in flight (a ring of registers) while it computes the current one.
-
-    Launching one warp per few rows issues every load of the kernel at once; DRAM then serves them in no
-    particular order, so most warps hold their last bytes only near the end, and the unpacking and products
-    run after the stream instead of under it. Here each warp's rows arrive in order, one at a time."""
-    from tvm.script import tirx as T
-
-    warps, ahead = p["warps"], p["stream"]
-    grid, threads = sms * STREAM_WARPS_PER_SM // warps, 32 * warps
-    chunks = k // CHUNK
-    groups = math.ceil(k / group)
-    dot, dot_source = _dot_source(dtype, 1, p.get("half_products", False))
-    _, store1, epi_source = _epilogue_source(dtype, act)
-    scalar = "half" if dtype == "float16" else "nv_bfloat16"
-    name = f"autosched_q4_stream_n{n}_k{k}_g{group}_a{ahead}_w{grid * warps}_{dot}" + ("_bias" if bias else "")
-    consts = {"N": n, "K": k, "GROUP": group, "GROUPS": groups, "CHUNKS": chunks, "AHEAD": ahead, "WT": grid * warps}
-    source = dot_source + epi_source + _WARP_SUM_SOURCE + (
-        f"__device__ __forceinline__ void {name}(const {scalar}* __restrict__ A, const uint8_t* __restrict__ Wq,\n"
-        f"    const {scalar}* __restrict__ S, const {scalar}* __restrict__ Bias, {scalar}* __restrict__ C,\n"
-        "    int warp, int lane) {\n"
-        + "".join(f"  constexpr int {key} = {value};\n" for key, value in consts.items()) +
-        "  constexpr int CPL = (CHUNKS + 31) / 32;  // chunks per lane per row\n"
-        "  const int rows = warp < N ? (N - 1 - warp) / WT + 1 : 0;  // this warp's rows: warp + i WT\n"
-        "  uint4 w[AHEAD + 1][CPL];  // the ring: slot s holds row i + s (s, as unrolled, is a constant)\n"
-        "  float scale[AHEAD + 1][CPL];\n"
-        "  auto fetch = [&](int slot, int i) {\n"
-        "    if (i < rows) {\n"
-        "      const int row = warp + i * WT;\n"
-        "      #pragma unroll\n"
-        "      for (int j = 0; j < CPL; ++j) {\n"
-        "        const int c = lane + 32 * j;\n"
-        "        if (c < CHUNKS) {\n"
-        f"          w[slot][j] = {STREAM_LOAD}(Wq + (size_t)row * (K / 2) + c * 16);\n"
-        "          scale[slot][j] = static_cast<float>(S[(size_t)row * GROUPS + c * 32 / GROUP]);\n"
-        "        }\n"
-        "      }\n"
-        "    }\n"
-        "  };\n"
-        "  auto compute = [&](int slot, int i) {\n"
-        "    if (i < rows) {\n"
-        "      const int row = warp + i * WT;\n"
-        "      float acc = 0.f;\n"
-        "      #pragma unroll\n"
-        "      for (int j = 0; j < CPL; ++j) {\n"
-        "        const int c = lane + 32 * j;\n"
-        f"        if (c < CHUNKS) {dot}_q(acc, w[slot][j], A + c * 32, K * 2, scale[slot][j]);\n"
-        "      }\n"
-        f"      {_WARP_SUM}(acc);\n"
-        + (f"      if (lane == 0) {store1}(C + row, acc + static_cast<float>(Bias[row]));\n" if bias else
-           f"      if (lane == 0) {store1}(C + row, acc);\n") +
-        "    }\n"
-        "  };\n"
-        "  #pragma unroll\n"
-        "  for (int s = 0; s < AHEAD; ++s) fetch(s, s);\n"
-        "  for (int i = 0; i < rows; i += AHEAD + 1) {\n"
-        "    #pragma unroll\n"
-        "    for (int s = 0; s <= AHEAD; ++s) {  // the row AHEAD on into the slot just freed, then row i + s\n"
-        "      fetch((s + AHEAD) % (AHEAD + 1), i + s + AHEAD);\n"
-        "      compute(s, i + s);\n"
-        "    }\n"
-        "  }\n}\n")
-
-    # fmt: off
-    @T.macro
-    def body(A, Wq, S, Bias, C):
-        T.device_entry()
-        # All of the grid resident at once: at most 128 registers per thread.
-        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", STREAM_WARPS_PER_SM // warps)
-        bx = T.cta_id([grid])
-        tx = T.thread_id([threads])
-        T.cuda.func_call(name, A.access_ptr("r"), Wq.access_ptr("r"), S.access_ptr("r"),
-                         (Bias if bias else S).access_ptr("r"), C.access_ptr("w"), bx * warps + tx // 32, tx % 32,
-                         source_code=source)
-    # fmt: on
-    return dequant_main(body, 1, n, k, groups, dtype, bias, {"global_symbol": "main", "tirx.noalias": True})
-
-
 def dequant_main(body, m: int, n: int, k: int, groups: int, dtype: str, bias: bool, attrs: dict):
     """The ``dequant_gemm`` workload's signature (A, Wq, scales[, bias], C) around a kernel's body macro."""
     from tvm.script import tirx as T
@@ -344,7 +257,7 @@ class Int4GemvSpace(Int4Template):
     """``dequant_gemm`` with int4 weights and at most eight rows on sm_90: the streaming kernel above."""
 
     name = "int4_gemv"
-    version = 3  # 2: half_products; 3: prefetch and stream
+    version = 3  # 2: half_products; 3: prefetch
 
     @classmethod
     def suits(cls, func, target, hints) -> bool:
@@ -361,7 +274,6 @@ class Int4GemvSpace(Int4Template):
             Knob("rows_per_warp", (1, 2, 4)),
             Knob("unroll", (False, True), ordered=False),
             Knob("prefetch", (False, True), ordered=False),
-            Knob("stream", (0, 1, 2, 3)),
         ]
         if self.dtype == "float16":  # bf16's 8-bit mantissa is too coarse for half2 sums
             self.knobs.append(Knob("half_products", (False, True), ordered=False))
@@ -369,25 +281,7 @@ class Int4GemvSpace(Int4Template):
     def steps(self) -> int:
         return math.ceil(self.k // CHUNK / 32)
 
-    def canonical(self, p: Point) -> Point:
-        """Streaming points set the knobs that the streaming kernel does not read to one value each."""
-        if p.get("stream", 0) and self.m == 1:
-            return {**p, "rows_per_warp": 1, "unroll": False, "prefetch": False}
-        return p
-
-    def stream_registers(self, p: Point) -> int:
-        """Registers per thread of the streaming variant, roughly: its ring of loads and scales, and the rest."""
-        return (p["stream"] + 1) * math.ceil(self.k // CHUNK / 32) * 5 + 48
-
     def check(self, p: Point) -> str | None:
-        if p.get("stream", 0):
-            if self.m != 1:
-                return f"streaming rows takes one activation row (this GEMV has {self.m})"
-            if p["rows_per_warp"] != 1 or p["unroll"] or p["prefetch"]:
-                return "streaming rows sets rows per warp (1), unrolling and prefetch itself"
-            if self.stream_registers(p) > 128:
-                return f"about {self.stream_registers(p)} registers per thread for {p['stream']} rows ahead (at most 128)"
-            return None
         if p["rows_per_warp"] * self.m > 32:
             return f"{p['rows_per_warp'] * self.m} accumulators per thread (at most 32)"
         if p["unroll"] and self.steps() * p["rows_per_warp"] > MAX_UNROLLED_STEPS:
@@ -398,16 +292,14 @@ class Int4GemvSpace(Int4Template):
 
     def default(self) -> Point:
         extra = {"half_products": False} if self.dtype == "float16" else {}
-        for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True, "prefetch": False, "stream": 0},
-                      {"warps": 4, "rows_per_warp": 1, "unroll": True, "prefetch": False, "stream": 0},
-                      {"warps": 4, "rows_per_warp": 1, "unroll": False, "prefetch": False, "stream": 0}):
+        for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True, "prefetch": False},
+                      {"warps": 4, "rows_per_warp": 1, "unroll": True, "prefetch": False},
+                      {"warps": 4, "rows_per_warp": 1, "unroll": False, "prefetch": False}):
             if self.check(point | extra) is None:
                 return point | extra
         return super().default()
 
     def kernel(self, p: Point):
-        if p.get("stream", 0):
-            return stream_rows_kernel(self.n, self.k, self.group, self.dtype, self.bias, self.act, p, self.sms)
         return int4_gemv_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act, p)
 
     def point_features(self, p: Point) -> list[float]:
@@ -415,13 +307,9 @@ class Int4GemvSpace(Int4Template):
         rows_pb = p["warps"] * p["rows_per_warp"]
         blocks = math.ceil(self.n / rows_pb)
         in_flight = 16 * p["rows_per_warp"] * (self.steps() if p["unroll"] else 1)
-        if p.get("stream", 0):
-            blocks = self.sms * STREAM_WARPS_PER_SM // p["warps"]
-            in_flight = 16 * self.steps() * p["stream"]
         return [p["warps"], p["rows_per_warp"], float(p["unroll"]), float(p.get("half_products", False)), rows_pb,
                 math.log2(blocks), blocks / self.sms,
-                in_flight, in_flight * 32 * p["warps"], self.steps(), self.m, float(p.get("prefetch", False)),
-                p.get("stream", 0)]
+                in_flight, in_flight * 32 * p["warps"], self.steps(), self.m, float(p.get("prefetch", False))]
 
 
 def _shape(func) -> tuple[int, int, int, str] | None:

@@ -173,29 +173,8 @@ def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):
         task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
         space = task.space(target)
         assert space.name == "int4_gemv"
-        points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": True, "prefetch": w == 4, "stream": 0}
+        points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": True, "prefetch": w == 4}
                   for w in (1, 4) for r in (1, 2, 4) for u in (False, True)]
-        points = [p for p in points if space.validate(p) is None]
-        assert len(points) >= 6
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
-
-
-def test_int4_gemv_streaming_rows_are_correct_on_the_gpu(measurers):
-    """int4_gemv's streaming variant (a fixed grid of warps, each with its next 1-3 rows' loads in flight):
-    rows that do not fill the last round of warps, k that leaves lanes without a chunk, a bias and SiLU,
-    bf16, fp32 and half2 products, against the float64 reference."""
-    target, measurer = measurers("sm_90")
-    cases = (("m=1,n=11008,k=4096", "float16", "bits=4,group=128"),
-             ("m=1,n=300,k=352", "float16", "bits=4,group=32,bias=1,act=silu"),
-             ("m=1,n=2500,k=1024", "bfloat16", "bits=4,group=64"))
-    for shape, dtype, attrs in cases:
-        task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
-        space = task.space(target)
-        points = [{"warps": w, "rows_per_warp": 1, "unroll": False, "prefetch": False, "stream": ahead}
-                  for w in (1, 4, 8) for ahead in (1, 2, 3)]
-        if dtype == "float16":
-            points = [{**p, "half_products": p["stream"] != 2} for p in points]
         points = [p for p in points if space.validate(p) is None]
         assert len(points) >= 6
         for point, res in zip(points, measurer.measure(task.spec, points)):

@@ -342,28 +342,6 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
 
 
 @needs_nvcc
-def test_int4_streaming_rows_compile_without_spills_for_one_row_only(sm90):
-    """int4_gemv's streaming variant: a fixed grid of warps (all resident: launch bounds cap the registers
-    at 128), each keeping its next rows' loads in a ring of registers; for one activation row only, with
-    the other knobs at their streaming values, and only while its ring fits in registers."""
-    task = Task.from_workload(make_workload("dequant_gemm", "m=1,n=11008,k=4096", "float16", "bits=4,group=128"))
-    space = task.space(sm90)
-    base = {"warps": 4, "rows_per_warp": 1, "unroll": False, "prefetch": False, "half_products": True}
-    for ahead in (1, 2):
-        point = {**base, "stream": ahead}
-        assert space.validate(point) is None
-        source = cuda_source(space.apply(point), sm90, {}, space.codegen)
-        assert "__launch_bounds__(128, 4)" in source and f"constexpr int AHEAD = {ahead};" in source
-        report = nvcc_compile(source, "sm_90a")
-        assert report.ok and report.spills == 0, report.log[-2000:]
-    assert "rows per warp" in space.validate({**base, "stream": 1, "unroll": True})
-    two_rows = Task.from_workload(make_workload("dequant_gemm", "m=2,n=11008,k=4096", "float16", "bits=4"))
-    assert "one activation row" in two_rows.space(sm90).validate({**base, "stream": 1})
-    down = Task.from_workload(make_workload("dequant_gemm", "m=1,n=4096,k=11008", "float16", "bits=4"))
-    assert "registers" in down.space(sm90).validate({**base, "stream": 1})
-
-
-@needs_nvcc
 def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
     """The kernel's chunk helpers (two nibbles per mask through half2's exponent trick, one scale per
     chunk; products in fp32, or in half2 for fp16), compiled for the host by nvcc and run on 32-weight
