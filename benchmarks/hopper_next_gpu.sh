@@ -4,6 +4,7 @@
 #   tests      their GPU tests: hopper_attention's ping-pong with overlap and KV tiles of 160/176,
 #              paged_decode's and int4_gemv's L2 prefetch (plus hopper_gemm's multicast and whole waves)
 #   attention  hand-picked hopper_attention points beside torch's flash and cuDNN backends
+#   profile [CASE ...]  Nsight Compute's counters of the best points found (benchmarks/profile_kernels.py)
 #   decode     the memory-bound rows of the issues (paged decode, GQA, int4 decode GEMV), searched
 #   probe      hand-picked hopper_gemm points beside cuBLAS
 #   gemm       the GEMM rows of the issue, searched
@@ -31,6 +32,20 @@ case "${1:-tests}" in
     timeout 560 python3 benchmarks/hopper_attention_probe.py --case 1,32,32,2048,128,full \
       --case 1,32,32,2048,128,causal --points "$P" --timeout 60 --out "$OUT/attention" > "$OUT/attention.log" 2>&1
     tail -c 5000 "$OUT/attention.log" ;;
+  profile)
+    # Nsight Compute's counters of the best points found (benchmarks/profile_kernels.py), a case per process.
+    shift
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for case in "${@:-int4-decode paged-gqa8 attention-noncausal gemm-awkward}"; do
+      for c in $case; do
+        timeout 150 "$ncu" --clock-control none -k regex:main_kernel --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+          --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+          python3 benchmarks/profile_kernels.py "$c" > "$OUT/ncu_$c.txt" 2>&1
+        echo "== $c"; grep -E "^    (Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per Thread|No Eligible|Issued Warp Per Scheduler|Warp Cycles Per Issued)" \
+          "$OUT/ncu_$c.txt" | head -12
+      done
+    done ;;
   decode)
     timeout 560 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/decode_bench" \
       --cases paged-decode-gqa8 paged-decode-gqa4-llama3 dequant-int4-decode > "$OUT/decode_bench.log" 2>&1
@@ -64,5 +79,5 @@ case "${1:-tests}" in
     timeout 580 python3 benchmarks/model_benchmark.py --target cuda --configs "${@:-1:512}" \
       --time-budget "${TIME_BUDGET:-60}" --profile --max-autotune --out "$OUT/model" > "$OUT/model.log" 2>&1
     tail -12 "$OUT/model.log" ;;
-  *) echo "usage: hopper_next_gpu.sh tests|attention|decode|probe|gemm|flush|model [batch:tokens ...]" >&2; exit 2 ;;
+  *) echo "usage: hopper_next_gpu.sh tests|attention|profile|decode|probe|gemm|flush|model [batch:tokens ...]" >&2; exit 2 ;;
 esac
