@@ -191,6 +191,18 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
             T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
         T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[j % stages]))
 
+    @T.macro
+    def take_turn(wg):
+        """With ping-pong: wait for this warpgroup's turn on the tensor cores (its own named barrier)."""
+        if pingpong:
+            T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+
+    @T.macro
+    def hand_over(to):
+        """With ping-pong: give the turn to warpgroup ``to`` (arrive on its named barrier)."""
+        if pingpong:
+            T.cuda.func_call(fn["handover"][0], to, source_code=fn["handover"][1])
+
     @T.prim_func
     def main(Q: T.Buffer((b, h, s, d), dtype, align=16), K: T.Buffer((b, hkv, s, d), dtype, align=16),
              V: T.Buffer((b, hkv, s, d), dtype, align=16), O: T.Buffer((b, h, s, d), dtype, align=16)):
@@ -272,49 +284,32 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                 Oacc[i] = T.float32(0)
                 T.cuda.func_call(FENCE_NAME, Oacc[i], source_code=FENCE_SOURCE)
             T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
-            if overlap and pingpong:
-                # Both: each turn issues QKᵀ(j) with P·V(j - 1), and the softmax of tile j runs while the
-                # tensor cores compute this warpgroup's P·V and then the other's products. n_tiles + 1 turns
-                # per warpgroup; as below, warpgroup 2 opens the first turn and skips its last handover.
-                if wg == 2:
-                    T.cuda.func_call(fn["handover"][0], 1, source_code=fn["handover"][1])
-                T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+            if overlap:
+                # The softmax of tile j runs while the tensor cores compute P·V of tile j - 1. With ping-pong,
+                # as in FlashAttention-3, each turn issues QKᵀ(j) with P·V(j - 1), so the softmax also runs
+                # under the other warpgroup's products: n_tiles + 1 turns per warpgroup, handed over as below.
+                if pingpong and wg == 2:
+                    hand_over(1)
+                take_turn(wg)
                 qk_issue(S, smem, k_full, desc_a, desc_b, 0, wg)
-                T.cuda.func_call(fn["handover"][0], 3 - wg, source_code=fn["handover"][1])
+                hand_over(3 - wg)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 softmax(S, row_max, row_sum, tile_max, alpha, 0, qb, wg, tx)
                 pack_and_rescale(S, P, Oacc, alpha)
                 for j in T.serial(1, n_tiles):
-                    T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+                    take_turn(wg)
                     qk_issue(S, smem, k_full, desc_a, desc_b, j, wg)
                     pv_issue(Oacc, P, smem, v_full, desc_b, j - 1)
-                    T.cuda.func_call(fn["handover"][0], 3 - wg, source_code=fn["handover"][1])
-                    T.ptx.wgmma.wait_group.sync.aligned(1)
-                    softmax(S, row_max, row_sum, tile_max, alpha, j, qb, wg, tx)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    pv_done(Oacc, empty, j - 1)
-                    pack_and_rescale(S, P, Oacc, alpha)
-                T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
-                pv_issue(Oacc, P, smem, v_full, desc_b, n_tiles - 1)
-                if wg == 1:
-                    T.cuda.func_call(fn["handover"][0], 2, source_code=fn["handover"][1])
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                pv_done(Oacc, empty, n_tiles - 1)
-            elif overlap:
-                # The softmax of tile j runs while the tensor cores compute P·V of tile j - 1.
-                qk_issue(S, smem, k_full, desc_a, desc_b, 0, wg)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                softmax(S, row_max, row_sum, tile_max, alpha, 0, qb, wg, tx)
-                pack_and_rescale(S, P, Oacc, alpha)
-                for j in T.serial(1, n_tiles):
-                    qk_issue(S, smem, k_full, desc_a, desc_b, j, wg)
-                    pv_issue(Oacc, P, smem, v_full, desc_b, j - 1)
+                    hand_over(3 - wg)
                     T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile j; P·V of tile j - 1 may still run
                     softmax(S, row_max, row_sum, tile_max, alpha, j, qb, wg, tx)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     pv_done(Oacc, empty, j - 1)
                     pack_and_rescale(S, P, Oacc, alpha)
+                take_turn(wg)
                 pv_issue(Oacc, P, smem, v_full, desc_b, n_tiles - 1)
+                if pingpong and wg == 1:
+                    hand_over(2)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 pv_done(Oacc, empty, n_tiles - 1)
             elif pingpong:
@@ -322,18 +317,18 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                 # once its product is issued. Warpgroup 2 opens the first turn and skips its last handover, so
                 # that every sync on a barrier meets exactly one arrival.
                 if wg == 2:
-                    T.cuda.func_call(fn["handover"][0], 1, source_code=fn["handover"][1])
+                    hand_over(1)
                 for j in T.serial(n_tiles):
-                    T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+                    take_turn(wg)
                     qk_issue(S, smem, k_full, desc_a, desc_b, j, wg)
-                    T.cuda.func_call(fn["handover"][0], 3 - wg, source_code=fn["handover"][1])
+                    hand_over(3 - wg)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     softmax(S, row_max, row_sum, tile_max, alpha, j, qb, wg, tx)
                     pack_and_rescale(S, P, Oacc, alpha)
-                    T.cuda.func_call(fn["turn"][0], wg, source_code=fn["turn"][1])
+                    take_turn(wg)
                     pv_issue(Oacc, P, smem, v_full, desc_b, j)
                     if wg == 1 or j < n_tiles - 1:
-                        T.cuda.func_call(fn["handover"][0], 3 - wg, source_code=fn["handover"][1])
+                        hand_over(3 - wg)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     pv_done(Oacc, empty, j)
             else:
