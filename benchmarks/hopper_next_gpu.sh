@@ -2,7 +2,7 @@
 # The kernels written since the last GPU run, checked and measured on the GPU machine in calls of under ten
 # minutes each (after the TVM stage call), each as `source .gpu/deps/setup.sh && bash benchmarks/hopper_next_gpu.sh MODE`:
 #   tests      their GPU tests: hopper_attention's ping-pong with overlap and KV tiles of 160/176,
-#              paged_decode's and int4_gemv's L2 prefetch (plus hopper_gemm's multicast and whole waves)
+#              paged_decode's L2 prefetch (plus hopper_gemm's multicast and whole waves)
 #   attention  hand-picked hopper_attention points beside torch's flash and cuDNN backends
 #   profile [CASE ...]  Nsight Compute's counters of the best points found (benchmarks/profile_kernels.py)
 #   decode     the memory-bound rows of the issues (paged decode, GQA, int4 decode GEMV), searched
@@ -36,15 +36,13 @@ case "${1:-tests}" in
     # Nsight Compute's counters of the best points found (benchmarks/profile_kernels.py), a case per process.
     shift
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    for case in "${@:-int4-decode paged-gqa8 attention-noncausal gemm-awkward}"; do
-      for c in $case; do
-        timeout 150 "$ncu" --clock-control none -k regex:main_kernel --launch-skip 2 --launch-count 1 \
-          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-          --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis \
-          python3 benchmarks/profile_kernels.py "$c" > "$OUT/ncu_$c.txt" 2>&1
-        echo "== $c"; grep -E "^    (Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per Thread|No Eligible|Issued Warp Per Scheduler|Warp Cycles Per Issued)" \
-          "$OUT/ncu_$c.txt" | head -12
-      done
+    for c in ${*:-int4-decode paged-gqa8 attention-noncausal gemm-awkward}; do
+      timeout 150 "$ncu" --clock-control none -k regex:main_kernel --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+        python3 benchmarks/profile_kernels.py "$c" > "$OUT/ncu_$c.txt" 2>&1
+      echo "== $c"; grep -E "^    (Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per Thread|No Eligible|Issued Warp Per Scheduler|Warp Cycles Per Issued)" \
+        "$OUT/ncu_$c.txt" | head -12
     done ;;
   decode)
     timeout 560 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/decode_bench" \

@@ -15,10 +15,9 @@ instead:
 * the lanes' partial sums meet by warp shuffles, and lane 0 applies bias and activation and stores.
 
 Knobs: warps per block, weight rows per warp, whether the lane's loop over its chunks is unrolled
-(all its loads issued before the arithmetic: more bytes in flight per thread), ``prefetch`` (lane r of a
-warp first asks the L2 for the warp's whole row r by one bulk prefetch, so that each row streams from
-DRAM in order, ahead of the lanes' loads) and, for fp16, whether the products are taken in half2
-(``half_products``: about half the instructions per weight, sums of eight products in fp16, then fp32).
+(all its loads issued before the arithmetic: more bytes in flight per thread) and, for fp16, whether the
+products are taken in half2 (``half_products``: about half the instructions per weight, sums of eight
+products in fp16, then fp32).
 """
 
 from __future__ import annotations
@@ -41,12 +40,6 @@ STREAM_LOAD_SOURCE = (
     "  asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\"\n"
     "      : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n"
     "  return v;\n}\n")
-# Asks the L2 for ``bytes`` (a multiple of 16, 16-byte aligned) from ``src`` by the copy engine: one
-# instruction for a whole weight row, without registers or shared memory.
-PREFETCH_L2 = "autosched_prefetch_l2"
-PREFETCH_L2_SOURCE = (
-    f"__device__ __forceinline__ void {PREFETCH_L2}(const void* src, int bytes) {{\n"
-    "  asm volatile(\"cp.async.bulk.prefetch.L2.global [%0], %1;\" :: \"l\"(src), \"r\"(bytes) : \"memory\");\n}\n")
 _WARP_SUM = "autosched_warp_sum"
 _WARP_SUM_SOURCE = (
     f"__device__ __forceinline__ void {_WARP_SUM}(float& x) {{\n"
@@ -154,7 +147,6 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
 
     warps, rows_pw, unroll = p["warps"], p["rows_per_warp"], p["unroll"]
     half_products = p.get("half_products", False)
-    prefetch = p.get("prefetch", False)
     threads, rows_pb = 32 * warps, warps * rows_pw
     grid = math.ceil(n / rows_pb)
     chunks = k // CHUNK  # per weight row
@@ -177,12 +169,6 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
         lane = T.meta_var(tx % 32)
         for i in T.unroll(rows_pw * m):
             acc[i] = T.float32(0)
-        if prefetch:
-            if lane < rows_pw:
-                row = T.meta_var(bx * rows_pb + (tx // 32) * rows_pw + lane)
-                if row < n:
-                    T.cuda.func_call(PREFETCH_L2, Wq.access_ptr("r", offset=row * (k // 2)), k // 2,
-                                     source_code=PREFETCH_L2_SOURCE)
         for step in loop(steps):
             for r in T.unroll(rows_pw):
                 row = T.meta_var(bx * rows_pb + (tx // 32) * rows_pw + r)
@@ -257,7 +243,7 @@ class Int4GemvSpace(Int4Template):
     """``dequant_gemm`` with int4 weights and at most eight rows on sm_90: the streaming kernel above."""
 
     name = "int4_gemv"
-    version = 3  # 2: half_products; 3: prefetch
+    version = 2
 
     @classmethod
     def suits(cls, func, target, hints) -> bool:
@@ -273,7 +259,6 @@ class Int4GemvSpace(Int4Template):
             Knob("warps", (1, 2, 4, 8)),
             Knob("rows_per_warp", (1, 2, 4)),
             Knob("unroll", (False, True), ordered=False),
-            Knob("prefetch", (False, True), ordered=False),
         ]
         if self.dtype == "float16":  # bf16's 8-bit mantissa is too coarse for half2 sums
             self.knobs.append(Knob("half_products", (False, True), ordered=False))
@@ -292,9 +277,8 @@ class Int4GemvSpace(Int4Template):
 
     def default(self) -> Point:
         extra = {"half_products": False} if self.dtype == "float16" else {}
-        for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True, "prefetch": False},
-                      {"warps": 4, "rows_per_warp": 1, "unroll": True, "prefetch": False},
-                      {"warps": 4, "rows_per_warp": 1, "unroll": False, "prefetch": False}):
+        for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},
+                      {"warps": 4, "rows_per_warp": 1, "unroll": False}):
             if self.check(point | extra) is None:
                 return point | extra
         return super().default()
@@ -309,7 +293,7 @@ class Int4GemvSpace(Int4Template):
         in_flight = 16 * p["rows_per_warp"] * (self.steps() if p["unroll"] else 1)
         return [p["warps"], p["rows_per_warp"], float(p["unroll"]), float(p.get("half_products", False)), rows_pb,
                 math.log2(blocks), blocks / self.sms,
-                in_flight, in_flight * 32 * p["warps"], self.steps(), self.m, float(p.get("prefetch", False))]
+                in_flight, in_flight * 32 * p["warps"], self.steps(), self.m]
 
 
 def _shape(func) -> tuple[int, int, int, str] | None:

@@ -166,14 +166,13 @@ def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
 
 def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):
     """int4 decode GEMVs with the products taken in half2: one row and five, groups of 128 and 32, a bias
-    and SiLU, every block shape, unrolled or not, with each row prefetched into L2 or not, against the
-    float64 reference."""
+    and SiLU, every block shape, unrolled or not, against the float64 reference."""
     target, measurer = measurers("sm_90")
     for shape, attrs in (("m=1,n=1000,k=4096", "bits=4,group=128"), ("m=5,n=300,k=352", "bits=4,group=32,bias=1,act=silu")):
         task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
         space = task.space(target)
         assert space.name == "int4_gemv"
-        points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": True, "prefetch": w == 4}
+        points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": True}
                   for w in (1, 4) for r in (1, 2, 4) for u in (False, True)]
         points = [p for p in points if space.validate(p) is None]
         assert len(points) >= 6
