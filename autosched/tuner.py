@@ -135,9 +135,9 @@ class TaskTuner:
 
                     self.transferred = transfer_points(db, task, target, self.space)
                     self.search.propose_first([p for p, _, _ in self.transferred])
-        # The space's default point is measured first, so a tuned kernel is never slower than the
-        # untuned build's (which uses that point on the CPU).
-        self.search.propose_first([self.space.default()])
+        # The space's default point (and any variants it names) is measured first, so a tuned kernel is
+        # never slower than the untuned build's (which uses that point on the CPU).
+        self.search.propose_first(self.space.first_points())
         self.failures: collections.Counter[str] = collections.Counter()
         self.trials = self.rounds = self.stale = 0
         self.history: list[float] = [self.best]  # best latency after each round

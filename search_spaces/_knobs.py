@@ -204,6 +204,11 @@ class Space:
         """The reason ``point`` is invalid, or None."""
         return None
 
+    def first_points(self) -> list[Point]:
+        """Points the search measures before it samples: the default first, so that a tuned kernel is never
+        slower than the untuned build's (which uses that point on the CPU)."""
+        return [self.default()]
+
     def canonical(self, point: Point) -> Point:
         """The representative of the points that give the same schedule (e.g. knobs a mode ignores set to
         fixed values), so the search does not measure one kernel twice. Identity by default."""

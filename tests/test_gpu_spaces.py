@@ -89,6 +89,18 @@ def test_a_small_gemm_samples_valid_hopper_points(sm90):
     assert len({tuple(sorted(p.items())) for p in points}) > 10  # random, not the default over and over
 
 
+def test_the_search_starts_from_the_default_and_its_multicast_pairs(sm90):
+    """hopper_gemm's first candidates: the default, then the same tiles with B and with A multicast across
+    a cluster of two, all valid; where the tiles leave nothing to pair (a decode GEMM) the default alone."""
+    space = Task.from_workload(make_workload("gemm", "m=1000,n=4000,k=3000", "float16")).space(sm90)
+    first = space.first_points()
+    assert first[0] == space.default() and [p["multicast"] for p in first] == ["none", "b", "a"]
+    assert all(space.validate(p) is None for p in first)
+    assert all({**p, "multicast": "none"} == {**first[0], "group_m": p["group_m"]} for p in first)
+    small = Task.from_workload(make_workload("gemm", "m=16,n=64,k=128", "float16")).space(sm90)
+    assert small.first_points() == [small.default()]
+
+
 @needs_nvcc
 def test_split_k_points_launch_clusters_and_compile(sm90):
     """Split-K across a cluster: the launch carries the cluster's size, the grid one CTA per tile and
