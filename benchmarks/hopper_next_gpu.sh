@@ -10,8 +10,8 @@
 #   gemm       the GEMM rows of the issue, searched
 #   flush      the L2 flush's cost, then the memory-bound rows under both flushes
 #   model B:T  the whole model beside torch.compile and its max-autotune mode (one or two configs per call)
-#   release    hopper_gemm v5 (multicast's CTA-scope release) and paged_decode v4 (ctas_per_sm): their GPU
-#              tests, their points beside the best of 2026-12-02, then the awkward GEMM and GQA 8:1 searched
+#   multicast  hopper_gemm v5 (multicast's CTA-scope release): its GPU tests, the awkward GEMM's points with
+#              and without multicast beside cuBLAS, then GEMM rows searched (CASES, default gemm-awkward)
 # Correctness first: run `tests` before the others. TIME_BUDGET: tuning seconds per benchmark case
 # (default 30). Writes under $OUT.
 set -uo pipefail
@@ -79,10 +79,12 @@ case "${1:-tests}" in
     timeout 580 python3 benchmarks/model_benchmark.py --target cuda --configs "${@:-1:512}" \
       --time-budget "${TIME_BUDGET:-60}" --profile --max-autotune --out "$OUT/model" > "$OUT/model.log" 2>&1
     tail -12 "$OUT/model.log" ;;
-  release)
+  multicast)
+    # hopper_gemm v5 (multicast's stage release at CTA scope): its GPU tests, the awkward GEMM's points with
+    # and without multicast beside cuBLAS, then GEMM rows searched (CASES: benchmark cases to search).
     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -n 8 tests/test_gpu_run.py \
-      -k "multicast or paged" > "$OUT/release_tests.log" 2>&1
-    tail -3 "$OUT/release_tests.log"
+      -k "multicast" > "$OUT/multicast_tests.log" 2>&1
+    tail -3 "$OUT/multicast_tests.log"
     B='"consumers":2,"wg_rows":64,"block_n":256,"group_m":1'
     P="[{$B,\"stages\":3,\"persistent\":false},{$B,\"stages\":3,\"persistent\":false,\"multicast\":\"b\"},
         {$B,\"stages\":3,\"persistent\":false,\"multicast\":\"a\"},{$B,\"stages\":4,\"persistent\":false,\"multicast\":\"b\"},
@@ -90,16 +92,9 @@ case "${1:-tests}" in
         {\"consumers\":2,\"wg_rows\":128,\"block_n\":128,\"group_m\":1,\"stages\":4,\"persistent\":false,\"multicast\":\"a\"}]"
     timeout 150 python3 benchmarks/hopper_probe.py --shape 1000,4000,3000 --points "$P" --timeout 40 --out "$OUT/probe" \
       > "$OUT/probe.log" 2>&1
-    grep -o '"multicast": "[a-z]*".*' "$OUT/probe.log" | cut -c1-60; grep -o '"ratio": [0-9.]*' "$OUT/probe.log"
-    D='"unroll":1,"mma":true'
-    timeout 150 python3 benchmarks/profile_kernels.py paged-gqa8 --time --points "[{$D,\"warps\":8,\"split\":2,\"prefetch\":1,
-      \"ctas_per_sm\":1},{$D,\"warps\":8,\"split\":4,\"prefetch\":1,\"ctas_per_sm\":2},{$D,\"warps\":8,\"split\":4,
-      \"prefetch\":2,\"ctas_per_sm\":2},{$D,\"warps\":4,\"split\":8,\"prefetch\":1,\"ctas_per_sm\":4},{$D,\"warps\":4,
-      \"split\":4,\"prefetch\":1,\"ctas_per_sm\":1},{$D,\"warps\":8,\"split\":4,\"prefetch\":0,\"ctas_per_sm\":2}]" \
-      > "$OUT/paged_points.log" 2>&1
-    grep -o "{'warps.*" "$OUT/paged_points.log"
-    timeout 200 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/bench" \
-      --cases gemm-awkward paged-decode-gqa8 > "$OUT/bench.log" 2>&1
-    tail -6 "$OUT/bench.log" ;;
-  *) echo "usage: hopper_next_gpu.sh tests|attention|profile|decode|probe|gemm|flush|model|release [batch:tokens ...]" >&2; exit 2 ;;
+    grep -o '"ratio": [0-9.]*' "$OUT/probe.log"
+    timeout 400 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/bench" \
+      --cases ${CASES:-gemm-awkward} > "$OUT/bench.log" 2>&1
+    tail -8 "$OUT/bench.log" ;;
+  *) echo "usage: hopper_next_gpu.sh tests|attention|profile|decode|probe|gemm|flush|model|multicast [batch:tokens ...]" >&2; exit 2 ;;
 esac
