@@ -141,6 +141,180 @@ def _chunk_helper(name: str, m: int, unpack: str, row_dot: str, scale: str) -> t
     return name, STREAM_LOAD_SOURCE + source
 
 
+MMA_K_BLOCK = 128  # weights of one row per k-block of the tensor-core kernel: 4 lanes x 32 nibbles
+
+
+def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, tiles: int, batch: int, bias: bool,
+                act: str) -> tuple[str, str]:
+    """(name, source) of the tensor-core int4 GEMV (fp16): one device function that runs a whole block.
+
+    The product is ``mma.sync`` m16n8k16 with 16 weight rows as M and the (at most 8) activation rows as
+    N. Inside a k-block of 128, the order of k is free as long as both operands agree, so a lane's A
+    registers come straight from its own 16 packed bytes: lane (g, t) loads bytes 16t..16t+15 of the
+    k-block in rows g and g + 8, and one mask-and-or per register turns a word's nibble pairs into
+    half2 1024 + q (low nibbles) or 1024 + 16 q (high nibbles) -- no conversion arithmetic per weight.
+    The activations are regrouped into the same order once per k-block (high-nibble slots divided by 16),
+    and one more product with constant A (-1032, -1152) gives the offsets, 1032 x + 72 x per slot, that turn
+    the sums into sums of (q - 8) x. Each k-block lies in one group (groups are multiples of 128), so its
+    fp32 sums are scaled once per row. ``warps`` warps split k (k-block w, w + warps, ...) and meet in
+    shared memory; each warp owns ``tiles`` tiles of 16 rows and loads ``batch`` k-blocks ahead."""
+    from .paged_decode import _mma_helpers
+
+    name = f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_b{batch}_{int(bias)}{act}"
+    _, store1, epi_source = _epilogue_source("float16", act)
+    mma = "autosched_pd_mma_float16"
+    blocks = k // MMA_K_BLOCK
+    bias_param = ", const __half* __restrict__ bias" if bias else ""
+    bias_add = " + __half2float(bias[row])" if bias else ""
+    source = epi_source + _mma_helpers("float16") + STREAM_LOAD_SOURCE + f"""
+__device__ __forceinline__ uint32_t autosched_q4_nibbles(uint32_t w, uint32_t mask) {{
+  uint32_t r;  // (w & mask) | 0x64006400: the nibbles under half's exponent of 1024
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
+  return r;
+}}
+__device__ __forceinline__ void {name}(const __half* __restrict__ x, const uint8_t* __restrict__ wq,
+    const __half* __restrict__ scales{bias_param}, __half* __restrict__ c, int bx, int tx) {{
+  constexpr int M = {m}, N = {n}, K = {k}, GROUPS = {groups}, GROUP = {group}, W = {warps}, R = {tiles};
+  constexpr int U = {batch}, BLOCKS = {blocks}, PER_WARP = (BLOCKS + W - 1) / W;
+  const int warp = tx >> 5, lane = tx & 31, g = lane >> 2, t = lane & 3;
+  const __half2 sixteenth = __float2half2_rn(0.0625f);
+  const uint32_t lo_offset = 0xE408E408u, hi_offset = 0xE480E480u;  // half2 (-1032, -1032), (-1152, -1152)
+  float acc[R][4];
+  const uint8_t* rows[R][2];
+  const __half* row_scales[R][2];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {{
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc[r][e] = 0.f;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {{
+      const int row = min(bx * 16 * R + 16 * r + g + 8 * h, N - 1);  // rows past N load row N - 1, never stored
+      rows[r][h] = wq + (size_t)row * (K / 2) + 16 * t;
+      row_scales[r][h] = scales + (size_t)row * GROUPS;
+    }}
+  }}
+  for (int i0 = 0; i0 < PER_WARP; i0 += U) {{
+    uint4 q[U][R][2];
+    __half s[U][R][2];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {{
+      const int kb = warp + W * (i0 + u);
+      #pragma unroll
+      for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (kb < BLOCKS) {{
+            q[u][r][h] = {STREAM_LOAD}(rows[r][h] + kb * {MMA_K_BLOCK // 2});
+            s[u][r][h] = row_scales[r][h][kb * {MMA_K_BLOCK} / GROUP];
+          }}
+    }}
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {{
+      const int kb = warp + W * (i0 + u);
+      if (kb >= BLOCKS) break;
+      uint32_t b[8][2];  // this k-block's activations in the nibbles' order; zeros past row M
+      if (g < M) {{
+        const uint4* xp = reinterpret_cast<const uint4*>(x + g * K + kb * {MMA_K_BLOCK} + 32 * t);
+        #pragma unroll
+        for (int w = 0; w < 4; ++w) {{
+          const uint4 v = xp[w];  // k = 8w .. 8w + 7 of the lane's 32
+          b[2 * w][0] = __byte_perm(v.x, v.z, 0x5410);
+          b[2 * w + 1][0] = __byte_perm(v.y, v.w, 0x5410);
+          uint32_t hi0 = __byte_perm(v.x, v.z, 0x7632), hi1 = __byte_perm(v.y, v.w, 0x7632);
+          __half2 h0 = __hmul2(*reinterpret_cast<__half2*>(&hi0), sixteenth);
+          __half2 h1 = __hmul2(*reinterpret_cast<__half2*>(&hi1), sixteenth);
+          b[2 * w][1] = *reinterpret_cast<uint32_t*>(&h0);
+          b[2 * w + 1][1] = *reinterpret_cast<uint32_t*>(&h1);
+        }}
+      }} else {{
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) b[j][0] = b[j][1] = 0u;
+      }}
+      float offset[4] = {{0.f, 0.f, 0.f, 0.f}};
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) {mma}(offset, lo_offset, lo_offset, hi_offset, hi_offset, b[j][0], b[j][1]);
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {{
+        float d[4] = {{offset[0], offset[1], offset[2], offset[3]}};
+        const uint32_t wg[4] = {{q[u][r][0].x, q[u][r][0].y, q[u][r][0].z, q[u][r][0].w}};
+        const uint32_t w8[4] = {{q[u][r][1].x, q[u][r][1].y, q[u][r][1].z, q[u][r][1].w}};
+        #pragma unroll
+        for (int w = 0; w < 4; ++w)
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {{  // bytes 0 and 2 of the word, then 1 and 3
+            const uint32_t vg = wg[w] >> (8 * h), v8 = w8[w] >> (8 * h);
+            {mma}(d, autosched_q4_nibbles(vg, 0x000F000Fu), autosched_q4_nibbles(v8, 0x000F000Fu),
+                  autosched_q4_nibbles(vg, 0x00F000F0u), autosched_q4_nibbles(v8, 0x00F000F0u), b[2 * w + h][0],
+                  b[2 * w + h][1]);
+          }}
+        const float s0 = __half2float(s[u][r][0]), s1 = __half2float(s[u][r][1]);
+        acc[r][0] += d[0] * s0; acc[r][1] += d[1] * s0; acc[r][2] += d[2] * s1; acc[r][3] += d[3] * s1;
+      }}
+    }}
+  }}
+  if (W > 1) {{  // the warps' partial sums meet in shared memory, laid out [warp][register][lane]
+    __shared__ float partial[W][R * 4][32];
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) partial[warp][4 * r + e][lane] = acc[r][e];
+    __syncthreads();
+    if (warp != 0) return;
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {{
+        float sum = 0.f;
+        #pragma unroll
+        for (int v = 0; v < W; ++v) sum += partial[v][4 * r + e][lane];
+        acc[r][e] = sum;
+      }}
+  }}
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {{  // C fragment: rows g, g + 8 (weights) x columns 2t, 2t + 1 (activations)
+      const int row = bx * 16 * R + 16 * r + g + 8 * (e >> 1), i = 2 * t + (e & 1);
+      if (i < M && row < N) {store1}(c + i * N + row, acc[r][e]{bias_add});
+    }}
+}}
+"""
+    return name, source
+
+
+def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: str, p: Point):
+    """The TIRx kernel of a tensor-core point (``p["mma"]``): a shell around :func:`_mma_source`."""
+    from tvm.script import tirx as T
+
+    warps, tiles = p["warps"], p["rows_per_warp"]
+    batch = _mma_batch(k, p)
+    grid = math.ceil(n / (16 * tiles))
+    groups = math.ceil(k / group)
+    fn, source = _mma_source(m, n, k, groups, group, warps, tiles, batch, bias, act)
+
+    # fmt: off
+    @T.macro
+    def body(A, Wq, S, Bias, C):
+        T.device_entry()
+        bx = T.cta_id([grid])
+        tx = T.thread_id([32 * warps])
+        if bias:
+            T.cuda.func_call(fn, A.access_ptr("r"), Wq.access_ptr("r"), S.access_ptr("r"), Bias.access_ptr("r"),
+                             C.access_ptr("w"), bx, tx, source_code=source)
+        else:
+            T.cuda.func_call(fn, A.access_ptr("r"), Wq.access_ptr("r"), S.access_ptr("r"), C.access_ptr("w"), bx, tx,
+                             source_code=source)
+
+    # fmt: on
+    return dequant_main(body, m, n, k, groups, "float16", bias, {"global_symbol": "main", "tirx.noalias": True})
+
+
+def _mma_batch(k: int, p: Point) -> int:
+    """k-blocks a warp of a tensor-core point loads ahead: up to 8 (``unroll``) or 2 tiles' worth."""
+    per_warp = math.ceil(k // MMA_K_BLOCK / p["warps"])
+    return max(1, min(per_warp, (8 if p["unroll"] else 2) // p["rows_per_warp"]))
+
+
 def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point):
     """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · dequant(Wq[n, k / 2])ᵀ + bias[n])."""
     from tvm.script import tirx as T
@@ -243,7 +417,7 @@ class Int4GemvSpace(Int4Template):
     """``dequant_gemm`` with int4 weights and at most eight rows on sm_90: the streaming kernel above."""
 
     name = "int4_gemv"
-    version = 2
+    version = 3
 
     @classmethod
     def suits(cls, func, target, hints) -> bool:
@@ -262,11 +436,19 @@ class Int4GemvSpace(Int4Template):
         ]
         if self.dtype == "float16":  # bf16's 8-bit mantissa is too coarse for half2 sums
             self.knobs.append(Knob("half_products", (False, True), ordered=False))
+            if self.k % MMA_K_BLOCK == 0 and self.group % MMA_K_BLOCK == 0:  # a k-block in one group
+                self.knobs.append(Knob("mma", (False, True), ordered=False))
 
     def steps(self) -> int:
         return math.ceil(self.k // CHUNK / 32)
 
     def check(self, p: Point) -> str | None:
+        if p.get("mma"):
+            if 16 * p["rows_per_warp"] > 2 * self.n:
+                return "more 16-row tiles per warp than the weights have rows"
+            if self.k // MMA_K_BLOCK < p["warps"]:
+                return f"{p['warps']} warps split {self.k // MMA_K_BLOCK} k-blocks"
+            return None
         if p["rows_per_warp"] * self.m > 32:
             return f"{p['rows_per_warp'] * self.m} accumulators per thread (at most 32)"
         if p["unroll"] and self.steps() * p["rows_per_warp"] > MAX_UNROLLED_STEPS:
@@ -275,8 +457,22 @@ class Int4GemvSpace(Int4Template):
             return "more rows per block than the weights have"
         return None
 
+    def canonical(self, p: Point) -> Point:
+        return p | {"half_products": False} if p.get("mma") else p  # the tensor-core kernel has no such choice
+
+    def first_points(self) -> list[Point]:
+        """The default, then the tensor-core kernel's default where it applies."""
+        points = [self.default()]
+        if any(knob.name == "mma" for knob in self.knobs):
+            point = self.default() | {"warps": 4, "rows_per_warp": 1, "unroll": True, "half_products": False, "mma": True}
+            if self.check(point) is None:
+                points.append(point)
+        return points
+
     def default(self) -> Point:
         extra = {"half_products": False} if self.dtype == "float16" else {}
+        if any(knob.name == "mma" for knob in self.knobs):
+            extra["mma"] = False
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},
                       {"warps": 4, "rows_per_warp": 1, "unroll": False}):
             if self.check(point | extra) is None:
@@ -284,14 +480,21 @@ class Int4GemvSpace(Int4Template):
         return super().default()
 
     def kernel(self, p: Point):
+        if p.get("mma"):
+            return int4_mma_gemv_kernel(self.m, self.n, self.k, self.group, self.bias, self.act, p)
         return int4_gemv_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act, p)
 
     def point_features(self, p: Point) -> list[float]:
         """Knobs, the bytes each thread has in flight, and how the blocks fill the machine."""
-        rows_pb = p["warps"] * p["rows_per_warp"]
+        if p.get("mma"):  # warps split k; rows come in tiles of 16, with 32 bytes per lane per k-block
+            rows_pb = 16 * p["rows_per_warp"]
+            in_flight = 32 * p["rows_per_warp"] * _mma_batch(self.k, p)
+        else:
+            rows_pb = p["warps"] * p["rows_per_warp"]
+            in_flight = 16 * p["rows_per_warp"] * (self.steps() if p["unroll"] else 1)
         blocks = math.ceil(self.n / rows_pb)
-        in_flight = 16 * p["rows_per_warp"] * (self.steps() if p["unroll"] else 1)
-        return [p["warps"], p["rows_per_warp"], float(p["unroll"]), float(p.get("half_products", False)), rows_pb,
+        return [p["warps"], p["rows_per_warp"], float(p["unroll"]), float(p.get("half_products", False)),
+                float(p.get("mma", False)), rows_pb,
                 math.log2(blocks), blocks / self.sms,
                 in_flight, in_flight * 32 * p["warps"], self.steps(), self.m]
 

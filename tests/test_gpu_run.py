@@ -172,10 +172,29 @@ def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):
         task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
         space = task.space(target)
         assert space.name == "int4_gemv"
-        points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": True}
+        mma = {"mma": False} if any(knob.name == "mma" for knob in space.knobs) else {}
+        points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": True} | mma
                   for w in (1, 4) for r in (1, 2, 4) for u in (False, True)]
         points = [p for p in points if space.validate(p) is None]
         assert len(points) >= 6
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
+
+
+def test_int4_gemv_on_tensor_cores_is_correct_on_the_gpu(measurers):
+    """The int4 decode GEMV on mma.sync: one activation row and eight, n that no 16-row tile divides,
+    groups of 128 and 256, a bias and SiLU; warps splitting k from 1 to 8, 1 to 4 tiles per warp, loads
+    batched or not: every point matches the float64 reference."""
+    target, measurer = measurers("sm_90")
+    for shape, attrs in (("m=1,n=1000,k=4096", "bits=4,group=128"), ("m=8,n=300,k=1024", "bits=4,group=256"),
+                         ("m=3,n=72,k=640", "bits=4,group=128,bias=1,act=silu")):
+        task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
+        space = task.space(target)
+        assert space.name == "int4_gemv"
+        points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": False, "mma": True}
+                  for w, r, u in ((1, 1, True), (4, 1, True), (8, 1, False), (2, 2, True), (4, 4, True), (1, 4, False))]
+        points = [p for p in points if space.validate(p) is None]
+        assert len(points) >= 5, shape
         for point, res in zip(points, measurer.measure(task.spec, points)):
             assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
 
