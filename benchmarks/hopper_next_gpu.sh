@@ -97,22 +97,24 @@ case "${1:-tests}" in
       --cases ${CASES:-gemm-awkward} > "$OUT/bench.log" 2>&1
     tail -8 "$OUT/bench.log" ;;
   int4)
-    # int4_gemv v3 (the product on mma.sync): its GPU tests, the last best point beside tensor-core points
-    # (timed, checked first), then a search of the decode case.
+    # int4_gemv v3 (the product on mma.sync, weights bulk-copied into shared memory): its GPU tests, the
+    # read floor of the decode GEMVs' sizes, the lane kernel's best points beside tensor-core points at one
+    # and eight rows (timed, checked first), then a search of the decode case.
     timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -n 8 tests/test_gpu_run.py \
       -k "int4" > "$OUT/int4_tests.log" 2>&1
     tail -3 "$OUT/int4_tests.log"
-    M='"half_products":false,"mma":true'
+    timeout 120 python3 benchmarks/read_floor.py --mb 23.28 90.2 --out "$OUT/read_floor.json" > "$OUT/read_floor.log" 2>&1
+    cat "$OUT/read_floor.log"
+    M='"unroll":false,"half_products":false,"mma":true'
     P="[{\"warps\":1,\"rows_per_warp\":4,\"unroll\":true,\"half_products\":true,\"mma\":false},
-        $(for w in 1 2 4 8; do for r in 1 2; do for u in true false; do
-          printf '{"warps":%s,"rows_per_warp":%s,"unroll":%s,%s},' $w $r $u "$M"; done; done; done)
-        {\"warps\":4,\"rows_per_warp\":4,\"unroll\":true,$M}]"
-    timeout 200 python3 benchmarks/profile_kernels.py int4-decode --launches 0 --time --points "$P" \
+        {\"warps\":1,\"rows_per_warp\":2,\"unroll\":true,\"half_products\":true,\"mma\":false},
+        $(for w in 1 2 4 8; do for r in 1 2 4; do printf '{"warps":%s,"rows_per_warp":%s,%s},' $w $r "$M"; done; done | sed 's/,$//')]"
+    timeout 300 python3 benchmarks/profile_kernels.py int4-decode int4-decode-b8 --launches 0 --time --points "$P" \
       > "$OUT/int4_points.log" 2>&1
     cat "$OUT/int4_points.log"
     timeout 200 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/int4_bench" \
-      --cases dequant-int4-decode gemv-11008 > "$OUT/int4_bench.log" 2>&1
-    tail -6 "$OUT/int4_bench.log" ;;
+      --cases dequant-int4-decode > "$OUT/int4_bench.log" 2>&1
+    tail -4 "$OUT/int4_bench.log" ;;
   timeline)
     # Where the whole model's time goes between kernels (benchmarks/model_timeline.py), from a database.
     timeout 400 python3 benchmarks/model_timeline.py --db "${DB:?a database of tuned records}" --config "${2:-16:512}" \

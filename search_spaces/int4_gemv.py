@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 
 from ._knobs import Knob, Point
-from .hopper_gemm import HOPPER_ARCHS, HopperTemplate, _epilogue_source
+from .hopper_gemm import HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, _epilogue_source
 
 CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
 MAX_M = 8  # activation rows: a decode step of a few sequences
@@ -144,116 +144,134 @@ def _chunk_helper(name: str, m: int, unpack: str, row_dot: str, scale: str) -> t
 MMA_K_BLOCK = 128  # weights of one row per k-block of the tensor-core kernel: 4 lanes x 32 nibbles
 
 
-def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, tiles: int, batch: int, bias: bool,
+def _slab_row_bytes(k: int) -> int:
+    """Bytes per weight row in the tensor-core kernel's shared slab: padded so that rows g and g + 1 fall on
+    different banks (a quarter-warp's 16-byte reads then never conflict)."""
+    return k // 2 + (64 if (k // 2) % 128 == 0 else 0)
+
+
+def mma_smem_bytes(k: int, tiles: int, warps: int) -> int:
+    """Shared memory of a tensor-core point: its tiles' weight slab, an mbarrier per warp, and the warps'
+    partial sums."""
+    return 16 * tiles * _slab_row_bytes(k) + 8 * warps + (warps * tiles * 4 * 32 * 4 if warps > 1 else 0)
+
+
+def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, tiles: int, bias: bool,
                 act: str) -> tuple[str, str]:
     """(name, source) of the tensor-core int4 GEMV (fp16): one device function that runs a whole block.
 
+    Loads: the block's ``tiles`` x 16 weight rows are contiguous in memory. Each of its ``warps`` warps
+    takes one contiguous share of the k-blocks (128 weights of a row) and, at the start, asks the copy
+    engine for that share of every row (``cp.async.bulk``, one per row, completing on the warp's
+    mbarrier). So the whole slab is in flight at once without a register or an instruction per byte, and
+    each warp starts on its share as soon as that share has landed.
+
     The product is ``mma.sync`` m16n8k16 with 16 weight rows as M and the (at most 8) activation rows as
-    N. Inside a k-block of 128, the order of k is free as long as both operands agree, so a lane's A
-    registers come straight from its own 16 packed bytes: lane (g, t) loads bytes 16t..16t+15 of the
-    k-block in rows g and g + 8, and one mask-and-or per register turns a word's nibble pairs into
-    half2 1024 + q (low nibbles) or 1024 + 16 q (high nibbles) -- no conversion arithmetic per weight.
-    The activations are regrouped into the same order once per k-block (high-nibble slots divided by 16),
-    and one more product with constant A (-1032, -1152) gives the offsets, 1032 x + 72 x per slot, that turn
-    the sums into sums of (q - 8) x. Each k-block lies in one group (groups are multiples of 128), so its
-    fp32 sums are scaled once per row. ``warps`` warps split k (k-block w, w + warps, ...) and meet in
-    shared memory; each warp owns ``tiles`` tiles of 16 rows and loads ``batch`` k-blocks ahead."""
+    N. Inside a k-block the order of k is free as long as both operands agree, so a lane's A registers
+    come straight from its own 16 packed bytes of the slab: lane (g, t) reads bytes 16t..16t+15 of the
+    k-block in rows g and g + 8, and one mask-and-or per register turns a word's nibble pairs into half2
+    1024 + q (low nibbles) or 1024 + 16 q (high nibbles), with no arithmetic per weight. The activations
+    are regrouped into the same order once per k-block (high-nibble slots divided by 16), and one more
+    product with constant A (-1032, -1152) gives the offsets, 1032 x + 72 x per slot, that turn the sums
+    into sums of (q - 8) x. Each k-block lies in one group (groups are multiples of 128), so its fp32 sums
+    are scaled once per row. The warps' partial sums meet in shared memory."""
     from .paged_decode import _mma_helpers
 
-    name = f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_b{batch}_{int(bias)}{act}"
+    name = f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_{int(bias)}{act}"
     _, store1, epi_source = _epilogue_source("float16", act)
     mma = "autosched_pd_mma_float16"
-    blocks = k // MMA_K_BLOCK
+    row_bytes = _slab_row_bytes(k)
     bias_param = ", const __half* __restrict__ bias" if bias else ""
     bias_add = " + __half2float(bias[row])" if bias else ""
-    source = epi_source + _mma_helpers("float16") + STREAM_LOAD_SOURCE + f"""
+    source = epi_source + _mma_helpers("float16") + f"""
 __device__ __forceinline__ uint32_t autosched_q4_nibbles(uint32_t w, uint32_t mask) {{
   uint32_t r;  // (w & mask) | 0x64006400: the nibbles under half's exponent of 1024
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
   return r;
 }}
 __device__ __forceinline__ void {name}(const __half* __restrict__ x, const uint8_t* __restrict__ wq,
-    const __half* __restrict__ scales{bias_param}, __half* __restrict__ c, int bx, int tx) {{
+    const __half* __restrict__ scales{bias_param}, __half* __restrict__ c, uint8_t* smem, int bx, int tx) {{
   constexpr int M = {m}, N = {n}, K = {k}, GROUPS = {groups}, GROUP = {group}, W = {warps}, R = {tiles};
-  constexpr int U = {batch}, BLOCKS = {blocks}, PER_WARP = (BLOCKS + W - 1) / W;
+  constexpr int BLOCKS = K / {MMA_K_BLOCK}, ROW_BYTES = {row_bytes}, ROWS = 16 * R;
   const int warp = tx >> 5, lane = tx & 31, g = lane >> 2, t = lane & 3;
+  const int row0 = bx * ROWS, valid_rows = min(ROWS, N - row0);
+  const int kb0 = warp * BLOCKS / W, kb1 = (warp + 1) * BLOCKS / W;  // this warp's share of the k-blocks
+  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(smem + ROWS * ROW_BYTES)) + 8 * warp;
+  if (lane == 0) {{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(bar), "r"(valid_rows * (kb1 - kb0) * {MMA_K_BLOCK // 2}) : "memory");
+  }}
+  __syncwarp();
+  for (int r = lane; r < valid_rows; r += 32) {{
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem + r * ROW_BYTES + kb0 * {MMA_K_BLOCK // 2}));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(wq + (size_t)(row0 + r) * (K / 2) + kb0 * {MMA_K_BLOCK // 2}),
+                    "r"((kb1 - kb0) * {MMA_K_BLOCK // 2}), "r"(bar) : "memory");
+  }}
   const __half2 sixteenth = __float2half2_rn(0.0625f);
   const uint32_t lo_offset = 0xE408E408u, hi_offset = 0xE480E480u;  // half2 (-1032, -1032), (-1152, -1152)
   float acc[R][4];
-  const uint8_t* rows[R][2];
   const __half* row_scales[R][2];
   #pragma unroll
   for (int r = 0; r < R; ++r) {{
     #pragma unroll
     for (int e = 0; e < 4; ++e) acc[r][e] = 0.f;
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {{
-      const int row = min(bx * 16 * R + 16 * r + g + 8 * h, N - 1);  // rows past N load row N - 1, never stored
-      rows[r][h] = wq + (size_t)row * (K / 2) + 16 * t;
-      row_scales[r][h] = scales + (size_t)row * GROUPS;
-    }}
+    for (int h = 0; h < 2; ++h)  // rows past N read row N - 1's scales and stale shared memory; never stored
+      row_scales[r][h] = scales + (size_t)min(row0 + 16 * r + g + 8 * h, N - 1) * GROUPS;
   }}
-  for (int i0 = 0; i0 < PER_WARP; i0 += U) {{
-    uint4 q[U][R][2];
-    __half s[U][R][2];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {{
-      const int kb = warp + W * (i0 + u);
+  uint32_t landed = 0;
+  do {{
+    asm volatile("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }}"
+                 : "=r"(landed) : "r"(bar) : "memory");
+  }} while (!landed);
+  for (int kb = kb0; kb < kb1; ++kb) {{
+    uint32_t b[8][2];  // this k-block's activations in the nibbles' order; zeros past row M
+    if (g < M) {{
+      const uint4* xp = reinterpret_cast<const uint4*>(x + g * K + kb * {MMA_K_BLOCK} + 32 * t);
       #pragma unroll
-      for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          if (kb < BLOCKS) {{
-            q[u][r][h] = {STREAM_LOAD}(rows[r][h] + kb * {MMA_K_BLOCK // 2});
-            s[u][r][h] = row_scales[r][h][kb * {MMA_K_BLOCK} / GROUP];
-          }}
+      for (int w = 0; w < 4; ++w) {{
+        const uint4 v = xp[w];  // k = 8w .. 8w + 7 of the lane's 32
+        b[2 * w][0] = __byte_perm(v.x, v.z, 0x5410);
+        b[2 * w + 1][0] = __byte_perm(v.y, v.w, 0x5410);
+        uint32_t hi0 = __byte_perm(v.x, v.z, 0x7632), hi1 = __byte_perm(v.y, v.w, 0x7632);
+        __half2 h0 = __hmul2(*reinterpret_cast<__half2*>(&hi0), sixteenth);
+        __half2 h1 = __hmul2(*reinterpret_cast<__half2*>(&hi1), sixteenth);
+        b[2 * w][1] = *reinterpret_cast<uint32_t*>(&h0);
+        b[2 * w + 1][1] = *reinterpret_cast<uint32_t*>(&h1);
+      }}
+    }} else {{
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) b[j][0] = b[j][1] = 0u;
     }}
+    float offset[4] = {{0.f, 0.f, 0.f, 0.f}};
     #pragma unroll
-    for (int u = 0; u < U; ++u) {{
-      const int kb = warp + W * (i0 + u);
-      if (kb >= BLOCKS) break;
-      uint32_t b[8][2];  // this k-block's activations in the nibbles' order; zeros past row M
-      if (g < M) {{
-        const uint4* xp = reinterpret_cast<const uint4*>(x + g * K + kb * {MMA_K_BLOCK} + 32 * t);
+    for (int j = 0; j < 8; ++j) {mma}(offset, lo_offset, lo_offset, hi_offset, hi_offset, b[j][0], b[j][1]);
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {{
+      const uint8_t* tile = smem + (16 * r + g) * ROW_BYTES + kb * {MMA_K_BLOCK // 2} + 16 * t;
+      const uint4 qg = *reinterpret_cast<const uint4*>(tile), q8 = *reinterpret_cast<const uint4*>(tile + 8 * ROW_BYTES);
+      const uint32_t wg[4] = {{qg.x, qg.y, qg.z, qg.w}}, w8[4] = {{q8.x, q8.y, q8.z, q8.w}};
+      float d[4] = {{offset[0], offset[1], offset[2], offset[3]}};
+      #pragma unroll
+      for (int w = 0; w < 4; ++w)
         #pragma unroll
-        for (int w = 0; w < 4; ++w) {{
-          const uint4 v = xp[w];  // k = 8w .. 8w + 7 of the lane's 32
-          b[2 * w][0] = __byte_perm(v.x, v.z, 0x5410);
-          b[2 * w + 1][0] = __byte_perm(v.y, v.w, 0x5410);
-          uint32_t hi0 = __byte_perm(v.x, v.z, 0x7632), hi1 = __byte_perm(v.y, v.w, 0x7632);
-          __half2 h0 = __hmul2(*reinterpret_cast<__half2*>(&hi0), sixteenth);
-          __half2 h1 = __hmul2(*reinterpret_cast<__half2*>(&hi1), sixteenth);
-          b[2 * w][1] = *reinterpret_cast<uint32_t*>(&h0);
-          b[2 * w + 1][1] = *reinterpret_cast<uint32_t*>(&h1);
+        for (int h = 0; h < 2; ++h) {{  // bytes 0 and 2 of the word, then 1 and 3
+          const uint32_t vg = wg[w] >> (8 * h), v8 = w8[w] >> (8 * h);
+          {mma}(d, autosched_q4_nibbles(vg, 0x000F000Fu), autosched_q4_nibbles(v8, 0x000F000Fu),
+                autosched_q4_nibbles(vg, 0x00F000F0u), autosched_q4_nibbles(v8, 0x00F000F0u), b[2 * w + h][0],
+                b[2 * w + h][1]);
         }}
-      }} else {{
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) b[j][0] = b[j][1] = 0u;
-      }}
-      float offset[4] = {{0.f, 0.f, 0.f, 0.f}};
-      #pragma unroll
-      for (int j = 0; j < 8; ++j) {mma}(offset, lo_offset, lo_offset, hi_offset, hi_offset, b[j][0], b[j][1]);
-      #pragma unroll
-      for (int r = 0; r < R; ++r) {{
-        float d[4] = {{offset[0], offset[1], offset[2], offset[3]}};
-        const uint32_t wg[4] = {{q[u][r][0].x, q[u][r][0].y, q[u][r][0].z, q[u][r][0].w}};
-        const uint32_t w8[4] = {{q[u][r][1].x, q[u][r][1].y, q[u][r][1].z, q[u][r][1].w}};
-        #pragma unroll
-        for (int w = 0; w < 4; ++w)
-          #pragma unroll
-          for (int h = 0; h < 2; ++h) {{  // bytes 0 and 2 of the word, then 1 and 3
-            const uint32_t vg = wg[w] >> (8 * h), v8 = w8[w] >> (8 * h);
-            {mma}(d, autosched_q4_nibbles(vg, 0x000F000Fu), autosched_q4_nibbles(v8, 0x000F000Fu),
-                  autosched_q4_nibbles(vg, 0x00F000F0u), autosched_q4_nibbles(v8, 0x00F000F0u), b[2 * w + h][0],
-                  b[2 * w + h][1]);
-          }}
-        const float s0 = __half2float(s[u][r][0]), s1 = __half2float(s[u][r][1]);
-        acc[r][0] += d[0] * s0; acc[r][1] += d[1] * s0; acc[r][2] += d[2] * s1; acc[r][3] += d[3] * s1;
-      }}
+      const int group_index = kb * {MMA_K_BLOCK} / GROUP;
+      const float s0 = __half2float(row_scales[r][0][group_index]), s1 = __half2float(row_scales[r][1][group_index]);
+      acc[r][0] += d[0] * s0; acc[r][1] += d[1] * s0; acc[r][2] += d[2] * s1; acc[r][3] += d[3] * s1;
     }}
   }}
-  if (W > 1) {{  // the warps' partial sums meet in shared memory, laid out [warp][register][lane]
-    __shared__ float partial[W][R * 4][32];
+  if (W > 1) {{  // the warps' partial sums meet in shared memory after the slab, laid out [warp][register][lane]
+    auto partial = reinterpret_cast<float (*)[R * 4][32]>(smem + ROWS * ROW_BYTES + 8 * W);
     #pragma unroll
     for (int r = 0; r < R; ++r)
       #pragma unroll
@@ -274,7 +292,7 @@ __device__ __forceinline__ void {name}(const __half* __restrict__ x, const uint8
   for (int r = 0; r < R; ++r)
     #pragma unroll
     for (int e = 0; e < 4; ++e) {{  // C fragment: rows g, g + 8 (weights) x columns 2t, 2t + 1 (activations)
-      const int row = bx * 16 * R + 16 * r + g + 8 * (e >> 1), i = 2 * t + (e & 1);
+      const int row = row0 + 16 * r + g + 8 * (e >> 1), i = 2 * t + (e & 1);
       if (i < M && row < N) {store1}(c + i * N + row, acc[r][e]{bias_add});
     }}
 }}
@@ -287,10 +305,10 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
     from tvm.script import tirx as T
 
     warps, tiles = p["warps"], p["rows_per_warp"]
-    batch = _mma_batch(k, p)
     grid = math.ceil(n / (16 * tiles))
     groups = math.ceil(k / group)
-    fn, source = _mma_source(m, n, k, groups, group, warps, tiles, batch, bias, act)
+    smem_bytes = mma_smem_bytes(k, tiles, warps)
+    fn, source = _mma_source(m, n, k, groups, group, warps, tiles, bias, act)
 
     # fmt: off
     @T.macro
@@ -298,21 +316,16 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
         T.device_entry()
         bx = T.cta_id([grid])
         tx = T.thread_id([32 * warps])
+        smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn", align=128)
         if bias:
             T.cuda.func_call(fn, A.access_ptr("r"), Wq.access_ptr("r"), S.access_ptr("r"), Bias.access_ptr("r"),
-                             C.access_ptr("w"), bx, tx, source_code=source)
+                             C.access_ptr("w"), smem.access_ptr("rw"), bx, tx, source_code=source)
         else:
-            T.cuda.func_call(fn, A.access_ptr("r"), Wq.access_ptr("r"), S.access_ptr("r"), C.access_ptr("w"), bx, tx,
-                             source_code=source)
+            T.cuda.func_call(fn, A.access_ptr("r"), Wq.access_ptr("r"), S.access_ptr("r"), C.access_ptr("w"),
+                             smem.access_ptr("rw"), bx, tx, source_code=source)
 
     # fmt: on
     return dequant_main(body, m, n, k, groups, "float16", bias, {"global_symbol": "main", "tirx.noalias": True})
-
-
-def _mma_batch(k: int, p: Point) -> int:
-    """k-blocks a warp of a tensor-core point loads ahead: up to 8 (``unroll``) or 2 tiles' worth."""
-    per_warp = math.ceil(k // MMA_K_BLOCK / p["warps"])
-    return max(1, min(per_warp, (8 if p["unroll"] else 2) // p["rows_per_warp"]))
 
 
 def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point):
@@ -445,9 +458,12 @@ class Int4GemvSpace(Int4Template):
     def check(self, p: Point) -> str | None:
         if p.get("mma"):
             if 16 * p["rows_per_warp"] > 2 * self.n:
-                return "more 16-row tiles per warp than the weights have rows"
+                return "more 16-row tiles per block than the weights have rows"
             if self.k // MMA_K_BLOCK < p["warps"]:
                 return f"{p['warps']} warps split {self.k // MMA_K_BLOCK} k-blocks"
+            smem = mma_smem_bytes(self.k, p["rows_per_warp"], p["warps"])
+            if smem > SMEM_LIMIT:
+                return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
             return None
         if p["rows_per_warp"] * self.m > 32:
             return f"{p['rows_per_warp'] * self.m} accumulators per thread (at most 32)"
@@ -458,13 +474,14 @@ class Int4GemvSpace(Int4Template):
         return None
 
     def canonical(self, p: Point) -> Point:
-        return p | {"half_products": False} if p.get("mma") else p  # the tensor-core kernel has no such choice
+        # the tensor-core kernel has no such choices: its loads are bulk copies, its products fp32
+        return p | {"half_products": False, "unroll": False} if p.get("mma") else p
 
     def first_points(self) -> list[Point]:
         """The default, then the tensor-core kernel's default where it applies."""
         points = [self.default()]
         if any(knob.name == "mma" for knob in self.knobs):
-            point = self.default() | {"warps": 4, "rows_per_warp": 1, "unroll": True, "half_products": False, "mma": True}
+            point = self.default() | {"warps": 4, "rows_per_warp": 1, "unroll": False, "half_products": False, "mma": True}
             if self.check(point) is None:
                 points.append(point)
         return points
@@ -486,9 +503,9 @@ class Int4GemvSpace(Int4Template):
 
     def point_features(self, p: Point) -> list[float]:
         """Knobs, the bytes each thread has in flight, and how the blocks fill the machine."""
-        if p.get("mma"):  # warps split k; rows come in tiles of 16, with 32 bytes per lane per k-block
+        if p.get("mma"):  # warps split k over tiles of 16 rows; the whole slab is in flight at once
             rows_pb = 16 * p["rows_per_warp"]
-            in_flight = 32 * p["rows_per_warp"] * _mma_batch(self.k, p)
+            in_flight = rows_pb * self.k // 2 / (32 * p["warps"])
         else:
             rows_pb = p["warps"] * p["rows_per_warp"]
             in_flight = 16 * p["rows_per_warp"] * (self.steps() if p["unroll"] else 1)
