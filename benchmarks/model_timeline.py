@@ -23,30 +23,17 @@ import torch
 
 
 def trace(fn, runs: int) -> list[dict]:
-    """Each of ``runs`` back-to-back calls of ``fn``: its span, kernel time, gaps and copies (ms)."""
+    """``runs`` calls of ``fn``, each traced on its own: its span, kernel time, gaps and copies (ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for i in range(runs):
-            torch.cuda.synchronize()
-            with torch.profiler.record_function(f"run{i}"):
-                fn()
-            torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    events.sort(key=lambda e: e.time_range.start)
-    # the runs are separated by host syncs: split the device timeline at gaps above 2 ms of the host's
-    runs_out, current = [], []
-    for e in events:
-        if current and e.time_range.start - current[-1].time_range.end > 2000:
-            runs_out.append(current)
-            current = []
-        current.append(e)
-    if current:
-        runs_out.append(current)
     summary = []
-    for evs in runs_out:
+    for _ in range(runs):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
         span = (evs[-1].time_range.end - evs[0].time_range.start) / 1e3
         kernels = [e for e in evs if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
         copies = [e for e in evs if e not in kernels]
@@ -60,11 +47,10 @@ def trace(fn, runs: int) -> list[dict]:
         by_name: dict[str, float] = {}
         for e in evs:
             by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
-        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
-        summary.append({"top": [(k, round(v, 4)) for k, v in top], "span_ms": span, "busy_ms": busy,
-                        "idle_ms": span - busy, "events": len(evs),
-                        "kernels": len(kernels), "copies": [(c.name[:40], (c.time_range.end - c.time_range.start) / 1e3)
-                                                            for c in copies][:8],
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:16]
+        summary.append({"span_ms": span, "busy_ms": busy, "idle_ms": span - busy, "events": len(evs),
+                        "kernels": len(kernels), "top": [(k, round(v, 4)) for k, v in top],
+                        "copies": [(c.name[:40], (c.time_range.end - c.time_range.start) / 1e3) for c in copies][:8],
                         "largest_gaps": [(round(g, 4), x, y) for g, x, y in gaps[:6]]})
     return summary
 
