@@ -39,7 +39,7 @@ def main() -> int:
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         for i in tl.static_range(ITERS):
             offs = (pid * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            acc += tl.load(x_ptr + offs, mask=offs < n, other=0, cache_modifier=".cg", eviction_policy="evict_first")
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0, cache_modifier=".cg")
         tl.store(out_ptr + pid, tl.sum(acc))
 
     rows = []
