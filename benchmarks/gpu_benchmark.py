@@ -39,6 +39,7 @@ CASES = {
     "gemv-4096": ("gemm", "m=1,n=4096,k=4096", "float16", "", "memory"),
     "gemv-11008": ("gemm", "m=1,n=11008,k=4096", "float16", "", "memory"),
     "dequant-int4-decode": ("dequant_gemm", "m=1,n=11008,k=4096", "float16", "bits=4,group=128", "memory"),
+    "dequant-int4-decode-b8": ("dequant_gemm", "m=8,n=11008,k=4096", "float16", "bits=4,group=128", "memory"),
     "dequant-int4-prefill": ("dequant_gemm", "m=2048,n=11008,k=4096", "float16", "bits=4,group=128", "compute"),
     "rmsnorm-4096": ("rmsnorm", "m=4096,n=4096", "float16", "", "memory"),
     "softmax-4096": ("softmax", "m=4096,n=4096", "float16", "", "memory"),
