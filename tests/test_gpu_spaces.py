@@ -353,6 +353,34 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=1,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
 
 
+def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
+    """The ``mma`` knob exists where a k-block of 128 lies in one group and the dtype is fp16; its points
+    drop the CUDA-core kernel's knobs, split k among at most as many warps as there are k-blocks, fit in
+    shared memory, and come second among the search's first points."""
+
+    def space(shape, attrs, dtype="float16"):
+        return Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs)).space(sm90)
+
+    def has_mma(s):
+        return any(knob.name == "mma" for knob in s.knobs)
+
+    assert has_mma(space("m=1,n=11008,k=4096", "bits=4,group=128"))
+    assert has_mma(space("m=8,n=300,k=1024", "bits=4,group=256"))
+    assert not has_mma(space("m=1,n=4096,k=4096", "bits=4,group=64"))  # a k-block would span two groups
+    assert not has_mma(space("m=1,n=4096,k=4096", "bits=4,group=128", "bfloat16"))
+    s = space("m=1,n=11008,k=4096", "bits=4,group=128")
+    point = {"warps": 8, "rows_per_warp": 2, "unroll": True, "half_products": True, "mma": True}
+    assert s.canonical(point) == point | {"unroll": False, "half_products": False}
+    assert s.validate(point) is None
+    first = s.first_points()
+    assert first[0] == s.default() and not first[0]["mma"] and first[1]["mma"]
+    k_split = space("m=1,n=256,k=256", "bits=4,group=128")  # two k-blocks
+    assert "warps split 2 k-blocks" in k_split.validate(point | {"warps": 4, "rows_per_warp": 1})
+    wide = space("m=1,n=4096,k=11008", "bits=4,group=128")  # 88 KB of slab per 16 rows
+    assert "shared memory" in wide.validate(point | {"rows_per_warp": 4})
+    assert wide.validate(point | {"rows_per_warp": 2}) is None
+
+
 @needs_nvcc
 def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
     """The kernel's chunk helpers (two nibbles per mask through half2's exponent trick, one scale per
