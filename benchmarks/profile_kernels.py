@@ -51,7 +51,8 @@ def main() -> int:
     from autosched.workloads import make_workload
 
     target = parse_target("cuda")
-    for name, point in ((n, p) for n in args.cases for p in (json.loads(args.points) if args.points else [CASES[n][4]])):
+    chosen = json.loads(args.points) if args.points else None
+    for name, point in ((n, p) for n in args.cases for p in (chosen if chosen is not None else [CASES[n][4]])):
         op, shape, dtype, attrs, _ = CASES[name]
         task = Task.from_workload(make_workload(op, shape, dtype, attrs))
         space = task.space(target)

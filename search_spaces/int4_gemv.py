@@ -455,8 +455,10 @@ class Int4GemvSpace(Int4Template):
         ]
         if self.dtype == "float16":  # bf16's 8-bit mantissa is too coarse for half2 sums
             self.knobs.append(Knob("half_products", (False, True), ordered=False))
-            if self.k % MMA_K_BLOCK == 0 and self.group % MMA_K_BLOCK == 0:  # a k-block in one group
-                self.knobs.append(Knob("mma", (False, True), ordered=False))
+        # the tensor-core kernel: fp16, and every k-block in one group
+        self.tensor_cores = self.dtype == "float16" and self.k % MMA_K_BLOCK == 0 and self.group % MMA_K_BLOCK == 0
+        if self.tensor_cores:
+            self.knobs.append(Knob("mma", (False, True), ordered=False))
 
     def steps(self) -> int:
         return math.ceil(self.k // CHUNK / 32)
@@ -485,16 +487,16 @@ class Int4GemvSpace(Int4Template):
 
     def first_points(self) -> list[Point]:
         """The default, then the tensor-core kernel's default where it applies."""
-        points = [self.default()]
-        if any(knob.name == "mma" for knob in self.knobs):
-            point = self.default() | {"warps": 4, "rows_per_warp": 1, "unroll": False, "half_products": False, "mma": True}
+        first = super().first_points()
+        if self.tensor_cores:
+            point = self.canonical(first[0] | {"warps": 4, "rows_per_warp": 1, "mma": True})
             if self.check(point) is None:
-                points.append(point)
-        return points
+                first.append(point)
+        return first
 
     def default(self) -> Point:
         extra = {"half_products": False} if self.dtype == "float16" else {}
-        if any(knob.name == "mma" for knob in self.knobs):
+        if self.tensor_cores:
             extra["mma"] = False
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},
                       {"warps": 4, "rows_per_warp": 1, "unroll": False}):
