@@ -12,6 +12,9 @@
 #   model B:T  the whole model beside torch.compile and its max-autotune mode (one or two configs per call)
 #   multicast  hopper_gemm v5 (multicast's CTA-scope release): its GPU tests, the awkward GEMM's points with
 #              and without multicast beside cuBLAS, then GEMM rows searched (CASES, default gemm-awkward)
+#   int4       int4_gemv v3's GPU tests, the read floor, lane and tensor-core points at 1 and 8 rows, a search
+#   gqa        paged_decode v4's GQA 8:1 points timed, then the GQA decode rows searched
+#   timeline   the whole model's kernels traced beside torch.compile (DB=a database of tuned records)
 # Correctness first: run `tests` before the others. TIME_BUDGET: tuning seconds per benchmark case
 # (default 30). Writes under $OUT.
 set -uo pipefail
@@ -115,10 +118,23 @@ case "${1:-tests}" in
     timeout 200 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/int4_bench" \
       --cases dequant-int4-decode > "$OUT/int4_bench.log" 2>&1
     tail -4 "$OUT/int4_bench.log" ;;
+  gqa)
+    # paged_decode v4 (groups of at most 8 heads keep half the accumulators): GQA 8:1 points timed, each
+    # checked first, then a search of the GQA cases against torch and the copy bandwidth in one run.
+    P='[{"warps":8,"unroll":1,"split":2,"mma":true,"prefetch":1},{"warps":8,"unroll":1,"split":2,"mma":true,"prefetch":2},
+        {"warps":4,"unroll":1,"split":2,"mma":true,"prefetch":1},{"warps":4,"unroll":1,"split":4,"mma":true,"prefetch":1},
+        {"warps":8,"unroll":1,"split":4,"mma":true,"prefetch":1},{"warps":8,"unroll":2,"split":2,"mma":true,"prefetch":0},
+        {"warps":4,"unroll":2,"split":4,"mma":true,"prefetch":0},{"warps":4,"unroll":4,"split":4,"mma":true,"prefetch":0},
+        {"warps":2,"unroll":2,"split":4,"mma":true,"prefetch":0}]'
+    timeout 200 python3 benchmarks/profile_kernels.py paged-gqa8 --launches 0 --time --points "$P" > "$OUT/gqa_points.log" 2>&1
+    cat "$OUT/gqa_points.log"
+    timeout 200 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/gqa_bench" \
+      --cases paged-decode-gqa8 paged-decode-gqa4-llama3 > "$OUT/gqa_bench.log" 2>&1
+    tail -8 "$OUT/gqa_bench.log" ;;
   timeline)
     # Where the whole model's time goes between kernels (benchmarks/model_timeline.py), from a database.
     timeout 400 python3 benchmarks/model_timeline.py --db "${DB:?a database of tuned records}" --config "${2:-16:512}" \
       --out "$OUT/timeline.json" > "$OUT/timeline.log" 2>&1
     tail -40 "$OUT/timeline.log" ;;
-  *) echo "usage: hopper_next_gpu.sh tests|attention|profile|decode|probe|gemm|flush|model|multicast|int4|timeline [batch:tokens ...]" >&2; exit 2 ;;
+  *) echo "usage: hopper_next_gpu.sh tests|attention|profile|decode|probe|gemm|flush|model|multicast|int4|gqa|timeline [batch:tokens ...]" >&2; exit 2 ;;
 esac

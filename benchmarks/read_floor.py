@@ -31,8 +31,10 @@ def bulk_read_module(n_bytes: int, chunk: int, piece: int):
     and writes the chunk's first word to ``Out[i]`` (so nothing can be skipped)."""
     from tvm.script import tirx as T
 
+    from autosched.search_spaces.int4_gemv import BULK_COPY_SOURCE
+
     grid = -(-n_bytes // chunk)
-    source = f"""
+    source = BULK_COPY_SOURCE + f"""
 __device__ __forceinline__ void {BULK_READ}(const uint8_t* src, int* out, uint8_t* smem, int bx, int tx) {{
   constexpr long long N = {n_bytes}LL;
   constexpr int CHUNK = {chunk}, PIECE = {piece};
@@ -40,21 +42,10 @@ __device__ __forceinline__ void {BULK_READ}(const uint8_t* src, int* out, uint8_
   const int bytes = (int)(N - begin < CHUNK ? N - begin : CHUNK);
   const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(smem + CHUNK));
   if (tx != 0) return;
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-  for (int off = 0; off < bytes; off += PIECE) {{
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem + off));
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src + begin + off), "r"(bytes - off < PIECE ? bytes - off : PIECE), "r"(bar)
-                 : "memory");
-  }}
-  uint32_t landed = 0;
-  do {{
-    asm volatile("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }}"
-                 : "=r"(landed) : "r"(bar) : "memory");
-  }} while (!landed);
+  autosched_bulk_expect(bar, bytes);
+  for (int off = 0; off < bytes; off += PIECE)
+    autosched_bulk_copy(smem + off, src + begin + off, bytes - off < PIECE ? bytes - off : PIECE, bar);
+  autosched_bulk_wait(bar);
   out[bx] = *reinterpret_cast<const int*>(smem);
 }}
 """

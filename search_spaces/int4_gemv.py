@@ -46,6 +46,28 @@ STREAM_LOAD_SOURCE = (
     "  asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\"\n"
     "      : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n"
     "  return v;\n}\n")
+# One thread's bulk copies from global into shared memory (``cp.async.bulk``, the copy engine: no register
+# or instruction per byte), completing on an mbarrier that the thread arms for their bytes.
+BULK_COPY_SOURCE = """
+__device__ __forceinline__ void autosched_bulk_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void autosched_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void autosched_bulk_wait(unsigned bar) {  // the barrier's first phase
+  uint32_t landed = 0;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(landed) : "r"(bar) : "memory");
+  } while (!landed);
+}
+"""
 _WARP_SUM = "autosched_warp_sum"
 _WARP_SUM_SOURCE = (
     f"__device__ __forceinline__ void {_WARP_SUM}(float& x) {{\n"
@@ -189,7 +211,7 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
     row_bytes = _slab_row_bytes(k)
     bias_param = ", const __half* __restrict__ bias" if bias else ""
     bias_add = " + __half2float(bias[row])" if bias else ""
-    source = epi_source + _mma_helpers("float16") + f"""
+    source = epi_source + _mma_helpers("float16") + BULK_COPY_SOURCE + f"""
 __device__ __forceinline__ uint32_t autosched_q4_nibbles(uint32_t w, uint32_t mask) {{
   uint32_t r;  // (w & mask) | 0x64006400: the nibbles under half's exponent of 1024
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
@@ -203,20 +225,11 @@ __device__ __forceinline__ void {name}(const __half* __restrict__ x, const uint8
   const int row0 = bx * ROWS, valid_rows = min(ROWS, N - row0);
   const int kb0 = warp * BLOCKS / W, kb1 = (warp + 1) * BLOCKS / W;  // this warp's share of the k-blocks
   const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(smem + ROWS * ROW_BYTES)) + 8 * warp;
-  if (lane == 0) {{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(bar), "r"(valid_rows * (kb1 - kb0) * {MMA_K_BLOCK // 2}) : "memory");
-  }}
+  if (lane == 0) autosched_bulk_expect(bar, valid_rows * (kb1 - kb0) * {MMA_K_BLOCK // 2});
   __syncwarp();
-  for (int r = lane; r < valid_rows; r += 32) {{
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem + r * ROW_BYTES + kb0 * {MMA_K_BLOCK // 2}));
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(wq + (size_t)(row0 + r) * (K / 2) + kb0 * {MMA_K_BLOCK // 2}),
-                    "r"((kb1 - kb0) * {MMA_K_BLOCK // 2}), "r"(bar) : "memory");
-  }}
+  for (int r = lane; r < valid_rows; r += 32)
+    autosched_bulk_copy(smem + r * ROW_BYTES + kb0 * {MMA_K_BLOCK // 2},
+                        wq + (size_t)(row0 + r) * (K / 2) + kb0 * {MMA_K_BLOCK // 2}, (kb1 - kb0) * {MMA_K_BLOCK // 2}, bar);
   const __half2 sixteenth = __float2half2_rn(0.0625f);
   const uint32_t lo_offset = 0xE408E408u, hi_offset = 0xE480E480u;  // half2 (-1032, -1032), (-1152, -1152)
   float acc[R][4];
@@ -229,11 +242,7 @@ __device__ __forceinline__ void {name}(const __half* __restrict__ x, const uint8
     for (int h = 0; h < 2; ++h)  // rows past N read row N - 1's scales and stale shared memory; never stored
       row_scales[r][h] = scales + (size_t)min(row0 + 16 * r + g + 8 * h, N - 1) * GROUPS;
   }}
-  uint32_t landed = 0;
-  do {{
-    asm volatile("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }}"
-                 : "=r"(landed) : "r"(bar) : "memory");
-  }} while (!landed);
+  autosched_bulk_wait(bar);
   for (int kb = kb0; kb < kb1; ++kb) {{
     uint32_t b[8][2];  // this k-block's activations in the nibbles' order; zeros past row M
     if (g < M) {{

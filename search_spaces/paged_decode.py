@@ -266,7 +266,9 @@ def _mma_loop(dtype: str, ring: bool, prefetch: int = 0) -> str:
     """The main loop with QKᵀ and PV on tensor cores (``mma.sync`` m16n8k16), for GQA groups of 2-16 heads.
 
     A warp takes tiles of 16 tokens. The group's heads are the M side (rows g and g + 8 of lane's quad
-    g = lane / 4; rows past G are zero). For QKᵀ the head dimension is permuted so that lane t = lane % 4
+    g = lane / 4; rows past G are zero). Groups of at most 8 heads (``ROWS`` = 1) never keep rows g + 8:
+    their output accumulators live only inside each instruction, which frees 32 registers a thread
+    (200 to 178 at G = 8, d = 128, for nvcc 13). For QKᵀ the head dimension is permuted so that lane t = lane % 4
     of a quad reads one contiguous quarter of a K row (16-byte loads) and finds in it its B fragments of
     every k-step; Q, loaded once, follows the same order. The scores' accumulators are PV's A fragment
     (FlashAttention-2's register reuse); for PV each lane reads a contiguous eighth of four V rows and
@@ -285,6 +287,7 @@ def _mma_loop(dtype: str, ring: bool, prefetch: int = 0) -> str:
         "  constexpr int KV4 = D / 32;  // 16-byte loads per lane per K row (a quarter row)\n"
         "  constexpr int VV4 = D / 64;  // 16-byte loads per lane per V row (an eighth)\n"
         "  constexpr int NT = D / 8;  // n-tiles of PV\n"
+        "  constexpr int ROWS = G > 8 ? 2 : 1;  // accumulator rows in use: g, and g + 8 for groups past 8\n"
         "  const int g = lane / 4, t4 = lane % 4;\n"
         "  uint32_t qa[KS][2], qb[KS][2];  // Q's A fragments: rows g (a0, a2) and g + 8 (a1, a3)\n"
         "  #pragma unroll\n"
@@ -387,11 +390,12 @@ def _mma_loop(dtype: str, ring: bool, prefetch: int = 0) -> str:
         "        #pragma unroll\n"
         "        for (int s = 0; s < KS; ++s) {\n"
         "          const uint4 w = kr[u][nt][s / 2];\n"
-        f"          {mma}(c, qa[s][0], qb[s][0], qa[s][1], qb[s][1], s % 2 ? w.z : w.x, s % 2 ? w.w : w.y);\n"
+        "          const uint32_t b0 = s % 2 ? w.z : w.x, b1 = s % 2 ? w.w : w.y;\n"
+        f"          {mma}(c, qa[s][0], ROWS > 1 ? qb[s][0] : 0u, qa[s][1], ROWS > 1 ? qb[s][1] : 0u, b0, b1);\n"
         "        }\n"
         "        const int t = tile0 + u * 16 + 8 * nt + 2 * t4;\n"
         "        #pragma unroll\n"
-        "        for (int i = 0; i < 4; ++i) {\n"
+        "        for (int i = 0; i < 2 * ROWS; ++i) {\n"
         "          sc[u][nt][i] = t + (i & 1) < end ? c[i] * SCALE_LOG2E : autosched_pd_neg_inf();\n"
         "          top[i / 2] = fmaxf(top[i / 2], sc[u][nt][i]);\n"
         "        }\n"
@@ -399,7 +403,7 @@ def _mma_loop(dtype: str, ring: bool, prefetch: int = 0) -> str:
         "    }\n"
         "    float keep[2];\n"
         "    #pragma unroll\n"
-        "    for (int r = 0; r < 2; ++r) {  // the row's maximum over its quad\n"
+        "    for (int r = 0; r < ROWS; ++r) {  // the row's maximum over its quad\n"
         "      top[r] = fmaxf(top[r], __shfl_xor_sync(0xffffffffu, top[r], 1));\n"
         "      top[r] = fmaxf(top[r], __shfl_xor_sync(0xffffffffu, top[r], 2));\n"
         "      keep[r] = autosched_pd_weight(mrow[r], top[r]);\n"
@@ -407,20 +411,23 @@ def _mma_loop(dtype: str, ring: bool, prefetch: int = 0) -> str:
         "      mrow[r] = top[r];\n"
         "    }\n"
         "    #pragma unroll\n"
-        "    for (int j = 0; j < NT; ++j) { o[j][0] *= keep[0]; o[j][1] *= keep[0]; o[j][2] *= keep[1]; o[j][3] *= keep[1]; }\n"
+        "    for (int j = 0; j < NT; ++j) {\n"
+        "      o[j][0] *= keep[0]; o[j][1] *= keep[0];\n"
+        "      if (ROWS > 1) { o[j][2] *= keep[1]; o[j][3] *= keep[1]; }\n"
+        "    }\n"
         "    #pragma unroll\n"
         "    for (int u = 0; u < TPS; ++u) {\n"
         "      float p[2][4];\n"
         "      #pragma unroll\n"
         "      for (int nt = 0; nt < 2; ++nt) {\n"
         "        #pragma unroll\n"
-        "        for (int i = 0; i < 4; ++i) {\n"
+        "        for (int i = 0; i < 2 * ROWS; ++i) {\n"
         "          p[nt][i] = autosched_pd_weight(sc[u][nt][i], mrow[i / 2]);\n"
         "          lrow[i / 2] += p[nt][i];\n"
         "        }\n"
         "      }\n"
-        f"      const uint32_t pa0 = {pack}(p[0][0], p[0][1]), pa1 = {pack}(p[0][2], p[0][3]);\n"
-        f"      const uint32_t pa2 = {pack}(p[1][0], p[1][1]), pa3 = {pack}(p[1][2], p[1][3]);\n"
+        f"      const uint32_t pa0 = {pack}(p[0][0], p[0][1]), pa1 = ROWS > 1 ? {pack}(p[0][2], p[0][3]) : 0u;\n"
+        f"      const uint32_t pa2 = {pack}(p[1][0], p[1][1]), pa3 = ROWS > 1 ? {pack}(p[1][2], p[1][3]) : 0u;\n"
         "      #pragma unroll\n"
         "      for (int j = 0; j < NT; ++j) {  // element g * D/8 + j of V rows 2 t4 + {0, 1} and + {8, 9}\n"
         "        const unsigned sel = j % 2 ? 0x7632u : 0x5410u;\n"
@@ -429,17 +436,24 @@ def _mma_loop(dtype: str, ring: bool, prefetch: int = 0) -> str:
         "        const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&vr[u][2][j / 8]);\n"
         "        const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&vr[u][3][j / 8]);\n"
         "        const int wd = (j % 8) / 2;\n"
-        f"        {mma}(o[j], pa0, pa1, pa2, pa3, __byte_perm(v0[wd], v1[wd], sel), __byte_perm(v2[wd], v3[wd], sel));\n"
+        "        const uint32_t b0 = __byte_perm(v0[wd], v1[wd], sel), b1 = __byte_perm(v2[wd], v3[wd], sel);\n"
+        f"        if (ROWS > 1) {{\n"
+        f"          {mma}(o[j], pa0, pa1, pa2, pa3, b0, b1);\n"
+        "        } else {  // rows g + 8 are zero: their accumulators live only for the instruction\n"
+        "          float c[4] = {o[j][0], o[j][1], 0.f, 0.f};\n"
+        f"          {mma}(c, pa0, 0u, pa2, 0u, b0, b1);\n"
+        "          o[j][0] = c[0]; o[j][1] = c[1];\n"
+        "        }\n"
         "      }\n"
         "    }\n"
         "  }\n"
         "  #pragma unroll\n"
-        "  for (int r = 0; r < 2; ++r) {\n"
+        "  for (int r = 0; r < ROWS; ++r) {\n"
         "    lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);\n"
         "    lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);\n"
         "  }\n"
         "  #pragma unroll\n"
-        "  for (int r = 0; r < 2; ++r) {  // output columns n = 2 t4 + {0, 1} of every n-tile j\n"
+        "  for (int r = 0; r < ROWS; ++r) {  // output columns n = 2 t4 + {0, 1} of every n-tile j\n"
         "    const int h = g + 8 * r;\n"
         "    if (h < G) {\n"
         "      #pragma unroll\n"
@@ -495,7 +509,7 @@ class PagedDecodeSpace(HopperTemplate):
     """``paged_decode_attention`` on sm_90: the flash-decoding kernel above."""
 
     name = "paged_decode"
-    version = 3  # 2: tensor cores (mma); 3: L2 prefetch
+    version = 4  # 2: tensor cores (mma); 3: L2 prefetch; 4: groups of at most 8 heads hold half the accumulators
     families = ("paged_attention",)
 
     @classmethod
@@ -541,7 +555,7 @@ class PagedDecodeSpace(HopperTemplate):
             # Registers per thread, roughly: one tile's K and V pieces (a quarter of two K rows and an eighth
             # of four V rows; further tiles wait in the shared-memory ring), the output's accumulators and
             # Q's fragments.
-            regs = s["d"] // 2 + s["d"] // 2 + s["d"] // 4 + 40
+            regs = s["d"] // 2 + (s["d"] // 2 if g > 8 else s["d"] // 4) + s["d"] // 4 + 40
         else:
             # Registers per thread, roughly: q, o (8 per head), the step's K and V rows (8 each) and scores.
             regs = 16 * g + 8 * p["unroll"] + p["unroll"] * g + 24
