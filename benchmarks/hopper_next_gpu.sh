@@ -13,7 +13,7 @@
 #   multicast  hopper_gemm v5 (multicast's CTA-scope release): its GPU tests, the awkward GEMM's points with
 #              and without multicast beside cuBLAS, then GEMM rows searched (CASES, default gemm-awkward)
 #   int4       int4_gemv v3's GPU tests, the read floor, lane and tensor-core points at 1 and 8 rows, a search
-#   gqa        paged_decode v4's GQA 8:1 points timed, then the GQA decode rows searched
+#   gqa        paged_decode v5's GQA 8:1 points timed, then the GQA decode rows searched
 #   timeline   the whole model's kernels traced beside torch.compile (DB=a database of tuned records)
 # Correctness first: run `tests` before the others. TIME_BUDGET: tuning seconds per benchmark case
 # (default 30). Writes under $OUT.
@@ -119,13 +119,14 @@ case "${1:-tests}" in
       --cases dequant-int4-decode > "$OUT/int4_bench.log" 2>&1
     tail -4 "$OUT/int4_bench.log" ;;
   gqa)
-    # paged_decode v4 (groups of at most 8 heads keep half the accumulators): GQA 8:1 points timed, each
-    # checked first, then a search of the GQA cases against torch and the copy bandwidth in one run.
-    P='[{"warps":8,"unroll":1,"split":2,"mma":true,"prefetch":1},{"warps":8,"unroll":1,"split":2,"mma":true,"prefetch":2},
-        {"warps":4,"unroll":1,"split":2,"mma":true,"prefetch":1},{"warps":4,"unroll":1,"split":4,"mma":true,"prefetch":1},
-        {"warps":8,"unroll":1,"split":4,"mma":true,"prefetch":1},{"warps":8,"unroll":2,"split":2,"mma":true,"prefetch":0},
-        {"warps":4,"unroll":2,"split":4,"mma":true,"prefetch":0},{"warps":4,"unroll":4,"split":4,"mma":true,"prefetch":0},
-        {"warps":2,"unroll":2,"split":4,"mma":true,"prefetch":0}]'
+    # paged_decode v5 (groups of at most 8 heads keep half the accumulators; CTAs per SM): GQA 8:1 points
+    # timed, each checked first, then a search of the GQA cases against torch and the copy bandwidth.
+    # warps,unroll,split,prefetch,ctas_per_sm
+    GRID="8,1,2,1,1 8,1,2,2,1 4,1,2,1,1 4,1,4,1,1 8,1,4,1,1 8,2,2,0,1 4,2,4,0,1 4,4,4,0,1
+          4,1,4,1,3 4,1,4,1,4 8,1,4,1,2 4,2,4,0,3 4,1,4,2,3 2,1,8,1,4"
+    P="[$(for q in $GRID; do IFS=, read -r w u s f c <<< "$q"
+          printf '{"warps":%s,"unroll":%s,"split":%s,"mma":true,"prefetch":%s,"ctas_per_sm":%s},' "$w" "$u" "$s" "$f" "$c"
+        done | sed 's/,$//')]"
     timeout 200 python3 benchmarks/profile_kernels.py paged-gqa8 --launches 0 --time --points "$P" > "$OUT/gqa_points.log" 2>&1
     cat "$OUT/gqa_points.log"
     timeout 200 python3 benchmarks/gpu_benchmark.py --time-budget "${TIME_BUDGET:-30}" --out "$OUT/gqa_bench" \

@@ -24,7 +24,7 @@ CASES = {
     "int4-decode-b8": ("dequant_gemm", "m=8,n=11008,k=4096", "float16", "bits=4,group=128",
                        {"warps": 1, "rows_per_warp": 4, "unroll": True, "half_products": True, "mma": False}),
     "paged-gqa8": ("paged_decode_attention", "b=16,h=32,hkv=4,d=128,ctx=4096,page=16", "float16", "",
-                   {"warps": 8, "unroll": 1, "split": 2, "mma": True, "prefetch": 1}),
+                   {"warps": 8, "unroll": 1, "split": 2, "mma": True, "prefetch": 1, "ctas_per_sm": 1}),
     "attention-noncausal": ("attention", "b=1,h=32,s=2048,d=128", "float16", "causal=0",
                             {"consumers": 2, "block_kv": 160, "stages": 2, "overlap": False, "pingpong": True}),
     "gemm-awkward": ("gemm", "m=1000,n=4000,k=3000", "float16", "",

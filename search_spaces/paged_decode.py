@@ -18,6 +18,9 @@ On CUDA cores a GQA group costs 2·G·D FMAs per token, so at G = 8 the kernel i
 copy bandwidth on the H200) where at G = 1 it streams at 96%. The ``mma`` knob (groups of 2-16 heads,
 head dim 64 or 128) takes QKᵀ and PV to tensor cores instead: ``mma.sync`` m16n8k16 with the group's
 heads as M, 16-token tiles, the scores' accumulators reused as PV's A fragment (see ``_mma_loop``).
+That loop holds 178 registers a thread at G = 8 and d = 128 (nvcc 13), so one 8-warp CTA fills an SM;
+``ctas_per_sm`` caps them (``__launch_bounds__``) for 2 to 4 CTAs per SM, trading spills for more warps
+with loads in flight.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ._knobs import Knob, Point
 from .hopper_gemm import CLUSTER_SYNC, CLUSTER_SYNC_SOURCE, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate
 from .int4_gemv import STREAM_LOAD, STREAM_LOAD_SOURCE
 
+MIN_REGISTER_CAP = 128  # ctas_per_sm's lowest cap: there GQA 8:1's tensor-core loop spills 160 bytes (nvcc 13)
 MMA_MAX_GROUP = 16  # query heads per K/V head on the M side of m16n8k16
 _CUDA = {"float16": ("half", "__half2", "__half22float2", "__float2half_rn"),
          "bfloat16": ("nv_bfloat16", "__nv_bfloat162", "__bfloat1622float2", "__float2bfloat16_rn")}
@@ -481,6 +485,7 @@ def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, d
     source = _body_source(name, dtype, consts, mma, ring_stages(p) > 0, prefetch).replace(
         "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / math.sqrt(d)!r}f;\n  constexpr int D =")
     pairs, threads = b * hkv, 32 * warps
+    ctas_per_sm = p.get("ctas_per_sm", 1)
     words = smem_floats(h // hkv, d, warps, pps, split, ring_stages(p))
 
     def launch_ids():  # (the (sequence, K/V head) pair, the CTA's rank among the pair's split)
@@ -497,6 +502,8 @@ def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, d
         T.device_entry()
         pair, rank = launch_ids()
         tx = T.thread_id([threads])  # noqa: F841 (declares the block's threads)
+        if ctas_per_sm > 1:  # __launch_bounds__'s minimum: nvcc caps the registers for that many CTAs
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", ctas_per_sm)
         smem = T.alloc_buffer((words,), "float32", scope="shared.dyn", align=16)
         T.cuda.func_call(name, Q.access_ptr("r"), K.access_ptr("r"), V.access_ptr("r"), table.access_ptr("r"),
                          lens.access_ptr("r"), O.access_ptr("w"), smem.access_ptr("rw"), pair, rank,
@@ -509,7 +516,9 @@ class PagedDecodeSpace(HopperTemplate):
     """``paged_decode_attention`` on sm_90: the flash-decoding kernel above."""
 
     name = "paged_decode"
-    version = 4  # 2: tensor cores (mma); 3: L2 prefetch; 4: groups of at most 8 heads hold half the accumulators
+    # 2: tensor cores (mma); 3: L2 prefetch; 5: groups of at most 8 heads hold half the accumulators, and
+    # CTAs per SM (registers capped for more warps; tried alone as 4 and reverted)
+    version = 5
     families = ("paged_attention",)
 
     @classmethod
@@ -534,6 +543,8 @@ class PagedDecodeSpace(HopperTemplate):
             Knob("warps", (2, 4, 8)),
             Knob("unroll", (1, 2, 4, 8)),
             Knob("split", (1, 2, 4, 8)),
+            # More resident warps (bytes in flight) for fewer registers: GQA's tensor-core loop takes 178.
+            Knob("ctas_per_sm", (1, 2, 3, 4)),
         ]
         if self.tensor_cores_fit():
             self.knobs += [Knob("mma", (False, True), ordered=False), Knob("prefetch", (0, 1, 2))]
@@ -561,9 +572,14 @@ class PagedDecodeSpace(HopperTemplate):
             regs = 16 * g + 8 * p["unroll"] + p["unroll"] * g + 24
         if regs > 200:
             return f"about {regs} registers per thread for {g} heads per group and unroll {p['unroll']}"
+        cap = 65536 // (p.get("ctas_per_sm", 1) * 32 * p["warps"])
+        if cap < MIN_REGISTER_CAP:
+            return (f"{p.get('ctas_per_sm', 1)} CTAs of {p['warps']} warps per SM leave {cap} registers per thread"
+                    f" (at least {MIN_REGISTER_CAP})")
         pairs = s["b"] * s["hkv"]
-        if p["split"] > 1 and pairs * p["split"] > 2 * self.sms:
-            return f"{pairs} (sequence, head) pairs already fill the GPU: no split"
+        resident = max(2, p.get("ctas_per_sm", 1)) * self.sms
+        if p["split"] > 1 and pairs * p["split"] > resident:
+            return f"{pairs} (sequence, head) pairs split {p['split']} ways overfill {resident} resident CTAs"
         if p["split"] > pages:
             return f"split {p['split']} exceeds the {pages} pages of a sequence"
         return None
@@ -574,6 +590,7 @@ class PagedDecodeSpace(HopperTemplate):
         splits = [x for x in (1, 2, 4, 8) if x <= math.ceil(self.shape["ctx"] / self.shape["page"])]
         split = next((x for x in splits if pairs * x >= self.sms), splits[-1])
         extra = {"mma": False, "prefetch": 0} if self.tensor_cores_fit() else {}
+        extra["ctas_per_sm"] = 1
         for point in ({"warps": 4, "unroll": 4, "split": split}, {"warps": 4, "unroll": 2, "split": split},
                       {"warps": 4, "unroll": 1, "split": split}, {"warps": 4, "unroll": 1, "split": 1}):
             if self.check(point | extra) is None:
@@ -589,7 +606,8 @@ class PagedDecodeSpace(HopperTemplate):
         s = self.shape
         ctas = s["b"] * s["hkv"] * p["split"]
         return [p["warps"], p["unroll"], p["split"], ctas / self.sms, math.log2(ctas), 32 * p["unroll"] * p["warps"] * 32,
-                s["h"] // s["hkv"], s["d"], s["ctx"] / p["split"], float(p.get("mma", False)), p.get("prefetch", 0)]
+                s["h"] // s["hkv"], s["d"], s["ctx"] / p["split"], float(p.get("mma", False)), p.get("prefetch", 0),
+                p.get("ctas_per_sm", 1), ctas / (self.sms * p.get("ctas_per_sm", 1))]
 
 
 def _shape(func) -> dict | None:

@@ -151,14 +151,19 @@ def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
         {"warps": w, "unroll": u, "split": split, "mma": True, "prefetch": pf}
         for w, u, split, pf in ((4, 1, 1, 0), (2, 1, 2, 0), (8, 1, 4, 0), (4, 1, 8, 0), (4, 4, 1, 0), (2, 2, 2, 0),
                                 (2, 8, 4, 0), (8, 1, 2, 1), (4, 1, 1, 2), (2, 1, 8, 2))]
-    assert all(space.validate(p) is None for p in points)
+    # Registers capped for two to four CTAs per SM (the tensor-core loop spills at 128).
+    points = [{**p, "ctas_per_sm": 1} for p in points] + [
+        {"warps": w, "unroll": u, "split": split, "mma": mma, "prefetch": pf, "ctas_per_sm": ctas}
+        for w, u, split, mma, pf, ctas in ((8, 1, 4, True, 1, 2), (4, 1, 8, True, 1, 4), (4, 1, 4, True, 1, 3),
+                                           (4, 4, 2, False, 0, 2))]
+    assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
     # bf16, head dim 64, eight query heads per K/V head, on tensor cores.
     task = Task.from_workload(make_workload("paged_decode_attention", "b=2,h=32,hkv=4,d=64,ctx=300,page=16",
                                             "bfloat16"))
-    points = [{"warps": 4, "unroll": u, "split": split, "mma": True, "prefetch": pf} for u, split, pf in
-              ((2, 1, 0), (1, 4, 0), (1, 2, 1))]
+    points = [{"warps": 4, "unroll": u, "split": split, "mma": True, "prefetch": pf, "ctas_per_sm": ctas}
+              for u, split, pf, ctas in ((2, 1, 0, 1), (1, 4, 0, 1), (1, 2, 1, 1), (1, 4, 1, 4))]
     assert all(task.space(target).validate(p) is None for p in points)
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"bf16 d=64 {point}: {res.error_kind}: {res.error_msg}"

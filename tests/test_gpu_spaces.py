@@ -510,7 +510,8 @@ def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
     assert space.name == "paged_decode" and space.default()["split"] == 8  # 8 pairs: the most it may split
     hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
     for split, mma in ((2, False), (8, False), (2, True), (8, True)):  # tensor cores: one 16-token tile a step
-        point = {"warps": 4, "unroll": 1 if mma else 2, "split": split, "mma": mma, "prefetch": int(mma)}
+        point = {"warps": 4, "unroll": 1 if mma else 2, "split": split, "mma": mma, "prefetch": int(mma),
+                 "ctas_per_sm": 1}
         assert space.validate(point) is None
         with hopper:
             lowered = tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(space.apply(point)))
@@ -518,9 +519,35 @@ def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
         report = nvcc_compile(cuda_source(space.apply(point), sm90, {}, space.codegen), "sm_90a")
         assert report.ok and report.spills == 0, report.log[-2000:]
     full = Task.from_workload(make_workload("paged_decode_attention", "b=16,h=32,d=128,ctx=4096,page=16", "float16"))
-    assert "already fill the GPU" in full.space(sm90).validate({"warps": 4, "unroll": 2, "split": 2})
+    assert "overfill 264 resident CTAs" in full.space(sm90).validate(
+        {"warps": 4, "unroll": 2, "split": 2, "ctas_per_sm": 1})
     older = parse_target("cuda:sm_80", require_device=False)
     assert task.space(older).name == "gpu_rows"
+
+
+@needs_nvcc
+def test_paged_decode_caps_registers_for_more_ctas_per_sm(sm90):
+    """ctas_per_sm asks nvcc (through __launch_bounds__'s minimum) for registers that let that many CTAs
+    share an SM, so a split of GQA 8:1 decode keeps 16 warps resident; a cap under 128 registers is
+    refused before a build, and so is a split past the resident CTAs."""
+    task = Task.from_workload(make_workload("paged_decode_attention", "b=16,h=32,hkv=4,d=128,ctx=4096,page=16",
+                                            "float16"))
+    space = task.space(sm90)
+    point = {"warps": 8, "unroll": 1, "split": 4, "mma": True, "prefetch": 1, "ctas_per_sm": 2}
+    assert space.validate(point) is None
+    source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+    assert "__launch_bounds__(256, 2)" in source
+    report = nvcc_compile(source, "sm_90a")
+    assert report.ok and report.registers <= 128, report.log[-2000:]
+    # Three CTAs of four warps: at most 170 registers, where the loop needs 178 uncapped.
+    three = {**point, "warps": 4, "ctas_per_sm": 3}
+    assert space.validate(three) is None
+    report = nvcc_compile(cuda_source(space.apply(three), sm90, {}, space.codegen), "sm_90a")
+    assert report.ok and report.registers <= 170, report.log[-2000:]
+    assert "64 registers per thread" in space.validate({**point, "ctas_per_sm": 4})
+    # 64 (sequence, head) pairs split 8 ways: 512 CTAs, resident at four per SM, not at two.
+    assert space.validate({**point, "warps": 2, "split": 8, "ctas_per_sm": 4}) is None
+    assert "overfill 264 resident CTAs" in space.validate({**point, "warps": 2, "split": 8, "ctas_per_sm": 2})
 
 
 # A CUDA body run on the host: one OS thread per CUDA thread of one cluster's CTAs, warp shuffles, block
