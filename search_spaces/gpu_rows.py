@@ -173,7 +173,7 @@ class GpuRowsSpace(Space):
 
 class GpuInjectiveSpace(Space):
     name = "gpu_injective"
-    version = 1
+    version = 2  # 2: reshapes are inlined (they were stages: a whole copy, a kernel of their own on the GPU)
     targets = ("cuda",)
     families = ("injective",)
 
@@ -198,7 +198,7 @@ class GpuInjectiveSpace(Space):
         return {"threads": 256, "vector": 4, "per_thread": 1, "unroll": 0}
 
     def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
-        inline_spatial(sch)
+        inline_spatial(sch, keep_row_stages=False)
         for block in blocks_of(sch):
             loops = sch.get_loops(block)
             fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 class InjectiveSpace(Space):
     name = "injective"
-    version = 1
+    version = 2  # 2: reshapes are inlined (they were stages: a whole copy, a kernel of their own on the GPU)
     targets = ("llvm",)
     families = ("injective",)
 
@@ -38,7 +38,7 @@ class InjectiveSpace(Space):
         return {"vector": 16, "chunk": 4, "unroll": 0}
 
     def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
-        inline_spatial(sch)
+        inline_spatial(sch, keep_row_stages=False)
         for block in blocks_of(sch):
             loops = sch.get_loops(block)
             fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]

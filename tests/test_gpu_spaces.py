@@ -5,6 +5,7 @@ H200, sm_90 or sm_80 for the others). Running them is in test_gpu_run.py."""
 from __future__ import annotations
 
 import math
+import re
 import shutil
 
 import numpy as np
@@ -258,6 +259,24 @@ def test_tensor_core_space_offers_bf16(sm80):
     point = space.canonical(dict(space.default(), tensor_core=True))
     source = cuda_source(space.apply(point), sm80, space.build_config(point))
     assert "wmma::mma_sync" in source and "nv_bfloat16" in source
+
+
+def test_a_reshape_before_an_injective_kernel_is_inlined_not_launched(sm90):
+    """RoPE after a Linear reshapes [tokens, heads * dim] to [batch, tokens, heads, dim] in two steps, the
+    first over fewer dimensions than the output. That step was kept as a stage: a whole copy of the
+    Linear's output, launched as a kernel of its own (100 us a call at 16 x 512 tokens on the H200). Now
+    the fused function is one kernel that reads the input where the reshape would have copied it."""
+    from tvm import te, topi
+
+    x = te.placeholder((32, 64), "float16", name="x")
+    heads = topi.reshape(topi.reshape(x, (2, 16, 64)), (2, 16, 4, 16))
+    out = topi.multiply(topi.transpose(heads, (0, 2, 1, 3)), te.const(2.0, "float16"))
+    task = Task.from_func("rope_like", te.create_prim_func([x, out]))
+    space = task.space(sm90)
+    assert space.name == "gpu_injective"
+    source = cuda_source(space.apply(space.default()), sm90, {}, space.codegen)
+    kernels = re.findall(r"__global__ void[^;{]*\{", source)  # definitions, not declarations
+    assert len(kernels) == 1, source
 
 
 def test_show_prints_cuda_source_without_a_gpu(tmp_path):
