@@ -485,7 +485,7 @@ def paged_decode_kernel(b: int, h: int, hkv: int, d: int, ctx: int, page: int, d
     source = _body_source(name, dtype, consts, mma, ring_stages(p) > 0, prefetch).replace(
         "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / math.sqrt(d)!r}f;\n  constexpr int D =")
     pairs, threads = b * hkv, 32 * warps
-    ctas_per_sm = p.get("ctas_per_sm", 1)
+    ctas_per_sm = p["ctas_per_sm"]
     words = smem_floats(h // hkv, d, warps, pps, split, ring_stages(p))
 
     def launch_ids():  # (the (sequence, K/V head) pair, the CTA's rank among the pair's split)
@@ -572,12 +572,12 @@ class PagedDecodeSpace(HopperTemplate):
             regs = 16 * g + 8 * p["unroll"] + p["unroll"] * g + 24
         if regs > 200:
             return f"about {regs} registers per thread for {g} heads per group and unroll {p['unroll']}"
-        cap = 65536 // (p.get("ctas_per_sm", 1) * 32 * p["warps"])
+        cap = 65536 // (p["ctas_per_sm"] * 32 * p["warps"])
         if cap < MIN_REGISTER_CAP:
-            return (f"{p.get('ctas_per_sm', 1)} CTAs of {p['warps']} warps per SM leave {cap} registers per thread"
+            return (f"{p['ctas_per_sm']} CTAs of {p['warps']} warps per SM leave {cap} registers per thread"
                     f" (at least {MIN_REGISTER_CAP})")
         pairs = s["b"] * s["hkv"]
-        resident = max(2, p.get("ctas_per_sm", 1)) * self.sms
+        resident = max(2, p["ctas_per_sm"]) * self.sms
         if p["split"] > 1 and pairs * p["split"] > resident:
             return f"{pairs} (sequence, head) pairs split {p['split']} ways overfill {resident} resident CTAs"
         if p["split"] > pages:
@@ -607,7 +607,7 @@ class PagedDecodeSpace(HopperTemplate):
         ctas = s["b"] * s["hkv"] * p["split"]
         return [p["warps"], p["unroll"], p["split"], ctas / self.sms, math.log2(ctas), 32 * p["unroll"] * p["warps"] * 32,
                 s["h"] // s["hkv"], s["d"], s["ctx"] / p["split"], float(p.get("mma", False)), p.get("prefetch", 0),
-                p.get("ctas_per_sm", 1), ctas / (self.sms * p.get("ctas_per_sm", 1))]
+                p["ctas_per_sm"], ctas / (self.sms * p["ctas_per_sm"])]
 
 
 def _shape(func) -> dict | None:
