@@ -221,7 +221,8 @@ def tune_tasks(tasks: list[Task], target: TargetSpec, db: Database | None, optio
                command: str = "") -> list[TuneResult]:
     """Tune several tasks under one trial budget (``options.trials`` in total), spread by the task
     scheduler: ``round-robin``, or ``gradient`` (as in Ansor: the next round goes to the task where the
-    weighted latency is expected to drop most, judged by its recent improvement)."""
+    weighted latency is expected to drop most, judged by its recent improvement and its distance from
+    its floor)."""
     options = options or TuneOptions()
     reporter = reporter or SilentReporter()
     start = time.perf_counter()
@@ -289,6 +290,17 @@ def _first_measurements(tuners: list[TaskTuner], measurer: Measurer, options: Tu
     return used
 
 
+def _floors(tuners: list[TaskTuner]) -> dict[int, float]:
+    """Each task's floor in seconds: its FLOPs at the highest FLOP rate, and its bytes at the highest byte
+    rate, that any task has reached so far (whichever takes longer). Measured rates, not the device's
+    datasheet: the best kernels of the run stand for what the device gives, on any device."""
+    done = [t for t in tuners if math.isfinite(t.best) and t.best > 0]
+    flop_rate = max((t.task.flops / t.best for t in done), default=0.0)
+    byte_rate = max((t.task.min_bytes / t.best for t in done), default=0.0)
+    return {id(t): max(t.task.flops / flop_rate if flop_rate > 0 else 0.0,
+                       t.task.min_bytes / byte_rate if byte_rate > 0 else 0.0) for t in tuners}
+
+
 def _priority(task: Task) -> float:
     """What a second of the task's kernel is worth to the model: its calls, times its bucket's share."""
     return task.weight * task.share
@@ -301,8 +313,12 @@ def _heaviness(task: Task) -> float:
 
 def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
     """Round-robin over the tasks that have had the fewest rounds first; then, with ``gradient``, the
-    task whose weighted best latency improved most recently (plus an optimistic bonus for tasks with
-    few rounds, so none is starved)."""
+    task whose weighted time is expected to drop most: its recent improvement plus what separates it from
+    its floor (shrinking with its rounds, so none is starved). A kernel's floor is its FLOPs and bytes at
+    the fastest rates any task of the run reached (:func:`_floors`). Judged by its time alone, the task
+    scheduler gave the 16 x 512 prefill's three GEMMs, already within 5% of cuBLAS, 659 of 680
+    measurements (H200), while attention at a third of its rate and RoPE at a third of the bandwidth had
+    one and seventeen."""
     fewest = min(t.rounds for t in tuners)
     if scheduler == "round-robin":
         return next(t for t in tuners if t.rounds == fewest)
@@ -310,6 +326,7 @@ def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
         # First round of each task, heaviest first (calls x work), in case the budget ends before all.
         return max((t for t in tuners if t.rounds == 0),
                    key=lambda t: _heaviness(t.task))
+    floors = _floors(tuners)
 
     def expected_gain(t: TaskTuner) -> float:
         if not math.isfinite(t.best):
@@ -317,6 +334,6 @@ def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
         recent = t.history[-3:]
         first = recent[0] if math.isfinite(recent[0]) else t.best
         slope = max(first - t.best, 0.0) / len(recent)
-        return _priority(t.task) * (slope + t.best / (1 + t.rounds))
+        return _priority(t.task) * (slope + max(t.best - floors[id(t)], 0.0) / (1 + t.rounds))
 
     return max(tuners, key=expected_gain)
