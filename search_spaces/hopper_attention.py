@@ -80,8 +80,10 @@ def _helpers(dtype: str) -> dict[str, tuple[str, str]]:
     return sources
 
 
-def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str, causal: bool, p: Point):
-    """The TIRx kernel of point ``p`` for O = softmax(QKᵀ/√d [causal]) V, Q[b,h,s,d], K/V[b,hkv,s,d]."""
+def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str, causal: bool, p: Point,
+                            model_layout: bool = False):
+    """The TIRx kernel of point ``p`` for O = softmax(QKᵀ/√d [causal]) V, Q[b,h,s,d], K/V[b,hkv,s,d]; with
+    ``model_layout``, Q/O[b,s,h,d] and K/V[b,s,hkv,d], as a Linear's output viewed as heads is laid out."""
     from tvm.script import tirx as T
 
     consumers, bkv, stages = p["consumers"], p["block_kv"], p["stages"]
@@ -107,6 +109,27 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
     pv_mma = f"wgmma.mma_async.sync.aligned.m64n{dp}k16.f32.{ptype}.{ptype}"
     fn = _helpers(dtype)
     neg_inf = T.float32(-math.inf)
+    # TMA reads [rows, d] tiles of one head: rows of a flat [b·heads·s, d] matrix, or, in the model's layout,
+    # rows b·s apart by heads (a rank-3 map over [b·s, heads, d]); the box and shared tile are the same.
+    rank = 3 if model_layout else 2
+    tma_load = f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes"
+
+    def tma_map(heads, rows):
+        """Global sizes, byte strides, box and element strides of a map over a tensor of ``heads`` heads."""
+        if model_layout:
+            return d, heads, b * s, d * 2, heads * d * 2, 64, 1, rows, 1, 1, 1
+        return d, b * heads * s, d * 2, 64, rows, 1, 1
+
+    def tma_at(head, batch, heads, row):
+        """Coordinates (after the column's) of row ``row`` of head ``head`` of ``heads`` in batch ``batch``."""
+        return (head, batch * s + row) if model_layout else ((batch * heads + head) * s + row,)
+
+    q_shape = (b, s, h, d) if model_layout else (b, h, s, d)
+
+    def out_row(head, query):
+        """The row of O (of d elements) that query ``query`` of flat head ``head`` (batch · h + head) fills."""
+        return ((head // h) * s + query) * h + head % h if model_layout else head * s + query
+    kv_shape = (b, s, hkv, d) if model_layout else (b, hkv, s, d)
 
     def kv_tiles(qb):
         """KV tiles a query block visits: up to its last query when causal, else all of them."""
@@ -204,18 +227,15 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
             T.cuda.func_call(fn["handover"][0], to, source_code=fn["handover"][1])
 
     @T.prim_func
-    def main(Q: T.Buffer((b, h, s, d), dtype, align=16), K: T.Buffer((b, hkv, s, d), dtype, align=16),
-             V: T.Buffer((b, hkv, s, d), dtype, align=16), O: T.Buffer((b, h, s, d), dtype, align=16)):
+    def main(Q: T.Buffer(q_shape, dtype, align=16), K: T.Buffer(kv_shape, dtype, align=16),
+             V: T.Buffer(kv_shape, dtype, align=16), O: T.Buffer(q_shape, dtype, align=16)):
         T.func_attr({"global_symbol": "main", "tirx.noalias": True})
         Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(Q_map, Q.data, d, b * h * s, d * 2, 64, 64, 1, 1,
-                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        T.tensormap_encode_tiled(Q_map, Q.data, *tma_map(h, 64), descriptor_dtype=dtype, rank=rank, swizzle=3)
         K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(K_map, K.data, d, b * hkv * s, d * 2, 64, bkv, 1, 1,
-                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        T.tensormap_encode_tiled(K_map, K.data, *tma_map(hkv, bkv), descriptor_dtype=dtype, rank=rank, swizzle=3)
         V_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(V_map, V.data, d, b * hkv * s, d * 2, 64, bkv, 1, 1,
-                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        T.tensormap_encode_tiled(V_map, V.data, *tma_map(hkv, bkv), descriptor_dtype=dtype, rank=rank, swizzle=3)
         T.device_entry()
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
         bx = T.cta_id([grid])
@@ -237,9 +257,8 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
         # Heaviest causal blocks (the last query rows) first.
         qb = T.meta_var(q_blocks - 1 - bx // (b * h))
         head = T.meta_var(bx % (b * h))
-        kv_head = T.meta_var((head // h) * hkv + (head % h) // group)
-        q_row0 = T.meta_var(head * s + qb * bm)
-        kv_row0 = T.meta_var(kv_head * s)
+        batch = T.meta_var(head // h)
+        kv_head = T.meta_var((head % h) // group)  # within the batch
         n_tiles = T.meta_var(kv_tiles(qb))
         wg = T.meta_var(tx // 128)
 
@@ -258,23 +277,26 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                 T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(q_elems * 2))
                 for c in T.unroll(consumers):
                     for cb in T.unroll(cblocks):
-                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                        T.ptx[tma_load](
                             smem.access_ptr("w", offset=(c * cblocks + cb) * 64 * 64),
-                            T.address_of(Q_map), cb * 64, q_row0 + c * 64, T.address_of(q_full[0]))
+                            T.address_of(Q_map), cb * 64, *tma_at(head % h, batch, h, qb * bm + c * 64),
+                            T.address_of(q_full[0]))
                 for j in T.serial(n_tiles):
                     if j >= stages:
                         T.cuda.mbarrier_wait(T.address_of(empty[j % stages]), ((j // stages) + 1) % 2)
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(k_full[j % stages]), T.uint32(tile_bytes))
                     for cb in T.unroll(cblocks):
-                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                        T.ptx[tma_load](
                             smem.access_ptr("w", offset=q_elems + (j % stages) * 2 * tile_elems + cb * bkv * 64),
-                            T.address_of(K_map), cb * 64, kv_row0 + j * bkv, T.address_of(k_full[j % stages]))
+                            T.address_of(K_map), cb * 64, *tma_at(kv_head, batch, hkv, j * bkv),
+                            T.address_of(k_full[j % stages]))
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(v_full[j % stages]), T.uint32(tile_bytes))
                     for cb in T.unroll(cblocks):
-                        T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                        T.ptx[tma_load](
                             smem.access_ptr("w", offset=q_elems + (j % stages) * 2 * tile_elems + tile_elems
                                             + cb * bkv * 64),
-                            T.address_of(V_map), cb * 64, kv_row0 + j * bkv, T.address_of(v_full[j % stages]))
+                            T.address_of(V_map), cb * 64, *tma_at(kv_head, batch, hkv, j * bkv),
+                            T.address_of(v_full[j % stages]))
         else:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](232)
             for i in T.unroll(2):
@@ -347,7 +369,7 @@ def hopper_attention_kernel(b: int, h: int, hkv: int, s: int, d: int, dtype: str
                 query = T.meta_var(qb * bm + (wg - 1) * 64 + ((tx % 128) // 32) * 16 + (tx % 32) // 4 + (i % 2) * 8)
                 col = T.meta_var((i // 2) * 8 + (tx % 4) * 2)
                 if query < s and col < d:
-                    T.cuda.func_call(fn["store"][0], O.access_ptr("w", offset=(head * s + query) * d + col),
+                    T.cuda.func_call(fn["store"][0], O.access_ptr("w", offset=out_row(head, query) * d + col),
                                      Oacc[2 * i] / row_sum[i % 2], Oacc[2 * i + 1] / row_sum[i % 2],
                                      source_code=fn["store"][1])
     # fmt: on
@@ -359,21 +381,24 @@ class HopperAttentionSpace(HopperTemplate):
 
     name = "hopper_attention"
     version = 4  # 2: the overlap knob; 3: pingpong; 4: KV tiles of 160 and 176, pingpong with overlap
-    families = ("attention",)
+    families = ("attention", "attention_bshd")
 
     @classmethod
     def suits(cls, func, target, hints) -> bool:
-        shape = _attention_shape(func)
-        if target.arch not in HOPPER_ARCHS or (hints or {}).get("op") != "attention" or shape is None:
+        op = (hints or {}).get("op")
+        shape = _attention_shape(func, op == "attention_bshd")
+        if target.arch not in HOPPER_ARCHS or op not in cls.families or shape is None:
             return False
         b, h, hkv, s, d, dtype = shape
-        return dtype in PTX_TYPE and takes_head_dim(d) and h % hkv == 0
+        return serves(dtype, d) and h % hkv == 0
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
-        shape = _attention_shape(func)
+        self.model_layout = self.hints.get("op") == "attention_bshd"
+        shape = _attention_shape(func, self.model_layout)
         if shape is None:
-            raise ValueError("hopper_attention takes Q[b,h,s,d], K/V[b,hkv,s,d], O[b,h,s,d] functions only")
+            raise ValueError("hopper_attention takes Q[b,h,s,d], K/V[b,hkv,s,d], O[b,h,s,d] functions only "
+                             "(Q/O[b,s,h,d], K/V[b,s,hkv,d] for attention_bshd)")
         self.b, self.h, self.hkv, self.s, self.d, self.dtype = shape
         self.causal = bool(self.hints.get("causal", True))
         self.sms = target.num_cores or 132
@@ -402,7 +427,8 @@ class HopperAttentionSpace(HopperTemplate):
         return super().default()
 
     def kernel(self, point: Point):
-        return hopper_attention_kernel(self.b, self.h, self.hkv, self.s, self.d, self.dtype, self.causal, point)
+        return hopper_attention_kernel(self.b, self.h, self.hkv, self.s, self.d, self.dtype, self.causal, point,
+                                       self.model_layout)
 
     def point_features(self, p: Point) -> list[float]:
         bm = 64 * p["consumers"]
@@ -410,6 +436,11 @@ class HopperAttentionSpace(HopperTemplate):
         return [p["consumers"], p["block_kv"], p["stages"], bm, math.log2(ctas), ctas / self.sms,
                 math.ceil(self.s / p["block_kv"]), self.s % p["block_kv"] / p["block_kv"], float(self.causal),
                 float(p.get("overlap", False)), float(p.get("pingpong", False))]
+
+
+def serves(dtype: str, d: int) -> bool:
+    """Whether this space takes attention of this dtype and head dimension (on sm_90)."""
+    return dtype in PTX_TYPE and takes_head_dim(d)
 
 
 def takes_head_dim(d: int) -> bool:
@@ -422,15 +453,17 @@ def padded_head_dim(d: int) -> int:
     return -(-d // 64) * 64
 
 
-def _attention_shape(func) -> tuple[int, int, int, int, int, str] | None:
-    """(b, h, hkv, s, d, dtype) of an attention function Q[b,h,s,d], K[b,hkv,s,d], V, O; None for others."""
+def _attention_shape(func, model_layout: bool = False) -> tuple[int, int, int, int, int, str] | None:
+    """(b, h, hkv, s, d, dtype) of an attention function Q[b,h,s,d], K[b,hkv,s,d], V, O (with
+    ``model_layout``, Q[b,s,h,d], K[b,s,hkv,d]); None for others."""
     params = list(func.params)
     if len(params) != 4 or any(len(p.shape) != 4 for p in params):
         return None
     try:
-        (b, h, s, d), (b2, hkv, s2, d2) = ([int(x) for x in p.shape] for p in params[:2])
+        q, k = ([int(x) for x in p.shape] for p in params[:2])
     except (TypeError, ValueError):  # symbolic dimensions
         return None
+    (b, s, h, d), (b2, s2, hkv, d2) = (q, k) if model_layout else ((q[0], q[2], q[1], q[3]), (k[0], k[2], k[1], k[3]))
     if (b2, s2, d2) != (b, s, d) or hkv < 1:
         return None
     return b, h, hkv, s, d, str(params[0].dtype)

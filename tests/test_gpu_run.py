@@ -227,15 +227,19 @@ def test_int4_prefill_dequantised_for_wgmma_is_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
 
 
-@pytest.mark.parametrize("shape,dtype,causal", [
-    ("b=1,h=4,hkv=2,s=1000,d=128", "float16", 1), ("b=2,h=2,s=700,d=128", "bfloat16", 0),
-    ("b=1,h=2,hkv=1,s=300,d=64", "float16", 1), ("b=1,h=2,s=260,d=256", "bfloat16", 0),
+@pytest.mark.parametrize("op,shape,dtype,causal", [
+    ("attention", "b=1,h=4,hkv=2,s=1000,d=128", "float16", 1), ("attention", "b=2,h=2,s=700,d=128", "bfloat16", 0),
+    ("attention", "b=1,h=2,hkv=1,s=300,d=64", "float16", 1), ("attention", "b=1,h=2,s=260,d=256", "bfloat16", 0),
+    # the model's layout: rows of a head b·s apart, a batch's last tile reading into the next batch's rows
+    ("attention_bshd", "b=2,h=4,hkv=2,s=1000,d=128", "float16", 1),
+    ("attention_bshd", "b=3,h=2,s=260,d=256", "bfloat16", 0),
 ])
-def test_overlapped_softmax_attention_is_correct_on_the_gpu(shape, dtype, causal, measurers):
+def test_overlapped_softmax_attention_is_correct_on_the_gpu(op, shape, dtype, causal, measurers):
     """hopper_attention with the softmax of each KV tile overlapped with the previous tile's P·V: causal
-    and not, GQA, lengths no tile divides, head dims 64 to 256, against the float64 reference."""
+    and not, GQA, lengths no tile divides, head dims 64 to 256, both layouts, against the float64
+    reference."""
     target, measurer = measurers("sm_90")
-    task = Task.from_workload(make_workload("attention", shape, dtype, f"causal={causal}"))
+    task = Task.from_workload(make_workload(op, shape, dtype, f"causal={causal}"))
     space = task.space(target)
     points = [{**space.default(), "overlap": True},
               {"consumers": 1, "block_kv": 64, "stages": 3, "overlap": True, "pingpong": False}]

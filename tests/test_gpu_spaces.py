@@ -42,6 +42,8 @@ CASES = [
     ("attention", "b=2,h=4,s=200,d=128", "bfloat16", "causal=0", "hopper_attention", "sm_90"),
     ("attention", "b=1,h=4,hkv=1,s=100,d=96", "float16", "causal=1", "hopper_attention", "sm_90"),
     ("attention", "b=1,h=2,s=150,d=256", "bfloat16", "causal=1", "hopper_attention", "sm_90"),
+    ("attention_bshd", "b=2,h=4,hkv=2,s=100,d=64", "float16", "causal=1", "hopper_attention", "sm_90"),
+    ("attention_bshd", "b=2,h=4,s=130,d=96", "bfloat16", "causal=0", "hopper_attention", "sm_90"),
     ("attention", "b=1,h=4,hkv=2,s=100,d=64", "float16", "causal=1", "flash_attention", "sm_80"),
 ]
 

@@ -215,6 +215,28 @@ def test_prefill_model_links_hopper_gemm_kernels_built_apart():
     assert len(executable.mod.imports) > len(report.separate)  # one linked module per kernel, plus the model's
 
 
+@pytest.mark.parametrize("arch,op", [("sm_90", "attention_bshd"), ("sm_80", "attention")])
+def test_attention_on_sm90_reads_the_heads_where_the_linears_wrote_them(arch, op):
+    """On sm_90 attention takes Q, K, V and gives O as [batch, tokens, heads, dim], the layout of a Linear's
+    output: the model's transposes to [batch, heads, tokens, dim] and back cancel, so the output reaches
+    its GEMM with no kernel between (and V too, where the model does not repeat its heads). Other
+    GPUs keep the [batch, heads, tokens, dim] workload their spaces serve, and the transposes with it."""
+    import torch
+
+    from autosched.target import parse_target
+
+    target = parse_target(f"cuda:{arch}", require_device=False)
+    tasks = extract_tasks(prepare(load_model("small-llama", tokens=32, dtype=torch.float16), target)[0])
+    attention = [t for t in tasks if t.workload is not None and t.workload.op.startswith("attention")]
+    assert [t.workload.op for t in attention] == [op] and attention[0].weight == 2
+    moving = [t.name for t in tasks if "transpose" in t.name]
+    assert len([name for name in moving if "concatenate" in name]) == 2  # RoPE of the query and the key
+    # What is left moves data and nothing else, but for the model's own repeat of K/V heads (this one
+    # writes grouped-query attention out): on sm_90 nothing.
+    only_moving = [name for name in moving if "concatenate" not in name and "broadcast_to" not in name]
+    assert (only_moving == []) == (op == "attention_bshd"), moving
+
+
 class _OtherForms(__import__("torch").nn.Module):
     """Forms the importer's substitutions do not take: an RMSNorm without a weight and with an eps our
     workload has no kernel for, and a product with a factor that is not a transposed weight."""

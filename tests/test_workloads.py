@@ -24,6 +24,7 @@ SMALL_CASES = [
     ("rope", "b=2,s=9,h=3,d=16", "float16", ""),
     ("attention", "b=1,h=4,s=19,d=16,hkv=2", "float16", "causal=1"),
     ("attention", "b=2,h=2,s=8,d=8", "float32", "causal=0"),
+    ("attention_bshd", "b=2,h=4,s=19,d=16,hkv=2", "float16", "causal=1"),
     ("paged_decode_attention", "b=3,h=4,hkv=2,d=16,ctx=37,page=8", "float16", ""),
 ]
 
@@ -61,10 +62,11 @@ def test_every_operator_has_counts_and_presets():
     ("rmsnorm", "m=3,n=5", [(3, 5), (5,), (3, 5)]),
     ("softmax", "m=3,n=5", [(3, 5), (3, 5)]),
     ("attention", "b=2,h=3,s=5,d=8", [(2, 3, 5, 8)] * 4),
+    ("attention_bshd", "b=2,h=3,s=5,d=8,hkv=1", [(2, 5, 3, 8), (2, 5, 1, 8), (2, 5, 1, 8), (2, 5, 3, 8)]),
 ])
 def test_shape_keys_are_the_kernels_dimensions(op, shape, params):
     """The shape keys the issues name (m, n, k; b, h, s, d) reach the built function's buffers as given."""
-    func = get_operator(op).build(make_workload(op, shape))
+    func = get_operator(op).build(make_workload(op, shape, get_operator(op).dtypes[0]))
     assert [tuple(int(x) for x in p.shape) for p in func.params] == params
 
 
