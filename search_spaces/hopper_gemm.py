@@ -165,8 +165,9 @@ def canonical_group_m(p: Point, tiles_m: int) -> Point:
     return p
 
 
-def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str, p: Point):
-    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · B[n, k]ᵀ + bias[n])."""
+def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str, p: Point, gated: bool = False):
+    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · B[n, k]ᵀ + bias[n]); ``gated``: for
+    C = SiLU(A · B[:n]ᵀ) ⊙ (A · B[n:]ᵀ), B[2n, k] (``swiglu_gemm``)."""
     from tvm.script import tirx as T
 
     consumers, wg_rows, bn, stages = p["consumers"], p["wg_rows"], p["block_n"], p["stages"]
@@ -183,7 +184,11 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     # and multicasts it into both CTAs' stages, so L2 serves that operand once per pair.
     multicast = p.get("multicast", "none")
     paired = multicast != "none"
-    rows, cols = (n, m) if swap else (m, n)  # the extents of wgmma's M and N sides
+    # The extents of wgmma's M and N sides. Gated, each N-side tile is bn / 2 gate rows of B over the same
+    # bn / 2 up rows (every thread holds a column of both: accumulators i and i + bn / 4), and tiles as if
+    # B's 2n rows were one operand.
+    rows, cols = (n, m) if swap else (m, 2 * n if gated else n)
+    assert not (gated and (swap or bias or act != "none")), "gated tiles are prefill tiles with no epilogue of their own"
     bm = wg_rows if pingpong else consumers * wg_rows
     m_frags = wg_rows // 64  # wgmma m64 instructions per consumer per k step
     acc_n = bn // 2  # fp32 accumulator registers per thread per m64 fragment
@@ -204,7 +209,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     group_m = min(group_m, units_m)
     # Rows of the A box and the B box: a shared operand's box is half its tile.
     a_box = (bm // 2 if multicast == "a" else bm)
-    b_box = (bn // 2 if multicast == "b" else bn)
+    b_box = (bn // 2 if multicast == "b" or gated else bn)
     mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}"
     store2, store1, epi_source = _epilogue_source(dtype, act)
     # The shared buffer: [stage][A tile | B tile], each tile 1024-byte aligned (swizzle atoms).
@@ -249,8 +254,31 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     def first_row(wg):  # the consumer's first row in the block tile
         return 0 if pingpong else (wg - 1) * wg_rows
 
+    def swiglu(acc, i):  # gate column i's SiLU times its up column's
+        return acc[i] / (T.float32(1) + T.exp(-acc[i])) * acc[i + bn // 4]
+
     @T.macro
-    def epilogue(acc, Bias, C, tm, tn, wg, tx):
+    def gated_epilogue(acc, C, tm, tn, wg, tx):
+        for f in T.unroll(m_frags):
+            for j in T.unroll(bn // 16):
+                for h in T.unroll(2):
+                    row = T.meta_var(tm * bm + first_row(wg) + f * 64 + ((tx % 128) // 32) * 16
+                                     + (tx % 32) // 4 + h * 8)
+                    col = T.meta_var(tn * (bn // 2) + j * 8 + (tx % 4) * 2)
+                    i = T.meta_var(f * acc_n + j * 4 + h * 2)
+                    if row < m and col < n:
+                        if n % 2 == 0:
+                            T.cuda.func_call(store2, C.access_ptr("w", offset=row * n + col), swiglu(acc, i),
+                                             swiglu(acc, i + 1), source_code=epi_source)
+                        else:
+                            T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col), swiglu(acc, i),
+                                             source_code=epi_source)
+                            if col + 1 < n:
+                                T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col + 1),
+                                                 swiglu(acc, i + 1), source_code=epi_source)
+
+    @T.macro
+    def plain_epilogue(acc, Bias, C, tm, tn, wg, tx):
         for f in T.unroll(m_frags):
             for j in T.unroll(bn // 8):
                 for h in T.unroll(2):
@@ -278,13 +306,22 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                                                  stored(acc, Bias, i + 1, col + 1), source_code=epi_source)
 
     @T.macro
-    def load(smem, full, stage, tmap, kt, row, offset, box, shared, rank):
+    def epilogue(acc, Bias, C, tm, tn, wg, tx):
+        if gated:
+            gated_epilogue(acc, C, tm, tn, wg, tx)
+        else:
+            plain_epilogue(acc, Bias, C, tm, tn, wg, tx)
+
+    @T.macro
+    def load(smem, full, stage, tmap, kt, row, offset, box, shared, rank, half_rows=None):
         # One operand's tile of k step kt into the stage: wgmma's M-side tile at a_off, its N-side tile at
-        # b_off. A tile shared by a multicast pair: this CTA's half (box rows), into both CTAs' stages.
+        # b_off. A tile shared by a multicast pair: this CTA's half (box rows), into both CTAs' stages;
+        # ``half_rows``: the operand's rows from the tile's first half to its second (else box).
         if shared:
             T.ptx[MULTICAST_LOAD](
                 smem.access_ptr("w", offset=stage * (stage_bytes // elem) + offset + rank * box * BK),
-                T.address_of(tmap), kt * BK, row + rank * box, T.address_of(full[stage]), T.uint16(3))
+                T.address_of(tmap), kt * BK, row + rank * (box if half_rows is None else half_rows),
+                T.address_of(full[stage]), T.uint16(3))
         else:
             T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
                 smem.access_ptr("w", offset=stage * (stage_bytes // elem) + offset), T.address_of(tmap), kt * BK,
@@ -304,7 +341,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         T.tensormap_encode_tiled(A_map, A.data, k, m, k * elem, BK, bn if swap else a_box, 1, 1,
                                  descriptor_dtype=dtype, rank=2, swizzle=3)
         B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(B_map, B.data, k, n, k * elem, BK, bm if swap else b_box, 1, 1,
+        T.tensormap_encode_tiled(B_map, B.data, k, 2 * n if gated else n, k * elem, BK, bm if swap else b_box, 1, 1,
                                  descriptor_dtype=dtype, rank=2, swizzle=3)
         T.device_entry()
         bx, rank = launch_ids()
@@ -353,8 +390,16 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                         # wgmma's M-side tile (a_off) and N-side tile (b_off): A and B, or B and A if swapped
                         load(smem, full, it % stages, B_map if swap else A_map, kt, tm * bm, a_off, a_box,
                              multicast == "a", rank)
-                        load(smem, full, it % stages, A_map if swap else B_map, kt, tn * bn, b_off, b_box,
-                             multicast == "b", rank)
+                        if gated:  # the gate's rows, then the up projection's, n rows further
+                            if multicast == "b":
+                                load(smem, full, it % stages, B_map, kt, tn * b_box, b_off, b_box, True, rank, n)
+                            else:
+                                for half in T.unroll(2):
+                                    load(smem, full, it % stages, B_map, kt, tn * b_box + half * n,
+                                         b_off + half * b_box * BK, b_box, False, rank)
+                        else:
+                            load(smem, full, it % stages, A_map if swap else B_map, kt, tn * bn, b_off, b_box,
+                                 multicast == "b", rank)
                         it = it + 1
                     tile = tile + grid
         else:
@@ -434,7 +479,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
             body(A, B, Bias, C)
     else:
         @T.prim_func
-        def main(A: T.Buffer((m, k), dtype, align=16), B: T.Buffer((n, k), dtype, align=16),
+        def main(A: T.Buffer((m, k), dtype, align=16), B: T.Buffer((2 * n if gated else n, k), dtype, align=16),
                  C: T.Buffer((m, n), dtype, align=16)):
             T.func_attr(attrs)
             body(A, B, None, C)
@@ -472,7 +517,7 @@ class HopperGemmSpace(HopperTemplate):
     name = "hopper_gemm"
     version = 5  # 2: split-K across a cluster (split_k) and swapped operands for few rows (swap_ab); 3: pingpong;
     # 4: multicast; 5: multicast's stage release at CTA scope
-    families = ("matmul",)
+    families = ("matmul", "swiglu_gemm")
     # From two rows on the tensor cores win: rows past m are zeros that TMA fills in, and at m = 16 the
     # kernel ran at 0.72x cuBLAS on the H200 where the GEMV space ran at 0.49x. One row stays a GEMV.
     MIN_M = 2
@@ -485,9 +530,10 @@ class HopperGemmSpace(HopperTemplate):
 
     @classmethod
     def suits(cls, func, target, hints) -> bool:
-        if target.arch not in HOPPER_ARCHS or (hints or {}).get("op") != "gemm":
+        op = (hints or {}).get("op")
+        if target.arch not in HOPPER_ARCHS or op not in ("gemm", "swiglu_gemm"):
             return False
-        shape = _gemm_shape(func)
+        shape = _gemm_shape(func, gated=op == "swiglu_gemm")
         if shape is None:
             return False
         m, n, k, dtype = shape
@@ -497,9 +543,11 @@ class HopperGemmSpace(HopperTemplate):
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
-        shape = _gemm_shape(func)
+        self.gated = self.hints.get("op") == "swiglu_gemm"
+        shape = _gemm_shape(func, self.gated)
         if shape is None:
-            raise ValueError("hopper_gemm takes C[m, n] = A[m, k] · B[n, k]ᵀ (+ bias) functions only")
+            raise ValueError("hopper_gemm takes C[m, n] = A[m, k] · B[n, k]ᵀ (+ bias) functions only, and "
+                             "C[m, n] from A[m, k], W[2n, k] for swiglu_gemm")
         self.m, self.n, self.k, self.dtype = shape
         self.bias = bool(self.hints.get("bias", False))
         self.act = str(self.hints.get("act", "none"))
@@ -507,7 +555,7 @@ class HopperGemmSpace(HopperTemplate):
         self.knobs = [
             Knob("consumers", (1, 2)),
             Knob("wg_rows", (64, 128)),
-            Knob("block_n", tuple(sorted({*self.BLOCK_NS, *whole_wave_block_ns(self.m, self.n, self.sms)}))),
+            Knob("block_n", tuple(sorted({*self.BLOCK_NS, *whole_wave_block_ns(self.m, self.n_side, self.sms)}))),
             Knob("stages", (2, 3, 4, 5, 6, 7, 8, 10, 12)),  # deep rings: decode tiles are small
             Knob("group_m", (1, 4, 8, 16)),
             Knob("persistent", (False, True), ordered=False),
@@ -532,11 +580,18 @@ class HopperGemmSpace(HopperTemplate):
 
     def extents(self, p: Point) -> tuple[int, int]:
         """The extents of wgmma's M side (tiled by consumers x wg_rows) and N side (tiled by block_n)."""
-        return (self.n, self.m) if p.get("swap_ab", False) else (self.m, self.n)
+        return (self.n, self.m) if p.get("swap_ab", False) else (self.m, self.n_side)
+
+    @property
+    def n_side(self) -> int:
+        """The rows of B that wgmma's N side covers: n, or the gate's and the up projection's 2n."""
+        return 2 * self.n if self.gated else self.n
 
     def check(self, p: Point) -> str | None:
         bm, bn = self.block_m(p), p["block_n"]
         rows, cols = self.extents(p)
+        if self.gated and (p.get("swap_ab", False) or bn % 16):
+            return "a gated tile is a gate half over an up half of whole 8-row swizzle atoms (no swapped operands)"
         if p.get("pingpong", False):
             if p["consumers"] != 2 or not p["persistent"]:
                 return "ping-pong alternates two consumers' tiles: two consumers and persistent CTAs"
@@ -614,7 +669,8 @@ class HopperGemmSpace(HopperTemplate):
         return first
 
     def kernel(self, p: Point):
-        return hopper_gemm_kernel(self.m, self.n, self.k, self.dtype, self.bias, self.act, {**p, "sms": self.sms})
+        return hopper_gemm_kernel(self.m, self.n, self.k, self.dtype, self.bias, self.act, {**p, "sms": self.sms},
+                                  self.gated)
 
     def point_features(self, p: Point) -> list[float]:
         """The knobs and what they imply for the hardware: the cost model's view of a TIRx kernel, whose
@@ -669,8 +725,9 @@ def whole_wave_block_ns(m: int, n: int, sms: int, least: float = 0.97) -> set[in
     return extra
 
 
-def _gemm_shape(func) -> tuple[int, int, int, str] | None:
-    """(m, n, k, dtype) of a function whose parameters are A[m, k], B[n, k], optional bias[n], C[m, n]."""
+def _gemm_shape(func, gated: bool = False) -> tuple[int, int, int, str] | None:
+    """(m, n, k, dtype) of a function whose parameters are A[m, k], B[n, k], optional bias[n], C[m, n]
+    (``gated``: A[m, k], B[2n, k], C[m, n])."""
     params = list(func.params)
     if len(params) not in (3, 4):
         return None
@@ -679,6 +736,10 @@ def _gemm_shape(func) -> tuple[int, int, int, str] | None:
         (m, k), (n, k2), (m2, n2) = ([int(x) for x in buf.shape] for buf in (a, b, c))
     except (TypeError, ValueError):
         return None
+    if gated:
+        if len(params) != 3 or n != 2 * n2:
+            return None
+        n = n2
     if k != k2 or m != m2 or n != n2 or str(a.dtype) != str(b.dtype):
         return None
     if len(params) == 4 and [int(x) for x in params[2].shape] != [n]:

@@ -280,8 +280,11 @@ def test_tuning_on_the_gpu_records_the_device(gpu_target, db_path):
     assert row["device"] == gpu_target.device_name and row["target"].startswith("cuda:sm_")
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 64], ids=["decode-gemv", "decode16-hopper", "prefill-hopper"])
-def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_path, tokens):
+@pytest.mark.parametrize("model_name,tokens", [("tiny-llama", 1), ("tiny-llama", 16), ("tiny-llama", 64),
+                                               ("small-llama", 80)],
+                         ids=["decode-gemv", "decode16-hopper", "prefill-hopper", "prefill-hopper-fused"])
+def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_path, model_name, tokens):
+    """prefill-hopper-fused: head dim 64 and 80 rows, so attention_bshd and swiglu_gemm (sm_90) run too."""
     import torch
 
     from autosched.database.store import Database
@@ -289,7 +292,7 @@ def test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu(gpu_target, tmp_pa
     from autosched.runmodel import run_artifact
     from autosched.tuner import TuneOptions, tune_tasks
 
-    model = load_model("tiny-llama", tokens=tokens, dtype=torch.float16)
+    model = load_model(model_name, tokens=tokens, dtype=torch.float16)
     tasks, _ = split_tunable(extract_tasks(prepare(model, gpu_target)[0]), gpu_target)
     with Database(tmp_path / "model.db") as db:
         tune_tasks(tasks, gpu_target, db, TuneOptions(trials=2 * len(tasks), batch_size=8, seed=0))

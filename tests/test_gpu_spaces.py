@@ -22,6 +22,8 @@ CASES = [
     ("gemm", "m=200,n=136,k=72", "bfloat16", "bias=1,act=gelu", "hopper_gemm", "sm_90"),
     ("gemm", "m=300,n=520,k=264", "float16", "act=silu", "hopper_gemm", "sm_90"),
     ("gemm", "m=72,n=1001,k=128", "float16", "bias=1", "hopper_gemm", "sm_90"),  # odd n: GPT-2's LM head
+    ("swiglu_gemm", "m=300,n=264,k=192", "float16", "", "hopper_gemm", "sm_90"),
+    ("swiglu_gemm", "m=520,n=1000,k=256", "bfloat16", "", "hopper_gemm", "sm_90"),
     ("gemm", "m=256,n=256,k=128", "float16", "", "gpu_matmul", "sm_80"),
     ("gemm", "m=200,n=136,k=72", "bfloat16", "bias=1,act=gelu", "gpu_matmul", "sm_80"),
     ("gemm", "m=64,n=96,k=40", "float32", "", "gpu_matmul", "sm_90"),

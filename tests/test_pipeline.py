@@ -237,6 +237,26 @@ def test_attention_on_sm90_reads_the_heads_where_the_linears_wrote_them(arch, op
     assert (only_moving == []) == (op == "attention_bshd"), moving
 
 
+@pytest.mark.parametrize("arch,tokens,fused", [("sm_90", 80, True), ("sm_90", 32, False), ("sm_80", 80, False)])
+def test_a_swiglu_mlps_gate_and_up_projections_are_one_gemm_on_sm90(arch, tokens, fused):
+    """On sm_90, SiLU(x·Wgᵀ) ⊙ (x·Wuᵀ) becomes one swiglu_gemm on the two weights stacked at build time (no
+    kernel reads the two projections back), once there are more rows than a decode step's; elsewhere
+    two gemm kernels and the elementwise kernel stay."""
+    import torch
+
+    from autosched.target import parse_target
+
+    target = parse_target(f"cuda:{arch}", require_device=False)
+    mod, _ = prepare(load_model("small-llama", tokens=tokens, dtype=torch.float16), target)
+    ours = {t.workload.key: t for t in extract_tasks(mod) if t.workload is not None}
+    swiglu = [t for t in ours.values() if t.workload.op == "swiglu_gemm"]
+    assert [(t.workload.shape_dict, t.weight) for t in swiglu] == ([({"m": tokens, "n": 1376, "k": 512}, 2)] if fused else [])
+    gemm_ns = sorted(t.workload.shape_dict["n"] for t in ours.values() if t.workload.op == "gemm")
+    assert (1376 in gemm_ns) != fused  # the gate's and the up projection's own gemm
+    if fused:  # the stacked weights are computed once, in main_transform_params
+        assert any(len(p.ty.shape) == 2 and int(p.ty.shape[0]) == 2 * 1376 for p in mod["main"].params)
+
+
 class _OtherForms(__import__("torch").nn.Module):
     """Forms the importer's substitutions do not take: an RMSNorm without a weight and with an eps our
     workload has no kernel for, and a product with a factor that is not a transposed weight."""

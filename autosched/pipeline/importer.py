@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .load import Model
 
 
-def import_model(model: Model, *, linear_as_gemm: bool, attention_in_model_layout: bool = False) -> tuple[IRModule, list]:
+def import_model(model: Model, *, linear_as_gemm: bool, hopper: bool = False) -> tuple[IRModule, list]:
     """The Relax module (weights as parameters after the inputs) and the weights.
 
     With ``linear_as_gemm``, each Linear's ``x @ W.T`` becomes our ``gemm`` kernel on W[n,k] as stored
@@ -29,8 +29,9 @@ def import_model(model: Model, *, linear_as_gemm: bool, attention_in_model_layou
 
     Every operator is decomposed as usual except scaled-dot-product attention, which reaches Relax as
     one ``R.nn.attention`` call so that :func:`substitute_workloads` can hand it to our attention kernel,
-    and RMSNorm, which becomes a call of our ``rmsnorm`` kernel as it is imported. With
-    ``attention_in_model_layout`` (sm_90), attention reads and writes the heads as the Linears lay them out.
+    and RMSNorm, which becomes a call of our ``rmsnorm`` kernel as it is imported. With ``hopper``
+    (sm_90), attention reads and writes the heads as the Linears lay them out, and a SwiGLU MLP's gate and
+    up projections are one GEMM (:func:`substitute_workloads`).
     """
     import warnings
 
@@ -57,7 +58,7 @@ def import_model(model: Model, *, linear_as_gemm: bool, attention_in_model_layou
         mod = from_exported_program(exported, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                     run_ep_decomposition=False, custom_convert_map=converters)
     mod, params = detach_params(mod)
-    return substitute_workloads(mod, attention_in_model_layout), list(params["main"])
+    return substitute_workloads(mod, hopper), list(params["main"])
 
 
 def _matmul_in_torch_dtype(node, importer, weights: frozenset[str] | None):

@@ -24,7 +24,7 @@ def prepare(model: Model, target: TargetSpec) -> tuple[IRModule, list]:
     from autosched.search_spaces.hopper_gemm import HOPPER_ARCHS
 
     mod, params = import_model(model, linear_as_gemm=target.is_gpu,
-                               attention_in_model_layout=target.is_gpu and target.arch in HOPPER_ARCHS)
+                               hopper=target.is_gpu and target.arch in HOPPER_ARCHS)
     return lower(relax.transform.LiftTransformParams()(mod)), params
 
 

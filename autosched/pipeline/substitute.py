@@ -23,14 +23,15 @@ def workload_func(wl):
     return func.with_attr("op_pattern", 8).without_attr("global_symbol")
 
 
-def substitute_workloads(mod: IRModule, model_layout: bool = False) -> IRModule:
+def substitute_workloads(mod: IRModule, hopper: bool = False) -> IRModule:
     """Replace each ``R.nn.attention`` (layout [batch, seq, heads, dim], no bias, causal or not) by a call
     of our ``attention`` workload's kernel on [batch, heads, seq, dim]. The kernel keeps the workload in
     an attribute, so it is tuned and stored under the same key as ``autosched tune attention`` and gets
     the attention space (the fused FlashAttention template on the GPU) instead of generic fusion.
 
-    With ``model_layout`` (sm_90), attention the Hopper space serves becomes ``attention_bshd`` on the
-    layout as it is, and :func:`compose_permutes` then removes the transposes a model writes around it."""
+    With ``hopper`` (sm_90), attention the Hopper space serves becomes ``attention_bshd`` on the layout as
+    it is, and :func:`compose_permutes` then removes the transposes a model writes around it; a SwiGLU
+    MLP's gate and up projections become one ``swiglu_gemm`` (:func:`fuse_swiglu_gemms`)."""
     import tvm
     from tvm import relax
 
@@ -54,7 +55,7 @@ def substitute_workloads(mod: IRModule, model_layout: bool = False) -> IRModule:
             if int(k.ty.shape[1]) != s:
                 return call  # cross attention: not our workload
             shape, attrs = {"b": b, "h": h, "s": s, "d": d, "hkv": hkv}, {"causal": causal == "TopLeft"}
-            if model_layout and serves(dtype, d):
+            if hopper and serves(dtype, d):
                 gv = self.builder_.add_func(workload_func(make_workload("attention_bshd", shape, dtype, attrs)),
                                             "autosched_attention")
                 return relax.call_tir(gv, [q, k, v], relax.TensorType((b, s, h, d), dtype))
@@ -64,7 +65,90 @@ def substitute_workloads(mod: IRModule, model_layout: bool = False) -> IRModule:
             out = self.builder_.emit(relax.call_tir(gv, [qt, kt, vt], relax.TensorType((b, h, s, d), dtype)))
             return relax.op.permute_dims(out, [0, 2, 1, 3])
 
-    return compose_permutes(_mutated(mod, Substitute))
+    mod = _mutated(mod, Substitute)
+    return compose_permutes(fuse_swiglu_gemms(mod) if hopper else mod)
+
+
+def fuse_swiglu_gemms(mod: IRModule) -> IRModule:
+    """``SiLU(x·Wgᵀ) ⊙ (x·Wuᵀ)`` of two ``gemm`` kernels (as torch writes SiLU in half precision: in float32,
+    cast back) as one ``swiglu_gemm`` on the two weights stacked (at build time), where its sm_90 space
+    serves the shape: more rows than a decode step's (those GEMMs swap their operands). Not bit-exact: the
+    gate's product is not rounded to half precision before its SiLU, nor the SiLU before the product."""
+    import tvm
+    from tvm import relax
+
+    from autosched.search_spaces.hopper_attention import serves
+    from autosched.search_spaces.hopper_gemm import HopperGemmSpace
+    from autosched.workloads import Workload
+
+    ops = {name: tvm.ir.Op.get(f"relax.{name}") for name in ("multiply", "astype", "sigmoid", "reshape", "call_tir")}
+
+    def is_call(expr, name):
+        return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.same_as(ops[name])
+
+    @relax.expr_functor.mutator
+    class Fuse(relax.PyExprMutator):
+        def bound(self, expr):
+            found = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+            return expr if found is None else found
+
+        def unshaped(self, expr):  # through reshapes to what they reshape
+            while is_call(self.bound(expr), "reshape"):
+                expr = self.bound(expr).args[0]
+            return expr
+
+        def plain_gemm(self, expr):
+            """(x, weight, workload) of a gemm kernel with no bias or activation that ``expr`` reshapes."""
+            call = self.bound(self.unshaped(expr))
+            if not is_call(call, "call_tir"):
+                return None
+            func = self.builder_.get()[call.args[0]]
+            if func.attrs is None or WORKLOAD_ATTR not in func.attrs:
+                return None
+            wl = Workload.from_json(str(func.attrs[WORKLOAD_ATTR]))
+            if wl.op != "gemm" or wl.attrs_dict != {"bias": False, "act": "none"}:
+                return None
+            x, weight = call.args[1].fields
+            return x, weight, wl
+
+        def silu_of_gemm(self, expr):
+            """The gemm of ``g · sigmoid(g)`` (``g`` the gemm's output, maybe in float32, cast back)."""
+            product = self.bound(expr)
+            if is_call(product, "astype"):
+                product = self.bound(product.args[0])
+            if not is_call(product, "multiply"):
+                return None
+            a, b = product.args
+            for g, sig in ((a, b), (b, a)):
+                sig = self.bound(sig)
+                if is_call(sig, "sigmoid") and sig.args[0].same_as(g):
+                    source = self.bound(g)
+                    return self.plain_gemm(source.args[0] if is_call(source, "astype") else g)
+            return None
+
+        def visit_call_(self, call):
+            new = self.visit_expr_post_order(call)
+            if not is_call(new, "multiply"):
+                return new
+            for gate_side, up_side in ((0, 1), (1, 0)):
+                gate, up = self.silu_of_gemm(new.args[gate_side]), self.plain_gemm(new.args[up_side])
+                if gate is None or up is None:
+                    continue
+                (xg, wg, g), (xu, wu, u) = gate, up
+                shape = g.shape_dict
+                if g.shape != u.shape or g.dtype != u.dtype or not self.unshaped(xg).same_as(self.unshaped(xu)) \
+                        or shape["m"] <= HopperGemmSpace.SWAP_MAX_M or not serves(g.dtype, 128) \
+                        or str(call.ty.dtype) != g.dtype:
+                    continue
+                fused = make_workload("swiglu_gemm", shape, g.dtype)
+                gv = self.builder_.add_func(workload_func(fused), "autosched_swiglu_gemm")
+                weights = self.builder_.emit(relax.op.concat([wg, wu], axis=0))
+                out = self.builder_.emit(relax.call_tir(gv, [xg, weights],
+                                                        relax.TensorType((shape["m"], shape["n"]), g.dtype)))
+                return relax.op.reshape(out, call.ty.shape)
+            return new
+
+    return relax.transform.DeadCodeElimination()(_mutated(mod, Fuse))
 
 
 def compose_permutes(mod: IRModule) -> IRModule:
@@ -93,8 +177,9 @@ def compose_permutes(mod: IRModule) -> IRModule:
             if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.same_as(op)):
                 return call
             source = bound.args[0]
-            if op.same_as(reshape):
-                return relax.op.reshape(source, call.args[1])
+            if op.same_as(reshape):  # to the source's own shape: no reshape at all
+                same = [int(x) for x in source.ty.shape] == [int(x) for x in call.args[1].values]
+                return source if same else relax.op.reshape(source, call.args[1])
             rank = len(source.ty.shape)
             first, second = axes_of(bound, rank), axes_of(call, rank)
             axes = [first[a] for a in second]

@@ -120,6 +120,61 @@ class Gemm(Operator):
 
 
 @register
+class SwigluGemm(Operator):
+    """A SwiGLU MLP's gate and up projections in one GEMM, the gate's SiLU and the product in its epilogue:
+    the [m, n] product it feeds to the down projection is written once, and no kernel reads the gate's
+    and the up projection's [m, n] outputs back (at 16 x 512 tokens of Llama-2-7B on the H200, that
+    kernel took 0.13 ms a layer). W is the gate's weight on top of the up projection's, [2n, k]."""
+
+    name = "swiglu_gemm"
+    description = "C = SiLU(A·W[:n]ᵀ) ⊙ (A·W[n:]ᵀ); A[m,k], W[2n,k] (gate rows, then up rows); CUDA sm_90"
+    shape_keys = ("m", "n", "k")
+    defaults = {"m": 2048, "n": 11008, "k": 4096}
+    dtypes = ("float16", "bfloat16")  # what the sm_90 space takes
+    family = "swiglu_gemm"
+    presets = (Preset("llama2-7b", {"m": 2048, "n": 11008, "k": 4096}, note="gate and up projections, 2048 tokens"),
+               Preset("llama3-8b", {"m": 2048, "n": 14336, "k": 4096}, note="gate and up projections, 2048 tokens"))
+
+    def build(self, wl: Workload):
+        from tvm import te, tirx
+
+        s = wl.shape_dict
+        m, n, k = s["m"], s["n"], s["k"]
+        A = te.placeholder((m, k), wl.dtype, name="A")
+        W = te.placeholder((2 * n, k), wl.dtype, name="W")
+        r = te.reduce_axis((0, k), name="k")
+        acc = te.compute((m, 2 * n), lambda i, j: te.sum(A[i, r].astype("float32") * W[j, r].astype("float32"),
+                                                         axis=r), name="matmul")
+        out = te.compute((m, n), lambda i, j: (acc[i, j] / (1.0 + tirx.exp(-acc[i, j])) * acc[i, n + j]).astype(wl.dtype),
+                         name="epilogue")
+        return te.create_prim_func([A, W, out])
+
+    def make_inputs(self, wl, gen, device):
+        s = wl.shape_dict
+        return [randn((s["m"], s["k"]), wl.dtype, gen, device),
+                randn((2 * s["n"], s["k"]), wl.dtype, gen, device, scale=1 / math.sqrt(s["k"]))]
+
+    def output_specs(self, wl):
+        s = wl.shape_dict
+        return [((s["m"], s["n"]), wl.dtype)]
+
+    def reference(self, wl, inputs):
+        import torch.nn.functional as F
+
+        a, w = inputs[0].double(), inputs[1].double()
+        n = wl.shape_dict["n"]
+        return [F.silu(a @ w[:n].T) * (a @ w[n:].T)]
+
+    def flops(self, wl):
+        s = wl.shape_dict
+        return 4.0 * s["m"] * s["n"] * s["k"]
+
+    def min_bytes(self, wl):
+        s, e = wl.shape_dict, DTYPE_BYTES[wl.dtype]
+        return e * (s["m"] * s["k"] + 2 * s["n"] * s["k"] + s["m"] * s["n"])
+
+
+@register
 class BatchMatmul(Operator):
     name = "batch_matmul"
     description = "C[b] = A[b]·B[b] as torch.bmm; A[b,m,k], B[b,k,n]; fp32 accumulation"
