@@ -22,7 +22,7 @@ CASES = [
     ("attention", "b=1,h=4,hkv=2,s=1000,d=128", "float16", "causal=1",
      {"consumers": 2, "block_kv": 128, "stages": 2, "overlap": False, "pingpong": True}),
     ("paged_decode_attention", "b=3,h=16,hkv=2,d=128,ctx=520,page=16", "float16", "",
-     {"warps": 4, "unroll": 4, "split": 2, "mma": True, "prefetch": 0, "ctas_per_sm": 1}),
+     {"warps": 4, "unroll": 4, "split": 2, "mma": True, "prefetch": 0, "ctas_per_sm": 1, "tma_stages": 0}),
 ]
 
 

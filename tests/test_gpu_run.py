@@ -156,17 +156,34 @@ def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
         {"warps": w, "unroll": u, "split": split, "mma": mma, "prefetch": pf, "ctas_per_sm": ctas}
         for w, u, split, mma, pf, ctas in ((8, 1, 4, True, 1, 2), (4, 1, 8, True, 1, 4), (4, 1, 4, True, 1, 3),
                                            (4, 4, 2, False, 0, 2))]
+    # The TMA loop: a producer warp feeding rings of 4-16 pages, the products transposed.
+    points = [{**p, "tma_stages": 0} for p in points] + [tma_point(w, split, st, ctas)
+                                                          for w, split, st, ctas in ((4, 1, 4, 1), (2, 2, 8, 1),
+                                                                                     (8, 4, 16, 1), (4, 8, 4, 2))]
     assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
-    # bf16, head dim 64, eight query heads per K/V head, on tensor cores.
+    # bf16, head dim 64, eight query heads per K/V head, on tensor cores; pages of 32 tokens.
     task = Task.from_workload(make_workload("paged_decode_attention", "b=2,h=32,hkv=4,d=64,ctx=300,page=16",
                                             "bfloat16"))
-    points = [{"warps": 4, "unroll": u, "split": split, "mma": True, "prefetch": pf, "ctas_per_sm": ctas}
-              for u, split, pf, ctas in ((2, 1, 0, 1), (1, 4, 0, 1), (1, 2, 1, 1), (1, 4, 1, 4))]
+    points = [{"warps": 4, "unroll": u, "split": split, "mma": True, "prefetch": pf, "ctas_per_sm": ctas,
+               "tma_stages": 0} for u, split, pf, ctas in ((2, 1, 0, 1), (1, 4, 0, 1), (1, 2, 1, 1), (1, 4, 1, 4))]
+    points += [tma_point(w, split, st, 1) for w, split, st in ((4, 1, 4), (2, 4, 8), (8, 2, 16))]
     assert all(task.space(target).validate(p) is None for p in points)
     for point, res in zip(points, measurer.measure(task.spec, points)):
         assert res.ok, f"bf16 d=64 {point}: {res.error_kind}: {res.error_msg}"
+    task = Task.from_workload(make_workload("paged_decode_attention", "b=3,h=8,hkv=2,d=128,ctx=520,page=32",
+                                            "float16"))
+    points = [tma_point(4, 2, 4, 1), tma_point(2, 1, 8, 1)]
+    assert all(task.space(target).validate(p) is None for p in points)
+    for point, res in zip(points, measurer.measure(task.spec, points)):
+        assert res.ok, f"page 32 {point}: {res.error_kind}: {res.error_msg}"
+
+
+def tma_point(warps: int, split: int, stages: int, ctas_per_sm: int) -> dict:
+    """A point of paged_decode's TMA loop."""
+    return {"warps": warps, "unroll": 1, "split": split, "mma": True, "prefetch": 0, "ctas_per_sm": ctas_per_sm,
+            "tma_stages": stages}
 
 
 def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):

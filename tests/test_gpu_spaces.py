@@ -534,7 +534,7 @@ def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
     hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
     for split, mma in ((2, False), (8, False), (2, True), (8, True)):  # tensor cores: one 16-token tile a step
         point = {"warps": 4, "unroll": 1 if mma else 2, "split": split, "mma": mma, "prefetch": int(mma),
-                 "ctas_per_sm": 1}
+                 "ctas_per_sm": 1, "tma_stages": 0}
         assert space.validate(point) is None
         with hopper:
             lowered = tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(space.apply(point)))
@@ -556,7 +556,7 @@ def test_paged_decode_caps_registers_for_more_ctas_per_sm(sm90):
     task = Task.from_workload(make_workload("paged_decode_attention", "b=16,h=32,hkv=4,d=128,ctx=4096,page=16",
                                             "float16"))
     space = task.space(sm90)
-    point = {"warps": 8, "unroll": 1, "split": 4, "mma": True, "prefetch": 1, "ctas_per_sm": 2}
+    point = {"warps": 8, "unroll": 1, "split": 4, "mma": True, "prefetch": 1, "ctas_per_sm": 2, "tma_stages": 0}
     assert space.validate(point) is None
     source = cuda_source(space.apply(point), sm90, {}, space.codegen)
     assert "__launch_bounds__(256, 2)" in source
@@ -669,6 +669,29 @@ def _host_body(source: str) -> str:
     return re.sub(r"asm volatile\(.*?\);", ";", source, flags=re.S)
 
 
+
+@needs_nvcc
+def test_paged_decode_tma_loop_is_the_gqa_default_and_compiles(sm90):
+    """GQA 8:1 decode defaults to the TMA-fed loop in one wave (split 2 for 64 pairs on 132 SMs, a ring of 16
+    pages); its source has the producer's tensor-map loads and the in-register transposes, one more warp
+    than its consumers, and compiles for sm_90a without spills in fewer registers than the register-fed
+    loop's 178. Rings shorter than the consumer warps, and groups the single n-tile cannot hold, are
+    refused."""
+    space = Task.from_workload(make_workload("paged_decode_attention", "b=16,h=32,hkv=4,d=128,ctx=4096,page=16",
+                                             "float16")).space(sm90)
+    point = space.default()
+    assert (point["tma_stages"], point["split"], point["warps"]) == (16, 2, 4)
+    source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+    assert "cp.async.bulk.tensor.3d" in source and "movmatrix.sync.aligned.m8n8.trans.b16" in source
+    assert "__launch_bounds__(160" in source
+    report = nvcc_compile(source, "sm_90a")
+    assert report.ok and report.spills == 0 and report.registers < 178, report.log[-2000:]
+    assert "tma_stages must be at least warps" in space.validate({**point, "warps": 8, "tma_stages": 4})
+    assert "tensor-core loop of its own" in space.validate({**point, "prefetch": 1})
+    for shape in ("b=2,h=32,hkv=2,d=128,ctx=256,page=16", "b=2,h=8,hkv=4,d=256,ctx=256,page=16"):
+        wide = Task.from_workload(make_workload("paged_decode_attention", shape, "float16")).space(sm90)
+        assert "tma_stages" not in {knob.name for knob in wide.knobs}
+
 @needs_nvcc
 @pytest.mark.parametrize("shape,dtype,point", [
     ("b=3,h=8,hkv=2,d=128,ctx=150,page=16", "float16", {"warps": 4, "unroll": 4, "split": 1}),
@@ -703,7 +726,7 @@ def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point
     pps = -(-s["ctx"] // s["page"])
     split = point["split"]
     consts = {"H": s["h"], "HKV": s["hkv"], "G": s["h"] // s["hkv"], "D": s["d"], "PAGE": s["page"], "PPS": pps,
-              "WARPS": point["warps"], "UNROLL": point["unroll"], "SPLIT": split}
+              "WARPS": point["warps"], "UNROLL": point["unroll"], "SPLIT": split, "THREADS": 32 * point["warps"]}
     words = smem_floats(s["h"] // s["hkv"], s["d"], point["warps"], pps, split, ring_stages(point))
     body = _body_source("paged_decode_body", dtype, consts, point.get("mma", False), ring_stages(point) > 0,
                         point.get("prefetch", 0)).replace(
