@@ -537,8 +537,12 @@ class HopperGemmSpace(HopperTemplate):
         if shape is None:
             return False
         m, n, k, dtype = shape
-        # TMA needs 16-byte row strides (k); any n (an odd n, e.g. GPT-2's 50257-token LM head, stores
-        # one column at a time).
+        return cls.serves(m, k, dtype)
+
+    @classmethod
+    def serves(cls, m: int, k: int, dtype: str) -> bool:
+        """Whether the kernel takes a GEMM of ``m`` rows over ``k`` in ``dtype``: TMA needs 16-byte row strides
+        (k); any n (an odd n, e.g. GPT-2's 50257-token LM head, stores one column at a time)."""
         return dtype in PTX_TYPE and m >= cls.MIN_M and k % 8 == 0
 
     def __init__(self, func, target, hints=None):

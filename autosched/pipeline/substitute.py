@@ -77,7 +77,6 @@ def fuse_swiglu_gemms(mod: IRModule) -> IRModule:
     import tvm
     from tvm import relax
 
-    from autosched.search_spaces.hopper_attention import serves
     from autosched.search_spaces.hopper_gemm import HopperGemmSpace
     from autosched.workloads import Workload
 
@@ -137,7 +136,8 @@ def fuse_swiglu_gemms(mod: IRModule) -> IRModule:
                 (xg, wg, g), (xu, wu, u) = gate, up
                 shape = g.shape_dict
                 if g.shape != u.shape or g.dtype != u.dtype or not self.unshaped(xg).same_as(self.unshaped(xu)) \
-                        or shape["m"] <= HopperGemmSpace.SWAP_MAX_M or not serves(g.dtype, 128) \
+                        or shape["m"] <= HopperGemmSpace.SWAP_MAX_M \
+                        or not HopperGemmSpace.serves(shape["m"], shape["k"], g.dtype) \
                         or str(call.ty.dtype) != g.dtype:
                     continue
                 fused = make_workload("swiglu_gemm", shape, g.dtype)

@@ -69,21 +69,35 @@ class Attention(_AttentionBase):
         Preset("llama2-7b-512x16", {"b": 16, "h": 32, "s": 512, "d": 128}),
     )
 
+    model_layout = False  # heads before tokens: Q[b,h,s,d]; the model's layout has them after
+
     def build(self, wl):
         from tvm import te
 
         s = wl.shape_dict
         b, h, sq, d, hkv = s["b"], s["h"], s["s"], s["d"], s["hkv"]
         group = h // hkv
-        Q = te.placeholder((b, h, sq, d), wl.dtype, name="Q")
-        K = te.placeholder((b, hkv, sq, d), wl.dtype, name="K")
-        V = te.placeholder((b, hkv, sq, d), wl.dtype, name="V")
+
+        def at(n, head, token, *rest):  # an element's index in this layout
+            return (n, token, head, *rest) if self.model_layout else (n, head, token, *rest)
+
+        def head_token(x, y):  # (head, query) of the score rows' middle indices, which follow the layout
+            return (y, x) if self.model_layout else (x, y)
+
+        Q = te.placeholder(at(b, h, sq, d), wl.dtype, name="Q")
+        K = te.placeholder(at(b, hkv, sq, d), wl.dtype, name="K")
+        V = te.placeholder(at(b, hkv, sq, d), wl.dtype, name="V")
         r = te.reduce_axis((0, d), name="r")
-        qk = te.compute((b, h, sq, sq), lambda n, hh, i, j: te.sum(
-            Q[n, hh, i, r].astype("float32") * K[n, hh // group, j, r].astype("float32"), axis=r), name="qk")
+
+        def score(n, x, y, j):
+            hh, i = head_token(x, y)
+            return te.sum(Q[at(n, hh, i, r)].astype("float32") * K[at(n, hh // group, j, r)].astype("float32"), axis=r)
+
+        qk = te.compute(at(b, h, sq, sq), score, name="qk")
         causal = wl.attrs_dict["causal"]
-        out = _softmax_pv(qk, (b, h, sq), sq, d, (lambda n, hh, i, j: j <= i) if causal else (lambda *_: None),
-                          lambda n, hh, i, j, c: V[n, hh // group, j, c], wl.dtype, 1.0 / math.sqrt(d))
+        out = _softmax_pv(qk, at(b, h, sq), sq, d, (lambda n, x, y, j: j <= head_token(x, y)[1]) if causal else
+                          (lambda *_: None), lambda n, x, y, j, c: V[at(n, head_token(x, y)[0] // group, j, c)],
+                          wl.dtype, 1.0 / math.sqrt(d))
         return te.create_prim_func([Q, K, V, out])
 
     def make_inputs(self, wl, gen, device):
@@ -134,23 +148,7 @@ class ModelLayoutAttention(Attention):
         Preset("llama2-7b-512x16", {"b": 16, "h": 32, "s": 512, "d": 128}),
         Preset("llama3-8b", {"b": 1, "h": 32, "hkv": 8, "s": 2048, "d": 128}, note="grouped-query, 8 KV heads"),
     )
-
-    def build(self, wl):
-        from tvm import te
-
-        s = wl.shape_dict
-        b, h, sq, d, hkv = s["b"], s["h"], s["s"], s["d"], s["hkv"]
-        group = h // hkv
-        Q = te.placeholder((b, sq, h, d), wl.dtype, name="Q")
-        K = te.placeholder((b, sq, hkv, d), wl.dtype, name="K")
-        V = te.placeholder((b, sq, hkv, d), wl.dtype, name="V")
-        r = te.reduce_axis((0, d), name="r")
-        qk = te.compute((b, sq, h, sq), lambda n, i, hh, j: te.sum(
-            Q[n, i, hh, r].astype("float32") * K[n, j, hh // group, r].astype("float32"), axis=r), name="qk")
-        causal = wl.attrs_dict["causal"]
-        out = _softmax_pv(qk, (b, sq, h), sq, d, (lambda n, i, hh, j: j <= i) if causal else (lambda *_: None),
-                          lambda n, i, hh, j, c: V[n, j, hh // group, c], wl.dtype, 1.0 / math.sqrt(d))
-        return te.create_prim_func([Q, K, V, out])
+    model_layout = True
 
     def make_inputs(self, wl, gen, device):
         return [x.transpose(1, 2).contiguous() for x in super().make_inputs(wl, gen, device)]
