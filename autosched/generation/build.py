@@ -1,0 +1,202 @@
+"""Building a generation artifact: the decoder of :mod:`.decoder` lowered like any model of ours, its
+kernels scheduled from the database (TVM's default schedules where nothing serves them), compiled into
+one library with the paged KV cache's functions, and written next to the weights and a manifest."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autosched.errors import UsageError
+
+from .decoder import DecoderConfig, config_from_hf, export, weights_from_hf
+
+if TYPE_CHECKING:
+    from autosched.database.store import Database
+    from autosched.target import TargetSpec
+
+FORMAT = "autosched-generator"
+LIBRARY = "generate.so"
+PARAMS = "params.bin"
+MANIFEST = "manifest.json"
+DEFAULT_PAGE_SIZE = 16
+
+# The functions TVM's paged KV cache calls for attention, by what they do: TVM's kernels (the default TIR
+# ones) until ours take their place.
+ATTENTION_ROLES = {
+    "prefill over new tokens (ragged)": ("batch_prefill_ragged_kv",),
+    "prefill over cached pages": ("batch_prefill_paged_kv",),
+    "decode over cached pages": ("batch_decode_paged_kv",),
+    "merge of partial attention": ("merge_state_inplace",),
+    "rotary embedding and q/k/v split": ("fused_rope",),
+}
+
+
+@dataclass
+class GenerationModel:
+    """A transformers causal LM and what a generation build needs of it."""
+
+    spec: str
+    hf: Any  # transformers.PreTrainedModel
+    config: DecoderConfig
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def _torch_dtype_name(module) -> str:
+    dtype = next(module.parameters()).dtype
+    return str(dtype).replace("torch.", "")
+
+
+def find_hf_model(module):
+    """The transformers ``PreTrainedModel`` inside ``module`` (itself, or a wrapper's submodule such as the
+    ``hf-*`` examples' logits wrapper); None if there is none."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel):
+            return sub
+    return None
+
+
+def load_generation_model(spec: str, dtype: str | None = None) -> GenerationModel:
+    """A model to generate with: a folder written by transformers' ``save_pretrained`` (read locally, nothing
+    downloaded), an example name (``hf-llama``, ...) or a ``module:factory`` whose model is a transformers
+    causal LM of a supported family."""
+    import torch
+
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UsageError(f"{spec} is a folder without config.json: give a folder written by save_pretrained")
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError:
+            raise UsageError("loading a Hugging Face folder needs transformers: pip install transformers") from None
+        kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
+        hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **kwargs).eval()
+    else:
+        from autosched.pipeline.load import load_model
+
+        model = load_model(spec, **({"dtype": getattr(torch, dtype)} if dtype else {}))
+        hf = find_hf_model(model.module)
+        if hf is None:
+            raise UsageError(f"'{spec}' is not a transformers causal LM: generation builds a model whose factory "
+                             "returns one (hf-llama, ..., or a save_pretrained folder)")
+        hf = hf.eval()
+    config = config_from_hf(hf.config, dtype or _torch_dtype_name(hf))
+    eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(hf.config, "eos_token_id", None)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return GenerationModel(spec, hf, config, [i for i in eos_ids if 0 <= i < config.vocab])
+
+
+@dataclass
+class GenerationReport:
+    """Where each kernel's schedule came from, and the attention functions the cache runs."""
+
+    tuned: dict[str, dict] = field(default_factory=dict)
+    default: list[str] = field(default_factory=list)
+    attention: dict[str, str] = field(default_factory=dict)  # role -> what runs it
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        text = (f"{len(self.tuned) + len(self.default)} kernels: {len(self.tuned)} from the database, "
+                f"{len(self.default)} on default schedules; attention on TVM's default paged-KV kernels")
+        return text + "; " + ", ".join(f"{step} {s:.1f} s" for step, s in self.seconds.items())
+
+
+def lower_generation(cfg: DecoderConfig, target: TargetSpec):
+    """The decoder's module lowered as our model builds lower (so that kernels key as tuned ones), with each
+    Linear's transpose folded into its product (``x @ W.T`` read from W as stored, never copied)."""
+    from tvm import relax
+
+    from autosched.pipeline.lowering import lower
+
+    mod, names = export(cfg, target.tvm_target())
+    return lower(relax.transform.FuseTransposeMatmul()(mod)), names
+
+
+def schedule_generation(lowered, db: Database | None, target: TargetSpec):
+    """(the scheduled module, report): our database's best records where tasks match, TVM's defaults
+    elsewhere (dlight on the GPU; the CPU compiles a kernel as written)."""
+    from tvm import tirx
+
+    from autosched.pipeline.build import apply_database
+
+    scheduled, applied = apply_database(lowered, db, target)
+    report = GenerationReport(tuned=dict(applied.tuned))
+    attention_kernels = {name for names in ATTENTION_ROLES.values() for name in names}
+    for gv, func in lowered.functions.items():
+        name = gv.name_hint
+        if isinstance(func, tirx.PrimFunc) and name not in report.tuned and not name.startswith(tuple(attention_kernels)):
+            report.default.append(name)
+    present = [gv.name_hint for gv in lowered.functions]
+    for role, prefixes in ATTENTION_ROLES.items():
+        found = sorted(n for n in present if n.startswith(prefixes))
+        report.attention[role] = f"TVM default ({', '.join(found)})" if found else "none"
+    return scheduled, report, applied
+
+
+def build_generator(model: GenerationModel, target: TargetSpec, db: Database | None, out_dir: str | Path,
+                    max_seq_len: int, max_batch: int, db_path: str | None = None,
+                    page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Path, GenerationReport]:
+    """Write a generation artifact for ``model`` to ``out_dir``: ``generate.so`` (embedding, batched prefill
+    and decode, the KV cache's creation), ``params.bin`` and ``manifest.json``."""
+    import tvm
+
+    from autosched import __version__
+    from autosched.pipeline.build import compile_scheduled
+
+    cfg = model.config
+    _check_limits(cfg, max_seq_len, max_batch)
+    began = time.perf_counter()
+    lowered, names = lower_generation(cfg, target)
+    exported = time.perf_counter()
+    scheduled, report, applied = schedule_generation(lowered, db, target)
+    scheduled_at = time.perf_counter()
+    executable = compile_scheduled(scheduled, applied, target)
+    report.seconds = {"export": exported - began, "database": scheduled_at - exported,
+                      "compile": time.perf_counter() - scheduled_at}
+
+    weights = weights_from_hf(model.hf.state_dict(), cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {f"p{i}": _to_tvm(weights[name], cfg.dtype) for i, name in enumerate(names)}
+    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(tensors))
+    executable.export_library(str(out / LIBRARY))
+    manifest = {
+        "format": FORMAT, "version": 1, "model": model.spec, "decoder": cfg.to_json(), "param_names": names,
+        "param_order": list(tensors), "library": LIBRARY, "params": PARAMS, "target": target.to_json(),
+        "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
+        "eos_token_ids": model.eos_token_ids, "autosched_version": __version__, "tvm_version": tvm.__version__,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
+        "tuned_kernels": report.tuned, "default_kernels": report.default, "attention": report.attention,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out, report
+
+
+def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:
+    if max_seq_len < 1 or max_batch < 1:
+        raise UsageError("--max-seq-len and --max-batch must be at least 1")
+    if cfg.learned_positions and max_seq_len > cfg.learned_positions:
+        raise UsageError(f"the model has {cfg.learned_positions} learned positions: use --max-seq-len "
+                         f"{cfg.learned_positions} or less")
+    if cfg.sliding_window and max_seq_len > cfg.sliding_window:
+        raise UsageError(f"the model attends over a sliding window of {cfg.sliding_window} tokens, which generation "
+                         f"does not support yet: use --max-seq-len {cfg.sliding_window} or less")
+
+
+def _to_tvm(tensor, dtype: str):
+    """A torch tensor as a TVM tensor of ``dtype`` on the CPU (bfloat16 too, which numpy lacks)."""
+    import torch
+    import tvm
+
+    t = tensor.detach().to(getattr(torch, dtype)).contiguous().cpu()
+    return tvm.runtime.from_dlpack(t).copyto(tvm.cpu())

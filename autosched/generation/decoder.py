@@ -1,0 +1,285 @@
+"""A decoder-only language model over TVM's paged KV cache, written once for every family we import.
+
+The families of ``examples/hf.py`` (Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2) differ in a handful of
+choices: the norm, the MLP, biases, how positions enter (rotary in the cache, or a learned table), how the
+embeddings are scaled and whether the LM head is the embedding table. :class:`DecoderConfig` names those
+choices; :func:`config_from_hf` reads them from a transformers config, and :func:`weights_from_hf` maps the
+model's state dict onto this module's parameters (q/k/v and gate/up concatenated, GPT-2's Conv1D weights
+transposed, Gemma's ``1 + w`` norms folded).
+
+The model exports what a generation runtime drives (as MLC-LLM's models do): ``batch_prefill`` (a batch of
+prompts' token ids packed along one axis, logits at the last token of each), ``batch_decode`` (one token for
+each of a batch of sequences) and ``create_paged_kv_cache``.
+Attention goes through ``vm.builtin.attention_kv_cache_attention_with_fused_qkv``: the runtime applies the
+rotary embedding at each token's cached position, appends K and V to the sequence's pages and calls the
+attention kernels the cache was created with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autosched.errors import UsageError
+
+FAMILIES = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    family: str
+    vocab: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    mlp: int
+    norm: str = "rms"  # "rms" or "layer"
+    norm_eps: float = 1e-5
+    gated_mlp: bool = True  # act(gate) * up, else act(fc)
+    activation: str = "silu"  # "silu", "gelu_tanh" or "gelu"
+    qkv_bias: bool = False
+    dense_bias: bool = False  # biases on the output projection, the MLP and the norms (GPT-2)
+    rope_theta: float = 10000.0
+    rotary_dim: int = 0  # 0: no rotary embedding
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    learned_positions: int = 0  # rows of a learned position table (GPT-2), else 0
+    embed_scale: float = 1.0
+    tied_embeddings: bool = False
+    sliding_window: int = 0  # attention window of the model (Mistral); 0: none
+    dtype: str = "float32"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> DecoderConfig:
+        return cls(**data)
+
+
+def _rope(config) -> tuple[float, dict]:
+    """(theta, scaling) of a transformers config, old (``rope_theta``/``rope_scaling``) or new (``rope_parameters``)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    kind = params.get("rope_type") or (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
+    if kind not in ("default", None):
+        raise UsageError(f"rotary scaling '{kind}' is not supported for generation yet: use a model without rope_scaling")
+    return theta, {}
+
+
+def config_from_hf(config, dtype: str) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a transformers ``PretrainedConfig``; a UsageError for another family."""
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        raise UsageError(f"generation supports the families {', '.join(FAMILIES)}; this model is '{family}'")
+    if family == "gpt2":
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(config, "reorder_and_upcast_attn", False):
+            raise UsageError("GPT-2 with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn is not supported")
+        hidden, heads = config.n_embd, config.n_head
+        act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(config.activation_function)
+        if act is None:
+            raise UsageError(f"GPT-2 activation '{config.activation_function}' is not supported")
+        return DecoderConfig(family, config.vocab_size, hidden, heads, heads, hidden // heads, config.n_layer,
+                             config.n_inner or 4 * hidden, norm="layer", norm_eps=config.layer_norm_epsilon,
+                             gated_mlp=False, activation=act, qkv_bias=True, dense_bias=True,
+                             learned_positions=config.n_positions, tied_embeddings=True, dtype=dtype)
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    theta, scaling = _rope(config)
+    partial = float((getattr(config, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}.get(config.hidden_act)
+    if act is None:
+        raise UsageError(f"activation '{config.hidden_act}' is not supported for generation")
+    window = getattr(config, "sliding_window", None) if family in ("mistral", "qwen2") else None
+    if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+        window = None
+    return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
+                         config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
+                         activation=act, qkv_bias=family == "qwen2", rope_theta=theta,
+                         rotary_dim=int(head_dim * partial), rope_scaling=scaling,
+                         embed_scale=math.sqrt(hidden) if family == "gemma" else 1.0,
+                         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                         sliding_window=int(window or 0), dtype=dtype)
+
+
+def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
+    """This module's parameters, by name, as torch tensors, from a transformers state dict (``model.``/
+    ``transformer.`` prefixes as the ``*ForCausalLM`` classes have them)."""
+    import torch
+
+    def get(name):
+        for prefix in ("", "model.", "transformer."):
+            if prefix + name in state:
+                return state[prefix + name]
+        raise UsageError(f"the model has no weight '{name}': is it a {cfg.family} model as transformers writes it?")
+
+    out = {}
+    if cfg.family == "gpt2":
+        out["embed.weight"] = get("wte.weight")
+        out["positions.weight"] = get("wpe.weight")
+        for i in range(cfg.layers):
+            p, q = f"h.{i}.", f"layers.{i}."
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                out[q + ours + ".weight"], out[q + ours + ".bias"] = get(p + theirs + ".weight"), get(p + theirs + ".bias")
+            # Conv1D keeps weights as [in, out]; Linear takes [out, in].
+            for ours, theirs in (("qkv", "attn.c_attn"), ("o", "attn.c_proj"), ("up", "mlp.c_fc"), ("down", "mlp.c_proj")):
+                out[q + ours + ".weight"] = get(p + theirs + ".weight").t()
+                out[q + ours + ".bias"] = get(p + theirs + ".bias")
+        out["norm.weight"], out["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
+    else:
+        # Gemma's norms scale by (1 + w): folded here so that every family runs a plain RMSNorm.
+        norm = (lambda w: w.float().add(1.0).to(w.dtype)) if cfg.family == "gemma" else (lambda w: w)
+        out["embed.weight"] = get("embed_tokens.weight")
+        for i in range(cfg.layers):
+            p, q = f"layers.{i}.", f"layers.{i}."
+            out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
+            out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
+            if cfg.family == "phi3":
+                out[q + "qkv.weight"] = get(p + "self_attn.qkv_proj.weight")
+                out[q + "up.weight"] = get(p + "mlp.gate_up_proj.weight")
+            else:
+                out[q + "qkv.weight"] = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+                if cfg.qkv_bias:
+                    out[q + "qkv.bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                out[q + "up.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            out[q + "o.weight"] = get(p + "self_attn.o_proj.weight")
+            out[q + "down.weight"] = get(p + "mlp.down_proj.weight")
+        out["norm.weight"] = norm(get("norm.weight"))
+    if not cfg.tied_embeddings:
+        out["lm_head.weight"] = state.get("lm_head.weight", out["embed.weight"])
+    return out
+
+
+def build_module(cfg: DecoderConfig):
+    """The ``tvm.relax.frontend.nn`` module of ``cfg`` and its export spec."""
+    from tvm import tirx
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn import Tensor, op
+    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+    dtype = cfg.dtype
+
+    def make_norm():
+        if cfg.norm == "layer":
+            return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=dtype)
+        return nn.RMSNorm(cfg.hidden, -1, cfg.norm_eps, bias=False, dtype=dtype)
+
+    def activation(x):
+        if cfg.activation == "silu":
+            return op.silu(x)
+        return op.gelu(x, approximate="tanh" if cfg.activation == "gelu_tanh" else None)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+            self.attn_norm = make_norm()
+            self.qkv = nn.Linear(cfg.hidden, qkv_rows, bias=cfg.qkv_bias, dtype=dtype)
+            self.o = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            self.mlp_norm = make_norm()
+            self.up = nn.Linear(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
+            self.down = nn.Linear(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+
+        def forward(self, x: Tensor, cache: PagedKVCache, layer_id: int):
+            b, s, _ = x.shape
+            qkv = op.reshape(self.qkv(self.attn_norm(x)), (b, s, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim))
+            attn = cache.attention_with_fused_qkv(layer_id, qkv, cfg.heads, sm_scale=cfg.head_dim ** -0.5)
+            x = x + self.o(op.reshape(attn, (b, s, cfg.heads * cfg.head_dim)))
+            up = self.up(self.mlp_norm(x))
+            if cfg.gated_mlp:
+                gate, up = op.split(up, 2, axis=-1)
+                up = activation(gate) * up
+            else:
+                up = activation(up)
+            return x + self.down(up)
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype)
+            if cfg.learned_positions:
+                self.positions = nn.Embedding(cfg.learned_positions, cfg.hidden, dtype=dtype)
+            self.layers = nn.ModuleList([Layer() for _ in range(cfg.layers)])
+            self.norm = make_norm()
+            if not cfg.tied_embeddings:
+                self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
+
+        def forward(self, x: Tensor, cache: PagedKVCache):
+            if cfg.learned_positions:
+                b, s, _ = x.shape
+                at = cache.get_query_positions(b * s)
+                x = x + op.reshape(self.positions(at), (b, s, cfg.hidden))
+            for layer_id, layer in enumerate(self.layers):
+                x = layer(x, cache, layer_id)
+            return self.norm(x)
+
+        def logits(self, x: Tensor):
+            if cfg.tied_embeddings:
+                out = op.matmul(x, op.permute_dims(self.embed.weight))
+            else:
+                out = self.lm_head(x)
+            return out.astype("float32") if out.dtype != "float32" else out
+
+        def embed_tokens(self, input_ids: Tensor):
+            x = self.embed(input_ids)
+            return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
+
+        def batch_prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
+            """Prompts packed one after another in ``input_ids``; logits at ``logit_positions`` (each prompt's last)."""
+            x = op.reshape(self.embed_tokens(input_ids), (1, input_ids.shape[0], cfg.hidden))
+            x = op.take(self.forward(x, cache), logit_positions, axis=1)
+            return self.logits(x), cache
+
+        def batch_decode(self, input_ids: Tensor, cache: PagedKVCache):
+            """One token for each sequence of the batch."""
+            x = op.reshape(self.embed_tokens(input_ids), (input_ids.shape[0], 1, cfg.hidden))
+            return self.logits(self.forward(x, cache)), cache
+
+        def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                                  support_sliding_window: tirx.Var) -> PagedKVCache:
+            from tvm import relax as rx
+
+            return TIRPagedKVCache(
+                attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+                prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+                support_sliding_window=support_sliding_window, layer_partition=rx.ShapeExpr([0, cfg.layers]),
+                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                qk_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0,
+                mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL if cfg.rotary_dim else RopeMode.NONE,
+                rope_scale=1, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.rotary_dim or cfg.head_dim,
+                enable_disaggregation=False, dtype=dtype, target=_current_target())
+
+    module = Decoder()
+    packed = {"param_mode": "packed", "effect_mode": "none"}
+    cache_spec = nn.spec.Object(object_type=PagedKVCache)
+    spec = {
+        "batch_prefill": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"),
+                          "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "cache": cache_spec, "$": packed},
+        "batch_decode": {"input_ids": nn.spec.Tensor(["batch_size"], "int32"), "cache": cache_spec, "$": packed},
+        "create_paged_kv_cache": {name: int for name in ("max_batch_size", "max_total_seq_len", "prefill_chunk_size",
+                                                         "page_size", "support_sliding_window")}
+        | {"$": {"param_mode": "none", "effect_mode": "none"}},
+    }
+    return module, spec
+
+
+_TARGET = []
+
+
+def _current_target():
+    """The target the KV cache's kernels are generated for (set by :func:`export`)."""
+    return _TARGET[-1]
+
+
+def export(cfg: DecoderConfig, tvm_target):
+    """(IRModule, parameter names in the order the functions take them) of ``cfg`` for ``tvm_target``."""
+    module, spec = build_module(cfg)
+    _TARGET.append(tvm_target)
+    try:
+        mod, params = module.export_tvm(spec=spec)
+    finally:
+        _TARGET.pop()
+    return mod, [name for name, _ in params]

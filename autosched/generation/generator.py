@@ -1,0 +1,356 @@
+"""Generating text from a generation artifact, with TVM's runtime and numpy alone.
+
+The KV cache is TVM's paged one (``vm.builtin.paged_attention_kv_cache_create``, made by the artifact's
+``create_paged_kv_cache``): sequences are added, forked (children share the parent's pages, nothing is
+copied) and removed through the runtime's ``vm.builtin.kv_state_*`` functions. Each :meth:`Generator.step`
+prefills the sequences added since the last step (their prompts packed into one call) and decodes one token
+for every sequence that was already decoding (one call for the whole batch): continuous batching in its
+simplest form. Sampling runs on the host from each step's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autosched.errors import AutoschedError, UsageError
+
+from .build import FORMAT, MANIFEST
+
+
+class GenerationError(AutoschedError):
+    """A request the generator cannot serve (bad input or a limit of the artifact); other sequences go on."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy when ``temperature`` is 0, else sampled from the logits divided
+    by ``temperature``, kept to the ``top_k`` most likely (0: all) and to the smallest set whose probability
+    reaches ``top_p``. ``seed`` makes a request's samples reproducible whatever else is in its batch."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise UsageError("sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+
+
+@dataclass
+class Completion:
+    """What one request produced: the new tokens and why it stopped (``length``: max_new_tokens reached;
+    ``stop``: a stop token; ``max_seq_len``: the artifact's longest sequence; ``error``: see ``error``)."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    pending: list[int]  # tokens not yet in the cache: the prompt (or a fork's suffix), then the last sample
+    length: int  # tokens in the cache
+    max_new_tokens: int
+    stop_tokens: frozenset
+    sampling: Sampling
+    rng: object
+    completion: Completion
+    prefilled: bool = False
+
+
+class Generator:
+    """A loaded generation artifact (``autosched build MODEL --generate``) and its KV cache.
+
+    ``generate(prompts, ...)`` serves a list of token-id prompts, ``stream(...)`` yields tokens as they come,
+    and ``add``/``step``/``remove`` drive sequences one step at a time (new requests join between steps).
+    ``kv_pages``: pages in the cache (default: room for ``max_batch`` sequences of ``max_seq_len`` tokens).
+    """
+
+    def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None):
+        import tvm
+        from tvm import relax
+
+        self.path = Path(artifact_dir)
+        self.manifest = read_generation_manifest(self.path)
+        m = self.manifest
+        from autosched.target import KIND_FACTS
+
+        self.device = tvm.device(KIND_FACTS[m["target"]["kind"]].device, 0)
+        library = self.path / m["library"]
+        if not library.exists():
+            raise UsageError(f"{library} is missing: rebuild the artifact with `autosched build MODEL --generate`")
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), self.device)
+        saved = tvm.runtime.load_param_dict((self.path / m["params"]).read_bytes())
+        self.params = [saved[name].copyto(self.device) for name in m["param_order"]]
+        self.vocab = m["decoder"]["vocab"]
+        self.max_seq_len, self.max_batch, self.page_size = m["max_seq_len"], m["max_batch"], m["page_size"]
+        self.eos_token_ids = frozenset(m.get("eos_token_ids", []))
+        pages_per_seq = -(-self.max_seq_len // self.page_size)
+        self.kv_pages = kv_pages or pages_per_seq * self.max_batch
+        shape = tvm.runtime.ShapeTuple
+        self.cache = self.vm["create_paged_kv_cache"](
+            shape([self.max_batch]), shape([self.kv_pages * self.page_size]), shape([self.max_seq_len]),
+            shape([self.page_size]), shape([0]))
+        builtin = tvm.get_global_func
+        self._add = builtin("vm.builtin.kv_state_add_sequence")
+        self._fork = builtin("vm.builtin.kv_state_fork_sequence")
+        self._remove = builtin("vm.builtin.kv_state_remove_sequence")
+        self._begin = builtin("vm.builtin.kv_state_begin_forward")
+        self._end = builtin("vm.builtin.kv_state_end_forward")
+        self._free_pages = builtin("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self._shape = shape
+        self._seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+        self.stats = {"prefill_calls": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0,
+                      "decode_tokens": 0, "decode_s": 0.0}
+
+    # ---- sequences, one step at a time ------------------------------------------------------------
+
+    @property
+    def live(self) -> list[int]:
+        """The ids of the sequences in the cache (decoding, waiting for their prefill, or held as parents)."""
+        return list(self._seqs)
+
+    def add(self, prompt: Sequence[int], max_new_tokens: int = 32, sampling: Sampling | None = None,
+            stop_tokens: Sequence[int] | None = None, parent: int | None = None) -> int:
+        """Add a sequence; returns its id. ``parent``: a live sequence whose cached tokens come first (its
+        pages are shared, not copied), ``prompt`` then continues it. ``max_new_tokens=0`` prefills only: the
+        sequence stays as a parent for forks until :meth:`remove`. ``stop_tokens`` default to the model's
+        end-of-sequence tokens. Raises :class:`GenerationError` for input the artifact cannot take."""
+        import numpy as np
+
+        prompt = [int(t) for t in prompt]
+        if len(self._seqs) >= self.max_batch:
+            raise GenerationError(f"{self.max_batch} sequences are live, the artifact's --max-batch: remove one first "
+                                  "(or rebuild with a larger --max-batch)")
+        if not prompt:
+            raise GenerationError("the prompt is empty: give at least one token id")
+        bad = [t for t in prompt if not 0 <= t < self.vocab]
+        if bad:
+            raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab - 1})")
+        base = 0
+        if parent is not None:
+            parent_seq = self._get(parent)
+            if parent_seq.pending:
+                raise GenerationError(f"sequence {parent} has tokens not yet in the cache: fork it after a step")
+            base = parent_seq.length
+        if base + len(prompt) > self.max_seq_len:
+            raise GenerationError(f"the prompt has {base + len(prompt)} tokens, more than the artifact's --max-seq-len "
+                                  f"{self.max_seq_len}: shorten it or rebuild with a larger --max-seq-len")
+        if max_new_tokens < 0:
+            raise GenerationError("max_new_tokens must be 0 or more")
+        seq_id = self._next_id
+        self._next_id += 1
+        if parent is None:
+            self._add(self.cache, seq_id)
+        else:
+            self._fork(self.cache, parent, seq_id, -1)
+        sampling = sampling or Sampling()
+        stops = frozenset(self.eos_token_ids if stop_tokens is None else stop_tokens)
+        self._seqs[seq_id] = _Sequence(seq_id, prompt, base, max_new_tokens, stops, sampling,
+                                       np.random.default_rng(sampling.seed), Completion())
+        return seq_id
+
+    def remove(self, seq_id: int) -> Completion:
+        """Drop a sequence from the cache (its pages are freed once no fork shares them); returns what it made."""
+        seq = self._get(seq_id)
+        self._remove(self.cache, seq_id)
+        del self._seqs[seq_id]
+        return seq.completion
+
+    def completion(self, seq_id: int) -> Completion:
+        return self._get(seq_id).completion
+
+    def step(self) -> list[tuple[int, int]]:
+        """Prefill the sequences added since the last step, then decode one token for every sequence that was
+        decoding already. Returns the (sequence id, token) pairs made, in order. A finished sequence is
+        removed from the cache (unless it is held as a parent: ``max_new_tokens=0``)."""
+        decoding = [s for s in self._seqs.values() if s.prefilled and s.pending and s.completion.finish_reason is None]
+        waiting = [s for s in self._seqs.values() if not s.prefilled]
+        made = []
+        while waiting:
+            batch, total = [], 0
+            for seq in waiting:
+                if batch and total + len(seq.pending) > self.max_seq_len:
+                    break
+                batch.append(seq)
+                total += len(seq.pending)
+            waiting = waiting[len(batch):]
+            made += self._forward(batch, prefill=True)
+        if decoding:
+            made += self._forward(decoding, prefill=False)
+        for seq in list(self._seqs.values()):
+            if seq.completion.finish_reason is not None and seq.max_new_tokens > 0:
+                self.remove(seq.seq_id)
+        return made
+
+    # ---- whole requests ----------------------------------------------------------------------------
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
+               prefix: Sequence[int] | None = None) -> Iterator[tuple[int, int]]:
+        """Yield (prompt index, token) as tokens are made, serving at most ``max_batch`` prompts at a time and
+        admitting the next as one finishes. ``prefix``: tokens every prompt starts with, prefilled once and
+        shared by forks. A prompt the artifact cannot take ends with an error (see :meth:`completions`); the
+        others go on. Request ``i`` samples with seed ``seed + i``."""
+        self.completions: list[Completion] = [Completion() for _ in prompts]
+        queue = list(enumerate(prompts))
+        owner: dict[int, int] = {}
+        root = None
+        if prefix:
+            root = self.add(prefix, max_new_tokens=0)
+            self.step()
+        try:
+            while queue or owner:
+                while queue and len(self._seqs) < self.max_batch:
+                    index, prompt = queue.pop(0)
+                    sampling = Sampling(temperature, top_k, top_p, seed + index)
+                    try:
+                        seq_id = self.add(prompt, max_new_tokens, sampling, stop_tokens, parent=root)
+                    except GenerationError as exc:
+                        self.completions[index] = Completion(finish_reason="error", error=str(exc))
+                        continue
+                    owner[seq_id] = index
+                    self.completions[index] = self._seqs[seq_id].completion
+                if not owner:
+                    break
+                for seq_id, token in self.step():
+                    if seq_id in owner:
+                        yield owner[seq_id], token
+                for seq_id in [s for s in owner if s not in self._seqs]:
+                    del owner[seq_id]
+        finally:
+            for seq_id in list(owner) + ([root] if root is not None else []):
+                if seq_id in self._seqs:
+                    self.remove(seq_id)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, **options) -> list[Completion]:
+        """The completion of each prompt (options as :meth:`stream`)."""
+        for _ in self.stream(prompts, max_new_tokens, **options):
+            pass
+        return self.completions
+
+    def timing(self) -> dict:
+        """Prefill time, time per decode step and tokens per second since the generator was made."""
+        s = self.stats
+        steps = max(s["decode_steps"], 1)
+        return {"prefill_ms": 1e3 * s["prefill_s"], "prefill_tokens": s["prefill_tokens"],
+                "ms_per_step": 1e3 * s["decode_s"] / steps, "decode_steps": s["decode_steps"],
+                "tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0}
+
+    # ---- inside ----------------------------------------------------------------------------------
+
+    def _get(self, seq_id: int) -> _Sequence:
+        if seq_id not in self._seqs:
+            raise GenerationError(f"no live sequence {seq_id}: live are {sorted(self._seqs) or 'none'}")
+        return self._seqs[seq_id]
+
+    def _pages_needed(self, seq: _Sequence, tokens: int) -> int:
+        have = -(-seq.length // self.page_size)
+        return -(-(seq.length + tokens) // self.page_size) - have
+
+    def _forward(self, batch: list[_Sequence], prefill: bool) -> list[tuple[int, int]]:
+        import numpy as np
+        import tvm
+
+        # A sequence the cache has no room for ends with an error; the rest of the batch goes on.
+        free = int(self._free_pages(self.cache))
+        kept = []
+        for seq in batch:
+            tokens = len(seq.pending)
+            need = self._pages_needed(seq, tokens)
+            if seq.length + tokens > self.max_seq_len:
+                seq.completion.finish_reason = "max_seq_len"
+            elif need > free:
+                seq.completion.finish_reason = "error"
+                seq.completion.error = (f"the KV cache is out of pages ({self.kv_pages} in all): fewer or shorter "
+                                        "sequences at once")
+            else:
+                free -= need
+                kept.append(seq)
+        if not kept:
+            return []
+        lengths = [len(s.pending) for s in kept]
+        ids = np.concatenate([np.asarray(s.pending, dtype="int32") for s in kept])
+        began = time.perf_counter()
+        self._begin(self.cache, self._shape([s.seq_id for s in kept]), self._shape(lengths))
+        input_ids = tvm.runtime.tensor(ids, self.device)
+        if prefill:
+            last = tvm.runtime.tensor(np.cumsum(lengths, dtype="int32") - 1, self.device)
+            logits, self.cache = self.vm["batch_prefill"](input_ids, last, self.cache, self.params)
+        else:
+            logits, self.cache = self.vm["batch_decode"](input_ids, self.cache, self.params)
+        self._end(self.cache)
+        logits = logits.numpy().reshape(len(kept), -1)
+        elapsed = time.perf_counter() - began
+        key = "prefill" if prefill else "decode"
+        self.stats[f"{key}_s"] += elapsed
+        if prefill:
+            self.stats["prefill_calls"] += 1
+            self.stats["prefill_tokens"] += int(ids.size)
+        else:
+            self.stats["decode_steps"] += 1
+            self.stats["decode_tokens"] += len(kept)
+        made = []
+        for seq, row in zip(kept, logits):
+            seq.length += len(seq.pending)
+            seq.pending = []
+            seq.prefilled = True
+            if seq.max_new_tokens == 0:
+                continue
+            token = _sample(row, seq.sampling, seq.rng)
+            seq.completion.tokens.append(token)
+            made.append((seq.seq_id, token))
+            if token in seq.stop_tokens:
+                seq.completion.finish_reason = "stop"
+            elif len(seq.completion.tokens) >= seq.max_new_tokens:
+                seq.completion.finish_reason = "length"
+            elif seq.length + 1 > self.max_seq_len:
+                seq.completion.finish_reason = "max_seq_len"
+            else:
+                seq.pending = [token]
+        return made
+
+
+def _sample(logits, sampling: Sampling, rng) -> int:
+    import numpy as np
+
+    if sampling.temperature == 0:
+        return int(np.argmax(logits))
+    scores = logits.astype(np.float64) / sampling.temperature
+    if sampling.top_k:
+        cut = np.partition(scores, -sampling.top_k)[-sampling.top_k]
+        scores = np.where(scores >= cut, scores, -np.inf)
+    probs = np.exp(scores - scores.max())
+    probs /= probs.sum()
+    if sampling.top_p < 1:
+        order = np.argsort(-probs)
+        keep = np.cumsum(probs[order]) - probs[order] < sampling.top_p  # the smallest prefix reaching top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    return int(rng.choice(len(probs), p=probs))
+
+
+def read_generation_manifest(path: Path) -> dict:
+    """The manifest of a generation artifact; a one-line UsageError for a folder that is not one."""
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.exists():
+        raise UsageError(f"{path} is not an autosched build (no {MANIFEST}): run `autosched build MODEL --generate -o {path}`")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{manifest_path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}): rebuild the "
+                         "artifact") from None
+    if manifest.get("format") != FORMAT:
+        raise UsageError(f"{path} was built without --generate: rebuild it with `autosched build MODEL --generate`")
+    return manifest
