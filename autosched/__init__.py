@@ -9,7 +9,16 @@ from . import _checkout, tvm_adapter
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["Generator", "Sampling", "__version__"]
+
+
+def __getattr__(name: str):
+    # autosched.Generator without importing TVM at `import autosched`.
+    if name in ("Generator", "Sampling", "Completion", "GenerationError"):
+        from . import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module 'autosched' has no attribute {name!r}")
 
 # search_spaces/, database/ and examples/ sit at the top of the repository and are installed as
 # autosched.search_spaces, autosched.database and autosched.examples (pyproject.toml's package-dir). From

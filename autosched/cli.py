@@ -307,6 +307,10 @@ class _ModelProgress:
 
 
 def cmd_build(args) -> int:
+    if args.generate:
+        from .generation.cli import cmd_build_generate
+
+        return cmd_build_generate(args)
     from .pipeline import build_buckets, build_model, build_summary, check_padding_is_exact, export_artifact, export_bucketed
     from .pipeline.lengths import bucket_key
     from .target import parse_target
@@ -423,6 +427,9 @@ def _add_format(p: argparse.ArgumentParser, choices=("table", "json", "csv")) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .generation.cli import add_build_arguments as add_generation_build_arguments
+    from .generation.cli import add_generate_parser
+
     parser = argparse.ArgumentParser(prog="autosched", description="Schedule search for LLM operators on Apache TVM.")
     parser.add_argument("--version", action="version", version=f"autosched {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -491,7 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
     # padding by at most a quarter kept lengths never tuned within 10% of a build for exactly that length.
     model_args(p, growth=BUILD_BUCKET_GROWTH)
     p.add_argument("-o", "--output", required=True, help="folder for model.so, params.bin and manifest.json")
+    add_generation_build_arguments(p)
     p.set_defaults(fn=cmd_build)
+
+    add_generate_parser(sub)
 
     p = sub.add_parser("run", help="run a built model on random inputs, check it against torch, time it")
     p.add_argument("artifact", help="the folder `autosched build` wrote")

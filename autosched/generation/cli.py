@@ -1,0 +1,127 @@
+"""``autosched build MODEL --generate`` and ``autosched generate DIR``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from autosched.errors import UsageError
+from autosched.output import console
+
+
+def add_build_arguments(p) -> None:
+    """The options ``build`` takes for a generation artifact."""
+    p.add_argument("--generate", action="store_true",
+                   help="build for text generation: batched prefill and decode over a paged KV cache "
+                        "(MODEL: an hf-* example, a save_pretrained folder, or module:factory of a transformers LM)")
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="with --generate: the longest sequence, prompt and new tokens (default 2048)")
+
+
+def cmd_build_generate(args) -> int:
+    from autosched.database.store import is_url
+    from autosched.target import parse_target
+
+    from .build import build_generator, load_generation_model
+
+    target = parse_target(args.target, require_device=False)
+    if args.tokens or args.batch:
+        raise UsageError("--tokens and --batch do not apply to --generate: prompts and batches vary at run time "
+                         "(give --max-seq-len and --max-batch)")
+    model = load_generation_model(args.model, args.dtype)
+    db = None
+    if args.db and (is_url(args.db) or os.path.exists(args.db)):
+        from autosched.cli import _open_db
+
+        db = _open_db(args.db)
+    log = console(stderr=True)
+    try:
+        out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
+                                      db_path=str(db.path) if db else None)
+    finally:
+        if db is not None:
+            db.close()
+    print(str(out))
+    log.log(f"{report.summary()}; generate with `autosched generate {out}` or autosched.Generator")
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate tokens from an artifact of `autosched build MODEL --generate`")
+    p.add_argument("artifact", help="the folder `autosched build --generate` wrote")
+    p.add_argument("--prompt-ids", action="append", default=[],
+                   help="a prompt as comma-separated token ids (repeat for a batch of prompts)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt as text (needs --tokenizer; repeatable)")
+    p.add_argument("--tokenizer", help="a local folder holding a Hugging Face tokenizer (nothing is downloaded)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens up to this mass")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (prompt i uses seed + i)")
+    p.add_argument("--stop-ids", help="comma-separated token ids that end a sequence (default: the model's EOS)")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="output (default text)")
+    p.set_defaults(fn=cmd_generate)
+
+
+def _ids(text: str, what: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"{what} '{text}' should be comma-separated token ids, e.g. 1,2,3") from None
+
+
+def _tokenizer(path: str | None):
+    if path is None:
+        return None
+    if not os.path.isdir(path):
+        raise UsageError(f"--tokenizer {path} is not a folder: give a local folder with a Hugging Face tokenizer")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UsageError("--tokenizer needs transformers: pip install transformers") from None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"no tokenizer could be read from {path}: {exc}") from None
+
+
+def cmd_generate(args) -> int:
+    from .generator import read_generation_manifest
+
+    read_generation_manifest(args.artifact)  # a bad folder is reported before TVM loads
+    tokenizer = _tokenizer(args.tokenizer)
+    if args.prompt and tokenizer is None:
+        raise UsageError("--prompt needs --tokenizer LOCAL_DIR (or give token ids with --prompt-ids)")
+    prompts = [_ids(p, "--prompt-ids") for p in args.prompt_ids]
+    prompts += [tokenizer(text)["input_ids"] for text in args.prompt]
+    if not prompts:
+        raise UsageError("give a prompt: --prompt-ids 1,2,3 (or --prompt TEXT with --tokenizer)")
+    stop = _ids(args.stop_ids, "--stop-ids") if args.stop_ids else None
+
+    from .generator import Generator, Sampling
+
+    Sampling(args.temperature, args.top_k, args.top_p, args.seed)  # checks the options before loading
+    gen = Generator(args.artifact)
+    results = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed, stop_tokens=stop)
+    timing = gen.timing()
+    rows = []
+    for prompt, r in zip(prompts, results):
+        row = {"prompt_ids": prompt, "tokens": r.tokens, "finish_reason": r.finish_reason}
+        if r.error:
+            row["error"] = r.error
+        if tokenizer is not None:
+            row["text"] = tokenizer.decode(r.tokens)
+        rows.append(row)
+    if args.format == "json":
+        print(json.dumps({"completions": rows, "timing": timing}, indent=2))
+    else:
+        for i, row in enumerate(rows):
+            print(f"[{i}] " + (f"error: {row['error']}" if "error" in row else " ".join(map(str, row["tokens"]))))
+            if "text" in row:
+                print(f"[{i}] {row['text']}")
+        print(f"prefill {timing['prefill_ms']:.2f} ms ({timing['prefill_tokens']} tokens), {timing['ms_per_step']:.3f} ms "
+              f"per decode step over {timing['decode_steps']} steps, {timing['tokens_per_s']:.1f} tokens/s",
+              file=sys.stderr)
+    return 2 if any("error" in r for r in rows) else 0
