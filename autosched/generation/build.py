@@ -198,5 +198,8 @@ def _to_tvm(tensor, dtype: str):
     import torch
     import tvm
 
-    t = tensor.detach().to(getattr(torch, dtype)).contiguous().cpu()
-    return tvm.runtime.from_dlpack(t).copyto(tvm.cpu())
+    t = tensor.detach().to(getattr(torch, dtype)).cpu()
+    if t.dtype != torch.bfloat16:
+        return tvm.runtime.tensor(t.contiguous().numpy())
+    # A fresh copy: DLPack import needs 64-byte aligned data, which a view into a state dict may not be.
+    return tvm.runtime.from_dlpack(t.clone(memory_format=torch.contiguous_format)).copyto(tvm.cpu())

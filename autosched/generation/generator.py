@@ -306,6 +306,9 @@ class Generator:
             seq.prefilled = True
             if seq.max_new_tokens == 0:
                 continue
+            if seq.length >= self.max_seq_len:  # a new token would make the sequence longer than the artifact's
+                seq.completion.finish_reason = "max_seq_len"
+                continue
             token = _sample(row, seq.sampling, seq.rng)
             seq.completion.tokens.append(token)
             made.append((seq.seq_id, token))
@@ -313,8 +316,6 @@ class Generator:
                 seq.completion.finish_reason = "stop"
             elif len(seq.completion.tokens) >= seq.max_new_tokens:
                 seq.completion.finish_reason = "length"
-            elif seq.length + 1 > self.max_seq_len:
-                seq.completion.finish_reason = "max_seq_len"
             else:
                 seq.pending = [token]
         return made

@@ -1,0 +1,231 @@
+"""Text generation from a built artifact: TVM's paged KV cache under our decoder gives the tokens
+transformers' own ``generate()`` gives, for batches of prompts of different lengths, sequences that join
+mid-batch and prompts forked from a shared prefix; bad input ends one request with its error while the
+others go on.
+
+Each model is a tiny transformers model whose random weights are made large enough that greedy decoding
+wanders over the vocabulary (the default initialisation repeats one token), saved with ``save_pretrained``
+and built from that folder, as a user's downloaded model would be."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .helpers import cli
+
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
+
+MAX_SEQ_LEN, MAX_BATCH, NEW = 96, 4, 32
+PROMPTS = [[5, 7, 9, 11, 13, 2, 8], [100, 200], [3] * 17 + [4], [42, 43, 44, 45, 46]]
+
+
+def _saved_model(family: str, folder):
+    """A tiny ``family`` model with lively random weights, saved to ``folder``; returns the torch model."""
+    import torch
+
+    from autosched.examples.hf import TINY, _config
+
+    config, cls = _config(family, TINY)
+    torch.manual_seed(1)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name or "ln_" in name:
+                p.normal_(1.0 if family != "gemma" else 0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(folder)
+    return model
+
+
+def _reference(model, prompt, new=NEW):
+    """transformers' greedy ``generate()`` of ``new`` tokens after ``prompt`` (one sequence, no padding)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["llama"])
+def built(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
+
+
+def _build(family, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"gen-{family}")
+    model = _saved_model(family, root / "hf")
+    cli("build", str(root / "hf"), "--generate", "-o", str(root / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
+        "--max-batch", str(MAX_BATCH))
+    return model, root / "art"
+
+
+def _check_family(model, artifact):
+    from autosched.generation import Generator
+
+    gen = Generator(artifact)
+    results = gen.generate(PROMPTS, NEW)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.error is None
+        assert result.tokens == _reference(model, prompt), prompt
+    assert len(set(results[0].tokens)) > 4  # the weights make greedy decoding move: a comparison that can fail
+
+
+def test_greedy_tokens_match_transformers_for_a_batch_of_prompts(built):
+    _check_family(*built)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "mistral", "gemma", "phi3"])
+def test_every_family_matches_transformers(family, tmp_path_factory):
+    _check_family(*_build(family, tmp_path_factory))
+
+
+def test_a_sequence_added_mid_batch_and_forks_of_a_prefix_match_transformers(built):
+    """Continuous batching: a sequence joins while two others decode; and two prompts continue one prefilled
+    prefix whose pages they share."""
+    from autosched.generation import Generator
+
+    model, artifact = built
+    gen = Generator(artifact)
+    a, b = gen.add(PROMPTS[0], NEW), gen.add(PROMPTS[1], NEW)
+    for _ in range(5):
+        gen.step()
+    c = gen.add(PROMPTS[2], NEW)
+    completions = {seq_id: gen.completion(seq_id) for seq_id in (a, b, c)}
+    while gen.live:
+        gen.step()
+    # finished sequences leave the cache; what they made stays on their completions
+    for seq_id, prompt in zip((a, b, c), PROMPTS):
+        assert completions[seq_id].tokens == _reference(model, prompt)
+    results = gen.generate([[9, 8, 7], [6]], NEW, prefix=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17])
+    assert results[0].tokens == _reference(model, list(range(1, 18)) + [9, 8, 7])
+    assert results[1].tokens == _reference(model, list(range(1, 18)) + [6])
+
+
+def test_add_and_step_give_each_sequence_its_own_tokens(built):
+    from autosched.generation import Generator
+
+    model, artifact = built
+    gen = Generator(artifact)
+    ids = [gen.add(PROMPTS[0], NEW), gen.add(PROMPTS[1], NEW)]
+    made = {i: [] for i in ids}
+    for _ in range(3):
+        for seq_id, token in gen.step():
+            made[seq_id].append(token)
+    late = gen.add(PROMPTS[3], NEW)
+    made[late] = []
+    while gen.live:
+        for seq_id, token in gen.step():
+            made[seq_id].append(token)
+    assert made[ids[0]] == _reference(model, PROMPTS[0])
+    assert made[ids[1]] == _reference(model, PROMPTS[1])
+    assert made[late] == _reference(model, PROMPTS[3])
+    assert gen.live == [] and gen.timing()["decode_steps"] > 0
+
+
+def test_more_prompts_than_the_batch_are_served_in_turn_and_stream_in_order(built):
+    from autosched.generation import Generator
+
+    model, artifact = built
+    gen = Generator(artifact)
+    prompts = PROMPTS + [[7, 7, 7], [8]]  # 6 prompts, --max-batch 4
+    streamed = {i: [] for i in range(len(prompts))}
+    for index, token in gen.stream(prompts, 8):
+        streamed[index].append(token)
+    for i, prompt in enumerate(prompts):
+        assert streamed[i] == gen.completions[i].tokens == _reference(model, prompt, 8)
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(built):
+    from autosched.generation import Generator
+
+    _, artifact = built
+    gen = Generator(artifact)
+    first = gen.generate(PROMPTS, 16, temperature=1.0, top_p=0.9, seed=7)
+    again = gen.generate(PROMPTS[:1], 16, temperature=1.0, top_p=0.9, seed=7)  # request 0 alone: same seed
+    assert first[0].tokens == again[0].tokens
+    other = gen.generate(PROMPTS[:1], 16, temperature=1.0, top_p=0.9, seed=8)
+    assert other[0].tokens != first[0].tokens
+    greedy = gen.generate(PROMPTS, 16)
+    assert [r.tokens for r in gen.generate(PROMPTS, 16, temperature=0.7, top_k=1)] == [r.tokens for r in greedy]
+
+
+def test_stop_tokens_end_a_sequence(built):
+    from autosched.generation import Generator
+
+    _, artifact = built
+    gen = Generator(artifact)
+    free = gen.generate(PROMPTS[:1], NEW, stop_tokens=[])[0].tokens
+    stop = free[5]
+    stopped = gen.generate(PROMPTS[:1], NEW, stop_tokens=[stop])[0]
+    assert stopped.tokens == free[:free.index(stop) + 1] and stopped.finish_reason == "stop"
+
+
+def test_bad_requests_end_with_their_error_and_the_others_go_on(built):
+    from autosched.generation import GenerationError, Generator
+
+    model, artifact = built
+    gen = Generator(artifact)
+    results = gen.generate([PROMPTS[0], [1] * (MAX_SEQ_LEN + 1), [5, 512 + 3], []], 8)
+    assert results[0].tokens == _reference(model, PROMPTS[0], 8)
+    assert "more than the artifact's --max-seq-len 96" in results[1].error
+    assert "token id 515 is outside the vocabulary (0 to 511)" in results[2].error
+    assert "the prompt is empty" in results[3].error
+    # a sequence that reaches --max-seq-len stops there
+    long = gen.generate([[3] * (MAX_SEQ_LEN - 4)], 50)[0]
+    assert len(long.tokens) == 4 and long.finish_reason == "max_seq_len"
+    for _ in range(MAX_BATCH):
+        gen.add([1, 2], 4)
+    with pytest.raises(GenerationError, match="4 sequences are live, the artifact's --max-batch"):
+        gen.add([1, 2], 4)
+    with pytest.raises(GenerationError, match="no live sequence 999"):
+        gen.remove(999)
+
+
+def test_a_cache_out_of_pages_ends_the_sequence_that_needs_one(built):
+    """A few 16-token pages: a short sequence fits in its one page and finishes; a long one runs out of pages
+    and ends with the error, keeping the tokens it made."""
+    from autosched.generation import Generator
+
+    model, artifact = built
+    gen = Generator(artifact, kv_pages=3)
+    short, long = gen.add([1, 2, 3], 10), gen.add([4] * 30, 60)
+    results = {short: gen.completion(short), long: gen.completion(long)}
+    while gen.live:
+        gen.step()
+    assert results[long].finish_reason == "error" and "the KV cache is out of pages (3 in all)" in results[long].error
+    assert results[long].tokens == _reference(model, [4] * 30, 60)[:len(results[long].tokens)]
+    assert results[short].finish_reason == "length" and results[short].tokens == _reference(model, [1, 2, 3], 10)
+
+
+def test_the_command_line_generates_and_reports_bad_input_in_one_line(built):
+    _, artifact = built
+    out = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--prompt-ids", "1", "--max-new-tokens", "4",
+              "--format", "json")
+    data = json.loads(out.stdout)
+    assert [len(c["tokens"]) for c in data["completions"]] == [4, 4] and data["timing"]["decode_steps"] == 3
+    text = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "3")
+    assert "tokens/s" in text.stderr and text.stdout.startswith("[0] ")
+    bad = cli("generate", str(artifact), "--prompt-ids", "5,x", check=False)
+    assert bad.returncode == 2 and "comma-separated token ids" in bad.stderr
+    far = cli("generate", str(artifact), "--prompt-ids", "5,99999", check=False)
+    assert far.returncode == 2 and "outside the vocabulary" in far.stdout
+    missing = cli("generate", str(artifact.parent / "nothere"), "--prompt-ids", "1", check=False)
+    assert missing.returncode == 2 and "no manifest.json" in missing.stderr
+    plain = cli("generate", str(artifact), "--prompt", "hello", check=False)
+    assert plain.returncode == 2 and "--prompt needs --tokenizer" in plain.stderr
+
+
+def test_build_refuses_limits_the_model_cannot_take(tmp_path):
+    _saved_model("gpt2", tmp_path / "gpt2")
+    out = cli("build", str(tmp_path / "gpt2"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", "5000",
+              check=False)
+    assert out.returncode == 2 and "4096 learned positions: use --max-seq-len 4096 or less" in out.stderr
+    assert not (tmp_path / "art").exists()
+    odd = cli("build", "tiny-llama", "--generate", "-o", str(tmp_path / "art2"), check=False)
+    assert odd.returncode == 2 and "not a transformers causal LM" in odd.stderr
