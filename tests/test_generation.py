@@ -59,8 +59,9 @@ def built(request, tmp_path_factory):
 def _build(family, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"gen-{family}")
     model = _saved_model(family, root / "hf")
+    # Two live sequences decode through a static function of their own, other batch sizes through the dynamic one.
     cli("build", str(root / "hf"), "--generate", "-o", str(root / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
-        "--max-batch", str(MAX_BATCH))
+        "--max-batch", str(MAX_BATCH), "--decode-batches", "2")
     return model, root / "art"
 
 
@@ -126,6 +127,7 @@ def test_add_and_step_give_each_sequence_its_own_tokens(built):
     assert made[ids[1]] == _reference(model, PROMPTS[1])
     assert made[late] == _reference(model, PROMPTS[3])
     assert gen.live == [] and gen.timing()["decode_steps"] > 0
+    assert 0 < gen.stats["static_decode_steps"] < gen.stats["decode_steps"]  # decode_b2 ran, and batch_decode
 
 
 def test_more_prompts_than_the_batch_are_served_in_turn_and_stream_in_order(built):
@@ -229,3 +231,28 @@ def test_build_refuses_limits_the_model_cannot_take(tmp_path):
     assert not (tmp_path / "art").exists()
     odd = cli("build", "tiny-llama", "--generate", "-o", str(tmp_path / "art2"), check=False)
     assert odd.returncode == 2 and "not a transformers causal LM" in odd.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_half_precision_generation_on_the_gpu_matches_transformers(family, tmp_path):
+    """fp16 on the GPU: the first 16 greedy tokens of every prompt are transformers' (on the same GPU), or the
+    first difference is a near-tie of transformers' own logits."""
+    import torch
+
+    from autosched.generation import Generator
+
+    model = _saved_model(family, tmp_path / "hf")
+    cli("build", str(tmp_path / "hf"), "--generate", "--target", "cuda", "--dtype", "float16", "-o",
+        str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
+    model = model.to("cuda", torch.float16)
+    results = Generator(tmp_path / "art").generate(PROMPTS, 16)
+    for prompt, result in zip(PROMPTS, results):
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        theirs = out.sequences[0, len(prompt):].tolist()
+        diff = next((i for i, (a, b) in enumerate(zip(result.tokens, theirs)) if a != b), None)
+        if diff is not None:
+            top = out.scores[diff][0].float().topk(2).values
+            assert float(top[0] - top[1]) < 0.05, f"{prompt}: token {diff} differs away from a near-tie"

@@ -111,14 +111,14 @@ class GenerationReport:
         return text + "; " + ", ".join(f"{step} {s:.1f} s" for step, s in self.seconds.items())
 
 
-def lower_generation(cfg: DecoderConfig, target: TargetSpec):
+def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tuple[int, ...] = ()):
     """The decoder's module lowered as our model builds lower (so that kernels key as tuned ones), with each
     Linear's transpose folded into its product (``x @ W.T`` read from W as stored, never copied)."""
     from tvm import relax
 
     from autosched.pipeline.lowering import lower
 
-    mod, names = export(cfg, target.tvm_target())
+    mod, names = export(cfg, target.tvm_target(), decode_batches)
     return lower(relax.transform.FuseTransposeMatmul()(mod)), names
 
 
@@ -143,41 +143,79 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
     return scheduled, report, applied
 
 
-def build_generator(model: GenerationModel, target: TargetSpec, db: Database | None, out_dir: str | Path,
-                    max_seq_len: int, max_batch: int, db_path: str | None = None,
-                    page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Path, GenerationReport]:
-    """Write a generation artifact for ``model`` to ``out_dir``: ``generate.so`` (embedding, batched prefill
-    and decode, the KV cache's creation), ``params.bin`` and ``manifest.json``."""
-    import tvm
+def default_decode_batches(target: TargetSpec, max_batch: int) -> tuple[int, ...]:
+    """The batch sizes that get a static decode function by default: on a GPU the powers of two up to
+    ``max_batch`` (and ``max_batch``), each captured as CUDA graphs; none on the CPU, where the static
+    functions would only lengthen the build."""
+    if not target.is_gpu:
+        return ()
+    sizes = {1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch}
+    return tuple(sorted(sizes))
 
-    from autosched import __version__
-    from autosched.pipeline.build import compile_scheduled
 
-    cfg = model.config
-    _check_limits(cfg, max_seq_len, max_batch)
+def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,
+                       decode_batches: tuple[int, ...] = ()):
+    """(executable, the parameter names its functions take in order, report): the decoder lowered, scheduled
+    and compiled, without writing anything (``build_generator`` writes it; benchmarks run it in memory).
+    On a GPU, the kernels between two attention calls of a static decode function (``decode_batches``) run
+    as one captured CUDA graph (TVM's ``RewriteCUDAGraph``): a 32-layer step launches 33 graphs, not 300
+    kernels one by one."""
+    from autosched.pipeline.build import build_pipeline, compile_separate
+    from autosched.target import compile_module
+
     began = time.perf_counter()
-    lowered, names = lower_generation(cfg, target)
+    lowered, names = lower_generation(model.config, target, decode_batches)
     exported = time.perf_counter()
     scheduled, report, applied = schedule_generation(lowered, db, target)
     scheduled_at = time.perf_counter()
-    executable = compile_scheduled(scheduled, applied, target)
+    config = {"relax.backend.use_cuda_graph": True} if target.is_gpu else {}
+    executable = compile_module(scheduled, target, config, relax_pipeline=build_pipeline(target))
+    executable = compile_separate(executable, applied, target)
     report.seconds = {"export": exported - began, "database": scheduled_at - exported,
                       "compile": time.perf_counter() - scheduled_at}
+    return executable, names, report
 
-    weights = weights_from_hf(model.hf.state_dict(), cfg)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {f"p{i}": _to_tvm(weights[name], cfg.dtype) for i, name in enumerate(names)}
-    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(tensors))
-    executable.export_library(str(out / LIBRARY))
-    manifest = {
-        "format": FORMAT, "version": 1, "model": model.spec, "decoder": cfg.to_json(), "param_names": names,
-        "param_order": list(tensors), "library": LIBRARY, "params": PARAMS, "target": target.to_json(),
-        "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
-        "eos_token_ids": model.eos_token_ids, "autosched_version": __version__, "tvm_version": tvm.__version__,
+
+def generation_manifest(model: GenerationModel, names: list[str], target: TargetSpec, report: GenerationReport,
+                        max_seq_len: int, max_batch: int, page_size: int = DEFAULT_PAGE_SIZE,
+                        db_path: str | None = None, decode_batches: tuple[int, ...] = ()) -> dict:
+    """What a :class:`~autosched.generation.Generator` needs to know of a build, as ``manifest.json`` holds it."""
+    import tvm
+
+    from autosched import __version__
+
+    return {
+        "format": FORMAT, "version": 1, "model": model.spec, "decoder": model.config.to_json(), "param_names": names,
+        "param_order": [f"p{i}" for i in range(len(names))], "library": LIBRARY, "params": PARAMS,
+        "target": target.to_json(), "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
+        "decode_batches": list(decode_batches), "eos_token_ids": model.eos_token_ids, "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         "tuned_kernels": report.tuned, "default_kernels": report.default, "attention": report.attention,
     }
+
+
+def build_generator(model: GenerationModel, target: TargetSpec, db: Database | None, out_dir: str | Path,
+                    max_seq_len: int, max_batch: int, db_path: str | None = None,
+                    page_size: int = DEFAULT_PAGE_SIZE,
+                    decode_batches: tuple[int, ...] | None = None) -> tuple[Path, GenerationReport]:
+    """Write a generation artifact for ``model`` to ``out_dir``: ``generate.so`` (batched prefill and decode,
+    the KV cache's creation), ``params.bin`` and ``manifest.json``. Nothing is written if the build fails."""
+    import tvm
+
+    _check_limits(model.config, max_seq_len, max_batch)
+    if decode_batches is None:
+        decode_batches = default_decode_batches(target, max_batch)
+    if any(not 1 <= n <= max_batch for n in decode_batches):
+        raise UsageError(f"--decode-batches must lie between 1 and --max-batch {max_batch}")
+    executable, names, report = compile_generation(model, target, db, decode_batches)
+    weights = weights_from_hf(model.hf.state_dict(), model.config)
+    manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,
+                                   decode_batches)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {key: _to_tvm(weights[name], model.config.dtype) for key, name in zip(manifest["param_order"], names)}
+    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(tensors))
+    executable.export_library(str(out / LIBRARY))
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out, report
 

@@ -17,6 +17,10 @@ def add_build_arguments(p) -> None:
                         "(MODEL: an hf-* example, a save_pretrained folder, or module:factory of a transformers LM)")
     p.add_argument("--max-seq-len", type=int, default=2048,
                    help="with --generate: the longest sequence, prompt and new tokens (default 2048)")
+    p.add_argument("--decode-batches",
+                   help="with --generate: batch sizes whose decode step gets a static function of its own, e.g. "
+                        "1,4,16 (default: on a GPU the powers of two up to --max-batch, run as CUDA graphs; none on "
+                        "the CPU)")
 
 
 def cmd_build_generate(args) -> int:
@@ -37,8 +41,11 @@ def cmd_build_generate(args) -> int:
         db = _open_db(args.db)
     log = console(stderr=True)
     try:
+        batches = None
+        if args.decode_batches is not None:
+            batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
         out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
-                                      db_path=str(db.path) if db else None)
+                                      db_path=str(db.path) if db else None, decode_batches=batches)
     finally:
         if db is not None:
             db.close()

@@ -153,8 +153,10 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
     return out
 
 
-def build_module(cfg: DecoderConfig):
-    """The ``tvm.relax.frontend.nn`` module of ``cfg`` and its export spec."""
+def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = ()):
+    """The ``tvm.relax.frontend.nn`` module of ``cfg`` and its export spec. ``decode_batches``: batch sizes
+    that also get a decode function of their own, ``decode_b<N>``, whose shapes are all static (its kernels
+    can be tuned, and on CUDA the step is captured as one CUDA graph); other sizes run ``batch_decode``."""
     from tvm import tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import Tensor, op
@@ -263,6 +265,9 @@ def build_module(cfg: DecoderConfig):
                                                          "page_size", "support_sliding_window")}
         | {"$": {"param_mode": "none", "effect_mode": "none"}},
     }
+    for n in decode_batches:
+        setattr(module, f"decode_b{n}", module.batch_decode)
+        spec[f"decode_b{n}"] = {"input_ids": nn.spec.Tensor([n], "int32"), "cache": cache_spec, "$": packed}
     return module, spec
 
 
@@ -274,9 +279,9 @@ def _current_target():
     return _TARGET[-1]
 
 
-def export(cfg: DecoderConfig, tvm_target):
+def export(cfg: DecoderConfig, tvm_target, decode_batches: tuple[int, ...] = ()):
     """(IRModule, parameter names in the order the functions take them) of ``cfg`` for ``tvm_target``."""
-    module, spec = build_module(cfg)
+    module, spec = build_module(cfg, decode_batches)
     _TARGET.append(tvm_target)
     try:
         mod, params = module.export_tvm(spec=spec)

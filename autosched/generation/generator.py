@@ -78,21 +78,38 @@ class Generator:
         import tvm
         from tvm import relax
 
-        self.path = Path(artifact_dir)
-        self.manifest = read_generation_manifest(self.path)
-        m = self.manifest
         from autosched.target import KIND_FACTS
 
-        self.device = tvm.device(KIND_FACTS[m["target"]["kind"]].device, 0)
-        library = self.path / m["library"]
-        if not library.exists():
-            raise UsageError(f"{library} is missing: rebuild the artifact with `autosched build MODEL --generate`")
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)), self.device)
-        saved = tvm.runtime.load_param_dict((self.path / m["params"]).read_bytes())
-        self.params = [saved[name].copyto(self.device) for name in m["param_order"]]
+        path = Path(artifact_dir)
+        manifest = read_generation_manifest(path)
+        device = tvm.device(KIND_FACTS[manifest["target"]["kind"]].device, 0)
+        library, params = path / manifest["library"], path / manifest["params"]
+        for needed in (library, params):
+            if not needed.exists():
+                raise UsageError(f"{needed} is missing: rebuild the artifact with `autosched build MODEL --generate`")
+        module = relax.VirtualMachine(tvm.runtime.load_module(str(library)), device)
+        saved = tvm.runtime.load_param_dict(params.read_bytes())
+        self._start(module, [saved[name].copyto(device) for name in manifest["param_order"]], manifest, device, kv_pages)
+
+    @classmethod
+    def in_memory(cls, executable, params: list, manifest: dict, device, kv_pages: int | None = None) -> Generator:
+        """A generator over a build that was never written (``compile_generation``'s executable, the
+        parameters as TVM tensors on ``device``, ``generation_manifest``'s manifest): for benchmarks."""
+        from tvm import relax
+
+        gen = cls.__new__(cls)
+        gen._start(relax.VirtualMachine(executable, device), params, manifest, device, kv_pages)
+        return gen
+
+    def _start(self, vm, params: list, manifest: dict, device, kv_pages: int | None) -> None:
+        import tvm
+
+        self.manifest, self.vm, self.params, self.device = manifest, vm, params, device
+        m = manifest
         self.vocab = m["decoder"]["vocab"]
         self.max_seq_len, self.max_batch, self.page_size = m["max_seq_len"], m["max_batch"], m["page_size"]
         self.eos_token_ids = frozenset(m.get("eos_token_ids", []))
+        self.decode_batches = frozenset(m.get("decode_batches", []))
         pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.kv_pages = kv_pages or pages_per_seq * self.max_batch
         shape = tvm.runtime.ShapeTuple
@@ -109,8 +126,12 @@ class Generator:
         self._shape = shape
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
+        self.completions: list[Completion] = []
+        self.reset_timing()
+
+    def reset_timing(self) -> None:
         self.stats = {"prefill_calls": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0,
-                      "decode_tokens": 0, "decode_s": 0.0}
+                      "static_decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0}
 
     # ---- sequences, one step at a time ------------------------------------------------------------
 
@@ -201,7 +222,7 @@ class Generator:
         admitting the next as one finishes. ``prefix``: tokens every prompt starts with, prefilled once and
         shared by forks. A prompt the artifact cannot take ends with an error (see :meth:`completions`); the
         others go on. Request ``i`` samples with seed ``seed + i``."""
-        self.completions: list[Completion] = [Completion() for _ in prompts]
+        self.completions = [Completion() for _ in prompts]
         queue = list(enumerate(prompts))
         owner: dict[int, int] = {}
         root = None
@@ -287,7 +308,10 @@ class Generator:
             last = tvm.runtime.tensor(np.cumsum(lengths, dtype="int32") - 1, self.device)
             logits, self.cache = self.vm["batch_prefill"](input_ids, last, self.cache, self.params)
         else:
-            logits, self.cache = self.vm["batch_decode"](input_ids, self.cache, self.params)
+            # A batch size with a static function of its own runs it (tuned kernels, CUDA graphs).
+            name = f"decode_b{len(kept)}" if len(kept) in self.decode_batches else "batch_decode"
+            self.stats["static_decode_steps"] += name != "batch_decode"
+            logits, self.cache = self.vm[name](input_ids, self.cache, self.params)
         self._end(self.cache)
         logits = logits.numpy().reshape(len(kept), -1)
         elapsed = time.perf_counter() - began

@@ -1,0 +1,197 @@
+"""Text generation on a GPU: autosched's generation build against transformers' ``generate()``, same run.
+
+A Llama-2-7B or Llama-3-8B configuration (all layers, fp16, random weights, made on the GPU: nothing is
+downloaded), prompts of ``--prompt`` random tokens, ``--new`` tokens, greedy. For each batch size: prefill
+ms, ms per decode step, tokens/s and the share of the floor (the bytes one decode step must read: the
+weights without the embedding table, plus the K/V cache at the mean context, at the device-to-device copy
+bandwidth measured in the same run). transformers runs eagerly (dynamic cache) and, with ``--compile``, with
+a static cache and ``torch.compile`` (fullgraph, no CUDA graphs). Greedy tokens are compared with eager
+transformers' for the first 16 new tokens of every prompt; a first difference is reported with the logit
+margin of transformers' choice there (a near-tie or not).
+
+    python benchmarks/generate_benchmark.py --model llama2-7b --batches 1,16 --compile --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = {
+    "llama2-7b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
+                      vocab_size=32000, rope_theta=10000.0),
+    "llama3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                      vocab_size=128256, rope_theta=500000.0),
+}
+COMPARED = 16  # new tokens compared with transformers per prompt
+
+
+def make_model(name: str, layers: int):
+    import torch
+    import transformers
+
+    dims = dict(CONFIGS[name])
+    theta = dims.pop("rope_theta")
+    config = transformers.LlamaConfig(**dims, num_hidden_layers=layers, max_position_embeddings=4096,
+                                      rope_parameters={"rope_type": "default", "rope_theta": theta})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.float16).eval()
+    return model
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth, bytes/s (read + write of a 2 GiB buffer), median of 20."""
+    import torch
+
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(22):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times[2:])
+
+
+def floor_ms(model, batch: int, context: float, bandwidth: float) -> float:
+    """The bytes one decode step must read at ``bandwidth``: weights less the embedding table, plus K and V of
+    ``context`` tokens for each sequence."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv = batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2
+    return 1e3 * (weights + kv) / bandwidth
+
+
+def ours(model, prompts, new: int, max_seq_len: int, static: bool = True):
+    """(prefill ms, ms per decode step, tokens per prompt, build seconds, attention kernels) of our
+    generation build; ``static``: the batch's decode step as a static function (CUDA graphs), else the
+    function of any batch size."""
+    import tvm
+
+    from autosched.generation import Generator
+    from autosched.generation.build import GenerationModel, compile_generation, generation_manifest
+    from autosched.generation.decoder import config_from_hf, weights_from_hf
+    from autosched.target import parse_target
+
+    target = parse_target("cuda")
+    gm = GenerationModel("benchmark", model, config_from_hf(model.config, "float16"), [])
+    began = time.perf_counter()
+    batches = (len(prompts),) if static else ()
+    executable, names, report = compile_generation(gm, target, None, batches)
+    built = time.perf_counter() - began
+    weights = weights_from_hf(model.state_dict(), gm.config)
+    params = [tvm.runtime.from_dlpack(weights[n].contiguous()) for n in names]
+    manifest = generation_manifest(gm, names, target, report, max_seq_len, len(prompts), decode_batches=batches)
+    gen = Generator.in_memory(executable, params, manifest, tvm.cuda(0))
+    gen.generate(prompts, 4)  # warm up: first launches load the kernels
+    gen.reset_timing()
+    results = gen.generate(prompts, new, stop_tokens=[])
+    timing = gen.timing()
+    return timing["prefill_ms"], timing["ms_per_step"], [r.tokens for r in results], built, report.attention
+
+
+def transformers_run(model, prompts, new: int, compiled: bool):
+    """(prefill ms, ms per decode step, tokens, scores) of ``model.generate`` on the batch (prompts of one
+    length), from a 1-token and a ``new``-token run."""
+    import torch
+
+    ids = torch.tensor(prompts, device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    if compiled:
+        kwargs["cache_implementation"] = "static"
+
+    def timed(n, **more):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs, **more)
+        torch.cuda.synchronize()
+        return time.perf_counter() - began, out
+
+    timed(2)
+    timed(new)  # warm-up (and, compiled, the compilations of both shapes)
+    one, _ = timed(1)
+    full, out = timed(new, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[:, ids.shape[1]:].tolist()
+    return 1e3 * one, 1e3 * (full - one) / (new - 1), tokens, out.scores
+
+
+def first_difference(ours_tokens, theirs, scores):
+    """Per prompt: None if the first COMPARED tokens agree, else (index, transformers' logit margin there)."""
+    report = []
+    for row, (a, b) in enumerate(zip(ours_tokens, theirs)):
+        diff = next((i for i in range(COMPARED) if a[i] != b[i]), None)
+        if diff is None:
+            report.append(None)
+            continue
+        logits = scores[diff][row].float()
+        top = logits.topk(2).values
+        report.append({"index": diff, "ours": a[diff], "theirs": b[diff],
+                       "margin": float(top[0] - top[1]), "our_token_gap": float(top[0] - logits[a[diff]])})
+    return report
+
+
+def main() -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="llama2-7b")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--compile", action="store_true", help="also transformers with a static cache + torch.compile")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="also time our decode step without its static function (no CUDA graphs)")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+
+    bandwidth = copy_bandwidth()
+    model = make_model(args.model, args.layers)
+    print(f"{args.model}, {args.layers} layers, copy {bandwidth / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt), generator=generator).tolist()
+        row = {"model": args.model, "layers": args.layers, "batch": batch, "prompt": args.prompt, "new": args.new}
+        prefill, step, tokens, built, attention = ours(model, prompts, args.new, args.prompt + args.new)
+        if args.dynamic:
+            row["ours_dynamic_ms_per_step"] = ours(model, prompts, args.new, args.prompt + args.new, static=False)[1]
+        floor = floor_ms(model, batch, args.prompt + args.new / 2, bandwidth)
+        row.update(ours_prefill_ms=prefill, ours_ms_per_step=step, ours_tokens_per_s=1e3 * batch / step,
+                   floor_ms=floor, share_of_floor=floor / step, build_s=built, attention=attention)
+        eager = transformers_run(model, prompts, args.new, compiled=False)
+        row.update(eager_prefill_ms=eager[0], eager_ms_per_step=eager[1], vs_eager=eager[1] / step,
+                   first_differences=first_difference(tokens, eager[2], eager[3]))
+        if args.compile:
+            model.forward = torch.compile(model.forward, fullgraph=True)
+            try:
+                compiled = transformers_run(model, prompts, args.new, compiled=True)
+                row.update(compiled_prefill_ms=compiled[0], compiled_ms_per_step=compiled[1],
+                           vs_compiled=compiled[1] / step)
+            except Exception as exc:  # noqa: BLE001 - a recipe that fails on this machine is reported, not fatal
+                row["compiled_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            finally:
+                model.forward = model.forward._torchdynamo_orig_callable if hasattr(model.forward,
+                                                                                  "_torchdynamo_orig_callable") else model.forward
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps({"copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
