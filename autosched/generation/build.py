@@ -188,7 +188,8 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "format": FORMAT, "version": 1, "model": model.spec, "decoder": model.config.to_json(), "param_names": names,
         "param_order": [f"p{i}" for i in range(len(names))], "library": LIBRARY, "params": PARAMS,
         "target": target.to_json(), "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
-        "decode_batches": list(decode_batches), "eos_token_ids": model.eos_token_ids, "autosched_version": __version__, "tvm_version": tvm.__version__,
+        "decode_batches": list(decode_batches), "eos_token_ids": model.eos_token_ids,
+        "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         "tuned_kernels": report.tuned, "default_kernels": report.default, "attention": report.attention,
     }
