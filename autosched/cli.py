@@ -231,6 +231,10 @@ def _describe_buckets(buckets: list) -> str:
 
 
 def cmd_tune_model(args) -> int:
+    if args.generate:
+        from .generation.cli import cmd_tune_generate
+
+        return cmd_tune_generate(args)
     from .pipeline import extract_tasks, merge_bucket_tasks, prepare, split_tunable
     from .target import parse_target
     from .tuner import TuneOptions, tune_tasks
@@ -429,6 +433,7 @@ def _add_format(p: argparse.ArgumentParser, choices=("table", "json", "csv")) ->
 def build_parser() -> argparse.ArgumentParser:
     from .generation.cli import add_build_arguments as add_generation_build_arguments
     from .generation.cli import add_generate_parser
+    from .generation.cli import add_tune_arguments as add_generation_tune_arguments
 
     parser = argparse.ArgumentParser(prog="autosched", description="Schedule search for LLM operators on Apache TVM.")
     parser.add_argument("--version", action="version", version=f"autosched {__version__}")
@@ -491,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true")
     _add_measure_args(p)
     _add_format(p)
+    add_generation_tune_arguments(p)
     p.set_defaults(fn=cmd_tune_model)
 
     p = sub.add_parser("build", help="build a deployable module of a model with the database's best kernels")

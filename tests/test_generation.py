@@ -256,3 +256,22 @@ def test_half_precision_generation_on_the_gpu_matches_transformers(family, tmp_p
         if diff is not None:
             top = out.scores[diff][0].float().topk(2).values
             assert float(top[0] - top[1]) < 0.05, f"{prompt}: token {diff} differs away from a near-tie"
+
+
+@pytest.mark.slow
+def test_tune_model_generate_tunes_the_decode_step_and_build_uses_its_records(built, tmp_path):
+    """The static decode function's kernels are tasks like any model's: tuned, stored, then applied by the
+    generation build, which still gives transformers' tokens."""
+    from autosched.generation import Generator
+
+    model, _ = built
+    db = str(tmp_path / "tuning.db")
+    folder = tmp_path / "hf"
+    _saved_model("llama", folder)
+    cli("tune-model", str(folder), "--generate", "--decode-batches", "2", "--trials", "24", "--db", db)
+    cli("build", str(folder), "--generate", "--decode-batches", "2", "--db", db, "-o", str(tmp_path / "art"),
+        "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert len(manifest["tuned_kernels"]) >= 5
+    results = Generator(tmp_path / "art").generate(PROMPTS[:2], 16)
+    assert [r.tokens for r in results] == [_reference(model, p, 16) for p in PROMPTS[:2]]

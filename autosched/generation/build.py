@@ -129,7 +129,7 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
 
     from autosched.pipeline.build import apply_database
 
-    scheduled, applied = apply_database(lowered, db, target)
+    scheduled, applied = apply_database(lowered, db, target, calls=decode_calls(lowered))
     report = GenerationReport(tuned=dict(applied.tuned))
     attention_kernels = {name for names in ATTENTION_ROLES.values() for name in names}
     for gv, func in lowered.functions.items():
@@ -151,6 +151,46 @@ def default_decode_batches(target: TargetSpec, max_batch: int) -> tuple[int, ...
         return ()
     sizes = {1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch}
     return tuple(sorted(sizes))
+
+
+def decode_calls(lowered):
+    """Kernel name -> calls in one step of each static decode function (``decode_b<N>``)."""
+    import collections
+
+    import tvm
+    from tvm import relax
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    calls: collections.Counter[str] = collections.Counter()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.same_as(call_tir):
+            calls[expr.args[0].name_hint] += 1
+
+    for gv, func in lowered.functions.items():
+        if isinstance(func, relax.Function) and gv.name_hint.startswith("decode_b"):
+            relax.analysis.post_order_visit(func.body, visit)
+    return calls
+
+
+def generation_tasks(lowered) -> list:
+    """The tunable kernels of a lowered generation module: those of its static decode functions, each
+    distinct kernel once, weighted by its calls over one step of every batch size. Kernels of symbolic
+    shape (prefill, ``batch_decode``) run on default schedules."""
+    from tvm import tirx
+
+    from autosched.pipeline.tasks import task_of
+
+    calls = decode_calls(lowered)
+    by_key: dict = {}
+    for gv, func in lowered.functions.items():
+        if isinstance(func, tirx.PrimFunc) and calls.get(gv.name_hint):
+            task = task_of(gv.name_hint, func, calls[gv.name_hint])
+            if task.key in by_key:
+                by_key[task.key].weight += task.weight
+            else:
+                by_key[task.key] = task
+    return list(by_key.values())
 
 
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,

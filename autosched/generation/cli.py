@@ -23,6 +23,14 @@ def add_build_arguments(p) -> None:
                         "the CPU)")
 
 
+def add_tune_arguments(p) -> None:
+    """The options ``tune-model`` takes to tune for generation."""
+    p.add_argument("--generate", action="store_true",
+                   help="tune the kernels of the decode step, at each batch size of --decode-batches")
+    p.add_argument("--decode-batches", help="with --generate: batch sizes to tune the decode step at, e.g. 1,16 "
+                   "(default: the powers of two up to --max-batch)")
+
+
 def cmd_build_generate(args) -> int:
     from autosched.database.store import is_url
     from autosched.target import parse_target
@@ -51,6 +59,49 @@ def cmd_build_generate(args) -> int:
             db.close()
     print(str(out))
     log.log(f"{report.summary()}; generate with `autosched generate {out}` or autosched.Generator")
+    return 0
+
+
+def cmd_tune_generate(args) -> int:
+    """``tune-model MODEL --generate``: the kernels of the decode step at each batch size of
+    ``--decode-batches`` (default: the powers of two up to --max-batch), under one trial budget."""
+    from autosched.cli import ConsoleReporter, _measurer, _open_db
+    from autosched.output import emit
+    from autosched.pipeline import split_tunable
+    from autosched.target import parse_target
+    from autosched.tuner import TuneOptions, tune_tasks
+
+    from .build import generation_tasks, load_generation_model, lower_generation
+
+    target = parse_target(args.target, require_device=args.runner == "local")
+    model = load_generation_model(args.model, args.dtype)
+    if args.decode_batches is not None:
+        batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
+    else:
+        batches = tuple(1 << i for i in range(args.max_batch.bit_length()) if 1 << i <= args.max_batch)
+    lowered, _ = lower_generation(model.config, target, batches)
+    tasks, untunable = split_tunable(generation_tasks(lowered), target)
+    log = console(stderr=True)
+    log.log(f"{args.model}: decode steps at batch {', '.join(map(str, batches))}: {len(tasks) + len(untunable)} "
+            f"distinct kernels, {len(tasks)} tunable (prefill and attention keep their default schedules)")
+    db = _open_db(args.db)
+    reporter = ConsoleReporter(quiet=True)
+    options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
+                          scheduler=args.scheduler)
+    measurer = _measurer(args, target)
+    try:
+        results = tune_tasks(tasks, target, db, options, reporter, measurer=measurer, command=" ".join(sys.argv))
+    finally:
+        reporter.close()
+        if measurer is not None:
+            measurer.close()
+        db.close()
+    rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
+             "latency_us": round(r.best_latency * 1e6, 3) if r.best_latency < float("inf") else None}
+            for t, r in zip(tasks, results)]
+    emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
+                             ("latency_us", "best (us)")], title=f"{args.model}: decode kernels")
+    log.log(f"build it with `autosched build {args.model} --generate --decode-batches {','.join(map(str, batches))}`")
     return 0
 
 

@@ -86,11 +86,12 @@ class LazyMeasurer:
 
 
 def apply_database(mod: IRModule, db: Database | None, target: TargetSpec,
-                   measurer: LazyMeasurer | None = None) -> tuple[IRModule, ApplyReport]:
+                   measurer: LazyMeasurer | None = None, calls=None) -> tuple[IRModule, ApplyReport]:
     """Schedule every kernel of the lowered ``mod``: the best record for it on ``target`` if the
     database has one, else a default (dlight on the GPU, the space's default point on the CPU).
     ``measurer``: the build's shared one (records from another TVM version and transferred points need one);
-    without it, one is started if needed and closed on return."""
+    without it, one is started if needed and closed on return. ``calls``: the kernels that run per pass
+    (global name -> calls; default: those ``main`` calls), the others run once and keep default schedules."""
     import tvm
     from tvm import tirx
 
@@ -101,12 +102,12 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec,
 
     if measurer is None:
         with LazyMeasurer(target) as own:
-            return apply_database(mod, db, target, own)
+            return apply_database(mod, db, target, own, calls)
     report = ApplyReport()
     out = tvm.IRModule(mod.functions, attrs=mod.attrs)
     pending = []
     can_measure = not target.is_gpu or bool(target.device_name)
-    per_pass = kernel_calls(mod)
+    per_pass = kernel_calls(mod) if calls is None else calls
     # First every kernel's choice, then every measurement those choices need, in one batch (the builds of
     # a dynamic model's hundreds of kernels compile side by side), then each kernel's schedule.
     # (global var, task, space, best record, transferred candidates, index of its measurement, runs per pass)
