@@ -32,6 +32,9 @@ CONFIGS = {
 COMPARED = 16  # new tokens compared with transformers per prompt
 
 
+DEVICE = "cuda"  # --target llvm: a smoke test of this script on the CPU (tiny --layers, fp32)
+
+
 def make_model(name: str, layers: int):
     import torch
     import transformers
@@ -42,8 +45,8 @@ def make_model(name: str, layers: int):
                                       rope_parameters={"rope_type": "default", "rope_theta": theta})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.float16).eval()
+    with torch.device(DEVICE):
+        model = transformers.LlamaForCausalLM(config).to(torch.float16 if DEVICE == "cuda" else torch.float32).eval()
     return model
 
 
@@ -51,6 +54,8 @@ def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth, bytes/s (read + write of a 2 GiB buffer), median of 20."""
     import torch
 
+    if DEVICE != "cuda":
+        return float("nan")
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     times = []
@@ -74,10 +79,10 @@ def floor_ms(model, batch: int, context: float, bandwidth: float) -> float:
     return 1e3 * (weights + kv) / bandwidth
 
 
-def ours(model, prompts, new: int, max_seq_len: int, static: bool = True):
-    """(prefill ms, ms per decode step, tokens per prompt, build seconds, attention kernels) of our
-    generation build; ``static``: the batch's decode step as a static function (CUDA graphs), else the
-    function of any batch size."""
+def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True):
+    """(make a generator, build seconds, attention kernels) of our generation build for ``model`` on the GPU;
+    ``static``: each batch size's decode step as a static function (CUDA graphs), else one function for all."""
+    import torch
     import tvm
 
     from autosched.generation import Generator
@@ -85,21 +90,28 @@ def ours(model, prompts, new: int, max_seq_len: int, static: bool = True):
     from autosched.generation.decoder import config_from_hf, weights_from_hf
     from autosched.target import parse_target
 
-    target = parse_target("cuda")
-    gm = GenerationModel("benchmark", model, config_from_hf(model.config, "float16"), [])
+    target = parse_target("cuda" if DEVICE == "cuda" else "llvm")
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    gm = GenerationModel("benchmark", model, config_from_hf(model.config, dtype), [])
+    decode_batches = tuple(batches) if static else ()
     began = time.perf_counter()
-    batches = (len(prompts),) if static else ()
-    executable, names, report = compile_generation(gm, target, None, batches)
+    executable, names, report = compile_generation(gm, target, None, decode_batches)
     built = time.perf_counter() - began
     weights = weights_from_hf(model.state_dict(), gm.config)
-    params = [tvm.runtime.from_dlpack(weights[n].contiguous()) for n in names]
-    manifest = generation_manifest(gm, names, target, report, max_seq_len, len(prompts), decode_batches=batches)
-    gen = Generator.in_memory(executable, params, manifest, tvm.cuda(0))
-    gen.generate(prompts, 4)  # warm up: first launches load the kernels
+    params = [tvm.runtime.from_dlpack(weights[n].clone(memory_format=torch.contiguous_format)) for n in names]
+    manifest = generation_manifest(gm, names, target, report, max_seq_len, max(batches), decode_batches=decode_batches)
+    device = tvm.cuda(0) if DEVICE == "cuda" else tvm.cpu(0)
+    return (lambda: Generator.in_memory(executable, params, manifest, device)), built, report.attention
+
+
+def ours(make_generator, prompts, new: int):
+    """(prefill ms, ms per decode step, tokens per prompt) of one batch of prompts."""
+    gen = make_generator()
+    gen.generate(prompts, 4)  # warm up: the first launches load kernels and capture the CUDA graphs
     gen.reset_timing()
     results = gen.generate(prompts, new, stop_tokens=[])
     timing = gen.timing()
-    return timing["prefill_ms"], timing["ms_per_step"], [r.tokens for r in results], built, report.attention
+    return timing["prefill_ms"], timing["ms_per_step"], [r.tokens for r in results]
 
 
 def transformers_run(model, prompts, new: int, compiled: bool):
@@ -107,16 +119,18 @@ def transformers_run(model, prompts, new: int, compiled: bool):
     length), from a 1-token and a ``new``-token run."""
     import torch
 
-    ids = torch.tensor(prompts, device="cuda")
+    ids = torch.tensor(prompts, device=DEVICE)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
     if compiled:
         kwargs["cache_implementation"] = "static"
 
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+
     def timed(n, **more):
-        torch.cuda.synchronize()
+        sync()
         began = time.perf_counter()
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs, **more)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - began, out
 
     timed(2)
@@ -131,7 +145,7 @@ def first_difference(ours_tokens, theirs, scores):
     """Per prompt: None if the first COMPARED tokens agree, else (index, transformers' logit margin there)."""
     report = []
     for row, (a, b) in enumerate(zip(ours_tokens, theirs)):
-        diff = next((i for i in range(COMPARED) if a[i] != b[i]), None)
+        diff = next((i for i in range(min(COMPARED, len(a), len(b))) if a[i] != b[i]), None)
         if diff is None:
             report.append(None)
             continue
@@ -155,19 +169,28 @@ def main() -> int:
     parser.add_argument("--dynamic", action="store_true",
                         help="also time our decode step without its static function (no CUDA graphs)")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
+                        help="llvm: a smoke test of this script on the CPU (with a few --layers)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = "cuda" if args.target == "cuda" else "cpu"
 
     bandwidth = copy_bandwidth()
     model = make_model(args.model, args.layers)
     print(f"{args.model}, {args.layers} layers, copy {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows = []
     generator = torch.Generator().manual_seed(0)
-    for batch in [int(b) for b in args.batches.split(",")]:
+    batches = [int(b) for b in args.batches.split(",")]
+    max_seq_len = args.prompt + args.new
+    make, built, attention = build_ours(model, batches, max_seq_len)
+    make_dynamic = build_ours(model, batches, max_seq_len, static=False)[0] if args.dynamic else None
+    print(f"built in {built:.1f} s", flush=True)
+    for batch in batches:
         prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt), generator=generator).tolist()
         row = {"model": args.model, "layers": args.layers, "batch": batch, "prompt": args.prompt, "new": args.new}
-        prefill, step, tokens, built, attention = ours(model, prompts, args.new, args.prompt + args.new)
-        if args.dynamic:
-            row["ours_dynamic_ms_per_step"] = ours(model, prompts, args.new, args.prompt + args.new, static=False)[1]
+        prefill, step, tokens = ours(make, prompts, args.new)
+        if make_dynamic is not None:
+            row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
         floor = floor_ms(model, batch, args.prompt + args.new / 2, bandwidth)
         row.update(ours_prefill_ms=prefill, ours_ms_per_step=step, ours_tokens_per_s=1e3 * batch / step,
                    floor_ms=floor, share_of_floor=floor / step, build_s=built, attention=attention)
@@ -187,9 +210,10 @@ def main() -> int:
                                                                                   "_torchdynamo_orig_callable") else model.forward
         rows.append(row)
         print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).write_text(json.dumps({"copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows}, indent=2))
+        if args.out:  # after every row: a run cut off by a time limit keeps what it measured
+            Path(args.out).write_text(json.dumps({"copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows}, indent=2))
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     return 0
 
 
