@@ -79,7 +79,8 @@ def floor_ms(model, batch: int, context: float, bandwidth: float) -> float:
     return 1e3 * (weights + kv) / bandwidth
 
 
-def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True):
+def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True, db_path: str | None = None,
+               cuda_graphs: bool = True):
     """(make a generator, build seconds, attention kernels) of our generation build for ``model`` on the GPU;
     ``static``: each batch size's decode step as a static function (CUDA graphs), else one function for all."""
     import torch
@@ -94,14 +95,59 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     gm = GenerationModel("benchmark", model, config_from_hf(model.config, dtype), [])
     decode_batches = tuple(batches) if static else ()
+    db = None
+    if db_path:
+        from autosched.database.store import Database
+
+        db = Database(db_path)
     began = time.perf_counter()
-    executable, names, report = compile_generation(gm, target, None, decode_batches)
+    executable, names, report = compile_generation(gm, target, db, decode_batches, cuda_graphs)
+    if db is not None:
+        db.close()
     built = time.perf_counter() - began
     weights = weights_from_hf(model.state_dict(), gm.config)
     params = [tvm.runtime.from_dlpack(weights[n].clone(memory_format=torch.contiguous_format)) for n in names]
     manifest = generation_manifest(gm, names, target, report, max_seq_len, max(batches), decode_batches=decode_batches)
     device = tvm.cuda(0) if DEVICE == "cuda" else tvm.cpu(0)
-    return (lambda: Generator.in_memory(executable, params, manifest, device)), built, report.attention
+    attention = dict(report.attention, tuned_kernels=len(report.tuned), default_kernels=len(report.default))
+    return (lambda: Generator.in_memory(executable, params, manifest, device)), built, attention
+
+
+def profile_decode(make_generator, prompts, steps: int = 4, top: int = 12) -> list[dict]:
+    """Where one decode step spends its time, by kernel (CUDA events around each call of a build without
+    CUDA graphs; builtins such as the KV cache's attention included), slowest first."""
+    import torch
+
+    gen = make_generator()
+    ids = [gen.add(p, steps + 8, stop_tokens=[]) for p in prompts]
+    gen.step()
+    gen.step()
+    pairs, opened = [], []
+
+    def instrument(func, symbol, before, ret, *args):
+        if symbol in ("vm.builtin.kv_state_begin_forward", "vm.builtin.kv_state_end_forward"):
+            return 0
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if before:
+            opened.append(event)
+        else:
+            pairs.append((symbol, opened.pop(), event))
+        return 0
+
+    gen.vm.set_instrument(instrument)
+    for _ in range(steps):
+        gen.step()
+    gen.vm.set_instrument(None)
+    torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for symbol, start, end in pairs:
+        totals.setdefault(symbol, []).append(start.elapsed_time(end))
+    rows = sorted(({"kernel": k, "calls_per_step": len(v) / steps, "ms_per_step": sum(v) / steps}
+                   for k, v in totals.items()), key=lambda r: -r["ms_per_step"])
+    for seq_id in ids:
+        gen.remove(seq_id)
+    return rows[:top]
 
 
 def ours(make_generator, prompts, new: int):
@@ -168,6 +214,9 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="also transformers with a static cache + torch.compile")
     parser.add_argument("--dynamic", action="store_true",
                         help="also time our decode step without its static function (no CUDA graphs)")
+    parser.add_argument("--db", help="a tuning database whose records the build applies (tune-model --generate)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each decode step's slowest kernels (builds without CUDA graphs, per batch)")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
@@ -182,8 +231,9 @@ def main() -> int:
     generator = torch.Generator().manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
     max_seq_len = args.prompt + args.new
-    make, built, attention = build_ours(model, batches, max_seq_len)
-    make_dynamic = build_ours(model, batches, max_seq_len, static=False)[0] if args.dynamic else None
+    make, built, attention = build_ours(model, batches, max_seq_len, db_path=args.db)
+    make_dynamic = build_ours(model, batches, max_seq_len, static=False, db_path=args.db)[0] if args.dynamic else None
+    make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False)[0] if args.profile else None
     print(f"built in {built:.1f} s", flush=True)
     for batch in batches:
         prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt), generator=generator).tolist()
@@ -191,6 +241,9 @@ def main() -> int:
         prefill, step, tokens = ours(make, prompts, args.new)
         if make_dynamic is not None:
             row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
+        if make_profiled is not None:
+            row["profile"] = profile_decode(make_profiled, prompts)
+            print(json.dumps(row["profile"], indent=1), flush=True)
         floor = floor_ms(model, batch, args.prompt + args.new / 2, bandwidth)
         row.update(ours_prefill_ms=prefill, ours_ms_per_step=step, ours_tokens_per_s=1e3 * batch / step,
                    floor_ms=floor, share_of_floor=floor / step, build_s=built, attention=attention)

@@ -194,12 +194,12 @@ def generation_tasks(lowered) -> list:
 
 
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,
-                       decode_batches: tuple[int, ...] = ()):
+                       decode_batches: tuple[int, ...] = (), cuda_graphs: bool = True):
     """(executable, the parameter names its functions take in order, report): the decoder lowered, scheduled
     and compiled, without writing anything (``build_generator`` writes it; benchmarks run it in memory).
     On a GPU, the kernels between two attention calls of a static decode function (``decode_batches``) run
     as one captured CUDA graph (TVM's ``RewriteCUDAGraph``): a 32-layer step launches 33 graphs, not 300
-    kernels one by one."""
+    kernels one by one (``cuda_graphs=False`` launches them one by one, to profile each)."""
     from autosched.pipeline.build import build_pipeline, compile_separate
     from autosched.target import compile_module
 
@@ -208,7 +208,7 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
     exported = time.perf_counter()
     scheduled, report, applied = schedule_generation(lowered, db, target)
     scheduled_at = time.perf_counter()
-    config = {"relax.backend.use_cuda_graph": True} if target.is_gpu else {}
+    config = {"relax.backend.use_cuda_graph": True} if target.is_gpu and cuda_graphs else {}
     executable = compile_module(scheduled, target, config, relax_pipeline=build_pipeline(target))
     executable = compile_separate(executable, applied, target)
     report.seconds = {"export": exported - began, "database": scheduled_at - exported,
