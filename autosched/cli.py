@@ -21,10 +21,30 @@ from .output import emit, plain
 
 DB_ENV = "AUTOSCHED_DB"
 DEFAULT_DB = "autosched.db"
+TUNE_TRIALS = 64  # tune's trial budget when neither --trials nor --time-budget is given
+TUNE_MODEL_TRIALS = 256  # tune-model's
 BUILD_BUCKET_GROWTH = 1.25  # `build --tokens dynamic`: finer than the tuned buckets (tune-model: 2)
 
 
 # ---- output helpers ------------------------------------------------------------------------------
+def _fixed(value: float) -> str:
+    """A number with about four significant digits and never in scientific notation (1.893e+04 reads
+    as 18930)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    digits = max(0, 3 - math.floor(math.log10(abs(value))))
+    return f"{value:.{digits}f}"
+
+
+def _trials(args, default: int) -> int | None:
+    """The trial budget: --trials if given; with --time-budget alone, none (the time is the budget)."""
+    if args.trials is None:
+        return None if args.time_budget is not None else default
+    if args.trials < 1:
+        raise UsageError(f"--trials must be at least 1 (got {args.trials})")
+    return args.trials
+
+
 def _fmt_time(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "failed"
@@ -50,8 +70,9 @@ class ConsoleReporter:
         seeded_txt = f", {seeded} earlier records as seeds" if seeded else ""
         from rich.markup import escape
 
+        budget = f"{trials} trials" if trials is not None else "trials until the time budget ends"
         self.console.log(f"tuning [bold]{escape(task.key)}[/] with space {space.id} ({space.size():.3g} points), "
-                         f"{trials} trials{seeded_txt}")
+                         f"{budget}{seeded_txt}")
         if self.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -145,8 +166,9 @@ def cmd_tune(args) -> int:
     from .task import Task
     from .tuner import TuneOptions, tune
 
-    if args.trials < 1:
-        raise UsageError(f"--trials must be at least 1 (got {args.trials})")
+    trials = _trials(args, TUNE_TRIALS)
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise UsageError(f"--time-budget must be above 0 seconds (got {args.time_budget:g})")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1 (got {args.batch_size})")
     wl = _workload_from_args(args)
@@ -160,7 +182,7 @@ def cmd_tune(args) -> int:
             measurer.close()
         raise
     reporter = ConsoleReporter(quiet=args.quiet)
-    options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed,
+    options = TuneOptions(trials=trials, batch_size=args.batch_size, seed=args.seed,
                           time_budget=args.time_budget, patience=args.patience, cost_model=args.cost_model,
                           transfer=not args.no_transfer)
     try:
@@ -184,9 +206,20 @@ def cmd_tune(args) -> int:
     if args.format == "json":
         print(json.dumps(summary, indent=2, default=str))
     else:
-        rows = [{"field": k, "value": plain(v) if not isinstance(v, float) else f"{v:.4g}"} for k, v in summary.items()]
+        rows = [{"field": k, "value": _summary_cell(k, v)} for k, v in summary.items()]
         emit(rows, "table", [("field", "field"), ("value", "value")], title=f"autosched tune: {wl.key}")
     return 0 if best is not None else 1
+
+
+def _summary_cell(key: str, value) -> str:
+    """A value of ``tune``'s summary table: failures as their count (0, or e.g. "3 (build 2, run 1)")
+    as ``db best`` shows them, numbers without scientific notation."""
+    if key == "failures":
+        total = sum(value.values())
+        return f"{total} ({', '.join(f'{k} {n}' for k, n in value.items())})" if total else "0"
+    if isinstance(value, float):
+        return _fixed(value)
+    return plain(value)
 
 
 def _model_kwargs(args) -> dict:
@@ -235,6 +268,7 @@ def cmd_tune_model(args) -> int:
     from .target import parse_target
     from .tuner import TuneOptions, tune_tasks
 
+    trials = _trials(args, TUNE_MODEL_TRIALS)
     target = parse_target(args.target, require_device=args.runner == "local")
     models, buckets = _models(args)
     tasks, untunable = split_tunable(merge_bucket_tasks([extract_tasks(prepare(m, target)[0]) for m in models]), target)
@@ -245,9 +279,9 @@ def cmd_tune_model(args) -> int:
             + (f" ({len(untunable)} without a space keep the default schedule)" if untunable else ""))
     db = _open_db(args.db)
     reporter = ConsoleReporter(quiet=args.quiet or len(tasks) > 1)
-    options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
+    options = TuneOptions(trials=trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
                           scheduler=args.scheduler)
-    progress = _ModelProgress(log, tasks, args.trials) if not args.quiet else None
+    progress = _ModelProgress(log, tasks, trials) if not args.quiet else None
     measurer = _measurer(args, target)
     try:
         results = tune_tasks(tasks, target, db, options, progress or reporter, measurer=measurer,
@@ -302,7 +336,8 @@ class _ModelProgress:
         model = f"{total * 1e3:.3f} ms" if math.isfinite(total) else "(not every kernel measured yet)"
         from rich.markup import escape
 
-        self.log.log(f"[{done}/{self.trials}] {escape(task.name)}: best {_fmt_time(s.best)} after {s.trials} trials; "
+        of = f"/{self.trials}" if self.trials is not None else ""
+        self.log.log(f"[{done}{of}] {escape(task.name)}: best {_fmt_time(s.best)} after {s.trials} trials; "
                      f"model estimate {model}")
 
 
@@ -436,10 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="tune one operator for one device")
     _add_workload_args(p)
     p.add_argument("--target", default="llvm", help="llvm (this CPU, default), cuda (first GPU), or kind:arch")
-    p.add_argument("--trials", type=int, default=64, help="candidates to measure (default 64)")
+    p.add_argument("--trials", type=int, help=f"candidates to measure (default {TUNE_TRIALS}; with --time-budget "
+                   "alone, as many as fit in it)")
     p.add_argument("--batch-size", type=int, default=16, help="candidates per round (default 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the search (default 0)")
-    p.add_argument("--time-budget", type=float, help="stop after this many seconds")
+    p.add_argument("--time-budget", type=float, help="stop after this many seconds (without --trials: the only budget)")
     p.add_argument("--patience", type=int, help="stop after this many rounds without improvement")
     p.add_argument("--cost-model", choices=("xgb", "random"), default="xgb", help="search guide (default xgb)")
     p.add_argument("--no-transfer", action="store_true",
@@ -475,12 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune-model", help="tune every kernel of a model under one trial budget")
     model_args(p)
-    p.add_argument("--trials", type=int, default=256, help="candidates to measure over all kernels (default 256)")
+    p.add_argument("--trials", type=int, help=f"candidates to measure over all kernels (default {TUNE_MODEL_TRIALS}; "
+                   "with --time-budget alone, as many as fit in it)")
     p.add_argument("--batch-size", type=int, default=16, help="candidates per round (default 16)")
     p.add_argument("--scheduler", choices=("gradient", "round-robin"), default="gradient",
                    help="how trials are spread over the kernels (default gradient)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, help="stop after this many seconds")
+    p.add_argument("--time-budget", type=float, help="stop after this many seconds (without --trials: the only budget)")
     p.add_argument("-q", "--quiet", action="store_true")
     _add_measure_args(p)
     _add_format(p)

@@ -31,7 +31,8 @@ FIRST_ROUND_GROUP = 16
 @dataclass(frozen=True)
 class TuneOptions:
     """Args:
-        trials: new candidates to measure in this run (for a model: over all its tasks).
+        trials: new candidates to measure in this run (for a model: over all its tasks); None: no limit
+            (``time_budget`` or ``patience`` stops the run).
         batch_size: candidates measured per round.
         seed: seed of the search (sampling, mutation, exploration).
         time_budget: stop after this many seconds (None: no limit).
@@ -42,7 +43,7 @@ class TuneOptions:
         transfer: for a workload without records, start from the nearest tuned shapes' decisions.
     """
 
-    trials: int = 64
+    trials: int | None = 64
     batch_size: int = 16
     seed: int = 0
     time_budget: float | None = None
@@ -224,7 +225,10 @@ def tune_tasks(tasks: list[Task], target: TargetSpec, db: Database | None, optio
     weighted latency is expected to drop most, judged by its recent improvement and its distance from
     its floor)."""
     options = options or TuneOptions()
+    if options.trials is None and options.time_budget is None and options.patience is None:
+        raise ValueError("TuneOptions without trials needs a time_budget or patience to stop")
     reporter = reporter or SilentReporter()
+    limit = math.inf if options.trials is None else options.trials
     start = time.perf_counter()
     own_run = db is not None and run_id is None
     if own_run:
@@ -236,11 +240,12 @@ def tune_tasks(tasks: list[Task], target: TargetSpec, db: Database | None, optio
     try:
         for task in tasks:
             tuner = TaskTuner(task, target, db, options, run_id, reporter)
-            per_task = options.trials if len(tasks) == 1 else max(1, options.trials // len(tasks))
+            per_task = (options.trials if len(tasks) == 1 or options.trials is None
+                        else max(1, options.trials // len(tasks)))
             reporter.on_start(task, tuner.space, per_task, tuner.seeded)
             tuners.append(tuner)
         used = _first_measurements(tuners, measurer, options, start)
-        while used < options.trials:
+        while used < limit:
             if options.time_budget is not None and time.perf_counter() - start >= options.time_budget:
                 stop_reason = f"time budget of {options.time_budget:.0f} s reached"
                 break
@@ -249,7 +254,7 @@ def tune_tasks(tasks: list[Task], target: TargetSpec, db: Database | None, optio
                 stop_reason = "every task stopped"
                 break
             tuner = _next_task(live, options.scheduler)
-            used += tuner.step(measurer, options.trials - used)
+            used += tuner.step(measurer, int(min(limit - used, options.batch_size)))
     except BaseException:
         status = "interrupted"
         raise
@@ -268,18 +273,19 @@ def _first_measurements(tuners: list[TaskTuner], measurer: Measurer, options: Tu
     the first few tasks (64 trials in batches of 16: 4 of 14 kernels measured). Returns the trials used."""
     if len(tuners) < 2:
         return 0
-    share = max(1, options.trials // len(tuners))
+    limit = math.inf if options.trials is None else options.trials
+    share = options.batch_size if options.trials is None else max(1, options.trials // len(tuners))
     used = 0
     order = sorted(tuners, key=lambda t: _heaviness(t.task), reverse=True)
     # In groups, so the builds of several kernels compile side by side (on the GPU a build takes longer
     # than a run), while the time budget is still checked often.
     for group_start in range(0, len(order), FIRST_ROUND_GROUP):
-        if used >= options.trials or (options.time_budget is not None
+        if used >= limit or (options.time_budget is not None
                                       and time.perf_counter() - start >= options.time_budget):
             break
         proposed = []
         for tuner in order[group_start:group_start + FIRST_ROUND_GROUP]:
-            first = min(options.batch_size, share, 1 + len(tuner.transferred), options.trials - used)
+            first = int(min(options.batch_size, share, 1 + len(tuner.transferred), limit - used))
             request = tuner.propose(first) if first > 0 else None
             if request is not None:
                 proposed.append((tuner, request))
