@@ -15,14 +15,17 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     """Run, time and check an artifact; ``tokens`` and ``batch`` pick the shape for a ``--tokens dynamic``
     or ``--batch dynamic`` build (default: its largest bucket); ``profile`` adds each kernel's time
     (:func:`kernel_times`) under ``kernels``."""
+    from .errors import UsageError
+    from .pipeline import BucketedModel, load_artifact, read_manifest
+
+    if repeat < 1:
+        raise UsageError(f"--repeat must be at least 1 (got {repeat})")
+    manifest = read_manifest(path)  # before TVM and torch are imported: a wrong path is said at once
     import torch
     import tvm
 
-    from .errors import UsageError
-    from .pipeline import BucketedModel, load_artifact, read_manifest
     from .target import KIND_FACTS
 
-    manifest = read_manifest(path)
     torch_device = KIND_FACTS[manifest["target"]["kind"]].device
     device = tvm.device(torch_device, 0)
     gen = torch.Generator().manual_seed(0)

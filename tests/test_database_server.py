@@ -91,8 +91,8 @@ def test_every_db_command_on_the_server(pg_url, tmp_path):
     export = tmp_path / "e.jsonl"
     autosched("db", "export", "--db", pg_url, "-o", str(export))
     sqlite_db = str(tmp_path / "copy.db")
-    assert json.loads(autosched("db", "import", str(export), "--db", sqlite_db).stdout)["added"] == 6
-    assert json.loads(autosched("db", "import", str(export), "--db", pg_url).stdout)["added"] == 0
+    assert json.loads(autosched("db", "import", str(export), "--db", sqlite_db, "--format", "json").stdout)["added"] == 6
+    assert json.loads(autosched("db", "import", str(export), "--db", pg_url, "--format", "json").stdout)["added"] == 0
 
 
 @pytest.mark.slow

@@ -62,3 +62,102 @@ def test_time_budget_alone_is_the_budget(tmp_path, monkeypatch):
     out = json.loads(cli("tune", "gemm", "--shape", "m=8,n=8,k=8", "--time-budget", "60", "--trials", "8",
                          "--db", db, "-q", "--format", "json").stdout)
     assert out["trials"] == 8 and out["stop_reason"] == "trial budget reached"
+
+
+# ---- 2, 3. failed commands leave nothing behind; a truncated export imports what is complete -----
+@pytest.fixture(scope="module")
+def export(tuned_db, tmp_path_factory):
+    path = tmp_path_factory.mktemp("export") / "records.jsonl"
+    cli("db", "export", "--db", str(tuned_db), "-o", str(path))
+    return path
+
+
+def _fails_leaving_nothing(tmp_path, *args, code=1, says=""):
+    before = _listing(tmp_path)
+    proc = cli(*args, check=False)
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "internal error" not in lines[0], proc.stderr
+    assert _listing(tmp_path) == before
+    return lines[0]
+
+
+def test_failed_import_creates_no_database(tmp_path, export):
+    db = str(tmp_path / "imp.db")
+    _fails_leaving_nothing(tmp_path, "db", "import", str(tmp_path / "nonexistent.jsonl"), "--db", db,
+                           says="no export file")
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(os.urandom(3000))
+    _fails_leaving_nothing(tmp_path, "db", "import", str(garbage), "--db", db, says="not an autosched export")
+    header, first = export.read_text().splitlines()[:2]
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(header + "\n" + first[:len(first) // 2])  # cut inside the first record
+    line = _fails_leaving_nothing(tmp_path, "db", "import", str(cut), "--db", db, says=f"{cut}:2")
+    assert "nothing was imported" in line
+
+
+def test_truncated_export_imports_the_complete_records(tmp_path, export):
+    lines = export.read_text().splitlines()
+    complete = len(lines) - 2  # the header, and the last record is cut
+    cut = tmp_path / "trunc.jsonl"
+    cut.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:40])
+    db = str(tmp_path / "imp.db")
+    proc = cli("db", "import", str(cut), "--db", db, "--format", "json", check=False)
+    assert proc.returncode == 1
+    message = proc.stderr.strip().splitlines()
+    assert len(message) == 1 and f"{cut}:{len(lines)}" in message[0] and f"imported the {complete} complete" in message[0]
+    assert json.loads(proc.stdout) == {"read": complete, "added": complete, "already_present": 0, "broken_lines": 1}
+    with Database(db, readonly=True) as d:
+        assert d.count() == complete
+    # The whole file later adds just the record that was cut.
+    out = json.loads(cli("db", "import", str(export), "--db", db, "--format", "json").stdout)
+    assert out["added"] == 1 and out["already_present"] == complete
+
+
+def test_import_prints_a_table(tmp_path, export):
+    out = cli("db", "import", str(export), "--db", str(tmp_path / "t.db")).stdout
+    assert "added" in out and "already_present" in out and "{" not in out
+
+
+def test_failed_report_creates_no_folder(tmp_path, tuned_db):
+    _fails_leaving_nothing(tmp_path, "report", "--db", str(tmp_path / "nothere.db"), "-o", str(tmp_path / "rep"),
+                           says="no tuning database")
+    _fails_leaving_nothing(tmp_path, "report", "--db", str(tuned_db), "-o", str(tmp_path / "rep" / "sub"),
+                           "--bench", str(tmp_path / "missing.json"), code=2, says="missing.json")
+
+
+# ---- 4. a damaged artifact is named in one line, exit 2 ------------------------------------------
+def _artifact(folder):
+    folder.mkdir()
+    manifest = {"model": "tiny-llama", "target": {"kind": "llvm", "arch": "x86-64"}, "inputs": [],
+                "params": "params.bin", "param_order": [], "library": "model.so", "tuned_kernels": {},
+                "default_kernels": []}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "params.bin").write_bytes(b"")
+    return folder
+
+
+def test_damaged_artifact(tmp_path):
+    art = _artifact(tmp_path / "art")
+    line = _fails_leaving_nothing(tmp_path, "run", str(art), code=2, says=str(art / "model.so"))
+    assert "missing" in line
+    (art / "model.so").write_bytes(os.urandom(4096))
+    line = _fails_leaving_nothing(tmp_path, "run", str(art), code=2, says=str(art / "model.so"))
+    assert "cannot be loaded" in line
+    (art / "manifest.json").write_text('{"model": "tiny-llama", "target": ')
+    line = _fails_leaving_nothing(tmp_path, "run", str(art), code=2, says=str(art / "manifest.json"))
+    assert "not valid JSON" in line
+
+
+def test_run_checks_its_arguments_before_importing_tvm(tmp_path):
+    """`autosched run out/nothere` answers at once: TVM and torch are imported after the arguments are checked."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "autosched", "run", str(tmp_path / "nothere")], capture_output=True,
+                          text=True, env=ENV, timeout=60)
+    assert proc.returncode == 2 and "nothere" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert time.perf_counter() - start < 2.5
+    code = ("import sys; from autosched.cli import main; main(['run', sys.argv[1]]); "
+            "print(sorted(m for m in ('tvm', 'torch') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nothere")], capture_output=True, text=True,
+                          env=ENV, timeout=60)
+    assert proc.stdout.strip() == "[]", proc.stderr
