@@ -353,7 +353,13 @@ def cmd_build(args) -> int:
     # Several buckets: first check that padding to one is exact for this model (before minutes of building).
     axes = {axis: check_padding_is_exact(args.model, _model_kwargs(args), axis)
             for axis, index in (("batch", 0), ("tokens", 1)) if any(b[index] is not None for b in buckets)}
-    db = _open_db(args.db) if args.db and (is_url(args.db) or os.path.exists(args.db)) else None
+    db = None
+    if args.db and (is_url(args.db) or os.path.exists(args.db)):
+        # Validations of records from another TVM are stored where the database can be written; a file
+        # one may only read (a team's shared copy) is read as it is.
+        writable = is_url(args.db) or (os.access(args.db, os.W_OK)
+                                       and os.access(os.path.dirname(os.path.abspath(args.db)), os.W_OK))
+        db = _open_db(args.db, readonly=not writable)
     db_path = str(db.path) if db else None
     log = _console(stderr=True)
     try:

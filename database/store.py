@@ -22,6 +22,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
+from urllib.parse import quote
 
 from sqlalchemy import create_engine, event, func, inspect, select
 from sqlalchemy.engine import make_url
@@ -146,10 +147,14 @@ class Database:
 
     def _engine(self, immediate: bool):
         if self.readonly:
-            url, kwargs = f"sqlite:///file:{self.path}?mode=ro&uri=true", {"uri": True}
+            # A file opened read-only is never written, and nothing is created beside it: SQLite's own
+            # read-only mode, and where the folder cannot take the WAL's -shm file (a shared, read-only
+            # location) the file is read as immutable, without the WAL's locks.
+            uri, timeout = self.readonly_uri(), self.busy_timeout
+            engine = create_engine(f"sqlite:///{self.path}", creator=lambda: sqlite3.connect(uri, uri=True, timeout=timeout,
+                                                                                 check_same_thread=False))
         else:
-            url, kwargs = f"sqlite:///{self.path}", {}
-        engine = create_engine(url, connect_args={"timeout": self.busy_timeout, **kwargs})
+            engine = create_engine(f"sqlite:///{self.path}", connect_args={"timeout": self.busy_timeout})
         readonly, timeout_ms = self.readonly, int(self.busy_timeout * 1000)
 
         @event.listens_for(engine, "connect")
@@ -170,6 +175,15 @@ class Database:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
+
+    def readonly_uri(self) -> str:
+        """The SQLite URI that opens the file read-only: ``mode=ro``, plus ``immutable=1`` where its folder
+        is not writable (no -shm can be made there; a writer cannot be working on it then either)."""
+        path = self.path.resolve()
+        uri = f"file:{quote(str(path))}?mode=ro"
+        if not os.access(path.parent, os.W_OK):
+            uri += "&immutable=1"
+        return uri
 
     def _translate(self, exc: Exception) -> DatabaseError:
         # Server drivers add detail lines (DETAIL:, HINT:, a caret under the SQL): the first line says it.

@@ -161,3 +161,53 @@ def test_run_checks_its_arguments_before_importing_tvm(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nothere")], capture_output=True, text=True,
                           env=ENV, timeout=60)
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+# ---- 5. a database one can only read answers every read-only command ------------------------------
+def _read_only(*paths):
+    """Make files and folders unwritable, for root too (root ignores mode bits: the immutable attribute)."""
+    if os.geteuid() == 0:
+        if not shutil.which("chattr"):
+            pytest.skip("running as root without chattr: cannot make a folder read-only for root")
+        for path in paths:
+            subprocess.run(["chattr", "+i", str(path)], check=True)
+        return lambda: [subprocess.run(["chattr", "-i", str(p)], check=True) for p in paths]
+    modes = {p: os.stat(p).st_mode for p in paths}
+    for p in paths:
+        os.chmod(p, 0o555 if os.path.isdir(p) else 0o444)
+    return lambda: [os.chmod(p, m) for p, m in modes.items()]
+
+
+def test_read_only_database_answers_read_commands(tuned_db, tmp_path):
+    shared = tmp_path / "ro"
+    shared.mkdir()
+    path = shared / "autosched.db"
+    shutil.copy(tuned_db, path)
+    out = tmp_path / "out"
+    undo = _read_only(path, shared)
+    try:
+        assert not os.access(shared, os.W_OK) and not os.access(path, os.W_OK)
+        before = _listing(shared)
+        db = str(path)
+        with Database(path, readonly=True) as d:
+            assert "mode=ro" in d.readonly_uri() and "immutable=1" in d.readonly_uri()
+            record_id = d.best(d.summary()[0]["workload"], __import__("autosched.target").target.parse_target("llvm")).record_id
+        best = json.loads(cli("db", "best", "--db", db, "--format", "json").stdout)
+        assert best and best[0]["trials"] == 6
+        assert len(json.loads(cli("db", "list", "--db", db, "--format", "json").stdout)) == 6
+        assert json.loads(cli("db", "show", str(record_id), "--db", db, "--format", "json").stdout)["id"] == record_id
+        assert json.loads(cli("db", "stats", "--db", db, "--format", "json").stdout)["records"] == 6
+        assert len(json.loads(cli("db", "history", "softmax", "--db", db, "--format", "json").stdout)) == 6
+        assert json.loads(cli("db", "compare", "--db", db, "--other", db, "--format", "json").stdout)
+        cli("db", "export", "--db", db, "-o", str(tmp_path / "e.jsonl"))
+        assert len((tmp_path / "e.jsonl").read_text().splitlines()) == 7
+        assert "softmax" in cli("show", "softmax", "--shape", "m=16,n=128", "--db", db).stdout
+        cli("report", "--db", db, "-o", str(out))
+        assert (out / "report.md").exists()
+        # Nothing was written or created beside it: no -wal, no -shm, the same bytes.
+        assert _listing(shared) == before
+        # Writing is refused in one line.
+        proc = cli("tune", "softmax", "--shape", "m=16,n=128", "--trials", "1", "--db", db, check=False)
+        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "internal" not in proc.stderr
+    finally:
+        undo()
