@@ -349,7 +349,8 @@ class Database:
         from autosched import __version__
 
         def fn(s: Session) -> int:
-            run = RunRow(host=socket.gethostname(), command=command, seed=seed, autosched_version=__version__)
+            run = RunRow(host=socket.gethostname(), command=command, seed=seed, autosched_version=__version__,
+                         pid=os.getpid())
             s.add(run)
             s.flush()
             return run.id
@@ -483,6 +484,31 @@ class Database:
     def count(self) -> int:
         with self.session() as s:
             return s.scalar(select(func.count(RecordRow.id))) or 0
+
+
+def run_status(run: RunRow) -> str:
+    """A run's status as it is now: a run still marked ``running`` whose tuner process on this host is
+    gone (killed with -9, a crash of the machine) is ``stale``. Runs of other hosts cannot be checked
+    from here and keep their stored status."""
+    if run.status != "running" or run.pid is None or run.host != socket.gethostname():
+        return run.status
+    import psutil
+
+    try:
+        started = _timestamp(run.started_at)
+        # A live process with this pid that started after the run did is another process (pid reused).
+        return "running" if psutil.Process(run.pid).create_time() <= started + 2 else "stale"
+    except psutil.NoSuchProcess:
+        return "stale"
+    except (psutil.Error, ValueError, TypeError):
+        return run.status
+
+
+def _timestamp(iso: str) -> float:
+    from datetime import datetime, timezone
+
+    moment = datetime.fromisoformat(iso)
+    return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def to_record(row: RecordRow, workload_key: str, target_key: str, meta: dict | None = None) -> TuningRecord:

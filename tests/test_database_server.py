@@ -62,7 +62,7 @@ def test_old_schema_on_the_server_is_refused_then_upgraded(pg_url):
     engine.dispose()
     proc = autosched("db", "best", "--db", pg_url, check=False)
     assert proc.returncode == 1 and "autosched db upgrade" in proc.stderr
-    assert "0001 -> 0002" in autosched("db", "upgrade", "--db", pg_url).stdout
+    assert "0001 -> 0003" in autosched("db", "upgrade", "--db", pg_url).stdout
     assert "already at schema" in autosched("db", "upgrade", "--db", pg_url).stdout
     with Database(pg_url) as db:
         rows = db.summary()

@@ -211,3 +211,51 @@ def test_read_only_database_answers_read_commands(tuned_db, tmp_path):
         assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "internal" not in proc.stderr
     finally:
         undo()
+
+
+# ---- 6. a run whose process died is shown as stale, and the counts agree -------------------------
+def _runs(path) -> list[tuple]:
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(path)
+        try:
+            return con.execute("SELECT id, status, pid FROM runs").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return []
+
+
+def _wait(predicate, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_killed_tuner_is_shown_stale(tmp_path):
+    from .helpers import start
+
+    path = tmp_path / "k.db"
+    stats = lambda: json.loads(cli("db", "stats", "--db", str(path), "--format", "json").stdout)  # noqa: E731
+    tuner = start("tune", "softmax", "--shape", "m=16,n=128", "--trials", "400", "--batch-size", "2", "--db", str(path))
+    try:
+        _wait(lambda: path.exists() and _runs(path))  # its run is stored
+        assert _runs(path)[0][2] == tuner.pid
+        st = stats()
+        assert st["runs"] == 1 and st["runs_by_status"] == {"running": 1}
+    finally:
+        tuner.kill()  # SIGKILL: nothing of ours runs after it
+        tuner.wait()
+    st = stats()
+    assert st["runs"] == 1 and st["runs_by_status"] == {"stale": 1}
+    # A second tuner killed before it stored any record still counts, in both fields.
+    second = start("tune", "softmax", "--shape", "m=16,n=64", "--trials", "400", "--db", str(path))
+    try:
+        _wait(lambda: len(_runs(path)) == 2)
+    finally:
+        second.kill()
+        second.wait()
+    st = stats()
+    assert st["runs"] == 2 == sum(st["runs_by_status"].values()) and st["runs_by_status"] == {"stale": 2}
