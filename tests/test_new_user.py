@@ -259,3 +259,17 @@ def test_killed_tuner_is_shown_stale(tmp_path):
         second.wait()
     st = stats()
     assert st["runs"] == 2 == sum(st["runs_by_status"].values()) and st["runs_by_status"] == {"stale": 2}
+
+
+def test_schema_0002_upgrades_keeping_records_and_validations(tmp_path):
+    from autosched.database.store import head_revision
+
+    path = tmp_path / "old.db"
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "database", "fixtures", "schema_0002.db"), path)
+    assert f"0002 -> {head_revision()}" in cli("db", "upgrade", "--db", str(path)).stdout
+    best = json.loads(cli("db", "best", "--db", str(path), "--format", "json").stdout)
+    assert best[0]["trials"] == 3 and best[0]["latency_us"] == pytest.approx(9.75) and best[0]["load"] is None
+    st = json.loads(cli("db", "stats", "--db", str(path), "--format", "json").stdout)
+    assert st["runs"] == 1 and st["runs_by_status"] == {"finished": 1}
+    with Database(path) as db:
+        assert db.validation(2, "0.28.0").ok
