@@ -93,6 +93,7 @@ class ConsoleReporter:
         fails = f"  failed {s.batch_failed}" if s.batch_failed else ""
         self.console.log(f"round {s.round:>3}  trials {s.trials:>4}  batch best {_fmt_time(s.batch_best):>12}  "
                          f"best {_fmt_time(s.best):>12}{perf}{fails}")
+        _warn_load(self.console, s)
         if self.progress is not None:
             self.progress.update(self.bar, completed=s.trials, description=f"best {_fmt_time(s.best)}{perf}")
 
@@ -100,6 +101,15 @@ class ConsoleReporter:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+
+def _warn_load(console, s) -> None:
+    from .measure import LOAD_WARNING
+
+    if s.load is not None and s.load > LOAD_WARNING:
+        console.log(f"[yellow]warning:[/] other processes used {s.load:.0%} of the CPU while round {s.round} was "
+                    "timed: its timings are slower and noisier than on a quiet machine (the load is stored with "
+                    "each record; `autosched db best` shows it)")
 
 
 # ---- commands ------------------------------------------------------------------------------------
@@ -339,6 +349,7 @@ class _ModelProgress:
         of = f"/{self.trials}" if self.trials is not None else ""
         self.log.log(f"[{done}{of}] {escape(task.name)}: best {_fmt_time(s.best)} after {s.trials} trials; "
                      f"model estimate {model}")
+        _warn_load(self.log, s)
 
 
 def cmd_build(args) -> int:

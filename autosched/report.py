@@ -191,12 +191,18 @@ def _write(db: Database, db_path: str, out: Path, bench_files: list[str] | None)
     if st["failures_by_reason"]:
         lines += ["Failures by reason: " + ", ".join(f"{k} {v}" for k, v in st["failures_by_reason"].items()), ""]
     lines += ["## Best schedule per workload", "",
-              "| workload | device | best (us) | GFLOP/s | GB/s | trials | failed |", "|---|---|---|---|---|---|---|"]
+              "Noise: the spread of the best record's repeats, (slowest - fastest) / median; load: the share of the "
+              "machine's CPU other processes used while it was timed (high load: slower, less trustworthy numbers).", "",
+              "| workload | device | best (us) | GFLOP/s | GB/s | trials | failed | noise | load |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         gf = f"{r['gflops']:.1f}" if r["gflops"] else "-"
         gb = f"{r['gbps']:.1f}" if r["gbps"] else "-"
         best = f"{r['latency_us']:.2f}" if r["latency_us"] else "-"
-        lines.append(f"| `{r['workload']}` | {r['device']} | {best} | {gf} | {gb} | {r['trials']} | {r['failures']} |")
+        noise = f"{r['noise_pct']:.1f}%" if r.get("noise_pct") is not None else "-"
+        load = f"{r['load_pct']:.0f}%" if r.get("load_pct") is not None else "-"
+        lines.append(f"| `{r['workload']}` | {r['device']} | {best} | {gf} | {gb} | {r['trials']} | {r['failures']} "
+                     f"| {noise} | {load} |")
     if chart:
         lines += ["", f"![best throughput]({chart})"]
     if base_chart:

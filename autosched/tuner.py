@@ -65,6 +65,7 @@ class RoundStats:
     best: float  # best so far including database seeds, seconds
     elapsed: float
     failures: dict[str, int]
+    load: float | None = None  # other processes' share of the CPU while the batch was timed (None: unknown)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class TaskTuner:
         self.reporter.on_round(self.task, RoundStats(
             self.rounds, self.trials, sum(r.ok for r in results), sum(not r.ok for r in results),
             min((r.median for r in results), default=math.inf), now, time.perf_counter() - self.start,
-            dict(self.failures)))
+            dict(self.failures), max((r.load for r in results if r.load is not None), default=None)))
         if self.options.patience is not None and self.stale >= self.options.patience:
             self.done_reason = f"no improvement in {self.options.patience} rounds"
         if results and all(r.reference_failed for r in results) and not math.isfinite(now):

@@ -17,7 +17,7 @@ LIST_COLUMNS = [("id", "id"), ("workload", "workload"), ("target", "target"), ("
                 ("latency_us", "latency (us)"), ("error", "error"), ("run_id", "run"), ("created_at", "when")]
 BEST_COLUMNS = [("op", "op"), ("shape", "shape"), ("dtype", "dtype"), ("attrs", "attrs"), ("target", "target"),
                 ("device", "device"), ("latency_us", "latency (us)"), ("gflops", "GFLOP/s"), ("gbps", "GB/s"),
-                ("trials", "trials"), ("failures", "failed")]
+                ("trials", "trials"), ("failures", "failed"), ("noise_pct", "noise (%)"), ("load_pct", "load (%)")]
 
 
 def add_parser(sub, add_db_arg, add_format) -> None:

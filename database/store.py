@@ -375,7 +375,7 @@ class Database:
                               space=space, point_json=point_key(p), latencies_json=json.dumps(list(r.latencies)),
                               median_us=r.median * 1e6 if r.ok else None, error_kind=r.error_kind,
                               error_msg=r.error_msg, rel_error=r.rel_error, build_seconds=r.build_seconds,
-                              run_seconds=r.run_seconds)
+                              run_seconds=r.run_seconds, machine_load=r.load)
                     for p, r in zip(points, results)]
             s.add_all(rows)
             s.flush()
@@ -410,7 +410,8 @@ class Database:
                                     latencies_json=json.dumps(rec["latencies"]), median_us=rec["median_us"],
                                     error_kind=rec["error_kind"], error_msg=rec["error_msg"],
                                     rel_error=rec["rel_error"], build_seconds=rec["build_seconds"],
-                                    run_seconds=rec["run_seconds"], created_at=rec["created_at"]))
+                                    run_seconds=rec["run_seconds"], created_at=rec["created_at"],
+                                    machine_load=rec.get("machine_load")))
                 except (KeyError, TypeError) as exc:
                     raise DatabaseError(f"record {rec.get('uid', '?')} of the export is incomplete ({exc})") from None
                 present.add(rec["uid"])
@@ -455,16 +456,34 @@ class Database:
                 q = q.where(WorkloadRow.op == op)
             if target_kind:
                 q = q.where(TargetRow.kind == target_kind)
+            bests = self._best_rows(s, op, target_kind)
             out = []
             for wl, match_key, kind, arch, device, best_us, trials, ok in s.execute(q):
+                best = bests.get((wl.id, match_key))
                 out.append({
                     "op": wl.op, "shape": json.loads(wl.shape_json), "dtype": wl.dtype, "attrs": json.loads(wl.attrs_json),
                     "workload": wl.key, "target": f"{kind}:{arch}", "device": device, "target_key": match_key,
                     "latency_us": best_us, "trials": trials, "failures": trials - ok,
                     "gflops": (wl.flops / (best_us * 1e-6) / 1e9) if best_us and wl.flops else None,
                     "gbps": (wl.min_bytes / (best_us * 1e-6) / 1e9) if best_us and wl.min_bytes else None,
+                    # How far the best latency can be trusted: its repeats' spread, and the load of the machine.
+                    "noise_pct": _pct(best.noise) if best else None, "load_pct": _pct(best.load) if best else None,
                 })
             return out
+
+    @staticmethod
+    def _best_rows(s: Session, op: str | None, target_kind: str | None) -> dict[tuple[int, str], MeasureResult]:
+        """The best record's result per (workload id, target match key)."""
+        q = (select(RecordRow.workload_id, TargetRow.match_key, RecordRow.latencies_json, RecordRow.machine_load)
+             .select_from(RecordRow).join(TargetRow, RecordRow.target_id == TargetRow.id)
+             .join(WorkloadRow, RecordRow.workload_id == WorkloadRow.id).where(RecordRow.median_us.is_not(None))
+             .order_by(RecordRow.median_us.desc()))
+        if op:
+            q = q.where(WorkloadRow.op == op)
+        if target_kind:
+            q = q.where(TargetRow.kind == target_kind)
+        # Slowest first, so the fastest of each group is written last.
+        return {(wid, key): MeasureResult(tuple(json.loads(lat)), load=load) for wid, key, lat, load in s.execute(q)}
 
     def validation(self, record_id: int, tvm_version: str) -> ValidationRow | None:
         with self.session() as s:
@@ -484,6 +503,10 @@ class Database:
     def count(self) -> int:
         with self.session() as s:
             return s.scalar(select(func.count(RecordRow.id))) or 0
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else round(100 * value, 1)
 
 
 def run_status(run: RunRow) -> str:
@@ -515,7 +538,7 @@ def to_record(row: RecordRow, workload_key: str, target_key: str, meta: dict | N
     from autosched.search_spaces import point_from_json
 
     result = MeasureResult(tuple(json.loads(row.latencies_json)), row.error_kind, row.error_msg,
-                           row.build_seconds, row.run_seconds, row.rel_error)
+                           row.build_seconds, row.run_seconds, row.rel_error, row.machine_load)
     return TuningRecord(workload_key, target_key, row.space, point_from_json(row.point_json), result,
                         row.run_id, row.created_at, row.id, meta or {})
 

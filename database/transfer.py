@@ -97,6 +97,7 @@ def record_json(r: RecordRow, w: WorkloadRow, t: TargetRow, run: RunRow | None) 
         "space": r.space, "point": json.loads(r.point_json), "latencies": json.loads(r.latencies_json),
         "median_us": r.median_us, "error_kind": r.error_kind, "error_msg": r.error_msg, "rel_error": r.rel_error,
         "build_seconds": r.build_seconds, "run_seconds": r.run_seconds, "created_at": r.created_at,
+        "machine_load": r.machine_load,
     }
 
 

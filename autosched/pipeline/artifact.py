@@ -167,7 +167,6 @@ def _device(manifest: dict):
 def load_artifact(out_dir: str | Path):
     """(VirtualMachine, params, manifest) of an exported artifact, using TVM's runtime only. A
     ``--tokens dynamic`` build is loaded by :class:`BucketedModel` instead."""
-    import tvm
     from tvm import relax
 
     out, manifest = Path(out_dir), read_manifest(out_dir)
@@ -225,7 +224,6 @@ class BucketedModel:
 
     def vm(self, bucket: tuple):
         """The virtual machine of one bucket, loaded on first use."""
-        import tvm
         from tvm import relax
 
         if bucket not in self._vms:
