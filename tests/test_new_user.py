@@ -337,3 +337,44 @@ def test_load_is_measured_warned_and_shown(tmp_path):
     report = tmp_path / "rep"
     cli("report", "--db", db, "-o", str(report))
     assert f"{best['load_pct']:.0f}%" in (report / "report.md").read_text()
+
+
+# ---- 9. a stock TVM RPC server is named, not taken for crashing kernels ---------------------------
+def test_stock_tvm_rpc_server_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("tornado", reason="TVM's RPC tracker needs tornado (pip install -e '.[test]')")
+    from tvm.rpc.tracker import Tracker
+
+    from autosched.measure.rpc import LocalCluster
+
+    tracker = Tracker("127.0.0.1", port=9190, port_end=10190, silent=True)
+    server = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{tracker.port}",
+                               "--key", "stock", "--host", "127.0.0.1", "--port", "10200", "--port-end", "11200"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        probe = LocalCluster.__new__(LocalCluster)  # its registered() only: the tracker and key are ours
+        probe.key, probe.address = "stock", f"127.0.0.1:{tracker.port}"
+        _wait(lambda: probe.registered() == 1, timeout=60)
+        db = tmp_path / "never.db"
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "autosched", "tune", "softmax", "--shape", "m=16,n=128",
+                               "--trials", "2", "--runner", "rpc", "--tracker", probe.address, "--key", "stock",
+                               "--db", str(db)], capture_output=True, text=True, env=ENV, timeout=300)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert "stock TVM server" in lines[0] and f"autosched rpc-server --tracker {probe.address} --key stock" in lines[0]
+        assert time.perf_counter() - start < 120
+        assert not db.exists()  # found before the tuning started: no candidate was recorded as crashing
+    finally:
+        server.kill()
+        server.wait()
+        tracker.terminate()
+
+
+def test_tracker_command_in_the_error_works_for_any_port():
+    from autosched.errors import DeviceError
+    from autosched.measure.rpc import RPCRunner
+
+    runner = RPCRunner.__new__(RPCRunner)
+    runner.tracker = ("127.0.0.1", 1)
+    with pytest.raises(DeviceError, match=r"--port 1 --port-end 2\)"):
+        runner.server_count()
