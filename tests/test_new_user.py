@@ -378,3 +378,18 @@ def test_tracker_command_in_the_error_works_for_any_port():
     runner.tracker = ("127.0.0.1", 1)
     with pytest.raises(DeviceError, match=r"--port 1 --port-end 2\)"):
         runner.server_count()
+
+
+# ---- 10. .ci/with-postgres from a private folder --------------------------------------------------
+def test_with_postgres_from_a_private_folder(tmp_path):
+    import glob
+
+    if not glob.glob("/usr/lib/postgresql/*/bin/initdb") or os.geteuid() != 0:
+        pytest.skip("needs PostgreSQL's server binaries and root (the script runs the cluster as another user)")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    script = os.path.join(os.path.dirname(__file__), "..", ".ci", "with-postgres")
+    proc = subprocess.run([os.path.abspath(script), "sh", "-c", 'echo "$AUTOSCHED_TEST_PG_URL"'], cwd=private,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("postgresql://") and "could not change directory" not in proc.stderr
