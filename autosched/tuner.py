@@ -84,6 +84,7 @@ class TuneResult:
     seeded_from_database: int
     flops: float
     min_bytes: float
+    searched: bool = True  # False: the best point is the space's default (measured first, not found by search)
 
     @property
     def gflops(self) -> float | None:
@@ -197,7 +198,15 @@ class TaskTuner:
         return TuneResult(self.task.key, self.target.label, self.space.id, best[0] if best else None,
                           best[1] if best else math.inf, self.trials, dict(self.failures), self.rounds,
                           time.perf_counter() - self.start, self.run_id, self.done_reason or stop_reason,
-                          self.seeded, self.task.flops, self.task.min_bytes)
+                          self.seeded, self.task.flops, self.task.min_bytes, self._searched(best))
+
+    def _searched(self, best) -> bool:
+        from autosched.search_spaces import point_key
+
+        try:
+            return best is None or point_key(best[0]) != point_key(self.space.default())
+        except Exception:  # noqa: BLE001 - a space without a default point has nothing to compare with
+            return True
 
 
 def tune(task: Task, target: TargetSpec, db: Database | None, options: TuneOptions | None = None,

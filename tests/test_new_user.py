@@ -393,3 +393,27 @@ def test_with_postgres_from_a_private_folder(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("postgresql://") and "could not change directory" not in proc.stderr
+
+
+# ---- 7. tune-model's latency is what `run` measures ----------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-llama", "small-llama"])
+def test_tune_model_latency_matches_run(tmp_path, model):
+    import re
+
+    from .helpers import autosched
+
+    db, art = str(tmp_path / "m.db"), str(tmp_path / "art")
+    proc = autosched("tune-model", model, "--trials", "16", "--db", db, "--format", "json")
+    found = re.search(r"(\d+(?:\.\d+)?) ms per forward pass, measured on a build", proc.stderr)
+    assert found, proc.stderr
+    estimate = float(found.group(1))
+    rows = json.loads(proc.stdout)
+    # Kernels measured only at their default point (their first and only trial) say so.
+    assert all(r["searched"].startswith("no") for r in rows if r["trials"] == 1 and r["latency_us"] is not None)
+    autosched("build", model, "--db", db, "-o", art)
+    run = json.loads(autosched("run", art, "--repeat", "50", "--no-check", "--profile", "--format", "json").stdout)
+    assert abs(estimate - run["latency_ms"]) <= 0.25 * run["latency_ms"], (estimate, run["latency_ms"])
+    labels = {k["schedule"] for k in run["kernels"]}
+    assert any(label.startswith("default point, measured (") for label in labels)  # 16 trials: most are
+    assert all(label.startswith(("tuned (", "default point, measured (", "transferred", "default", "-")) for label in labels)
