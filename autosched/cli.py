@@ -21,10 +21,30 @@ from .output import emit, plain
 
 DB_ENV = "AUTOSCHED_DB"
 DEFAULT_DB = "autosched.db"
+TUNE_TRIALS = 64  # tune's trial budget when neither --trials nor --time-budget is given
+TUNE_MODEL_TRIALS = 256  # tune-model's
 BUILD_BUCKET_GROWTH = 1.25  # `build --tokens dynamic`: finer than the tuned buckets (tune-model: 2)
 
 
 # ---- output helpers ------------------------------------------------------------------------------
+def _fixed(value: float) -> str:
+    """A number with about four significant digits and never in scientific notation (1.893e+04 reads
+    as 18930)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    digits = max(0, 3 - math.floor(math.log10(abs(value))))
+    return f"{value:.{digits}f}"
+
+
+def _trials(args, default: int) -> int | None:
+    """The trial budget: --trials if given; with --time-budget alone, none (the time is the budget)."""
+    if args.trials is None:
+        return None if args.time_budget is not None else default
+    if args.trials < 1:
+        raise UsageError(f"--trials must be at least 1 (got {args.trials})")
+    return args.trials
+
+
 def _fmt_time(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "failed"
@@ -50,8 +70,9 @@ class ConsoleReporter:
         seeded_txt = f", {seeded} earlier records as seeds" if seeded else ""
         from rich.markup import escape
 
+        budget = f"{trials} trials" if trials is not None else "trials until the time budget ends"
         self.console.log(f"tuning [bold]{escape(task.key)}[/] with space {space.id} ({space.size():.3g} points), "
-                         f"{trials} trials{seeded_txt}")
+                         f"{budget}{seeded_txt}")
         if self.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -72,6 +93,7 @@ class ConsoleReporter:
         fails = f"  failed {s.batch_failed}" if s.batch_failed else ""
         self.console.log(f"round {s.round:>3}  trials {s.trials:>4}  batch best {_fmt_time(s.batch_best):>12}  "
                          f"best {_fmt_time(s.best):>12}{perf}{fails}")
+        _warn_load(self.console, s)
         if self.progress is not None:
             self.progress.update(self.bar, completed=s.trials, description=f"best {_fmt_time(s.best)}{perf}")
 
@@ -79,6 +101,15 @@ class ConsoleReporter:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+
+def _warn_load(console, s) -> None:
+    from .measure import LOAD_WARNING
+
+    if s.load is not None and s.load > LOAD_WARNING:
+        console.log(f"[yellow]warning:[/] other processes used {s.load:.0%} of the CPU while round {s.round} was "
+                    "timed: its timings are slower and noisier than on a quiet machine (the load is stored with "
+                    "each record; `autosched db best` shows it)")
 
 
 # ---- commands ------------------------------------------------------------------------------------
@@ -145,8 +176,9 @@ def cmd_tune(args) -> int:
     from .task import Task
     from .tuner import TuneOptions, tune
 
-    if args.trials < 1:
-        raise UsageError(f"--trials must be at least 1 (got {args.trials})")
+    trials = _trials(args, TUNE_TRIALS)
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise UsageError(f"--time-budget must be above 0 seconds (got {args.time_budget:g})")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1 (got {args.batch_size})")
     wl = _workload_from_args(args)
@@ -160,7 +192,7 @@ def cmd_tune(args) -> int:
             measurer.close()
         raise
     reporter = ConsoleReporter(quiet=args.quiet)
-    options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed,
+    options = TuneOptions(trials=trials, batch_size=args.batch_size, seed=args.seed,
                           time_budget=args.time_budget, patience=args.patience, cost_model=args.cost_model,
                           transfer=not args.no_transfer)
     try:
@@ -184,9 +216,20 @@ def cmd_tune(args) -> int:
     if args.format == "json":
         print(json.dumps(summary, indent=2, default=str))
     else:
-        rows = [{"field": k, "value": plain(v) if not isinstance(v, float) else f"{v:.4g}"} for k, v in summary.items()]
+        rows = [{"field": k, "value": _summary_cell(k, v)} for k, v in summary.items()]
         emit(rows, "table", [("field", "field"), ("value", "value")], title=f"autosched tune: {wl.key}")
     return 0 if best is not None else 1
+
+
+def _summary_cell(key: str, value) -> str:
+    """A value of ``tune``'s summary table: failures as their count (0, or e.g. "3 (build 2, run 1)")
+    as ``db best`` shows them, numbers without scientific notation."""
+    if key == "failures":
+        total = sum(value.values())
+        return f"{total} ({', '.join(f'{k} {n}' for k, n in value.items())})" if total else "0"
+    if isinstance(value, float):
+        return _fixed(value)
+    return plain(value)
 
 
 def _model_kwargs(args) -> dict:
@@ -239,6 +282,7 @@ def cmd_tune_model(args) -> int:
     from .target import parse_target
     from .tuner import TuneOptions, tune_tasks
 
+    trials = _trials(args, TUNE_MODEL_TRIALS)
     target = parse_target(args.target, require_device=args.runner == "local")
     models, buckets = _models(args)
     tasks, untunable = split_tunable(merge_bucket_tasks([extract_tasks(prepare(m, target)[0]) for m in models]), target)
@@ -249,9 +293,9 @@ def cmd_tune_model(args) -> int:
             + (f" ({len(untunable)} without a space keep the default schedule)" if untunable else ""))
     db = _open_db(args.db)
     reporter = ConsoleReporter(quiet=args.quiet or len(tasks) > 1)
-    options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
+    options = TuneOptions(trials=trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
                           scheduler=args.scheduler)
-    progress = _ModelProgress(log, tasks, args.trials) if not args.quiet else None
+    progress = _ModelProgress(log, tasks, trials) if not args.quiet else None
     measurer = _measurer(args, target)
     try:
         results = tune_tasks(tasks, target, db, options, progress or reporter, measurer=measurer,
@@ -262,17 +306,36 @@ def cmd_tune_model(args) -> int:
             measurer.close()
     db.close()
     rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
+             "searched": "yes" if r.searched else "no (default point)",
              "latency_us": r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
              "weighted_us": t.weight * r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
              "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
     estimate = model_estimate(tasks, results, untunable)
     if len(models) > 1:
         estimate = estimate.replace("per forward pass", f"for one forward pass in each of the {len(models)} buckets")
+    elif args.runner == "local":
+        # The sum over kernels leaves out what the build runs besides them (copies, allocations, the VM
+        # between calls, kernels without a space) and times each kernel with warm caches: build the model
+        # with the kernels just tuned and time it, as `autosched run` would.
+        log.log(f"{args.model}: building it with the best kernels to time one forward pass")
+        estimate = f"{_measured_forward(models[0], target, args.db) * 1e3:.4g} ms per forward pass, measured on " \
+                   f"a build with the best kernels ({estimate.replace('estimated ', 'kernels alone: ')})"
     emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
-                             ("latency_us", "best (us)"), ("weighted_us", "x calls (us)"), ("failures", "failed")],
+                             ("searched", "searched"), ("latency_us", "best (us)"), ("weighted_us", "x calls (us)"),
+                             ("failures", "failed")],
          title=f"{args.model}: {estimate}")
     log.log(f"{args.model}: {estimate}")
     return 0
+
+
+def _measured_forward(model, target, db_path: str) -> float:
+    """Seconds of one forward pass of ``model`` built with the database's best kernels (see :func:`cmd_build`)."""
+    from .pipeline import build_model
+    from .runmodel import time_forward
+
+    with _open_db(db_path, readonly=True) as db:
+        executable, params, _ = build_model(model, target, db)
+    return time_forward(executable, params, model.input_specs(), target)
 
 
 def model_estimate(tasks, results, untunable=()) -> str:
@@ -306,8 +369,10 @@ class _ModelProgress:
         model = f"{total * 1e3:.3f} ms" if math.isfinite(total) else "(not every kernel measured yet)"
         from rich.markup import escape
 
-        self.log.log(f"[{done}/{self.trials}] {escape(task.name)}: best {_fmt_time(s.best)} after {s.trials} trials; "
+        of = f"/{self.trials}" if self.trials is not None else ""
+        self.log.log(f"[{done}{of}] {escape(task.name)}: best {_fmt_time(s.best)} after {s.trials} trials; "
                      f"model estimate {model}")
+        _warn_load(self.log, s)
 
 
 def cmd_build(args) -> int:
@@ -326,7 +391,13 @@ def cmd_build(args) -> int:
     # Several buckets: first check that padding to one is exact for this model (before minutes of building).
     axes = {axis: check_padding_is_exact(args.model, _model_kwargs(args), axis)
             for axis, index in (("batch", 0), ("tokens", 1)) if any(b[index] is not None for b in buckets)}
-    db = _open_db(args.db) if args.db and (is_url(args.db) or os.path.exists(args.db)) else None
+    db = None
+    if args.db and (is_url(args.db) or os.path.exists(args.db)):
+        # Validations of records from another TVM are stored where the database can be written; a file
+        # one may only read (a team's shared copy) is read as it is.
+        writable = is_url(args.db) or (os.access(args.db, os.W_OK)
+                                       and os.access(os.path.dirname(os.path.abspath(args.db)), os.W_OK))
+        db = _open_db(args.db, readonly=not writable)
     db_path = str(db.path) if db else None
     log = _console(stderr=True)
     try:
@@ -448,10 +519,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="tune one operator for one device")
     _add_workload_args(p)
     p.add_argument("--target", default="llvm", help="llvm (this CPU, default), cuda (first GPU), or kind:arch")
-    p.add_argument("--trials", type=int, default=64, help="candidates to measure (default 64)")
+    p.add_argument("--trials", type=int, help=f"candidates to measure (default {TUNE_TRIALS}; with --time-budget "
+                   "alone, as many as fit in it)")
     p.add_argument("--batch-size", type=int, default=16, help="candidates per round (default 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the search (default 0)")
-    p.add_argument("--time-budget", type=float, help="stop after this many seconds")
+    p.add_argument("--time-budget", type=float, help="stop after this many seconds (without --trials: the only budget)")
     p.add_argument("--patience", type=int, help="stop after this many rounds without improvement")
     p.add_argument("--cost-model", choices=("xgb", "random"), default="xgb", help="search guide (default xgb)")
     p.add_argument("--no-transfer", action="store_true",
@@ -487,12 +559,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune-model", help="tune every kernel of a model under one trial budget")
     model_args(p)
-    p.add_argument("--trials", type=int, default=256, help="candidates to measure over all kernels (default 256)")
+    p.add_argument("--trials", type=int, help=f"candidates to measure over all kernels (default {TUNE_MODEL_TRIALS}; "
+                   "with --time-budget alone, as many as fit in it)")
     p.add_argument("--batch-size", type=int, default=16, help="candidates per round (default 16)")
     p.add_argument("--scheduler", choices=("gradient", "round-robin"), default="gradient",
                    help="how trials are spread over the kernels (default gradient)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, help="stop after this many seconds")
+    p.add_argument("--time-budget", type=float, help="stop after this many seconds (without --trials: the only budget)")
     p.add_argument("-q", "--quiet", action="store_true")
     _add_measure_args(p)
     _add_format(p)

@@ -41,7 +41,8 @@ class MeasureResult:
     """The outcome of measuring one candidate.
 
     ``latencies`` are the raw per-repeat times in seconds (each the mean of one repeat's runs);
-    ``rel_error`` is ||out - ref|| / ||ref|| of the correctness check.
+    ``rel_error`` is ||out - ref|| / ||ref|| of the correctness check; ``load`` is the share of the
+    machine's CPU that other processes used while the candidate's batch was timed (None: not measured).
     """
 
     latencies: tuple[float, ...] = ()
@@ -50,10 +51,18 @@ class MeasureResult:
     build_seconds: float = 0.0
     run_seconds: float = 0.0
     rel_error: float | None = None
+    load: float | None = None
 
     @property
     def ok(self) -> bool:
         return self.error_kind is None and bool(self.latencies)
+
+    @property
+    def noise(self) -> float | None:
+        """The spread of the repeats, (slowest - fastest) / median; None for a failure or a single repeat."""
+        if not self.ok or len(self.latencies) < 2:
+            return None
+        return (max(self.latencies) - min(self.latencies)) / self.median
 
     @property
     def median(self) -> float:

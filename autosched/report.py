@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import textwrap
 from pathlib import Path
 from typing import Any
 
 from autosched.database.queries import history, stats
 from autosched.database.store import Database
+from autosched.errors import UsageError
 
 
 def _slug(text: str, n: int) -> str:
@@ -162,24 +164,45 @@ def summary_line(st: dict[str, Any]) -> str:
 
 
 def write_report(db_path: str, out_dir: str, bench_files: list[str] | None = None) -> Path:
+    """Write the report into ``out_dir``; a report that fails (no database, a bad benchmark file)
+    leaves no folder it created behind."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with Database(db_path, readonly=True, create=False) as db:
-        summary = db.summary()
-        curves = tuning_curves(db, out)
-        st = stats(db)
+    for path in bench_files or []:
+        if not Path(path).is_file():
+            raise UsageError(f"no benchmark results file {path}: give files benchmarks/*_benchmark.py wrote")
+    with Database(db_path, readonly=True, create=False) as db:  # before the folder: a wrong --db makes none
+        created = [p for p in (out, *out.parents) if not p.exists()]
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            return _write(db, db_path, out, bench_files)
+        except BaseException:
+            if created:
+                shutil.rmtree(created[-1], ignore_errors=True)
+            raise
+
+
+def _write(db: Database, db_path: str, out: Path, bench_files: list[str] | None) -> Path:
+    summary = db.summary()
+    curves = tuning_curves(db, out)
+    st = stats(db)
     chart = throughput_chart(summary, out)
     base_chart, base_rows = baseline_chart(bench_files or [], out)
     lines = [f"# Tuning report: `{db_path}`", "", summary_line(st), ""]
     if st["failures_by_reason"]:
         lines += ["Failures by reason: " + ", ".join(f"{k} {v}" for k, v in st["failures_by_reason"].items()), ""]
     lines += ["## Best schedule per workload", "",
-              "| workload | device | best (us) | GFLOP/s | GB/s | trials | failed |", "|---|---|---|---|---|---|---|"]
+              "Noise: the spread of the best record's repeats, (slowest - fastest) / median; load: the share of the "
+              "machine's CPU other processes used while it was timed (high load: slower, less trustworthy numbers).", "",
+              "| workload | device | best (us) | GFLOP/s | GB/s | trials | failed | noise | load |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         gf = f"{r['gflops']:.1f}" if r["gflops"] else "-"
         gb = f"{r['gbps']:.1f}" if r["gbps"] else "-"
         best = f"{r['latency_us']:.2f}" if r["latency_us"] else "-"
-        lines.append(f"| `{r['workload']}` | {r['device']} | {best} | {gf} | {gb} | {r['trials']} | {r['failures']} |")
+        noise = f"{r['noise_pct']:.1f}%" if r.get("noise_pct") is not None else "-"
+        load = f"{r['load_pct']:.0f}%" if r.get("load_pct") is not None else "-"
+        lines.append(f"| `{r['workload']}` | {r['device']} | {best} | {gf} | {gb} | {r['trials']} | {r['failures']} "
+                     f"| {noise} | {load} |")
     if chart:
         lines += ["", f"![best throughput]({chart})"]
     if base_chart:

@@ -15,14 +15,17 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     """Run, time and check an artifact; ``tokens`` and ``batch`` pick the shape for a ``--tokens dynamic``
     or ``--batch dynamic`` build (default: its largest bucket); ``profile`` adds each kernel's time
     (:func:`kernel_times`) under ``kernels``."""
+    from .errors import UsageError
+    from .pipeline import BucketedModel, load_artifact, read_manifest
+
+    if repeat < 1:
+        raise UsageError(f"--repeat must be at least 1 (got {repeat})")
+    manifest = read_manifest(path)  # before TVM and torch are imported: a wrong path is said at once
     import torch
     import tvm
 
-    from .errors import UsageError
-    from .pipeline import BucketedModel, load_artifact, read_manifest
     from .target import KIND_FACTS
 
-    manifest = read_manifest(path)
     torch_device = KIND_FACTS[manifest["target"]["kind"]].device
     device = tvm.device(torch_device, 0)
     gen = torch.Generator().manual_seed(0)
@@ -76,6 +79,24 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
         if result.get("rel_error_vs_torch") == float("inf"):  # the output holds a NaN or infinity
             result["first_nonfinite_kernel"] = first_nonfinite_kernel(vm, args, device)
     return result
+
+
+def time_forward(executable, params: list, input_specs: list[dict[str, Any]], target, repeat: int = 20) -> float:
+    """Median seconds of one forward pass of a compiled model (``executable``, the parameters its ``main``
+    takes) on random inputs, timed as ``autosched run`` times an artifact: what tune-model reports as the
+    model's latency, with every kernel the build runs (tuned, default, copies) and the VM between them."""
+    import torch
+    import tvm
+    from tvm import relax
+
+    device = tvm.device(target.torch_device, 0)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [random_input(spec, gen).to(target.torch_device) for spec in input_specs]
+    vm = relax.VirtualMachine(executable, device)
+    args = [tvm.runtime.from_dlpack(t) for t in inputs] + list(params)
+    vm["main"](*args)  # warm-up
+    timer = vm.time_evaluator("main", device, number=1, repeat=repeat, min_repeat_ms=0)
+    return statistics.median(timer(*args).results)
 
 
 def kernel_times(vm, args: list, device, repeat: int = 5) -> list[dict[str, Any]]:
@@ -144,7 +165,10 @@ def schedule_of(kernel: str, kernels: dict[str, Any]) -> str:
     """Where a kernel's schedule came from, by the artifact's manifest: its record's space, the nearest
     tuned shape, or the default (a template's default point or TVM's dlight rules)."""
     if kernel in kernels.get("tuned_kernels", {}):
-        return f"tuned ({kernels['tuned_kernels'][kernel].get('space', '?')})"
+        info = kernels["tuned_kernels"][kernel]
+        if info.get("searched") is False:  # its record is the space's default point: measured, never searched
+            return f"default point, measured ({info.get('space', '?')})"
+        return f"tuned ({info.get('space', '?')})"
     if kernel in kernels.get("transferred_kernels", {}):
         return "transferred"
     if kernel in kernels.get("default_kernels", []):

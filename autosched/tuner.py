@@ -31,7 +31,8 @@ FIRST_ROUND_GROUP = 16
 @dataclass(frozen=True)
 class TuneOptions:
     """Args:
-        trials: new candidates to measure in this run (for a model: over all its tasks).
+        trials: new candidates to measure in this run (for a model: over all its tasks); None: no limit
+            (``time_budget`` or ``patience`` stops the run).
         batch_size: candidates measured per round.
         seed: seed of the search (sampling, mutation, exploration).
         time_budget: stop after this many seconds (None: no limit).
@@ -42,7 +43,7 @@ class TuneOptions:
         transfer: for a workload without records, start from the nearest tuned shapes' decisions.
     """
 
-    trials: int = 64
+    trials: int | None = 64
     batch_size: int = 16
     seed: int = 0
     time_budget: float | None = None
@@ -64,6 +65,7 @@ class RoundStats:
     best: float  # best so far including database seeds, seconds
     elapsed: float
     failures: dict[str, int]
+    load: float | None = None  # other processes' share of the CPU while the batch was timed (None: unknown)
 
 
 @dataclass
@@ -82,6 +84,7 @@ class TuneResult:
     seeded_from_database: int
     flops: float
     min_bytes: float
+    searched: bool = True  # False: the best point is the space's default (measured first, not found by search)
 
     @property
     def gflops(self) -> float | None:
@@ -182,7 +185,7 @@ class TaskTuner:
         self.reporter.on_round(self.task, RoundStats(
             self.rounds, self.trials, sum(r.ok for r in results), sum(not r.ok for r in results),
             min((r.median for r in results), default=math.inf), now, time.perf_counter() - self.start,
-            dict(self.failures)))
+            dict(self.failures), max((r.load for r in results if r.load is not None), default=None)))
         if self.options.patience is not None and self.stale >= self.options.patience:
             self.done_reason = f"no improvement in {self.options.patience} rounds"
         if results and all(r.reference_failed for r in results) and not math.isfinite(now):
@@ -195,7 +198,15 @@ class TaskTuner:
         return TuneResult(self.task.key, self.target.label, self.space.id, best[0] if best else None,
                           best[1] if best else math.inf, self.trials, dict(self.failures), self.rounds,
                           time.perf_counter() - self.start, self.run_id, self.done_reason or stop_reason,
-                          self.seeded, self.task.flops, self.task.min_bytes)
+                          self.seeded, self.task.flops, self.task.min_bytes, self._searched(best))
+
+    def _searched(self, best) -> bool:
+        from autosched.search_spaces import point_key
+
+        try:
+            return best is None or point_key(best[0]) != point_key(self.space.default())
+        except Exception:  # noqa: BLE001 - a space without a default point has nothing to compare with
+            return True
 
 
 def tune(task: Task, target: TargetSpec, db: Database | None, options: TuneOptions | None = None,
@@ -224,7 +235,10 @@ def tune_tasks(tasks: list[Task], target: TargetSpec, db: Database | None, optio
     weighted latency is expected to drop most, judged by its recent improvement and its distance from
     its floor)."""
     options = options or TuneOptions()
+    if options.trials is None and options.time_budget is None and options.patience is None:
+        raise ValueError("TuneOptions without trials needs a time_budget or patience to stop")
     reporter = reporter or SilentReporter()
+    limit = math.inf if options.trials is None else options.trials
     start = time.perf_counter()
     own_run = db is not None and run_id is None
     if own_run:
@@ -236,11 +250,12 @@ def tune_tasks(tasks: list[Task], target: TargetSpec, db: Database | None, optio
     try:
         for task in tasks:
             tuner = TaskTuner(task, target, db, options, run_id, reporter)
-            per_task = options.trials if len(tasks) == 1 else max(1, options.trials // len(tasks))
+            per_task = (options.trials if len(tasks) == 1 or options.trials is None
+                        else max(1, options.trials // len(tasks)))
             reporter.on_start(task, tuner.space, per_task, tuner.seeded)
             tuners.append(tuner)
         used = _first_measurements(tuners, measurer, options, start)
-        while used < options.trials:
+        while used < limit:
             if options.time_budget is not None and time.perf_counter() - start >= options.time_budget:
                 stop_reason = f"time budget of {options.time_budget:.0f} s reached"
                 break
@@ -249,7 +264,7 @@ def tune_tasks(tasks: list[Task], target: TargetSpec, db: Database | None, optio
                 stop_reason = "every task stopped"
                 break
             tuner = _next_task(live, options.scheduler)
-            used += tuner.step(measurer, options.trials - used)
+            used += tuner.step(measurer, int(min(limit - used, options.batch_size)))
     except BaseException:
         status = "interrupted"
         raise
@@ -268,18 +283,19 @@ def _first_measurements(tuners: list[TaskTuner], measurer: Measurer, options: Tu
     the first few tasks (64 trials in batches of 16: 4 of 14 kernels measured). Returns the trials used."""
     if len(tuners) < 2:
         return 0
-    share = max(1, options.trials // len(tuners))
+    limit = math.inf if options.trials is None else options.trials
+    share = options.batch_size if options.trials is None else max(1, options.trials // len(tuners))
     used = 0
     order = sorted(tuners, key=lambda t: _heaviness(t.task), reverse=True)
     # In groups, so the builds of several kernels compile side by side (on the GPU a build takes longer
     # than a run), while the time budget is still checked often.
     for group_start in range(0, len(order), FIRST_ROUND_GROUP):
-        if used >= options.trials or (options.time_budget is not None
+        if used >= limit or (options.time_budget is not None
                                       and time.perf_counter() - start >= options.time_budget):
             break
         proposed = []
         for tuner in order[group_start:group_start + FIRST_ROUND_GROUP]:
-            first = min(options.batch_size, share, 1 + len(tuner.transferred), options.trials - used)
+            first = int(min(options.batch_size, share, 1 + len(tuner.transferred), limit - used))
             request = tuner.propose(first) if first > 0 else None
             if request is not None:
                 proposed.append((tuner, request))

@@ -30,6 +30,10 @@ def trusted_best(db: Database, task: Task, target: TargetSpec, space_id: str,
         known = db.validation(record.record_id, target.tvm_version)
         if known is None and measurer is not None:
             (result,) = measurer().measure(task.spec, [record.point])
+            if db.readonly:  # a database one may only read: this build trusts the result, nobody stores it
+                if result.ok:
+                    return record
+                continue
             db.add_validation(record.record_id, target.tvm_version, result)
             known = db.validation(record.record_id, target.tvm_version)
         if known is not None and known.ok:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from autosched.errors import DatabaseError, UsageError
@@ -16,7 +17,7 @@ LIST_COLUMNS = [("id", "id"), ("workload", "workload"), ("target", "target"), ("
                 ("latency_us", "latency (us)"), ("error", "error"), ("run_id", "run"), ("created_at", "when")]
 BEST_COLUMNS = [("op", "op"), ("shape", "shape"), ("dtype", "dtype"), ("attrs", "attrs"), ("target", "target"),
                 ("device", "device"), ("latency_us", "latency (us)"), ("gflops", "GFLOP/s"), ("gbps", "GB/s"),
-                ("trials", "trials"), ("failures", "failed")]
+                ("trials", "trials"), ("failures", "failed"), ("noise_pct", "noise (%)"), ("load_pct", "load (%)")]
 
 
 def add_parser(sub, add_db_arg, add_format) -> None:
@@ -83,6 +84,7 @@ def add_parser(sub, add_db_arg, add_format) -> None:
     p = dsub.add_parser("import", help="merge an export file into the database (idempotent)")
     p.add_argument("file", help="an export file written by `autosched db export`")
     add_db_arg(p)
+    add_format(p, ("table", "json"))
 
     p = dsub.add_parser("upgrade", help="upgrade the database to this autosched's schema")
     add_db_arg(p)
@@ -122,10 +124,7 @@ def run(args) -> int:
         print(f"{args.db}: schema {old or 'empty'} -> {new}" if old != new else f"{args.db}: already at schema {new}")
         return 0
     if cmd == "import":
-        with Database(args.db, busy_timeout=args.busy_timeout) as db:
-            stats = import_records(db, args.file)
-        print(json.dumps({"read": stats.read, "added": stats.added, "already_present": stats.skipped}))
-        return 0
+        return _import(args)
 
     with Database(args.db, readonly=True, create=False, busy_timeout=args.busy_timeout) as db:
         if cmd == "best":
@@ -203,6 +202,38 @@ def run(args) -> int:
             print(f"exported {n} records to {args.output}", file=sys.stderr)
             return 0
     raise UsageError(f"unknown db command {cmd}")
+
+
+def _import(args) -> int:
+    """``db import``: a file that is missing, not an export or without one complete record fails before
+    the database is opened; a database this command created and added nothing to is removed again."""
+    from .store import Database, is_url
+    from .transfer import ImportStats, check_export
+
+    check_export(args.file)
+    created = not is_url(args.db) and not Path(args.db).exists()
+    stats = ImportStats()
+    try:
+        with Database(args.db, busy_timeout=args.busy_timeout) as db:
+            import_records(db, args.file, stats=stats)
+    except BaseException:
+        if created and stats.added == 0:
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                Path(f"{args.db}{suffix}").unlink(missing_ok=True)
+        raise
+    data = {"read": stats.read, "added": stats.added, "already_present": stats.skipped,
+            "broken_lines": len(stats.broken)}
+    if args.format == "json":
+        print(json.dumps(data))
+    else:
+        emit([{"field": k, "value": v} for k, v in data.items()], "table", [("field", "field"), ("value", "value")],
+             title=f"imported {args.file}")
+    if stats.broken:
+        more = f" (and {len(stats.broken) - 1} more broken lines)" if len(stats.broken) > 1 else ""
+        raise DatabaseError(f"{args.file}:{stats.broken[0]} is not valid JSON (a truncated file?){more}: imported the "
+                            f"{stats.read} complete records ({stats.added} new, {stats.skipped} already present) "
+                            "and skipped it; export again for what it held")
+    return 0
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:

@@ -93,6 +93,9 @@ class RunRow(Base):
     command: Mapped[str] = mapped_column(Text, default="")
     seed: Mapped[int | None] = mapped_column(Integer, nullable=True)
     autosched_version: Mapped[str] = mapped_column(String, default="")
+    # The tuner's process on ``host`` (schema 0003): a run still "running" whose process is gone died
+    # without finishing (kill -9, power loss) and is shown as stale.
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     records: Mapped[list[RecordRow]] = relationship(back_populates="run")
 
@@ -118,6 +121,9 @@ class RecordRow(Base):
     build_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     run_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     created_at: Mapped[str] = mapped_column(String, default=utcnow)
+    # The share of the machine's CPU time other processes used while its batch was timed (schema 0003;
+    # None where not measured: older records, remote runners).
+    machine_load: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     workload: Mapped[WorkloadRow] = relationship(back_populates="records")
     target: Mapped[TargetRow] = relationship(back_populates="records")

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from .models import RecordRow, RunRow, TargetRow, WorkloadRow
-from .store import Database
+from .store import Database, run_status
 from .transfer import RecordFilter, record_rows
 
 
@@ -76,7 +76,7 @@ def stats(db: Database, flt: RecordFilter | None = None) -> dict[str, Any]:
         out["failures_by_reason"] = dict(collections.Counter(r.error_kind for r, _, _ in rows if r.error_kind))
         out["workloads"] = len({w.id for _, w, _ in rows})
         out["devices"] = sorted({t.device_name or t.match_key for _, _, t in rows})
-        out["runs"] = len({r.run_id for r, _, _ in rows if r.run_id is not None})
+        out["runs"] = 0  # counted below, with runs_by_status
         out["build_seconds"] = round(sum(r.build_seconds for r, _, _ in rows), 1)
         out["run_seconds"] = round(sum(r.run_seconds for r, _, _ in rows), 1)
         # Wall time of the tuning runs that recorded these candidates (search, builds, timing, overheads).
@@ -84,8 +84,14 @@ def stats(db: Database, flt: RecordFilter | None = None) -> dict[str, Any]:
         spans = s.execute(select(RunRow.started_at, RunRow.finished_at).where(RunRow.id.in_(run_ids),
                                                                             RunRow.status != "imported")).all()
         out["tuning_seconds"] = round(sum(_seconds_between(a, b) for a, b in spans if a and b), 1)
-        statuses = s.execute(select(RunRow.status, func.count(RunRow.id)).group_by(RunRow.status)).all()
-        out["runs_by_status"] = {status: n for status, n in statuses}
+        # The runs counted are the runs that recorded these candidates; without a filter, every run (one
+        # killed before its first batch was stored has none), so that `runs` is the sum of `runs_by_status`.
+        q = select(RunRow)
+        if flt is not None and flt != RecordFilter():
+            q = q.where(RunRow.id.in_(run_ids))
+        runs = list(s.scalars(q))
+        out["runs"] = len(runs)
+        out["runs_by_status"] = dict(collections.Counter(run_status(run) for run in runs))
         out["tvm_versions"] = sorted({v for (v,) in s.execute(select(TargetRow.tvm_version).distinct())})
         first_last = s.execute(select(func.min(RecordRow.created_at), func.max(RecordRow.created_at))).one()
         out["first_record"], out["last_record"] = first_last

@@ -22,6 +22,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
+from urllib.parse import quote
 
 from sqlalchemy import create_engine, event, func, inspect, select
 from sqlalchemy.engine import make_url
@@ -146,10 +147,14 @@ class Database:
 
     def _engine(self, immediate: bool):
         if self.readonly:
-            url, kwargs = f"sqlite:///file:{self.path}?mode=ro&uri=true", {"uri": True}
+            # A file opened read-only is never written, and nothing is created beside it: SQLite's own
+            # read-only mode, and where the folder cannot take the WAL's -shm file (a shared, read-only
+            # location) the file is read as immutable, without the WAL's locks.
+            uri, timeout = self.readonly_uri(), self.busy_timeout
+            engine = create_engine(f"sqlite:///{self.path}", creator=lambda: sqlite3.connect(uri, uri=True, timeout=timeout,
+                                                                                 check_same_thread=False))
         else:
-            url, kwargs = f"sqlite:///{self.path}", {}
-        engine = create_engine(url, connect_args={"timeout": self.busy_timeout, **kwargs})
+            engine = create_engine(f"sqlite:///{self.path}", connect_args={"timeout": self.busy_timeout})
         readonly, timeout_ms = self.readonly, int(self.busy_timeout * 1000)
 
         @event.listens_for(engine, "connect")
@@ -170,6 +175,15 @@ class Database:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
+
+    def readonly_uri(self) -> str:
+        """The SQLite URI that opens the file read-only: ``mode=ro``, plus ``immutable=1`` where its folder
+        is not writable (no -shm can be made there; a writer cannot be working on it then either)."""
+        path = self.path.resolve()
+        uri = f"file:{quote(str(path))}?mode=ro"
+        if not os.access(path.parent, os.W_OK):
+            uri += "&immutable=1"
+        return uri
 
     def _translate(self, exc: Exception) -> DatabaseError:
         # Server drivers add detail lines (DETAIL:, HINT:, a caret under the SQL): the first line says it.
@@ -335,7 +349,8 @@ class Database:
         from autosched import __version__
 
         def fn(s: Session) -> int:
-            run = RunRow(host=socket.gethostname(), command=command, seed=seed, autosched_version=__version__)
+            run = RunRow(host=socket.gethostname(), command=command, seed=seed, autosched_version=__version__,
+                         pid=os.getpid())
             s.add(run)
             s.flush()
             return run.id
@@ -360,7 +375,7 @@ class Database:
                               space=space, point_json=point_key(p), latencies_json=json.dumps(list(r.latencies)),
                               median_us=r.median * 1e6 if r.ok else None, error_kind=r.error_kind,
                               error_msg=r.error_msg, rel_error=r.rel_error, build_seconds=r.build_seconds,
-                              run_seconds=r.run_seconds)
+                              run_seconds=r.run_seconds, machine_load=r.load)
                     for p, r in zip(points, results)]
             s.add_all(rows)
             s.flush()
@@ -395,7 +410,8 @@ class Database:
                                     latencies_json=json.dumps(rec["latencies"]), median_us=rec["median_us"],
                                     error_kind=rec["error_kind"], error_msg=rec["error_msg"],
                                     rel_error=rec["rel_error"], build_seconds=rec["build_seconds"],
-                                    run_seconds=rec["run_seconds"], created_at=rec["created_at"]))
+                                    run_seconds=rec["run_seconds"], created_at=rec["created_at"],
+                                    machine_load=rec.get("machine_load")))
                 except (KeyError, TypeError) as exc:
                     raise DatabaseError(f"record {rec.get('uid', '?')} of the export is incomplete ({exc})") from None
                 present.add(rec["uid"])
@@ -440,16 +456,34 @@ class Database:
                 q = q.where(WorkloadRow.op == op)
             if target_kind:
                 q = q.where(TargetRow.kind == target_kind)
+            bests = self._best_rows(s, op, target_kind)
             out = []
             for wl, match_key, kind, arch, device, best_us, trials, ok in s.execute(q):
+                best = bests.get((wl.id, match_key))
                 out.append({
                     "op": wl.op, "shape": json.loads(wl.shape_json), "dtype": wl.dtype, "attrs": json.loads(wl.attrs_json),
                     "workload": wl.key, "target": f"{kind}:{arch}", "device": device, "target_key": match_key,
                     "latency_us": best_us, "trials": trials, "failures": trials - ok,
                     "gflops": (wl.flops / (best_us * 1e-6) / 1e9) if best_us and wl.flops else None,
                     "gbps": (wl.min_bytes / (best_us * 1e-6) / 1e9) if best_us and wl.min_bytes else None,
+                    # How far the best latency can be trusted: its repeats' spread, and the load of the machine.
+                    "noise_pct": _pct(best.noise) if best else None, "load_pct": _pct(best.load) if best else None,
                 })
             return out
+
+    @staticmethod
+    def _best_rows(s: Session, op: str | None, target_kind: str | None) -> dict[tuple[int, str], MeasureResult]:
+        """The best record's result per (workload id, target match key)."""
+        q = (select(RecordRow.workload_id, TargetRow.match_key, RecordRow.latencies_json, RecordRow.machine_load)
+             .select_from(RecordRow).join(TargetRow, RecordRow.target_id == TargetRow.id)
+             .join(WorkloadRow, RecordRow.workload_id == WorkloadRow.id).where(RecordRow.median_us.is_not(None))
+             .order_by(RecordRow.median_us.desc()))
+        if op:
+            q = q.where(WorkloadRow.op == op)
+        if target_kind:
+            q = q.where(TargetRow.kind == target_kind)
+        # Slowest first, so the fastest of each group is written last.
+        return {(wid, key): MeasureResult(tuple(json.loads(lat)), load=load) for wid, key, lat, load in s.execute(q)}
 
     def validation(self, record_id: int, tvm_version: str) -> ValidationRow | None:
         with self.session() as s:
@@ -471,11 +505,40 @@ class Database:
             return s.scalar(select(func.count(RecordRow.id))) or 0
 
 
+def _pct(value: float | None) -> float | None:
+    return None if value is None else round(100 * value, 1)
+
+
+def run_status(run: RunRow) -> str:
+    """A run's status as it is now: a run still marked ``running`` whose tuner process on this host is
+    gone (killed with -9, a crash of the machine) is ``stale``. Runs of other hosts cannot be checked
+    from here and keep their stored status."""
+    if run.status != "running" or run.pid is None or run.host != socket.gethostname():
+        return run.status
+    import psutil
+
+    try:
+        started = _timestamp(run.started_at)
+        # A live process with this pid that started after the run did is another process (pid reused).
+        return "running" if psutil.Process(run.pid).create_time() <= started + 2 else "stale"
+    except psutil.NoSuchProcess:
+        return "stale"
+    except (psutil.Error, ValueError, TypeError):
+        return run.status
+
+
+def _timestamp(iso: str) -> float:
+    from datetime import datetime, timezone
+
+    moment = datetime.fromisoformat(iso)
+    return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
+
+
 def to_record(row: RecordRow, workload_key: str, target_key: str, meta: dict | None = None) -> TuningRecord:
     from autosched.search_spaces import point_from_json
 
     result = MeasureResult(tuple(json.loads(row.latencies_json)), row.error_kind, row.error_msg,
-                           row.build_seconds, row.run_seconds, row.rel_error)
+                           row.build_seconds, row.run_seconds, row.rel_error, row.machine_load)
     return TuningRecord(workload_key, target_key, row.space, point_from_json(row.point_json), result,
                         row.run_id, row.created_at, row.id, meta or {})
 

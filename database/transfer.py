@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -97,6 +97,7 @@ def record_json(r: RecordRow, w: WorkloadRow, t: TargetRow, run: RunRow | None) 
         "space": r.space, "point": json.loads(r.point_json), "latencies": json.loads(r.latencies_json),
         "median_us": r.median_us, "error_kind": r.error_kind, "error_msg": r.error_msg, "rel_error": r.rel_error,
         "build_seconds": r.build_seconds, "run_seconds": r.run_seconds, "created_at": r.created_at,
+        "machine_load": r.machine_load,
     }
 
 
@@ -118,12 +119,15 @@ def export_records(db: Database, out: IO[str], flt: RecordFilter | None = None) 
     return len(rows)
 
 
-def read_export(path: str | Path) -> tuple[dict[str, Any], Iterator[dict[str, Any]]]:
-    """The header and an iterator over the records of an export file (checked as they are read)."""
+def read_export(path: str | Path) -> tuple[dict[str, Any], Iterator[dict[str, Any]], list[int]]:
+    """The header, an iterator over the records of an export file, and the numbers of the lines the
+    iterator skipped as not a JSON record (filled as it reads; a truncated file ends in one)."""
     path = Path(path)
     if not path.exists():
         raise DatabaseError(f"no export file at {path}")
-    handle = path.open()
+    if not path.is_file():
+        raise DatabaseError(f"{path} is not a file: give the file `autosched db export -o` wrote")
+    handle = path.open(errors="replace")  # a binary file fails as "not JSON", not as a decoding error
     first = handle.readline()
     try:
         header = json.loads(first)
@@ -145,11 +149,16 @@ def read_export(path: str | Path) -> tuple[dict[str, Any], Iterator[dict[str, An
                 if not line.strip():
                     continue
                 try:
-                    yield json.loads(line)
+                    record = json.loads(line)
                 except json.JSONDecodeError:
-                    raise DatabaseError(f"{path}:{number} is not valid JSON (a truncated file?)") from None
+                    record = None
+                if not isinstance(record, dict):
+                    broken.append(number)
+                    continue
+                yield record
 
-    return header, records()
+    broken: list[int] = []
+    return header, records(), broken
 
 
 @dataclass
@@ -157,12 +166,30 @@ class ImportStats:
     read: int = 0
     added: int = 0
     skipped: int = 0  # already present (same uid)
+    broken: list[int] = field(default_factory=list)  # line numbers that are not a JSON record
 
 
-def import_records(db: Database, path: str | Path, batch: int = 500) -> ImportStats:
-    """Merge the records of an export file into ``db``. Importing the same file again adds nothing."""
-    header, records = read_export(path)
-    stats = ImportStats()
+def check_export(path: str | Path) -> int:
+    """Read an export file through without a database: the number of complete records in it.
+
+    Raises:
+        DatabaseError: no such file, not an export, or not one complete record in it (nothing would
+            be imported), so that a failed import creates no database.
+    """
+    header, records, broken = read_export(path)
+    complete = sum(1 for _ in records)
+    if broken and not complete:
+        raise DatabaseError(f"{path}:{broken[0]} is not valid JSON (a truncated file?) and no complete record "
+                            "comes before it: nothing was imported; export the records again")
+    return complete
+
+
+def import_records(db: Database, path: str | Path, batch: int = 500, stats: ImportStats | None = None) -> ImportStats:
+    """Merge the records of an export file into ``db``. Importing the same file again adds nothing. Lines
+    that are not a JSON record (the cut end of a truncated file) are skipped and listed in
+    ``stats.broken``; ``stats`` (given) counts what was added even if a later batch fails."""
+    header, records, broken = read_export(path)
+    stats = stats if stats is not None else ImportStats()
     pending: list[dict[str, Any]] = []
     for rec in records:
         stats.read += 1
@@ -172,6 +199,7 @@ def import_records(db: Database, path: str | Path, batch: int = 500) -> ImportSt
             pending = []
     if pending:
         _merge(db, pending, header, stats)
+    stats.broken = broken
     return stats
 
 

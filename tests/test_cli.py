@@ -74,8 +74,8 @@ def test_tune_query_show_export_import(tmp_path):
     export = str(tmp_path / "e.jsonl")
     autosched("db", "export", "--db", db, "-o", export)
     other = str(tmp_path / "o.db")
-    assert json.loads(autosched("db", "import", export, "--db", other).stdout)["added"] == 8
-    assert json.loads(autosched("db", "import", export, "--db", other).stdout)["added"] == 0
+    assert json.loads(autosched("db", "import", export, "--db", other, "--format", "json").stdout)["added"] == 8
+    assert json.loads(autosched("db", "import", export, "--db", other, "--format", "json").stdout)["added"] == 0
 
     # A second run seeds from the database and adds new, different points.
     autosched("tune", "gemm", "--shape", "m=64,n=48,k=40", "--trials", "4", "--batch-size", "4", "--db", db)

@@ -62,7 +62,7 @@ def test_old_schema_on_the_server_is_refused_then_upgraded(pg_url):
     engine.dispose()
     proc = autosched("db", "best", "--db", pg_url, check=False)
     assert proc.returncode == 1 and "autosched db upgrade" in proc.stderr
-    assert "0001 -> 0002" in autosched("db", "upgrade", "--db", pg_url).stdout
+    assert "0001 -> 0003" in autosched("db", "upgrade", "--db", pg_url).stdout
     assert "already at schema" in autosched("db", "upgrade", "--db", pg_url).stdout
     with Database(pg_url) as db:
         rows = db.summary()
@@ -91,8 +91,8 @@ def test_every_db_command_on_the_server(pg_url, tmp_path):
     export = tmp_path / "e.jsonl"
     autosched("db", "export", "--db", pg_url, "-o", str(export))
     sqlite_db = str(tmp_path / "copy.db")
-    assert json.loads(autosched("db", "import", str(export), "--db", sqlite_db).stdout)["added"] == 6
-    assert json.loads(autosched("db", "import", str(export), "--db", pg_url).stdout)["added"] == 0
+    assert json.loads(autosched("db", "import", str(export), "--db", sqlite_db, "--format", "json").stdout)["added"] == 6
+    assert json.loads(autosched("db", "import", str(export), "--db", pg_url, "--format", "json").stdout)["added"] == 0
 
 
 @pytest.mark.slow

@@ -174,7 +174,7 @@ def test_killed_in_the_middle_of_a_write(big_export, tmp_path):
     kept = _count(path)
     assert kept >= 500 and _integrity(path) == "ok"
     # Importing again completes the job and adds nothing twice.
-    out = json.loads(cli("db", "import", str(big_export), "--db", str(path)).stdout)
+    out = json.loads(cli("db", "import", str(big_export), "--db", str(path), "--format", "json").stdout)
     assert out["added"] == 4000 - kept and _count(path) == 4000
 
 

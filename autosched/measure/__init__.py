@@ -8,6 +8,7 @@ crashes its process is killed, recorded as failed, and the process restarted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -27,7 +28,12 @@ if TYPE_CHECKING:
     from autosched.target import TargetSpec
     from autosched.task import TaskSpec
 
-__all__ = ["Builder", "MeasureConfig", "MeasureRequest", "Measurer", "Runner", "SLOW_CUTOFF"]
+__all__ = ["Builder", "LOAD_WARNING", "LoadMeter", "MeasureConfig", "MeasureRequest", "Measurer", "Runner",
+           "SLOW_CUTOFF"]
+
+# Other processes using more than this share of the machine's CPU while a batch is timed: its timings
+# are taken under load (slower, and noisier), and the tuner says so.
+LOAD_WARNING = 0.25
 
 # A candidate slower than this many times the best known in a short probe is timed no further: its rank
 # is settled, and on a CPU slow candidates would otherwise take most of the tuning time.
@@ -65,6 +71,49 @@ class MeasureConfig:
         else:
             base = cls()
         return cls(**{**asdict(base), **overrides})
+
+
+class LoadMeter:
+    """The share of this machine's CPU time that processes other than this one and its children (the
+    runner, the builders) used between :meth:`start` and :meth:`stop`: 0 on a quiet machine, 0.5 when
+    others kept half the cores busy. Timings taken under such load are slower than the kernel is."""
+
+    MIN_SECONDS = 0.05  # shorter intervals are below the kernel's CPU accounting resolution
+
+    def start(self) -> None:
+        import psutil
+
+        self._t0, self._busy0, self._own0 = time.monotonic(), self._busy(psutil.cpu_times()), self._own()
+
+    def stop(self) -> float | None:
+        import psutil
+
+        wall = time.monotonic() - self._t0
+        if wall < self.MIN_SECONDS:
+            return None
+        busy = self._busy(psutil.cpu_times()) - self._busy0
+        own = sum(seconds - self._own0.get(pid, 0.0) for pid, seconds in self._own().items())
+        return min(1.0, max(0.0, busy - own) / (wall * (psutil.cpu_count() or 1)))
+
+    @staticmethod
+    def _busy(times) -> float:
+        fields = times._asdict()
+        # guest time is already counted in user time
+        return sum(fields.values()) - sum(fields.get(k, 0.0) for k in ("idle", "iowait", "guest", "guest_nice"))
+
+    @staticmethod
+    def _own() -> dict[int, float]:
+        import psutil
+
+        me = psutil.Process()
+        seconds = {}
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            seconds[proc.pid] = times.user + times.system
+        return seconds
 
 
 def _worker_log(directory: str, name: str):
@@ -289,6 +338,8 @@ class Measurer:
     def __init__(self, target: TargetSpec, config: MeasureConfig | None = None, build_workers: int | None = None,
                  runner="local", builder="local"):
         self.target = target
+        # This host's load matters where its runner times candidates, not where remote servers do.
+        self.load_meter = LoadMeter() if runner == "local" else None
         self.config = config or MeasureConfig.for_target(target)
         self.workdir = tempfile.mkdtemp(prefix="autosched-")
         self.builder = (Builder(target, build_workers, self.config.build_timeout, self.workdir) if builder == "local"
@@ -316,7 +367,12 @@ class Measurer:
         return [self._run(r.spec, b, r.cutoff) for r, b in zip(requests, builds, strict=True)]
 
     def _run(self, spec: TaskSpec, builds: list[BuildResult], cutoff: float | None) -> list[MeasureResult]:
+        if self.load_meter is not None:
+            self.load_meter.start()
         results = self.runner.run(spec, builds, cutoff)
+        load = self.load_meter.stop() if self.load_meter is not None else None
+        if load is not None:
+            results = [dataclasses.replace(r, load=round(load, 3)) for r in results]
         for b in builds:
             if b.artifact and os.path.exists(b.artifact):
                 os.remove(b.artifact)

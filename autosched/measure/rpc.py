@@ -146,12 +146,25 @@ def serve(tracker: str, key: str, host: str = "127.0.0.1", port: int = 9090, por
 _SESSION: dict = {}  # in a slot process: its RPC session
 
 
-def _slot_connect(tracker: tuple[str, int], key: str) -> None:
+def _slot_connect(tracker: tuple[str, int], key: str) -> str | None:
+    """Open a session on a server under ``key``; a string names our functions the server lacks (a stock
+    ``python -m tvm.exec.rpc_server``, not ``autosched rpc-server``)."""
     from tvm import rpc
 
     _SESSION.clear()
     remote = rpc.connect_tracker(*tracker).request(key, priority=1, session_timeout=0, max_retry=1)
+    missing = [name for name in (PREPARE_FUNC, RUN_FUNC) if not _has_function(remote, name)]
+    if missing:
+        return ", ".join(missing)
     _SESSION.update(remote=remote)
+    return None
+
+
+def _has_function(remote, name: str) -> bool:
+    try:
+        return remote.get_function(name) is not None
+    except Exception:  # noqa: BLE001 - TVM raises its own error types for a function the server lacks
+        return False
 
 
 def _slot_prepare(spec, target) -> str | None:
@@ -243,8 +256,13 @@ class _RPCSlot:
         if self.runner.server_count() <= others:
             return False  # every server left is held by another slot: do not queue at the tracker
         try:
-            self._call(_slot_connect, (self.runner.tracker, self.runner.key), self.runner.connect_timeout)
+            missing = self._call(_slot_connect, (self.runner.tracker, self.runner.key), self.runner.connect_timeout)
         except Exception:  # noqa: BLE001 - no free server within the timeout, or the tracker is gone
+            self.worker.kill()
+            return False
+        if missing:
+            # A server without our functions would fail every candidate as if the kernel crashed it.
+            self.runner.foreign = missing
             self.worker.kill()
             return False
         self.prepared, self.connected = None, True
@@ -324,8 +342,14 @@ class RPCRunner(ParallelRunner):
         self._log = _worker_log(self.dir, "rpc-runner.log")
         self._slots: list[_RPCSlot] = []
         self._made = 0
+        self.foreign: str | None = None  # the functions a server under the key lacked (a stock TVM server)
         if self.server_count() == 0:
             raise self._no_server_error()
+        # One session now, before any tuning: a stock TVM server under the key is named at once.
+        self.slots()[0].open()
+        if self.foreign:
+            self.close()
+            raise self.foreign_server_error()
 
     def server_count(self) -> int:
         """Servers registered under the key now (busy or free)."""
@@ -340,7 +364,8 @@ class RPCRunner(ParallelRunner):
             tracker.close()
         except Exception as exc:  # noqa: BLE001
             raise DeviceError(f"cannot reach the RPC tracker at {host}:{port} ({type(exc).__name__}): start one "
-                              f"(python -m tvm.exec.rpc_tracker --host {host} --port {port}) or fix --tracker") from None
+                              f"(python -m tvm.exec.rpc_tracker --host {host} --port {port} --port-end {port + 1}) "
+                              "or fix --tracker") from None
         return sum(1 for s in summary.get("server_info", []) if s.get("key") == f"server:{self.key}")
 
     def _no_server_error(self) -> DeviceError:
@@ -362,12 +387,31 @@ class RPCRunner(ParallelRunner):
             self._slots.remove(slot)
         return list(self._slots)
 
+    def foreign_server_error(self) -> DeviceError:
+        host, port = self.tracker
+        return DeviceError(f"an RPC server under key {self.key!r} at {host}:{port} lacks autosched's functions "
+                           f"({self.foreign}): it is a stock TVM server; start the servers with `autosched "
+                           f"rpc-server --tracker {host}:{port} --key {self.key}` instead")
+
+    def run(self, spec, builds, cutoff=None):
+        results = super().run(spec, builds, cutoff)
+        if self.foreign:  # a stock server beside ours: say so now, not after a run short of devices
+            raise self.foreign_server_error()
+        return results
+
     def no_slot_accepted(self, stalled: float) -> None:
+        if self.foreign:
+            raise self.foreign_server_error()
         if stalled < self.wait_for_servers:
             time.sleep(2.0)
             return
         if self.server_count() == 0:
             raise self._no_server_error()
+        # One session now, before any tuning: a stock TVM server under the key is named at once.
+        self.slots()[0].open()
+        if self.foreign:
+            self.close()
+            raise self.foreign_server_error()
         host, port = self.tracker
         raise DeviceError(f"the RPC servers under key {self.key!r} at {host}:{port} accepted no session for "
                           f"{stalled:.0f} s (busy with another tuner, or hung): restart them or use another --key")

@@ -104,17 +104,55 @@ def _export_common(out_dir: str | Path, model: Model, target: TargetSpec, db_pat
 
 
 def read_manifest(out_dir: str | Path) -> dict:
+    """The artifact's manifest, checked: it parses, has the fields a load needs, and the files it names
+    are there (a damaged artifact is named in one line, not met later as a TVM or KeyError)."""
     manifest_path = Path(out_dir) / MANIFEST
+    if not Path(out_dir).is_dir():
+        raise UsageError(f"no folder {out_dir}: give the folder `autosched build -o` wrote")
     if not manifest_path.exists():
         raise UsageError(f"{out_dir} is not an autosched build (no {MANIFEST}): run `autosched build` first")
-    return json.loads(manifest_path.read_text())
+    rebuild = "rebuild it with `autosched build`"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{manifest_path} is not valid JSON ({exc.msg}, line {exc.lineno}): {rebuild}") from None
+    except (UnicodeDecodeError, OSError) as exc:
+        raise UsageError(f"{manifest_path} cannot be read ({exc}): {rebuild}") from None
+    if not isinstance(manifest, dict):
+        raise UsageError(f"{manifest_path} is not an autosched manifest (not a JSON object): {rebuild}")
+    need = ["model", "target", "inputs", "params", "param_order"] + (
+        ["libraries", "kernels_per_bucket"] if "buckets" in manifest else ["library", "tuned_kernels", "default_kernels"])
+    missing = [key for key in need if key not in manifest]
+    if missing:
+        raise UsageError(f"{manifest_path} lacks {', '.join(missing)}: {rebuild}")
+    libraries = list(manifest["libraries"].values()) if "buckets" in manifest else [manifest["library"]]
+    for name in [*libraries, manifest["params"]]:
+        if not (Path(out_dir) / name).is_file():
+            raise UsageError(f"{Path(out_dir) / name} is missing (named by {manifest_path}): {rebuild}")
+    return manifest
+
+
+def _load_library(path: Path):
+    """A compiled library of the artifact; one that TVM cannot load is named with the reason."""
+    import tvm
+
+    try:
+        return tvm.runtime.load_module(str(path))
+    except Exception as exc:  # noqa: BLE001 - TVM raises its own error types for a damaged file
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise UsageError(f"{path} cannot be loaded ({reason}): rebuild it with `autosched build`") from None
 
 
 def _saved_params(out: Path, manifest: dict, device) -> dict:
     """Every tensor of ``params.bin``, by name, on ``device``."""
     import tvm
 
-    saved = tvm.runtime.load_param_dict((out / manifest["params"]).read_bytes())
+    path = out / manifest["params"]
+    try:
+        saved = tvm.runtime.load_param_dict(path.read_bytes())
+    except Exception as exc:  # noqa: BLE001 - TVM's error for a damaged parameter file
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise UsageError(f"{path} cannot be read as parameters ({reason}): rebuild it with `autosched build`") from None
     return {name: t.copyto(device) for name, t in saved.items()}
 
 
@@ -129,14 +167,13 @@ def _device(manifest: dict):
 def load_artifact(out_dir: str | Path):
     """(VirtualMachine, params, manifest) of an exported artifact, using TVM's runtime only. A
     ``--tokens dynamic`` build is loaded by :class:`BucketedModel` instead."""
-    import tvm
     from tvm import relax
 
     out, manifest = Path(out_dir), read_manifest(out_dir)
     if "buckets" in manifest:
         raise UsageError(f"{out} is a --tokens dynamic build: load it with autosched.pipeline.BucketedModel")
     device = _device(manifest)
-    vm = relax.VirtualMachine(tvm.runtime.load_module(str(out / manifest["library"])), device)
+    vm = relax.VirtualMachine(_load_library(out / manifest["library"]), device)
     saved = _saved_params(out, manifest, device)
     return vm, [saved[name] for name in manifest["param_order"]], manifest
 
@@ -187,12 +224,11 @@ class BucketedModel:
 
     def vm(self, bucket: tuple):
         """The virtual machine of one bucket, loaded on first use."""
-        import tvm
         from tvm import relax
 
         if bucket not in self._vms:
             library = self.path / self.manifest["libraries"][self.key(bucket)]
-            self._vms[bucket] = relax.VirtualMachine(tvm.runtime.load_module(str(library)), self.device)
+            self._vms[bucket] = relax.VirtualMachine(_load_library(library), self.device)
         return self._vms[bucket]
 
     def sizes_of(self, inputs) -> tuple:

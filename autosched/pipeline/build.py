@@ -170,8 +170,12 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec,
         except (SpaceError, InvalidPoint):
             scheduled = None
         if scheduled is not None and best is not None:
+            from autosched.search_spaces import point_key
+
+            # Whether the search found it, or the record is the space's default point measured first.
             report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
-                                          "latency_us": best.median * 1e6, "space": best.space}
+                                          "latency_us": best.median * 1e6, "space": best.space,
+                                          "searched": point_key(best.point) != point_key(space.default())}
         elif scheduled is not None and transferred is not None:
             report.transferred[gv.name_hint] = source
         else:
