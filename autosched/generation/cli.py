@@ -65,7 +65,7 @@ def cmd_build_generate(args) -> int:
 def cmd_tune_generate(args) -> int:
     """``tune-model MODEL --generate``: the kernels of the decode step at each batch size of
     ``--decode-batches`` (default: the powers of two up to --max-batch), under one trial budget."""
-    from autosched.cli import ConsoleReporter, _measurer, _open_db
+    from autosched.cli import TUNE_MODEL_TRIALS, ConsoleReporter, _measurer, _open_db, _trials
     from autosched.output import emit
     from autosched.pipeline import split_tunable
     from autosched.target import parse_target
@@ -86,7 +86,7 @@ def cmd_tune_generate(args) -> int:
             f"distinct kernels, {len(tasks)} tunable (prefill and attention keep their default schedules)")
     db = _open_db(args.db)
     reporter = ConsoleReporter(quiet=True)
-    options = TuneOptions(trials=args.trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
+    options = TuneOptions(trials=_trials(args, TUNE_MODEL_TRIALS), batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
                           scheduler=args.scheduler)
     measurer = _measurer(args, target)
     try:
