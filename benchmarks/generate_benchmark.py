@@ -80,7 +80,7 @@ def floor_ms(model, batch: int, context: float, bandwidth: float) -> float:
 
 
 def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True, db_path: str | None = None,
-               cuda_graphs: bool = True):
+               cuda_graphs: bool = True, prefill_chunks: tuple[int, ...] = ()):
     """(make a generator, build seconds, attention kernels) of our generation build for ``model`` on the GPU;
     ``static``: each batch size's decode step as a static function (CUDA graphs), else one function for all."""
     import torch
@@ -101,13 +101,15 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
 
         db = Database(db_path)
     began = time.perf_counter()
-    executable, names, report = compile_generation(gm, target, db, decode_batches, cuda_graphs)
+    chunks = prefill_chunks if static else ()
+    executable, names, report = compile_generation(gm, target, db, decode_batches, cuda_graphs, chunks)
     if db is not None:
         db.close()
     built = time.perf_counter() - began
     weights = weights_from_hf(model.state_dict(), gm.config)
     params = [tvm.runtime.from_dlpack(weights[n].clone(memory_format=torch.contiguous_format)) for n in names]
-    manifest = generation_manifest(gm, names, target, report, max_seq_len, max(batches), decode_batches=decode_batches)
+    manifest = generation_manifest(gm, names, target, report, max_seq_len, max(batches), decode_batches=decode_batches,
+                                   prefill_chunks=chunks)
     device = tvm.cuda(0) if DEVICE == "cuda" else tvm.cpu(0)
     attention = dict(report.attention, tuned_kernels=len(report.tuned), default_kernels=len(report.default))
     return (lambda: Generator.in_memory(executable, params, manifest, device)), built, attention
@@ -231,7 +233,7 @@ def main() -> int:
     generator = torch.Generator().manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
     max_seq_len = args.prompt + args.new
-    make, built, attention = build_ours(model, batches, max_seq_len, db_path=args.db)
+    make, built, attention = build_ours(model, batches, max_seq_len, db_path=args.db, prefill_chunks=(args.prompt,))
     make_dynamic = build_ours(model, batches, max_seq_len, static=False, db_path=args.db)[0] if args.dynamic else None
     make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False)[0] if args.profile else None
     print(f"built in {built:.1f} s", flush=True)

@@ -59,9 +59,10 @@ def built(request, tmp_path_factory):
 def _build(family, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"gen-{family}")
     model = _saved_model(family, root / "hf")
-    # Two live sequences decode through a static function of their own, other batch sizes through the dynamic one.
+    # Two live sequences decode through a static function of their own, other batch sizes through the dynamic one;
+    # prompts are prefilled in chunks of exactly 8 tokens (a prompt spanning chunks), the rest dynamically.
     cli("build", str(root / "hf"), "--generate", "-o", str(root / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
-        "--max-batch", str(MAX_BATCH), "--decode-batches", "2")
+        "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "8")
     return model, root / "art"
 
 
@@ -70,6 +71,7 @@ def _check_family(model, artifact):
 
     gen = Generator(artifact)
     results = gen.generate(PROMPTS, NEW)
+    assert gen.stats["static_prefill_calls"] == 4  # 32 prompt tokens: four chunks of 8
     for prompt, result in zip(PROMPTS, results):
         assert result.error is None
         assert result.tokens == _reference(model, prompt), prompt

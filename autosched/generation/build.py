@@ -111,14 +111,15 @@ class GenerationReport:
         return text + "; " + ", ".join(f"{step} {s:.1f} s" for step, s in self.seconds.items())
 
 
-def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tuple[int, ...] = ()):
+def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tuple[int, ...] = (),
+                     prefill_chunks: tuple[int, ...] = ()):
     """The decoder's module lowered as our model builds lower (so that kernels key as tuned ones), with each
     Linear's transpose folded into its product (``x @ W.T`` read from W as stored, never copied)."""
     from tvm import relax
 
     from autosched.pipeline.lowering import lower
 
-    mod, names = export(cfg, target.tvm_target(), decode_batches)
+    mod, names = export(cfg, target.tvm_target(), decode_batches, prefill_chunks)
     return lower(relax.transform.FuseTransposeMatmul()(mod)), names
 
 
@@ -153,8 +154,14 @@ def default_decode_batches(target: TargetSpec, max_batch: int) -> tuple[int, ...
     return tuple(sorted(sizes))
 
 
+def default_prefill_chunks(target: TargetSpec, max_seq_len: int) -> tuple[int, ...]:
+    """The prefill lengths that get a static function by default: on a GPU 128 and 512 tokens (those up to
+    ``max_seq_len``), so that long prompts run tuned GEMMs; none on the CPU."""
+    return tuple(t for t in (128, 512) if t <= max_seq_len) if target.is_gpu else ()
+
+
 def decode_calls(lowered):
-    """Kernel name -> calls in one step of each static decode function (``decode_b<N>``)."""
+    """Kernel name -> calls in one run of each static function (``decode_b<N>``, ``prefill_t<T>``)."""
     import collections
 
     import tvm
@@ -168,15 +175,15 @@ def decode_calls(lowered):
             calls[expr.args[0].name_hint] += 1
 
     for gv, func in lowered.functions.items():
-        if isinstance(func, relax.Function) and gv.name_hint.startswith("decode_b"):
+        if isinstance(func, relax.Function) and gv.name_hint.startswith(("decode_b", "prefill_t")):
             relax.analysis.post_order_visit(func.body, visit)
     return calls
 
 
 def generation_tasks(lowered) -> list:
-    """The tunable kernels of a lowered generation module: those of its static decode functions, each
-    distinct kernel once, weighted by its calls over one step of every batch size. Kernels of symbolic
-    shape (prefill, ``batch_decode``) run on default schedules."""
+    """The tunable kernels of a lowered generation module: those of its static functions (decode steps and
+    prefill chunks), each distinct kernel once, weighted by its calls over one run of each. Kernels of
+    symbolic shape (``batch_prefill``, ``batch_decode``) run on default schedules."""
     from tvm import tirx
 
     from autosched.pipeline.tasks import task_of
@@ -194,7 +201,8 @@ def generation_tasks(lowered) -> list:
 
 
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,
-                       decode_batches: tuple[int, ...] = (), cuda_graphs: bool = True):
+                       decode_batches: tuple[int, ...] = (), cuda_graphs: bool = True,
+                       prefill_chunks: tuple[int, ...] = ()):
     """(executable, the parameter names its functions take in order, report): the decoder lowered, scheduled
     and compiled, without writing anything (``build_generator`` writes it; benchmarks run it in memory).
     On a GPU, the kernels between two attention calls of a static decode function (``decode_batches``) run
@@ -204,7 +212,7 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
     from autosched.target import compile_module
 
     began = time.perf_counter()
-    lowered, names = lower_generation(model.config, target, decode_batches)
+    lowered, names = lower_generation(model.config, target, decode_batches, prefill_chunks)
     exported = time.perf_counter()
     scheduled, report, applied = schedule_generation(lowered, db, target)
     scheduled_at = time.perf_counter()
@@ -218,7 +226,8 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
 
 def generation_manifest(model: GenerationModel, names: list[str], target: TargetSpec, report: GenerationReport,
                         max_seq_len: int, max_batch: int, page_size: int = DEFAULT_PAGE_SIZE,
-                        db_path: str | None = None, decode_batches: tuple[int, ...] = ()) -> dict:
+                        db_path: str | None = None, decode_batches: tuple[int, ...] = (),
+                        prefill_chunks: tuple[int, ...] = ()) -> dict:
     """What a :class:`~autosched.generation.Generator` needs to know of a build, as ``manifest.json`` holds it."""
     import tvm
 
@@ -228,7 +237,7 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "format": FORMAT, "version": 1, "model": model.spec, "decoder": model.config.to_json(), "param_names": names,
         "param_order": [f"p{i}" for i in range(len(names))], "library": LIBRARY, "params": PARAMS,
         "target": target.to_json(), "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
-        "decode_batches": list(decode_batches), "eos_token_ids": model.eos_token_ids,
+        "decode_batches": list(decode_batches), "prefill_chunks": list(prefill_chunks), "eos_token_ids": model.eos_token_ids,
         "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         "tuned_kernels": report.tuned, "default_kernels": report.default, "attention": report.attention,
@@ -238,7 +247,8 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
 def build_generator(model: GenerationModel, target: TargetSpec, db: Database | None, out_dir: str | Path,
                     max_seq_len: int, max_batch: int, db_path: str | None = None,
                     page_size: int = DEFAULT_PAGE_SIZE,
-                    decode_batches: tuple[int, ...] | None = None) -> tuple[Path, GenerationReport]:
+                    decode_batches: tuple[int, ...] | None = None,
+                    prefill_chunks: tuple[int, ...] | None = None) -> tuple[Path, GenerationReport]:
     """Write a generation artifact for ``model`` to ``out_dir``: ``generate.so`` (batched prefill and decode,
     the KV cache's creation), ``params.bin`` and ``manifest.json``. Nothing is written if the build fails."""
     import tvm
@@ -248,10 +258,14 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
         decode_batches = default_decode_batches(target, max_batch)
     if any(not 1 <= n <= max_batch for n in decode_batches):
         raise UsageError(f"--decode-batches must lie between 1 and --max-batch {max_batch}")
-    executable, names, report = compile_generation(model, target, db, decode_batches)
+    if prefill_chunks is None:
+        prefill_chunks = default_prefill_chunks(target, max_seq_len)
+    if any(not 1 <= t <= max_seq_len for t in prefill_chunks):
+        raise UsageError(f"--prefill-chunks must lie between 1 and --max-seq-len {max_seq_len}")
+    executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks)
     weights = weights_from_hf(model.hf.state_dict(), model.config)
     manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,
-                                   decode_batches)
+                                   decode_batches, prefill_chunks)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {key: _to_tvm(weights[name], model.config.dtype) for key, name in zip(manifest["param_order"], names)}

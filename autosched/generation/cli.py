@@ -21,6 +21,9 @@ def add_build_arguments(p) -> None:
                    help="with --generate: batch sizes whose decode step gets a static function of its own, e.g. "
                         "1,4,16 (default: on a GPU the powers of two up to --max-batch, run as CUDA graphs; none on "
                         "the CPU)")
+    p.add_argument("--prefill-chunks",
+                   help="with --generate: prompt lengths that get a static prefill function, prompts being prefilled "
+                        "in chunks of those sizes, e.g. 128,512 (default: 128,512 on a GPU; none on the CPU)")
 
 
 def add_tune_arguments(p) -> None:
@@ -29,6 +32,8 @@ def add_tune_arguments(p) -> None:
                    help="tune the kernels of the decode step, at each batch size of --decode-batches")
     p.add_argument("--decode-batches", help="with --generate: batch sizes to tune the decode step at, e.g. 1,16 "
                    "(default: the powers of two up to --max-batch)")
+    p.add_argument("--prefill-chunks", help="with --generate: prefill chunk lengths to tune, e.g. 128,512 "
+                   "(default: none)")
 
 
 def cmd_build_generate(args) -> int:
@@ -52,8 +57,12 @@ def cmd_build_generate(args) -> int:
         batches = None
         if args.decode_batches is not None:
             batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
+        chunks = None
+        if args.prefill_chunks is not None:
+            chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks"))))
         out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
-                                      db_path=str(db.path) if db else None, decode_batches=batches)
+                                      db_path=str(db.path) if db else None, decode_batches=batches,
+                                      prefill_chunks=chunks)
     finally:
         if db is not None:
             db.close()
@@ -79,15 +88,17 @@ def cmd_tune_generate(args) -> int:
         batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
     else:
         batches = tuple(1 << i for i in range(args.max_batch.bit_length()) if 1 << i <= args.max_batch)
-    lowered, _ = lower_generation(model.config, target, batches)
+    chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks")))) if args.prefill_chunks else ()
+    lowered, _ = lower_generation(model.config, target, batches, chunks)
     tasks, untunable = split_tunable(generation_tasks(lowered), target)
     log = console(stderr=True)
-    log.log(f"{args.model}: decode steps at batch {', '.join(map(str, batches))}: {len(tasks) + len(untunable)} "
-            f"distinct kernels, {len(tasks)} tunable (prefill and attention keep their default schedules)")
+    log.log(f"{args.model}: decode steps at batch {', '.join(map(str, batches))}"
+            + (f", prefill chunks of {', '.join(map(str, chunks))} tokens" if chunks else "")
+            + f": {len(tasks) + len(untunable)} distinct kernels, {len(tasks)} tunable (attention keeps TVM's kernels)")
     db = _open_db(args.db)
     reporter = ConsoleReporter(quiet=True)
-    options = TuneOptions(trials=_trials(args, TUNE_MODEL_TRIALS), batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
-                          scheduler=args.scheduler)
+    options = TuneOptions(trials=_trials(args, TUNE_MODEL_TRIALS), batch_size=args.batch_size, seed=args.seed,
+                          time_budget=args.time_budget, scheduler=args.scheduler)
     measurer = _measurer(args, target)
     try:
         results = tune_tasks(tasks, target, db, options, reporter, measurer=measurer, command=" ".join(sys.argv))
@@ -101,7 +112,9 @@ def cmd_tune_generate(args) -> int:
             for t, r in zip(tasks, results)]
     emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
                              ("latency_us", "best (us)")], title=f"{args.model}: decode kernels")
-    log.log(f"build it with `autosched build {args.model} --generate --decode-batches {','.join(map(str, batches))}`")
+    chunk_arg = f" --prefill-chunks {','.join(map(str, chunks))}" if chunks else ""
+    log.log(f"build it with `autosched build {args.model} --generate --decode-batches {','.join(map(str, batches))}"
+            f"{chunk_arg}`")
     return 0
 
 

@@ -153,10 +153,12 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
     return out
 
 
-def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = ()):
+def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = ()):
     """The ``tvm.relax.frontend.nn`` module of ``cfg`` and its export spec. ``decode_batches``: batch sizes
     that also get a decode function of their own, ``decode_b<N>``, whose shapes are all static (its kernels
-    can be tuned, and on CUDA the step is captured as one CUDA graph); other sizes run ``batch_decode``."""
+    can be tuned, and on CUDA the step is captured as CUDA graphs); other sizes run ``batch_decode``.
+    ``prefill_chunks``: token counts that get a prefill function of their own, ``prefill_t<T>`` (prompts
+    are prefilled in chunks of exactly that many tokens, the rest by ``batch_prefill``)."""
     from tvm import tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import Tensor, op
@@ -268,6 +270,11 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = ()):
     for n in decode_batches:
         setattr(module, f"decode_b{n}", module.batch_decode)
         spec[f"decode_b{n}"] = {"input_ids": nn.spec.Tensor([n], "int32"), "cache": cache_spec, "$": packed}
+    for t in prefill_chunks:
+        setattr(module, f"prefill_t{t}", module.batch_prefill)
+        spec[f"prefill_t{t}"] = {"input_ids": nn.spec.Tensor([t], "int32"),
+                                 "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "cache": cache_spec,
+                                 "$": packed}
     return module, spec
 
 
@@ -279,9 +286,9 @@ def _current_target():
     return _TARGET[-1]
 
 
-def export(cfg: DecoderConfig, tvm_target, decode_batches: tuple[int, ...] = ()):
+def export(cfg: DecoderConfig, tvm_target, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = ()):
     """(IRModule, parameter names in the order the functions take them) of ``cfg`` for ``tvm_target``."""
-    module, spec = build_module(cfg, decode_batches)
+    module, spec = build_module(cfg, decode_batches, prefill_chunks)
     _TARGET.append(tvm_target)
     try:
         mod, params = module.export_tvm(spec=spec)

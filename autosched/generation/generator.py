@@ -110,6 +110,7 @@ class Generator:
         self.max_seq_len, self.max_batch, self.page_size = m["max_seq_len"], m["max_batch"], m["page_size"]
         self.eos_token_ids = frozenset(m.get("eos_token_ids", []))
         self.decode_batches = frozenset(m.get("decode_batches", []))
+        self.prefill_chunks = tuple(m.get("prefill_chunks", []))
         pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.kv_pages = kv_pages or pages_per_seq * self.max_batch
         shape = tvm.runtime.ShapeTuple
@@ -131,7 +132,7 @@ class Generator:
 
     def reset_timing(self) -> None:
         self.stats = {"prefill_calls": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0,
-                      "static_decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0}
+                      "static_decode_steps": 0, "static_prefill_calls": 0, "decode_tokens": 0, "decode_s": 0.0}
 
     # ---- sequences, one step at a time ------------------------------------------------------------
 
@@ -198,16 +199,23 @@ class Generator:
         waiting = [s for s in self._seqs.values() if not s.prefilled]
         made = []
         while waiting:
-            batch, total = [], 0
+            # The prompts, packed: chunks of exactly a static length while enough tokens wait (a prompt may span
+            # two chunks), then whole prompts up to --max-seq-len tokens a call.
+            total = sum(len(s.pending) for s in waiting)
+            chunk = max((t for t in self.prefill_chunks if t <= total), default=None)
+            parts, room = [], chunk or self.max_seq_len
             for seq in waiting:
-                if batch and total + len(seq.pending) > self.max_seq_len:
+                take = min(len(seq.pending), room)
+                if chunk is None and parts and take < len(seq.pending):
                     break
-                batch.append(seq)
-                total += len(seq.pending)
-            waiting = waiting[len(batch):]
-            made += self._forward(batch, prefill=True)
+                parts.append((seq, take))
+                room -= take
+                if room == 0:
+                    break
+            made += self._forward(parts, prefill=True, chunk=chunk)
+            waiting = [s for s in waiting if not s.prefilled and s.completion.finish_reason is None]
         if decoding:
-            made += self._forward(decoding, prefill=False)
+            made += self._forward([(s, 1) for s in decoding], prefill=False)
         for seq in list(self._seqs.values()):
             if seq.completion.finish_reason is not None and seq.max_new_tokens > 0:
                 self.remove(seq.seq_id)
@@ -278,15 +286,16 @@ class Generator:
         have = -(-seq.length // self.page_size)
         return -(-(seq.length + tokens) // self.page_size) - have
 
-    def _forward(self, batch: list[_Sequence], prefill: bool) -> list[tuple[int, int]]:
+    def _forward(self, parts: list[tuple[_Sequence, int]], prefill: bool, chunk: int | None = None):
+        """One call over ``parts``, (sequence, how many of its pending tokens to feed); returns the (sequence id,
+        token) pairs sampled (for sequences whose pending tokens were all fed)."""
         import numpy as np
         import tvm
 
         # A sequence the cache has no room for ends with an error; the rest of the batch goes on.
         free = int(self._free_pages(self.cache))
-        kept = []
-        for seq in batch:
-            tokens = len(seq.pending)
+        kept, feed = [], {}
+        for seq, tokens in parts:
             need = self._pages_needed(seq, tokens)
             if seq.length + tokens > self.max_seq_len:
                 seq.completion.finish_reason = "max_seq_len"
@@ -297,16 +306,20 @@ class Generator:
             else:
                 free -= need
                 kept.append(seq)
+                feed[seq.seq_id] = tokens
         if not kept:
             return []
-        lengths = [len(s.pending) for s in kept]
-        ids = np.concatenate([np.asarray(s.pending, dtype="int32") for s in kept])
+        lengths = [feed[s.seq_id] for s in kept]
+        ids = np.concatenate([np.asarray(s.pending[:feed[s.seq_id]], dtype="int32") for s in kept])
         began = time.perf_counter()
         self._begin(self.cache, self._shape([s.seq_id for s in kept]), self._shape(lengths))
         input_ids = tvm.runtime.tensor(ids, self.device)
         if prefill:
             last = tvm.runtime.tensor(np.cumsum(lengths, dtype="int32") - 1, self.device)
-            logits, self.cache = self.vm["batch_prefill"](input_ids, last, self.cache, self.params)
+            # A chunk of a static length runs its own function (tuned kernels), unless a sequence was dropped.
+            name = f"prefill_t{chunk}" if chunk is not None and int(ids.size) == chunk else "batch_prefill"
+            self.stats["static_prefill_calls"] += name != "batch_prefill"
+            logits, self.cache = self.vm[name](input_ids, last, self.cache, self.params)
         else:
             # A batch size with a static function of its own runs it (tuned kernels, CUDA graphs).
             name = f"decode_b{len(kept)}" if len(kept) in self.decode_batches else "batch_decode"
@@ -325,8 +338,11 @@ class Generator:
             self.stats["decode_tokens"] += len(kept)
         made = []
         for seq, row in zip(kept, logits):
-            seq.length += len(seq.pending)
-            seq.pending = []
+            fed = feed[seq.seq_id]
+            seq.length += fed
+            seq.pending = seq.pending[fed:]
+            if seq.pending:  # the rest of its prompt comes in the next chunk
+                continue
             seq.prefilled = True
             if seq.max_new_tokens == 0:
                 continue
