@@ -47,17 +47,17 @@ __all__ = [
 def space_classes() -> dict[str, type[Space]]:
     """Every space by name, in the order they are tried on an unknown function."""
     from .generated.cpu_attention import BlockedAttentionSpace
-    from .generated.gpu_attention import FlashAttentionSpace
     from .generated.gpu_matmul import GpuGemvSpace, GpuMatmulSpace
     from .generated.gpu_rows import GpuInjectiveSpace, GpuRowsSpace
+    from .generated.injective import InjectiveSpace
+    from .generated.matmul import MatmulSpace
+    from .generated.rows import RowsSpace
+    from .templates.gpu_attention import FlashAttentionSpace
     from .templates.hopper_attention import HopperAttentionSpace
     from .templates.hopper_dequant import HopperDequantGemmSpace
     from .templates.hopper_gemm import HopperGemmSpace
-    from .generated.injective import InjectiveSpace
     from .templates.int4_gemv import Int4GemvSpace
-    from .generated.matmul import MatmulSpace
     from .templates.paged_decode import PagedDecodeSpace
-    from .generated.rows import RowsSpace
 
     ordered = (MatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
                HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace, HopperDequantGemmSpace, PagedDecodeSpace,

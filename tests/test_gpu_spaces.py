@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -410,7 +411,6 @@ def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
     chunk; products in fp32, or in half2 for fp16), compiled for the host by nvcc and run on 32-weight
     chunks against the workload's definition: low nibble first, zero point 8. The half2 products are
     within fp16's rounding of it, and activations of 16000 do not overflow them."""
-    import re
     import subprocess
 
     from autosched.search_spaces.templates._hopper import cuda_file
@@ -825,3 +825,80 @@ def test_overlapped_softmax_compiles_and_leaves_the_serial_kernel_as_it_was(sm90
     assert "wgmma.wait_group.sync.aligned 1" in sources[True]
     report = nvcc_compile(sources[True], "sm_90a")
     assert report.ok and report.spills == 0, report.log[-2000:]
+
+
+# Workloads of each template space on which, together, it offers every knob it has a valid choice for.
+TEMPLATE_CASES = {
+    "hopper_gemm": [("gemm", "m=16,n=4096,k=4096", "float16", ""), ("gemm", "m=2048,n=4096,k=1024", "float16", "")],
+    "int4_gemv": [("dequant_gemm", "m=8,n=2048,k=1024", "float16", "bits=4,group=128")],
+    "hopper_dequant_gemm": [("dequant_gemm", "m=2048,n=4096,k=256", "float16", "bits=4,group=128")],
+    "paged_decode": [("paged_decode_attention", "b=2,h=16,hkv=2,d=128,ctx=600,page=16", "float16", "")],
+    "hopper_attention": [("attention", "b=1,h=4,hkv=2,s=300,d=64", "float16", "causal=1")],
+}
+
+
+@pytest.mark.parametrize("space_name", sorted(TEMPLATE_CASES))
+def test_every_knob_of_a_template_changes_its_point_features(space_name, sm90):
+    """The cost model sees a template's point only through ``point_features``: two valid points that differ in
+    one knob, any knob, must not look the same to it."""
+    from autosched.search_spaces import space_classes
+    from autosched.search_spaces.templates._hopper import HopperTemplate
+
+    assert set(TEMPLATE_CASES) == {name for name, cls in space_classes().items() if issubclass(cls, HopperTemplate)}
+    seen = set()
+    for op, shape, dtype, attrs in TEMPLATE_CASES[space_name]:
+        space = Task.from_workload(make_workload(op, shape, dtype, attrs)).space(sm90)
+        assert space.name == space_name
+        rng = np.random.default_rng(0)
+        bases = [space.default()] + [space.sample(rng) for _ in range(200)]
+        for knob in space.knobs:
+            pairs = [(p, space.canonical({**p, knob.name: v})) for p in bases for v in knob.choices if v != p[knob.name]]
+            for p, q in pairs:
+                if q[knob.name] != p[knob.name] and space.validate(q) is None:
+                    seen.add(knob.name)
+                    assert space.point_features(p) != space.point_features(q), f"{knob.name}: {p} -> {q}"
+    knobs = {knob.name for op, shape, dtype, attrs in TEMPLATE_CASES[space_name]
+             for knob in Task.from_workload(make_workload(op, shape, dtype, attrs)).space(sm90).knobs}
+    assert seen == knobs, f"{space_name}: no valid pair of points differs in {sorted(knobs - seen)} alone"
+
+
+def test_a_bug_in_a_templates_generator_stops_the_build_with_its_traceback(sm90, tmp_path, monkeypatch):
+    """A Python exception inside a template's kernel generator is raised as TemplateBugError (naming the space
+    and carrying the generator's traceback), not returned as one more failed candidate; a point the space
+    refuses stays a failed candidate."""
+    from autosched.errors import TemplateBugError
+    from autosched.measure._worker import build_candidate
+    from autosched.search_spaces.templates import paged_decode
+
+    task = Task.from_workload(make_workload("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16"))
+    point = task.space(sm90).default()
+
+    def broken(h, hkv, d, page, pps, p):
+        return {"D": d} | {"SPLIT": p["no such knob"]}
+
+    monkeypatch.setattr(paged_decode, "body_config", broken)
+    with pytest.raises(TemplateBugError) as raised:
+        build_candidate(task.spec, sm90, point, str(tmp_path / "kernel.so"))
+    message = str(raised.value)
+    assert "template space 'paged_decode'" in message and "in broken" in message and "KeyError" in message
+    refused = build_candidate(task.spec, sm90, {**point, "warps": 3}, str(tmp_path / "kernel.so"))
+    assert refused.artifact is None and refused.error_kind == "space"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", sorted(p.name for p in
+                                        (Path(__file__).resolve().parent.parent / "search_spaces/templates/cuda").iterdir()
+                                        if p.suffix in (".cuh", ".cu")))
+def test_each_cuda_file_of_the_templates_compiles_on_its_own(name, tmp_path):
+    """Each CUDA file of the kernel templates compiles alone with nvcc for sm_90a (its includes found beside it),
+    and as the text a kernel carries (includes inlined)."""
+    import subprocess
+
+    from autosched.search_spaces.templates._hopper import CUDA_DIR, cuda_file
+
+    for source, flags in ((CUDA_DIR / name, ["-I", str(CUDA_DIR)]), (tmp_path / "inlined.cu", [])):
+        if not source.exists():
+            source.write_text(cuda_file(name) + cuda_file(name))  # twice: the include guards hold
+        proc = subprocess.run(["nvcc", "-c", "-x", "cu", "-gencode=arch=compute_90a,code=sm_90a", *flags,
+                               "-o", str(tmp_path / "out.o"), str(source)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]

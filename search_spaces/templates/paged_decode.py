@@ -26,7 +26,8 @@ Those loops keep the bytes in flight in registers, and stop at 70% of the copy b
 ``tma_stages`` knob (groups of 2-8 heads) takes the loads off the registers: a producer warp asks the copy
 engine for whole pages (tensor maps) into a ring of 4-16 pages in shared memory, and the consumer warps take
 the products transposed, keys as M and the group's heads as N, so that no tensor-core row is idle (see
-``cuda/paged_decode.cuh``, the TMA loop): 81-84% of the copy bandwidth at G = 8, 94% at G = 4 (H200), and the default for those groups.
+``cuda/paged_decode.cuh``, the TMA loop): 81-84% of the copy bandwidth at G = 8, 94% at G = 4 (H200), and
+the default for those groups.
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ class PagedDecodeSpace(HopperTemplate):
         ctas = s["b"] * s["hkv"] * p["split"]
         return [p["warps"], p["unroll"], p["split"], ctas / self.sms, math.log2(ctas), 32 * p["unroll"] * p["warps"] * 32,
                 s["h"] // s["hkv"], s["d"], s["ctx"] / p["split"], float(p.get("mma", False)), p.get("prefetch", 0),
-                p["ctas_per_sm"], ctas / (self.sms * p["ctas_per_sm"])]
+                p["ctas_per_sm"], ctas / (self.sms * p["ctas_per_sm"]), p.get("tma_stages", 0)]
 
 
 def _shape(func) -> dict | None:
