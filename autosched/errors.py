@@ -45,3 +45,8 @@ class SchemaVersionError(DatabaseError):
 
 class SpaceError(AutoschedError):
     """Raised when no schedule space applies to a workload on a target."""
+
+
+class TemplateBugError(SpaceError):
+    """A kernel template's generator raised on a point it had accepted: a bug in the space, which stops the run
+    (with the generator's traceback) instead of failing every candidate that reaches it."""

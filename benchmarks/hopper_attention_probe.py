@@ -31,7 +31,7 @@ def _one(case, dtype, point, queue):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         from autosched.measure._worker import time_cuda
-        from autosched.search_spaces.hopper_attention import hopper_attention_kernel
+        from autosched.search_spaces.templates.hopper_attention import hopper_attention_kernel
 
         b, h, hkv, s, d, causal = case
         t0 = time.perf_counter()

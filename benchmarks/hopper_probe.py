@@ -51,7 +51,7 @@ def _one(m, n, k, dtype, bias, act, point, queue):
         import tvm
 
         from autosched.measure._worker import time_cuda
-        from autosched.search_spaces.hopper_gemm import hopper_gemm_kernel
+        from autosched.search_spaces.templates.hopper_gemm import hopper_gemm_kernel
 
         point = {**point, "sms": torch.cuda.get_device_properties(0).multi_processor_count}
         t0 = time.perf_counter()

@@ -31,10 +31,10 @@ def bulk_read_module(n_bytes: int, chunk: int, piece: int):
     and writes the chunk's first word to ``Out[i]`` (so nothing can be skipped)."""
     from tvm.script import tirx as T
 
-    from autosched.search_spaces.int4_gemv import BULK_COPY_SOURCE
+    from autosched.search_spaces.templates._hopper import cuda_file
 
     grid = -(-n_bytes // chunk)
-    source = BULK_COPY_SOURCE + f"""
+    source = cuda_file("common.cuh") + f"""
 __device__ __forceinline__ void {BULK_READ}(const uint8_t* src, int* out, uint8_t* smem, int bx, int tx) {{
   constexpr long long N = {n_bytes}LL;
   constexpr int CHUNK = {chunk}, PIECE = {piece};
@@ -45,7 +45,7 @@ __device__ __forceinline__ void {BULK_READ}(const uint8_t* src, int* out, uint8_
   autosched_bulk_expect(bar, bytes);
   for (int off = 0; off < bytes; off += PIECE)
     autosched_bulk_copy(smem + off, src + begin + off, bytes - off < PIECE ? bytes - off : PIECE, bar);
-  autosched_bulk_wait(bar);
+  autosched_mbarrier_wait(bar, 0);
   out[bx] = *reinterpret_cast<const int*>(smem);
 }}
 """

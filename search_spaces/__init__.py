@@ -46,18 +46,18 @@ __all__ = [
 
 def space_classes() -> dict[str, type[Space]]:
     """Every space by name, in the order they are tried on an unknown function."""
-    from .cpu_attention import BlockedAttentionSpace
-    from .gpu_attention import FlashAttentionSpace
-    from .gpu_matmul import GpuGemvSpace, GpuMatmulSpace
-    from .gpu_rows import GpuInjectiveSpace, GpuRowsSpace
-    from .hopper_attention import HopperAttentionSpace
-    from .hopper_dequant import HopperDequantGemmSpace
-    from .hopper_gemm import HopperGemmSpace
-    from .injective import InjectiveSpace
-    from .int4_gemv import Int4GemvSpace
-    from .matmul import MatmulSpace
-    from .paged_decode import PagedDecodeSpace
-    from .rows import RowsSpace
+    from .generated.cpu_attention import BlockedAttentionSpace
+    from .generated.gpu_matmul import GpuGemvSpace, GpuMatmulSpace
+    from .generated.gpu_rows import GpuInjectiveSpace, GpuRowsSpace
+    from .generated.injective import InjectiveSpace
+    from .generated.matmul import MatmulSpace
+    from .generated.rows import RowsSpace
+    from .templates.gpu_attention import FlashAttentionSpace
+    from .templates.hopper_attention import HopperAttentionSpace
+    from .templates.hopper_dequant import HopperDequantGemmSpace
+    from .templates.hopper_gemm import HopperGemmSpace
+    from .templates.int4_gemv import Int4GemvSpace
+    from .templates.paged_decode import PagedDecodeSpace
 
     ordered = (MatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
                HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace, HopperDequantGemmSpace, PagedDecodeSpace,

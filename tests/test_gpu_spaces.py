@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,7 +161,7 @@ def test_block_n_choices_add_tiles_that_fill_whole_waves(sm90):
     """A 512-token prefill's gate/up GEMM (512×11008) in 128×192 tiles fills 1.76 waves of 132
     multiprocessors; block_n 168 is added to its choices and makes exactly two. Shapes whose standard
     tiles already fill their waves, and decode shapes, keep the standard choices."""
-    from autosched.search_spaces.hopper_gemm import HopperGemmSpace, wave_efficiency, whole_wave_block_ns
+    from autosched.search_spaces.templates.hopper_gemm import HopperGemmSpace, wave_efficiency, whole_wave_block_ns
 
     assert whole_wave_block_ns(512, 11008, 132) == {168}
     assert wave_efficiency(4 * math.ceil(11008 / 192), 132) < 0.9 and wave_efficiency(4 * 66, 132) == 1.0
@@ -410,17 +411,17 @@ def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
     chunk; products in fp32, or in half2 for fp16), compiled for the host by nvcc and run on 32-weight
     chunks against the workload's definition: low nibble first, zero point 8. The half2 products are
     within fp16's rounding of it, and activations of 16000 do not overflow them."""
-    import re
     import subprocess
 
-    from autosched.search_spaces.int4_gemv import _dot_source
+    from autosched.search_spaces.templates._hopper import cuda_file
+    from autosched.search_spaces.templates.int4_gemv import _dot_source
 
     cases = (("float16", "__float2half", 2, False, 1.0, 1e-4), ("bfloat16", "__float2bfloat16", 1, False, 1.0, 1e-4),
              ("float16", "__float2half", 3, True, 1.0, 2e-2), ("float16", "__float2half", 1, True, 6000.0, 1e2))
     for case, (dtype, to_type, rows, half, magnitude, bound) in enumerate(cases):
         name, source = _dot_source(dtype, rows, half)
+        source = source.replace(cuda_file("common.cuh"), "")  # the streaming load: the host's below
         source = source.replace("__device__ __forceinline__", "__host__ __device__ inline")
-        source = re.sub(r"asm\(.*?\);\n", "v = *reinterpret_cast<const uint4*>(p);\n", source, flags=re.S)
         source = source.replace("__hfma2(", "host_hfma2(")  # a device-only intrinsic: one rounding, as on the GPU
         accs = ", ".join(f"acc[{i}]" for i in range(rows))
         program = f"""#include <cuda_fp16.h>
@@ -428,6 +429,7 @@ def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+inline uint4 autosched_ld_stream_v4(const void* p) {{ return *reinterpret_cast<const uint4*>(p); }}
 inline __half2 host_hfma2(__half2 a, __half2 b, __half2 c) {{
   const float2 x = __half22float2(a), y = __half22float2(b), z = __half22float2(c);
   return __floats2half2_rn((float)std::fma((double)x.x, y.x, z.x), (float)std::fma((double)x.y, y.y, z.y));
@@ -470,7 +472,7 @@ def test_prefill_dequantisation_writes_the_swizzled_tile_tma_would(tmp_path):
     definition rounds it, at the 128-byte-swizzled place that TMA would have put the fp16/bf16 tile."""
     import subprocess
 
-    from autosched.search_spaces.hopper_dequant import _dequant_source
+    from autosched.search_spaces.templates.hopper_dequant import _dequant_source
 
     for dtype, scalar in (("float16", "__half"), ("bfloat16", "__nv_bfloat16")):
         name, source = _dequant_source(dtype)
@@ -645,14 +647,13 @@ template <class T> inline void host_mma(float* c, uint32_t a0, uint32_t a1, uint
 inline void host_cp_async(void* dst, const void* src, bool valid) {
   if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
 }
-#define host_mma_float16 host_mma<__half>
-#define host_mma_bfloat16 host_mma<__nv_bfloat16>
 """
 
 # The CUDA names the body uses, and the host shim's stand-ins (nvcc reserves the CUDA names for the device).
 HOST_NAMES = {"threadIdx": "host_thread", "__syncthreads": "host_syncthreads", "__shfl_xor_sync": "host_shfl_xor",
               "__int_as_float": "host_int_as_float", "__cvta_generic_to_shared": "host_cvta",
-              "__byte_perm": "host_byte_perm", "autosched_pd_mma_": "host_mma_", "autosched_pd_cp_": "host_cp_"}
+              "__byte_perm": "host_byte_perm", "autosched_mma_m16n8k16<": "host_mma<",
+              "autosched_cp_async(": "host_cp_async("}
 
 
 def _host_body(source: str) -> str:
@@ -661,8 +662,11 @@ def _host_body(source: str) -> str:
 
     source = source.replace("__device__ __forceinline__", "inline")
     source = source.replace("autosched_cluster_sync();", "host_cluster_sync();")
-    source = source.replace("autosched_pd_remote(&", "host_remote(&")
-    source = re.sub(r"inline void autosched_pd_(mma|cp)_\w+\(.*?\n}\n", "", source, flags=re.S)  # the shim's instead
+    source = source.replace("autosched_remote_f32(&", "host_remote(&")
+    # the shim's instead
+    source = re.sub(r"template <> inline void autosched_mma_m16n8k16<\w+>\(.*?\n}\n", "", source, flags=re.S)
+    source = re.sub(r"template <typename T> inline void autosched_mma_m16n8k16\(.*?\);\n", "", source, flags=re.S)
+    source = re.sub(r"inline void autosched_cp_async\(.*?\n}\n", "", source, flags=re.S)
     for cuda_name, host_name in HOST_NAMES.items():
         source = source.replace(cuda_name, host_name)
     source = re.sub(r"asm\(\"ld\.global.*?\);\n", "v = *reinterpret_cast<const uint4*>(p);\n", source, flags=re.S)
@@ -716,7 +720,7 @@ def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point
 
     import torch
 
-    from autosched.search_spaces.paged_decode import _body_source, ring_stages, smem_floats
+    from autosched.search_spaces.templates.paged_decode import body_config, body_source, ring_stages, smem_floats
     from autosched.workloads import get_operator
 
     wl = make_workload("paged_decode_attention", shape, dtype)
@@ -725,12 +729,8 @@ def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point
     s = wl.shape_dict
     pps = -(-s["ctx"] // s["page"])
     split = point["split"]
-    consts = {"H": s["h"], "HKV": s["hkv"], "G": s["h"] // s["hkv"], "D": s["d"], "PAGE": s["page"], "PPS": pps,
-              "WARPS": point["warps"], "UNROLL": point["unroll"], "SPLIT": split, "THREADS": 32 * point["warps"]}
     words = smem_floats(s["h"] // s["hkv"], s["d"], point["warps"], pps, split, ring_stages(point))
-    body = _body_source("paged_decode_body", dtype, consts, point.get("mma", False), ring_stages(point) > 0,
-                        point.get("prefetch", 0)).replace(
-        "constexpr int D =", f"constexpr float SCALE_LOG2E = {1.4426950408889634 / s['d'] ** 0.5!r}f;\n  constexpr int D =")
+    body = body_source("paged_decode_body", dtype, body_config(s["h"], s["hkv"], s["d"], s["page"], pps, point))
     for name, tensor in zip(("q", "k", "v", "table", "lens"), ins):
         (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     scalar = "half" if dtype == "float16" else "nv_bfloat16"
@@ -825,3 +825,80 @@ def test_overlapped_softmax_compiles_and_leaves_the_serial_kernel_as_it_was(sm90
     assert "wgmma.wait_group.sync.aligned 1" in sources[True]
     report = nvcc_compile(sources[True], "sm_90a")
     assert report.ok and report.spills == 0, report.log[-2000:]
+
+
+# Workloads of each template space on which, together, it offers every knob it has a valid choice for.
+TEMPLATE_CASES = {
+    "hopper_gemm": [("gemm", "m=16,n=4096,k=4096", "float16", ""), ("gemm", "m=2048,n=4096,k=1024", "float16", "")],
+    "int4_gemv": [("dequant_gemm", "m=8,n=2048,k=1024", "float16", "bits=4,group=128")],
+    "hopper_dequant_gemm": [("dequant_gemm", "m=2048,n=4096,k=256", "float16", "bits=4,group=128")],
+    "paged_decode": [("paged_decode_attention", "b=2,h=16,hkv=2,d=128,ctx=600,page=16", "float16", "")],
+    "hopper_attention": [("attention", "b=1,h=4,hkv=2,s=300,d=64", "float16", "causal=1")],
+}
+
+
+@pytest.mark.parametrize("space_name", sorted(TEMPLATE_CASES))
+def test_every_knob_of_a_template_changes_its_point_features(space_name, sm90):
+    """The cost model sees a template's point only through ``point_features``: two valid points that differ in
+    one knob, any knob, must not look the same to it."""
+    from autosched.search_spaces import space_classes
+    from autosched.search_spaces.templates._hopper import HopperTemplate
+
+    assert set(TEMPLATE_CASES) == {name for name, cls in space_classes().items() if issubclass(cls, HopperTemplate)}
+    seen = set()
+    for op, shape, dtype, attrs in TEMPLATE_CASES[space_name]:
+        space = Task.from_workload(make_workload(op, shape, dtype, attrs)).space(sm90)
+        assert space.name == space_name
+        rng = np.random.default_rng(0)
+        bases = [space.default()] + [space.sample(rng) for _ in range(200)]
+        for knob in space.knobs:
+            pairs = [(p, space.canonical({**p, knob.name: v})) for p in bases for v in knob.choices if v != p[knob.name]]
+            for p, q in pairs:
+                if q[knob.name] != p[knob.name] and space.validate(q) is None:
+                    seen.add(knob.name)
+                    assert space.point_features(p) != space.point_features(q), f"{knob.name}: {p} -> {q}"
+    knobs = {knob.name for op, shape, dtype, attrs in TEMPLATE_CASES[space_name]
+             for knob in Task.from_workload(make_workload(op, shape, dtype, attrs)).space(sm90).knobs}
+    assert seen == knobs, f"{space_name}: no valid pair of points differs in {sorted(knobs - seen)} alone"
+
+
+def test_a_bug_in_a_templates_generator_stops_the_build_with_its_traceback(sm90, tmp_path, monkeypatch):
+    """A Python exception inside a template's kernel generator is raised as TemplateBugError (naming the space
+    and carrying the generator's traceback), not returned as one more failed candidate; a point the space
+    refuses stays a failed candidate."""
+    from autosched.errors import TemplateBugError
+    from autosched.measure._worker import build_candidate
+    from autosched.search_spaces.templates import paged_decode
+
+    task = Task.from_workload(make_workload("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16"))
+    point = task.space(sm90).default()
+
+    def broken(h, hkv, d, page, pps, p):
+        return {"D": d} | {"SPLIT": p["no such knob"]}
+
+    monkeypatch.setattr(paged_decode, "body_config", broken)
+    with pytest.raises(TemplateBugError) as raised:
+        build_candidate(task.spec, sm90, point, str(tmp_path / "kernel.so"))
+    message = str(raised.value)
+    assert "template space 'paged_decode'" in message and "in broken" in message and "KeyError" in message
+    refused = build_candidate(task.spec, sm90, {**point, "warps": 3}, str(tmp_path / "kernel.so"))
+    assert refused.artifact is None and refused.error_kind == "space"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", sorted(p.name for p in
+                                        (Path(__file__).resolve().parent.parent / "search_spaces/templates/cuda").iterdir()
+                                        if p.suffix in (".cuh", ".cu")))
+def test_each_cuda_file_of_the_templates_compiles_on_its_own(name, tmp_path):
+    """Each CUDA file of the kernel templates compiles alone with nvcc for sm_90a (its includes found beside it),
+    and as the text a kernel carries (includes inlined)."""
+    import subprocess
+
+    from autosched.search_spaces.templates._hopper import CUDA_DIR, cuda_file
+
+    for source, flags in ((CUDA_DIR / name, ["-I", str(CUDA_DIR)]), (tmp_path / "inlined.cu", [])):
+        if not source.exists():
+            source.write_text(cuda_file(name) + cuda_file(name))  # twice: the include guards hold
+        proc = subprocess.run(["nvcc", "-c", "-x", "cu", "-gencode=arch=compute_90a,code=sm_90a", *flags,
+                               "-o", str(tmp_path / "out.o"), str(source)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]

@@ -21,8 +21,8 @@ PROBE = """
 import sys
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
 sys.path.insert(0, sys.argv[1])
-import autosched.database.store, autosched.search_spaces.rows, autosched.examples
-for module in (autosched.database.store, autosched.search_spaces.rows, autosched.examples):
+import autosched.database.store, autosched.search_spaces.generated.rows, autosched.examples
+for module in (autosched.database.store, autosched.search_spaces.generated.rows, autosched.examples):
     print(module.__file__)
 for name in ("autosched.tests", "autosched.benchmarks"):
     try:
@@ -50,7 +50,7 @@ def test_package_dirs_match_pyproject():
 
 def test_plain_checkout_on_the_path_imports_the_same_folders(tmp_path):
     files = _probe(REPO, tmp_path)
-    assert files[:3] == [str(REPO / "database" / "store.py"), str(REPO / "search_spaces" / "rows.py"),
+    assert files[:3] == [str(REPO / "database" / "store.py"), str(REPO / "search_spaces" / "generated" / "rows.py"),
                          str(REPO / "examples" / "__init__.py")]
     assert not any(line.startswith("importable") for line in files), files
     assert files[-1] == "True"
@@ -64,7 +64,7 @@ def test_a_built_wheel_holds_the_packages_and_imports_them(tmp_path):
     assert proc.returncode == 0, proc.stderr
     wheel = next(tmp_path.glob("autosched-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for path in ("autosched/examples/llama.py", "autosched/search_spaces/rows.py", "autosched/database/store.py",
+    for path in ("autosched/examples/llama.py", "autosched/search_spaces/generated/rows.py", "autosched/database/store.py",
                  "autosched/database/alembic.ini", "autosched/database/migrations/versions/0001_initial_schema.py"):
         assert path in names, path
     assert not any(n.startswith(("tests/", "autosched/tests/", "benchmarks/")) for n in names)

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from autosched.errors import TemplateBugError
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
 
 if TYPE_CHECKING:
@@ -222,6 +223,8 @@ class Builder:
             except ChildProcessError:
                 results.append(BuildResult(None, time.perf_counter() - start, "build",
                                            "the builder process died (see builder.log in the work directory)"))
+            except TemplateBugError:
+                raise  # a bug in a template's generator stops the run
             except Exception as exc:  # noqa: BLE001 - an error of the worker machinery itself
                 results.append(BuildResult(None, time.perf_counter() - start, "build", f"{type(exc).__name__}: {exc}"))
         return results

@@ -51,12 +51,23 @@ def build_candidate(spec, target, point: dict, path: str, scheduled: str | None 
     from autosched.search_spaces import InvalidPoint
 
     start = time.perf_counter()
+    space = None
     try:
         space = _space(spec, target)  # its build options and code generation, even for a scheduled module
         mod = space.apply(point) if scheduled is None else tvm.ir.load_json(scheduled)
     except InvalidPoint as exc:
         return BuildResult(None, time.perf_counter() - start, "space", str(exc))
-    except Exception as exc:  # noqa: BLE001 - any failure of the space is the candidate's
+    except Exception as exc:  # noqa: BLE001 - a generated space's failure is the candidate's
+        if getattr(space, "template", False):
+            # A template writes its kernel in Python: past its own check, an exception is a bug in the
+            # generator, the same for every point that reaches it. The traceback crosses the process boundary
+            # as text.
+            import traceback
+
+            from autosched.errors import TemplateBugError
+
+            raise TemplateBugError(f"template space '{space.name}' raised generating point {point}: "
+                                   f"{_short(exc)}\n{traceback.format_exc()}") from None
         return BuildResult(None, time.perf_counter() - start, "space", _short(exc))
     try:
         from autosched.target import compile_module

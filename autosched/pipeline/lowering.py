@@ -21,7 +21,7 @@ def prepare(model: Model, target: TargetSpec) -> tuple[IRModule, list]:
     build time."""
     from tvm import relax
 
-    from autosched.search_spaces.hopper_gemm import HOPPER_ARCHS
+    from autosched.search_spaces.templates.hopper_gemm import HOPPER_ARCHS
 
     mod, params = import_model(model, linear_as_gemm=target.is_gpu,
                                hopper=target.is_gpu and target.arch in HOPPER_ARCHS)

@@ -35,7 +35,7 @@ def substitute_workloads(mod: IRModule, hopper: bool = False) -> IRModule:
     import tvm
     from tvm import relax
 
-    from autosched.search_spaces.hopper_attention import serves
+    from autosched.search_spaces.templates.hopper_attention import serves
 
     attention = tvm.ir.Op.get("relax.nn.attention")
 
@@ -77,7 +77,7 @@ def fuse_swiglu_gemms(mod: IRModule) -> IRModule:
     import tvm
     from tvm import relax
 
-    from autosched.search_spaces.hopper_gemm import HopperGemmSpace
+    from autosched.search_spaces.templates.hopper_gemm import HopperGemmSpace
     from autosched.workloads import Workload
 
     ops = {name: tvm.ir.Op.get(f"relax.{name}") for name in ("multiply", "astype", "sigmoid", "reshape", "call_tir")}

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._analysis import HALF8_REASON, blocks_of, const_extents, has_half, is_injective, is_reduction, loop_kinds
-from ._knobs import Knob, Point, Space
+from .._analysis import HALF8_REASON, blocks_of, const_extents, has_half, is_injective, is_reduction, loop_kinds
+from .._knobs import Knob, Point, Space
 from .rows import inline_spatial, row_depth
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ._analysis import HALF8_REASON
-from ._knobs import Knob, Point, Space
+from .._analysis import HALF8_REASON
+from .._knobs import Knob, Point, Space
 
 if TYPE_CHECKING:
     from tvm import s_tir

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from tvm import s_tir
 
-from ._analysis import blocks_of, const_extents, loop_kinds
-from ._knobs import Knob, Point
+from .._analysis import blocks_of, const_extents, loop_kinds
+from .._knobs import Knob, Point
 from .rows import RowsSpace
 
 

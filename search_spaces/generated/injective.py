@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._analysis import blocks_of, const_extents, is_injective
-from ._knobs import Knob, Point, Space
+from .._analysis import blocks_of, const_extents, is_injective
+from .._knobs import Knob, Point, Space
 from .rows import inline_spatial
 
 if TYPE_CHECKING:

@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import math
 
-from ._knobs import Knob, Point, Space
+from .._knobs import Knob, Point
+from ._hopper import BK, HOPPER_ARCHS, PTX_TYPE, SMEM_LIMIT, HopperTemplate, canonical_group_m, grouped_raster
 
-BK = 64  # K elements per stage: one 128-byte swizzle row of fp16/bf16
-SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
 WGMMA_N = (64, 96, 128, 160, 192, 224, 256)
-PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 CUDA_TYPE = {"float16": ("half", "__half2", "__floats2half2_rn", "__float2half_rn"),
              "bfloat16": ("nv_bfloat16", "__nv_bfloat162", "__floats2bfloat162_rn", "__float2bfloat16_rn")}
 
@@ -136,33 +134,6 @@ BARRIER_INIT_FENCE_SOURCE = (f"__device__ __forceinline__ void {BARRIER_INIT_FEN
                              "  asm volatile(\"fence.mbarrier_init.release.cluster;\" ::: \"memory\");\n}\n")
 MULTICAST_LOAD = ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
                   ".multicast::cluster")
-
-
-def grouped_raster(tiles_m: int, tiles_n: int, group_m: int):
-    """(tile_m, tile_n): a tile number's row and column tile under grouped rasterisation. Tile numbers run
-    down a group of group_m tile rows before the next column, so that neighbouring CTAs share A and B
-    tiles in L2 (the producer's and the consumers' walk alike)."""
-    from tvm.script import tirx as T
-
-    def group_rows(tile):  # the rows of tile's group (the last group may have fewer)
-        return T.min(tiles_m - (tile // (group_m * tiles_n)) * group_m, group_m)
-
-    def tile_m(tile):
-        return (tile // (group_m * tiles_n)) * group_m + (tile % (group_m * tiles_n)) % group_rows(tile)
-
-    def tile_n(tile):
-        return (tile % (group_m * tiles_n)) // group_rows(tile)
-
-    return tile_m, tile_n
-
-
-def canonical_group_m(p: Point, tiles_m: int) -> Point:
-    """Groups of at least the number of row tiles all raster the same way (the kernel takes the minimum)."""
-    if tiles_m < 2:
-        return {**p, "group_m": 1}
-    if p["group_m"] >= tiles_m:
-        return {**p, "group_m": min(g for g in (1, 4, 8, 16) if g >= tiles_m or g == 16)}
-    return p
 
 
 def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str, p: Point, gated: bool = False):
@@ -485,30 +456,6 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
             body(A, B, None, C)
     # fmt: on
     return main
-
-
-HOPPER_ARCHS = ("sm_90", "sm_90a")
-
-
-class HopperTemplate(Space):
-    """A space whose points are whole TIRx kernels for sm_90a (``kernel``), not schedules of the workload."""
-
-    targets = ("cuda",)
-    template = True
-    codegen = {"tir_pipeline": "tirx", "arch": "sm_90a"}
-
-    def kernel(self, point: Point):
-        raise NotImplementedError
-
-    def apply(self, point: Point):
-        import tvm
-
-        from ._knobs import InvalidPoint
-
-        reason = self.validate(point)
-        if reason:
-            raise InvalidPoint(reason)
-        return tvm.IRModule({"main": self.kernel(point)})
 
 
 class HopperGemmSpace(HopperTemplate):

@@ -32,19 +32,9 @@ from __future__ import annotations
 
 import math
 
-from ._knobs import Knob, Point
-from .hopper_gemm import (
-    FENCE_NAME,
-    FENCE_SOURCE,
-    HOPPER_ARCHS,
-    PTX_TYPE,
-    SMEM_LIMIT,
-    TURN_HANDOVER,
-    TURN_HANDOVER_SOURCE,
-    TURN_SYNC,
-    TURN_SYNC_SOURCE,
-    HopperTemplate,
-)
+from .._knobs import Knob, Point
+from ._hopper import HOPPER_ARCHS, PTX_TYPE, SMEM_LIMIT, HopperTemplate
+from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, TURN_HANDOVER, TURN_HANDOVER_SOURCE, TURN_SYNC, TURN_SYNC_SOURCE
 
 CUDA_PAIR = {"float16": ("__half2", "__floats2half2_rn", "half"),
              "bfloat16": ("__nv_bfloat162", "__floats2bfloat162_rn", "nv_bfloat16")}

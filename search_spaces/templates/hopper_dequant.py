@@ -25,17 +25,9 @@ from __future__ import annotations
 
 import math
 
-from ._knobs import Knob, Point
-from .hopper_gemm import (
-    BK,
-    FENCE_NAME,
-    FENCE_SOURCE,
-    PTX_TYPE,
-    SMEM_LIMIT,
-    _epilogue_source,
-    canonical_group_m,
-    grouped_raster,
-)
+from .._knobs import Knob, Point
+from ._hopper import BK, PTX_TYPE, SMEM_LIMIT, canonical_group_m, grouped_raster
+from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, _epilogue_source
 from .int4_gemv import Int4Template, _shape, dequant_main
 
 PACKED_BK = BK // 2  # bytes of packed int4 weights per row and k step

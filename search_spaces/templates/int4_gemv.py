@@ -30,44 +30,15 @@ from __future__ import annotations
 
 import math
 
-from ._knobs import Knob, Point
-from .hopper_gemm import HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, _epilogue_source
+from .._knobs import Knob, Point
+from ._hopper import HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, cuda_file
+from .hopper_gemm import _epilogue_source
 
 CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
 MAX_M = 8  # activation rows: a decode step of a few sequences
 MAX_UNROLLED_STEPS = 16
 
-# Loads 16 bytes that are read once (weights, a KV cache) without allocating them in L1; not volatile, so
-# that the compiler may issue an unrolled loop's loads ahead of its arithmetic.
-STREAM_LOAD = "autosched_ld_stream_v4"
-STREAM_LOAD_SOURCE = (
-    f"__device__ __forceinline__ uint4 {STREAM_LOAD}(const void* p) {{\n"
-    "  uint4 v;\n"
-    "  asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\"\n"
-    "      : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n"
-    "  return v;\n}\n")
-# One thread's bulk copies from global into shared memory (``cp.async.bulk``, the copy engine: no register
-# or instruction per byte), completing on an mbarrier that the thread arms for their bytes.
-BULK_COPY_SOURCE = """
-__device__ __forceinline__ void autosched_bulk_expect(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void autosched_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void autosched_bulk_wait(unsigned bar) {  // the barrier's first phase
-  uint32_t landed = 0;
-  do {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(landed) : "r"(bar) : "memory");
-  } while (!landed);
-}
-"""
+STREAM_LOAD = "autosched_ld_stream_v4"  # cuda/common.cuh
 _WARP_SUM = "autosched_warp_sum"
 _WARP_SUM_SOURCE = (
     f"__device__ __forceinline__ void {_WARP_SUM}(float& x) {{\n"
@@ -166,7 +137,7 @@ def _chunk_helper(name: str, m: int, unpack: str, row_dot: str, scale: str) -> t
         f"  uint4 q4 = {STREAM_LOAD}(wp);\n"
         "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
         f"{unpack}{rows}}}\n")
-    return name, STREAM_LOAD_SOURCE + source
+    return name, cuda_file("common.cuh") + source
 
 
 MMA_K_BLOCK = 128  # weights of one row per k-block of the tensor-core kernel: 4 lanes x 32 nibbles
@@ -203,15 +174,13 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
     product with constant A (-1032, -1152) gives the offsets, 1032 x + 72 x per slot, that turn the sums
     into sums of (q - 8) x. Each k-block lies in one group (groups are multiples of 128), so its fp32 sums
     are scaled once per row. The warps' partial sums meet in shared memory."""
-    from .paged_decode import _mma_helpers
-
     name = f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_{int(bias)}{act}"
     _, store1, epi_source = _epilogue_source("float16", act)
-    mma = "autosched_pd_mma_float16"
+    mma = "autosched_mma_m16n8k16<half>"
     row_bytes = _slab_row_bytes(k)
     bias_param = ", const __half* __restrict__ bias" if bias else ""
     bias_add = " + __half2float(bias[row])" if bias else ""
-    source = epi_source + _mma_helpers("float16") + BULK_COPY_SOURCE + f"""
+    source = epi_source + cuda_file("common.cuh") + f"""
 __device__ __forceinline__ uint32_t autosched_q4_nibbles(uint32_t w, uint32_t mask) {{
   uint32_t r;  // (w & mask) | 0x64006400: the nibbles under half's exponent of 1024
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
@@ -242,7 +211,7 @@ __device__ __forceinline__ void {name}(const __half* __restrict__ x, const uint8
     for (int h = 0; h < 2; ++h)  // rows past N read row N - 1's scales and stale shared memory; never stored
       row_scales[r][h] = scales + (size_t)min(row0 + 16 * r + g + 8 * h, N - 1) * GROUPS;
   }}
-  autosched_bulk_wait(bar);
+  autosched_mbarrier_wait(bar, 0);  // the barrier's first phase
   for (int kb = kb0; kb < kb1; ++kb) {{
     uint32_t b[8][2];  // this k-block's activations in the nibbles' order; zeros past row M
     if (g < M) {{

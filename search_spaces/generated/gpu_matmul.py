@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ._analysis import (
+from .._analysis import (
     HALF8_REASON,
     const_extents,
     find_matmul_block,
@@ -19,7 +19,7 @@ from ._analysis import (
     is_contraction,
     normalize_matmul,
 )
-from ._knobs import Knob, Point, Space
+from .._knobs import Knob, Point, Space
 
 if TYPE_CHECKING:
     from tvm import s_tir
@@ -328,7 +328,7 @@ class GpuGemvSpace(Space):
         return {"outputs_per_block": 4, "lanes": 64, "vector": 8 if self.in_dtype != "float32" else 4, "unroll": 16}
 
     def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
-        from ._analysis import loop_kinds
+        from .._analysis import loop_kinds
 
         main = find_matmul_block(sch)
         normalize_matmul(sch, main)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ._analysis import (
+from .._analysis import (
     const_extents,
     find_matmul_block,
     fold_consumer_chain,
@@ -18,7 +18,7 @@ from ._analysis import (
     is_contraction,
     normalize_matmul,
 )
-from ._knobs import Knob, Point, Space, TileKnob, padded
+from .._knobs import Knob, Point, Space, TileKnob, padded
 
 if TYPE_CHECKING:
     from tvm import s_tir

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from autosched.tvm_adapter import LOOP_PARTITION, block_realize, set_block_predicate
 
-from ._analysis import blocks_of, const_extents, is_reduction, iter_kinds, loop_kinds
-from ._knobs import Knob, Point, Space
+from .._analysis import blocks_of, const_extents, is_reduction, iter_kinds, loop_kinds
+from .._knobs import Knob, Point, Space
 
 if TYPE_CHECKING:
     from tvm import s_tir
