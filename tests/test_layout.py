@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,9 +80,14 @@ def _zip_listing(wheel: Path) -> set[str]:
 def test_a_wheel_installed_in_a_fresh_environment_builds_a_model(tmp_path):
     """The non-editable install: the wheel holds every package folder of the repository and its kernel sources,
     and, installed into a new environment, `autosched build` works outside the checkout."""
+    # Built from a copy of the sources: setuptools builds in the source tree, and a build/ folder left there
+    # by an earlier build would carry files that no longer exist into the wheel.
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".gpu", ".bench", "build", "dist", "out", "*.egg-info", "__pycache__", "results"))
     dist = tmp_path / "dist"
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                           str(REPO)], capture_output=True, text=True, timeout=600)
+                           str(source)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     wheel = next(dist.glob("autosched-*.whl"))
     names = _zip_listing(wheel)
@@ -107,14 +113,14 @@ def test_a_wheel_installed_in_a_fresh_environment_builds_a_model(tmp_path):
     if sys.prefix != sys.base_prefix:  # this interpreter is itself a venv, which --system-site-packages does not reach
         import site as this_site
         (Path(site) / "parent_env.pth").write_text("\n".join(this_site.getsitepackages()) + "\n")
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-
+    # Outside the checkout and without PYTHONPATH, where neither pip nor Python can see the checkout's autosched.
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AUTOSCHED_DB")}
     env["TVM_NUM_THREADS"] = "1"
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
     where = subprocess.run([str(python), "-c", "import autosched.pipeline, autosched.search_spaces as s; print(s.__file__)"],
                            cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert where.returncode == 0, where.stderr
