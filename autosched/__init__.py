@@ -21,7 +21,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'autosched' has no attribute {name!r}")
 
 # search_spaces/, database/ and examples/ sit at the top of the repository and are installed as
-# autosched.search_spaces, autosched.database and autosched.examples (pyproject.toml's package-dir). From
+# autosched.search_spaces, autosched.database and autosched.examples (setup.py's package-dir). From
 # a plain checkout on PYTHONPATH, with nothing installed, the same three names come from _checkout.
 _checkout.install()
 

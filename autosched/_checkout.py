@@ -1,7 +1,7 @@
 """Running from a plain checkout: the repository root on ``PYTHONPATH`` and nothing installed, as on the
 GPU machine (``PYTHONPATH=<repo> python3 -m autosched ...``).
 
-``pyproject.toml`` installs the top-level folders ``search_spaces/``, ``database/`` and ``examples/`` as
+``setup.py`` installs the top-level folders ``search_spaces/``, ``database/`` and ``examples/`` as
 ``autosched.search_spaces``, ``autosched.database`` and ``autosched.examples`` (setuptools' package-dir),
 so an install, editable or not, needs nothing from here. In a plain checkout those three names would not
 exist; :func:`install` adds a finder that maps exactly them to the same folders, as setuptools' editable
@@ -16,12 +16,28 @@ import importlib.util
 import sys
 from pathlib import Path
 
-# The package-dir table of pyproject.toml ([tool.setuptools]); tests/test_layout.py keeps the two equal.
+# The one table of the mapping: setup.py builds the wheel's package-dir and package list from it.
 PACKAGE_DIRS = {
     "autosched.search_spaces": "search_spaces",
     "autosched.database": "database",
     "autosched.examples": "examples",
 }
+
+
+def package_layout(root: Path) -> tuple[dict[str, str], list[str]]:
+    """setuptools' ``package_dir`` and ``packages`` for the checkout at ``root``: ``autosched`` and the folders of
+    :data:`PACKAGE_DIRS`, each with every folder under it that is a package (an ``__init__.py``) or holds kernel
+    sources (``*.cuh``, ``*.cu``, shipped as package data), so that a new folder needs no line anywhere."""
+    package_dir = {"autosched": "autosched", **PACKAGE_DIRS}
+    packages = []
+    for name, folder in package_dir.items():
+        base = root / folder
+        found = {p.parent for pattern in ("__init__.py", "*.cuh", "*.cu") for p in base.rglob(pattern)}
+        for path in sorted(found):
+            sub = path.relative_to(base).parts
+            if "__pycache__" not in sub:
+                packages.append(".".join((name, *sub)))
+    return package_dir, packages
 
 
 class CheckoutFinder(importlib.abc.MetaPathFinder):

@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/cpu_benchmark.py [--trials 64 256] [--cases gemm rmsnorm softmax attention] [--out DIR]
                                          [--force] [--skip-metaschedule] [--metaschedule-trials N ...]
+       python benchmarks/cpu_benchmark.py --row-widths [--rows 1024] [--out benchmarks/results/row_widths]
 
 For each case, in one run on this machine: the unscheduled TensorIR function compiled by TVM, numpy
 (OpenBLAS) and torch, autosched after each trial budget, and MetaSchedule with the same budget on the
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _timing import retime_interleaved
+from _timing import interleaved_samples, retime_interleaved
 
 CASES = {  # name: (operator, shape[, attributes])
     "gemm": ("gemm", "m=1024,n=1024,k=1024"),
@@ -165,6 +166,65 @@ def run_metaschedule(task, target, trials: int, work_dir: str):
     return (sch.mod if sch is not None else None), seconds
 
 
+PAIRS = ((777, 768), (1000, 1024), (4095, 4096))
+
+
+def row_widths(args) -> int:
+    """`--row-widths`: RMSNorm and softmax (float32) at widths no 16-wide vector divides (777, 1000, 4095)
+    against the nearest width one does, each at the rows space's default point (what an untuned build uses),
+    checked against float64 and timed side by side in interleaved rounds. Besides the median, the fastest
+    sample (what the kernel can do on a shared machine); the figure of merit is the time per element
+    relative to the divisible width."""
+    import tvm
+
+    from autosched.target import parse_target
+    from autosched.task import Task
+    from autosched.workloads import make_workload
+
+    target = parse_target("llvm")
+    machine = {"cpu": target.device_name, "llvm_mcpu": target.arch, "threads": target.num_cores,
+               "tvm": tvm.__version__, "torch": torch.__version__, "python": platform.python_version(),
+               "date": time.strftime("%Y-%m-%d")}
+    print(f"machine: {machine}", flush=True)
+    rows = []
+    for op in args.ops:
+        timers, tasks = {}, {}
+        for n in sorted({n for pair in PAIRS for n in pair}):
+            task = Task.from_workload(make_workload(op, f"m={args.rows},n={n}", "float32"))
+            space = task.space(target)
+            point = space.default()
+            checker = task.spec.checker(task.func)
+            inputs = checker.make_inputs(torch.Generator().manual_seed(0), "cpu")
+            _, err, timer = time_tvm(space.apply(point), target, task, inputs, checker.reference(inputs),
+                                 space.build_config(point), repeat=3, min_repeat_ms=30)
+            timers[n], tasks[n] = timer, (task, point, err)
+        samples = interleaved_samples(timers, args.rounds)
+        median = {n: statistics.median(s) for n, s in samples.items()}
+        best = {n: min(s) for n, s in samples.items()}
+        for odd, even in PAIRS:
+            for n in (odd, even):
+                task, point, err = tasks[n]
+                rows.append({"op": op, "m": args.rows, "n": n, "point": point, "median_us": median[n] * 1e6,
+                             "best_us": best[n] * 1e6, "gbps_best": task.min_bytes / best[n] / 1e9,
+                             "median_vs_divisible": median[n] / n / (median[even] / even),
+                             "best_vs_divisible": best[n] / n / (best[even] / even), "rel_error": err})
+                print(json.dumps(rows[-1]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    lines = [f"Machine: {machine['cpu']} (LLVM {machine['llvm_mcpu']}), {machine['threads']} threads; "
+             f"TVM {machine['tvm']}, torch {machine['torch']}; {machine['date']}.", "",
+             "| operator | m | n | fastest (us) | GB/s | per element vs divisible width | median (us) | "
+             "per element vs divisible width |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['m']} | {r['n']} | {r['best_us']:.1f} | {r['gbps_best']:.1f} | "
+                     f"{r['best_vs_divisible']:.2f}x | {r['median_us']:.1f} | {r['median_vs_divisible']:.2f}x |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, nargs="+", default=[64, 256])
@@ -175,7 +235,17 @@ def main() -> int:
                         help="MetaSchedule's budgets (default: those of --trials)")
     parser.add_argument("--force", action="store_true",
                         help="measure the given cases again (rows of other cases in results.json are kept)")
+    widths = parser.add_argument_group("row widths")
+    widths.add_argument("--row-widths", action="store_true",
+                        help="instead of the cases: RMSNorm and softmax at widths no vector divides against their neighbours")
+    widths.add_argument("--rows", type=int, default=1024, help="rows of every --row-widths case")
+    widths.add_argument("--ops", nargs="+", default=["rmsnorm", "softmax"])
+    widths.add_argument("--rounds", type=int, default=15, help="interleaved rounds (3 samples of every kernel each)")
     args = parser.parse_args()
+    if args.row_widths:
+        if args.out == parser.get_default("out"):
+            args.out = "benchmarks/results/row_widths"
+        return row_widths(args)
 
     import tvm
 

@@ -1,11 +1,13 @@
 """GPU benchmark: autosched against torch and TVM's default dlight schedules, on the same inputs.
 
 Usage: python benchmarks/gpu_benchmark.py [--cases NAME ...] [--trials N] [--time-budget S] [--out DIR]
+       python benchmarks/gpu_benchmark.py --hand-points gemm --shape 1000,4000,3000 --points all --out DIR
+       python benchmarks/gpu_benchmark.py --hand-points attention --case 1,32,32,2048,128,full --out DIR
 
 For each case, in one run on the GPU: autosched tunes the workload (the database is written to --out),
 then the best kernel, the dlight-scheduled kernel and the torch equivalent are each checked against
 the float64 reference and timed the same way: CUDA events around single runs, the L2 cache flushed
-(256 MB written) before each, median of the repeats. Prints one table with times, TFLOP/s or GB/s and
+(256 MB read) before each, median of the repeats. Prints one table with times, TFLOP/s or GB/s and
 the ratios, and writes results.json and results.md.
 """
 
@@ -167,6 +169,157 @@ def check_torch(fn, refs):
     return relative_error(out.reshape(refs[0].shape), refs[0])
 
 
+# Hand-picked points of the Hopper templates, each in a process of its own (a point that deadlocks costs its
+# timeout, not the run), beside torch (cuBLAS; SDPA's flash and cuDNN backends) in the same process.
+
+GEMM_BASE = {"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": False}
+
+
+def gemm_probe_points() -> list[dict]:
+    pts = [dict(GEMM_BASE)]
+    for change in ({"stages": 3}, {"stages": 5}, {"block_n": 128}, {"block_n": 192}, {"wg_rows": 128, "block_n": 128},
+                   {"consumers": 1, "wg_rows": 128, "block_n": 256}, {"persistent": True}, {"group_m": 1},
+                   {"group_m": 16}, {"persistent": True, "stages": 5}, {"consumers": 1, "block_n": 256},
+                   {"persistent": True, "pingpong": True}, {"persistent": True, "pingpong": True, "stages": 5},
+                   {"persistent": True, "pingpong": True, "wg_rows": 128, "block_n": 128}):
+        pts.append({**GEMM_BASE, **change})
+    return pts
+
+
+def gemm_small_m_points() -> list[dict]:
+    """Points for a decode GEMM (m of 2-64): one consumer of 64 rows, narrow tiles, split-K across a cluster."""
+    base = {"consumers": 1, "wg_rows": 64, "group_m": 1, "persistent": False}
+    plain = [{**base, "block_n": bn, "stages": stages, "split_k": split, "swap_ab": False}
+             for bn in (64, 128) for stages in (4, 7) for split in (1, 2)]
+    # Swapped: the tokens on wgmma's N side (16 or 32), the weights in 64- or 128-row tiles.
+    swapped = [{**base, "wg_rows": rows, "block_n": bn, "stages": stages, "split_k": split, "swap_ab": True}
+               for rows in (64, 128) for bn in (16, 32) for stages in (7, 12) for split in (1, 2)
+               if stages * (rows + bn) * 64 * 2 + 1024 <= 227 * 1024]
+    return plain + swapped
+
+
+def _gemm_point(m, n, k, dtype, bias, act, point, queue):
+    try:
+        import torch
+        import tvm
+
+        from autosched.measure._worker import time_cuda
+        from autosched.search_spaces.templates.hopper_gemm import hopper_gemm_kernel
+
+        point = {**point, "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+        t0 = time.perf_counter()
+        func = hopper_gemm_kernel(m, n, k, dtype, bias, act, point)
+        ex = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}),
+                         tir_pipeline="tirx")
+        build_s = time.perf_counter() - t0
+        tdt = getattr(torch, dtype)
+        a = torch.randn(m, k, device="cuda", dtype=tdt)
+        b = torch.randn(n, k, device="cuda", dtype=tdt) / k ** 0.5
+        bias_t = torch.randn(n, device="cuda", dtype=tdt) if bias else None
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
+        args = [a, b] + ([bias_t] if bias else []) + [c]
+        targs = [tvm.runtime.from_dlpack(t) for t in args]
+        ex(*targs)
+        torch.cuda.synchronize()
+        ref = a.double() @ b.double().T
+        if bias:
+            ref = ref + bias_t.double()
+        if act == "silu":
+            ref = torch.nn.functional.silu(ref)
+        err = float((c.double() - ref).norm() / ref.norm()) if torch.isfinite(c).all() else float("inf")
+        flush = 256 << 20
+        mine = statistics.median(time_cuda(lambda: ex(*targs), 30, flush))
+        cublas = statistics.median(time_cuda(lambda: torch.matmul(a, b.T), 30, flush))
+        tf = 2 * m * n * k / 1e12
+        queue.put({"point": point, "rel_err": err, "build_s": round(build_s, 2), "ms": mine * 1e3,
+                   "tflops": tf / mine, "cublas_tflops": tf / cublas, "ratio": cublas / mine})
+    except Exception as exc:  # noqa: BLE001 - a failing point is reported, not fatal
+        queue.put({"point": point, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
+
+
+ATTENTION_POINTS = [{"consumers": c, "block_kv": kv, "stages": st, "overlap": ov, "pingpong": False}
+          for c in (2, 1) for kv in (128, 64) for st in (2, 3) for ov in (False, True)]
+ATTENTION_POINTS += [{"consumers": 2, "block_kv": kv, "stages": st, "overlap": False, "pingpong": True}
+           for kv in (128, 64) for st in (2, 3)]
+
+
+def _attention_point(case, dtype, point, queue):
+    try:
+        import torch
+        import torch.nn.functional as F
+        import tvm
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from autosched.measure._worker import time_cuda
+        from autosched.search_spaces.templates.hopper_attention import hopper_attention_kernel
+
+        b, h, hkv, s, d, causal = case
+        t0 = time.perf_counter()
+        func = hopper_attention_kernel(b, h, hkv, s, d, dtype, causal, point)
+        ex = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}),
+                         tir_pipeline="tirx")
+        build_s = time.perf_counter() - t0
+        tdt = getattr(torch, dtype)
+        q = torch.randn(b, h, s, d, device="cuda", dtype=tdt)
+        k = torch.randn(b, hkv, s, d, device="cuda", dtype=tdt)
+        v = torch.randn(b, hkv, s, d, device="cuda", dtype=tdt)
+        o = torch.full((b, h, s, d), float("nan"), device="cuda", dtype=tdt)
+        args = [tvm.runtime.from_dlpack(t) for t in (q, k, v, o)]
+        ex(*args)
+        torch.cuda.synchronize()
+        g = h // hkv
+        scores = q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2) / d ** 0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+        ref = scores.softmax(-1) @ v.double().repeat_interleave(g, 1)
+        err = float((o.double() - ref).norm() / ref.norm()) if torch.isfinite(o).all() else float("inf")
+        flush = 256 << 20
+        flops = 4 * b * h * s * s * d / (2 if causal else 1)
+        row = {"case": case, "dtype": dtype, "point": point, "rel_err": err, "build_s": round(build_s, 2),
+               "tflops": flops / statistics.median(time_cuda(lambda: ex(*args), 30, flush)) / 1e12}
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                def sdpa(backend=backend):
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=g > 1)
+                row[f"{name}_tflops"] = flops / statistics.median(time_cuda(sdpa, 30, flush)) / 1e12
+            except Exception as exc:  # noqa: BLE001 - a backend may not take the case
+                row[f"{name}_error"] = str(exc)[:120]
+        queue.put(row)
+    except Exception as exc:  # noqa: BLE001
+        queue.put({"case": case, "point": point, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
+
+
+def hand_points(args) -> int:
+    """`--hand-points gemm|attention`: the points of --points (a preset or a JSON list), no search."""
+    from _isolated import run_isolated
+
+    rows = []
+    if args.hand_points == "gemm":
+        presets = {"base": lambda: [GEMM_BASE], "all": gemm_probe_points, "small": gemm_small_m_points}
+        points = presets[args.points]() if args.points in presets else json.loads(args.points)
+        for shape in args.shape or ["4096,4096,4096"]:
+            m, n, k = (int(x) for x in shape.split(","))
+            for point in points:
+                row = run_isolated(_gemm_point, (m, n, k, args.dtype, args.bias, args.act, point), args.timeout,
+                                   {"point": point})
+                rows.append({**row, "shape": [m, n, k]})
+                print(json.dumps(rows[-1]), flush=True)
+    else:
+        points = ATTENTION_POINTS if args.points in ("all", "base") else json.loads(args.points)
+        for text in args.case or ["1,32,32,2048,128,causal"]:
+            *nums, mode = text.split(",")
+            case = (*(int(x) for x in nums), mode == "causal")
+            for point in points:
+                rows.append(run_isolated(_attention_point, (case, args.dtype, point), args.timeout,
+                                         {"case": case, "point": point}))
+                print(json.dumps(rows[-1]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.hand_points}_points.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -174,9 +327,21 @@ def main() -> int:
     parser.add_argument("--time-budget", type=float, default=35.0, help="tuning seconds per case")
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--flush", choices=("read", "write"), default="read",
-                        help="how the L2 is flushed before each timed run (write: the flush of runs before 2026-12)")
+                        help="how the L2 is flushed before each timed run (write: zeroing, leaving dirty lines)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/gpu"))
+    hand = parser.add_argument_group("hand-picked template points (no search)")
+    hand.add_argument("--hand-points", choices=("gemm", "attention"),
+                      help="time chosen points of hopper_gemm or hopper_attention beside torch instead of the cases")
+    hand.add_argument("--shape", action="append", default=[], help="gemm: m,n,k (repeatable)")
+    hand.add_argument("--case", action="append", default=[], help="attention: b,h,hkv,s,d,causal|full (repeatable)")
+    hand.add_argument("--points", default="all", help="gemm: base | all | small; attention: all; or a JSON list")
+    hand.add_argument("--dtype", default="float16")
+    hand.add_argument("--bias", action="store_true")
+    hand.add_argument("--act", default="none")
+    hand.add_argument("--timeout", type=float, default=120, help="seconds per point")
     args = parser.parse_args()
+    if args.hand_points:
+        return hand_points(args)
 
     import tvm
 

@@ -2,15 +2,15 @@
 # The transformers families at real dimensions (examples/hf.py: two decoder layers of each family's real
 # model, fp16) through benchmarks/model_benchmark.py on the GPU machine. Families are dealt out over the
 # host's GPUs: each GPU runs its families one after another (CUDA_VISIBLE_DEVICES set per process, so a
-# tuning run's timings never share a GPU), the GPUs at once. Usage there, after the TVM stage call:
-#   source .gpu/deps/setup.sh && bash benchmarks/hf_models_gpu.sh llama qwen2 mistral gemma phi3 gpt2
+# tuning run's timings never share a GPU), the GPUs at once. Usage there:
+#   bash benchmarks/hf_models_gpu.sh llama qwen2 mistral gemma phi3 gpt2
 # CONFIGS (default "1:512 16:1": a 512-token prefill and a batch-16 decode step), TIME_BUDGET (tuning
 # seconds per config, default 60). Each family writes $OUT/hf/<family>/results_cuda.{json,md} (with each
 # tuned build's per-kernel times) and its log $OUT/hf_<family>.log; the rows are combined into
 # $OUT/hf/results_cuda.md at the end. Delete $OUT/hf/*/model_cuda.db* before the call ends if the files
 # coming back would be too many.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
+NEED="transformers=transformers" source "$(dirname "$0")/_gpu_env.sh"
 gpus=$(nvidia-smi -L | wc -l)
 read -r -a configs <<< "${CONFIGS:-1:512 16:1}"
 run_family() {

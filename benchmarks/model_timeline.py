@@ -7,7 +7,7 @@ them, and splits each run's span into kernel time and idle gaps (naming the kern
 gaps), with memory copies and sets counted apart. It also times the tuned build with and without a sleep
 kernel queued ahead of it, which tells host-bound gaps from GPU-side ones.
 
-    python benchmarks/model_timeline.py --db benchmarks/results/model/model_cuda.db --config 16:512
+    python benchmarks/model_timeline.py --db model_cuda.db --config 16:512   (a database of tuned records)
 """
 
 from __future__ import annotations

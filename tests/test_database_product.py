@@ -106,6 +106,7 @@ def test_untuned_shape_starts_from_the_nearest_tuned_shapes(tmp_path, cpu_target
     assert adapt_point(space, odd)["tile_k"] != (3,)
 
 
+@pytest.mark.slow  # starts a measurer (a builder pool and a runner) to rebuild and check the records
 def test_records_from_another_tvm_version_are_revalidated(tmp_path, cpu_target):
     from autosched.measure import Measurer
     from autosched.validate import trusted_best

@@ -45,7 +45,7 @@ def tuned_db(tmp_path_factory, cpu_target):
 
     path = tmp_path_factory.mktemp("tuned") / "tuned.db"
     with Database(path) as db:
-        tune(Task.from_workload(make_workload("softmax", "m=16,n=128")), cpu_target, db, TuneOptions(trials=6, batch_size=3))
+        tune(Task.from_workload(make_workload("softmax", "m=16,n=128")), cpu_target, db, TuneOptions(trials=3, batch_size=3))
     return path
 
 

@@ -50,19 +50,26 @@ def _artifact(func, tmp_path, name):
     return BuildResult(path)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def gemm_task():
     return Task.from_workload(make_workload("gemm", f"m={N},n={N},k={N}"))
 
 
-def test_wrong_unwritten_and_crashing_kernels_are_failed_results(gemm_task, cpu_target, tmp_path):
-    runner = Runner(cpu_target, MeasureConfig(repeat=2, min_repeat_ms=1, run_timeout=60))
-    try:
-        builds = [_artifact(_not_transposed, tmp_path, "wrong"), _artifact(_half_written, tmp_path, "half"),
-                  _artifact(_wild_write, tmp_path, "crash"), _artifact(_not_transposed, tmp_path, "again")]
-        wrong, half, crash, again = runner.run(gemm_task.spec, builds)
-    finally:
-        runner.close()
+REPEAT = 5
+
+
+@pytest.fixture(scope="module")
+def measurer(cpu_target):
+    """One measurer for the module (its builder pool and runner each import TVM once): two build workers, so
+    that a batch of five is larger than its pool; five timed runs a candidate, which the cutoff tests count."""
+    with Measurer(cpu_target, MeasureConfig(repeat=REPEAT, min_repeat_ms=5), build_workers=2) as m:
+        yield m
+
+
+def test_wrong_unwritten_and_crashing_kernels_are_failed_results(gemm_task, tmp_path, measurer):
+    builds = [_artifact(_not_transposed, tmp_path, "wrong"), _artifact(_half_written, tmp_path, "half"),
+              _artifact(_wild_write, tmp_path, "crash"), _artifact(_not_transposed, tmp_path, "again")]
+    wrong, half, crash, again = measurer.runner.run(gemm_task.spec, builds)
     assert wrong.error_kind == "wrong_result" and "relative error" in wrong.error_msg and not wrong.ok
     assert half.error_kind == "wrong_result" and "NaN" in half.error_msg
     assert crash.error_kind == "run" and "crashed" in crash.error_msg
@@ -82,72 +89,65 @@ def test_hanging_run_times_out(cpu_target, tmp_path):
     assert res.error_kind == "run_timeout"
 
 
-def test_measurer_times_good_candidates_and_records_space_errors(gemm_task, cpu_target):
+def test_measurer_times_good_candidates_and_records_space_errors(gemm_task, cpu_target, measurer):
     space = gemm_task.space(cpu_target)
     points = [space.default(), space.sample(np.random.default_rng(1)), {"not": "a point"}]
-    with Measurer(cpu_target, MeasureConfig(repeat=3, min_repeat_ms=5)) as m:
-        # One call per point: within a batch a candidate over SLOW_CUTOFF x the batch's best is timed briefly.
-        a, b, bad = (m.measure(gemm_task.spec, [p])[0] for p in points)
+    # One call per point: within a batch a candidate over SLOW_CUTOFF x the batch's best is timed briefly.
+    a, b, bad = (measurer.measure(gemm_task.spec, [p])[0] for p in points)
     for res in (a, b):
-        assert res.ok and len(res.latencies) == 3 and all(t > 0 for t in res.latencies)
+        assert res.ok and len(res.latencies) == REPEAT and all(t > 0 for t in res.latencies)
         assert res.rel_error < 1e-5 and res.build_seconds > 0
     assert bad.error_kind == "space" and "does not fit" in bad.error_msg
 
 
-def test_builder_compiles_the_module_it_is_given_instead_of_applying_the_point(gemm_task, cpu_target):
+def test_builder_compiles_the_module_it_is_given_instead_of_applying_the_point(gemm_task, cpu_target, measurer):
     """The search's scheduled module is what gets built: given one, the worker compiles it as is (here a kernel
     that writes half of C, so the check tells which kernel ran); without one, it applies the point."""
     point = gemm_task.space(cpu_target).default()
-    with Measurer(cpu_target, MeasureConfig(repeat=1, min_repeat_ms=1)) as m:
-        given, applied = m.measure(gemm_task.spec, [point, point], modules=[tvm.IRModule({"main": _half_written}), None])
+    given, applied = measurer.measure(gemm_task.spec, [point, point],
+                                            modules=[tvm.IRModule({"main": _half_written}), None])
     assert given.error_kind == "wrong_result" and "NaN" in given.error_msg
     assert applied.ok
 
 
-def test_a_batch_of_tasks_gives_each_task_its_own_results(gemm_task, cpu_target):
+def test_a_batch_of_tasks_gives_each_task_its_own_results(gemm_task, cpu_target, measurer):
     """measure_batch builds every task's points in one pool, then checks each task against its own reference:
     a kernel checked against another task's reference would fail (or a wrong one pass)."""
     rms = Task.from_workload(make_workload("rmsnorm", "m=8,n=256"))
     gemm_default = gemm_task.space(cpu_target).default()
-    with Measurer(cpu_target, MeasureConfig(repeat=1, min_repeat_ms=1)) as m:
-        (gemm_ok, gemm_wrong), (rms_ok,) = m.measure_batch([
-            MeasureRequest(gemm_task.spec, [gemm_default, gemm_default], modules=[None, tvm.IRModule({"main": _half_written})]),
-            MeasureRequest(rms.spec, [rms.space(cpu_target).default()]),
-        ])
+    (gemm_ok, gemm_wrong), (rms_ok,) = measurer.measure_batch([
+        MeasureRequest(gemm_task.spec, [gemm_default, gemm_default], modules=[None, tvm.IRModule({"main": _half_written})]),
+        MeasureRequest(rms.spec, [rms.space(cpu_target).default()]),
+    ])
     assert gemm_ok.ok and rms_ok.ok and rms_ok.rel_error < 1e-5
     assert gemm_wrong.error_kind == "wrong_result"
 
 
-def test_builder_survives_a_batch_larger_than_its_pool(gemm_task, cpu_target):
+def test_builder_survives_a_batch_larger_than_its_pool(gemm_task, cpu_target, measurer):
     space = gemm_task.space(cpu_target)
     rng = np.random.default_rng(0)
-    builder = Builder(cpu_target, workers=2)
-    try:
-        results = builder.build(gemm_task.spec, [space.sample(rng) for _ in range(5)])
-    finally:
-        builder.close()
+    assert measurer.builder.workers == 2
+    results = measurer.builder.build(gemm_task.spec, [space.sample(rng) for _ in range(5)])
     assert all(r.ok for r in results) and len({r.artifact for r in results}) == 5
 
 
-def test_candidate_slower_than_the_cutoff_is_timed_briefly(gemm_task, cpu_target):
+def test_candidate_slower_than_the_cutoff_is_timed_briefly(gemm_task, cpu_target, measurer):
     """Three repeats (a probe) instead of five, all above the cutoff."""
     space = gemm_task.space(cpu_target)
-    with Measurer(cpu_target, MeasureConfig(repeat=5, min_repeat_ms=5)) as m:
-        (fast,) = m.measure(gemm_task.spec, [space.default()])
-        (cut,) = m.measure(gemm_task.spec, [space.default()], cutoff=fast.median / 100)
-    assert len(fast.latencies) == 5
+    (fast,) = measurer.measure(gemm_task.spec, [space.default()])
+    (cut,) = measurer.measure(gemm_task.spec, [space.default()], cutoff=fast.median / 100)
+    assert len(fast.latencies) == REPEAT
     assert cut.ok and len(cut.latencies) == 3 and min(cut.latencies) > fast.median / 100
 
 
-def test_a_short_kernel_is_not_settled_as_slow_by_its_cold_first_call(cpu_target):
+def test_a_short_kernel_is_not_settled_as_slow_by_its_cold_first_call(cpu_target, measurer):
     """Under a cutoff it would meet, a sub-millisecond kernel is timed in full: its first (cold) call,
     and single runs, can read many times its warm latency (3-8 ms for a 0.3 ms attention kernel on a
     2-core VM), which used to settle such candidates as slow after the first of a batch."""
     task = Task.from_workload(make_workload("attention", "b=1,h=8,s=128,d=64", attrs="causal=1"))
     space = task.space(cpu_target)
-    with Measurer(cpu_target, MeasureConfig(repeat=5, min_repeat_ms=5)) as m:
-        (fast,) = m.measure(task.spec, [space.default()])
-        again = m.measure(task.spec, [space.default()] * 3, cutoff=3 * fast.median)
+    (fast,) = measurer.measure(task.spec, [space.default()])
+    again = measurer.measure(task.spec, [space.default()] * 3, cutoff=3 * fast.median)
     assert [len(r.latencies) for r in again] == [5, 5, 5], [r.latencies for r in again]
 
 
@@ -164,7 +164,7 @@ def _norm_of_given_squares():
     return te.create_prim_func([sq, x, out])
 
 
-def test_kernel_of_a_narrower_input_domain_is_checked_on_positive_inputs(cpu_target):
+def test_kernel_of_a_narrower_input_domain_is_checked_on_positive_inputs(cpu_target, measurer):
     import torch
 
     task = Task.from_func("norm_of_squares", _norm_of_given_squares())
@@ -174,11 +174,11 @@ def test_kernel_of_a_narrower_input_domain_is_checked_on_positive_inputs(cpu_tar
     inputs, refs = checker.inputs_and_reference(torch.Generator().manual_seed(task.spec.seed), "cpu")
     assert (inputs[0] > 0).all() and torch.isfinite(refs[0]).all()
     space = task.space(cpu_target)
-    with Measurer(cpu_target, MeasureConfig(repeat=2, min_repeat_ms=1)) as m:
-        results = m.measure(task.spec, [space.default(), space.sample(np.random.default_rng(0))])
+    results = measurer.measure(task.spec, [space.default(), space.sample(np.random.default_rng(0))])
     assert all(r.ok and r.rel_error < 1e-5 for r in results), results
 
 
+@pytest.mark.slow  # a builder pool and two measurers of its own (their cache folder is the test's)
 def test_a_fused_kernels_reference_is_compiled_by_the_builder_and_loaded_by_the_runner(cpu_target, tmp_path,
                                                                                       monkeypatch):
     """The builder pool compiles a raw function's reference beside its candidates, into the reference cache;

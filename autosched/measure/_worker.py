@@ -211,10 +211,9 @@ def time_cuda(fn, repeat: int, flush_bytes: int, cutoff: float | None = None, wa
     The flush reads ``flush_bytes`` (a sum over a buffer several times the L2's size), so that memory-bound
     kernels are not timed out of the cache. Reading leaves the cache full of clean lines: the timed kernel
     finds none of its data there and has no other kernel's data to write back. ``flush_by="write"``
-    (zeroing the buffer, autosched's flush until 2026-12) leaves it full of dirty lines instead, whose
-    write-back can fall into the timed kernel: up to the L2's size in extra DRAM writes, which would look
-    like a fixed cost per launch of a memory-bound kernel. ``benchmarks/l2_flush_probe.py`` measures
-    whether it does. Either flush
+    (zeroing the buffer, autosched's older flush) leaves it full of dirty lines instead, whose write-back
+    falls into the timed kernel: up to the L2's size in extra DRAM writes, which looks like a fixed cost per
+    launch of a memory-bound kernel (``benchmarks/gpu_benchmark.py --flush write`` compares). Either flush
     also keeps the GPU busy while the host enqueues the timed launch, so launch latency does not enter
     the measurement.
     """

@@ -1,0 +1,79 @@
+"""The README says what is true: its quick start and "Using it" commands run as written (with small budgets, on
+the CPU), its test command is the one CI runs, and it stays a guide (no run history, under 300 lines)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end != -1 else None]
+
+
+def _shell_commands(text: str) -> list[str]:
+    """Each command of the ```bash blocks, comments dropped and `&&` chains split."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            line = re.sub(r"\s+# .*$", "", line).strip()
+            commands += [part.strip() for part in line.split("&&") if part.strip()]
+    return commands
+
+
+def _small(command: str) -> str:
+    """The same command with a budget that runs in seconds."""
+    command = re.sub(r"--trials \d+", "--trials 4" if command.startswith("autosched tune ") else "--trials 8", command)
+    return re.sub(r"--time-budget \d+", "--time-budget 10", command)
+
+
+def test_the_readme_is_a_guide_not_a_lab_notebook():
+    assert len(README.splitlines()) < 300
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", README), "dates belong in CHANGELOG.md or BENCHMARKS.md"
+    assert not re.search(r"\b(first|second|third|fourth|fifth|sixth|seventh) (session|run)\b", README, re.I)
+
+
+def test_the_readmes_test_command_is_what_ci_runs():
+    """.ci/run installs and tests as the README says (it only adds -q and a pip upgrade)."""
+    readme = [c for c in _shell_commands(_section("Quick start")) if "pytest" in c or "[test]" in c]
+    ci = [c.replace(" -q", "") for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if not line.startswith("#") for c in line.split("&&")]
+    ci = {c.strip() for c in ci}
+    assert readme and all(c in ci for c in readme), (readme, ci)
+    both_tiers = ".ci/with-postgres bash -c 'python -m pytest && python -m pytest -m slow'"
+    assert both_tiers in _section("Quick start") and both_tiers in (REPO / ".ci" / "run").read_text()
+
+
+def _readme_examples() -> list[str]:
+    commands = _shell_commands(_section("Quick start")) + _shell_commands(_section("Using it"))
+    return [c for c in commands if c.startswith("autosched ")]
+
+
+def test_the_examples_are_found():
+    examples = _readme_examples()
+    assert any(c.startswith("autosched tune gemm --shape m=512,n=512,k=512 --trials 64") for c in examples)
+    assert {"ops", "tune", "show", "db", "report", "tune-model", "build", "run"} <= {c.split()[1] for c in examples}
+
+
+@pytest.mark.slow
+def test_the_quick_start_and_using_it_examples_run_as_written(tmp_path):
+    """Every `autosched` command of the quick start and of "Using it", in order, in one folder, with budgets cut
+    to a few trials; each must exit 0."""
+    env = {k: v for k, v in os.environ.items() if k != "AUTOSCHED_DB"}
+    env.update(PYTHONPATH=str(REPO), TVM_NUM_THREADS="1")
+    for command in _readme_examples():
+        argv = [sys.executable, "-m", "autosched", *shlex.split(_small(command))[1:]]
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"{_small(command)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert (tmp_path / "out" / "tiny" / "manifest.json").exists()
