@@ -145,19 +145,18 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
 
 
 def default_decode_batches(target: TargetSpec, max_batch: int) -> tuple[int, ...]:
-    """The batch sizes that get a static decode function by default: on a GPU the powers of two up to
-    ``max_batch`` (and ``max_batch``), each captured as CUDA graphs; none on the CPU, where the static
-    functions would only lengthen the build."""
-    if not target.is_gpu:
-        return ()
-    sizes = {1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch}
-    return tuple(sorted(sizes))
+    """The batch sizes that get a static decode function when none are asked for: batch 1 on a GPU, whose
+    GEMVs TVM's default schedules serve well and whose step then runs as CUDA graphs (without them, launching
+    each kernel cost more than the kernels on the H200); none on the CPU. A larger batch's static GEMMs are
+    left to ``tune-model --generate``: on TVM's default schedule for a static small batch (dlight's Matmul)
+    they ran slower than the dynamic function's (BENCHMARKS.md, Generation)."""
+    return (1,) if target.is_gpu else ()
 
 
 def default_prefill_chunks(target: TargetSpec, max_seq_len: int) -> tuple[int, ...]:
-    """The prefill lengths that get a static function by default: on a GPU 128 and 512 tokens (those up to
-    ``max_seq_len``), so that long prompts run tuned GEMMs; none on the CPU."""
-    return tuple(t for t in (128, 512) if t <= max_seq_len) if target.is_gpu else ()
+    """No static prefill functions unless asked for (``--prefill-chunks``, with ``tune-model --generate``):
+    untuned, they run the same default schedules as the dynamic prefill."""
+    return ()
 
 
 def decode_calls(lowered):

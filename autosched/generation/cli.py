@@ -18,12 +18,12 @@ def add_build_arguments(p) -> None:
     p.add_argument("--max-seq-len", type=int, default=2048,
                    help="with --generate: the longest sequence, prompt and new tokens (default 2048)")
     p.add_argument("--decode-batches",
-                   help="with --generate: batch sizes whose decode step gets a static function of its own, e.g. "
-                        "1,4,16 (default: on a GPU the powers of two up to --max-batch, run as CUDA graphs; none on "
-                        "the CPU)")
+                   help="with --generate: batch sizes whose decode step gets a static function of its own (tunable "
+                        "kernels; CUDA graphs on a GPU), e.g. 1,16 as tuned by tune-model --generate (default: 1 on a "
+                        "GPU, none on the CPU)")
     p.add_argument("--prefill-chunks",
                    help="with --generate: prompt lengths that get a static prefill function, prompts being prefilled "
-                        "in chunks of those sizes, e.g. 128,512 (default: 128,512 on a GPU; none on the CPU)")
+                        "in chunks of those sizes, e.g. 512 as tuned by tune-model --generate (default: none)")
 
 
 def add_tune_arguments(p) -> None:
@@ -31,7 +31,7 @@ def add_tune_arguments(p) -> None:
     p.add_argument("--generate", action="store_true",
                    help="tune the kernels of the decode step, at each batch size of --decode-batches")
     p.add_argument("--decode-batches", help="with --generate: batch sizes to tune the decode step at, e.g. 1,16 "
-                   "(default: the powers of two up to --max-batch)")
+                   "(default: 1 and --max-batch)")
     p.add_argument("--prefill-chunks", help="with --generate: prefill chunk lengths to tune, e.g. 128,512 "
                    "(default: none)")
 
@@ -73,7 +73,7 @@ def cmd_build_generate(args) -> int:
 
 def cmd_tune_generate(args) -> int:
     """``tune-model MODEL --generate``: the kernels of the decode step at each batch size of
-    ``--decode-batches`` (default: the powers of two up to --max-batch), under one trial budget."""
+    ``--decode-batches`` (default: 1 and --max-batch) and of the ``--prefill-chunks``, under one trial budget."""
     from autosched.cli import TUNE_MODEL_TRIALS, ConsoleReporter, _measurer, _open_db, _trials
     from autosched.output import emit
     from autosched.pipeline import split_tunable
@@ -87,7 +87,7 @@ def cmd_tune_generate(args) -> int:
     if args.decode_batches is not None:
         batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
     else:
-        batches = tuple(1 << i for i in range(args.max_batch.bit_length()) if 1 << i <= args.max_batch)
+        batches = tuple(sorted({1, args.max_batch}))
     chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks")))) if args.prefill_chunks else ()
     lowered, _ = lower_generation(model.config, target, batches, chunks)
     tasks, untunable = split_tunable(generation_tasks(lowered), target)
