@@ -420,7 +420,9 @@ def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
              ("float16", "__float2half", 3, True, 1.0, 2e-2), ("float16", "__float2half", 1, True, 6000.0, 1e2))
     for case, (dtype, to_type, rows, half, magnitude, bound) in enumerate(cases):
         name, source = _dot_source(dtype, rows, half)
-        source = source.replace(cuda_file("common.cuh"), "")  # the streaming load: the host's below
+        common = cuda_file("common.cuh")  # of the helper library, only the dtype table: the host's load below
+        source = source.replace(common, common[:common.index("// Two floats as one")] + "#endif\n")
+        source = source.replace("__forceinline__ void autosched_warp_sum", "inline void autosched_warp_sum")  # device only
         source = source.replace("__device__ __forceinline__", "__host__ __device__ inline")
         source = source.replace("__hfma2(", "host_hfma2(")  # a device-only intrinsic: one rounding, as on the GPU
         accs = ", ".join(f"acc[{i}]" for i in range(rows))
