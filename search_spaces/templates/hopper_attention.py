@@ -33,11 +33,17 @@ from __future__ import annotations
 import math
 
 from .._knobs import Knob, Point
-from ._hopper import HOPPER_ARCHS, PTX_TYPE, SMEM_LIMIT, HopperTemplate
-from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, TURN_HANDOVER, TURN_HANDOVER_SOURCE, TURN_SYNC, TURN_SYNC_SOURCE
+from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, PTX_TYPE, SMEM_LIMIT, HopperTemplate
+from .hopper_gemm import (
+    FENCE_NAME,
+    FENCE_SOURCE,
+    HOPPER_HELPERS,
+    TURN_HANDOVER,
+    TURN_HANDOVER_SOURCE,
+    TURN_SYNC,
+    TURN_SYNC_SOURCE,
+)
 
-CUDA_PAIR = {"float16": ("__half2", "__floats2half2_rn", "half"),
-             "bfloat16": ("__nv_bfloat162", "__floats2bfloat162_rn", "nv_bfloat16")}
 LOG2E = 1.4426950408889634
 
 
@@ -45,27 +51,18 @@ def _helpers(dtype: str) -> dict[str, tuple[str, str]]:
     """The register-level helpers, each as (name, CUDA source; TIRx emits a source once per name): pack two
     floats into one 32-bit register of two 16-bit values, store such a pair, the quad (row) reductions over
     warp shuffles, and exp2."""
-    pair, make_pair, scalar = CUDA_PAIR[dtype]
     tag = PTX_TYPE[dtype]
+    guard = f"AUTOSCHED_ATTENTION_PAIR_{tag.upper()}"  # cuda/hopper.cuh
+    pair_source = (HOPPER_HELPERS + f"#ifndef {guard}\n#define {guard}\n"
+                   f"AUTOSCHED_ATTENTION_PAIR({tag}, {CUDA_SCALAR[dtype]})\n#endif\n")
     sources = {
-        "pack": (f"autosched_pack_{tag}",
-                 f"__device__ __forceinline__ unsigned int autosched_pack_{tag}(float a, float b) {{\n"
-                 f"  {pair} h = {make_pair}(a, b); return *reinterpret_cast<unsigned int*>(&h);\n}}\n"),
-        "store": (f"autosched_store_pair_{tag}",
-                  f"__device__ __forceinline__ void autosched_store_pair_{tag}({scalar}* p, float a, float b) {{\n"
-                  f"  *reinterpret_cast<{pair}*>(p) = {make_pair}(a, b);\n}}\n"),
-        "qmax": ("autosched_quad_max",
-                 "__device__ __forceinline__ float autosched_quad_max(float x) {\n"
-                 "  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));\n"
-                 "  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));\n}\n"),
-        "qsum": ("autosched_quad_sum",
-                 "__device__ __forceinline__ float autosched_quad_sum(float x) {\n"
-                 "  x += __shfl_xor_sync(0xffffffffu, x, 1); return x + __shfl_xor_sync(0xffffffffu, x, 2);\n}\n"),
+        "pack": (f"autosched_pack_{tag}", pair_source),
+        "store": (f"autosched_store_pair_{tag}", pair_source),
+        "qmax": ("autosched_quad_max", HOPPER_HELPERS),
+        "qsum": ("autosched_quad_sum", HOPPER_HELPERS),
         "turn": (TURN_SYNC, TURN_SYNC_SOURCE),  # named barriers 1 and 2: see hopper_gemm
         "handover": (TURN_HANDOVER, TURN_HANDOVER_SOURCE),
-        "exp2": ("autosched_exp2",
-                 "__device__ __forceinline__ float autosched_exp2(float x) {\n"
-                 "  float y; asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x)); return y;\n}\n"),
+        "exp2": ("autosched_exp2", HOPPER_HELPERS),
     }
     return sources
 

@@ -26,41 +26,20 @@ from __future__ import annotations
 import math
 
 from .._knobs import Knob, Point
-from ._hopper import BK, PTX_TYPE, SMEM_LIMIT, canonical_group_m, grouped_raster
-from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, _epilogue_source
+from ._hopper import BK, CUDA_SCALAR, PTX_TYPE, SMEM_LIMIT, canonical_group_m, cuda_file, grouped_raster
+from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, HOPPER_HELPERS, _epilogue_source
 from .int4_gemv import Int4Template, _shape, dequant_main
 
 PACKED_BK = BK // 2  # bytes of packed int4 weights per row and k step
 CONSUMERS_SYNC = "autosched_consumers_sync"
-CONSUMERS_SYNC_SOURCE = (
-    f"__device__ __forceinline__ void {CONSUMERS_SYNC}(int threads) {{\n"
-    "  asm volatile(\"bar.sync 1, %0;\" :: \"r\"(threads) : \"memory\");\n}\n")
-# (magic: nibble q under the exponent of 1024 (fp16) or 128 (bf16); minus: that value + 8)
-_DEQUANT_TYPES = {"float16": ("__half2", "0x64006400u", "1032.f", "__float2half2_rn"),
-                  "bfloat16": ("__nv_bfloat162", "0x43004300u", "136.f", "__float2bfloat162_rn")}
+CONSUMERS_SYNC_SOURCE = HOPPER_HELPERS
 
 
 def _dequant_source(dtype: str) -> tuple[str, str]:
-    """(name, source) of the helper that writes 8 dequantised weights of row r, chunk j into the B tile."""
-    pair, magic, minus, splat = _DEQUANT_TYPES[dtype]
+    """(name, source) of the helper that writes 8 dequantised weights of row r, chunk j into the B tile
+    (``cuda/hopper_dequant.cuh``)."""
     name = f"autosched_dequant8_{PTX_TYPE[dtype]}"
-    source = (
-        f"__device__ __forceinline__ void {name}(void* tile, const void* packed, int r, int j, float scale) {{\n"
-        "  // byte b of the word holds k = 8j + 2b (low nibble) and 8j + 2b + 1\n"
-        "  const uint32_t q = reinterpret_cast<const uint32_t*>(packed)[r * 8 + j];\n"
-        f"  const {pair} s2 = {splat}(scale), m2 = {splat}({minus});\n"
-        f"  {pair} w[4];  // w[i]: k = 8j + i and 8j + i + 4\n"
-        "  #pragma unroll\n"
-        "  for (int i = 0; i < 4; ++i) {\n"
-        f"    uint32_t v = ((q >> (4 * i)) & 0x000F000Fu) | {magic};\n"
-        f"    w[i] = __hmul2(__hsub2(*reinterpret_cast<{pair}*>(&v), m2), s2);\n"
-        "  }\n"
-        "  const uint32_t* u = reinterpret_cast<const uint32_t*>(w);\n"
-        "  const uint4 out = make_uint4(__byte_perm(u[0], u[1], 0x5410u), __byte_perm(u[2], u[3], 0x5410u),\n"
-        "                               __byte_perm(u[0], u[1], 0x7632u), __byte_perm(u[2], u[3], 0x7632u));\n"
-        "  // 128-byte swizzle, as TMA writes it: 16-byte chunk j of row r at chunk j ^ (r % 8)\n"
-        "  *reinterpret_cast<uint4*>(static_cast<char*>(tile) + r * 128 + ((j ^ (r & 7)) << 4)) = out;\n}\n")
-    return name, source
+    return name, cuda_file("hopper_dequant.cuh") + f"AUTOSCHED_DEQUANT8({name}, {CUDA_SCALAR[dtype]})\n"
 
 
 def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point):

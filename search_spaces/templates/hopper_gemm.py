@@ -45,75 +45,50 @@ from __future__ import annotations
 import math
 
 from .._knobs import Knob, Point
-from ._hopper import BK, HOPPER_ARCHS, PTX_TYPE, SMEM_LIMIT, HopperTemplate, canonical_group_m, grouped_raster
+from ._hopper import (
+    BK,
+    CUDA_SCALAR,
+    HOPPER_ARCHS,
+    PTX_TYPE,
+    SMEM_LIMIT,
+    HopperTemplate,
+    canonical_group_m,
+    cuda_file,
+    grouped_raster,
+)
 
 WGMMA_N = (64, 96, 128, 160, 192, 224, 256)
-CUDA_TYPE = {"float16": ("half", "__half2", "__floats2half2_rn", "__float2half_rn"),
-             "bfloat16": ("nv_bfloat16", "__nv_bfloat162", "__floats2bfloat162_rn", "__float2bfloat16_rn")}
 
 
 def _epilogue_source(dtype: str, act: str) -> tuple[str, str, str]:
     """CUDA helpers of the epilogue: (name of the pair store, name of the single store, source).
 
     The accumulator pair (a, b) plus its bias pair goes through the activation and is stored as one
-    4-byte vector; the single store serves an odd last column."""
-    scalar, pair, make_pair, make_one = CUDA_TYPE[dtype]
+    4-byte vector; the single store serves an odd last column (``cuda/hopper.cuh``)."""
     tag = f"{PTX_TYPE[dtype]}_{act}"
-    if act == "silu":
-        f = "x / (1.0f + __expf(-x))"
-    elif act == "gelu":
-        f = "0.5f * x * (1.0f + erff(x * 0.70710678118654752f))"
-    else:
-        f = "x"
-    source = (
-        f"__device__ __forceinline__ float autosched_act_{tag}(float x) {{ return {f}; }}\n"
-        f"__device__ __forceinline__ void autosched_store2_{tag}({scalar}* p, float a, float b) {{\n"
-        f"  *reinterpret_cast<{pair}*>(p) = {make_pair}(autosched_act_{tag}(a), autosched_act_{tag}(b));\n}}\n"
-        f"__device__ __forceinline__ void autosched_store1_{tag}({scalar}* p, float a) {{\n"
-        f"  *p = {make_one}(autosched_act_{tag}(a));\n}}\n"
-    )
-    return f"autosched_store2_{tag}", f"autosched_store1_{tag}", source
+    guard = f"AUTOSCHED_EPILOGUE_{tag.upper()}"
+    return f"autosched_store2_{tag}", f"autosched_store1_{tag}", (
+        HOPPER_HELPERS + f"#ifndef {guard}\n#define {guard}\n"
+        f"AUTOSCHED_EPILOGUE({tag}, {CUDA_SCALAR[dtype]}, AUTOSCHED_ACT_{act.upper()})\n#endif\n")
 
 
-# Keeps nvcc from moving accumulator reads and writes across the asynchronous wgmma (the inline asm of
-# wgmma.wait_group names no registers). TIRx's own noop_barrier fails in 0.27's code generator.
+# The helpers of cuda/hopper.cuh, by name; each carries the whole file (TVM emits a helper's source once
+# per name, and the include guard keeps one copy). TIRx's own noop_barrier, which the accumulator fence
+# replaces, fails in 0.27's code generator.
+HOPPER_HELPERS = cuda_file("hopper.cuh")
 FENCE_NAME = "autosched_acc_fence"
-FENCE_SOURCE = (f"__device__ __forceinline__ void {FENCE_NAME}(float& x) "
-                "{ asm volatile(\"\" : \"+f\"(x) :: \"memory\"); }\n")
-# Ping-pong turns between two consumer warpgroups: named barriers 1 and 2 over both (256 threads). A
-# warpgroup syncs on its own barrier to take its turn and arrives on the other's to hand the turn over.
-TURN_SYNC = "autosched_turn_sync"
-TURN_SYNC_SOURCE = (f"__device__ __forceinline__ void {TURN_SYNC}(int id) {{\n"
-                    "  asm volatile(\"bar.sync %0, 256;\" :: \"r\"(id) : \"memory\");\n}\n")
-TURN_HANDOVER = "autosched_turn_handover"
-TURN_HANDOVER_SOURCE = (f"__device__ __forceinline__ void {TURN_HANDOVER}(int id) {{\n"
-                        "  asm volatile(\"bar.arrive %0, 256;\" :: \"r\"(id) : \"memory\");\n}\n")
-
+FENCE_SOURCE = HOPPER_HELPERS
+# Ping-pong turns between two consumer warpgroups (named barriers 1 and 2).
+TURN_SYNC, TURN_HANDOVER = "autosched_turn_sync", "autosched_turn_handover"
+TURN_SYNC_SOURCE = TURN_HANDOVER_SOURCE = HOPPER_HELPERS
 
 # Split-K across a thread-block cluster: the CTAs of one cluster share an output tile, each over its own
 # slice of K; every CTA but the first leaves its fp32 accumulators in its shared memory, laid out by
 # thread ([register][thread]), and the first CTA adds them in through distributed shared memory (mapa +
 # ld.shared::cluster), then stores the tile. The barrier carries release/acquire semantics and a memory
 # clobber, so that nvcc keeps the shared-memory accesses on their side of it.
-CLUSTER_SYNC = "autosched_cluster_sync"
-PART_STORE = "autosched_partial_store"
-PART_ADD = "autosched_partial_add_remote"
-# (TVM emits a helper's source once per name: one definition per source.)
-CLUSTER_SYNC_SOURCE = (
-    f"__device__ __forceinline__ void {CLUSTER_SYNC}() {{\n"
-    "  asm volatile(\"barrier.cluster.arrive.release.aligned;\\n\\tbarrier.cluster.wait.acquire.aligned;\" ::: \"memory\");\n}\n")
-PART_STORE_SOURCE = (
-    f"__device__ __forceinline__ void {PART_STORE}(void* base, int index, float x) {{\n"
-    "  reinterpret_cast<float*>(base)[index] = x;\n}\n")
-PART_ADD_SOURCE = (
-    f"__device__ __forceinline__ void {PART_ADD}(float& x, void* base, int index, unsigned rank) {{\n"
-    "  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<float*>(base) + index));\n"
-    "  unsigned remote;\n"
-    "  asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(remote) : \"r\"(local), \"r\"(rank));\n"
-    "  float v;\n"
-    "  asm volatile(\"ld.shared::cluster.f32 %0, [%1];\" : \"=f\"(v) : \"r\"(remote) : \"memory\");\n"
-    "  x += v;\n}\n")
-
+CLUSTER_SYNC, PART_STORE, PART_ADD = "autosched_cluster_sync", "autosched_partial_store", "autosched_partial_add_remote"
+CLUSTER_SYNC_SOURCE = PART_STORE_SOURCE = PART_ADD_SOURCE = HOPPER_HELPERS
 
 # TMA multicast across a cluster of two CTAs: each CTA's empty barrier counts the consumer warps of both
 # (a stage of either CTA is written by both producers), and one lane of each warp releases a stage in
@@ -121,17 +96,11 @@ PART_ADD_SOURCE = (
 # default CTA-scope release (as CUTLASS's cluster barrier does): the warp's wgmma reads of the stage are
 # complete at wgmma.wait_group, so no cluster-scope fence is owed; v4's .release.cluster paid for one.
 CLUSTER_ARRIVE = "autosched_cluster_arrive"
-CLUSTER_ARRIVE_SOURCE = (
-    f"__device__ __forceinline__ void {CLUSTER_ARRIVE}(void* bar, int rank) {{\n"
-    "  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(bar));\n"
-    "  unsigned remote;\n"
-    "  asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : \"=r\"(remote) : \"r\"(local), \"r\"(rank));\n"
-    "  asm volatile(\"mbarrier.arrive.shared::cluster.b64 _, [%0];\" :: \"r\"(remote) : \"memory\");\n}\n")
+CLUSTER_ARRIVE_SOURCE = HOPPER_HELPERS
 # The other CTA's producer may multicast into this CTA's stages as soon as the cluster barrier after the
 # barriers' initialisation lets it: the initialisation is released to the cluster first.
 BARRIER_INIT_FENCE = "autosched_barrier_init_fence"
-BARRIER_INIT_FENCE_SOURCE = (f"__device__ __forceinline__ void {BARRIER_INIT_FENCE}() {{\n"
-                             "  asm volatile(\"fence.mbarrier_init.release.cluster;\" ::: \"memory\");\n}\n")
+BARRIER_INIT_FENCE_SOURCE = HOPPER_HELPERS
 MULTICAST_LOAD = ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
                   ".multicast::cluster")
 

@@ -31,113 +31,31 @@ from __future__ import annotations
 import math
 
 from .._knobs import Knob, Point
-from ._hopper import HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, cuda_file
+from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, config_struct, cuda_file
 from .hopper_gemm import _epilogue_source
 
 CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
 MAX_M = 8  # activation rows: a decode step of a few sequences
 MAX_UNROLLED_STEPS = 16
 
-STREAM_LOAD = "autosched_ld_stream_v4"  # cuda/common.cuh
-_WARP_SUM = "autosched_warp_sum"
-_WARP_SUM_SOURCE = (
-    f"__device__ __forceinline__ void {_WARP_SUM}(float& x) {{\n"
-    "  #pragma unroll\n"
-    "  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);\n}\n")
-_TO_FLOAT2 = {"float16": ("__half2", "__half22float2"), "bfloat16": ("__nv_bfloat162", "__bfloat1622float2")}
+_WARP_SUM = "autosched_warp_sum"  # cuda/int4_gemv.cuh
+_DTYPES = ("float16", "bfloat16")
 
 
 def _dot_source(dtype: str, m: int, half_products: bool = False) -> tuple[str, str]:
-    """(name, source) of the helper that adds one chunk's scaled dot product to each row's accumulator."""
+    """(name, source) of the helper that adds one chunk's scaled dot product to each of m rows' accumulators
+    (``cuda/int4_gemv.cuh``: products in fp32, or for fp16 in half2 with ``half_products``)."""
     if half_products:
-        return _half_dot_source(m)
-    pair, to_float2 = _TO_FLOAT2[dtype]
-    unpack = (
-        "  float w[32];  // q - 8 in k order: byte b of word j holds k = 8j + 2b (low nibble), 8j + 2b + 1\n"
-        "  const __half2 bias = __float2half2_rn(1032.f);\n"
-        "  #pragma unroll\n"
-        "  for (int j = 0; j < 4; ++j) {\n"
-        "    #pragma unroll\n"
-        "    for (int s = 0; s < 2; ++s) {  // low nibbles, then high\n"
-        "      uint32_t even = ((q[j] >> (4 * s)) & 0x000F000Fu) | 0x64006400u;     // bytes 0, 2\n"
-        "      uint32_t odd = ((q[j] >> (4 * s + 8)) & 0x000F000Fu) | 0x64006400u;  // bytes 1, 3\n"
-        "      float2 e = __half22float2(__hsub2(*reinterpret_cast<__half2*>(&even), bias));\n"
-        "      float2 o = __half22float2(__hsub2(*reinterpret_cast<__half2*>(&odd), bias));\n"
-        "      w[8 * j + s] = e.x; w[8 * j + 4 + s] = e.y; w[8 * j + 2 + s] = o.x; w[8 * j + 6 + s] = o.y;\n"
-        "    }\n"
-        "  }\n")
-    row_dot = (
-        "    #pragma unroll\n"
-        "    for (int v = 0; v < 4; ++v) {\n"
-        "      uint4 a = x[v];\n"
-        "      const uint32_t aw[4] = {a.x, a.y, a.z, a.w};\n"
-        "      #pragma unroll\n"
-        "      for (int t = 0; t < 4; ++t) {\n"
-        f"        float2 f = {to_float2}(*reinterpret_cast<const {pair}*>(&aw[t]));\n"
-        "        s += f.x * w[v * 8 + 2 * t] + f.y * w[v * 8 + 2 * t + 1];\n"
-        "      }\n"
-        "    }\n")
-    return _chunk_helper(f"autosched_q4_chunk_{dtype}_m{m}", m, unpack, row_dot, "scale")
-
-
-def _half_dot_source(m: int) -> tuple[str, str]:
-    """The fp16 chunk helper with products in half2: about half the instructions per weight of the fp32 one.
-
-    Weights become (q - 8) / 16, exactly, by one half2 FMA per two nibbles (a low nibble is 1024 + q
-    under 0x6400's exponent, a high one 1024 + 16q); the 1/16 keeps a half's sum of 8 products below
-    4 |x|, so activations up to 16384 in magnitude cannot overflow. Activation pairs are regrouped to the
-    nibbles' order, (k, k + 4), by byte permutes; every two words' half2 sums go to fp32, and the chunk's
-    sum is scaled by 16 x its group's scale."""
-    unpack = (
-        "  // w[j][t]: (q - 8) / 16 of k = 8j + t and 8j + t + 4 (byte b of word j holds k = 8j + 2b, 8j + 2b + 1)\n"
-        "  __half2 w[4][4];\n"
-        "  const __half2 lo_mul = __float2half2_rn(0.0625f), lo_add = __float2half2_rn(-64.5f);\n"
-        "  const __half2 hi_mul = __float2half2_rn(0.00390625f), hi_add = __float2half2_rn(-4.5f);\n"
-        "  #pragma unroll\n"
-        "  for (int j = 0; j < 4; ++j) {\n"
-        "    #pragma unroll\n"
-        "    for (int s = 0; s < 2; ++s) {  // bytes 0 and 2, then 1 and 3\n"
-        "      const uint32_t v = q[j] >> (8 * s);\n"
-        "      uint32_t lo = (v & 0x000F000Fu) | 0x64006400u, hi = (v & 0x00F000F0u) | 0x64006400u;\n"
-        "      w[j][2 * s] = __hfma2(*reinterpret_cast<__half2*>(&lo), lo_mul, lo_add);\n"
-        "      w[j][2 * s + 1] = __hfma2(*reinterpret_cast<__half2*>(&hi), hi_mul, hi_add);\n"
-        "    }\n"
-        "  }\n"
-        "  const float scale16 = 16.f * scale;\n")
-    row_dot = (
-        "    #pragma unroll\n"
-        "    for (int half = 0; half < 2; ++half) {\n"
-        "      __half2 h = __float2half2_rn(0.f);\n"
-        "      #pragma unroll\n"
-        "      for (int v = 2 * half; v < 2 * half + 2; ++v) {\n"
-        "        const uint4 a = x[v];  // k = 8v .. 8v + 7\n"
-        "        uint32_t pairs[4] = {(a.x & 0xFFFFu) | (a.z << 16), (a.x >> 16) | (a.z & 0xFFFF0000u),\n"
-        "                             (a.y & 0xFFFFu) | (a.w << 16), (a.y >> 16) | (a.w & 0xFFFF0000u)};\n"
-        "        #pragma unroll\n"
-        "        for (int t = 0; t < 4; ++t) h = __hfma2(*reinterpret_cast<__half2*>(&pairs[t]), w[v][t], h);\n"
-        "      }\n"
-        "      const float2 f = __half22float2(h);\n"
-        "      s += f.x + f.y;\n"
-        "    }\n")
-    return _chunk_helper(f"autosched_q4_chunk_float16_half_m{m}", m, unpack, row_dot, "scale16")
-
-
-def _chunk_helper(name: str, m: int, unpack: str, row_dot: str, scale: str) -> tuple[str, str]:
-    """(name, source) of a chunk helper: 16 packed bytes streamed in as q[4], ``unpack`` turning them into
-    the weights w, then for each of the m rows ``row_dot`` summing into s over the row's activations x,
-    added to the row's accumulator times ``scale``."""
+        name, w = f"autosched_q4_chunk_float16_half_m{m}", "__half2 w[4][4]"
+        unpack, row = "autosched_q4_unpack_half", "autosched_q4_row_half"
+    else:
+        name, w = f"autosched_q4_chunk_{dtype}_m{m}", "float w[32]"
+        unpack, row = "autosched_q4_unpack", f"autosched_q4_row<{CUDA_SCALAR[dtype]}>"
     accs = ", ".join(f"float& acc{i}" for i in range(m))
-    rows = "".join(
-        f"  {{ const uint4* x = reinterpret_cast<const uint4*>(static_cast<const char*>(xp) + {i} * row_bytes);\n"
-        "    float s = 0.f;\n"
-        f"{row_dot}"
-        f"    acc{i} += s * {scale}; }}\n" for i in range(m))
-    source = (
-        f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) {{\n"
-        f"  uint4 q4 = {STREAM_LOAD}(wp);\n"
-        "  const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};\n"
-        f"{unpack}{rows}}}\n")
-    return name, cuda_file("common.cuh") + source
+    rows = " ".join(f"{row}(acc{i}, w, xp, {i}, row_bytes, scale);" for i in range(m))
+    return name, cuda_file("int4_gemv.cuh") + (
+        f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) "
+        f"{{ {w}; {unpack}(wp, w); {rows} }}\n")
 
 
 MMA_K_BLOCK = 128  # weights of one row per k-block of the tensor-core kernel: 4 lanes x 32 nibbles
@@ -176,112 +94,11 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
     are scaled once per row. The warps' partial sums meet in shared memory."""
     name = f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_{int(bias)}{act}"
     _, store1, epi_source = _epilogue_source("float16", act)
-    mma = "autosched_mma_m16n8k16<half>"
-    row_bytes = _slab_row_bytes(k)
-    bias_param = ", const __half* __restrict__ bias" if bias else ""
-    bias_add = " + __half2float(bias[row])" if bias else ""
-    source = epi_source + cuda_file("common.cuh") + f"""
-__device__ __forceinline__ uint32_t autosched_q4_nibbles(uint32_t w, uint32_t mask) {{
-  uint32_t r;  // (w & mask) | 0x64006400: the nibbles under half's exponent of 1024
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
-  return r;
-}}
-__device__ __forceinline__ void {name}(const __half* __restrict__ x, const uint8_t* __restrict__ wq,
-    const __half* __restrict__ scales{bias_param}, __half* __restrict__ c, uint8_t* smem, int bx, int tx) {{
-  constexpr int M = {m}, N = {n}, K = {k}, GROUPS = {groups}, GROUP = {group}, W = {warps}, R = {tiles};
-  constexpr int BLOCKS = K / {MMA_K_BLOCK}, ROW_BYTES = {row_bytes}, ROWS = 16 * R;
-  const int warp = tx >> 5, lane = tx & 31, g = lane >> 2, t = lane & 3;
-  const int row0 = bx * ROWS, valid_rows = min(ROWS, N - row0);
-  const int kb0 = warp * BLOCKS / W, kb1 = (warp + 1) * BLOCKS / W;  // this warp's share of the k-blocks
-  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(smem + ROWS * ROW_BYTES)) + 8 * warp;
-  if (lane == 0) autosched_bulk_expect(bar, valid_rows * (kb1 - kb0) * {MMA_K_BLOCK // 2});
-  __syncwarp();
-  for (int r = lane; r < valid_rows; r += 32)
-    autosched_bulk_copy(smem + r * ROW_BYTES + kb0 * {MMA_K_BLOCK // 2},
-                        wq + (size_t)(row0 + r) * (K / 2) + kb0 * {MMA_K_BLOCK // 2}, (kb1 - kb0) * {MMA_K_BLOCK // 2}, bar);
-  const __half2 sixteenth = __float2half2_rn(0.0625f);
-  const uint32_t lo_offset = 0xE408E408u, hi_offset = 0xE480E480u;  // half2 (-1032, -1032), (-1152, -1152)
-  float acc[R][4];
-  const __half* row_scales[R][2];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {{
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[r][e] = 0.f;
-    #pragma unroll
-    for (int h = 0; h < 2; ++h)  // rows past N read row N - 1's scales and stale shared memory; never stored
-      row_scales[r][h] = scales + (size_t)min(row0 + 16 * r + g + 8 * h, N - 1) * GROUPS;
-  }}
-  autosched_mbarrier_wait(bar, 0);  // the barrier's first phase
-  for (int kb = kb0; kb < kb1; ++kb) {{
-    uint32_t b[8][2];  // this k-block's activations in the nibbles' order; zeros past row M
-    if (g < M) {{
-      const uint4* xp = reinterpret_cast<const uint4*>(x + g * K + kb * {MMA_K_BLOCK} + 32 * t);
-      #pragma unroll
-      for (int w = 0; w < 4; ++w) {{
-        const uint4 v = xp[w];  // k = 8w .. 8w + 7 of the lane's 32
-        b[2 * w][0] = __byte_perm(v.x, v.z, 0x5410);
-        b[2 * w + 1][0] = __byte_perm(v.y, v.w, 0x5410);
-        uint32_t hi0 = __byte_perm(v.x, v.z, 0x7632), hi1 = __byte_perm(v.y, v.w, 0x7632);
-        __half2 h0 = __hmul2(*reinterpret_cast<__half2*>(&hi0), sixteenth);
-        __half2 h1 = __hmul2(*reinterpret_cast<__half2*>(&hi1), sixteenth);
-        b[2 * w][1] = *reinterpret_cast<uint32_t*>(&h0);
-        b[2 * w + 1][1] = *reinterpret_cast<uint32_t*>(&h1);
-      }}
-    }} else {{
-      #pragma unroll
-      for (int j = 0; j < 8; ++j) b[j][0] = b[j][1] = 0u;
-    }}
-    float offset[4] = {{0.f, 0.f, 0.f, 0.f}};
-    #pragma unroll
-    for (int j = 0; j < 8; ++j) {mma}(offset, lo_offset, lo_offset, hi_offset, hi_offset, b[j][0], b[j][1]);
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {{
-      const uint8_t* tile = smem + (16 * r + g) * ROW_BYTES + kb * {MMA_K_BLOCK // 2} + 16 * t;
-      const uint4 qg = *reinterpret_cast<const uint4*>(tile), q8 = *reinterpret_cast<const uint4*>(tile + 8 * ROW_BYTES);
-      const uint32_t wg[4] = {{qg.x, qg.y, qg.z, qg.w}}, w8[4] = {{q8.x, q8.y, q8.z, q8.w}};
-      float d[4] = {{offset[0], offset[1], offset[2], offset[3]}};
-      #pragma unroll
-      for (int w = 0; w < 4; ++w)
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {{  // bytes 0 and 2 of the word, then 1 and 3
-          const uint32_t vg = wg[w] >> (8 * h), v8 = w8[w] >> (8 * h);
-          {mma}(d, autosched_q4_nibbles(vg, 0x000F000Fu), autosched_q4_nibbles(v8, 0x000F000Fu),
-                autosched_q4_nibbles(vg, 0x00F000F0u), autosched_q4_nibbles(v8, 0x00F000F0u), b[2 * w + h][0],
-                b[2 * w + h][1]);
-        }}
-      const int group_index = kb * {MMA_K_BLOCK} / GROUP;
-      const float s0 = __half2float(row_scales[r][0][group_index]), s1 = __half2float(row_scales[r][1][group_index]);
-      acc[r][0] += d[0] * s0; acc[r][1] += d[1] * s0; acc[r][2] += d[2] * s1; acc[r][3] += d[3] * s1;
-    }}
-  }}
-  if (W > 1) {{  // the warps' partial sums meet in shared memory after the slab, laid out [warp][register][lane]
-    auto partial = reinterpret_cast<float (*)[R * 4][32]>(smem + ROWS * ROW_BYTES + 8 * W);
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][4 * r + e][lane] = acc[r][e];
-    __syncthreads();
-    if (warp != 0) return;
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {{
-        float sum = 0.f;
-        #pragma unroll
-        for (int v = 0; v < W; ++v) sum += partial[v][4 * r + e][lane];
-        acc[r][e] = sum;
-      }}
-  }}
-  #pragma unroll
-  for (int r = 0; r < R; ++r)
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) {{  // C fragment: rows g, g + 8 (weights) x columns 2t, 2t + 1 (activations)
-      const int row = row0 + 16 * r + g + 8 * (e >> 1), i = 2 * t + (e & 1);
-      if (i < M && row < N) {store1}(c + i * N + row, acc[r][e]{bias_add});
-    }}
-}}
-"""
-    return name, source
+    config = {"M": m, "N": n, "K": k, "GROUPS": groups, "GROUP": group, "W": warps, "R": tiles,
+              "ROW_BYTES": _slab_row_bytes(k), "BIAS": bias}
+    entry = "AUTOSCHED_Q4_MMA_GEMV_BIAS" if bias else "AUTOSCHED_Q4_MMA_GEMV"
+    return name, (epi_source + cuda_file("int4_mma_gemv.cuh") + config_struct(f"{name}_config", config)
+                  + f"{entry}({name}, {name}_config, {store1})\n")
 
 
 def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: str, p: Point):
@@ -350,7 +167,7 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
                                      A.access_ptr("r", offset=chunk * CHUNK), k * 2,
                                      T.Cast("float32", S[row, chunk * CHUNK // group]), source_code=dot_source)
         for i in T.unroll(rows_pw * m):
-            T.cuda.func_call(_WARP_SUM, acc[i], source_code=_WARP_SUM_SOURCE)
+            T.cuda.func_call(_WARP_SUM, acc[i], source_code=cuda_file("int4_gemv.cuh"))
         if lane == 0:
             for r in T.unroll(rows_pw):
                 row = T.meta_var(bx * rows_pb + (tx // 32) * rows_pw + r)
@@ -368,20 +185,19 @@ def dequant_main(body, m: int, n: int, k: int, groups: int, dtype: str, bias: bo
     from tvm.script import tirx as T
 
     # fmt: off
-    if bias:
-        @T.prim_func
-        def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
-                 S: T.Buffer((n, groups), dtype), Bias: T.Buffer((n,), dtype), C: T.Buffer((m, n), dtype, align=16)):
-            T.func_attr(attrs)
-            body(A, Wq, S, Bias, C)
-    else:
-        @T.prim_func
-        def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
-                 S: T.Buffer((n, groups), dtype), C: T.Buffer((m, n), dtype, align=16)):
-            T.func_attr(attrs)
-            body(A, Wq, S, None, C)
+    @T.prim_func
+    def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
+             S: T.Buffer((n, groups), dtype), Bias: T.Buffer((n,), dtype), C: T.Buffer((m, n), dtype, align=16)):
+        T.func_attr(attrs)
+        body(A, Wq, S, Bias if bias else None, C)
     # fmt: on
-    return main
+    if bias:
+        return main
+    # Without bias the body never names Bias: the same function less that parameter.
+    from tvm import tirx
+
+    params = [param for i, param in enumerate(main.params) if i != 3]
+    return tirx.PrimFunc(params, main.body, main.ret_type, main.attrs, main.span)
 
 
 class Int4Template(HopperTemplate):
@@ -422,7 +238,7 @@ class Int4GemvSpace(Int4Template):
             return False
         shape = _shape(func)
         # 16-byte chunks of whole rows: k a multiple of 32 (the groups, 32 to 256, are too).
-        return shape is not None and shape[0] <= MAX_M and shape[2] % CHUNK == 0 and shape[3] in _TO_FLOAT2
+        return shape is not None and shape[0] <= MAX_M and shape[2] % CHUNK == 0 and shape[3] in _DTYPES
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)

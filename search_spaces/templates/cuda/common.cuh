@@ -10,19 +10,21 @@
 #include <cstdint>
 #endif
 
-// The dtype table: each 16-bit type, its pair and conversions.
+// The dtype table: each 16-bit type, its pair and conversions (splat: one float to both halves).
 template <typename T> struct autosched_dtype;
 template <> struct autosched_dtype<half> {
   using pair = __half2;
   static __device__ __forceinline__ float2 to_float2(pair v) { return __half22float2(v); }
   static __device__ __forceinline__ pair pack(float a, float b) { return __floats2half2_rn(a, b); }
   static __device__ __forceinline__ half from_float(float a) { return __float2half_rn(a); }
+  static __device__ __forceinline__ pair splat(float a) { return __float2half2_rn(a); }
 };
 template <> struct autosched_dtype<nv_bfloat16> {
   using pair = __nv_bfloat162;
   static __device__ __forceinline__ float2 to_float2(pair v) { return __bfloat1622float2(v); }
   static __device__ __forceinline__ pair pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
   static __device__ __forceinline__ nv_bfloat16 from_float(float a) { return __float2bfloat16_rn(a); }
+  static __device__ __forceinline__ pair splat(float a) { return __float2bfloat162_rn(a); }
 };
 
 // Two floats as one 32-bit register of two T.
