@@ -159,44 +159,26 @@ def default_prefill_chunks(target: TargetSpec, max_seq_len: int) -> tuple[int, .
     return ()
 
 
+def is_static_function(name: str) -> bool:
+    """Whether a generation module's Relax function is one of static shapes (``decode_b<N>``,
+    ``prefill_t<T>``): its kernels are the tunable ones."""
+    return name.startswith(("decode_b", "prefill_t"))
+
+
 def decode_calls(lowered):
-    """Kernel name -> calls in one run of each static function (``decode_b<N>``, ``prefill_t<T>``)."""
-    import collections
+    """Kernel name -> calls in one run of each static function."""
+    from autosched.pipeline.tasks import kernel_calls
 
-    import tvm
-    from tvm import relax
-
-    call_tir = tvm.ir.Op.get("relax.call_tir")
-    calls: collections.Counter[str] = collections.Counter()
-
-    def visit(expr):
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.same_as(call_tir):
-            calls[expr.args[0].name_hint] += 1
-
-    for gv, func in lowered.functions.items():
-        if isinstance(func, relax.Function) and gv.name_hint.startswith(("decode_b", "prefill_t")):
-            relax.analysis.post_order_visit(func.body, visit)
-    return calls
+    return kernel_calls(lowered, is_static_function)
 
 
 def generation_tasks(lowered) -> list:
     """The tunable kernels of a lowered generation module: those of its static functions (decode steps and
     prefill chunks), each distinct kernel once, weighted by its calls over one run of each. Kernels of
     symbolic shape (``batch_prefill``, ``batch_decode``) run on default schedules."""
-    from tvm import tirx
+    from autosched.pipeline.tasks import extract_tasks
 
-    from autosched.pipeline.tasks import task_of
-
-    calls = decode_calls(lowered)
-    by_key: dict = {}
-    for gv, func in lowered.functions.items():
-        if isinstance(func, tirx.PrimFunc) and calls.get(gv.name_hint):
-            task = task_of(gv.name_hint, func, calls[gv.name_hint])
-            if task.key in by_key:
-                by_key[task.key].weight += task.weight
-            else:
-                by_key[task.key] = task
-    return list(by_key.values())
+    return extract_tasks(lowered, is_static_function)
 
 
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,

@@ -28,8 +28,9 @@ def task_of(name: str, func, weight: float = 1.0) -> Task:
     return Task.from_func(name, func, weight=weight)
 
 
-def kernel_calls(mod: IRModule) -> collections.Counter[str]:
-    """How many times the Relax functions call each TensorIR kernel (by global name)."""
+def kernel_calls(mod: IRModule, entry=lambda name: name == "main") -> collections.Counter[str]:
+    """How many times the Relax functions whose names ``entry`` accepts (``main``: the others run once, or
+    are ``main_transform_params``) call each TensorIR kernel (by global name)."""
     import tvm
     from tvm import relax
 
@@ -42,16 +43,17 @@ def kernel_calls(mod: IRModule) -> collections.Counter[str]:
 
     # Only `main` runs per forward pass; `main_transform_params` runs once, so its kernels need no tuning.
     for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function) and gv.name_hint == "main":
+        if isinstance(func, relax.Function) and entry(gv.name_hint):
             relax.analysis.post_order_visit(func.body, visit)
     return counts
 
 
-def extract_tasks(mod: IRModule) -> list[Task]:
-    """Every distinct kernel of the lowered module as a task, weighted by its number of calls."""
+def extract_tasks(mod: IRModule, entry=lambda name: name == "main") -> list[Task]:
+    """Every distinct kernel of the lowered module as a task, weighted by its number of calls (from the
+    functions ``entry`` accepts, as :func:`kernel_calls`)."""
     from tvm import tirx
 
-    calls = kernel_calls(mod)
+    calls = kernel_calls(mod, entry)
     by_key: dict[str, Task] = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or calls.get(gv.name_hint, 0) == 0:
