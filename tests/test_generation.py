@@ -90,6 +90,7 @@ def test_every_family_matches_transformers(family, tmp_path_factory):
     _check_family(*_build(family, tmp_path_factory))
 
 
+@pytest.mark.slow
 def test_a_sequence_added_mid_batch_and_forks_of_a_prefix_match_transformers(built):
     """Continuous batching: a sequence joins while two others decode; and two prompts continue one prefilled
     prefix whose pages they share."""
@@ -112,6 +113,7 @@ def test_a_sequence_added_mid_batch_and_forks_of_a_prefix_match_transformers(bui
     assert results[1].tokens == _reference(model, list(range(1, 18)) + [6])
 
 
+@pytest.mark.slow
 def test_add_and_step_give_each_sequence_its_own_tokens(built):
     from autosched.generation import Generator
 
@@ -134,6 +136,7 @@ def test_add_and_step_give_each_sequence_its_own_tokens(built):
     assert 0 < gen.stats["static_decode_steps"] < gen.stats["decode_steps"]  # decode_b2 ran, and batch_decode
 
 
+@pytest.mark.slow
 def test_more_prompts_than_the_batch_are_served_in_turn_and_stream_in_order(built):
     from autosched.generation import Generator
 
@@ -193,6 +196,7 @@ def test_bad_requests_end_with_their_error_and_the_others_go_on(built):
         gen.remove(999)
 
 
+@pytest.mark.slow
 def test_a_cache_out_of_pages_ends_the_sequence_that_needs_one(built):
     """A few 16-token pages: a short sequence fits in its one page and finishes; a long one runs out of pages
     and ends with the error, keeping the tokens it made."""

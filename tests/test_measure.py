@@ -66,6 +66,7 @@ def measurer(cpu_target):
         yield m
 
 
+@pytest.mark.slow
 def test_wrong_unwritten_and_crashing_kernels_are_failed_results(gemm_task, tmp_path, measurer):
     builds = [_artifact(_not_transposed, tmp_path, "wrong"), _artifact(_half_written, tmp_path, "half"),
               _artifact(_wild_write, tmp_path, "crash"), _artifact(_not_transposed, tmp_path, "again")]
@@ -78,6 +79,7 @@ def test_wrong_unwritten_and_crashing_kernels_are_failed_results(gemm_task, tmp_
     assert wrong.median == float("inf")
 
 
+@pytest.mark.slow
 def test_hanging_run_times_out(cpu_target, tmp_path):
     task = Task.from_workload(make_workload("gemm", "m=768,n=768,k=768"))
     unscheduled = _artifact(task.func, tmp_path, "slow")  # ~0.5 s a call without a schedule

@@ -45,6 +45,7 @@ def tuned_db(tmp_path_factory, cpu_target):
 
 
 # ---- 1. a time budget without --trials is the budget ---------------------------------------------
+@pytest.mark.slow
 def test_time_budget_alone_is_the_budget(tmp_path, monkeypatch):
     """`tune --time-budget 4` without --trials measures past the default 64 trials. Measurements are
     instant here (the real search, space and database; no builds), so the budget, not the machine's
@@ -234,6 +235,7 @@ def _wait(predicate, timeout=120.0):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_killed_tuner_is_shown_stale(tmp_path):
     from .helpers import start
 
@@ -340,6 +342,7 @@ def test_load_is_measured_warned_and_shown(tmp_path):
 
 
 # ---- 9. a stock TVM RPC server is named, not taken for crashing kernels ---------------------------
+@pytest.mark.slow
 def test_stock_tvm_rpc_server_is_refused_in_one_line(tmp_path):
     pytest.importorskip("tornado", reason="TVM's RPC tracker needs tornado (pip install -e '.[test]')")
     from tvm.rpc.tracker import Tracker
