@@ -345,14 +345,43 @@ class RPCRunner(ParallelRunner):
         self.foreign: str | None = None  # the functions a server under the key lacked (a stock TVM server)
         if self.server_count() == 0:
             raise self._no_server_error()
-        # One session now, before any tuning: a stock TVM server under the key is named at once.
-        self.slots()[0].open()
+        # One session now, before any tuning, given back at once: a stock TVM server under the key is named
+        # before a database is touched, and every slot still finds its server free at the first batch.
+        self.foreign = self._probe_server()
         if self.foreign:
-            self.close()
             raise self.foreign_server_error()
 
     def server_count(self) -> int:
         """Servers registered under the key now (busy or free)."""
+        summary = self._summary()
+        return sum(1 for s in summary.get("server_info", []) if s.get("key") == f"server:{self.key}")
+
+    def _probe_server(self) -> str | None:
+        """Open one session in this process and give it back: the functions of ours that a server under the key
+        lacks (a stock ``python -m tvm.exec.rpc_server``), or None. Then wait until the server is back in the
+        tracker's pool (a moment after the session ends), so that the first batch finds every server free."""
+        import gc
+
+        from tvm import rpc
+
+        free = self._free_servers()
+        try:
+            remote = rpc.connect_tracker(*self.tracker).request(self.key, priority=1, session_timeout=60, max_retry=1)
+        except Exception:  # noqa: BLE001 - no server free now: the slots will say so at the first batch
+            return None
+        missing = [name for name in (PREPARE_FUNC, RUN_FUNC) if not _has_function(remote, name)]
+        del remote
+        gc.collect()
+        deadline = time.monotonic() + 15
+        while self._free_servers() < free and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return ", ".join(missing) or None
+
+    def _free_servers(self) -> int:
+        """Servers under the key that the tracker would hand out now."""
+        return int(self._summary().get("queue_info", {}).get(self.key, {}).get("free", 0))
+
+    def _summary(self) -> dict:
         from tvm import rpc
 
         host, port = self.tracker
@@ -366,7 +395,7 @@ class RPCRunner(ParallelRunner):
             raise DeviceError(f"cannot reach the RPC tracker at {host}:{port} ({type(exc).__name__}): start one "
                               f"(python -m tvm.exec.rpc_tracker --host {host} --port {port} --port-end {port + 1}) "
                               "or fix --tracker") from None
-        return sum(1 for s in summary.get("server_info", []) if s.get("key") == f"server:{self.key}")
+        return summary
 
     def _no_server_error(self) -> DeviceError:
         host, port = self.tracker
