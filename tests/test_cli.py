@@ -153,9 +153,10 @@ def test_tune_model_build_and_run_from_the_command_line(tmp_path):
     assert re.search(r"import [\d.]+ s, database [\d.]+ s, compile [\d.]+ s", " ".join(build.stderr.split()))
     result = json.loads(autosched("run", out, "--repeat", "3", "--profile", "--format", "json").stdout)
     assert result["matches_torch"] is True and result["latency_ms"] > 0
-    # Each kernel's time, and the record's space for each: every kernel here was tuned.
+    # Each kernel's time, and the record's space for each: every kernel here has a record, searched or (with
+    # 16 trials for 14 kernels, most of them) its default point measured.
     assert {k["kernel"] for k in result["kernels"]} == set(manifest["tuned_kernels"])
-    assert all(k["schedule"].startswith("tuned (") for k in result["kernels"])
+    assert all(k["schedule"].startswith(("tuned (", "default point, measured (")) for k in result["kernels"])
     # The same model builds for the H200 on a machine without a GPU (CUDA code generation only).
     gpu_build = autosched("build", "tiny-llama", "--tokens", "8", "--target", "cuda:sm_90", "-o", str(tmp_path / "gpu"))
     assert gpu_build.returncode == 0
