@@ -161,6 +161,7 @@ def test_full_disk_keeps_committed_records(big_export, tmp_path):
     assert best[0]["trials"] == kept
 
 
+@pytest.mark.slow
 def test_killed_in_the_middle_of_a_write(big_export, tmp_path):
     path = tmp_path / "killed.db"
     proc = start("db", "import", str(big_export), "--db", str(path))

@@ -409,6 +409,7 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     assert wide.validate(point | {"rows_per_warp": 2}) is None
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
     """The kernel's chunk helpers (two nibbles per mask through half2's exponent trick, one scale per
@@ -792,6 +793,7 @@ int main() {{
 
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_pingpong_attention_takes_turns_through_named_barriers(sm90):
     """hopper_attention's ping-pong, alone, with the overlapped loop and with the widest KV tile, compiles
