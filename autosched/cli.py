@@ -138,6 +138,18 @@ def _open_db(path: str, readonly: bool = False, busy_timeout: float = 60.0):
     return Database(path, readonly=readonly, busy_timeout=busy_timeout)
 
 
+def open_build_db(path: str | None):
+    """The database a build reads its records from, or None where there is none (a build needs no database).
+    Validations of records from another TVM are stored where the database can be written; a file one may
+    only read (a team's shared copy) is read as it is."""
+    from .database.store import is_url
+
+    if not path or not (is_url(path) or os.path.exists(path)):
+        return None
+    writable = is_url(path) or (os.access(path, os.W_OK) and os.access(os.path.dirname(os.path.abspath(path)), os.W_OK))
+    return _open_db(path, readonly=not writable)
+
+
 def _measurer(args, target):
     """The measurer that ``--runner``, ``--builder``, ``--tracker``, ``--key`` and ``--devices`` ask for (None:
     the tuner's default, one local runner)."""
@@ -385,19 +397,11 @@ def cmd_build(args) -> int:
     from .target import parse_target
 
     target = parse_target(args.target, require_device=False)
-    from .database.store import is_url
-
     models, buckets = _models(args)
     # Several buckets: first check that padding to one is exact for this model (before minutes of building).
     axes = {axis: check_padding_is_exact(args.model, _model_kwargs(args), axis)
             for axis, index in (("batch", 0), ("tokens", 1)) if any(b[index] is not None for b in buckets)}
-    db = None
-    if args.db and (is_url(args.db) or os.path.exists(args.db)):
-        # Validations of records from another TVM are stored where the database can be written; a file
-        # one may only read (a team's shared copy) is read as it is.
-        writable = is_url(args.db) or (os.access(args.db, os.W_OK)
-                                       and os.access(os.path.dirname(os.path.abspath(args.db)), os.W_OK))
-        db = _open_db(args.db, readonly=not writable)
+    db = open_build_db(args.db)
     db_path = str(db.path) if db else None
     log = _console(stderr=True)
     try:

@@ -37,7 +37,7 @@ def add_tune_arguments(p) -> None:
 
 
 def cmd_build_generate(args) -> int:
-    from autosched.database.store import is_url
+    from autosched.cli import open_build_db
     from autosched.target import parse_target
 
     from .build import build_generator, load_generation_model
@@ -47,11 +47,7 @@ def cmd_build_generate(args) -> int:
         raise UsageError("--tokens and --batch do not apply to --generate: prompts and batches vary at run time "
                          "(give --max-seq-len and --max-batch)")
     model = load_generation_model(args.model, args.dtype)
-    db = None
-    if args.db and (is_url(args.db) or os.path.exists(args.db)):
-        from autosched.cli import _open_db
-
-        db = _open_db(args.db)
+    db = open_build_db(args.db)  # as any build: a database one may only read is read as it is
     log = console(stderr=True)
     try:
         batches = None
