@@ -153,12 +153,6 @@ def default_decode_batches(target: TargetSpec, max_batch: int) -> tuple[int, ...
     return (1,) if target.is_gpu else ()
 
 
-def default_prefill_chunks(target: TargetSpec, max_seq_len: int) -> tuple[int, ...]:
-    """No static prefill functions unless asked for (``--prefill-chunks``, with ``tune-model --generate``):
-    untuned, they run the same default schedules as the dynamic prefill."""
-    return ()
-
-
 def is_static_function(name: str) -> bool:
     """Whether a generation module's Relax function is one of static shapes (``decode_b<N>``,
     ``prefill_t<T>``): its kernels are the tunable ones."""
@@ -240,7 +234,9 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     if any(not 1 <= n <= max_batch for n in decode_batches):
         raise UsageError(f"--decode-batches must lie between 1 and --max-batch {max_batch}")
     if prefill_chunks is None:
-        prefill_chunks = default_prefill_chunks(target, max_seq_len)
+        # None unless asked for (with tune-model --generate): untuned, a static prefill runs the same default
+        # schedules as the dynamic one.
+        prefill_chunks = ()
     if any(not 1 <= t <= max_seq_len for t in prefill_chunks):
         raise UsageError(f"--prefill-chunks must lie between 1 and --max-seq-len {max_seq_len}")
     executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks)
