@@ -70,6 +70,8 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     times = list(timer(*args).results)
     result["latency_ms"] = statistics.median(times) * 1e3
     result["latency_min_ms"] = min(times) * 1e3
+    if manifest["target"]["kind"] == "llvm":
+        result["threads"] = tvm.get_global_func("runtime.NumThreads")()
     if profile:
         result["kernels"] = [dict(entry, schedule=schedule_of(entry["kernel"], kernels))
                              for entry in kernel_times(vm, args, device)]

@@ -121,6 +121,14 @@ def _cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
+def use_all_cpu_threads() -> None:
+    """Let TVM's CPU thread pool use every usable CPU (see :func:`_cpu_threads`): TVM otherwise counts
+    physical cores, which on SMT or virtual machines is often half the CPUs one may use (one thread on a
+    2-CPU VM, half the speed). Takes effect only before the first kernel runs in this process; worker
+    processes inherit it. Everything that runs CPU kernels (tuning, ``run``, ``generate``) calls it."""
+    os.environ.setdefault("TVM_NUM_THREADS", str(_cpu_threads()))
+
+
 def parse_target(text: str, require_device: bool = True) -> TargetSpec:
     """Turn ``llvm``, ``cuda`` or ``kind:arch`` into a :class:`TargetSpec`.
 
@@ -138,12 +146,8 @@ def parse_target(text: str, require_device: bool = True) -> TargetSpec:
                          "or kind:arch such as cuda:sm_90")
     version = tvm.__version__
     if kind == "llvm":
-        threads = _cpu_threads()
-        # TVM's thread pool otherwise counts physical cores, which on SMT or virtual machines is often
-        # half the CPUs one may use (seen: 1 thread on a 2-CPU VM, half the speed of OpenBLAS). Set it
-        # before any kernel runs; worker processes inherit it.
-        os.environ.setdefault("TVM_NUM_THREADS", str(threads))
-        return TargetSpec("llvm", arch or host_cpu_name(), _cpu_model(), threads, tvm_version=version,
+        use_all_cpu_threads()
+        return TargetSpec("llvm", arch or host_cpu_name(), _cpu_model(), _cpu_threads(), tvm_version=version,
                           driver_version=platform.release())
     dev = tvm.cuda(0)
     if not dev.exist:

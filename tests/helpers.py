@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-ENV = {**os.environ, "TVM_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 class InstantMeasurer:
@@ -34,10 +34,12 @@ class InstantMeasurer:
         pass
 
 
-def autosched(*args, check=True, timeout=600):
-    """Run ``python -m autosched ARGS``; with ``check``, fail unless it exits 0."""
+def autosched(*args, check=True, timeout=600, unset=()):
+    """Run ``python -m autosched ARGS``; with ``check``, fail unless it exits 0; ``unset``: environment
+    variables the command runs without."""
+    env = {k: v for k, v in ENV.items() if k not in unset}
     proc = subprocess.run([sys.executable, "-m", "autosched", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout)
+                          env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"autosched {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
     return proc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sqlite3
@@ -151,8 +152,12 @@ def test_tune_model_build_and_run_from_the_command_line(tmp_path):
     tuned = len(manifest["tuned_kernels"])
     assert f"{tuned} kernels per forward pass: {tuned} from the database, 0 on" in " ".join(build.stderr.split())
     assert re.search(r"import [\d.]+ s, database [\d.]+ s, compile [\d.]+ s", " ".join(build.stderr.split()))
-    result = json.loads(autosched("run", out, "--repeat", "3", "--profile", "--format", "json").stdout)
+    result = json.loads(autosched("run", out, "--repeat", "3", "--profile", "--format", "json",
+                                  unset=["TVM_NUM_THREADS"]).stdout)
     assert result["matches_torch"] is True and result["latency_ms"] > 0
+    # It runs on as many threads as the kernels were tuned on: every usable CPU, not TVM's count of
+    # physical cores (one on a 2-CPU VM).
+    assert result["threads"] == len(os.sched_getaffinity(0))
     # Each kernel's time, and the record's space for each: every kernel here has a record, searched or (with
     # 16 trials for 14 kernels, most of them) its default point measured.
     assert {k["kernel"] for k in result["kernels"]} == set(manifest["tuned_kernels"])

@@ -104,6 +104,10 @@ class Generator:
     def _start(self, vm, params: list, manifest: dict, device, kv_pages: int | None) -> None:
         import tvm
 
+        from autosched.target import use_all_cpu_threads
+
+        if manifest["target"]["kind"] == "llvm":
+            use_all_cpu_threads()  # as the kernels were tuned and timed; before the first kernel runs
         self.manifest, self.vm, self.params, self.device = manifest, vm, params, device
         m = manifest
         self.vocab = m["decoder"]["vocab"]

@@ -159,8 +159,10 @@ def _saved_params(out: Path, manifest: dict, device) -> dict:
 def _device(manifest: dict):
     import tvm
 
-    from autosched.target import KIND_FACTS
+    from autosched.target import KIND_FACTS, use_all_cpu_threads
 
+    if manifest["target"]["kind"] == "llvm":
+        use_all_cpu_threads()  # as the kernels were tuned and timed
     return tvm.device(KIND_FACTS[manifest["target"]["kind"]].device, 0)
 
 
