@@ -578,7 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build", help="build a deployable module of a model with the database's best kernels")
     # Build finer than tune-model tunes: a bucket nobody tuned takes the nearest tuned one's schedules, and
-    # padding by at most a quarter kept lengths never tuned within 10% of a build for exactly that length.
+    # padding by at most a quarter keeps lengths never tuned close to a build for exactly that length
+    # (BENCHMARKS.md, "Any length").
     model_args(p, growth=BUILD_BUCKET_GROWTH)
     p.add_argument("-o", "--output", required=True, help="folder for model.so, params.bin and manifest.json")
     add_generation_build_arguments(p)

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from autosched.search_spaces import Space
 
 # Seconds of Space.apply from which the builder gets the search's module instead of applying the point
-# again. Below it, sending costs as much: writing and reading TVM's JSON of a CPU row kernel (20 kB) takes
-# 2 ms, as long as applying its point; a CPU GEMM's point takes 4 ms to apply and 2.6 ms to send.
+# again. Below it, sending costs as much: writing and reading TVM's JSON of a small scheduled module
+# takes about as long as applying its point.
 SEND_MODULE_AFTER = 0.003
 
 

@@ -332,9 +332,8 @@ def _next_task(tuners: list[TaskTuner], scheduler: str) -> TaskTuner:
     task whose weighted time is expected to drop most: its recent improvement plus what separates it from
     its floor (shrinking with its rounds, so none is starved). A kernel's floor is its FLOPs and bytes at
     the fastest rates any task of the run reached (:func:`_floors`). Judged by its time alone, the task
-    scheduler gave the 16 x 512 prefill's three GEMMs, already within 5% of cuBLAS, 659 of 680
-    measurements (H200), while attention at a third of its rate and RoPE at a third of the bandwidth had
-    one and seventeen."""
+    scheduler gave nearly every measurement of a prefill to its GEMMs, already close to cuBLAS, while
+    attention and RoPE, far from their floors, had almost none."""
     fewest = min(t.rounds for t in tuners)
     if scheduler == "round-robin":
         return next(t for t in tuners if t.rounds == fewest)

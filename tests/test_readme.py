@@ -44,6 +44,22 @@ def test_the_readme_is_a_guide_not_a_lab_notebook():
     assert not re.search(r"\b(first|second|third|fourth|fifth|sixth|seventh) (session|run)\b", README, re.I)
 
 
+# A rate, a ratio to a peer, a time set against another, or a share of a floor: a benchmark's result.
+QUOTED_RESULT = re.compile(r"\d(\.\d+)? ?(TFLOP/s|GFLOP/s|GB/s|TB/s)|\d\.\d+x (cuBLAS|cuDNN|torch)"
+                           r"|\d+(\.\d+)? ?(us|ms|µs) (against|where)|\d+% of the (copy|floor|bandwidth)")
+
+
+def test_code_quotes_no_benchmark_results():
+    """Numbers belong in BENCHMARKS.md, where they are dated and reproducible; in the code they go stale."""
+    quoted = []
+    for folder in ("autosched", "search_spaces", "database"):
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.suffix in (".py", ".cuh", ".cu"):
+                quoted += [f"{path.relative_to(REPO)}:{i}: {line.strip()}"
+                           for i, line in enumerate(path.read_text().splitlines(), 1) if QUOTED_RESULT.search(line)]
+    assert not quoted, "\n".join(quoted)
+
+
 def test_the_readmes_test_command_is_what_ci_runs():
     """.ci/run installs and tests as the README says (it only adds -q and a pip upgrade)."""
     readme = [c for c in _shell_commands(_section("Quick start")) if "pytest" in c or "[test]" in c]

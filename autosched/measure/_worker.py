@@ -128,8 +128,8 @@ def relative_error(out, ref) -> float:
 
 
 # The first call of a freshly loaded CPU kernel (the check) can take milliseconds more than a warm one
-# (lazy binding, the thread pool waking): a 0.2 ms attention kernel's check took about 3 ms on a 2-core
-# VM. Below this, a slow check is no evidence of a slow kernel, so the cutoff waits for a warm run.
+# (lazy binding, the thread pool waking), many times a short kernel's own time on a small VM. Below
+# this, a slow check is no evidence of a slow kernel, so the cutoff waits for a warm run.
 COLD_CALL_SLACK = 0.02
 
 
@@ -181,8 +181,8 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
             # Even the cold first run says enough: twice the cutoff, and too slow for a cold start to explain.
             return MeasureResult((check_seconds,), None, None, 0.0, time.perf_counter() - start, worst)
         if config.get("cutoff") is not None:
-            # Up to three repeats as the full timing makes them, judged by the fastest: on a 2-core VM one
-            # run of a 0.3 ms kernel can stall for 3-8 ms (the thread pool), which settled it as slow.
+            # Up to three repeats as the full timing makes them, judged by the fastest: on a small VM one
+            # run of a short kernel can stall for many times its length (the thread pool).
             probe = lib.time_evaluator("main", dev, number=config["number"], repeat=min(3, config["repeat"]),
                                        min_repeat_ms=config["min_repeat_ms"], cache_flush_bytes=config["flush_bytes"])
             timed = [float(x) for x in probe(*args).results]

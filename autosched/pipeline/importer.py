@@ -23,9 +23,9 @@ def import_model(model: Model, *, linear_as_gemm: bool, hopper: bool = False) ->
     """The Relax module (weights as parameters after the inputs) and the weights.
 
     With ``linear_as_gemm``, each Linear's ``x @ W.T`` becomes our ``gemm`` kernel on W[n,k] as stored
-    (on the H200 its space ran the 7B layers' GEMMs at 176-317 TFLOP/s where the generic ``matmul``
-    kernels reached 70-96); without it, the product stays a ``matmul`` on W transposed once at build
-    time to [k,n], the layout the CPU space vectorises along (a 1 x 1376 x 512 product: 16 us against 56).
+    (on a GPU its spaces run a model's GEMMs several times faster than the generic ``matmul`` kernels);
+    without it, the product stays a ``matmul`` on W transposed once at build time to [k,n], the layout
+    the CPU space vectorises along (much faster there than W as stored).
 
     Every operator is decomposed as usual except scaled-dot-product attention, which reaches Relax as
     one ``R.nn.attention`` call so that :func:`substitute_workloads` can hand it to our attention kernel,

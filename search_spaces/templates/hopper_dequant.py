@@ -27,12 +27,18 @@ import math
 
 from .._knobs import Knob, Point
 from ._hopper import BK, CUDA_SCALAR, PTX_TYPE, SMEM_LIMIT, canonical_group_m, cuda_file, grouped_raster
-from .hopper_gemm import FENCE_NAME, FENCE_SOURCE, HOPPER_HELPERS, _epilogue_source
+from ._pipeline import (
+    CONSUMERS_SYNC,
+    CONSUMERS_SYNC_SOURCE,
+    fence_accumulators,
+    init_stage_barriers,
+    pipeline_buffers,
+    zero_accumulators,
+)
+from .hopper_gemm import _epilogue_source
 from .int4_gemv import Int4Template, _shape, dequant_main
 
 PACKED_BK = BK // 2  # bytes of packed int4 weights per row and k step
-CONSUMERS_SYNC = "autosched_consumers_sync"
-CONSUMERS_SYNC_SOURCE = HOPPER_HELPERS
 
 
 def _dequant_source(dtype: str) -> tuple[str, str]:
@@ -117,10 +123,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
         T.device_entry()
         bx = T.cta_id([grid])
         tx = T.thread_id([threads])
-        smem = T.alloc_buffer((smem_elems,), dtype, scope="shared.dyn", align=1024)
-        full = T.alloc_shared((stages,), "uint64", align=8)
-        empty = T.alloc_shared((stages,), "uint64", align=8)
-        acc = T.alloc_local((acc_len,), "float32")
+        smem, full, empty, acc = pipeline_buffers(smem_elems, dtype, stages, acc_len)
         desc_a: T.uint64
         desc_b: T.uint64
         it: T.int32
@@ -130,10 +133,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
         wg = T.meta_var(tx // 128)
 
         if tx == 0:
-            for s in T.unroll(stages):
-                T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(cthreads))
-            T.ptx.fence.proxy.async_.shared__cta()
+            init_stage_barriers(full, empty, stages, cthreads)
         T.cuda.cta_sync()
 
         it = 0
@@ -164,9 +164,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
             while tile < tiles:
                 tm = tile_m(tile)
                 tn = tile_n(tile)
-                for i in T.unroll(acc_len):
-                    acc[i] = T.float32(0)
-                    T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
+                zero_accumulators(acc, acc_len)
                 # The previous tile's last wgmma in both warpgroups is complete (wait_group 0): buffer 0 is free.
                 T.cuda.func_call(CONSUMERS_SYNC, cthreads, source_code=CONSUMERS_SYNC_SOURCE)
                 T.cuda.mbarrier_wait(T.address_of(full[it % stages]), (it // stages) % 2)
@@ -197,8 +195,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
                     it = it + 1
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(it + stages - 1) % stages]))
-                for i in T.unroll(acc_len):
-                    T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
+                fence_accumulators(acc, acc_len)
                 epilogue(acc, Bias, C, tm, tn, wg, tx)
                 tile = tile + grid
 

@@ -24,7 +24,7 @@ kernels, DeepGEMM, FlashAttention-3):
   of half of each tile's rows, so that one's epilogue overlaps the other's main loop; two named
   barriers hand the main loop over in turn (a consumer that ran ahead by a lap of the stage ring would
   take an mbarrier phase a lap old for its own);
-* TMA multicast (``multicast``, not yet run on a GPU): a cluster of two CTAs on neighbouring tiles that
+* TMA multicast (``multicast``): a cluster of two CTAs on neighbouring tiles that
   share the B tile (two row tiles, "b") or the A tile (two column tiles, "a"); each producer loads half
   of the shared tile and multicasts it into both CTAs, so L2 serves it once per pair. Both CTAs' consumer
   warps release each stage in both CTAs (one lane per warp and CTA, through the cluster's shared window);
@@ -53,8 +53,18 @@ from ._hopper import (
     SMEM_LIMIT,
     HopperTemplate,
     canonical_group_m,
-    cuda_file,
     grouped_raster,
+)
+from ._pipeline import (
+    HOPPER_HELPERS,
+    TURN_HANDOVER,
+    TURN_HANDOVER_SOURCE,
+    TURN_SYNC,
+    TURN_SYNC_SOURCE,
+    fence_accumulators,
+    init_stage_barriers,
+    pipeline_buffers,
+    zero_accumulators,
 )
 
 WGMMA_N = (64, 96, 128, 160, 192, 224, 256)
@@ -71,16 +81,6 @@ def _epilogue_source(dtype: str, act: str) -> tuple[str, str, str]:
         HOPPER_HELPERS + f"#ifndef {guard}\n#define {guard}\n"
         f"AUTOSCHED_EPILOGUE({tag}, {CUDA_SCALAR[dtype]}, AUTOSCHED_ACT_{act.upper()})\n#endif\n")
 
-
-# The helpers of cuda/hopper.cuh, by name; each carries the whole file (TVM emits a helper's source once
-# per name, and the include guard keeps one copy). TIRx's own noop_barrier, which the accumulator fence
-# replaces, fails in 0.27's code generator.
-HOPPER_HELPERS = cuda_file("hopper.cuh")
-FENCE_NAME = "autosched_acc_fence"
-FENCE_SOURCE = HOPPER_HELPERS
-# Ping-pong turns between two consumer warpgroups (named barriers 1 and 2).
-TURN_SYNC, TURN_HANDOVER = "autosched_turn_sync", "autosched_turn_handover"
-TURN_SYNC_SOURCE = TURN_HANDOVER_SOURCE = HOPPER_HELPERS
 
 # Split-K across a thread-block cluster: the CTAs of one cluster share an output tile, each over its own
 # slice of K; every CTA but the first leaves its fp32 accumulators in its shared memory, laid out by
@@ -286,10 +286,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         T.device_entry()
         bx, rank = launch_ids()
         tx = T.thread_id([threads])
-        smem = T.alloc_buffer((smem_elems,), dtype, scope="shared.dyn", align=1024)
-        full = T.alloc_shared((stages,), "uint64", align=8)
-        empty = T.alloc_shared((stages,), "uint64", align=8)
-        acc = T.alloc_local((acc_len,), "float32")
+        smem, full, empty, acc = pipeline_buffers(smem_elems, dtype, stages, acc_len)
         desc_a: T.uint64
         desc_b: T.uint64
         phase: T.int32
@@ -301,10 +298,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         wg = T.meta_var(tx // 128)
 
         if tx == 0:
-            for s in T.unroll(stages):
-                T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(empty_count))
-            T.ptx.fence.proxy.async_.shared__cta()
+            init_stage_barriers(full, empty, stages, empty_count)
             if paired:
                 T.cuda.func_call(BARRIER_INIT_FENCE, source_code=BARRIER_INIT_FENCE_SOURCE)
         if paired:
@@ -353,9 +347,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                 else:
                     tm = tile_m(tile, rank)
                     tn = tile_n(tile, rank)
-                    for i in T.unroll(acc_len):
-                        acc[i] = T.float32(0)
-                        T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
+                    zero_accumulators(acc, acc_len)
                     if pingpong and turn > 0:
                         # The other warpgroup's main loop has waited on every stage before ours: only then
                         # does each full barrier's phase parity name our stage and not one a lap earlier.
@@ -384,8 +376,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                         T.cuda.func_call(TURN_HANDOVER, 3 - wg, source_code=TURN_HANDOVER_SOURCE)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     release(empty, (it + stages - 1) % stages, tx)
-                    for i in T.unroll(acc_len):
-                        T.cuda.func_call(FENCE_NAME, acc[i], source_code=FENCE_SOURCE)
+                    fence_accumulators(acc, acc_len)
                     if split_k == 1:
                         epilogue(acc, Bias, C, tm, tn, wg, tx)
                 tile = tile + grid
@@ -435,7 +426,7 @@ class HopperGemmSpace(HopperTemplate):
     # 4: multicast; 5: multicast's stage release at CTA scope
     families = ("matmul", "swiglu_gemm")
     # From two rows on the tensor cores win: rows past m are zeros that TMA fills in, and at m = 16 the
-    # kernel ran at 0.72x cuBLAS on the H200 where the GEMV space ran at 0.49x. One row stays a GEMV.
+    # kernel is faster than the GEMV space on the H200. One row stays a GEMV.
     MIN_M = 2
     SWAP_MAX_M = 64  # swapped operands put the tokens on wgmma's N side: a decode step's few rows
     BLOCK_NS = (16, 32, 64, 128, 192, 256)  # and, per shape, whole_wave_block_ns
@@ -579,8 +570,8 @@ class HopperGemmSpace(HopperTemplate):
 
     def first_points(self) -> list[Point]:
         """The default, then its tiles with either operand multicast across a cluster of two. At one wave
-        of L2-bound tiles (1000×4000×3000) multicast B took 0.85x cuBLAS against 0.67x without, on the
-        H200 (2026-12-02), and a 30-second search that sampled 64 points did not meet it (0.78x)."""
+        of L2-bound tiles (1000×4000×3000) multicast B is much faster than the same tiles without, and a
+        short search that samples points at random does not meet it."""
         first = super().first_points()
         for multicast in ("b", "a"):
             point = self.canonical({**first[0], "multicast": multicast})

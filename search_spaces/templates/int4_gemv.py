@@ -21,9 +21,9 @@ products in fp16, then fp32).
 
 For fp16 with groups of 128 or more, ``mma`` selects a second kernel (:func:`_mma_source`): the products
 on ``mma.sync`` with 16 weight rows as M and the activation rows as N, the weights bulk-copied into shared
-memory. There ``warps`` split k and ``rows_per_warp`` counts tiles of 16 rows per block. On the H200 it
-takes 8 activation rows in about the time of one (15.3 us for 8 x 11008 x 4096, 3.2x the CUDA-core
-kernel), while at one row the CUDA-core kernel stays ahead (12.1 against 14.3 us).
+memory. There ``warps`` split k and ``rows_per_warp`` counts tiles of 16 rows per block. It takes 8
+activation rows in about the time of one, where the CUDA-core kernel's time grows with the rows; at one
+row the CUDA-core kernel stays ahead (BENCHMARKS.md, GPU kernels).
 """
 
 from __future__ import annotations

@@ -14,20 +14,21 @@ launch) is built for that:
   cluster, and the first CTA merges the others' (max, sum, output) through distributed shared memory:
   no second kernel and no workspace in global memory.
 
-On CUDA cores a GQA group costs 2·G·D FMAs per token, so at G = 8 the kernel is issue-bound (33% of the
-copy bandwidth on the H200) where at G = 1 it streams at 96%. The ``mma`` knob (groups of 2-16 heads,
+On CUDA cores a GQA group costs 2·G·D FMAs per token, so at G = 8 the kernel is issue-bound where at
+G = 1 it streams at the copy bandwidth. The ``mma`` knob (groups of 2-16 heads,
 head dim 64 or 128) takes QKᵀ and PV to tensor cores instead: ``mma.sync`` m16n8k16 with the group's
 heads as M, 16-token tiles, the scores' accumulators reused as PV's A fragment (``cuda/paged_decode.cuh``, the MMA loops).
 That loop holds 178 registers a thread at G = 8 and d = 128 (nvcc 13), so one 8-warp CTA fills an SM;
 ``ctas_per_sm`` caps them (``__launch_bounds__``) for 2 to 4 CTAs per SM, trading spills for more warps
 with loads in flight.
 
-Those loops keep the bytes in flight in registers, and stop at 70% of the copy bandwidth at G = 8. The
+Those loops keep the bytes in flight in registers, which caps them well below the copy bandwidth at
+G = 8. The
 ``tma_stages`` knob (groups of 2-8 heads) takes the loads off the registers: a producer warp asks the copy
 engine for whole pages (tensor maps) into a ring of 4-16 pages in shared memory, and the consumer warps take
 the products transposed, keys as M and the group's heads as N, so that no tensor-core row is idle (see
-``cuda/paged_decode.cuh``, the TMA loop): 81-84% of the copy bandwidth at G = 8, 94% at G = 4 (H200), and
-the default for those groups.
+``cuda/paged_decode.cuh``, the TMA loop): the fastest loop at G = 4 and 8 (BENCHMARKS.md, GPU kernels),
+and the default for those groups.
 """
 
 from __future__ import annotations
@@ -244,8 +245,8 @@ class PagedDecodeSpace(HopperTemplate):
         extra |= {"tma_stages": 0} if self.tma_fits() else {}
         extra["ctas_per_sm"] = 1
         if self.tma_fits():
-            # The TMA loop in one wave: the largest split whose CTAs fit one per SM (37.98 us at GQA 8:1 where
-            # the registers' loop took 44.45, 66.70 at 4:1 against 75.30; H200, same run), the deepest ring.
+            # The TMA loop in one wave: the largest split whose CTAs fit one per SM (faster than the
+            # registers' loop at GQA 8:1 and 4:1 on the H200), the deepest ring.
             one_wave = [x for x in splits if pairs * x <= self.sms] or [1]
             for stages in (16, 8, 4):
                 point = {"warps": 4, "unroll": 1, "split": one_wave[-1], "mma": True, "prefetch": 0,
