@@ -46,7 +46,7 @@ def test_the_readme_is_a_guide_not_a_lab_notebook():
 
 # A rate, a ratio to a peer, a time set against another, or a share of a floor: a benchmark's result.
 QUOTED_RESULT = re.compile(r"\d(\.\d+)? ?(TFLOP/s|GFLOP/s|GB/s|TB/s)|\d\.\d+x (cuBLAS|cuDNN|torch)"
-                           r"|\d+(\.\d+)? ?(us|ms|µs) (against|where)|\d+% of the (copy|floor|bandwidth)")
+                           r"|\d+(\.\d+)? ?(us|ms|µs) (against|where|one|in)\b|\d+% of the (copy|floor|bandwidth)")
 
 
 def test_code_quotes_no_benchmark_results():

@@ -5,8 +5,7 @@ a stride of the head dimension per key: the vector loop gathers. Here each task 
 rows of one head: K is first copied transposed (``[d, keys]``, once per block), so that QKᵀ for the
 block is a GEMM whose vector loop runs along the keys, each K row reused by every query row of the block;
 the softmax stages and PV (vectorised along the head dimension, V as stored) then run over the whole
-block. On a 2-core CPU, one thread, b=1 h=8 s=128 d=64 causal fp32: 4.2 ms one row at a time,
-1.6 ms in blocks of 32 rows.
+block, several times faster than one row at a time.
 """
 
 from __future__ import annotations
