@@ -636,7 +636,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autosched: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("autosched: interrupted; every record measured so far is kept in the database", file=sys.stderr)
+        tuning = args.command in ("tune", "tune-model") if hasattr(args, "command") else True
+        print("autosched: interrupted" + ("; every record measured so far is kept in the database" if tuning else ""),
+              file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - one line for users, the traceback with --debug
         if args.debug:

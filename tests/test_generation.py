@@ -194,6 +194,9 @@ def test_bad_requests_end_with_their_error_and_the_others_go_on(built):
         gen.add([1, 2], 4)
     with pytest.raises(GenerationError, match="no live sequence 999"):
         gen.remove(999)
+    # A request for no new tokens would never finish: refused at once.
+    with pytest.raises(GenerationError, match="max_new_tokens must be at least 1"):
+        gen.generate([PROMPTS[0]], 0)
 
 
 @pytest.mark.slow
@@ -229,6 +232,13 @@ def test_the_command_line_generates_and_reports_bad_input_in_one_line(built):
     assert missing.returncode == 2 and "no manifest.json" in missing.stderr
     plain = cli("generate", str(artifact), "--prompt", "hello", check=False)
     assert plain.returncode == 2 and "--prompt needs --tokenizer" in plain.stderr
+    none = cli("generate", str(artifact), "--prompt-ids", "1", "--max-new-tokens", "0", check=False)
+    assert none.returncode == 2 and "--max-new-tokens must be at least 1 (got 0)" in none.stderr
+    for option, value, says in (("--temperature", "-1", "temperature must be 0 (greedy) or more, got -1"),
+                                ("--top-k", "-2", "top_k must be 0 (no limit) or more, got -2"),
+                                ("--top-p", "2", "top_p must be in (0, 1], got 2")):
+        wrong = cli("generate", str(artifact), "--prompt-ids", "1", option, value, check=False)
+        assert wrong.returncode == 2 and says in wrong.stderr, wrong.stderr
 
 
 def test_build_refuses_limits_the_model_cannot_take(tmp_path):

@@ -169,6 +169,8 @@ def cmd_generate(args) -> int:
     from .generator import Generator, Sampling
 
     Sampling(args.temperature, args.top_k, args.top_p, args.seed)  # checks the options before loading
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
     gen = Generator(args.artifact)
     results = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop_tokens=stop)

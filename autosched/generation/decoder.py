@@ -166,6 +166,14 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     dtype = cfg.dtype
 
+    def gather(x: Tensor, ids: Tensor, axis: int, name: str) -> Tensor:
+        """Slices of ``x`` at ``ids`` along ``axis``. Indices are clipped rather than trusted: the Generator
+        refuses a token outside the vocabulary before it gets here, and TVM's unchecked gather warns at
+        every build that an out-of-bounds index would crash it."""
+        from tvm import relax as rx
+
+        return op.wrap_nested(rx.op.take(x._expr, ids._expr, axis=axis, mode="clip"), name)
+
     def make_norm():
         if cfg.norm == "layer":
             return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=dtype)
@@ -213,7 +221,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if cfg.learned_positions:
                 b, s, _ = x.shape
                 at = cache.get_query_positions(b * s)
-                x = x + op.reshape(self.positions(at), (b, s, cfg.hidden))
+                x = x + op.reshape(gather(self.positions.weight, at, 0, "positions"), (b, s, cfg.hidden))
             for layer_id, layer in enumerate(self.layers):
                 x = layer(x, cache, layer_id)
             return self.norm(x)
@@ -226,13 +234,13 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             return out.astype("float32") if out.dtype != "float32" else out
 
         def embed_tokens(self, input_ids: Tensor):
-            x = self.embed(input_ids)
+            x = gather(self.embed.weight, input_ids, 0, "embed")
             return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
 
         def batch_prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
             """Prompts packed one after another in ``input_ids``; logits at ``logit_positions`` (each prompt's last)."""
             x = op.reshape(self.embed_tokens(input_ids), (1, input_ids.shape[0], cfg.hidden))
-            x = op.take(self.forward(x, cache), logit_positions, axis=1)
+            x = gather(self.forward(x, cache), logit_positions, 1, "last_tokens")
             return self.logits(x), cache
 
         def batch_decode(self, input_ids: Tensor, cache: PagedKVCache):

@@ -39,8 +39,11 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise UsageError("sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        for wrong, what in ((self.temperature < 0, f"temperature must be 0 (greedy) or more, got {self.temperature}"),
+                            (self.top_k < 0, f"top_k must be 0 (no limit) or more, got {self.top_k}"),
+                            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")):
+            if wrong:
+                raise UsageError(what)
 
 
 @dataclass
@@ -234,6 +237,8 @@ class Generator:
         admitting the next as one finishes. ``prefix``: tokens every prompt starts with, prefilled once and
         shared by forks. A prompt the artifact cannot take ends with an error (see :meth:`completions`); the
         others go on. Request ``i`` samples with seed ``seed + i``."""
+        if max_new_tokens < 1:  # a request that makes no token would never finish (add(..., 0) holds a prefix)
+            raise GenerationError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         self.completions = [Completion() for _ in prompts]
         queue = list(enumerate(prompts))
         owner: dict[int, int] = {}
