@@ -241,6 +241,21 @@ def test_the_command_line_generates_and_reports_bad_input_in_one_line(built):
         assert wrong.returncode == 2 and says in wrong.stderr, wrong.stderr
 
 
+def test_the_command_line_reads_a_local_tokenizer(built, tmp_path):
+    """--tokenizer DIR --prompt TEXT: the text's ids are the prompt, and the tokens come back as text too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model, artifact = built
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, 512)}}, unk_token="[UNK]"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    out = json.loads(cli("generate", str(artifact), "--tokenizer", str(tmp_path / "tok"), "--prompt", "w5 w7 w9",
+                         "--max-new-tokens", "4", "--format", "json").stdout)["completions"][0]
+    assert out["prompt_ids"] == [5, 7, 9] and out["tokens"] == _reference(model, [5, 7, 9], 4)
+    assert out["text"] == " ".join(f"w{t}" for t in out["tokens"])
+
+
 def test_build_refuses_limits_the_model_cannot_take(tmp_path):
     _saved_model("gpt2", tmp_path / "gpt2")
     out = cli("build", str(tmp_path / "gpt2"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", "5000",
