@@ -45,7 +45,7 @@ def test_the_readme_is_a_guide_not_a_lab_notebook():
 
 
 # A rate, a ratio to a peer, a time set against another, or a share of a floor: a benchmark's result.
-QUOTED_RESULT = re.compile(r"\d(\.\d+)? ?(TFLOP/s|GFLOP/s|GB/s|TB/s)|\d\.\d+x (cuBLAS|cuDNN|torch)"
+QUOTED_RESULT = re.compile(r"\d(\.\d+)? ?(TFLOP/s|GFLOP/s|GB/s|TB/s)|\d\.\d+x (cuBLAS|cuDNN|torch|slower|faster)"
                            r"|\d+(\.\d+)? ?(us|ms|µs) (against|where|one|in)\b|\d+% of the (copy|floor|bandwidth)")
 
 

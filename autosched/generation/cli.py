@@ -70,13 +70,16 @@ def cmd_build_generate(args) -> int:
 def cmd_tune_generate(args) -> int:
     """``tune-model MODEL --generate``: the kernels of the decode step at each batch size of
     ``--decode-batches`` (default: 1 and --max-batch) and of the ``--prefill-chunks``, under one trial budget."""
-    from autosched.cli import TUNE_MODEL_TRIALS, ConsoleReporter, _measurer, _open_db, _trials
+    import math
+
+    from autosched.cli import DEFAULT_DB, TUNE_MODEL_TRIALS, ConsoleReporter, _measurer, _ModelProgress, _open_db, _trials
     from autosched.output import emit
     from autosched.pipeline import split_tunable
+    from autosched.pipeline.tasks import extract_tasks
     from autosched.target import parse_target
     from autosched.tuner import TuneOptions, tune_tasks
 
-    from .build import generation_tasks, load_generation_model, lower_generation
+    from .build import generation_tasks, is_static_function, load_generation_model, lower_generation
 
     target = parse_target(args.target, require_device=args.runner == "local")
     model = load_generation_model(args.model, args.dtype)
@@ -92,26 +95,49 @@ def cmd_tune_generate(args) -> int:
             + (f", prefill chunks of {', '.join(map(str, chunks))} tokens" if chunks else "")
             + f": {len(tasks) + len(untunable)} distinct kernels, {len(tasks)} tunable (attention keeps TVM's kernels)")
     db = _open_db(args.db)
+    trials = _trials(args, TUNE_MODEL_TRIALS)
     reporter = ConsoleReporter(quiet=True)
-    options = TuneOptions(trials=_trials(args, TUNE_MODEL_TRIALS), batch_size=args.batch_size, seed=args.seed,
-                          time_budget=args.time_budget, scheduler=args.scheduler)
+    options = TuneOptions(trials=trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
+                          scheduler=args.scheduler)
+    progress = _ModelProgress(log, tasks, trials) if not args.quiet else None
     measurer = _measurer(args, target)
     try:
-        results = tune_tasks(tasks, target, db, options, reporter, measurer=measurer, command=" ".join(sys.argv))
+        results = tune_tasks(tasks, target, db, options, progress or reporter, measurer=measurer,
+                             command=" ".join(sys.argv))
     finally:
         reporter.close()
         if measurer is not None:
             measurer.close()
         db.close()
+    best = {t.key: r.best_latency for t, r in zip(tasks, results)}
     rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
-             "latency_us": round(r.best_latency * 1e6, 3) if r.best_latency < float("inf") else None}
-            for t, r in zip(tasks, results)]
+             "searched": "yes" if r.searched else "no (default point)",
+             "latency_us": round(r.best_latency * 1e6, 3) if math.isfinite(r.best_latency) else None,
+             "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
     emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
-                             ("latency_us", "best (us)")], title=f"{args.model}: decode kernels")
-    chunk_arg = f" --prefill-chunks {','.join(map(str, chunks))}" if chunks else ""
-    log.log(f"build it with `autosched build {args.model} --generate --decode-batches {','.join(map(str, batches))}"
-            f"{chunk_arg}`")
+                             ("searched", "searched"), ("latency_us", "best (us)"), ("failures", "failed")],
+         title=f"{args.model}: kernels of the static functions")
+    # Each static function's kernels alone, as tuned: what one decode step (or prefill chunk) costs in them.
+    for name in sorted(gv.name_hint for gv in lowered.functions if is_static_function(gv.name_hint)):
+        kernels = [t for t in extract_tasks(lowered, lambda fn, name=name: fn == name) if t.key in best]
+        total = sum(t.weight * best[t.key] for t in kernels)
+        what = f"{_function_label(name)}: {total * 1e3:.4g} ms in its tunable kernels" if math.isfinite(total) \
+            else f"{_function_label(name)}: not every kernel has a measurement"
+        log.log(f"{args.model}: {what}")
+    options_used = [f"--decode-batches {','.join(map(str, batches))}"]
+    options_used += [f"--prefill-chunks {','.join(map(str, chunks))}"] if chunks else []
+    options_used += [f"--db {args.db}"] if args.db != DEFAULT_DB else []
+    options_used += [f"--target {args.target}"] if args.target != "llvm" else []
+    options_used += [f"--dtype {args.dtype}"] if args.dtype else []
+    log.log(f"build it with `autosched build {args.model} --generate {' '.join(options_used)} -o DIR`")
     return 0
+
+
+def _function_label(name: str) -> str:
+    """``decode_b8`` -> 'a decode step at batch 8', ``prefill_t128`` -> 'a prefill chunk of 128 tokens'."""
+    if name.startswith("decode_b"):
+        return f"a decode step at batch {name[len('decode_b'):]}"
+    return f"a prefill chunk of {name[len('prefill_t'):]} tokens"
 
 
 def add_generate_parser(sub) -> None:

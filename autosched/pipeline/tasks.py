@@ -71,8 +71,8 @@ def merge_bucket_tasks(per_model: list[list[Task]]) -> list[Task]:
 
     Each bucket counts alike relative to its size: a kernel's ``share`` scales its time by the largest
     bucket's work over its own bucket's work (work: calls x (FLOPs + bytes)). Weighed by calls alone, the
-    longest bucket's kernels took nearly every trial, and a 64-token bucket ran 1.4x slower than a build
-    tuned for 77 tokens with the same trials per length.
+    longest bucket's kernels took nearly every trial, and the shorter buckets ran well behind builds tuned
+    for their own length with the same trials per length.
     """
     work = [sum(t.work for t in tasks) or 1.0 for tasks in per_model]
     largest = max(work)
