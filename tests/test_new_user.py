@@ -150,6 +150,21 @@ def test_damaged_artifact(tmp_path):
     assert "not valid JSON" in line
 
 
+def test_an_artifact_for_a_device_this_machine_lacks_says_so(tmp_path):
+    """A build for cuda:sm_90 made on a machine without a GPU (which `build` allows) cannot run here: one line
+    naming the target and the way out, before TVM tries to load CUDA code it has no runtime for."""
+    import tvm
+
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a CUDA GPU")
+    art = _artifact(tmp_path / "art")
+    manifest = json.loads((art / "manifest.json").read_text())
+    (art / "manifest.json").write_text(json.dumps({**manifest, "target": {"kind": "cuda", "arch": "sm_90"}}))
+    (art / "model.so").write_bytes(os.urandom(4096))  # never read: the device is checked first
+    line = _fails_leaving_nothing(tmp_path, "run", str(art), code=1, says="built for cuda:sm_90")
+    assert "build it again with --target llvm" in line
+
+
 def test_run_checks_its_arguments_before_importing_tvm(tmp_path):
     """`autosched run out/nothere` answers at once: TVM and torch are imported after the arguments are checked."""
     start = time.perf_counter()

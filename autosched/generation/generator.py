@@ -81,11 +81,11 @@ class Generator:
         import tvm
         from tvm import relax
 
-        from autosched.target import KIND_FACTS
+        from autosched.pipeline.artifact import artifact_device
 
         path = Path(artifact_dir)
         manifest = read_generation_manifest(path)
-        device = tvm.device(KIND_FACTS[manifest["target"]["kind"]].device, 0)
+        device = artifact_device(manifest, path)
         library, params = path / manifest["library"], path / manifest["params"]
         for needed in (library, params):
             if not needed.exists():

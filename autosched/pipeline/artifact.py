@@ -156,14 +156,22 @@ def _saved_params(out: Path, manifest: dict, device) -> dict:
     return {name: t.copyto(device) for name, t in saved.items()}
 
 
-def _device(manifest: dict):
+def artifact_device(manifest: dict, path: str | Path):
+    """The device an artifact's kernels run on; a DeviceError in one line where this machine has none (a
+    build for ``cuda:sm_90`` made on a machine without a GPU, say)."""
     import tvm
 
+    from autosched.errors import DeviceError
     from autosched.target import KIND_FACTS, use_all_cpu_threads
 
-    if manifest["target"]["kind"] == "llvm":
+    target = manifest["target"]
+    if target["kind"] == "llvm":
         use_all_cpu_threads()  # as the kernels were tuned and timed
-    return tvm.device(KIND_FACTS[manifest["target"]["kind"]].device, 0)
+    device = tvm.device(KIND_FACTS[target["kind"]].device, 0)
+    if not device.exist:
+        raise DeviceError(f"{path} was built for {target['kind']}:{target['arch']} and this machine has no such "
+                          f"device: run it on a machine with one, or build it again with --target llvm")
+    return device
 
 
 def load_artifact(out_dir: str | Path):
@@ -174,7 +182,7 @@ def load_artifact(out_dir: str | Path):
     out, manifest = Path(out_dir), read_manifest(out_dir)
     if "buckets" in manifest:
         raise UsageError(f"{out} is a --tokens dynamic build: load it with autosched.pipeline.BucketedModel")
-    device = _device(manifest)
+    device = artifact_device(manifest, out)
     vm = relax.VirtualMachine(_load_library(out / manifest["library"]), device)
     saved = _saved_params(out, manifest, device)
     return vm, [saved[name] for name in manifest["param_order"]], manifest
@@ -196,7 +204,7 @@ class BucketedModel:
         self.buckets: list[tuple] = [tuple(b) if isinstance(b, list) else (None, b) for b in listed]
         self.axes = {axis: self.manifest[key] for axis, key in (("batch", "batch_axes"), ("tokens", "token_axes"))
                      if key in self.manifest}
-        self.device = _device(self.manifest)
+        self.device = artifact_device(self.manifest, self.path)
         self._tensors = _saved_params(self.path, self.manifest, self.device)  # once, however many buckets take each
         self._vms: dict[tuple, object] = {}
 
