@@ -210,3 +210,18 @@ HALF8_REASON = "8-wide half-precision vector arithmetic miscompiles in TVM 0.27'
 def has_half(func: PrimFunc) -> bool:
     """Any fp16 or bf16 parameter."""
     return any(str(p.dtype) in ("float16", "bfloat16") for p in func.params)
+
+
+def operand_shapes(func: PrimFunc, counts: tuple[int, ...]):
+    """((a, b, c), their shapes) for a template: ``func``'s first, second and last parameters (the operand,
+    the weights and the output of a GEMM-like kernel) and their static 2-D shapes, if ``func`` takes one of
+    ``counts`` parameters and those shapes are static and 2-D; else None."""
+    params = list(func.params)
+    if len(params) not in counts:
+        return None
+    picked = (params[0], params[1], params[-1])
+    try:
+        shapes = [tuple(int(x) for x in buf.shape) for buf in picked]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return (picked, shapes) if all(len(shape) == 2 for shape in shapes) else None

@@ -188,6 +188,13 @@ class Space:
         self.hints = hints or {}
         self.knobs: list[Knob] = []
 
+    def taken(self, shape, takes: str):
+        """``shape``, a template's reading of the function it was given; where it found nothing, a ValueError
+        naming the functions the space ``takes`` (``matches`` keeps the others away from it)."""
+        if shape is None:
+            raise ValueError(f"{self.name} takes {takes} functions only")
+        return shape
+
     @property
     def id(self) -> str:
         return f"{self.name}@{self.version}"

@@ -37,6 +37,13 @@ def pipeline_buffers(smem_elems: int, dtype: str, stages: int, acc_len: int):
     return smem, full, empty, acc
 
 
+def tile_walk_scalars():
+    """(desc_a, desc_b, it, tile, tm, tn), mutable scalars of the kernel that calls this while it is parsed:
+    the two wgmma shared-memory descriptors, the count of stages used so far (its ring position and
+    barrier phase), the tile being worked on and its row and column tile."""
+    return tuple(T.local_scalar(dtype=d) for d in ("uint64", "uint64", "int32", "int32", "int32", "int32"))
+
+
 @T.macro
 def init_stage_barriers(full, empty, stages, releases):
     """By one thread: each stage's full barrier awaits its producer's one arrival (with the TMA bytes),

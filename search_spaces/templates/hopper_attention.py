@@ -382,11 +382,9 @@ class HopperAttentionSpace(HopperTemplate):
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
         self.model_layout = self.hints.get("op") == "attention_bshd"
-        shape = _attention_shape(func, self.model_layout)
-        if shape is None:
-            raise ValueError("hopper_attention takes Q[b,h,s,d], K/V[b,hkv,s,d], O[b,h,s,d] functions only "
-                             "(Q/O[b,s,h,d], K/V[b,s,hkv,d] for attention_bshd)")
-        self.b, self.h, self.hkv, self.s, self.d, self.dtype = shape
+        self.b, self.h, self.hkv, self.s, self.d, self.dtype = self.taken(
+            _attention_shape(func, self.model_layout),
+            "Q[b,h,s,d], K/V[b,hkv,s,d], O[b,h,s,d] (Q/O[b,s,h,d], K/V[b,s,hkv,d] for attention_bshd)")
         self.causal = bool(self.hints.get("causal", True))
         self.sms = target.num_cores or 132
         self.knobs = [Knob("consumers", (1, 2)), Knob("block_kv", (64, 128, 160, 176)), Knob("stages", (2, 3)),

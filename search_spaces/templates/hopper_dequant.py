@@ -33,6 +33,7 @@ from ._pipeline import (
     fence_accumulators,
     init_stage_barriers,
     pipeline_buffers,
+    tile_walk_scalars,
     zero_accumulators,
 )
 from .hopper_gemm import _epilogue_source
@@ -124,12 +125,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
         bx = T.cta_id([grid])
         tx = T.thread_id([threads])
         smem, full, empty, acc = pipeline_buffers(smem_elems, dtype, stages, acc_len)
-        desc_a: T.uint64
-        desc_b: T.uint64
-        it: T.int32
-        tile: T.int32
-        tm: T.int32
-        tn: T.int32
+        desc_a, desc_b, it, tile, tm, tn = tile_walk_scalars()
         wg = T.meta_var(tx // 128)
 
         if tx == 0:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 
+from .._analysis import operand_shapes
 from .._knobs import Knob, Point
 from ._hopper import (
     BK,
@@ -64,6 +65,7 @@ from ._pipeline import (
     fence_accumulators,
     init_stage_barriers,
     pipeline_buffers,
+    tile_walk_scalars,
     zero_accumulators,
 )
 
@@ -287,14 +289,9 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         bx, rank = launch_ids()
         tx = T.thread_id([threads])
         smem, full, empty, acc = pipeline_buffers(smem_elems, dtype, stages, acc_len)
-        desc_a: T.uint64
-        desc_b: T.uint64
+        desc_a, desc_b, it, tile, tm, tn = tile_walk_scalars()
         phase: T.int32
-        it: T.int32
-        tile: T.int32
-        turn: T.int32
-        tm: T.int32
-        tn: T.int32
+        turn: T.int32  # ping-pong: the CTA's tiles so far (whose turn the next is)
         wg = T.meta_var(tx // 128)
 
         if tx == 0:
@@ -455,11 +452,9 @@ class HopperGemmSpace(HopperTemplate):
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
         self.gated = self.hints.get("op") == "swiglu_gemm"
-        shape = _gemm_shape(func, self.gated)
-        if shape is None:
-            raise ValueError("hopper_gemm takes C[m, n] = A[m, k] · B[n, k]ᵀ (+ bias) functions only, and "
-                             "C[m, n] from A[m, k], W[2n, k] for swiglu_gemm")
-        self.m, self.n, self.k, self.dtype = shape
+        self.m, self.n, self.k, self.dtype = self.taken(
+            _gemm_shape(func, self.gated),
+            "C[m, n] = A[m, k] · B[n, k]ᵀ (+ bias) (for swiglu_gemm: C[m, n] from A[m, k], W[2n, k])")
         self.bias = bool(self.hints.get("bias", False))
         self.act = str(self.hints.get("act", "none"))
         self.sms = target.num_cores or 132
@@ -639,14 +634,11 @@ def whole_wave_block_ns(m: int, n: int, sms: int, least: float = 0.97) -> set[in
 def _gemm_shape(func, gated: bool = False) -> tuple[int, int, int, str] | None:
     """(m, n, k, dtype) of a function whose parameters are A[m, k], B[n, k], optional bias[n], C[m, n]
     (``gated``: A[m, k], B[2n, k], C[m, n])."""
+    found = operand_shapes(func, (3, 4))
+    if found is None:
+        return None
     params = list(func.params)
-    if len(params) not in (3, 4):
-        return None
-    try:
-        a, b, c = params[0], params[1], params[-1]
-        (m, k), (n, k2), (m2, n2) = ([int(x) for x in buf.shape] for buf in (a, b, c))
-    except (TypeError, ValueError):
-        return None
+    (a, b, _), ((m, k), (n, k2), (m2, n2)) = found
     if gated:
         if len(params) != 3 or n != 2 * n2:
             return None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+from .._analysis import operand_shapes
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, config_struct, cuda_file
 from .hopper_gemm import _epilogue_source
@@ -216,10 +217,7 @@ class Int4Template(HopperTemplate):
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
-        shape = _shape(func)
-        if shape is None:
-            raise ValueError(f"{self.name} takes C[m, n] = A[m, k] · dequant(Wq[n, k / 2])ᵀ functions only")
-        self.m, self.n, self.k, self.dtype = shape
+        self.m, self.n, self.k, self.dtype = self.taken(_shape(func), "C[m, n] = A[m, k] · dequant(Wq[n, k / 2])ᵀ")
         self.group = int(self.hints.get("group", 128))
         self.bias = bool(self.hints.get("bias", False))
         self.act = str(self.hints.get("act", "none"))
@@ -320,14 +318,10 @@ class Int4GemvSpace(Int4Template):
 
 def _shape(func) -> tuple[int, int, int, str] | None:
     """(m, n, k, dtype) of A[m, k], Wq[n, k / 2] (uint8), scale[n, groups], optional bias[n], C[m, n]."""
-    params = list(func.params)
-    if len(params) not in (4, 5):
+    found = operand_shapes(func, (4, 5))
+    if found is None:
         return None
-    try:
-        a, wq, c = params[0], params[1], params[-1]
-        (m, k), (n, half_k), (m2, n2) = ([int(x) for x in buf.shape] for buf in (a, wq, c))
-    except (AttributeError, TypeError, ValueError):
-        return None
+    (a, wq, _), ((m, k), (n, half_k), (m2, n2)) = found
     if str(wq.dtype) != "uint8" or half_k * 2 != k or m != m2 or n != n2:
         return None
     return m, n, k, str(a.dtype)

@@ -168,10 +168,7 @@ class PagedDecodeSpace(HopperTemplate):
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
-        shape = _shape(func)
-        if shape is None:
-            raise ValueError("paged_decode takes the paged_decode_attention workload's functions only")
-        self.shape = shape
+        self.shape = self.taken(_shape(func), "the paged_decode_attention workload's")
         self.sms = target.num_cores or 132
         self.knobs = [
             Knob("warps", (2, 4, 8)),
