@@ -117,9 +117,20 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
 
 def profile_decode(make_generator, prompts, steps: int = 4, top: int = 12) -> list[dict]:
     """Where one decode step spends its time, by kernel (CUDA events around each call of a build without
-    CUDA graphs; builtins such as the KV cache's attention included), slowest first."""
+    CUDA graphs, or the host's clock on the CPU, whose kernels return when done; builtins such as the KV
+    cache's attention included), slowest first."""
+    import time
+
     import torch
 
+    class HostEvent:  # torch.cuda.Event's interface, on the host's clock
+        def record(self):
+            self.at = time.perf_counter()
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    event_type = (lambda: torch.cuda.Event(enable_timing=True)) if DEVICE == "cuda" else HostEvent
     gen = make_generator()
     ids = [gen.add(p, steps + 8, stop_tokens=[]) for p in prompts]
     gen.step()
@@ -129,7 +140,7 @@ def profile_decode(make_generator, prompts, steps: int = 4, top: int = 12) -> li
     def instrument(func, symbol, before, ret, *args):
         if symbol in ("vm.builtin.kv_state_begin_forward", "vm.builtin.kv_state_end_forward"):
             return 0
-        event = torch.cuda.Event(enable_timing=True)
+        event = event_type()
         event.record()
         if before:
             opened.append(event)
@@ -141,13 +152,14 @@ def profile_decode(make_generator, prompts, steps: int = 4, top: int = 12) -> li
     for _ in range(steps):
         gen.step()
     gen.vm.set_instrument(None)
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     totals: dict[str, list] = {}
     for symbol, start, end in pairs:
         totals.setdefault(symbol, []).append(start.elapsed_time(end))
     rows = sorted(({"kernel": k, "calls_per_step": len(v) / steps, "ms_per_step": sum(v) / steps}
                    for k, v in totals.items()), key=lambda r: -r["ms_per_step"])
-    for seq_id in ids:
+    for seq_id in set(ids) & set(gen.live):  # a sequence that reached --max-seq-len has left already
         gen.remove(seq_id)
     return rows[:top]
 

@@ -124,6 +124,14 @@ def matmul_index_maps(block):
             fused(on(c_axes), [S, I, J]))
 
 
+def reads_b_along_k(sch: s_tir.Schedule, main: SBlockRV) -> bool:
+    """Whether a contraction's second operand B has the reduction as its innermost axis (B[n, k], as
+    torch.nn.Linear stores weights) rather than an output column (B[k, n]). Read before normalising."""
+    block = sch.get(main)
+    reduction = {iv.var.name for iv in block.iter_vars if int(iv.iter_type) == 2}
+    return bool({v.name for v in _free_vars(block.reads[1].region[-1].min)} & reduction)
+
+
 def _free_vars(expr):
     from tvm import tirx
 

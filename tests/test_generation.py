@@ -62,7 +62,7 @@ def built(request, tmp_path_factory):
 def _build(family, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"gen-{family}")
     model = _saved_model(family, root / "hf")
-    # Two live sequences decode through a static function of their own, other batch sizes through the dynamic one;
+    # Up to two live sequences decode through a static function (one padded to two), more through the dynamic one;
     # prompts are prefilled in chunks of exactly 8 tokens (a prompt spanning chunks), the rest dynamically.
     cli("build", str(root / "hf"), "--generate", "-o", str(root / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
         "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "8")
@@ -83,6 +83,19 @@ def _check_family(model, artifact):
 
 def test_greedy_tokens_match_transformers_for_a_batch_of_prompts(built):
     _check_family(*built)
+
+
+def test_a_decode_step_is_padded_up_to_a_static_batch(built):
+    """One live sequence decodes through decode_b2 with a padding row (an empty sequence whose token is
+    removed after each step): the same tokens, and the padding never shows."""
+    from autosched.generation import Generator
+
+    model, artifact = built
+    gen = Generator(artifact)
+    result = gen.generate([PROMPTS[1]], 12)[0]
+    assert result.tokens == _reference(model, PROMPTS[1], 12)
+    assert gen.stats["padded_decode_steps"] == gen.stats["static_decode_steps"] == 11
+    assert gen.live == [] and len(gen.completions) == 1
 
 
 @pytest.mark.slow

@@ -145,12 +145,19 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
 
 
 def default_decode_batches(target: TargetSpec, max_batch: int) -> tuple[int, ...]:
-    """The batch sizes that get a static decode function when none are asked for: batch 1 on a GPU, whose
-    GEMVs TVM's default schedules serve well and whose step then runs as CUDA graphs (without them, launching
-    each kernel cost more than the kernels on the H200); none on the CPU. A larger batch's static GEMMs are
-    left to ``tune-model --generate``: on TVM's default schedule for a static small batch (dlight's Matmul)
-    they ran slower than the dynamic function's (BENCHMARKS.md, Generation)."""
-    return (1,) if target.is_gpu else ()
+    """The batch sizes that get a static decode function when none are asked for.
+
+    On a GPU, batch 1, whose GEMVs TVM's default schedules serve well and whose step then runs as CUDA
+    graphs (without them, launching each kernel costs more than the kernels). A larger batch's static
+    GEMMs are left to ``tune-model --generate``: on TVM's default schedule for a static small batch
+    (dlight's Matmul) they run slower than the dynamic function's (BENCHMARKS.md, Generation).
+
+    On the CPU, the powers of two up to ``max_batch`` (and it): static kernels take the spaces' default
+    points, where the dynamic function's run as TVM writes them, an order of magnitude slower; a batch in
+    between is padded up to the next (``Generator._padding``)."""
+    if target.is_gpu:
+        return (1,)
+    return tuple(sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch}))
 
 
 def is_static_function(name: str) -> bool:

@@ -20,7 +20,7 @@ def add_build_arguments(p) -> None:
     p.add_argument("--decode-batches",
                    help="with --generate: batch sizes whose decode step gets a static function of its own (tunable "
                         "kernels; CUDA graphs on a GPU), e.g. 1,16 as tuned by tune-model --generate (default: 1 on a "
-                        "GPU, none on the CPU)")
+                        "GPU; 1, 2, 4, ... up to --max-batch on the CPU; a batch in between is padded up)")
     p.add_argument("--prefill-chunks",
                    help="with --generate: prompt lengths that get a static prefill function, prompts being prefilled "
                         "in chunks of those sizes, e.g. 512 as tuned by tune-model --generate (default: none)")

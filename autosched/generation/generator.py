@@ -20,6 +20,9 @@ from autosched.errors import AutoschedError, UsageError
 
 from .build import FORMAT, MANIFEST
 
+# Sequence ids of the padding rows (see Generator._padding), far from those of requests (0, 1, 2, ...).
+PAD_SEQUENCE_IDS = 1 << 40
+
 
 class GenerationError(AutoschedError):
     """A request the generator cannot serve (bad input or a limit of the artifact); other sequences go on."""
@@ -121,8 +124,11 @@ class Generator:
         pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.kv_pages = kv_pages or pages_per_seq * self.max_batch
         shape = tvm.runtime.ShapeTuple
+        # Room for the padding rows of a decode step (see _padding) beside max_batch live sequences.
+        self._pad_ids: list[int] = []
+        seqs = self.max_batch + max(self.decode_batches, default=1) - 1
         self.cache = self.vm["create_paged_kv_cache"](
-            shape([self.max_batch]), shape([self.kv_pages * self.page_size]), shape([self.max_seq_len]),
+            shape([seqs]), shape([self.kv_pages * self.page_size]), shape([self.max_seq_len]),
             shape([self.page_size]), shape([0]))
         builtin = tvm.get_global_func
         self._add = builtin("vm.builtin.kv_state_add_sequence")
@@ -131,6 +137,7 @@ class Generator:
         self._begin = builtin("vm.builtin.kv_state_begin_forward")
         self._end = builtin("vm.builtin.kv_state_end_forward")
         self._free_pages = builtin("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self._popn = builtin("vm.builtin.kv_state_popn")
         self._shape = shape
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
@@ -139,7 +146,8 @@ class Generator:
 
     def reset_timing(self) -> None:
         self.stats = {"prefill_calls": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0,
-                      "static_decode_steps": 0, "static_prefill_calls": 0, "decode_tokens": 0, "decode_s": 0.0}
+                      "static_decode_steps": 0, "padded_decode_steps": 0, "static_prefill_calls": 0,
+                      "decode_tokens": 0, "decode_s": 0.0}
 
     # ---- sequences, one step at a time ------------------------------------------------------------
 
@@ -295,6 +303,20 @@ class Generator:
         have = -(-seq.length // self.page_size)
         return -(-(seq.length + tokens) // self.page_size) - have
 
+    def _padding(self, n: int, free_pages: int) -> list[int]:
+        """The ids of empty sequences whose rows pad a decode step of ``n`` sequences up to the smallest batch
+        with a static function (tuned kernels, CUDA graphs; a decode step reads the weights once whatever
+        its rows, so a padded step costs about what the unpadded one would). Each padding row appends one
+        token, removed again after the step: it needs a free page for the step. None where no static batch
+        holds ``n`` or the pages are short."""
+        pads = min((b for b in self.decode_batches if b >= n), default=n) - n
+        if pads == 0 or pads > free_pages:
+            return []
+        while len(self._pad_ids) < pads:
+            self._pad_ids.append(PAD_SEQUENCE_IDS + len(self._pad_ids))
+            self._add(self.cache, self._pad_ids[-1])
+        return self._pad_ids[:pads]
+
     def _forward(self, parts: list[tuple[_Sequence, int]], prefill: bool, chunk: int | None = None):
         """One call over ``parts``, (sequence, how many of its pending tokens to feed); returns the (sequence id,
         token) pairs sampled (for sequences whose pending tokens were all fed)."""
@@ -318,10 +340,12 @@ class Generator:
                 feed[seq.seq_id] = tokens
         if not kept:
             return []
-        lengths = [feed[s.seq_id] for s in kept]
-        ids = np.concatenate([np.asarray(s.pending[:feed[s.seq_id]], dtype="int32") for s in kept])
+        pads = [] if prefill else self._padding(len(kept), free)
+        lengths = [feed[s.seq_id] for s in kept] + [1] * len(pads)
+        ids = np.concatenate([np.asarray(s.pending[:feed[s.seq_id]], dtype="int32") for s in kept]
+                             + [np.zeros(len(pads), dtype="int32")])
         began = time.perf_counter()
-        self._begin(self.cache, self._shape([s.seq_id for s in kept]), self._shape(lengths))
+        self._begin(self.cache, self._shape([s.seq_id for s in kept] + pads), self._shape(lengths))
         input_ids = tvm.runtime.tensor(ids, self.device)
         if prefill:
             last = tvm.runtime.tensor(np.cumsum(lengths, dtype="int32") - 1, self.device)
@@ -331,11 +355,15 @@ class Generator:
             logits, self.cache = self.vm[name](input_ids, last, self.cache, self.params)
         else:
             # A batch size with a static function of its own runs it (tuned kernels, CUDA graphs).
-            name = f"decode_b{len(kept)}" if len(kept) in self.decode_batches else "batch_decode"
+            rows = len(kept) + len(pads)
+            name = f"decode_b{rows}" if rows in self.decode_batches else "batch_decode"
             self.stats["static_decode_steps"] += name != "batch_decode"
+            self.stats["padded_decode_steps"] += bool(pads)
             logits, self.cache = self.vm[name](input_ids, self.cache, self.params)
         self._end(self.cache)
-        logits = logits.numpy().reshape(len(kept), -1)
+        for pad in pads:  # the padding rows' token leaves their (empty) sequences again
+            self._popn(self.cache, pad, 1)
+        logits = logits.numpy().reshape(len(kept) + len(pads), -1)[:len(kept)]
         elapsed = time.perf_counter() - began
         key = "prefill" if prefill else "decode"
         self.stats[f"{key}_s"] += elapsed

@@ -17,6 +17,7 @@ from .._analysis import (
     inline_producers,
     is_contraction,
     normalize_matmul,
+    reads_b_along_k,
 )
 from .._knobs import Knob, Point, Space, TileKnob, padded
 
@@ -49,6 +50,7 @@ class MatmulSpace(Space):
         main = find_matmul_block(sch)
         if main is None:
             raise ValueError("not a contraction")
+        self.b_along_k = reads_b_along_k(sch, main)
         parts = normalize_matmul(sch, main)
         self.extent_s, self.extent_i, self.extent_j, self.extent_k = const_extents(sch, sch.get_loops(parts.main))
         out_dtype = sch.get(parts.main).writes[0].source.dtype
@@ -89,6 +91,15 @@ class MatmulSpace(Space):
         point = {"tile_i": pick("tile_i", (2, 2, 4)), "tile_j": pick("tile_j", (1, 2, self.lanes)),
                  "tile_k": pick("tile_k", (8,)), "pack_b": True, "parallel_levels": 1, "write_back_level": 1,
                  "unroll": 16}
+        # A GEMV (a decode step's few rows) reads each weight once: packing B would copy all of it first,
+        # every call. Unpacked, the vector loop runs along B's contiguous axis: wide column tiles where that
+        # is the output column (B[k, n]); where it is k (B[n, k]), one row only and narrow column tiles.
+        if not self.b_along_k and self.extent_i <= 8:
+            point.update(tile_i=pick("tile_i", (1, 1, 1)), tile_j=pick("tile_j", (1, 16, 32)), pack_b=False,
+                         write_back_level=2)
+        elif self.b_along_k and self.extent_i == 1:
+            point.update(tile_i=pick("tile_i", (1, 1, 1)), tile_j=pick("tile_j", (8, 2, 4)), pack_b=False,
+                         unroll=256)
         return point if self.check(point) is None else super().default()
 
     def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
