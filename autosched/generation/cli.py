@@ -31,7 +31,7 @@ def add_tune_arguments(p) -> None:
     p.add_argument("--generate", action="store_true",
                    help="tune the kernels of the decode step, at each batch size of --decode-batches")
     p.add_argument("--decode-batches", help="with --generate: batch sizes to tune the decode step at, e.g. 1,16 "
-                   "(default: 1 and --max-batch)")
+                   "(default: 1 and --max-batch on a GPU; on the CPU those the build makes, 1, 2, 4, ...)")
     p.add_argument("--prefill-chunks", help="with --generate: prefill chunk lengths to tune, e.g. 128,512 "
                    "(default: none)")
 
@@ -69,7 +69,8 @@ def cmd_build_generate(args) -> int:
 
 def cmd_tune_generate(args) -> int:
     """``tune-model MODEL --generate``: the kernels of the decode step at each batch size of
-    ``--decode-batches`` (default: 1 and --max-batch) and of the ``--prefill-chunks``, under one trial budget."""
+    ``--decode-batches`` (default: 1 and --max-batch on a GPU, the build's default on the CPU) and of the
+    ``--prefill-chunks``, under one trial budget."""
     import math
 
     from autosched.cli import DEFAULT_DB, TUNE_MODEL_TRIALS, ConsoleReporter, _measurer, _ModelProgress, _open_db, _trials
@@ -79,14 +80,22 @@ def cmd_tune_generate(args) -> int:
     from autosched.target import parse_target
     from autosched.tuner import TuneOptions, tune_tasks
 
-    from .build import generation_tasks, is_static_function, load_generation_model, lower_generation
+    from .build import (
+        default_decode_batches,
+        generation_tasks,
+        is_static_function,
+        load_generation_model,
+        lower_generation,
+    )
 
     target = parse_target(args.target, require_device=args.runner == "local")
     model = load_generation_model(args.model, args.dtype)
     if args.decode_batches is not None:
         batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
-    else:
+    elif target.is_gpu:
         batches = tuple(sorted({1, args.max_batch}))
+    else:  # those the CPU's build makes by default, so that a plain build applies the records
+        batches = default_decode_batches(target, args.max_batch)
     chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks")))) if args.prefill_chunks else ()
     lowered, _ = lower_generation(model.config, target, batches, chunks)
     tasks, untunable = split_tunable(generation_tasks(lowered), target)
