@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autosched: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        tuning = args.command in ("tune", "tune-model") if hasattr(args, "command") else True
+        tuning = args.command in ("tune", "tune-model")
         print("autosched: interrupted" + ("; every record measured so far is kept in the database" if tuning else ""),
               file=sys.stderr)
         return 130

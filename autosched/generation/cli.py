@@ -76,7 +76,7 @@ def cmd_tune_generate(args) -> int:
     from autosched.cli import DEFAULT_DB, TUNE_MODEL_TRIALS, ConsoleReporter, _measurer, _ModelProgress, _open_db, _trials
     from autosched.output import emit
     from autosched.pipeline import split_tunable
-    from autosched.pipeline.tasks import extract_tasks
+    from autosched.pipeline.tasks import kernel_calls
     from autosched.target import parse_target
     from autosched.tuner import TuneOptions, tune_tasks
 
@@ -127,9 +127,10 @@ def cmd_tune_generate(args) -> int:
                              ("searched", "searched"), ("latency_us", "best (us)"), ("failures", "failed")],
          title=f"{args.model}: kernels of the static functions")
     # Each static function's kernels alone, as tuned: what one decode step (or prefill chunk) costs in them.
+    key_of = {kernel: t.key for t in tasks for kernel in (t.name, *t.meta.get("aliases", []))}
     for name in sorted(gv.name_hint for gv in lowered.functions if is_static_function(gv.name_hint)):
-        kernels = [t for t in extract_tasks(lowered, lambda fn, name=name: fn == name) if t.key in best]
-        total = sum(t.weight * best[t.key] for t in kernels)
+        calls = kernel_calls(lowered, lambda fn, name=name: fn == name)
+        total = sum(n * best[key_of[kernel]] for kernel, n in calls.items() if kernel in key_of)
         what = f"{_function_label(name)}: {total * 1e3:.4g} ms in its tunable kernels" if math.isfinite(total) \
             else f"{_function_label(name)}: not every kernel has a measurement"
         log.log(f"{args.model}: {what}")
