@@ -23,9 +23,15 @@ if TYPE_CHECKING:
     from autosched.search_spaces import Space
     from autosched.target import TargetSpec
 
-# Tolerance on ||out - ref|| / ||ref|| for functions that are checked against their own unscheduled
-# build: both compute in the same precision, so only the summation order differs.
+# Tolerance on ||out - ref|| / ||ref|| for functions that are checked against their own default schedule,
+# by the least precise floating-point dtype the function reads, keeps or accumulates in (not its output's:
+# an fp16 product written as float32 carries fp16's error): both compute in that precision, so only the
+# order of the sums differs.
 SELF_CHECK_TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+# Unit roundoff of each dtype. A sequential sum of K random terms kept in it is off by about u·√K/2.4 of
+# its value (each partial sum rounded), the candidate's and the reference's independently: u·√K bounds
+# their difference with room to spare (tree-shaped sums, as GPU schedules make, drift far less).
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,34 @@ def output_indices(func: PrimFunc) -> list[int]:
     return [i for i, p in enumerate(func.params) if p.name in written]
 
 
+def precision_tolerance(func: PrimFunc) -> float:
+    """The relative error two correct schedules of ``func`` may show against each other: the tolerance of the
+    least precise float dtype among its parameters and buffers, widened for a reduction kept in a low-precision
+    accumulator to the drift of its sums (u·√K, K the reduction's length)."""
+    from tvm import s_tir, tirx
+
+    from autosched.search_spaces._analysis import blocks_of, iter_kinds
+
+    sch = s_tir.Schedule(func)
+    dtypes = {str(p.dtype) for p in func.params if hasattr(p, "dtype")}
+    drift = 0.0
+    for block in blocks_of(sch):
+        stmt = sch.get(block)
+        dtypes |= {str(b.dtype) for b in stmt.alloc_buffers}
+        kinds = iter_kinds(sch, block)
+        if "R" not in kinds or not stmt.writes:
+            continue
+        length = 1
+        for kind, iv in zip(kinds, stmt.iter_vars):
+            if kind == "R" and isinstance(iv.dom.extent, tirx.IntImm):
+                length *= int(iv.dom.extent)
+        accumulator = str(stmt.writes[0].source.dtype)
+        drift = max(drift, UNIT_ROUNDOFF.get(accumulator, 0.0) * length ** 0.5)
+    floats = [d for d in dtypes if d in SELF_CHECK_TOLERANCE]
+    base = max((SELF_CHECK_TOLERANCE[d] for d in floats), default=1e-4)
+    return max(base, drift)
+
+
 class Checker:
     """Inputs, output shapes and the reference of one task (lives in the runner process)."""
 
@@ -215,8 +249,7 @@ class SelfChecker(Checker):
         self.target = target if target is not None and target.is_gpu else None
         self.outputs = output_indices(func)
         self.inputs = [i for i in range(len(func.params)) if i not in self.outputs]
-        out_dtypes = {str(func.params[i].dtype) for i in self.outputs}
-        self.tolerance = max(SELF_CHECK_TOLERANCE.get(d, 1e-4) for d in out_dtypes) if out_dtypes else 1e-4
+        self.tolerance = precision_tolerance(func)
         self._compiled: dict[str, Any] = {}  # reference executable per device type
 
     def _spec(self, index: int) -> tuple[tuple[int, ...], str]:
