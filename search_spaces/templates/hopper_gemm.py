@@ -551,6 +551,10 @@ class HopperGemmSpace(HopperTemplate):
         return canonical_group_m(p, self.unit_tiles(p)[0])
 
     def default(self) -> Point:
+        if self.m <= self.SWAP_MAX_M and not self.gated:
+            point = self._decode_default()
+            if point is not None:
+                return point
         for point in ({"consumers": 2, "wg_rows": 64, "block_n": 256, "stages": 4, "group_m": 8, "persistent": False,
                        "split_k": 1},
                       {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 4, "group_m": 1, "persistent": False,
@@ -562,6 +566,24 @@ class HopperGemmSpace(HopperTemplate):
             if self.check(point) is None:
                 return point
         return super().default()
+
+    def _decode_default(self) -> Point | None:
+        """A decode step's few rows: operands swapped (the weights' rows on wgmma's M side, the tokens in
+        the narrowest N tile that holds them), a deep ring, and K split across a cluster as far as the grid
+        still fits one wave; None if no such point is valid."""
+        block_n = next((bn for bn in self.BLOCK_NS if bn >= self.m), None)
+        if block_n is None:
+            return None
+        tiles = math.ceil(self.n / 64)
+        for split in (4, 2, 1):
+            if split > 1 and tiles * split > self.sms:
+                continue
+            point = {"consumers": 1, "wg_rows": 64, "block_n": block_n, "stages": 8, "group_m": 1,
+                     "persistent": False, "split_k": split, "swap_ab": True, "pingpong": False, "multicast": "none"}
+            point = self.canonical(point)
+            if self.check(point) is None:
+                return point
+        return None
 
     def first_points(self) -> list[Point]:
         """The default, then its tiles with either operand multicast across a cluster of two. At one wave
