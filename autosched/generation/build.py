@@ -144,19 +144,12 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
     return scheduled, report, applied
 
 
-def default_decode_batches(target: TargetSpec, max_batch: int) -> tuple[int, ...]:
-    """The batch sizes that get a static decode function when none are asked for.
-
-    On a GPU, batch 1, whose GEMVs TVM's default schedules serve well and whose step then runs as CUDA
-    graphs (without them, launching each kernel costs more than the kernels). A larger batch's static
-    GEMMs are left to ``tune-model --generate``: on TVM's default schedule for a static small batch
-    (dlight's Matmul) they run slower than the dynamic function's (BENCHMARKS.md, Generation).
-
-    On the CPU, the powers of two up to ``max_batch`` (and it): static kernels take the spaces' default
-    points, where the dynamic function's run as TVM writes them, an order of magnitude slower; a batch in
-    between is padded up to the next (``Generator._padding``)."""
-    if target.is_gpu:
-        return (1,)
+def default_decode_batches(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes that get a static decode function when none are asked for: the powers of two up to
+    ``max_batch``, and it. A static function's kernels are ours (``gemm`` workloads at the spaces' default
+    points, or tuned) and on a GPU its step runs as CUDA graphs; the dynamic function's kernels run TVM's
+    default schedules for symbolic shapes, far slower at every batch. A batch in between is padded up to the
+    next static size (``Generator._padding``)."""
     return tuple(sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch}))
 
 
@@ -237,7 +230,7 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
 
     _check_limits(model.config, max_seq_len, max_batch)
     if decode_batches is None:
-        decode_batches = default_decode_batches(target, max_batch)
+        decode_batches = default_decode_batches(max_batch)
     if any(not 1 <= n <= max_batch for n in decode_batches):
         raise UsageError(f"--decode-batches must lie between 1 and --max-batch {max_batch}")
     if prefill_chunks is None:

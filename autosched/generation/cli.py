@@ -19,8 +19,8 @@ def add_build_arguments(p) -> None:
                    help="with --generate: the longest sequence, prompt and new tokens (default 2048)")
     p.add_argument("--decode-batches",
                    help="with --generate: batch sizes whose decode step gets a static function of its own (tunable "
-                        "kernels; CUDA graphs on a GPU), e.g. 1,16 as tuned by tune-model --generate (default: 1 on a "
-                        "GPU; 1, 2, 4, ... up to --max-batch on the CPU; a batch in between is padded up)")
+                        "kernels; CUDA graphs on a GPU), e.g. 1,16 as tuned by tune-model --generate (default: 1, 2, 4, "
+                        "... up to --max-batch; a batch in between is padded up)")
     p.add_argument("--prefill-chunks",
                    help="with --generate: prompt lengths that get a static prefill function, prompts being prefilled "
                         "in chunks of those sizes, e.g. 512 as tuned by tune-model --generate (default: none)")
@@ -31,7 +31,7 @@ def add_tune_arguments(p) -> None:
     p.add_argument("--generate", action="store_true",
                    help="tune the kernels of the decode step, at each batch size of --decode-batches")
     p.add_argument("--decode-batches", help="with --generate: batch sizes to tune the decode step at, e.g. 1,16 "
-                   "(default: 1 and --max-batch on a GPU; on the CPU those the build makes, 1, 2, 4, ...)")
+                   "(default: those the build makes, 1, 2, 4, ... up to --max-batch)")
     p.add_argument("--prefill-chunks", help="with --generate: prefill chunk lengths to tune, e.g. 128,512 "
                    "(default: none)")
 
@@ -69,7 +69,7 @@ def cmd_build_generate(args) -> int:
 
 def cmd_tune_generate(args) -> int:
     """``tune-model MODEL --generate``: the kernels of the decode step at each batch size of
-    ``--decode-batches`` (default: 1 and --max-batch on a GPU, the build's default on the CPU) and of the
+    ``--decode-batches`` (default: those the build makes) and of the
     ``--prefill-chunks``, under one trial budget."""
     import math
 
@@ -92,10 +92,8 @@ def cmd_tune_generate(args) -> int:
     model = load_generation_model(args.model, args.dtype)
     if args.decode_batches is not None:
         batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
-    elif target.is_gpu:
-        batches = tuple(sorted({1, args.max_batch}))
-    else:  # those the CPU's build makes by default, so that a plain build applies the records
-        batches = default_decode_batches(target, args.max_batch)
+    else:  # those the build makes by default, so that a plain build applies the records
+        batches = default_decode_batches(args.max_batch)
     chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks")))) if args.prefill_chunks else ()
     lowered, _ = lower_generation(model.config, target, batches, chunks)
     tasks, untunable = split_tunable(generation_tasks(lowered), target)

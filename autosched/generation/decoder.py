@@ -153,7 +153,8 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
     return out
 
 
-def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = ()):
+def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = (),
+                 hopper: bool = False):
     """The ``tvm.relax.frontend.nn`` module of ``cfg`` and its export spec. ``decode_batches``: batch sizes
     that also get a decode function of their own, ``decode_b<N>``, whose shapes are all static (its kernels
     can be tuned, and on CUDA the step is captured as CUDA graphs); other sizes run ``batch_decode``.
@@ -164,7 +165,15 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     from tvm.relax.frontend.nn import Tensor, op
     from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
+    from .linear import linear, swiglu
+
     dtype = cfg.dtype
+
+    class Linear(nn.Linear):
+        """``nn.Linear`` (same parameters) whose product is our ``gemm`` at static shapes (:mod:`.linear`)."""
+
+        def forward(self, x: Tensor) -> Tensor:
+            return linear(x, self.weight, self.bias)
 
     def gather(x: Tensor, ids: Tensor, axis: int, name: str) -> Tensor:
         """Slices of ``x`` at ``ids`` along ``axis``. Indices are clipped rather than trusted: the Generator
@@ -188,23 +197,27 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         def __init__(self):
             qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
             self.attn_norm = make_norm()
-            self.qkv = nn.Linear(cfg.hidden, qkv_rows, bias=cfg.qkv_bias, dtype=dtype)
-            self.o = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            self.qkv = Linear(cfg.hidden, qkv_rows, bias=cfg.qkv_bias, dtype=dtype)
+            self.o = Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
             self.mlp_norm = make_norm()
-            self.up = nn.Linear(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
-            self.down = nn.Linear(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            self.up = Linear(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
+            self.down = Linear(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
 
         def forward(self, x: Tensor, cache: PagedKVCache, layer_id: int):
             b, s, _ = x.shape
             qkv = op.reshape(self.qkv(self.attn_norm(x)), (b, s, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim))
             attn = cache.attention_with_fused_qkv(layer_id, qkv, cfg.heads, sm_scale=cfg.head_dim ** -0.5)
             x = x + self.o(op.reshape(attn, (b, s, cfg.heads * cfg.head_dim)))
-            up = self.up(self.mlp_norm(x))
-            if cfg.gated_mlp:
-                gate, up = op.split(up, 2, axis=-1)
+            h = self.mlp_norm(x)
+            fused = swiglu(h, self.up.weight, hopper) if cfg.gated_mlp and cfg.activation == "silu" \
+                and self.up.bias is None else None
+            if fused is not None:
+                up = fused
+            elif cfg.gated_mlp:
+                gate, up = op.split(self.up(h), 2, axis=-1)
                 up = activation(gate) * up
             else:
-                up = activation(up)
+                up = activation(self.up(h))
             return x + self.down(up)
 
     class Decoder(nn.Module):
@@ -215,7 +228,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             self.layers = nn.ModuleList([Layer() for _ in range(cfg.layers)])
             self.norm = make_norm()
             if not cfg.tied_embeddings:
-                self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
+                self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
 
         def forward(self, x: Tensor, cache: PagedKVCache):
             if cfg.learned_positions:
@@ -228,7 +241,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
         def logits(self, x: Tensor):
             if cfg.tied_embeddings:
-                out = op.matmul(x, op.permute_dims(self.embed.weight))
+                out = linear(x, self.embed.weight)
             else:
                 out = self.lm_head(x)
             return out.astype("float32") if out.dtype != "float32" else out
@@ -296,7 +309,10 @@ def _current_target():
 
 def export(cfg: DecoderConfig, tvm_target, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = ()):
     """(IRModule, parameter names in the order the functions take them) of ``cfg`` for ``tvm_target``."""
-    module, spec = build_module(cfg, decode_batches, prefill_chunks)
+    from autosched.search_spaces.templates.hopper_gemm import HOPPER_ARCHS
+
+    hopper = tvm_target.kind.name == "cuda" and str(tvm_target.attrs.get("arch", "")) in HOPPER_ARCHS
+    module, spec = build_module(cfg, decode_batches, prefill_chunks, hopper)
     _TARGET.append(tvm_target)
     try:
         mod, params = module.export_tvm(spec=spec)

@@ -1,0 +1,67 @@
+"""The decoder's linear layers as our workloads.
+
+In a function of static shapes (a decode step at a fixed batch, a prefill chunk) each product ``x·Wᵀ``
+is a call of the ``gemm`` workload's kernel on W as stored, keyed, searched and stored exactly as
+``autosched tune gemm`` keys them, so a record of either serves both, and on sm_90 the Hopper spaces
+serve it (swapped operands and split-K for a decode step's few rows, wgmma tiles for a prefill chunk).
+A SwiGLU MLP's gate and up projections become one ``swiglu_gemm`` where its sm_90 space serves the
+shape. At symbolic shapes (``batch_prefill``, ``batch_decode``) the product stays TVM's ``matmul``,
+which its default schedules serve.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tvm.relax.frontend.nn import Tensor
+
+
+def static_rows(x: Tensor) -> int | None:
+    """The rows of ``x`` flattened to [rows, features] if its shape is static, else None."""
+    dims = x.shape[:-1]
+    return math.prod(dims) if all(isinstance(d, int) for d in dims) else None
+
+
+def _call(wl, name: str, args: list, rows: int, cols: int):
+    from tvm.relax.frontend.nn import Tensor, op
+
+    from autosched.pipeline.substitute import workload_func
+
+    return op.tensor_ir_op(workload_func(wl), name, args, Tensor.placeholder((rows, cols), wl.dtype))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x·Wᵀ (+ bias)`` with W [n, k] as ``nn.Linear`` stores it: our ``gemm`` at static shapes."""
+    from tvm.relax.frontend.nn import op
+
+    from autosched.workloads import make_workload
+
+    n, k = weight.shape
+    rows = static_rows(x)
+    if rows is None or not isinstance(n, int) or x.dtype != weight.dtype:
+        out = op.matmul(x, op.permute_dims(weight))
+        return out + bias if bias is not None else out
+    wl = make_workload("gemm", {"m": rows, "n": n, "k": k}, weight.dtype, {"bias": bias is not None, "act": "none"})
+    args = [op.reshape(x, (rows, k)), weight] + ([bias] if bias is not None else [])
+    return op.reshape(_call(wl, "autosched_gemm", args, rows, n), (*x.shape[:-1], n))
+
+
+def swiglu(x: Tensor, weight: Tensor, hopper: bool) -> Tensor | None:
+    """``SiLU(x·W[:n]ᵀ) ⊙ (x·W[n:]ᵀ)`` as one ``swiglu_gemm`` (W: the gate's rows over the up projection's),
+    where its sm_90 space serves the shape; None elsewhere (the caller computes it unfused)."""
+    from tvm.relax.frontend.nn import op
+
+    from autosched.search_spaces.templates.hopper_gemm import HopperGemmSpace
+    from autosched.workloads import get_operator, make_workload
+
+    rows = static_rows(x)
+    two_n, k = weight.shape
+    if not hopper or rows is None or rows <= HopperGemmSpace.SWAP_MAX_M or x.dtype != weight.dtype \
+            or weight.dtype not in get_operator("swiglu_gemm").dtypes or not HopperGemmSpace.serves(rows, k, x.dtype):
+        return None
+    n = two_n // 2
+    wl = make_workload("swiglu_gemm", {"m": rows, "n": n, "k": k}, weight.dtype)
+    out = _call(wl, "autosched_swiglu_gemm", [op.reshape(x, (rows, k)), weight], rows, n)
+    return op.reshape(out, (*x.shape[:-1], n))
