@@ -328,3 +328,34 @@ def test_tune_model_generate_tunes_the_decode_step_and_build_uses_its_records(bu
     assert len(manifest["tuned_kernels"]) >= 5
     results = Generator(tmp_path / "art").generate(PROMPTS[:2], 16)
     assert [r.tokens for r in results] == [_reference(model, p, 16) for p in PROMPTS[:2]]
+
+
+@pytest.mark.slow
+def test_a_build_for_sm_90_runs_every_linear_layer_of_its_static_functions_on_our_workloads():
+    """Built here without a GPU (scheduled, not compiled): in the decode steps and the prefill chunk every
+    product with a weight is one of our workloads (a decode step's rows on hopper_gemm's swapped kernel,
+    one row left to the GEMV space, the chunk's gate and up projections one swiglu_gemm); the dynamic
+    functions keep TVM's matmul kernels, and so does the chunk's LM head, over the last token of each of a
+    symbolic number of prompts."""
+    from autosched.examples.hf import TINY, _config
+    from autosched.generation.build import lower_generation, schedule_generation
+    from autosched.generation.decoder import config_from_hf
+    from autosched.pipeline.tasks import kernel_calls
+    from autosched.target import parse_target
+
+    target = parse_target("cuda:sm_90a", require_device=False)
+    cfg = config_from_hf(_config("llama", TINY)[0], "float16")
+    lowered, _ = lower_generation(cfg, target, decode_batches=(1, 4), prefill_chunks=(128,))
+    _, report, _ = schedule_generation(lowered, None, target)
+    for function in ("decode_b1", "decode_b4", "prefill_t128"):
+        called = kernel_calls(lowered, lambda name, function=function: name == function)
+        left = [k for k in called if "matmul" in k.lower()]  # TVM's matmul kernels
+        assert len(left) == (1 if function == "prefill_t128" else 0), (function, left)
+        ours = {report.workloads[k]["workload"].split("[")[0] for k in called if k in report.workloads}
+        assert ours == ({"gemm", "swiglu_gemm"} if function == "prefill_t128" else {"gemm"}), function
+    spaces = {(w["workload"].split(",")[0], w["space"], w["schedule"]) for w in report.workloads.values()}
+    assert ("gemm[m=4", "hopper_gemm", "default point") in spaces
+    assert ("gemm[m=1", "gpu_gemv", "TVM default (dlight)") in spaces
+    assert ("swiglu_gemm[m=128", "hopper_gemm", "default point") in spaces
+    dynamic = kernel_calls(lowered, lambda name: name == "batch_decode")
+    assert any("matmul" in k.lower() for k in dynamic)

@@ -103,11 +103,15 @@ class GenerationReport:
     tuned: dict[str, dict] = field(default_factory=dict)
     default: list[str] = field(default_factory=list)
     attention: dict[str, str] = field(default_factory=dict)  # role -> what runs it
+    # Kernels of our workloads (each linear layer of the static functions): name -> workload key, space and
+    # where its schedule came from.
+    workloads: dict[str, dict[str, str]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         text = (f"{len(self.tuned) + len(self.default)} kernels: {len(self.tuned)} from the database, "
-                f"{len(self.default)} on default schedules; attention on TVM's default paged-KV kernels")
+                f"{len(self.default)} on default schedules, {len(self.workloads)} of our workloads; attention on "
+                "TVM's default paged-KV kernels")
         return text + "; " + ", ".join(f"{step} {s:.1f} s" for step, s in self.seconds.items())
 
 
@@ -137,11 +141,44 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
         name = gv.name_hint
         if isinstance(func, tirx.PrimFunc) and name not in report.tuned and not name.startswith(tuple(attention_kernels)):
             report.default.append(name)
+    report.workloads = workload_kernels(lowered, applied, target)
     present = [gv.name_hint for gv in lowered.functions]
     for role, prefixes in ATTENTION_ROLES.items():
         found = sorted(n for n in present if n.startswith(prefixes))
         report.attention[role] = f"TVM default ({', '.join(found)})" if found else "none"
     return scheduled, report, applied
+
+
+def workload_kernels(lowered, applied, target: TargetSpec) -> dict[str, dict[str, str]]:
+    """Each kernel of one of our workloads in ``lowered``: its workload's key, the space that serves it on
+    ``target`` and its schedule's origin (a database record, the space's default point, or TVM's default
+    schedule where an untuned generic GPU space leaves it to dlight)."""
+    from tvm import tirx
+
+    from autosched.errors import SpaceError
+    from autosched.pipeline.substitute import WORKLOAD_ATTR
+    from autosched.pipeline.tasks import task_of
+
+    out = {}
+    for gv, func in lowered.functions.items():
+        if not isinstance(func, tirx.PrimFunc) or func.attrs is None or WORKLOAD_ATTR not in func.attrs:
+            continue
+        task = task_of(gv.name_hint, func)
+        try:
+            space = task.space(target)
+        except SpaceError:
+            out[gv.name_hint] = {"workload": task.key, "space": "none", "schedule": "TVM default"}
+            continue
+        if gv.name_hint in applied.tuned:
+            origin = "database"
+        elif gv.name_hint in applied.transferred:
+            origin = "nearest tuned shape"
+        elif not target.is_gpu or space.template:
+            origin = "default point"
+        else:
+            origin = "TVM default (dlight)"
+        out[gv.name_hint] = {"workload": task.key, "space": space.name, "schedule": origin}
+    return out
 
 
 def default_decode_batches(max_batch: int) -> tuple[int, ...]:
@@ -216,6 +253,7 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         "tuned_kernels": report.tuned, "default_kernels": report.default, "attention": report.attention,
+        "workload_kernels": report.workloads,
     }
 
 
