@@ -75,6 +75,8 @@ def _check_family(model, artifact):
     gen = Generator(artifact)
     results = gen.generate(PROMPTS, NEW)
     assert gen.stats["static_prefill_calls"] == 4  # 32 prompt tokens: four chunks of 8
+    # Every call chose its greedy tokens on the device (read back a token per row, not the logits).
+    assert gen.stats["device_greedy_calls"] == gen.stats["prefill_calls"] + gen.stats["decode_steps"] > 0
     for prompt, result in zip(PROMPTS, results):
         assert result.error is None
         assert result.tokens == _reference(model, prompt), prompt
@@ -174,7 +176,7 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(built):
     assert first[0].tokens == again[0].tokens
     other = gen.generate(PROMPTS[:1], 16, temperature=1.0, top_p=0.9, seed=8)
     assert other[0].tokens != first[0].tokens
-    greedy = gen.generate(PROMPTS, 16)
+    greedy = gen.generate(PROMPTS, 16)  # chosen on the device; top-k 1 below on the host from the logits
     assert [r.tokens for r in gen.generate(PROMPTS, 16, temperature=0.7, top_k=1)] == [r.tokens for r in greedy]
 
 

@@ -261,6 +261,18 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             x = op.reshape(self.embed_tokens(input_ids), (input_ids.shape[0], 1, cfg.hidden))
             return self.logits(self.forward(x, cache)), cache
 
+        def greedy_tokens(self, logits: Tensor):
+            """Each row's greedy choice (the first index of its largest logit, as numpy's argmax): what the
+            runtime reads back of a greedy step, a token per sequence rather than the whole logits. ``logits``
+            as a step returns them: [1, sequences, vocab] from a prefill, [sequences, 1, vocab] from a decode."""
+            from tvm import relax as rx
+
+            vocab = logits.shape[-1]
+            best = rx.op.max(logits._expr, axis=-1, keepdims=True)
+            index = rx.op.arange(0, vocab, dtype="int32")
+            at_best = rx.op.where(rx.op.equal(logits._expr, best), index, rx.const(vocab, "int32"))
+            return op.wrap_nested(rx.op.min(at_best, axis=-1), "greedy_tokens")
+
         def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
@@ -284,6 +296,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         "batch_prefill": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"),
                           "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "cache": cache_spec, "$": packed},
         "batch_decode": {"input_ids": nn.spec.Tensor(["batch_size"], "int32"), "cache": cache_spec, "$": packed},
+        "greedy_tokens": {"logits": nn.spec.Tensor(["rows", "columns", cfg.vocab], "float32"),
+                          "$": {"param_mode": "none", "effect_mode": "none"}},
         "create_paged_kv_cache": {name: int for name in ("max_batch_size", "max_total_seq_len", "prefill_chunk_size",
                                                          "page_size", "support_sliding_window")}
         | {"$": {"param_mode": "none", "effect_mode": "none"}},

@@ -5,7 +5,8 @@ The KV cache is TVM's paged one (``vm.builtin.paged_attention_kv_cache_create``,
 copied) and removed through the runtime's ``vm.builtin.kv_state_*`` functions. Each :meth:`Generator.step`
 prefills the sequences added since the last step (their prompts packed into one call) and decodes one token
 for every sequence that was already decoding (one call for the whole batch): continuous batching in its
-simplest form. Sampling runs on the host from each step's logits.
+simplest form. A step whose sequences all decode greedily chooses their tokens on the device and reads
+back one token per sequence; sampling runs on the host from the step's logits.
 """
 
 from __future__ import annotations
@@ -139,6 +140,11 @@ class Generator:
         self._free_pages = builtin("vm.builtin.attention_kv_cache_get_num_available_pages")
         self._popn = builtin("vm.builtin.kv_state_popn")
         self._shape = shape
+        # Greedy choices made on the device (artifacts built before it lack the function: the host chooses).
+        try:
+            self._greedy = self.vm["greedy_tokens"]
+        except (AttributeError, KeyError, RuntimeError):
+            self._greedy = None
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         self.completions: list[Completion] = []
@@ -147,7 +153,7 @@ class Generator:
     def reset_timing(self) -> None:
         self.stats = {"prefill_calls": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0,
                       "static_decode_steps": 0, "padded_decode_steps": 0, "static_prefill_calls": 0,
-                      "decode_tokens": 0, "decode_s": 0.0}
+                      "decode_tokens": 0, "decode_s": 0.0, "device_greedy_calls": 0}
 
     # ---- sequences, one step at a time ------------------------------------------------------------
 
@@ -363,7 +369,13 @@ class Generator:
         self._end(self.cache)
         for pad in pads:  # the padding rows' token leaves their (empty) sequences again
             self._popn(self.cache, pad, 1)
-        logits = logits.numpy().reshape(len(kept) + len(pads), -1)[:len(kept)]
+        # A step whose sequences all decode greedily reads back a token per row, not the logits.
+        greedy = self._greedy is not None and all(seq.sampling.temperature == 0 for seq in kept)
+        if greedy:
+            picks = self._greedy(logits).numpy().reshape(-1)[:len(kept)]
+            self.stats["device_greedy_calls"] += 1
+        else:
+            logits = logits.numpy().reshape(len(kept) + len(pads), -1)[:len(kept)]
         elapsed = time.perf_counter() - began
         key = "prefill" if prefill else "decode"
         self.stats[f"{key}_s"] += elapsed
@@ -374,7 +386,7 @@ class Generator:
             self.stats["decode_steps"] += 1
             self.stats["decode_tokens"] += len(kept)
         made = []
-        for seq, row in zip(kept, logits):
+        for i, seq in enumerate(kept):
             fed = feed[seq.seq_id]
             seq.length += fed
             seq.pending = seq.pending[fed:]
@@ -386,7 +398,7 @@ class Generator:
             if seq.length >= self.max_seq_len:  # a new token would make the sequence longer than the artifact's
                 seq.completion.finish_reason = "max_seq_len"
                 continue
-            token = _sample(row, seq.sampling, seq.rng)
+            token = int(picks[i]) if greedy else _sample(logits[i], seq.sampling, seq.rng)
             seq.completion.tokens.append(token)
             made.append((seq.seq_id, token))
             if token in seq.stop_tokens:
