@@ -275,8 +275,10 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
         # None unless asked for (with tune-model --generate): untuned, a static prefill runs the same default
         # schedules as the dynamic one.
         prefill_chunks = ()
-    if any(not 1 <= t <= max_seq_len for t in prefill_chunks):
-        raise UsageError(f"--prefill-chunks must lie between 1 and --max-seq-len {max_seq_len}")
+    # A chunk packs the prompts waiting at once (16 prompts of 512 tokens: one chunk of 8192).
+    if any(not 1 <= t <= max_seq_len * max_batch for t in prefill_chunks):
+        raise UsageError(f"--prefill-chunks must lie between 1 and --max-seq-len x --max-batch "
+                         f"({max_seq_len * max_batch})")
     executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks)
     weights = weights_from_hf(model.hf.state_dict(), model.config)
     manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,

@@ -22,8 +22,9 @@ def add_build_arguments(p) -> None:
                         "kernels; CUDA graphs on a GPU), e.g. 1,16 as tuned by tune-model --generate (default: 1, 2, 4, "
                         "... up to --max-batch; a batch in between is padded up)")
     p.add_argument("--prefill-chunks",
-                   help="with --generate: prompt lengths that get a static prefill function, prompts being prefilled "
-                        "in chunks of those sizes, e.g. 512 as tuned by tune-model --generate (default: none)")
+                   help="with --generate: token counts that get a static prefill function, the prompts waiting at once "
+                        "being packed and prefilled in chunks of those sizes, e.g. 512,8192 as tuned by tune-model "
+                        "--generate (default: none)")
 
 
 def add_tune_arguments(p) -> None:

@@ -128,8 +128,10 @@ class Generator:
         # Room for the padding rows of a decode step (see _padding) beside max_batch live sequences.
         self._pad_ids: list[int] = []
         seqs = self.max_batch + max(self.decode_batches, default=1) - 1
+        # The cache's scratch space holds one prefill call: a prompt, or a static chunk of packed prompts.
+        prefill_tokens = max(self.max_seq_len, *self.prefill_chunks)
         self.cache = self.vm["create_paged_kv_cache"](
-            shape([seqs]), shape([self.kv_pages * self.page_size]), shape([self.max_seq_len]),
+            shape([seqs]), shape([self.kv_pages * self.page_size]), shape([prefill_tokens]),
             shape([self.page_size]), shape([0]))
         builtin = tvm.get_global_func
         self._add = builtin("vm.builtin.kv_state_add_sequence")
