@@ -96,3 +96,26 @@ def test_no_test_compares_a_measured_time_with_a_threshold():
     assert not found, "timing assertions (inject a clock or timings, or move the comparison to benchmarks/):\n" \
         + "\n".join(found)
 
+
+def test_gpu_tests_report_a_test_that_passed_only_when_re_run_as_flaky(tmp_path):
+    """benchmarks/gpu_tests.sh re-runs failed tests; its report tells a flaky test (failed, then passed) from
+    a failure (failed twice, or not reached by the re-run), for pytest-xdist's lines and plain ones."""
+    import subprocess
+
+    first, rerun = tmp_path / "first.log", tmp_path / "rerun.log"
+    first.write_text("[gw0] [ 10%] PASSED tests/test_a.py::test_ok\n"
+                     "[gw1] [ 20%] FAILED tests/test_a.py::test_flaky[x-1]\n"
+                     "FAILED tests/test_a.py::test_flaky[x-1] - RuntimeError: CUDA out of memory\n"
+                     "FAILED tests/test_a.py::test_broken - AssertionError: wrong\n"
+                     "FAILED tests/test_a.py::test_cut - AssertionError\n"
+                     "FAILED tests/test_b.py::test_plain - AssertionError\n")
+    rerun.write_text("[gw0] [ 50%] PASSED tests/test_a.py::test_flaky[x-1]\n"
+                     "[gw1] [ 75%] FAILED tests/test_a.py::test_broken\n"
+                     "tests/test_b.py::test_plain PASSED                 [100%]\n"
+                     "FAILED tests/test_a.py::test_broken - AssertionError: wrong\n")
+    script = TESTS.parent / "benchmarks" / "_rerun_report.sh"
+    out = subprocess.run(["bash", str(script), str(first), str(rerun)], capture_output=True, text=True, check=True).stdout
+    assert "FLAKY: tests/test_a.py::test_flaky[x-1]" in out and "FLAKY: tests/test_b.py::test_plain" in out
+    assert "FAILED: tests/test_a.py::test_broken" in out and "NOT RE-RUN: tests/test_a.py::test_cut" in out
+    assert "4 failed at first, 2 flaky, 2 not passing" in out
+    assert "_rerun_report.sh" in (TESTS.parent / "benchmarks" / "gpu_tests.sh").read_text()
