@@ -34,9 +34,14 @@ def test_unreadable_databases(tmp_path):
     bad = tmp_path / "bad.db"
     bad.write_text("garbage" * 50)
     proc = cli("db", "best", "--db", str(bad), check=False)
-    assert proc.returncode == 1 and "not a readable autosched database" in proc.stderr
+    assert proc.returncode == 2 and "not a readable autosched database" in proc.stderr
     proc = cli("db", "list", "--db", str(tmp_path / "none.db"), check=False)
-    assert proc.returncode == 1 and "no tuning database" in proc.stderr
+    assert proc.returncode == 2 and "no tuning database" in proc.stderr
+    # A folder, too, is bad input: exit 2, one line, for a read command and for tune.
+    for args in (["db", "stats"], ["tune", "softmax", "--shape", "m=4,n=8", "--trials", "1"]):
+        proc = cli(*args, "--db", str(tmp_path), check=False)
+        assert proc.returncode == 2 and "is a folder, not a database file" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_ops_lists_shape_keys():

@@ -135,7 +135,7 @@ def test_import_prints_a_table(tmp_path, export):
 
 def test_failed_report_creates_no_folder(tmp_path, tuned_db):
     _fails_leaving_nothing(tmp_path, "report", "--db", str(tmp_path / "nothere.db"), "-o", str(tmp_path / "rep"),
-                           says="no tuning database")
+                           code=2, says="no tuning database")
     _fails_leaving_nothing(tmp_path, "report", "--db", str(tuned_db), "-o", str(tmp_path / "rep" / "sub"),
                            "--bench", str(tmp_path / "missing.json"), code=2, says="missing.json")
 
