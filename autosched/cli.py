@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 
@@ -620,9 +621,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose value is a comma-separated list of numbers: a value such as "-1,2" is theirs (argparse would take
+# it for an option and answer with its usage), for the command to refuse in one line.
+LIST_OPTIONS = ("--prompt-ids", "--stop-ids", "--decode-batches", "--prefill-chunks")
+
+
+def _attach_list_values(argv: list[str]) -> list[str]:
+    """``--prompt-ids -1,2`` as ``--prompt-ids=-1,2``."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in LIST_OPTIONS and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_list_values(sys.argv[1:] if argv is None else list(argv)))
 
     def _terminate(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")

@@ -163,6 +163,27 @@ def test_damaged_artifact(tmp_path):
     assert "not valid JSON" in line
 
 
+def test_run_refuses_an_artifact_it_cannot_read_as_a_model_build(tmp_path):
+    """A generation artifact is named as one, with the command that reads it; a manifest of a version this
+    autosched does not know is refused, not used as if it were version 1."""
+    art = _artifact(tmp_path / "art")
+    manifest = json.loads((art / "manifest.json").read_text())
+    (art / "manifest.json").write_text(json.dumps({**manifest, "format": "autosched-generator", "version": 1}))
+    line = _fails_leaving_nothing(tmp_path, "run", str(art), code=2, says="is a generation artifact")
+    assert f"autosched generate {art}" in line
+    (art / "model.so").write_bytes(b"")
+    (art / "manifest.json").write_text(json.dumps({**manifest, "version": 99, "autosched_version": "9.0"}))
+    line = _fails_leaving_nothing(tmp_path, "run", str(art), code=2, says="manifest version 99")
+    assert "autosched 9.0 wrote it" in line and "reads version 1" in line
+
+
+def test_the_generation_format_is_the_one_the_generation_build_writes():
+    from autosched.generation.build import FORMAT
+    from autosched.pipeline.artifact import GENERATION_FORMAT
+
+    assert GENERATION_FORMAT == FORMAT
+
+
 def test_an_artifact_for_a_device_this_machine_lacks_says_so(tmp_path):
     """A build for cuda:sm_90 made on a machine without a GPU (which `build` allows) cannot run here: one line
     naming the target and the way out, before TVM tries to load CUDA code it has no runtime for."""

@@ -52,10 +52,10 @@ def cmd_build_generate(args) -> int:
     try:
         batches = None
         if args.decode_batches is not None:
-            batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
+            batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
         chunks = None
         if args.prefill_chunks is not None:
-            chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks"))))
+            chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks", "lengths"))))
         out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
                                       db_path=str(db.path) if db else None, decode_batches=batches,
                                       prefill_chunks=chunks)
@@ -91,12 +91,12 @@ def cmd_tune_generate(args) -> int:
     target = parse_target(args.target, require_device=args.runner == "local")
     model = load_generation_model(args.model, args.dtype)
     if args.decode_batches is not None:
-        batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
+        batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
     elif target.is_gpu:
         batches = tuple(sorted({1, args.max_batch}))
     else:  # those the CPU's build makes by default, so that a plain build applies the records
         batches = default_decode_batches(target, args.max_batch)
-    chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks")))) if args.prefill_chunks else ()
+    chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks", "lengths")))) if args.prefill_chunks else ()
     lowered, _ = lower_generation(model.config, target, batches, chunks)
     tasks, untunable = split_tunable(generation_tasks(lowered), target)
     log = console(stderr=True)
@@ -167,11 +167,18 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(fn=cmd_generate)
 
 
-def _ids(text: str, what: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise UsageError(f"{what} '{text}' should be comma-separated token ids, e.g. 1,2,3") from None
+def _ids(text: str, what: str, noun: str = "token ids") -> list[int]:
+    """Comma-separated whole numbers, 0 or more: ``1,,2`` (an empty item), ``-1``, ``1.5`` or ``a`` is a
+    UsageError in one line, never read as something else."""
+    items = text.replace(" ", "").split(",")
+    for item in items:
+        if not item.isdecimal():
+            if item.startswith("-") and item[1:].isdecimal():
+                why = f"{item} is negative: {noun} are 0 or more"
+            else:
+                why = "an empty item between commas" if not item else f"{item!r} is not a whole number"
+            raise UsageError(f"{what} '{text}' should be comma-separated {noun}, e.g. 1,2,3 ({why})")
+    return [int(item) for item in items]
 
 
 def _tokenizer(path: str | None):
