@@ -187,8 +187,9 @@ def _measurer(args, target):
 def cmd_tune(args) -> int:
     from .target import parse_target
     from .task import Task
-    from .tuner import TuneOptions, tune
+    from .tuner import TuneOptions, check_seed, tune
 
+    check_seed(args.seed, "--seed")
     trials = _trials(args, TUNE_TRIALS)
     if args.time_budget is not None and args.time_budget <= 0:
         raise UsageError(f"--time-budget must be above 0 seconds (got {args.time_budget:g})")
@@ -287,6 +288,9 @@ def _describe_buckets(buckets: list) -> str:
 
 
 def cmd_tune_model(args) -> int:
+    from .tuner import check_seed
+
+    check_seed(args.seed, "--seed")
     if args.generate:
         from .generation.cli import cmd_tune_generate
 

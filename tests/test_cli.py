@@ -22,6 +22,9 @@ from .helpers import autosched, cli, start
     (["tune", "gemm", "--target", "tpu"], 2, "unknown target"),
     (["tune", "gemm", "--target", "cuda"], 1, "no CUDA GPU"),
     (["tune", "gemm", "--trials", "0"], 2, "--trials must be at least 1"),
+    (["tune", "gemm", "--seed", "-1"], 2, "--seed must be a whole number, 0 or more (got -1)"),
+    (["tune-model", "tiny-llama", "--seed", "-1"], 2, "--seed must be a whole number, 0 or more (got -1)"),
+    (["tune-model", "tiny-llama", "--generate", "--seed", "-3"], 2, "--seed must be a whole number, 0 or more (got -3)"),
 ])
 def test_bad_input_gives_one_line_and_exit_code(args, code, message, tmp_path):
     proc = cli(*args, "--db", str(tmp_path / "x.db"), check=False)
@@ -170,3 +173,11 @@ def test_tune_model_build_and_run_from_the_command_line(tmp_path):
     # The same model builds for the H200 on a machine without a GPU (CUDA code generation only).
     gpu_build = autosched("build", "tiny-llama", "--tokens", "8", "--target", "cuda:sm_90", "-o", str(tmp_path / "gpu"))
     assert gpu_build.returncode == 0
+
+
+def test_a_negative_seed_is_refused_by_the_api_too():
+    from autosched.errors import UsageError
+    from autosched.tuner import TuneOptions
+
+    with pytest.raises(UsageError, match=r"seed must be a whole number, 0 or more \(got -1\)"):
+        TuneOptions(seed=-1)
