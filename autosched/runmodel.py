@@ -20,6 +20,9 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
 
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1 (got {repeat})")
+    for option, size in (("--tokens", tokens), ("--batch", batch)):
+        if size is not None and size < 1:
+            raise UsageError(f"{option} must be at least 1 (got {size})")
     manifest = read_manifest(path)  # before TVM and torch are imported: a wrong path is said at once
     import torch
     import tvm

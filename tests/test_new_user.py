@@ -184,6 +184,13 @@ def test_the_generation_format_is_the_one_the_generation_build_writes():
     assert GENERATION_FORMAT == FORMAT
 
 
+@pytest.mark.parametrize("size", ["0", "-5"])
+@pytest.mark.parametrize("option", ["--tokens", "--batch"])
+def test_run_refuses_sizes_below_one(tmp_path, option, size):
+    art = _artifact(tmp_path / "art")
+    _fails_leaving_nothing(tmp_path, "run", str(art), option, size, code=2, says=f"{option} must be at least 1 (got {size})")
+
+
 def test_an_artifact_for_a_device_this_machine_lacks_says_so(tmp_path):
     """A build for cuda:sm_90 made on a machine without a GPU (which `build` allows) cannot run here: one line
     naming the target and the way out, before TVM tries to load CUDA code it has no runtime for."""
