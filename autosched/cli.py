@@ -393,6 +393,9 @@ class _ModelProgress:
 
 
 def cmd_build(args) -> int:
+    from .output import check_output_folder
+
+    check_output_folder(args.output, "the artifact", build=True)  # before minutes of building
     if args.generate:
         from .generation.cli import cmd_build_generate
 
@@ -451,8 +454,10 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from .output import check_output_folder
     from .report import write_report
 
+    check_output_folder(args.output, "the report")
     print(write_report(args.db, args.output, args.bench))
     return 0
 

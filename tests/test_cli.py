@@ -181,3 +181,28 @@ def test_a_negative_seed_is_refused_by_the_api_too():
 
     with pytest.raises(UsageError, match=r"seed must be a whole number, 0 or more \(got -1\)"):
         TuneOptions(seed=-1)
+
+
+def test_build_output_must_be_a_new_or_empty_folder_or_an_earlier_build(tmp_path):
+    """-o naming a file, a path under a file, or a folder of other things is refused in one line before any
+    model is loaded; an earlier build's folder may be built over."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "cat.jpg").write_bytes(b"jpeg")
+    for output, says in ((afile, "cannot be a folder"), (afile / "sub", f"({afile} is a file)"),
+                         (other, "holds other files and is not an autosched build")):
+        for extra in ([], ["--generate"]):
+            proc = cli("build", "tiny-llama", *extra, "-o", str(output), check=False)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
+    assert afile.read_text() == "mine" and [p.name for p in other.iterdir()] == ["cat.jpg"]
+    from autosched.output import check_output_folder
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "manifest.json").write_text("{}")
+    (earlier / "model.so").write_bytes(b"")
+    check_output_folder(str(earlier), "the artifact", build=True)  # an earlier build: rebuilt in place
+    check_output_folder(str(tmp_path / "new" / "deeper"), "the artifact", build=True)

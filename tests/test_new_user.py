@@ -191,6 +191,22 @@ def test_run_refuses_sizes_below_one(tmp_path, option, size):
     _fails_leaving_nothing(tmp_path, "run", str(art), option, size, code=2, says=f"{option} must be at least 1 (got {size})")
 
 
+def test_output_files_are_not_taken_for_folders_nor_overwritten(tmp_path, tuned_db):
+    """report -o FILE and db export -o FOLDER are refused in one line; db export does not overwrite a file
+    without --force."""
+    mine = tmp_path / "mine.txt"
+    mine.write_text("keep me")
+    _fails_leaving_nothing(tmp_path, "report", "--db", str(tuned_db), "-o", str(mine), code=2, says="cannot be a folder")
+    _fails_leaving_nothing(tmp_path, "report", "--db", str(tuned_db), "-o", str(mine / "sub"), code=2,
+                           says=f"({mine} is a file)")
+    line = _fails_leaving_nothing(tmp_path, "db", "export", "--db", str(tuned_db), "-o", str(mine), code=2,
+                                  says=f"-o {mine} exists")
+    assert "--force" in line
+    _fails_leaving_nothing(tmp_path, "db", "export", "--db", str(tuned_db), "-o", str(tmp_path), code=2, says="is a folder")
+    cli("db", "export", "--db", str(tuned_db), "-o", str(mine), "--force")
+    assert len(mine.read_text().splitlines()) == 7  # the header and the six records
+
+
 def test_an_artifact_for_a_device_this_machine_lacks_says_so(tmp_path):
     """A build for cuda:sm_90 made on a machine without a GPU (which `build` allows) cannot run here: one line
     naming the target and the way out, before TVM tries to load CUDA code it has no runtime for."""
