@@ -206,3 +206,11 @@ def test_build_output_must_be_a_new_or_empty_folder_or_an_earlier_build(tmp_path
     (earlier / "model.so").write_bytes(b"")
     check_output_folder(str(earlier), "the artifact", build=True)  # an earlier build: rebuilt in place
     check_output_folder(str(tmp_path / "new" / "deeper"), "the artifact", build=True)
+
+
+def test_a_factory_that_returns_no_model_is_named_in_one_line(tmp_path):
+    proc = cli("build", "os:getcwd", "-o", str(tmp_path / "x"), check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "internal error" not in proc.stderr
+    assert "model factory 'os:getcwd' returned a str" in lines[0] and "(model, example_inputs)" in lines[0]
+    assert not (tmp_path / "x").exists()
