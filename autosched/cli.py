@@ -104,13 +104,17 @@ class ConsoleReporter:
             self.progress = None
 
 
-def _warn_load(console, s) -> None:
+def _warn_load(console, s, timed: str | None = None) -> bool:
+    """Warn of a round timed under load (``timed``: what was timed, default "round N was"); whether it warned."""
     from .measure import LOAD_WARNING
 
-    if s.load is not None and s.load > LOAD_WARNING:
-        console.log(f"[yellow]warning:[/] other processes used {s.load:.0%} of the CPU while round {s.round} was "
-                    "timed: its timings are slower and noisier than on a quiet machine (the load is stored with "
-                    "each record; `autosched db best` shows it)")
+    if s.load is None or s.load <= LOAD_WARNING:
+        return False
+    timed = timed or f"round {s.round} was"
+    console.log(f"[yellow]warning:[/] other processes used {s.load:.0%} of the CPU while {timed} timed: the "
+                "timings are slower and noisier than on a quiet machine (the load is stored with each record; "
+                "`autosched db best` shows it)")
+    return True
 
 
 # ---- commands ------------------------------------------------------------------------------------
@@ -375,6 +379,7 @@ class _ModelProgress:
         self.log, self.tasks, self.trials = log, tasks, trials
         self.best = {t.key: math.inf for t in tasks}
         self.used = {t.key: 0 for t in tasks}
+        self.warned_load = None
 
     def on_start(self, task, space, trials, seeded) -> None:
         pass
@@ -389,7 +394,10 @@ class _ModelProgress:
         of = f"/{self.trials}" if self.trials is not None else ""
         self.log.log(f"[{done}{of}] {escape(task.name)}: best {_fmt_time(s.best)} after {s.trials} trials; "
                      f"model estimate {model}")
-        _warn_load(self.log, s)
+        # The kernels of one batch (every kernel's first points are measured together) share its load: one
+        # warning for them, not one per kernel; again when the load changes or comes back after a quiet round.
+        if s.load != self.warned_load:
+            self.warned_load = s.load if _warn_load(self.log, s, "these kernels were") else None
 
 
 def cmd_build(args) -> int:

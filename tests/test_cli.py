@@ -214,3 +214,35 @@ def test_a_factory_that_returns_no_model_is_named_in_one_line(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "internal error" not in proc.stderr
     assert "model factory 'os:getcwd' returned a str" in lines[0] and "(model, example_inputs)" in lines[0]
     assert not (tmp_path / "x").exists()
+
+
+def test_the_load_warning_is_said_once_per_batch_not_once_per_kernel():
+    """tune-model measures every kernel's first points in one batch: the fourteen kernels share its load and
+    get one warning; a later round under another load gets its own, a quiet one none."""
+    from types import SimpleNamespace
+
+    from autosched.cli import _ModelProgress
+    from autosched.tuner import RoundStats
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def log(self, text):
+            self.lines.append(text)
+
+    tasks = [SimpleNamespace(key=f"k{i}", name=f"kernel{i}", weight=1) for i in range(14)]
+    log = Log()
+    progress = _ModelProgress(log, tasks, 64)
+
+    def round_of(task, load):
+        progress.on_round(task, RoundStats(1, 1, 1, 0, 1e-3, 1e-3, 0.0, {}, load))
+
+    for task in tasks:
+        round_of(task, 0.9)
+    warnings = [line for line in log.lines if "warning:" in line]
+    assert len(warnings) == 1 and "90% of the CPU while these kernels were timed" in warnings[0]
+    round_of(tasks[0], 0.5)
+    round_of(tasks[1], 0.1)  # quiet
+    round_of(tasks[2], 0.5)
+    assert len([line for line in log.lines if "warning:" in line]) == 3
