@@ -149,7 +149,12 @@ def open_build_db(path: str | None):
     only read (a team's shared copy) is read as it is."""
     from .database.store import is_url
 
-    if not path or not (is_url(path) or os.path.exists(path)):
+    if not path:
+        return None
+    if not (is_url(path) or os.path.exists(path)):
+        _console(stderr=True).log(f"[yellow]warning:[/] no tuning database at {path}: building with default "
+                                  "schedules (tune first with `autosched tune-model MODEL --db "
+                                  f"{path}`, or give --db the database you tuned into)")
         return None
     writable = is_url(path) or (os.access(path, os.W_OK) and os.access(os.path.dirname(os.path.abspath(path)), os.W_OK))
     return _open_db(path, readonly=not writable)

@@ -216,6 +216,16 @@ def test_a_factory_that_returns_no_model_is_named_in_one_line(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_build_without_a_database_warns_that_it_builds_untuned(tmp_path, capsys):
+    from autosched.cli import open_build_db
+
+    missing = str(tmp_path / "tuned.db")
+    assert open_build_db(missing) is None
+    err = capsys.readouterr().err
+    assert "warning:" in err and f"no tuning database at {missing}" in err and "default schedules" in err
+    assert not os.path.exists(missing)
+
+
 def test_the_load_warning_is_said_once_per_batch_not_once_per_kernel():
     """tune-model measures every kernel's first points in one batch: the fourteen kernels share its load and
     get one warning; a later round under another load gets its own, a quiet one none."""
