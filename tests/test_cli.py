@@ -256,3 +256,18 @@ def test_the_load_warning_is_said_once_per_batch_not_once_per_kernel():
     round_of(tasks[1], 0.1)  # quiet
     round_of(tasks[2], 0.5)
     assert len([line for line in log.lines if "warning:" in line]) == 3
+
+
+def test_tuning_databases_are_ignored_by_git():
+    import shutil
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not shutil.which("git") or not os.path.exists(os.path.join(repo, ".git")):
+        pytest.skip("needs git and a git checkout")
+
+    def ignored(path):
+        return subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=repo).returncode == 0
+
+    assert ignored("autosched.db") and ignored("out/tune.db") and ignored("tune.db-wal")
+    assert not ignored("database/fixtures/schema_0002.db")  # a test fixture, tracked
