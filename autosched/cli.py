@@ -24,6 +24,7 @@ DB_ENV = "AUTOSCHED_DB"
 DEFAULT_DB = "autosched.db"
 TUNE_TRIALS = 64  # tune's trial budget when neither --trials nor --time-budget is given
 TUNE_MODEL_TRIALS = 256  # tune-model's
+DEFAULT_MAX_BATCH = 16  # --max-batch
 BUILD_BUCKET_GROWTH = 1.25  # `build --tokens dynamic`: finer than the tuned buckets (tune-model: 2)
 
 
@@ -288,6 +289,14 @@ def _models(args) -> tuple[list, list]:
     return models_at(args.model, kwargs, buckets), buckets
 
 
+def searched_cell(result) -> str:
+    """tune-model's "searched" column for a kernel's TuneResult: whether its best point was found by search, is
+    the space's default point, or there is none (no trial reached it and no earlier record)."""
+    if result.best_point is None:
+        return "no (not measured)"
+    return "yes" if result.searched else "no (default point)"
+
+
 def _describe_buckets(buckets: list) -> str:
     batches = sorted({b for b, _ in buckets if b is not None})
     lengths = sorted({t for _, t in buckets if t is not None})
@@ -332,7 +341,7 @@ def cmd_tune_model(args) -> int:
             measurer.close()
     db.close()
     rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
-             "searched": "yes" if r.searched else "no (default point)",
+             "searched": searched_cell(r),
              "latency_us": r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
              "weighted_us": t.weight * r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
              "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
@@ -573,7 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--batch", help="batch size of the example input; several (1,4,16) or 'dynamic' (1, 2, 4, "
                        "... up to --max-batch): tune-model tunes every size's kernels, build makes one artifact "
                        "for any batch up to the largest")
-        p.add_argument("--max-batch", type=int, default=16, help="the largest batch of --batch dynamic (default 16)")
+        p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                       help=f"the largest batch of --batch dynamic (default {DEFAULT_MAX_BATCH})")
         p.add_argument("--tokens", help="tokens of the example input (prefill length; 1 = one decode step); "
                        "several lengths (64,256,1024) or 'dynamic' (16, 32, ... up to --max-tokens): tune-model "
                        "tunes every length's kernels, build makes one artifact for any length up to the largest")

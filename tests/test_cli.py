@@ -271,3 +271,14 @@ def test_tuning_databases_are_ignored_by_git():
 
     assert ignored("autosched.db") and ignored("out/tune.db") and ignored("tune.db-wal")
     assert not ignored("database/fixtures/schema_0002.db")  # a test fixture, tracked
+
+
+def test_a_kernel_no_trial_reached_is_not_called_searched():
+    """A budget smaller than a model's kernels leaves some unmeasured: tune-model's table says so, not "yes"."""
+    from types import SimpleNamespace
+
+    from autosched.cli import searched_cell
+
+    assert searched_cell(SimpleNamespace(best_point=None, searched=True)) == "no (not measured)"
+    assert searched_cell(SimpleNamespace(best_point={"x": 1}, searched=True)) == "yes"
+    assert searched_cell(SimpleNamespace(best_point={"x": 0}, searched=False)) == "no (default point)"

@@ -73,7 +73,17 @@ def cmd_tune_generate(args) -> int:
     ``--prefill-chunks``, under one trial budget."""
     import math
 
-    from autosched.cli import DEFAULT_DB, TUNE_MODEL_TRIALS, ConsoleReporter, _measurer, _ModelProgress, _open_db, _trials
+    from autosched.cli import (
+        DEFAULT_DB,
+        DEFAULT_MAX_BATCH,
+        TUNE_MODEL_TRIALS,
+        ConsoleReporter,
+        _measurer,
+        _ModelProgress,
+        _open_db,
+        _trials,
+        searched_cell,
+    )
     from autosched.output import emit
     from autosched.pipeline import split_tunable
     from autosched.pipeline.tasks import kernel_calls
@@ -120,7 +130,7 @@ def cmd_tune_generate(args) -> int:
         db.close()
     best = {t.key: r.best_latency for t, r in zip(tasks, results)}
     rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
-             "searched": "yes" if r.searched else "no (default point)",
+             "searched": searched_cell(r),
              "latency_us": round(r.best_latency * 1e6, 3) if math.isfinite(r.best_latency) else None,
              "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
     emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
@@ -136,6 +146,7 @@ def cmd_tune_generate(args) -> int:
         log.log(f"{args.model}: {what}")
     options_used = [f"--decode-batches {','.join(map(str, batches))}"]
     options_used += [f"--prefill-chunks {','.join(map(str, chunks))}"] if chunks else []
+    options_used += [f"--max-batch {args.max_batch}"] if args.max_batch != DEFAULT_MAX_BATCH else []
     options_used += [f"--db {args.db}"] if args.db != DEFAULT_DB else []
     options_used += [f"--target {args.target}"] if args.target != "llvm" else []
     options_used += [f"--dtype {args.dtype}"] if args.dtype else []
