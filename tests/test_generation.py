@@ -197,6 +197,8 @@ def test_bad_requests_end_with_their_error_and_the_others_go_on(built):
     results = gen.generate([PROMPTS[0], [1] * (MAX_SEQ_LEN + 1), [5, 512 + 3], []], 8)
     assert results[0].tokens == _reference(model, PROMPTS[0], 8)
     assert "more than the artifact's --max-seq-len 96" in results[1].error
+    # A prompt of exactly --max-seq-len tokens leaves no room for a token: an error, not an empty completion.
+    assert "no room is left for a new token" in gen.generate([[3] * MAX_SEQ_LEN], 4)[0].error
     assert "token id 515 is outside the vocabulary (0 to 511)" in results[2].error
     assert "the prompt is empty" in results[3].error
     # a sequence that reaches --max-seq-len stops there
@@ -238,6 +240,9 @@ def test_the_command_line_generates_and_reports_bad_input_in_one_line(built):
     assert [len(c["tokens"]) for c in data["completions"]] == [4, 4] and data["timing"]["decode_steps"] == 3
     text = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "3")
     assert "tokens/s" in text.stderr and text.stdout.startswith("[0] ")
+    assert "[0] ended: --max-new-tokens reached" in text.stderr  # why each sequence ended
+    full = cli("generate", str(artifact), "--prompt-ids", ",".join(["3"] * MAX_SEQ_LEN), check=False)
+    assert full.returncode == 2 and "no room is left for a new token" in full.stdout
     bad = cli("generate", str(artifact), "--prompt-ids", "5,x", check=False)
     assert bad.returncode == 2 and "comma-separated token ids" in bad.stderr
     far = cli("generate", str(artifact), "--prompt-ids", "5,99999", check=False)

@@ -178,6 +178,11 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(fn=cmd_generate)
 
 
+# Why a sequence ended, as the text output says it (Completion.finish_reason).
+FINISHED_BECAUSE = {"length": "--max-new-tokens reached", "stop": "a stop token (--stop-ids, default the model's EOS)",
+                    "max_seq_len": "the artifact's --max-seq-len reached"}
+
+
 def _ids(text: str, what: str, noun: str = "token ids") -> list[int]:
     """Comma-separated whole numbers, 0 or more: ``1,,2`` (an empty item), ``-1``, ``1.5`` or ``a`` is a
     UsageError in one line, never read as something else."""
@@ -244,6 +249,8 @@ def cmd_generate(args) -> int:
             print(f"[{i}] " + (f"error: {row['error']}" if "error" in row else " ".join(map(str, row["tokens"]))))
             if "text" in row:
                 print(f"[{i}] {row['text']}")
+            if "error" not in row:
+                print(f"[{i}] ended: {FINISHED_BECAUSE.get(row['finish_reason'], row['finish_reason'])}", file=sys.stderr)
         print(f"prefill {timing['prefill_ms']:.2f} ms ({timing['prefill_tokens']} tokens), {timing['ms_per_step']:.3f} ms "
               f"per decode step over {timing['decode_steps']} steps, {timing['tokens_per_s']:.1f} tokens/s",
               file=sys.stderr)

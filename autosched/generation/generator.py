@@ -196,6 +196,9 @@ class Generator:
         if base + len(prompt) > self.max_seq_len:
             raise GenerationError(f"the prompt has {base + len(prompt)} tokens, more than the artifact's --max-seq-len "
                                   f"{self.max_seq_len}: shorten it or rebuild with a larger --max-seq-len")
+        if base + len(prompt) == self.max_seq_len and max_new_tokens > 0:
+            raise GenerationError(f"the prompt has {self.max_seq_len} tokens, the artifact's --max-seq-len: no room is "
+                                  "left for a new token; shorten it or rebuild with a larger --max-seq-len")
         if max_new_tokens < 0:
             raise GenerationError("max_new_tokens must be 0 or more")
         seq_id = self._next_id
