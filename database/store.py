@@ -157,6 +157,11 @@ class Database:
             # read-only mode, and where the folder cannot take the WAL's -shm file (a shared, read-only
             # location) the file is read as immutable, without the WAL's locks.
             uri, timeout = self.readonly_uri(), self.busy_timeout
+            if self._may_write_beside():
+                # Where the file and its folder may be written, the file is opened read-write but refuses
+                # every write (query_only): its last connection then removes the WAL's -wal and -shm files on
+                # close, which a connection in SQLite's read-only mode cannot, leaving them beside the file.
+                uri = uri.replace("mode=ro", "mode=rw")
             engine = create_engine(f"sqlite:///{self.path}", creator=lambda: sqlite3.connect(uri, uri=True, timeout=timeout,
                                                                                  check_same_thread=False))
         else:
@@ -171,6 +176,8 @@ class Database:
             if not readonly:
                 cur.execute("PRAGMA journal_mode = WAL")
                 cur.execute("PRAGMA synchronous = NORMAL")
+            else:
+                cur.execute("PRAGMA query_only = 1")
             cur.execute("PRAGMA foreign_keys = ON")
             cur.close()
 
@@ -181,6 +188,10 @@ class Database:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
+
+    def _may_write_beside(self) -> bool:
+        path = self.path.resolve()
+        return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
 
     def readonly_uri(self) -> str:
         """The SQLite URI that opens the file read-only: ``mode=ro``, plus ``immutable=1`` where its folder

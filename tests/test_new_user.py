@@ -285,6 +285,26 @@ def test_read_only_database_answers_read_commands(tuned_db, tmp_path):
         undo()
 
 
+def test_read_commands_leave_nothing_beside_a_database_they_could_write(tuned_db, tmp_path):
+    """In a folder one may write, read commands still create no -wal or -shm file beside the database (a reader
+    in SQLite's read-only mode cannot remove them on close), and refuse to write."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    path = folder / "autosched.db"
+    shutil.copy(tuned_db, path)
+    before = _listing(folder)
+    db = str(path)
+    record_id = json.loads(cli("db", "list", "--db", db, "--format", "json").stdout)[0]["id"]
+    for args in (["db", "stats"], ["db", "best"], ["db", "show", str(record_id)], ["db", "history", "softmax"],
+                 ["db", "export", "-o", str(tmp_path / "e.jsonl")], ["show", "softmax", "--shape", "m=16,n=128"],
+                 ["report", "-o", str(tmp_path / "rep")]):
+        cli(*args, "--db", db)
+        assert _listing(folder) == before, args
+    with Database(path, readonly=True) as d, pytest.raises(Exception, match="read-only|readonly"):
+        d.start_run("a read-only database takes no run", 0)
+    assert _listing(folder) == before
+
+
 # ---- 6. a run whose process died is shown as stale, and the counts agree -------------------------
 def _runs(path) -> list[tuple]:
     import sqlite3
