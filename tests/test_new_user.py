@@ -191,6 +191,23 @@ def test_run_refuses_sizes_below_one(tmp_path, option, size):
     _fails_leaving_nothing(tmp_path, "run", str(art), option, size, code=2, says=f"{option} must be at least 1 (got {size})")
 
 
+def test_run_counts_kernels_as_its_profile_labels_them():
+    """`run`'s counts and `run --profile`'s schedule column agree: a record of the space's default point is
+    not counted as tuned."""
+    from collections import Counter
+
+    from autosched.runmodel import kernel_counts, schedule_of
+
+    kernels = {"tuned_kernels": {"a": {"space": "s", "searched": True}, "b": {"space": "s", "searched": False},
+                                 "c": {"space": "s"}, "d": {"space": "s", "searched": False}},
+               "transferred_kernels": {"e": {}}, "default_kernels": ["f", "g"]}
+    labels = Counter(schedule_of(k, kernels).split(" (")[0].split(",")[0] for k in "abcdefg")
+    assert kernel_counts(kernels) == {"tuned_kernels": labels["tuned"], "default_point_kernels": labels["default point"],
+                                      "transferred_kernels": labels["transferred"], "default_kernels": labels["default"]}
+    assert kernel_counts(kernels) == {"tuned_kernels": 2, "default_point_kernels": 2, "transferred_kernels": 1,
+                                      "default_kernels": 2}
+
+
 def test_output_files_are_not_taken_for_folders_nor_overwritten(tmp_path, tuned_db):
     """report -o FILE and db export -o FOLDER are refused in one line; db export does not overwrite a file
     without --force."""
