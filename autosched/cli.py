@@ -614,7 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
     # padding by at most a quarter keeps lengths never tuned close to a build for exactly that length
     # (BENCHMARKS.md, "Any length").
     model_args(p, growth=BUILD_BUCKET_GROWTH)
-    p.add_argument("-o", "--output", required=True, help="folder for model.so, params.bin and manifest.json")
+    p.add_argument("-o", "--output", required=True,
+                   help="a new or empty folder (or an earlier build's) for the artifact: model.so (generate.so with "
+                        "--generate; model-<bucket>.so per bucket of a dynamic build), params.bin and manifest.json")
     add_generation_build_arguments(p)
     p.set_defaults(fn=cmd_build)
 
