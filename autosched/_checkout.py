@@ -58,10 +58,11 @@ class CheckoutFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Add the finder if this ``autosched`` is a checkout's (its parent has ``pyproject.toml``). It goes last,
-    so that an editable install's own finder, if any, answers first; both map to the same folders."""
+    """Add the finder if this ``autosched`` is a checkout's (its parent has ``pyproject.toml``). It goes first:
+    the three folders are those beside the ``autosched`` that was imported, also where an editable install of
+    another checkout (a second git worktree, say) has a finder of its own mapping them to that checkout."""
     root = Path(__file__).resolve().parent.parent
     if not (root / "pyproject.toml").exists():
         return
     if not any(isinstance(f, CheckoutFinder) for f in sys.meta_path):
-        sys.meta_path.append(CheckoutFinder(root))
+        sys.meta_path.insert(0, CheckoutFinder(root))

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 
@@ -23,6 +24,7 @@ DB_ENV = "AUTOSCHED_DB"
 DEFAULT_DB = "autosched.db"
 TUNE_TRIALS = 64  # tune's trial budget when neither --trials nor --time-budget is given
 TUNE_MODEL_TRIALS = 256  # tune-model's
+DEFAULT_MAX_BATCH = 16  # --max-batch
 BUILD_BUCKET_GROWTH = 1.25  # `build --tokens dynamic`: finer than the tuned buckets (tune-model: 2)
 
 
@@ -103,13 +105,17 @@ class ConsoleReporter:
             self.progress = None
 
 
-def _warn_load(console, s) -> None:
+def _warn_load(console, s, timed: str | None = None) -> bool:
+    """Warn of a round timed under load (``timed``: what was timed, default "round N was"); whether it warned."""
     from .measure import LOAD_WARNING
 
-    if s.load is not None and s.load > LOAD_WARNING:
-        console.log(f"[yellow]warning:[/] other processes used {s.load:.0%} of the CPU while round {s.round} was "
-                    "timed: its timings are slower and noisier than on a quiet machine (the load is stored with "
-                    "each record; `autosched db best` shows it)")
+    if s.load is None or s.load <= LOAD_WARNING:
+        return False
+    timed = timed or f"round {s.round} was"
+    console.log(f"[yellow]warning:[/] other processes used {s.load:.0%} of the CPU while {timed} timed: the "
+                "timings are slower and noisier than on a quiet machine (the load is stored with each record; "
+                "`autosched db best` shows it)")
+    return True
 
 
 # ---- commands ------------------------------------------------------------------------------------
@@ -144,7 +150,12 @@ def open_build_db(path: str | None):
     only read (a team's shared copy) is read as it is."""
     from .database.store import is_url
 
-    if not path or not (is_url(path) or os.path.exists(path)):
+    if not path:
+        return None
+    if not (is_url(path) or os.path.exists(path)):
+        _console(stderr=True).log(f"[yellow]warning:[/] no tuning database at {path}: building with default "
+                                  "schedules (tune first with `autosched tune-model MODEL --db "
+                                  f"{path}`, or give --db the database you tuned into)")
         return None
     writable = is_url(path) or (os.access(path, os.W_OK) and os.access(os.path.dirname(os.path.abspath(path)), os.W_OK))
     return _open_db(path, readonly=not writable)
@@ -186,8 +197,9 @@ def _measurer(args, target):
 def cmd_tune(args) -> int:
     from .target import parse_target
     from .task import Task
-    from .tuner import TuneOptions, tune
+    from .tuner import TuneOptions, check_seed, tune
 
+    check_seed(args.seed, "--seed")
     trials = _trials(args, TUNE_TRIALS)
     if args.time_budget is not None and args.time_budget <= 0:
         raise UsageError(f"--time-budget must be above 0 seconds (got {args.time_budget:g})")
@@ -277,6 +289,14 @@ def _models(args) -> tuple[list, list]:
     return models_at(args.model, kwargs, buckets), buckets
 
 
+def searched_cell(result) -> str:
+    """tune-model's "searched" column for a kernel's TuneResult: whether its best point was found by search, is
+    the space's default point, or there is none (no trial reached it and no earlier record)."""
+    if result.best_point is None:
+        return "no (not measured)"
+    return "yes" if result.searched else "no (default point)"
+
+
 def _describe_buckets(buckets: list) -> str:
     batches = sorted({b for b, _ in buckets if b is not None})
     lengths = sorted({t for _, t in buckets if t is not None})
@@ -286,6 +306,9 @@ def _describe_buckets(buckets: list) -> str:
 
 
 def cmd_tune_model(args) -> int:
+    from .tuner import check_seed
+
+    check_seed(args.seed, "--seed")
     if args.generate:
         from .generation.cli import cmd_tune_generate
 
@@ -318,7 +341,7 @@ def cmd_tune_model(args) -> int:
             measurer.close()
     db.close()
     rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
-             "searched": "yes" if r.searched else "no (default point)",
+             "searched": searched_cell(r),
              "latency_us": r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
              "weighted_us": t.weight * r.best_latency * 1e6 if math.isfinite(r.best_latency) else None,
              "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
@@ -370,6 +393,7 @@ class _ModelProgress:
         self.log, self.tasks, self.trials = log, tasks, trials
         self.best = {t.key: math.inf for t in tasks}
         self.used = {t.key: 0 for t in tasks}
+        self.warned_load = None
 
     def on_start(self, task, space, trials, seeded) -> None:
         pass
@@ -384,10 +408,16 @@ class _ModelProgress:
         of = f"/{self.trials}" if self.trials is not None else ""
         self.log.log(f"[{done}{of}] {escape(task.name)}: best {_fmt_time(s.best)} after {s.trials} trials; "
                      f"model estimate {model}")
-        _warn_load(self.log, s)
+        # The kernels of one batch (every kernel's first points are measured together) share its load: one
+        # warning for them, not one per kernel; again when the load changes or comes back after a quiet round.
+        if s.load != self.warned_load:
+            self.warned_load = s.load if _warn_load(self.log, s, "these kernels were") else None
 
 
 def cmd_build(args) -> int:
+    from .output import check_output_folder
+
+    check_output_folder(args.output, "the artifact", build=True)  # before minutes of building
     if args.generate:
         from .generation.cli import cmd_build_generate
 
@@ -446,8 +476,10 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from .output import check_output_folder
     from .report import write_report
 
+    check_output_folder(args.output, "the report")
     print(write_report(args.db, args.output, args.bench))
     return 0
 
@@ -550,7 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--batch", help="batch size of the example input; several (1,4,16) or 'dynamic' (1, 2, 4, "
                        "... up to --max-batch): tune-model tunes every size's kernels, build makes one artifact "
                        "for any batch up to the largest")
-        p.add_argument("--max-batch", type=int, default=16, help="the largest batch of --batch dynamic (default 16)")
+        p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                       help=f"the largest batch of --batch dynamic (default {DEFAULT_MAX_BATCH})")
         p.add_argument("--tokens", help="tokens of the example input (prefill length; 1 = one decode step); "
                        "several lengths (64,256,1024) or 'dynamic' (16, 32, ... up to --max-tokens): tune-model "
                        "tunes every length's kernels, build makes one artifact for any length up to the largest")
@@ -581,7 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
     # padding by at most a quarter keeps lengths never tuned close to a build for exactly that length
     # (BENCHMARKS.md, "Any length").
     model_args(p, growth=BUILD_BUCKET_GROWTH)
-    p.add_argument("-o", "--output", required=True, help="folder for model.so, params.bin and manifest.json")
+    p.add_argument("-o", "--output", required=True,
+                   help="a new or empty folder (or an earlier build's) for the artifact: model.so (generate.so with "
+                        "--generate; model-<bucket>.so per bucket of a dynamic build), params.bin and manifest.json")
     add_generation_build_arguments(p)
     p.set_defaults(fn=cmd_build)
 
@@ -620,9 +655,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose value is a comma-separated list of numbers: a value such as "-1,2" is theirs (argparse would take
+# it for an option and answer with its usage), for the command to refuse in one line.
+LIST_OPTIONS = ("--prompt-ids", "--stop-ids", "--decode-batches", "--prefill-chunks")
+
+
+def _attach_list_values(argv: list[str]) -> list[str]:
+    """``--prompt-ids -1,2`` as ``--prompt-ids=-1,2``."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in LIST_OPTIONS and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_list_values(sys.argv[1:] if argv is None else list(argv)))
 
     def _terminate(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")

@@ -31,12 +31,22 @@ class DatabaseError(AutoschedError):
     """Raised when the tuning database cannot be opened, read or written."""
 
 
+class DatabaseUsageError(DatabaseError):
+    """Raised when ``--db`` names no usable database: a missing file where one is read, a folder, a path in a
+    folder that does not exist, a malformed URL. Bad input, so exit code 2 as for other bad input."""
+
+    exit_code = 2
+
+
 class DatabaseLockedError(DatabaseError):
     """Raised when the database stayed locked by another process for longer than the busy timeout."""
 
 
 class DatabaseCorruptError(DatabaseError):
-    """Raised when the database file is not a readable SQLite database."""
+    """Raised when the database file is not a readable SQLite database (or not an autosched one): bad
+    input, exit code 2."""
+
+    exit_code = 2
 
 
 class SchemaVersionError(DatabaseError):

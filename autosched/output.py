@@ -79,3 +79,23 @@ def cell(value: Any) -> str:
             return f"{value:.0f}"
         return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
     return plain(value) if value is not None else "-"
+
+
+def check_output_folder(path: str, what: str, build: bool = False) -> None:
+    """``-o PATH`` names a folder to write ``what`` into: a UsageError in one line where PATH (or a folder above
+    it) is a file. ``build``: the folder must also be new, empty, or an earlier build (it has a manifest.json),
+    so that a build never mixes its files into a folder of other things."""
+    from pathlib import Path
+
+    from .errors import UsageError
+
+    out = Path(path)
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "" if folder == out else f" ({folder} is a file)"
+                raise UsageError(f"-o {path} cannot be a folder{where}: give a folder path for {what}")
+            break
+    if build and out.is_dir() and not (out / "manifest.json").exists() and any(out.iterdir()):
+        raise UsageError(f"-o {path} holds other files and is not an autosched build: give a new or empty folder "
+                         f"for {what}")

@@ -20,6 +20,9 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
 
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1 (got {repeat})")
+    for option, size in (("--tokens", tokens), ("--batch", batch)):
+        if size is not None and size < 1:
+            raise UsageError(f"{option} must be at least 1 (got {size})")
     manifest = read_manifest(path)  # before TVM and torch are imported: a wrong path is said at once
     import torch
     import tvm
@@ -63,9 +66,7 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     out = out[0] if not hasattr(out, "numpy") else out
     if "buckets" in manifest:
         out = tvm.runtime.tensor(model.cut([out], (batch, tokens))[0])
-    result.update(tuned_kernels=len(kernels["tuned_kernels"]),
-                  transferred_kernels=len(kernels.get("transferred_kernels", {})),
-                  default_kernels=len(kernels["default_kernels"]))
+    result.update(kernel_counts(kernels))
     timer = vm.time_evaluator("main", device, number=1, repeat=repeat, min_repeat_ms=0)
     times = list(timer(*args).results)
     result["latency_ms"] = statistics.median(times) * 1e3
@@ -161,6 +162,17 @@ def kernel_times(vm, args: list, device, repeat: int = 5) -> list[dict[str, Any]
     whole = sum(totals.values()) or 1.0
     return [{"kernel": name, "calls": len(runs[0][name]), "ms": ms, "share": ms / whole}
             for name, ms in sorted(totals.items(), key=lambda item: -item[1])]
+
+
+def kernel_counts(kernels: dict[str, Any]) -> dict[str, int]:
+    """How many of the manifest's kernels have each origin, counted as ``--profile`` labels them
+    (:func:`schedule_of`): a record found by search (tuned), a record of the space's default point (measured,
+    never searched), the nearest tuned shape's (transferred), no record (default)."""
+    tuned = kernels.get("tuned_kernels", {})
+    default_point = sum(1 for info in tuned.values() if isinstance(info, dict) and info.get("searched") is False)
+    return {"tuned_kernels": len(tuned) - default_point, "default_point_kernels": default_point,
+            "transferred_kernels": len(kernels.get("transferred_kernels", {})),
+            "default_kernels": len(kernels.get("default_kernels", []))}
 
 
 def schedule_of(kernel: str, kernels: dict[str, Any]) -> str:

@@ -54,6 +54,17 @@ class TuneOptions:
     transfer: bool = True
     search: SearchConfig = field(default_factory=SearchConfig)
 
+    def __post_init__(self):
+        check_seed(self.seed)
+
+
+def check_seed(seed: int, option: str = "seed") -> None:
+    """A seed is a whole number, 0 or more (numpy's generators take no negative seed)."""
+    from .errors import UsageError
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise UsageError(f"{option} must be a whole number, 0 or more (got {seed})")
+
 
 @dataclass
 class RoundStats:

@@ -5,7 +5,8 @@
 # The tests run in GPU_TEST_WORKERS processes (pytest-xdist, in the test extra): they check results, not
 # speed, and one at a time they take longer than one 10-minute call. Tests that fail run once more, two at a
 # time, into gpu_tests_rerun.log: many processes at once can run the GPU out of memory while preparing
-# inputs; a test that fails in both logs is a real failure.
+# inputs; a test that fails in both logs is a real failure. Each failed test is then reported, in the output and
+# in gpu_tests_rerun_report.txt, as FLAKY (passed only on the re-run: a flaky test to fix, not a pass) or FAILED.
 set -uo pipefail
 NEED="xdist=pytest-xdist pytest_timeout=pytest-timeout" source "$(dirname "$0")/_gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
@@ -19,4 +20,5 @@ if [ "${#failed[@]}" -gt 0 ]; then
   echo "re-running ${#failed[@]} failed test(s), two at a time:"
   timeout "${RERUN_TIMEOUT:-240}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short -n 2 \
     "${failed[@]}" 2>&1 | tee "$OUT/gpu_tests_rerun.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-400
+  bash benchmarks/_rerun_report.sh "$OUT/gpu_tests.log" "$OUT/gpu_tests_rerun.log" | tee "$OUT/gpu_tests_rerun_report.txt"
 fi

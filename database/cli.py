@@ -80,6 +80,7 @@ def add_parser(sub, add_db_arg, add_format) -> None:
     add_db_arg(p)
     filters(p)
     p.add_argument("-o", "--output", required=True, help="file to write ('-' for stdout)")
+    p.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
 
     p = dsub.add_parser("import", help="merge an export file into the database (idempotent)")
     p.add_argument("file", help="an export file written by `autosched db export`")
@@ -126,6 +127,8 @@ def run(args) -> int:
     if cmd == "import":
         return _import(args)
 
+    if cmd == "export" and args.output != "-":
+        _check_export_file(args.output, args.force)  # before the database is opened
     with Database(args.db, readonly=True, create=False, busy_timeout=args.busy_timeout) as db:
         if cmd == "best":
             rows = db.summary(op=args.op, target_kind=args.target_kind)
@@ -202,6 +205,16 @@ def run(args) -> int:
             print(f"exported {n} records to {args.output}", file=sys.stderr)
             return 0
     raise UsageError(f"unknown db command {cmd}")
+
+
+def _check_export_file(path: str, force: bool) -> None:
+    """``db export -o PATH``: a file to write, not a folder, and not a file that exists unless ``--force``."""
+    import os
+
+    if os.path.isdir(path):
+        raise UsageError(f"-o {path} is a folder: give a file to export to, e.g. {os.path.join(path, 'records.jsonl')}")
+    if os.path.exists(path) and not force:
+        raise UsageError(f"-o {path} exists: give --force to overwrite it, or another file")
 
 
 def _import(args) -> int:

@@ -30,7 +30,13 @@ from sqlalchemy.exc import ArgumentError, IntegrityError, InterfaceError, Operat
 from sqlalchemy.exc import DatabaseError as SADatabaseError
 from sqlalchemy.orm import Session
 
-from autosched.errors import DatabaseCorruptError, DatabaseError, DatabaseLockedError, SchemaVersionError
+from autosched.errors import (
+    DatabaseCorruptError,
+    DatabaseError,
+    DatabaseLockedError,
+    DatabaseUsageError,
+    SchemaVersionError,
+)
 from autosched.records import MeasureResult, TuningRecord
 
 from .models import RecordRow, RunRow, TargetRow, ValidationRow, WorkloadRow, utcnow
@@ -73,7 +79,7 @@ def server_url(location: str):
     try:
         url = make_url(location)
     except ArgumentError:
-        raise DatabaseError(f"{location!r} is not a database URL: use a file path or e.g. "
+        raise DatabaseUsageError(f"{location!r} is not a database URL: use a file path or e.g. "
                             "postgresql://user@host:5432/dbname") from None
     if url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
@@ -106,11 +112,11 @@ class Database:
             return
         if not self.path.exists():
             if readonly or not create:
-                raise DatabaseError(f"no tuning database at {self.path}: check --db, or tune first to create one")
+                raise DatabaseUsageError(f"no tuning database at {self.path}: check --db, or tune first to create one")
             if not self.path.parent.exists():
-                raise DatabaseError(f"cannot create database {self.path}: folder {self.path.parent} does not exist")
+                raise DatabaseUsageError(f"cannot create database {self.path}: folder {self.path.parent} does not exist")
         elif self.path.is_dir():
-            raise DatabaseError(f"{self.path} is a folder, not a database file: give --db a file path")
+            raise DatabaseUsageError(f"{self.path} is a folder, not a database file: give --db a file path")
         self._write_engine = self._engine(immediate=True) if not readonly else None
         self._read_engine = self._engine(immediate=False)
         self._check_schema()
@@ -123,7 +129,7 @@ class Database:
             url = server_url(str(location))
             if url.get_backend_name() == "sqlite":
                 if not url.database or url.database == ":memory:":
-                    raise DatabaseError(f"{location} names no file: give a file path, e.g. sqlite:///tuning.db")
+                    raise DatabaseUsageError(f"{location} names no file: give a file path, e.g. sqlite:///tuning.db")
                 location = url.database
             else:
                 self.url = url
@@ -151,6 +157,11 @@ class Database:
             # read-only mode, and where the folder cannot take the WAL's -shm file (a shared, read-only
             # location) the file is read as immutable, without the WAL's locks.
             uri, timeout = self.readonly_uri(), self.busy_timeout
+            if self._may_write_beside():
+                # Where the file and its folder may be written, the file is opened read-write but refuses
+                # every write (query_only): its last connection then removes the WAL's -wal and -shm files on
+                # close, which a connection in SQLite's read-only mode cannot, leaving them beside the file.
+                uri = uri.replace("mode=ro", "mode=rw")
             engine = create_engine(f"sqlite:///{self.path}", creator=lambda: sqlite3.connect(uri, uri=True, timeout=timeout,
                                                                                  check_same_thread=False))
         else:
@@ -165,6 +176,8 @@ class Database:
             if not readonly:
                 cur.execute("PRAGMA journal_mode = WAL")
                 cur.execute("PRAGMA synchronous = NORMAL")
+            else:
+                cur.execute("PRAGMA query_only = 1")
             cur.execute("PRAGMA foreign_keys = ON")
             cur.close()
 
@@ -175,6 +188,10 @@ class Database:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
+
+    def _may_write_beside(self) -> bool:
+        path = self.path.resolve()
+        return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
 
     def readonly_uri(self) -> str:
         """The SQLite URI that opens the file read-only: ``mode=ro``, plus ``immutable=1`` where its folder
@@ -302,7 +319,7 @@ class Database:
         db.readonly, db.busy_timeout = False, DEFAULT_BUSY_TIMEOUT
         db._setup(path)
         if db.url is None and not db.path.exists():
-            raise DatabaseError(f"no tuning database at {db.path}")
+            raise DatabaseUsageError(f"no tuning database at {db.path}: check --db")
         db._write_engine = db._server_engine() if db.is_server else db._engine(immediate=True)
         try:
             with db._write_engine.begin() as conn:

@@ -22,6 +22,9 @@ from .helpers import autosched, cli, start
     (["tune", "gemm", "--target", "tpu"], 2, "unknown target"),
     (["tune", "gemm", "--target", "cuda"], 1, "no CUDA GPU"),
     (["tune", "gemm", "--trials", "0"], 2, "--trials must be at least 1"),
+    (["tune", "gemm", "--seed", "-1"], 2, "--seed must be a whole number, 0 or more (got -1)"),
+    (["tune-model", "tiny-llama", "--seed", "-1"], 2, "--seed must be a whole number, 0 or more (got -1)"),
+    (["tune-model", "tiny-llama", "--generate", "--seed", "-3"], 2, "--seed must be a whole number, 0 or more (got -3)"),
 ])
 def test_bad_input_gives_one_line_and_exit_code(args, code, message, tmp_path):
     proc = cli(*args, "--db", str(tmp_path / "x.db"), check=False)
@@ -34,9 +37,14 @@ def test_unreadable_databases(tmp_path):
     bad = tmp_path / "bad.db"
     bad.write_text("garbage" * 50)
     proc = cli("db", "best", "--db", str(bad), check=False)
-    assert proc.returncode == 1 and "not a readable autosched database" in proc.stderr
+    assert proc.returncode == 2 and "not a readable autosched database" in proc.stderr
     proc = cli("db", "list", "--db", str(tmp_path / "none.db"), check=False)
-    assert proc.returncode == 1 and "no tuning database" in proc.stderr
+    assert proc.returncode == 2 and "no tuning database" in proc.stderr
+    # A folder, too, is bad input: exit 2, one line, for a read command and for tune.
+    for args in (["db", "stats"], ["tune", "softmax", "--shape", "m=4,n=8", "--trials", "1"]):
+        proc = cli(*args, "--db", str(tmp_path), check=False)
+        assert proc.returncode == 2 and "is a folder, not a database file" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_ops_lists_shape_keys():
@@ -165,3 +173,112 @@ def test_tune_model_build_and_run_from_the_command_line(tmp_path):
     # The same model builds for the H200 on a machine without a GPU (CUDA code generation only).
     gpu_build = autosched("build", "tiny-llama", "--tokens", "8", "--target", "cuda:sm_90", "-o", str(tmp_path / "gpu"))
     assert gpu_build.returncode == 0
+
+
+def test_a_negative_seed_is_refused_by_the_api_too():
+    from autosched.errors import UsageError
+    from autosched.tuner import TuneOptions
+
+    with pytest.raises(UsageError, match=r"seed must be a whole number, 0 or more \(got -1\)"):
+        TuneOptions(seed=-1)
+
+
+def test_build_output_must_be_a_new_or_empty_folder_or_an_earlier_build(tmp_path):
+    """-o naming a file, a path under a file, or a folder of other things is refused in one line before any
+    model is loaded; an earlier build's folder may be built over."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "cat.jpg").write_bytes(b"jpeg")
+    for output, says in ((afile, "cannot be a folder"), (afile / "sub", f"({afile} is a file)"),
+                         (other, "holds other files and is not an autosched build")):
+        for extra in ([], ["--generate"]):
+            proc = cli("build", "tiny-llama", *extra, "-o", str(output), check=False)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
+    assert afile.read_text() == "mine" and [p.name for p in other.iterdir()] == ["cat.jpg"]
+    from autosched.output import check_output_folder
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "manifest.json").write_text("{}")
+    (earlier / "model.so").write_bytes(b"")
+    check_output_folder(str(earlier), "the artifact", build=True)  # an earlier build: rebuilt in place
+    check_output_folder(str(tmp_path / "new" / "deeper"), "the artifact", build=True)
+
+
+def test_a_factory_that_returns_no_model_is_named_in_one_line(tmp_path):
+    proc = cli("build", "os:getcwd", "-o", str(tmp_path / "x"), check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "internal error" not in proc.stderr
+    assert "model factory 'os:getcwd' returned a str" in lines[0] and "(model, example_inputs)" in lines[0]
+    assert not (tmp_path / "x").exists()
+
+
+def test_build_without_a_database_warns_that_it_builds_untuned(tmp_path, capsys):
+    from autosched.cli import open_build_db
+
+    missing = str(tmp_path / "tuned.db")
+    assert open_build_db(missing) is None
+    err = capsys.readouterr().err
+    assert "warning:" in err and f"no tuning database at {missing}" in err and "default schedules" in err
+    assert not os.path.exists(missing)
+
+
+def test_the_load_warning_is_said_once_per_batch_not_once_per_kernel():
+    """tune-model measures every kernel's first points in one batch: the fourteen kernels share its load and
+    get one warning; a later round under another load gets its own, a quiet one none."""
+    from types import SimpleNamespace
+
+    from autosched.cli import _ModelProgress
+    from autosched.tuner import RoundStats
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def log(self, text):
+            self.lines.append(text)
+
+    tasks = [SimpleNamespace(key=f"k{i}", name=f"kernel{i}", weight=1) for i in range(14)]
+    log = Log()
+    progress = _ModelProgress(log, tasks, 64)
+
+    def round_of(task, load):
+        progress.on_round(task, RoundStats(1, 1, 1, 0, 1e-3, 1e-3, 0.0, {}, load))
+
+    for task in tasks:
+        round_of(task, 0.9)
+    warnings = [line for line in log.lines if "warning:" in line]
+    assert len(warnings) == 1 and "90% of the CPU while these kernels were timed" in warnings[0]
+    round_of(tasks[0], 0.5)
+    round_of(tasks[1], 0.1)  # quiet
+    round_of(tasks[2], 0.5)
+    assert len([line for line in log.lines if "warning:" in line]) == 3
+
+
+def test_tuning_databases_are_ignored_by_git():
+    import shutil
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not shutil.which("git") or not os.path.exists(os.path.join(repo, ".git")):
+        pytest.skip("needs git and a git checkout")
+
+    def ignored(path):
+        return subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=repo).returncode == 0
+
+    assert ignored("autosched.db") and ignored("out/tune.db") and ignored("tune.db-wal")
+    assert not ignored("database/fixtures/schema_0002.db")  # a test fixture, tracked
+
+
+def test_a_kernel_no_trial_reached_is_not_called_searched():
+    """A budget smaller than a model's kernels leaves some unmeasured: tune-model's table says so, not "yes"."""
+    from types import SimpleNamespace
+
+    from autosched.cli import searched_cell
+
+    assert searched_cell(SimpleNamespace(best_point=None, searched=True)) == "no (not measured)"
+    assert searched_cell(SimpleNamespace(best_point={"x": 1}, searched=True)) == "yes"
+    assert searched_cell(SimpleNamespace(best_point={"x": 0}, searched=False)) == "no (default point)"

@@ -70,7 +70,7 @@ def test_corrupt_file(tmp_path):
     bad.write_bytes(os.urandom(8192))
     for args in (["db", "best"], ["tune", "softmax", "--shape", "m=4,n=8", "--trials", "1"]):
         proc = cli(*args, "--db", str(bad), check=False)
-        assert proc.returncode == 1 and "not a readable autosched database" in proc.stderr
+        assert proc.returncode == 2 and "not a readable autosched database" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
 
 

@@ -199,6 +199,8 @@ def test_bad_requests_end_with_their_error_and_the_others_go_on(built):
     results = gen.generate([PROMPTS[0], [1] * (MAX_SEQ_LEN + 1), [5, 512 + 3], []], 8)
     assert results[0].tokens == _reference(model, PROMPTS[0], 8)
     assert "more than the artifact's --max-seq-len 96" in results[1].error
+    # A prompt of exactly --max-seq-len tokens leaves no room for a token: an error, not an empty completion.
+    assert "no room is left for a new token" in gen.generate([[3] * MAX_SEQ_LEN], 4)[0].error
     assert "token id 515 is outside the vocabulary (0 to 511)" in results[2].error
     assert "the prompt is empty" in results[3].error
     # a sequence that reaches --max-seq-len stops there
@@ -240,6 +242,9 @@ def test_the_command_line_generates_and_reports_bad_input_in_one_line(built):
     assert [len(c["tokens"]) for c in data["completions"]] == [4, 4] and data["timing"]["decode_steps"] == 3
     text = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "3")
     assert "tokens/s" in text.stderr and text.stdout.startswith("[0] ")
+    assert "[0] ended: --max-new-tokens reached" in text.stderr  # why each sequence ended
+    full = cli("generate", str(artifact), "--prompt-ids", ",".join(["3"] * MAX_SEQ_LEN), check=False)
+    assert full.returncode == 2 and "no room is left for a new token" in full.stdout
     bad = cli("generate", str(artifact), "--prompt-ids", "5,x", check=False)
     assert bad.returncode == 2 and "comma-separated token ids" in bad.stderr
     far = cli("generate", str(artifact), "--prompt-ids", "5,99999", check=False)
@@ -317,13 +322,15 @@ def test_tune_model_generate_tunes_the_decode_step_and_build_uses_its_records(bu
     db = str(tmp_path / "tuning.db")
     folder = tmp_path / "hf"
     _saved_model("llama", folder)
-    tuned = cli("tune-model", str(folder), "--generate", "--decode-batches", "2", "--trials", "24", "--db", db,
-                "--format", "json")
+    tuned = cli("tune-model", str(folder), "--generate", "--decode-batches", "2", "--max-batch", str(MAX_BATCH),
+                "--trials", "24", "--db", db, "--format", "json")
     rows = json.loads(tuned.stdout)
-    assert sum(r["trials"] for r in rows) == 24 and all(r["searched"] in ("yes", "no (default point)") for r in rows)
+    assert sum(r["trials"] for r in rows) == 24
+    assert all(r["searched"] in ("yes", "no (default point)") if r["trials"] else r["searched"] == "no (not measured)"
+               for r in rows)
     said = " ".join(tuned.stderr.split())
     assert re.search(r"a decode step at batch 2: [\d.]+ ms in its tunable kernels", said), said
-    assert f"autosched build {folder} --generate --decode-batches 2 --db {db} -o DIR" in said
+    assert f"autosched build {folder} --generate --decode-batches 2 --max-batch {MAX_BATCH} --db {db} -o DIR" in said
     cli("build", str(folder), "--generate", "--decode-batches", "2", "--db", db, "-o", str(tmp_path / "art"),
         "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
@@ -361,3 +368,84 @@ def test_a_build_for_sm_90_runs_every_linear_layer_of_its_static_functions_on_ou
     assert ("swiglu_gemm[m=128", "hopper_gemm", "default point") in spaces
     dynamic = kernel_calls(lowered, lambda name: name == "batch_decode")
     assert any("matmul" in k.lower() for k in dynamic)
+
+
+def test_the_command_line_refuses_bad_numbers_and_options_in_one_line(built, tmp_path):
+    """Ids that are negative, empty between commas, fractional or not numbers; a negative seed; --top-k or
+    --top-p without a temperature (they would be silently greedy): one line each, exit 2."""
+    _, artifact = built
+    for args, says in ((["--prompt-ids", "-1,2"], "-1 is negative: token ids are 0 or more"),
+                       (["--prompt-ids", "1,,2"], "an empty item between commas"),
+                       (["--prompt-ids", "1.5,2"], "'1.5' is not a whole number"),
+                       (["--prompt-ids", "a"], "'a' is not a whole number"),
+                       (["--prompt-ids", "1", "--stop-ids", "-3"], "--stop-ids '-3' should be comma-separated token ids"),
+                       (["--prompt-ids", "1", "--seed", "-1"], "seed must be a whole number, 0 or more (got -1)"),
+                       (["--prompt-ids", "1", "--top-k", "50"], "give a temperature above 0 (e.g. --temperature 0.8)"),
+                       (["--prompt-ids", "1", "--top-p", "0.9"], "give a temperature above 0 (e.g. --temperature 0.8)")):
+        proc = cli("generate", str(artifact), *args, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], (args, proc.stderr)
+    sampled = cli("generate", str(artifact), "--prompt-ids", "1", "--top-k", "50", "--temperature", "0.8",
+                  "--max-new-tokens", "2")
+    assert sampled.stdout.startswith("[0] ")
+    db = tmp_path / "tune.db"
+    db.write_bytes(b"")
+    proc = cli("generate", str(db), "--prompt-ids", "1", check=False)
+    assert proc.returncode == 2 and "is a file, not an artifact" in proc.stderr and "-o tune.db" not in proc.stderr
+
+
+def test_the_api_refuses_what_it_would_misread(built):
+    """A flat list of ids is not a list of prompts; a fractional or text id is not truncated to a number;
+    numpy ids are ids; kv_pages, seed and top_k without a temperature are checked."""
+    import numpy as np
+
+    from autosched.errors import UsageError
+    from autosched.generation import GenerationError, Generator
+
+    model, artifact = built
+    for pages in (-1, 0, 2.5):
+        with pytest.raises(UsageError, match="kv_pages must be a whole number of pages, at least 1"):
+            Generator(artifact, kv_pages=pages)
+    gen = Generator(artifact)
+    with pytest.raises(GenerationError, match=r"for one prompt, give \[\[1, 2, 3\]\], not \[1, 2, 3\]"):
+        gen.generate([1, 2, 3], 2)
+    with pytest.raises(GenerationError, match="a list of prompts"):
+        gen.generate("hello", 2)
+    fractional, text, numpy = gen.generate([[1.7, 2], ["3", 4], np.array([5, 7, 9])], 2)
+    assert "token id 1.7 is not a whole number" in fractional.error and "token id '3'" in text.error
+    assert numpy.error is None and numpy.tokens == _reference(model, [5, 7, 9], 2)
+    with pytest.raises(UsageError, match="seed must be a whole number"):
+        gen.generate([[1, 2]], 2, seed=-1)
+    with pytest.raises(UsageError, match="give a temperature above 0"):
+        gen.generate([[1, 2]], 2, top_k=5)
+
+
+def test_a_damaged_generation_artifact_is_named_in_one_line(built, tmp_path):
+    """As `run` does for a model build: an empty or corrupt library, a truncated or empty parameter file, a
+    manifest of an unknown version; one line naming the file, exit 2."""
+    import os
+    import shutil
+
+    _, artifact = built
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    library, params = manifest["library"], manifest["params"]
+    good_params = (artifact / params).read_bytes()
+    cases = [(library, b"", library), (library, os.urandom(4096), library),
+             (params, good_params[:len(good_params) // 2], params), (params, b"", params)]
+    for name, content, named in cases:
+        art = tmp_path / "art"
+        shutil.rmtree(art, ignore_errors=True)
+        shutil.copytree(artifact, art)
+        (art / name).write_bytes(content)
+        proc = cli("generate", str(art), "--prompt-ids", "1", check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and str(art / named) in lines[0], (name, proc.stderr)
+        assert "internal error" not in lines[0] and "rebuild" in lines[0]
+    art = tmp_path / "versioned"
+    shutil.copytree(artifact, art)
+    (art / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
+    proc = cli("generate", str(art), "--prompt-ids", "1", check=False)
+    assert proc.returncode == 2 and "manifest version 2" in proc.stderr
+    # And `run` on a generation artifact says which command reads it.
+    proc = cli("run", str(artifact), check=False)
+    assert proc.returncode == 2 and f"autosched generate {artifact}" in proc.stderr

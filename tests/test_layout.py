@@ -69,6 +69,35 @@ def test_plain_checkout_on_the_path_imports_the_same_folders(tmp_path):
     assert files[-1] == "True"
 
 
+# Another checkout's editable install answers for the three names first (its finder is on sys.meta_path from
+# startup): the checkout on the path must still get its own folders, beside the autosched it imported.
+OTHER_CHECKOUT_PROBE = """
+import importlib.abc, importlib.util, sys
+other = sys.argv[2]
+
+class OtherCheckout(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "autosched.database":
+            return importlib.util.spec_from_file_location(fullname, other + "/__init__.py",
+                                                          submodule_search_locations=[other])
+
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+sys.meta_path.append(OtherCheckout())
+sys.path.insert(0, sys.argv[1])
+import autosched.database
+print(autosched.database.__file__)
+"""
+
+
+def test_a_checkout_on_the_path_gets_its_own_folders_beside_another_checkouts_editable_install(tmp_path):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "__init__.py").write_text("")
+    proc = subprocess.run([sys.executable, "-c", OTHER_CHECKOUT_PROBE, str(REPO), str(tmp_path / "other")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(REPO / "database" / "__init__.py")]
+
+
 def _zip_listing(wheel: Path) -> set[str]:
     """The wheel's file names as `python3 -m zipfile -l` lists them (the check a person would run)."""
     proc = subprocess.run([sys.executable, "-m", "zipfile", "-l", str(wheel)], capture_output=True, text=True, timeout=60)

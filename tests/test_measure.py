@@ -3,6 +3,8 @@ candidates become failed results with their reason, and the workers survive them
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import tvm
@@ -133,24 +135,57 @@ def test_builder_survives_a_batch_larger_than_its_pool(gemm_task, cpu_target, me
     assert all(r.ok for r in results) and len({r.artifact for r in results}) == 5
 
 
-def test_candidate_slower_than_the_cutoff_is_timed_briefly(gemm_task, cpu_target, measurer):
-    """Three repeats (a probe) instead of five, all above the cutoff."""
-    space = gemm_task.space(cpu_target)
-    (fast,) = measurer.measure(gemm_task.spec, [space.default()])
-    (cut,) = measurer.measure(gemm_task.spec, [space.default()], cutoff=fast.median / 100)
-    assert len(fast.latencies) == REPEAT
-    assert cut.ok and len(cut.latencies) == 3 and min(cut.latencies) > fast.median / 100
+class _Clock:
+    """The runner's clock: each reading is ``step`` seconds after the one before, so the check's single
+    (cold) call reads ``step`` seconds."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
 
 
-def test_a_short_kernel_is_not_settled_as_slow_by_its_cold_first_call(cpu_target, measurer):
-    """Under a cutoff it would meet, a sub-millisecond kernel is timed in full: its first (cold) call,
-    and single runs, can read many times its warm latency (3-8 ms for a 0.3 ms attention kernel on a
-    2-core VM), which used to settle such candidates as slow after the first of a batch."""
-    task = Task.from_workload(make_workload("attention", "b=1,h=8,s=128,d=64", attrs="causal=1"))
-    space = task.space(cpu_target)
-    (fast,) = measurer.measure(task.spec, [space.default()])
-    again = measurer.measure(task.spec, [space.default()] * 3, cutoff=3 * fast.median)
-    assert [len(r.latencies) for r in again] == [5, 5, 5], [r.latencies for r in again]
+class _GivenTimes:
+    """A loaded kernel that runs (the check compares its output) but whose timed repeats read ``times`` in turn."""
+
+    def __init__(self, lib, times):
+        self.lib, self.times = lib, iter(times)
+
+    def __getitem__(self, name):
+        return self.lib[name]
+
+    def time_evaluator(self, name, dev, number=1, repeat=1, **kwargs):
+        return lambda *args: types.SimpleNamespace(results=[next(self.times) for _ in range(repeat)])
+
+
+@pytest.mark.parametrize("check, times, cutoff, expected", [
+    # No cutoff: every repeat is timed.
+    (0.050, [3e-4] * 5, None, [3e-4] * 5),
+    # The cold first call already reads far above the cutoff (and above COLD_CALL_SLACK): settled by it.
+    (0.050, [], 0.9e-3, [0.050]),
+    # A short kernel's cold first call reads 8 ms (3-8 ms for a 0.3 ms attention kernel on a 2-core VM) with
+    # a cutoff of 0.9 ms: below COLD_CALL_SLACK, no evidence of a slow kernel; the fastest of the probe's
+    # three repeats (one stalled) meets the cutoff, so it is timed in full.
+    (0.008, [4e-3, 3e-4, 3.1e-4, 3e-4, 3e-4], 0.9e-3, [4e-3, 3e-4, 3.1e-4, 3e-4, 3e-4]),
+    # A candidate slower than the cutoff in all three probe repeats is timed no further.
+    (0.001, [2e-3, 3e-3, 2.5e-3], 0.9e-3, [2e-3, 3e-3, 2.5e-3]),
+], ids=["no-cutoff", "settled-by-first-call", "cold-first-call-of-a-short-kernel", "settled-by-probe"])
+def test_the_cutoff_decides_by_the_timings(gemm_task, cpu_target, tmp_path, monkeypatch, check, times, cutoff, expected):
+    """How many repeats a candidate gets under a cutoff, on synthetic timings (the runner's clock and its
+    timer are ours; the kernel itself runs and is checked): a loaded machine changes the timings, never
+    what this test sees."""
+    from autosched.measure import _worker
+
+    path = _artifact(gemm_task.func, tmp_path, "plain").artifact
+    load_module = tvm.runtime.load_module
+    monkeypatch.setattr(tvm.runtime, "load_module", lambda p: _GivenTimes(load_module(p), times))
+    monkeypatch.setattr(_worker, "time", _Clock(check))
+    config = {"repeat": REPEAT, "number": 1, "min_repeat_ms": 0, "flush_bytes": 0, "cutoff": cutoff}
+    result = _worker.run_candidate(gemm_task.spec, cpu_target, path, config)
+    assert result.ok and result.rel_error < 1e-5, result
+    assert list(result.latencies) == pytest.approx(expected)
 
 
 def _norm_of_given_squares():

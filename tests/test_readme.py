@@ -93,3 +93,28 @@ def test_the_quick_start_and_using_it_examples_run_as_written(tmp_path):
         proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{_small(command)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     assert (tmp_path / "out" / "tiny" / "manifest.json").exists()
+
+
+def test_the_readme_says_which_commands_take_which_format():
+    """Each command's --format choices are those the README's "Using it" names for it."""
+    import argparse
+
+    from autosched.cli import build_parser
+
+    def subcommands(parser, prefix=""):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from subcommands(sub, f"{prefix}{name} ")
+        yield prefix.strip(), next((tuple(a.choices) for a in parser._actions if "--format" in a.option_strings), None)
+
+    formats = {name: choices for name, choices in subcommands(build_parser()) if name}
+    said = ["`ops`, `tune-model` and the\n`db` read commands take `--format table|json|csv`",
+            "`tune`, `run` and `db import` take `--format table|json`", "`generate` `--format text|json`"]
+    expected = {"ops": ("table", "json", "csv"), "tune-model": ("table", "json", "csv"), "tune": ("table", "json"),
+                "run": ("table", "json"), "db import": ("table", "json"), "generate": ("text", "json"),
+                "show": None, "report": None, "build": None, "rpc-server": None, "db export": None, "db upgrade": None}
+    for name in ("best", "list", "show", "history", "compare", "stats"):
+        expected[f"db {name}"] = ("table", "json", "csv")
+    assert {k: v for k, v in formats.items() if k != "db"} == expected
+    assert all(sentence in README for sentence in said), said

@@ -53,10 +53,10 @@ def cmd_build_generate(args) -> int:
     try:
         batches = None
         if args.decode_batches is not None:
-            batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
+            batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
         chunks = None
         if args.prefill_chunks is not None:
-            chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks"))))
+            chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks", "lengths"))))
         out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
                                       db_path=str(db.path) if db else None, decode_batches=batches,
                                       prefill_chunks=chunks)
@@ -74,7 +74,17 @@ def cmd_tune_generate(args) -> int:
     ``--prefill-chunks``, under one trial budget."""
     import math
 
-    from autosched.cli import DEFAULT_DB, TUNE_MODEL_TRIALS, ConsoleReporter, _measurer, _ModelProgress, _open_db, _trials
+    from autosched.cli import (
+        DEFAULT_DB,
+        DEFAULT_MAX_BATCH,
+        TUNE_MODEL_TRIALS,
+        ConsoleReporter,
+        _measurer,
+        _ModelProgress,
+        _open_db,
+        _trials,
+        searched_cell,
+    )
     from autosched.output import emit
     from autosched.pipeline import split_tunable
     from autosched.pipeline.tasks import kernel_calls
@@ -92,10 +102,10 @@ def cmd_tune_generate(args) -> int:
     target = parse_target(args.target, require_device=args.runner == "local")
     model = load_generation_model(args.model, args.dtype)
     if args.decode_batches is not None:
-        batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches"))))
+        batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
     else:  # those the build makes by default, so that a plain build applies the records
         batches = default_decode_batches(args.max_batch)
-    chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks")))) if args.prefill_chunks else ()
+    chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks", "lengths")))) if args.prefill_chunks else ()
     lowered, _ = lower_generation(model.config, target, batches, chunks)
     tasks, untunable = split_tunable(generation_tasks(lowered), target)
     log = console(stderr=True)
@@ -119,7 +129,7 @@ def cmd_tune_generate(args) -> int:
         db.close()
     best = {t.key: r.best_latency for t, r in zip(tasks, results)}
     rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
-             "searched": "yes" if r.searched else "no (default point)",
+             "searched": searched_cell(r),
              "latency_us": round(r.best_latency * 1e6, 3) if math.isfinite(r.best_latency) else None,
              "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
     emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
@@ -135,6 +145,7 @@ def cmd_tune_generate(args) -> int:
         log.log(f"{args.model}: {what}")
     options_used = [f"--decode-batches {','.join(map(str, batches))}"]
     options_used += [f"--prefill-chunks {','.join(map(str, chunks))}"] if chunks else []
+    options_used += [f"--max-batch {args.max_batch}"] if args.max_batch != DEFAULT_MAX_BATCH else []
     options_used += [f"--db {args.db}"] if args.db != DEFAULT_DB else []
     options_used += [f"--target {args.target}"] if args.target != "llvm" else []
     options_used += [f"--dtype {args.dtype}"] if args.dtype else []
@@ -166,11 +177,23 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(fn=cmd_generate)
 
 
-def _ids(text: str, what: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise UsageError(f"{what} '{text}' should be comma-separated token ids, e.g. 1,2,3") from None
+# Why a sequence ended, as the text output says it (Completion.finish_reason).
+FINISHED_BECAUSE = {"length": "--max-new-tokens reached", "stop": "a stop token (--stop-ids, default the model's EOS)",
+                    "max_seq_len": "the artifact's --max-seq-len reached"}
+
+
+def _ids(text: str, what: str, noun: str = "token ids") -> list[int]:
+    """Comma-separated whole numbers, 0 or more: ``1,,2`` (an empty item), ``-1``, ``1.5`` or ``a`` is a
+    UsageError in one line, never read as something else."""
+    items = text.replace(" ", "").split(",")
+    for item in items:
+        if not item.isdecimal():
+            if item.startswith("-") and item[1:].isdecimal():
+                why = f"{item} is negative: {noun} are 0 or more"
+            else:
+                why = "an empty item between commas" if not item else f"{item!r} is not a whole number"
+            raise UsageError(f"{what} '{text}' should be comma-separated {noun}, e.g. 1,2,3 ({why})")
+    return [int(item) for item in items]
 
 
 def _tokenizer(path: str | None):
@@ -225,6 +248,8 @@ def cmd_generate(args) -> int:
             print(f"[{i}] " + (f"error: {row['error']}" if "error" in row else " ".join(map(str, row["tokens"]))))
             if "text" in row:
                 print(f"[{i}] {row['text']}")
+            if "error" not in row:
+                print(f"[{i}] ended: {FINISHED_BECAUSE.get(row['finish_reason'], row['finish_reason'])}", file=sys.stderr)
         print(f"prefill {timing['prefill_ms']:.2f} ms ({timing['prefill_tokens']} tokens), {timing['ms_per_step']:.3f} ms "
               f"per decode step over {timing['decode_steps']} steps, {timing['tokens_per_s']:.1f} tokens/s",
               file=sys.stderr)

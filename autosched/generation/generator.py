@@ -48,6 +48,12 @@ class Sampling:
                             (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")):
             if wrong:
                 raise UsageError(what)
+        if self.temperature == 0 and (self.top_k or self.top_p < 1):
+            raise UsageError(f"top_k {self.top_k} and top_p {self.top_p:g} choose among tokens to sample, and temperature "
+                             "0 is greedy (no sampling): give a temperature above 0 (e.g. --temperature 0.8), or leave "
+                             "top_k and top_p out")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise UsageError(f"seed must be a whole number, 0 or more (got {self.seed})")
 
 
 @dataclass
@@ -82,20 +88,26 @@ class Generator:
     """
 
     def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None):
-        import tvm
         from tvm import relax
 
-        from autosched.pipeline.artifact import artifact_device
+        from autosched.pipeline.artifact import artifact_device, load_library, load_params
 
+        if kv_pages is not None:
+            check_kv_pages(kv_pages)
+        rebuild = "rebuild the artifact with `autosched build MODEL --generate`"
         path = Path(artifact_dir)
         manifest = read_generation_manifest(path)
         device = artifact_device(manifest, path)
         library, params = path / manifest["library"], path / manifest["params"]
         for needed in (library, params):
             if not needed.exists():
-                raise UsageError(f"{needed} is missing: rebuild the artifact with `autosched build MODEL --generate`")
-        module = relax.VirtualMachine(tvm.runtime.load_module(str(library)), device)
-        saved = tvm.runtime.load_param_dict(params.read_bytes())
+                raise UsageError(f"{needed} is missing: {rebuild}")
+        module = relax.VirtualMachine(load_library(library, rebuild), device)
+        saved = load_params(params, rebuild)
+        missing = [name for name in manifest["param_order"] if name not in saved]
+        if missing:
+            raise UsageError(f"{params} lacks {len(missing)} of the {len(manifest['param_order'])} parameters "
+                             f"{MANIFEST} names (a truncated file?): {rebuild}")
         self._start(module, [saved[name].copyto(device) for name in manifest["param_order"]], manifest, device, kv_pages)
 
     @classmethod
@@ -113,6 +125,8 @@ class Generator:
 
         from autosched.target import use_all_cpu_threads
 
+        if kv_pages is not None:
+            check_kv_pages(kv_pages)
         if manifest["target"]["kind"] == "llvm":
             use_all_cpu_threads()  # as the kernels were tuned and timed; before the first kernel runs
         self.manifest, self.vm, self.params, self.device = manifest, vm, params, device
@@ -172,7 +186,7 @@ class Generator:
         end-of-sequence tokens. Raises :class:`GenerationError` for input the artifact cannot take."""
         import numpy as np
 
-        prompt = [int(t) for t in prompt]
+        prompt = _token_ids(prompt)
         if len(self._seqs) >= self.max_batch:
             raise GenerationError(f"{self.max_batch} sequences are live, the artifact's --max-batch: remove one first "
                                   "(or rebuild with a larger --max-batch)")
@@ -190,6 +204,9 @@ class Generator:
         if base + len(prompt) > self.max_seq_len:
             raise GenerationError(f"the prompt has {base + len(prompt)} tokens, more than the artifact's --max-seq-len "
                                   f"{self.max_seq_len}: shorten it or rebuild with a larger --max-seq-len")
+        if base + len(prompt) == self.max_seq_len and max_new_tokens > 0:
+            raise GenerationError(f"the prompt has {self.max_seq_len} tokens, the artifact's --max-seq-len: no room is "
+                                  "left for a new token; shorten it or rebuild with a larger --max-seq-len")
         if max_new_tokens < 0:
             raise GenerationError("max_new_tokens must be 0 or more")
         seq_id = self._next_id
@@ -255,6 +272,9 @@ class Generator:
         others go on. Request ``i`` samples with seed ``seed + i``."""
         if max_new_tokens < 1:  # a request that makes no token would never finish (add(..., 0) holds a prefix)
             raise GenerationError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+        if isinstance(prompts, (str, bytes)) or any(_is_token_id(p) for p in prompts):
+            raise GenerationError("prompts is a list of prompts, each a list of token ids: for one prompt, give "
+                                  "[[1, 2, 3]], not [1, 2, 3]")
         self.completions = [Completion() for _ in prompts]
         queue = list(enumerate(prompts))
         owner: dict[int, int] = {}
@@ -412,6 +432,34 @@ class Generator:
         return made
 
 
+def _is_token_id(value) -> bool:
+    """Whether ``value`` is one token id: a whole number (an int, a numpy or torch integer), not a bool."""
+    import operator
+
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt as a list of ints; a GenerationError for text or ids that are not whole numbers (1.7 or "3"
+    would otherwise be read as 1 and 3)."""
+    import operator
+
+    if isinstance(prompt, (str, bytes)) or _is_token_id(prompt) or not hasattr(prompt, "__iter__"):
+        raise GenerationError(f"a prompt is a list of token ids, not {type(prompt).__name__}: tokenize text first "
+                              "(the command line's --prompt with --tokenizer does)")
+    prompt = list(prompt)
+    bad = [t for t in prompt if not _is_token_id(t)]
+    if bad:
+        raise GenerationError(f"token id {bad[0]!r} is not a whole number: a prompt is a list of int token ids")
+    return [operator.index(t) for t in prompt]
+
+
 def _sample(logits, sampling: Sampling, rng) -> int:
     import numpy as np
 
@@ -433,9 +481,18 @@ def _sample(logits, sampling: Sampling, rng) -> int:
     return int(rng.choice(len(probs), p=probs))
 
 
+def check_kv_pages(kv_pages) -> None:
+    """``kv_pages``: a whole number of pages, at least 1 (None: the default)."""
+    if isinstance(kv_pages, bool) or not isinstance(kv_pages, int) or kv_pages < 1:
+        raise UsageError(f"kv_pages must be a whole number of pages, at least 1 (got {kv_pages!r}); leave it out for "
+                         "room for max_batch sequences of max_seq_len tokens")
+
+
 def read_generation_manifest(path: Path) -> dict:
     """The manifest of a generation artifact; a one-line UsageError for a folder that is not one."""
     manifest_path = Path(path) / MANIFEST
+    if Path(path).exists() and not Path(path).is_dir():
+        raise UsageError(f"{path} is a file, not an artifact: give the folder `autosched build MODEL --generate -o DIR` wrote")
     if not manifest_path.exists():
         raise UsageError(f"{path} is not an autosched build (no {MANIFEST}): run `autosched build MODEL --generate -o {path}`")
     try:
@@ -443,6 +500,9 @@ def read_generation_manifest(path: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{manifest_path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}): rebuild the "
                          "artifact") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise UsageError(f"{path} was built without --generate: rebuild it with `autosched build MODEL --generate`")
+    from autosched.pipeline.artifact import check_manifest_version
+
+    check_manifest_version(manifest, manifest_path)
     return manifest

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 MANIFEST = "manifest.json"
 LIBRARY = "model.so"
 PARAMS = "params.bin"
+MANIFEST_VERSION = 1  # what export_artifact, export_bucketed and the generation build write
+GENERATION_FORMAT = "autosched-generator"  # the format of `build --generate`'s manifest (generation/build.py's FORMAT)
 
 
 def export_artifact(out_dir: str | Path, executable, params: list, model: Model, target: TargetSpec,
@@ -95,7 +97,7 @@ def _export_common(out_dir: str | Path, model: Model, target: TargetSpec, db_pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest = {
-        "format": "autosched-model", "version": 1, "model": model.spec, "model_kwargs": dict(model.kwargs),
+        "format": "autosched-model", "version": MANIFEST_VERSION, "model": model.spec, "model_kwargs": dict(model.kwargs),
         "autosched_version": __version__,
         "tvm_version": tvm.__version__, "target": target.to_json(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "params": PARAMS, "inputs": model.input_specs(), "weights_sha256": model.weights_digest(), "database": db_path,
@@ -120,6 +122,10 @@ def read_manifest(out_dir: str | Path) -> dict:
         raise UsageError(f"{manifest_path} cannot be read ({exc}): {rebuild}") from None
     if not isinstance(manifest, dict):
         raise UsageError(f"{manifest_path} is not an autosched manifest (not a JSON object): {rebuild}")
+    if manifest.get("format") == GENERATION_FORMAT:
+        raise UsageError(f"{out_dir} is a generation artifact (built with --generate): generate from it with "
+                         f"`autosched generate {out_dir} --prompt-ids 1,2,3` or autosched.Generator")
+    check_manifest_version(manifest, manifest_path)
     need = ["model", "target", "inputs", "params", "param_order"] + (
         ["libraries", "kernels_per_bucket"] if "buckets" in manifest else ["library", "tuned_kernels", "default_kernels"])
     missing = [key for key in need if key not in manifest]
@@ -132,27 +138,43 @@ def read_manifest(out_dir: str | Path) -> dict:
     return manifest
 
 
-def _load_library(path: Path):
-    """A compiled library of the artifact; one that TVM cannot load is named with the reason."""
+def check_manifest_version(manifest: dict, manifest_path: Path) -> None:
+    """A manifest of a version this autosched does not read is refused in one line (an older manifest has no
+    version: 1)."""
+    version = manifest.get("version", MANIFEST_VERSION)
+    if version != MANIFEST_VERSION:
+        by = f" (autosched {manifest['autosched_version']} wrote it)" if manifest.get("autosched_version") else ""
+        raise UsageError(f"{manifest_path} is of manifest version {version!r}{by} and this autosched reads version "
+                         f"{MANIFEST_VERSION}: rebuild the artifact with this autosched, or use the one that built it")
+
+
+def load_library(path: Path, rebuild: str = "rebuild it with `autosched build`"):
+    """A compiled library of an artifact; one that TVM cannot load (empty, damaged) is a UsageError naming it
+    and the reason."""
     import tvm
 
     try:
         return tvm.runtime.load_module(str(path))
     except Exception as exc:  # noqa: BLE001 - TVM raises its own error types for a damaged file
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-        raise UsageError(f"{path} cannot be loaded ({reason}): rebuild it with `autosched build`") from None
+        raise UsageError(f"{path} cannot be loaded ({reason}): {rebuild}") from None
+
+
+
+def load_params(path: Path, rebuild: str = "rebuild it with `autosched build`") -> dict:
+    """Every tensor of a parameter file, by name (on the host); a damaged file is a UsageError naming it."""
+    import tvm
+
+    try:
+        return tvm.runtime.load_param_dict(path.read_bytes())
+    except Exception as exc:  # noqa: BLE001 - TVM's error for a damaged parameter file
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise UsageError(f"{path} cannot be read as parameters ({reason}): {rebuild}") from None
 
 
 def _saved_params(out: Path, manifest: dict, device) -> dict:
     """Every tensor of ``params.bin``, by name, on ``device``."""
-    import tvm
-
-    path = out / manifest["params"]
-    try:
-        saved = tvm.runtime.load_param_dict(path.read_bytes())
-    except Exception as exc:  # noqa: BLE001 - TVM's error for a damaged parameter file
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-        raise UsageError(f"{path} cannot be read as parameters ({reason}): rebuild it with `autosched build`") from None
+    saved = load_params(out / manifest["params"])
     return {name: t.copyto(device) for name, t in saved.items()}
 
 
@@ -183,7 +205,7 @@ def load_artifact(out_dir: str | Path):
     if "buckets" in manifest:
         raise UsageError(f"{out} is a --tokens dynamic build: load it with autosched.pipeline.BucketedModel")
     device = artifact_device(manifest, out)
-    vm = relax.VirtualMachine(_load_library(out / manifest["library"]), device)
+    vm = relax.VirtualMachine(load_library(out / manifest["library"]), device)
     saved = _saved_params(out, manifest, device)
     return vm, [saved[name] for name in manifest["param_order"]], manifest
 
@@ -238,7 +260,7 @@ class BucketedModel:
 
         if bucket not in self._vms:
             library = self.path / self.manifest["libraries"][self.key(bucket)]
-            self._vms[bucket] = relax.VirtualMachine(_load_library(library), self.device)
+            self._vms[bucket] = relax.VirtualMachine(load_library(library), self.device)
         return self._vms[bucket]
 
     def sizes_of(self, inputs) -> tuple:

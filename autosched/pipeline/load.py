@@ -105,7 +105,28 @@ def load_model(spec: str, **kwargs: Any) -> Model:
         raise UsageError(f"unknown model '{spec}': name an example ({names}) or give module:factory")
     given = {k: v for k, v in kwargs.items() if v is not None}
     made = factory(**given)
+    _check_made(spec, made)
     module, inputs = made[0], tuple(made[1])
     declared = made[2].get("input_ranges") if len(made) > 2 and made[2] else None
     return Model(spec, module.eval(), inputs, {k: str(v).replace("torch.", "") for k, v in given.items()},
                  _input_ranges(module, inputs, declared))
+
+
+def _check_made(spec: str, made) -> None:
+    """What a factory returned is (model, example_inputs[, options]): a UsageError in one line naming what it
+    returned instead (``os:getcwd`` is a callable too)."""
+    import torch
+
+    expected = ("a factory returns (model, example_inputs): a torch.nn.Module and a tuple of example input tensors "
+                "(see examples/)")
+    if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
+        what = f"a {type(made).__name__}" + (f" of {len(made)}" if isinstance(made, (tuple, list)) else "")
+        raise UsageError(f"model factory '{spec}' returned {what}: {expected}")
+    if not isinstance(made[0], torch.nn.Module):
+        raise UsageError(f"model factory '{spec}' returned a {type(made[0]).__name__} as its model: {expected}")
+    inputs = made[1]
+    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise UsageError(f"model factory '{spec}' returned {type(inputs).__name__} as its example inputs: {expected}")
+    if len(made) == 3 and made[2] is not None and not isinstance(made[2], dict):
+        raise UsageError(f"model factory '{spec}' returned a {type(made[2]).__name__} as its options: give a dict, "
+                         "e.g. {'input_ranges': [[0, vocab]]}")
