@@ -88,25 +88,27 @@ def check(out, lse, ref_out, ref_lse, dtype: str) -> None:
 # --- the body on the host (nvcc) ----------------------------------------------------------------------------
 
 HOST_CASES = [
-    # (contexts, h, hkv, d, dtype, split, warps, unroll)
-    ([150, 1, 0, 37], 8, 2, 128, "float16", 4, 4, 2),  # GQA 4:1, a sequence without pages, one of one token
-    ([70, 33], 4, 4, 64, "bfloat16", 1, 2, 4),  # MHA, no split
-    ([16, 100, 17], 4, 2, 32, "float16", 8, 2, 1),  # head dim 32, more CTAs than pages
+    # (contexts, h, hkv, d, dtype, split, warps, unroll, spread)
+    ([150, 1, 0, 37], 8, 2, 128, "float16", 4, 4, 2, 0),  # GQA 4:1, a sequence without pages, one of one token
+    ([70, 33], 4, 4, 64, "bfloat16", 1, 2, 4, 0),  # MHA, no split
+    ([16, 100, 17], 4, 2, 32, "float16", 8, 2, 1, 0),  # head dim 32, more CTAs than pages
+    ([150, 0, 37], 8, 2, 128, "float16", 4, 4, 2, 1),  # spread: 6 pairs over 2 clusters of 4, 2 CTAs spare
 ]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("case", HOST_CASES, ids=["gqa4-d128-split4", "mha-d64-bf16", "d32-split8"])
+@pytest.mark.parametrize("case", HOST_CASES, ids=["gqa4-d128-split4", "mha-d64-bf16", "d32-split8", "spread"])
 def test_kv_cache_decode_body_matches_float64_on_the_host(case, tmp_path):
     """The body, compiled for the host by nvcc and run with one thread per CUDA thread (each cluster's CTAs
-    together), against the float64 reference: output and base-2 log-sum-exp."""
+    together), against the float64 reference: output and base-2 log-sum-exp; split (the cluster's CTAs share a
+    pair's pages) and spread (each CTA takes a pair of its own)."""
     import subprocess
 
     import torch
 
     from autosched.search_spaces.templates.kv_cache_decode import body_source, smem_floats
 
-    contexts, h, hkv, d, dtype, split, warps, unroll = case
+    contexts, h, hkv, d, dtype, split, warps, unroll, spread = case
     q, pages, indptr, indices, last_len, sm_scale = decode_case(contexts, h, hkv, d, dtype)
     config = {"H": h, "HKV": hkv, "G": h // hkv, "D": d, "PAGE": PAGE, "WARPS": warps, "UNROLL": unroll,
               "SPLIT": split}
@@ -127,7 +129,8 @@ int main() {{
   std::vector<float> lse(q.size() / {d}, 12345.f);
   const int threads = {warps} * 32, split = {split};
   host_warps_per_cta = {warps};
-  for (int pair = 0; pair < {len(contexts) * hkv}; ++pair) {{  // one cluster at a time
+  const int pairs = {len(contexts) * hkv}, spread = {spread};
+  for (int cl = 0; cl < (spread ? (pairs + split - 1) / split : pairs); ++cl) {{  // one cluster at a time
     std::barrier<> cluster(threads * split);
     host_cluster_barrier = &cluster;
     std::vector<std::vector<float>> smem(split, std::vector<float>({words}, -1.f));
@@ -143,7 +146,7 @@ int main() {{
         host_rank = t / threads;
         host_thread.x = t % threads;
         kv_decode_body(q.data(), pages.data(), indptr.data(), indices.data(), last.data(), out.data(), lse.data(),
-                       host_smem[host_rank], pair, host_rank, {sm_scale!r}f);
+                       host_smem[host_rank], cl, host_rank, pairs, spread, {sm_scale!r}f);
       }});
     for (auto& th : pool) th.join();
     for (auto* b : host_block_barriers) delete b;
@@ -199,7 +202,7 @@ def test_kv_cache_decode_compiles_for_sm90a_without_spills(h, hkv, d, dtype):
 
 
 def test_the_kernel_refuses_what_it_cannot_serve():
-    from autosched.search_spaces.templates.kv_cache_decode import default_split, unsupported
+    from autosched.search_spaces.templates.kv_cache_decode import default_split, spreads, unsupported
 
     assert unsupported(32, 8, 128, "float16", 16) is None
     assert "head dim 80" in unsupported(32, 8, 80, "float16", 16)
@@ -208,6 +211,8 @@ def test_the_kernel_refuses_what_it_cannot_serve():
     assert "groups of 16" in unsupported(32, 2, 128, "float16", 16)
     # batch 1 takes up to one CTA per SM (132): 32 K/V heads split 4 ways, 64 two ways, at most 8 ways
     assert (default_split(32), default_split(64), default_split(8), default_split(1)) == (4, 2, 8, 8)
+    # From about one pair per SM on (16 sequences x 8 K/V heads), each CTA takes a pair of its own.
+    assert spreads(128) and spreads(512) and not spreads(64) and not spreads(32)
 
 
 # --- the dispatch in a generation build ---------------------------------------------------------------------

@@ -50,6 +50,13 @@ def default_warps(group: int, d: int) -> int:
     return 8 if 4 * smem_floats(group, d, 8) <= 48 * 1024 else 4
 
 
+def spreads(pairs, sms: int = SMS):
+    """Whether ``pairs`` (sequence, K/V head) pairs fill nine tenths of the SMs or more by themselves: then
+    each CTA of a cluster takes a pair of its own, whole, rather than a share of one pair's pages (a split
+    chosen for batch 1 would only add CTAs and merges at batch 16). Python ints or TIR expressions."""
+    return pairs * 10 >= sms * 9
+
+
 def default_unroll(group: int) -> int:
     """Steps of K/V loads in flight per warp: fewer as the group's registers (q, o, scores) grow."""
     return 4 if group <= 2 else 2 if group <= 4 else 1
@@ -106,6 +113,13 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
     threads = 32 * warps
     words = smem_floats(g, d, warps)
 
+    def launch(pairs):  # (cluster, rank in it, whether each CTA takes a pair of its own), for pairs known at run time
+        if split == 1:
+            return T.cta_id([pairs]), 0, 0
+        spread = T.Select(spreads(pairs), 1, 0)
+        cluster = T.cluster_id([T.Select(spreads(pairs), (pairs + split - 1) // split, pairs)])
+        return cluster, T.cta_id_in_cluster([split]), spread
+
     # fmt: off
     @T.prim_func
     def batch_decode_paged_kv(
@@ -136,16 +150,12 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
         lse = T.match_buffer(lse_handle, (B, h), "float32")
         assert rotary_mode == 0, "autosched's paged decode kernel applies no rotary embedding (rotary_mode 0 only)"
         T.device_entry()
-        if split == 1:
-            pair = T.cta_id([B * hkv])
-            rank = 0
-        else:
-            pair = T.cluster_id([B * hkv])
-            rank = T.cta_id_in_cluster([split])
+        cluster, rank, spread = launch(B * hkv)
         tx = T.thread_id([threads])  # noqa: F841 (declares the block's threads)
         smem = T.alloc_buffer((words,), "float32", scope="shared.dyn", align=16)
         T.cuda.func_call(name, Q.access_ptr("r"), pages.access_ptr("r"), indptr.access_ptr("r"),
                          indices.access_ptr("r"), length_info.access_ptr("r"), output.access_ptr("w"),
-                         lse.access_ptr("w"), smem.access_ptr("rw"), pair, rank, sm_scale, source_code=source)
+                         lse.access_ptr("w"), smem.access_ptr("rw"), cluster, rank, B * hkv, spread, sm_scale,
+                         source_code=source)
     # fmt: on
     return batch_decode_paged_kv

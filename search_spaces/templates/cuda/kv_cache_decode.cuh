@@ -8,7 +8,8 @@
 // last page; lse [batch, H], float32, base 2: log2 of the sum of 2^(scores · sm_scale · log2(e)).
 //
 // One cluster of C::SPLIT CTAs per (sequence, K/V head): each CTA takes an equal share of the sequence's
-// pages; each warp takes tokens in steps of (32 / (D / 8)) tokens, a row of K and of V read by D / 8 lanes,
+// pages (with enough (sequence, head) pairs to fill the GPU, `spread`, each CTA of a cluster takes a pair
+// of its own instead); each warp takes tokens in steps of (32 / (D / 8)) tokens, a row of K and of V read by D / 8 lanes,
 // 16 bytes each, C::UNROLL steps of loads issued before any arithmetic; the GQA group's C::G query heads
 // share every row read. Online softmax in registers, in base 2 with the scale folded into Q. The warps
 // merge in shared memory, the cluster's CTAs in the first CTA through distributed shared memory.
@@ -31,7 +32,8 @@ __device__ __forceinline__ int autosched_kvd_page(const int* __restrict__ indice
 template <typename T, class C>
 __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ Q, const T* __restrict__ pages,
     const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ last_len,
-    T* __restrict__ O, float* __restrict__ lse, float* smem, int pair, int rank, float sm_scale) {
+    T* __restrict__ O, float* __restrict__ lse, float* smem, int cluster, int rank, int pairs, int spread,
+    float sm_scale) {
   constexpr int H = C::H, HKV = C::HKV, G = C::G, D = C::D, PAGE = C::PAGE;
   constexpr int WARPS = C::WARPS, UNROLL = C::UNROLL, SPLIT = C::SPLIT, THREADS = WARPS * 32;
   constexpr int TG = D / 8;     // lanes per token row (16 bytes each)
@@ -46,10 +48,15 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
   auto fin_ml = reinterpret_cast<float (*)[2]>(smem + (WARPS + 1) * G * D + WARPS * G * 2);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int sub = lane % TG, gid = warp * TPW + lane / TG;
+  // Split: the cluster's pair, the CTA's share of its pages. Spread: the CTA's own pair, all its pages.
+  const bool alone = SPLIT == 1 || spread;
+  const int pair = alone ? cluster * SPLIT + rank : cluster;
+  if (pair >= pairs) return;  // the last cluster's spare CTAs (spread only: no cluster barrier then)
+  const int parts = alone ? 1 : SPLIT, part = alone ? 0 : rank;
   const int seq = pair / HKV, kvh = pair % HKV;
   const int p0 = indptr[seq], npages = indptr[seq + 1] - p0;
   const int len = npages > 0 ? (npages - 1) * PAGE + last_len[seq] : 0;
-  const int first = rank * npages / SPLIT, last = (rank + 1) * npages / SPLIT;
+  const int first = part * npages / parts, last = (part + 1) * npages / parts;
   const int begin = first * PAGE, end = min(last * PAGE, len);
   const float scale = sm_scale * 1.4426950408889634f;  // log2(e): the softmax in base 2
   // K of head kvh in page p is at pages + (2 p · HKV + kvh) · HEAD, V HKV · HEAD further.
@@ -166,7 +173,7 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
       sum += part_ml[w][h][1] * a;
       acc += part_o[w][h][c] * a;
     }
-    if (SPLIT == 1) {
+    if (alone) {
       const size_t row = (size_t)seq * H + kvh * G + h;
       O[row * D + c] = autosched_dtype<T>::from_float(sum > 0.f ? acc / sum : 0.f);
       if (c == 0) lse[row] = sum > 0.f ? top + log2f(sum) : -5e4f;
@@ -175,7 +182,7 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
       if (c == 0) { fin_ml[h][0] = top; fin_ml[h][1] = sum; }
     }
   }
-  if (SPLIT > 1) {
+  if (SPLIT > 1 && !alone) {
     // The cluster's CTAs meet in the first one through distributed shared memory.
     autosched_cluster_sync();
     if (rank == 0) {
@@ -207,14 +214,15 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
   }
 }
 
-// The entry point NAME(Q, pages, indptr, indices, last_len, O, lse, smem, pair, rank, sm_scale) that the
-// TIRx launch calls, for element type T and config C.
+// The entry point NAME(Q, pages, indptr, indices, last_len, O, lse, smem, cluster, rank, pairs, spread,
+// sm_scale) that the TIRx launch calls, for element type T and config C.
 #define AUTOSCHED_KV_CACHE_DECODE(NAME, T, C)                                                              \
   __device__ __forceinline__ void NAME(const T* __restrict__ Q, const T* __restrict__ pages,              \
       const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ last_len,   \
-      T* __restrict__ O, float* __restrict__ lse, float* smem, int pair, int rank, float sm_scale) {       \
-    autosched_kv_cache_decode<T, C>(Q, pages, indptr, indices, last_len, O, lse, smem, pair, rank,         \
-                                    sm_scale);                                                            \
+      T* __restrict__ O, float* __restrict__ lse, float* smem, int cluster, int rank, int pairs, int spread, \
+      float sm_scale) {                                                                                    \
+    autosched_kv_cache_decode<T, C>(Q, pages, indptr, indices, last_len, O, lse, smem, cluster, rank, pairs, \
+                                    spread, sm_scale);                                                    \
   }
 
 #endif  // AUTOSCHED_KV_CACHE_DECODE_CUH
