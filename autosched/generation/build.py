@@ -109,9 +109,10 @@ class GenerationReport:
     seconds: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
+        ours = sorted(role for role, runs in self.attention.items() if runs.startswith("autosched"))
         text = (f"{len(self.tuned) + len(self.default)} kernels: {len(self.tuned)} from the database, "
                 f"{len(self.default)} on default schedules, {len(self.workloads)} of our workloads; attention on "
-                "TVM's default paged-KV kernels")
+                "TVM's default paged-KV kernels" + (f" except ours for {', '.join(ours)}" if ours else ""))
         return text + "; " + ", ".join(f"{step} {s:.1f} s" for step, s in self.seconds.items())
 
 
@@ -134,7 +135,11 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
 
     from autosched.pipeline.build import apply_database
 
+    from .attention import dispatch_attention
+
+    lowered, ours, kernels = dispatch_attention(lowered, target)
     scheduled, applied = apply_database(lowered, db, target, calls=decode_calls(lowered))
+    applied.separate.update(kernels)  # compiled on their own and linked, as tuned TIRx kernels are
     report = GenerationReport(tuned=dict(applied.tuned))
     attention_kernels = {name for names in ATTENTION_ROLES.values() for name in names}
     for gv, func in lowered.functions.items():
@@ -145,7 +150,7 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
     present = [gv.name_hint for gv in lowered.functions]
     for role, prefixes in ATTENTION_ROLES.items():
         found = sorted(n for n in present if n.startswith(prefixes))
-        report.attention[role] = f"TVM default ({', '.join(found)})" if found else "none"
+        report.attention[role] = ours.get(role) or (f"TVM default ({', '.join(found)})" if found else "none")
     return scheduled, report, applied
 
 

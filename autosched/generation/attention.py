@@ -1,0 +1,139 @@
+"""The one place where a generation build chooses the attention kernels TVM's paged KV cache calls.
+
+The decoder creates its cache with ``TIRPagedKVCache``, whose creation call (``create_paged_kv_cache``'s
+``vm.builtin.paged_attention_kv_cache_create``) takes each attention kernel as ``(R.str("tirx"), kernel)``:
+the runtime calls it as a TIR function of TVM's calling convention (``attn_backend.h``). Here a kernel of
+ours with that convention takes a default kernel's place: its PrimFunc leaves the module, the tuple names
+our kernel by its symbol (``R.ExternFunc``), and the kernel is compiled on its own (TIRx, sm_90a) and linked
+into the executable, like the tuned TIRx kernels (``ApplyReport.separate``, ``compile_separate``). TVM's
+default stays wherever ours does not serve the configuration, named as the fallback in the report.
+
+Served so far: "decode over cached pages" (TVM's ``batch_decode_paged_kv``, without sliding window) by
+``search_spaces/templates/kv_cache_decode.py`` on sm_90, for fp16/bf16, head dims 32-256, pages of 16, GQA
+groups up to 8, RoPE applied before caching (or none: ``rotary_mode`` 0).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tvm import IRModule
+
+    from autosched.target import TargetSpec
+
+DECODE_ROLE = "decode over cached pages"
+TVM_DECODE = "batch_decode_paged_kv"  # TVM's kernel's symbol (and global name in our lowered module)
+CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"
+ROPE_MODE_ARG = 9  # where the RopeMode is among the creation call's arguments (0: the builtin's name)
+ROPE_INLINE = 2  # RopeMode.INLINE: the attention kernels would apply RoPE (rotary_mode 1)
+ARCHS = ("sm_90", "sm_90a")
+CODEGEN = {"tir_pipeline": "tirx", "arch": "sm_90a"}
+
+
+def dispatch_attention(mod: IRModule, target: TargetSpec) -> tuple[IRModule, dict[str, str], dict[str, tuple]]:
+    """(``mod`` with our kernels in the KV cache's place where they serve it, {role: what runs it} for the
+    roles ours took or refused, {name: (kernel, pass options, codegen)} to compile on their own and link, as
+    ``ApplyReport.separate`` holds them). ``mod``: a generation module as ``lower_generation`` gives it."""
+    served: dict[str, str] = {}
+    kernels: dict[str, tuple] = {}
+    decode = _function(mod, TVM_DECODE)
+    if decode is None:
+        return mod, served, kernels
+    reason, kernel = _our_decode(mod, decode, target)
+    if kernel is None:
+        served[DECODE_ROLE] = f"TVM default ({TVM_DECODE}): ours does not serve {reason}"
+        return mod, served, kernels
+    name = str(kernel.attrs["global_symbol"])
+    mod = _replace_in_cache(mod, TVM_DECODE, name)
+    kernels[name] = (kernel, {}, CODEGEN)
+    others = sorted(gv.name_hint for gv in mod.functions if gv.name_hint.startswith(TVM_DECODE))
+    served[DECODE_ROLE] = f"autosched kv_cache_decode ({name})" + (
+        f"; TVM default for the sliding-window variant ({', '.join(others)})" if others else "")
+    return mod, served, kernels
+
+
+def _function(mod: IRModule, name: str):
+    for gv, func in mod.functions.items():
+        if gv.name_hint == name:
+            return func
+    return None
+
+
+def _decode_facts(func) -> dict[str, Any] | None:
+    """Heads, K/V heads, head dim, page size and dtype of TVM's decode kernel, from its buffers (q
+    [batch, h, d], pages [num_pages, 2, hkv, page, d]); None if it does not look like that kernel."""
+    params = list(func.params)
+    if len(params) != 13:
+        return None
+    q, pages = params[0], params[1]  # buffer parameters: their shapes and dtypes
+    try:
+        _, h, d = q.shape
+        _, two, hkv, page, d2 = pages.shape
+        facts = {"h": int(h), "hkv": int(hkv), "d": int(d), "page": int(page), "dtype": str(q.dtype)}
+    except (AttributeError, ValueError, TypeError):
+        return None
+    if int(two) != 2 or int(d2) != facts["d"] or str(pages.dtype) != facts["dtype"]:
+        return None
+    return facts
+
+
+def _cache_rope_modes(mod: IRModule) -> set[int]:
+    """The RopeMode of every cache-creation call in ``mod``."""
+    from tvm import relax
+
+    modes = set()
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function):
+            continue
+
+        def visit(expr):
+            if isinstance(expr, relax.Call) and len(expr.args) > ROPE_MODE_ARG and \
+                    isinstance(expr.args[0], relax.ExternFunc) and expr.args[0].global_symbol == CACHE_CREATE:
+                value = getattr(expr.args[ROPE_MODE_ARG], "value", None)  # an integer immediate
+                modes.add(value if isinstance(value, int) else -1)
+
+        relax.analysis.post_order_visit(func, visit)
+    return modes
+
+
+def _our_decode(mod: IRModule, decode, target: TargetSpec):
+    """(why ours does not serve, None) or (None, our kernel) for TVM's decode kernel ``decode``."""
+    from autosched.search_spaces.templates.kv_cache_decode import kv_cache_decode_kernel, unsupported
+
+    if target.kind != "cuda" or target.arch not in ARCHS:
+        return f"target {target.kind}:{target.arch} (sm_90 only)", None
+    facts = _decode_facts(decode)
+    if facts is None:
+        return "a decode kernel of another signature", None
+    modes = _cache_rope_modes(mod)
+    if not modes or modes - {0, 1}:
+        # RopeMode.INLINE (2) would have the kernel rotate Q and K itself (rotary_mode 1), which ours does not.
+        return "RoPE applied inside attention (RopeMode.INLINE)", None
+    reason = unsupported(facts["h"], facts["hkv"], facts["d"], facts["dtype"], facts["page"])
+    if reason:
+        return reason, None
+    return None, kv_cache_decode_kernel(facts["h"], facts["hkv"], facts["d"], facts["dtype"], facts["page"])
+
+
+def _replace_in_cache(mod: IRModule, old: str, new: str) -> IRModule:
+    """``mod`` with the cache's ``(R.str("tirx"), old)`` tuples naming ``R.ExternFunc(new)`` instead, and the
+    PrimFunc ``old`` removed."""
+    import tvm
+    from tvm import relax
+
+    @relax.expr_functor.mutator
+    class Swap(relax.PyExprMutator):
+        def visit_tuple_(self, op):
+            op = super().visit_tuple_(op)
+            fields = list(op.fields)
+            if (len(fields) == 2 and isinstance(fields[0], tvm.ir.StringImm) and fields[0].value == "tirx"
+                    and isinstance(fields[1], tvm.ir.GlobalVar) and fields[1].name_hint == old):
+                return relax.Tuple([fields[0], relax.ExternFunc(new)])
+            return op
+
+    out = tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint != old}, attrs=mod.attrs)
+    for gv, func in list(out.functions.items()):
+        if isinstance(func, relax.Function):
+            out[gv] = Swap(out).visit_expr(func)
+    return out

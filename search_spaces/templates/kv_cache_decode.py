@@ -1,0 +1,161 @@
+"""Decode attention in TVM's paged-KV-cache calling convention, for sm_90: the kernel that generation's
+cache calls for "decode over cached pages" in place of TVM's ``batch_decode_paged_kv``.
+
+The runtime (``attn_backend.h``, ``TIRPagedDecodeFunc::MHA``) calls it as
+``(q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, output, lse,
+rotary_mode, rotary_scale, rotary_theta, sm_scale)``, with
+
+* ``q`` and ``output`` ``[batch, h, d]``; ``pages`` ``[num_pages, 2, hkv, page, d]`` (K then V);
+* ``page_indptr`` ``[batch + 1]`` into ``page_indices`` (each sequence's pages, in order), and
+  ``length_info`` ``[batch]``, the tokens of each sequence's last page (the cache without sliding windows):
+  a sequence of ``n`` pages holds ``(n - 1) · page + length_info[i]`` tokens. These index tensors are views
+  into one workspace, so they carry element offsets;
+* ``lse`` ``[batch, h]`` float32, base 2 (``m + log2(sum)`` with scores scaled by ``sm_scale · log2(e)``), as
+  TVM's kernels write it and its merge kernel reads it; a sequence without tokens gets an output of zeros
+  and -5e4, as TVM's kernel gives;
+* batch, pages and index lengths symbolic; heads, head dim and the page size fixed (TVM's kernel fixes the
+  page at 16 too).
+
+Only ``rotary_mode`` 0 is served (RoPE applied before K is cached, or none): the kernel asserts it on the
+host side before launching. The body is ``cuda/kv_cache_decode.cuh`` (flash-decoding on CUDA cores: one
+cluster of ``split`` CTAs per (sequence, K/V head), the group's query heads sharing every 16-byte K/V load,
+online softmax in base 2, merge through distributed shared memory). This is not a search space: the
+generation build puts it in the cache through :func:`autosched.generation.attention.dispatch_attention`.
+"""
+
+from __future__ import annotations
+
+from ._hopper import CUDA_SCALAR, SMEM_LIMIT, config_struct, cuda_file
+
+HEAD_DIMS = (32, 64, 128, 256)
+PAGE_SIZES = (16,)  # the page TVM's decode kernel fixes (the cache's buffer shape names it)
+MAX_GROUP = 8  # query heads per K/V head the registers hold (q and o: 16 floats a head per lane)
+SMS = 132  # the H100/H200's SMs: what the default split fills at batch 1
+MAX_SPLIT = 8  # the portable cluster size
+
+
+def default_split(hkv: int, batch: int = 1) -> int:
+    """CTAs per (sequence, K/V head): the largest power of two, at most 8, whose ``batch · hkv · split`` CTAs
+    fit one per SM. Batch 1 is the step whose latency the split serves (32 K/V heads: 4, 8 heads: 8); at
+    larger batches the extra CTAs each take a shorter share of the pages and one more merge."""
+    split = 1
+    while split < MAX_SPLIT and batch * hkv * split * 2 <= SMS:
+        split *= 2
+    return split
+
+
+def default_warps(group: int, d: int) -> int:
+    """Warps per CTA: 8 (more K/V loads in flight per SM) where their partial results fit the 48 KB of
+    shared memory a kernel gets without asking, else 4."""
+    return 8 if 4 * smem_floats(group, d, 8) <= 48 * 1024 else 4
+
+
+def spreads(pairs, sms: int = SMS):
+    """Whether ``pairs`` (sequence, K/V head) pairs fill nine tenths of the SMs or more by themselves: then
+    each CTA of a cluster takes a pair of its own, whole, rather than a share of one pair's pages (a split
+    chosen for batch 1 would only add CTAs and merges at batch 16). Python ints or TIR expressions."""
+    return pairs * 10 >= sms * 9
+
+
+def default_unroll(group: int) -> int:
+    """Steps of K/V loads in flight per warp: fewer as the group's registers (q, o, scores) grow."""
+    return 4 if group <= 2 else 2 if group <= 4 else 1
+
+
+def smem_floats(group: int, d: int, warps: int) -> int:
+    """Shared memory of the body, in 4-byte words: each warp's (output, max, sum) per head, then the CTA's."""
+    return (warps + 1) * group * (d + 2)
+
+
+def unsupported(h: int, hkv: int, d: int, dtype: str, page: int) -> str | None:
+    """Why the kernel cannot serve this cache configuration, or None."""
+    if dtype not in CUDA_SCALAR:
+        return f"dtype {dtype} (fp16 and bf16 only)"
+    if d not in HEAD_DIMS:
+        return f"head dim {d} (one of {', '.join(map(str, HEAD_DIMS))})"
+    if page not in PAGE_SIZES:
+        return f"page size {page} (16 only)"
+    if hkv < 1 or h % hkv:
+        return f"{h} query heads over {hkv} K/V heads"
+    if h // hkv > MAX_GROUP:
+        return f"GQA groups of {h // hkv} query heads (at most {MAX_GROUP})"
+    return None
+
+
+def kernel_name(h: int, hkv: int, d: int, dtype: str, page: int, split: int, warps: int, unroll: int) -> str:
+    return f"autosched_kv_cache_decode_h{h}_hkv{hkv}_d{d}_page{page}_split{split}_warps{warps}_unroll{unroll}_{dtype}"
+
+
+def body_source(name: str, dtype: str, config: dict) -> str:
+    """The body as the device function ``name`` for the constants of ``config``."""
+    return (cuda_file("kv_cache_decode.cuh") + config_struct(f"{name}_config", config)
+            + f"AUTOSCHED_KV_CACHE_DECODE({name}, {CUDA_SCALAR[dtype]}, {name}_config)\n")
+
+
+def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16, split: int | None = None,
+                           warps: int | None = None, unroll: int | None = None):
+    """The TIRx PrimFunc, with the signature of TVM's ``batch_decode_paged_kv`` (no sliding window).
+    ``split``, ``warps``, ``unroll``: the defaults above unless given."""
+    from tvm.script import tirx as T
+
+    reason = unsupported(h, hkv, d, dtype, page)
+    if reason:
+        raise ValueError(f"kv_cache_decode cannot serve {reason}")
+    g = h // hkv
+    split = default_split(hkv) if split is None else split
+    warps = default_warps(g, d) if warps is None else warps
+    unroll = default_unroll(g) if unroll is None else unroll
+    if split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16) or unroll < 1 or 4 * smem_floats(g, d, warps) > SMEM_LIMIT:
+        raise ValueError(f"split {split}, warps {warps}, unroll {unroll}")
+    name = kernel_name(h, hkv, d, dtype, page, split, warps, unroll)
+    config = {"H": h, "HKV": hkv, "G": g, "D": d, "PAGE": page, "WARPS": warps, "UNROLL": unroll, "SPLIT": split}
+    source = body_source(name, dtype, config)
+    threads = 32 * warps
+    words = smem_floats(g, d, warps)
+
+    def launch(pairs):  # (cluster, rank in it, whether each CTA takes a pair of its own), for pairs known at run time
+        if split == 1:
+            return T.cta_id([pairs]), 0, 0
+        spread = T.Select(spreads(pairs), 1, 0)
+        cluster = T.cluster_id([T.Select(spreads(pairs), (pairs + split - 1) // split, pairs)])
+        return cluster, T.cta_id_in_cluster([split]), spread
+
+    # fmt: off
+    @T.prim_func
+    def batch_decode_paged_kv(
+        q_handle: T.handle, pages_handle: T.handle, indptr_handle: T.handle, indices_handle: T.handle,
+        length_info_handle: T.handle, k_rope_pos_offset_handle: T.handle, q_rope_position_handle: T.handle,
+        output_handle: T.handle, lse_handle: T.handle, rotary_mode: T.int32, rotary_scale: T.float32,
+        rotary_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"global_symbol": name, "tirx.noalias": True})
+        B = T.int32()
+        num_pages = T.int32()
+        nnz_pages = T.int32()
+        pages_offset = T.int64()
+        indptr_offset = T.int32()
+        indices_offset = T.int32()
+        length_info_offset = T.int32()
+        k_rope_offset = T.int32()
+        q_rope_offset = T.int32()
+        Q = T.match_buffer(q_handle, (B, h, d), dtype, align=16)
+        pages = T.match_buffer(pages_handle, (num_pages, 2, hkv, page, d), dtype, elem_offset=pages_offset,
+                               offset_factor=8, align=16)
+        indptr = T.match_buffer(indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
+        indices = T.match_buffer(indices_handle, (nnz_pages,), "int32", elem_offset=indices_offset)
+        length_info = T.match_buffer(length_info_handle, (B,), "int32", elem_offset=length_info_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_offset)  # noqa: F841
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_offset)  # noqa: F841
+        output = T.match_buffer(output_handle, (B, h, d), dtype, align=16)
+        lse = T.match_buffer(lse_handle, (B, h), "float32")
+        assert rotary_mode == 0, "autosched's paged decode kernel applies no rotary embedding (rotary_mode 0 only)"
+        T.device_entry()
+        cluster, rank, spread = launch(B * hkv)
+        tx = T.thread_id([threads])  # noqa: F841 (declares the block's threads)
+        smem = T.alloc_buffer((words,), "float32", scope="shared.dyn", align=16)
+        T.cuda.func_call(name, Q.access_ptr("r"), pages.access_ptr("r"), indptr.access_ptr("r"),
+                         indices.access_ptr("r"), length_info.access_ptr("r"), output.access_ptr("w"),
+                         lse.access_ptr("w"), smem.access_ptr("rw"), cluster, rank, B * hkv, spread, sm_scale,
+                         source_code=source)
+    # fmt: on
+    return batch_decode_paged_kv
