@@ -297,6 +297,12 @@ def main() -> int:
     for batch in batches:
         prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt), generator=generator).tolist()
         row = {"model": args.model, "layers": args.layers, "batch": batch, "prompt": args.prompt, "new": args.new}
+        rows.append(row)
+
+        def save():  # after every measurement: a run cut off by a time limit keeps what it measured
+            if args.out:
+                Path(args.out).write_text(json.dumps({"copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows}, indent=2))
+
         prefill, step, tokens = ours(make, prompts, args.new)
         if make_dynamic is not None:
             row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
@@ -306,9 +312,11 @@ def main() -> int:
         floor = floor_ms(model, batch, args.prompt + args.new / 2, bandwidth)
         row.update(ours_prefill_ms=prefill, ours_ms_per_step=step, ours_tokens_per_s=1e3 * batch / step,
                    floor_ms=floor, share_of_floor=floor / step, build_s=built, attention=attention)
+        save()
         eager = transformers_run(model, prompts, args.new, compiled=False)
         row.update(eager_prefill_ms=eager[0], eager_ms_per_step=eager[1], vs_eager=eager[1] / step,
                    first_differences=first_difference(tokens, eager[2], eager[3]))
+        save()
         if args.compile:
             try:
                 best = torch_best_run(model, prompts, args.new)
@@ -316,6 +324,7 @@ def main() -> int:
                            best_first_differences=sum(a[:COMPARED] != b[:COMPARED] for a, b in zip(tokens, best[2])))
             except Exception as exc:  # noqa: BLE001 - a recipe that fails on this machine is reported, not fatal
                 row["best_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            save()
             torch._dynamo.reset()
             model.forward = torch.compile(model.forward, fullgraph=True)
             try:
@@ -327,10 +336,8 @@ def main() -> int:
             finally:
                 model.forward = model.forward._torchdynamo_orig_callable if hasattr(model.forward,
                                                                                   "_torchdynamo_orig_callable") else model.forward
-        rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.out:  # after every row: a run cut off by a time limit keeps what it measured
-            Path(args.out).write_text(json.dumps({"copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows}, indent=2))
+        save()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return 0
