@@ -23,7 +23,7 @@ from typing import Any
 
 from autosched.errors import UsageError
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "gpt2")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class DecoderConfig:
     gated_mlp: bool = True  # act(gate) * up, else act(fc)
     activation: str = "silu"  # "silu", "gelu_tanh" or "gelu"
     qkv_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotary embedding (Qwen3)
     dense_bias: bool = False  # biases on the output projection, the MLP and the norms (GPT-2)
     rope_theta: float = 10000.0
     rotary_dim: int = 0  # 0: no rotary embedding
@@ -59,14 +60,47 @@ class DecoderConfig:
         return cls(**data)
 
 
+# Rotary scaling, by transformers' ``rope_type``. The KV cache's fused RoPE computes the frequencies of
+# "default", "linear" (positions scaled by 1 / factor: the cache's ``rope_scale``) and "llama3" (TVM's
+# ``rope_freq_llama3`` is transformers' formula: the smooth factor clamped to [0, 1] picks the same low, medium
+# and high bands). "yarn" and "longrope" are rotated by the model itself, before the cache, from the frequency
+# table transformers' own init function gives (TVM's ``rope_freq_yarn`` neither truncates the correction range
+# nor indexes the ramp by frequency for the second half of a head, and applies no attention factor), with
+# cos and sin scaled by the attention factor as transformers scales them.
+CACHE_ROPE = ("default", "linear", "llama3")
+TABLE_ROPE = ("yarn", "longrope")
+
+
 def _rope(config) -> tuple[float, dict]:
     """(theta, scaling) of a transformers config, old (``rope_theta``/``rope_scaling``) or new (``rope_parameters``)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    old = dict(getattr(config, "rope_scaling", None) or {})
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    kind = params.get("rope_type") or (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
-    if kind not in ("default", None):
-        raise UsageError(f"rotary scaling '{kind}' is not supported for generation yet: use a model without rope_scaling")
-    return theta, {}
+    kind = params.get("rope_type") or old.get("rope_type") or old.get("type") or "default"
+    params = {**old, **params}
+    if kind == "default":
+        return theta, {}
+    if kind == "linear":
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+    if kind == "llama3":
+        return theta, {"rope_type": "llama3", **{key: float(params[key]) for key in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+    if kind in TABLE_ROPE:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+        scaling = {"rope_type": kind, "inv_freq": [float(f) for f in inv_freq], "attention_factor": float(attention_factor)}
+        if kind == "longrope":
+            # transformers rotates with the long factors once a sequence is longer than the original context
+            # (from the forward whose last position passes it: a whole prompt's, then each decode step's).
+            original = int(params.get("original_max_position_embeddings") or config.original_max_position_embeddings)
+            long, _ = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=original + 1)
+            scaling.update(long_inv_freq=[float(f) for f in long], original_max_position_embeddings=original)
+        return theta, scaling
+    if kind == "dynamic":
+        raise UsageError("rotary scaling 'dynamic' is not supported for generation: transformers recomputes its "
+                         "frequencies from the longest sequence it has seen so far, which a KV cache's keys cannot follow")
+    raise UsageError(f"rotary scaling '{kind}' is not supported for generation yet: use a model without rope_scaling")
 
 
 def config_from_hf(config, dtype: str) -> DecoderConfig:
@@ -88,17 +122,24 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     theta, scaling = _rope(config)
+    if scaling.get("rope_type") == "longrope" and family != "phi3":
+        # transformers' Phi-3 re-reads a sequence as it passes the original context (as our Generator does);
+        # another family would keep its short-factor keys, which a build does not reproduce.
+        raise UsageError(f"rotary scaling 'longrope' is supported for phi3 models; this model is '{family}'")
     partial = float((getattr(config, "rope_parameters", None) or {}).get(
         "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
     act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}.get(config.hidden_act)
     if act is None:
         raise UsageError(f"activation '{config.hidden_act}' is not supported for generation")
-    window = getattr(config, "sliding_window", None) if family in ("mistral", "qwen2") else None
-    if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(config, flag, False):
+            raise UsageError(f"{flag}=True is not supported for generation yet")
+    window = getattr(config, "sliding_window", None) if family in ("mistral", "qwen2", "qwen3") else None
+    if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
         window = None
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
                          config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
-                         activation=act, qkv_bias=family == "qwen2", rope_theta=theta,
+                         activation=act, qkv_bias=family == "qwen2", qk_norm=family == "qwen3", rope_theta=theta,
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
                          embed_scale=math.sqrt(hidden) if family == "gemma" else 1.0,
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
@@ -145,6 +186,9 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                 if cfg.qkv_bias:
                     out[q + "qkv.bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
                 out[q + "up.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            if cfg.qk_norm:
+                out[q + "q_norm.weight"] = get(p + "self_attn.q_norm.weight")
+                out[q + "k_norm.weight"] = get(p + "self_attn.k_norm.weight")
             out[q + "o.weight"] = get(p + "self_attn.o_proj.weight")
             out[q + "down.weight"] = get(p + "mlp.down_proj.weight")
         out["norm.weight"] = norm(get("norm.weight"))
@@ -158,13 +202,23 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     that also get a decode function of their own, ``decode_b<N>``, whose shapes are all static (its kernels
     can be tuned, and on CUDA the step is captured as CUDA graphs); other sizes run ``batch_decode``.
     ``prefill_chunks``: token counts that get a prefill function of their own, ``prefill_t<T>`` (prompts
-    are prefilled in chunks of exactly that many tokens, the rest by ``batch_prefill``)."""
+    are prefilled in chunks of exactly that many tokens, the rest by ``batch_prefill``).
+
+    The model is made of blocks chosen from ``cfg``: the norm (:func:`make_norm`), the attention (its q/k
+    norms, its rotary embedding: :class:`Rotary` for a frequency table, else the cache's fused one), the
+    MLP (gated or not) and the embeddings and head; a family is a choice of each."""
     from tvm import tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import Tensor, op
     from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
     dtype = cfg.dtype
+    heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+    rope_type = cfg.rope_scaling.get("rope_type", "default") if cfg.rotary_dim else None
+    table_rope = rope_type in TABLE_ROPE
+
+    def relax(expr, name: str) -> Tensor:
+        return op.wrap_nested(expr, name)
 
     def gather(x: Tensor, ids: Tensor, axis: int, name: str) -> Tensor:
         """Slices of ``x`` at ``ids`` along ``axis``. Indices are clipped rather than trusted: the Generator
@@ -172,40 +226,109 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         every build that an out-of-bounds index would crash it."""
         from tvm import relax as rx
 
-        return op.wrap_nested(rx.op.take(x._expr, ids._expr, axis=axis, mode="clip"), name)
+        return relax(rx.op.take(x._expr, ids._expr, axis=axis, mode="clip"), name)
 
-    def make_norm():
+    def make_norm(size: int = cfg.hidden):
         if cfg.norm == "layer":
-            return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=dtype)
-        return nn.RMSNorm(cfg.hidden, -1, cfg.norm_eps, bias=False, dtype=dtype)
+            return nn.LayerNorm(size, eps=cfg.norm_eps, dtype=dtype)
+        return nn.RMSNorm(size, -1, cfg.norm_eps, bias=False, dtype=dtype)
 
     def activation(x):
         if cfg.activation == "silu":
             return op.silu(x)
         return op.gelu(x, approximate="tanh" if cfg.activation == "gelu_tanh" else None)
 
+    class Rotary:
+        """The rotary embedding of a frequency table (``inv_freq``, and ``long_inv_freq`` for longrope), applied
+        to q and k before the cache (which then runs without RoPE): cos and sin of each token's position times
+        the table, scaled by the attention factor, as transformers computes them."""
+
+        def __init__(self, scaling: dict):
+            self.scaling = scaling
+
+        def cos_sin(self, cache: PagedKVCache, b, s, last: Tensor | None):
+            """(cos, sin) of shape (b, s, 1, rotary_dim) for the tokens of this forward. ``last``: each
+            prompt's last token in the packed prefill (longrope picks its table by the sequence's length
+            after this forward), None in a decode step."""
+            import numpy as np
+            from tvm import relax as rx
+            from tvm import te
+
+            n = b * s
+            positions = cache.get_query_positions(n)
+            table = lambda key: relax(rx.const(np.asarray(self.scaling[key], "float32")[None, :]), key)
+            freq = table("inv_freq")
+            if "long_inv_freq" in self.scaling:
+                if last is not None:
+                    def sequence_end(pos, ends):  # the position of the last token of each token's prompt
+                        k = te.reduce_axis((0, ends.shape[0]), "k")
+                        prompt = te.compute((pos.shape[0],), lambda i: te.sum(
+                            tirx.Select(ends[k] < i, 1, 0), axis=k), name="prompt")
+                        return te.compute((pos.shape[0],), lambda i: pos[ends[tirx.min(
+                            prompt[i], ends.shape[0] - 1)]], name="sequence_end")
+
+                    end = op.tensor_expr_op(sequence_end, "sequence_end", [positions, last])
+                else:
+                    end = positions
+                longer = op.greater_equal(op.reshape(end, (n, 1)),
+                                          relax(rx.const(self.scaling["original_max_position_embeddings"], "int32"), "orig"))
+                freq = op.where(longer, table("long_inv_freq"), freq)
+            angle = op.reshape(positions.astype("float32"), (n, 1)) * freq
+            angle = op.concat([angle, angle], dim=1)
+            factor = self.scaling["attention_factor"]
+            cos, sin = (relax(f(angle._expr), name) * factor for f, name in ((rx.op.cos, "cos"), (rx.op.sin, "sin")))
+            shape = (b, s, 1, cfg.rotary_dim)
+            return op.reshape(cos.astype(dtype), shape), op.reshape(sin.astype(dtype), shape)
+
+        @staticmethod
+        def apply(qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+            """q and k of the fused (b, s, heads, head_dim) qkv rotated (the first rotary_dim of each head)."""
+            qk, v = op.split(qkv, [heads + kv_heads], axis=2)
+            keep = None
+            if cfg.rotary_dim < head_dim:
+                qk, keep = op.split(qk, [cfg.rotary_dim], axis=3)
+            x1, x2 = op.split(qk, 2, axis=3)
+            qk = qk * cos + op.concat([op.negative(x2), x1], dim=3) * sin
+            if keep is not None:
+                qk = op.concat([qk, keep], dim=3)
+            return op.concat([qk, v], dim=2)
+
+    rotary = Rotary(cfg.rope_scaling) if table_rope else None
+
     class Layer(nn.Module):
         def __init__(self):
-            qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+            # attention: its norm, the fused q/k/v projection, q/k norms, the output projection
             self.attn_norm = make_norm()
-            self.qkv = nn.Linear(cfg.hidden, qkv_rows, bias=cfg.qkv_bias, dtype=dtype)
-            self.o = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            self.qkv = nn.Linear(cfg.hidden, (heads + 2 * kv_heads) * head_dim, bias=cfg.qkv_bias, dtype=dtype)
+            if cfg.qk_norm:
+                self.q_norm, self.k_norm = make_norm(head_dim), make_norm(head_dim)
+            self.o = nn.Linear(heads * head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            # MLP: its norm, up (gate and up concatenated when gated) and down
             self.mlp_norm = make_norm()
             self.up = nn.Linear(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
             self.down = nn.Linear(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
 
-        def forward(self, x: Tensor, cache: PagedKVCache, layer_id: int):
+        def attention(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope):
             b, s, _ = x.shape
-            qkv = op.reshape(self.qkv(self.attn_norm(x)), (b, s, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim))
-            attn = cache.attention_with_fused_qkv(layer_id, qkv, cfg.heads, sm_scale=cfg.head_dim ** -0.5)
-            x = x + self.o(op.reshape(attn, (b, s, cfg.heads * cfg.head_dim)))
-            up = self.up(self.mlp_norm(x))
+            qkv = op.reshape(self.qkv(x), (b, s, heads + 2 * kv_heads, head_dim))
+            if cfg.qk_norm:
+                q, k, v = op.split(qkv, [heads, heads + kv_heads], axis=2)
+                qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+            if rope is not None:
+                qkv = Rotary.apply(qkv, *rope)
+            attn = cache.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=head_dim ** -0.5)
+            return self.o(op.reshape(attn, (b, s, heads * head_dim)))
+
+        def mlp(self, x: Tensor):
+            up = self.up(x)
             if cfg.gated_mlp:
                 gate, up = op.split(up, 2, axis=-1)
-                up = activation(gate) * up
-            else:
-                up = activation(up)
-            return x + self.down(up)
+                return self.down(activation(gate) * up)
+            return self.down(activation(up))
+
+        def forward(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope=None):
+            x = x + self.attention(self.attn_norm(x), cache, layer_id, rope)
+            return x + self.mlp(self.mlp_norm(x))
 
     class Decoder(nn.Module):
         def __init__(self):
@@ -217,13 +340,14 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if not cfg.tied_embeddings:
                 self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
 
-        def forward(self, x: Tensor, cache: PagedKVCache):
+        def forward(self, x: Tensor, cache: PagedKVCache, last: Tensor | None = None):
+            b, s, _ = x.shape
             if cfg.learned_positions:
-                b, s, _ = x.shape
                 at = cache.get_query_positions(b * s)
                 x = x + op.reshape(gather(self.positions.weight, at, 0, "positions"), (b, s, cfg.hidden))
+            rope = rotary.cos_sin(cache, b, s, last) if rotary is not None else None
             for layer_id, layer in enumerate(self.layers):
-                x = layer(x, cache, layer_id)
+                x = layer(x, cache, layer_id, rope)
             return self.norm(x)
 
         def logits(self, x: Tensor):
@@ -240,7 +364,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         def batch_prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
             """Prompts packed one after another in ``input_ids``; logits at ``logit_positions`` (each prompt's last)."""
             x = op.reshape(self.embed_tokens(input_ids), (1, input_ids.shape[0], cfg.hidden))
-            x = gather(self.forward(x, cache), logit_positions, 1, "last_tokens")
+            x = gather(self.forward(x, cache, logit_positions), logit_positions, 1, "last_tokens")
             return self.logits(x), cache
 
         def batch_decode(self, input_ids: Tensor, cache: PagedKVCache):
@@ -253,15 +377,19 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
             from tvm import relax as rx
 
+            # The cache's fused RoPE: the default and llama3 frequencies, linear scaling as scaled positions.
+            cache_rope = rope_type is not None and not table_rope
+            scaling = cfg.rope_scaling if rope_type == "llama3" else {}
+            scale = 1.0 / cfg.rope_scaling["factor"] if rope_type == "linear" else 1
             return TIRPagedKVCache(
                 attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
                 prefill_chunk_size=prefill_chunk_size, page_size=page_size,
                 support_sliding_window=support_sliding_window, layer_partition=rx.ShapeExpr([0, cfg.layers]),
-                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                qk_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0,
-                mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL if cfg.rotary_dim else RopeMode.NONE,
-                rope_scale=1, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-                rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.rotary_dim or cfg.head_dim,
+                num_hidden_layers=cfg.layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                qk_head_dim=head_dim, v_head_dim=head_dim, mla_original_qk_head_dim=0,
+                mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL if cache_rope else RopeMode.NONE,
+                rope_scale=scale, rope_theta=cfg.rope_theta, rope_scaling=scaling,
+                rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.rotary_dim or head_dim,
                 enable_disaggregation=False, dtype=dtype, target=_current_target())
 
     module = Decoder()

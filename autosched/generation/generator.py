@@ -70,6 +70,7 @@ class _Sequence:
     rng: object
     completion: Completion
     prefilled: bool = False
+    cached: list[int] = field(default_factory=list)  # the tokens in the cache (for a re-read: see Generator.step)
 
 
 class Generator:
@@ -120,6 +121,10 @@ class Generator:
         self.max_seq_len, self.max_batch, self.page_size = m["max_seq_len"], m["max_batch"], m["page_size"]
         self.eos_token_ids = frozenset(m.get("eos_token_ids", []))
         self.decode_batches = frozenset(m.get("decode_batches", []))
+        # Phi-3's longrope: transformers re-reads a sequence with the long factors when it grows past the
+        # original context (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache then); so does step().
+        scaling = m["decoder"].get("rope_scaling") or {}
+        self.rope_switch = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
         self.prefill_chunks = tuple(m.get("prefill_chunks", []))
         pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.kv_pages = kv_pages or pages_per_seq * self.max_batch
@@ -174,6 +179,9 @@ class Generator:
         if bad:
             raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab - 1})")
         base = 0
+        if parent is not None and self.rope_switch is not None:
+            raise GenerationError("forks of a prefix are not supported for a longrope model: it re-reads a whole "
+                                  f"sequence with the long factors when it grows past {self.rope_switch} tokens")
         if parent is not None:
             parent_seq = self._get(parent)
             if parent_seq.pending:
@@ -209,7 +217,17 @@ class Generator:
     def step(self) -> list[tuple[int, int]]:
         """Prefill the sequences added since the last step, then decode one token for every sequence that was
         decoding already. Returns the (sequence id, token) pairs made, in order. A finished sequence is
-        removed from the cache (unless it is held as a parent: ``max_new_tokens=0``)."""
+        removed from the cache (unless it is held as a parent: ``max_new_tokens=0``).
+
+        A longrope model's sequence about to grow past the original context is read again from its first
+        token, as a prompt (transformers' Phi-3 does the same): its cached keys were rotated with the short
+        factors, and from then on every position uses the long ones."""
+        if self.rope_switch is not None:
+            for seq in self._seqs.values():
+                if (seq.prefilled and seq.pending and seq.completion.finish_reason is None
+                        and seq.length <= self.rope_switch < seq.length + len(seq.pending)):
+                    self._popn(self.cache, seq.seq_id, seq.length)
+                    seq.pending, seq.cached, seq.length, seq.prefilled = seq.cached + seq.pending, [], 0, False
         decoding = [s for s in self._seqs.values() if s.prefilled and s.pending and s.completion.finish_reason is None]
         waiting = [s for s in self._seqs.values() if not s.prefilled]
         made = []
@@ -377,6 +395,8 @@ class Generator:
         for seq, row in zip(kept, logits):
             fed = feed[seq.seq_id]
             seq.length += fed
+            if self.rope_switch is not None:
+                seq.cached += seq.pending[:fed]
             seq.pending = seq.pending[fed:]
             if seq.pending:  # the rest of its prompt comes in the next chunk
                 continue
