@@ -1,11 +1,14 @@
 """The model families and features deployed today generate transformers' exact greedy tokens: rotary scaling
-(llama3, linear, yarn, longrope), Qwen3's q/k norms. Each model is a tiny transformers model made here with
+(llama3, linear, yarn, longrope), Qwen3's q/k norms, Mistral's and Qwen2's sliding windows (of 8 tokens, shorter
+than the longest prompt and than --max-seq-len). Each model is a tiny transformers model made here with
 weights large enough that greedy decoding wanders over the vocabulary, saved with ``save_pretrained`` and
 built from that folder; a batch of prompts of 1, 7 and 40 tokens, 24 new tokens each. Features whose
 effect depends on the length (rotary scaling) take an ``original_max_position_embeddings`` of 16, well
 inside the prompts and the generated tokens."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -18,6 +21,7 @@ PROMPTS = [[17], [5, 7, 9, 11, 13, 2, 8], [(7 * i + 3) % 512 for i in range(40)]
 TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
             vocab_size=512, max_position_embeddings=4096)
 ORIGINAL = 16  # original_max_position_embeddings: scaling shows within the prompts
+WINDOW = 8  # sliding windows shorter than the prompts
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": ORIGINAL}
@@ -42,6 +46,11 @@ def _config(name: str):
                                         rope_scaling=LONGROPE), transformers.Phi3ForCausalLM)
     if name == "qwen3":
         return transformers.Qwen3Config(**TINY, head_dim=48), transformers.Qwen3ForCausalLM
+    if name == "mistral-window":  # every layer over a window of 8, shorter than the 40-token prompt
+        return transformers.MistralConfig(**TINY, sliding_window=WINDOW), transformers.MistralForCausalLM
+    if name == "qwen2-window":  # Qwen2's window, from layer max_window_layers on: every layer here
+        return (transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
+                transformers.Qwen2ForCausalLM)
     if name == "dynamic":
         return (transformers.LlamaConfig(**TINY, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
                 transformers.LlamaForCausalLM)
@@ -76,7 +85,7 @@ def _reference(model, prompt, new=NEW):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "qwen3", "mistral-window", "qwen2-window"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -176,3 +185,24 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
     for says, config in refused.items():
         with pytest.raises(UsageError, match=says.replace("(", r"\(")):
             config_from_hf(config, "float32")
+
+
+def test_what_a_window_cannot_do_is_refused_at_build(tmp_path):
+    """A window on some layers only, or with rotary scaling, is refused in one line when it binds (and builds as
+    the model without a window when --max-seq-len is within it)."""
+    from autosched.generation.build import _check_limits
+    from autosched.generation.decoder import config_from_hf
+
+    mixed = config_from_hf(transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
+                                                    max_window_layers=1), "float32")
+    assert mixed.sliding_window == WINDOW and mixed.sliding_layers == [1]
+    yarn = config_from_hf(transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
+                                                   max_window_layers=0, rope_scaling=YARN), "float32")
+    for cfg, says in ((mixed, "a sliding window of 8 tokens on layers [1] only (the others global) is not supported"),
+                      (yarn, "a sliding window of 8 tokens with rotary scaling 'yarn' is not supported")):
+        _check_limits(cfg, WINDOW, 1)
+        with pytest.raises(Exception, match=re.escape(says + " for generation yet: use --max-seq-len 8 or less")):
+            _check_limits(cfg, MAX_SEQ_LEN, 1)
+    plain = config_from_hf(_config("mistral-window")[0], "float32")
+    assert plain.sliding_window == WINDOW and plain.sliding_layers == [0, 1]
+    _check_limits(plain, MAX_SEQ_LEN, 1)

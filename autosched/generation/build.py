@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -236,6 +236,8 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     import tvm
 
     _check_limits(model.config, max_seq_len, max_batch)
+    if model.config.sliding_window >= max_seq_len:  # the window never binds: every layer attends to the whole sequence
+        model = replace(model, config=replace(model.config, sliding_window=0, sliding_layers=[]))
     if decode_batches is None:
         decode_batches = default_decode_batches(target, max_batch)
     if any(not 1 <= n <= max_batch for n in decode_batches):
@@ -265,12 +267,22 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
 def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:
     if max_seq_len < 1 or max_batch < 1:
         raise UsageError("--max-seq-len and --max-batch must be at least 1")
+    if cfg.sliding_window and max_seq_len > cfg.sliding_window:
+        # TVM's sliding window holds for every layer and rotates the keys in its attention kernels (the whole
+        # head, with the default or cache-computed frequencies): what it cannot do is refused.
+        unsupported = None
+        if cfg.sliding_layers and len(cfg.sliding_layers) < cfg.layers:
+            unsupported = f"on layers {cfg.sliding_layers} only (the others global)"
+        elif cfg.rope_scaling:
+            unsupported = f"with rotary scaling '{cfg.rope_scaling.get('rope_type')}'"
+        elif cfg.rotary_dim != cfg.head_dim:
+            unsupported = "with a partial rotary embedding"
+        if unsupported:
+            raise UsageError(f"a sliding window of {cfg.sliding_window} tokens {unsupported} is not supported for "
+                             f"generation yet: use --max-seq-len {cfg.sliding_window} or less")
     if cfg.learned_positions and max_seq_len > cfg.learned_positions:
         raise UsageError(f"the model has {cfg.learned_positions} learned positions: use --max-seq-len "
                          f"{cfg.learned_positions} or less")
-    if cfg.sliding_window and max_seq_len > cfg.sliding_window:
-        raise UsageError(f"the model attends over a sliding window of {cfg.sliding_window} tokens, which generation "
-                         f"does not support yet: use --max-seq-len {cfg.sliding_window} or less")
 
 
 def _to_tvm(tensor, dtype: str):

@@ -49,7 +49,8 @@ class DecoderConfig:
     learned_positions: int = 0  # rows of a learned position table (GPT-2), else 0
     embed_scale: float = 1.0
     tied_embeddings: bool = False
-    sliding_window: int = 0  # attention window of the model (Mistral); 0: none
+    sliding_window: int = 0  # attention window (a token sees itself and the window - 1 before it); 0: none
+    sliding_layers: list[int] = field(default_factory=list)  # the layers that attend over the window (else all)
     dtype: str = "float32"
 
     def to_json(self) -> dict:
@@ -121,29 +122,42 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                              learned_positions=config.n_positions, tied_embeddings=True, dtype=dtype)
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
+    partial = float((getattr(config, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+    window, sliding_layers = _window(config, family)
     theta, scaling = _rope(config)
     if scaling.get("rope_type") == "longrope" and family != "phi3":
         # transformers' Phi-3 re-reads a sequence as it passes the original context (as our Generator does);
         # another family would keep its short-factor keys, which a build does not reproduce.
         raise UsageError(f"rotary scaling 'longrope' is supported for phi3 models; this model is '{family}'")
-    partial = float((getattr(config, "rope_parameters", None) or {}).get(
-        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
     act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}.get(config.hidden_act)
     if act is None:
         raise UsageError(f"activation '{config.hidden_act}' is not supported for generation")
     for flag in ("attention_bias", "mlp_bias"):
         if getattr(config, flag, False):
             raise UsageError(f"{flag}=True is not supported for generation yet")
-    window = getattr(config, "sliding_window", None) if family in ("mistral", "qwen2", "qwen3") else None
-    if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
-        window = None
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
                          config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
                          activation=act, qkv_bias=family == "qwen2", qk_norm=family == "qwen3", rope_theta=theta,
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
                          embed_scale=math.sqrt(hidden) if family == "gemma" else 1.0,
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                         sliding_window=int(window or 0), dtype=dtype)
+                         sliding_window=window, sliding_layers=sliding_layers, dtype=dtype)
+
+
+def _window(config, family: str) -> tuple[int, list[int]]:
+    """(window, the layers attending over it) of a transformers config: Mistral's and Phi-3's ``sliding_window``
+    on every layer; Qwen2's and Qwen3's with ``use_sliding_window``, on the layers ``layer_types`` names
+    ``sliding_attention`` (from ``max_window_layers`` on)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or family not in ("mistral", "phi3", "qwen2", "qwen3"):
+        return 0, []
+    types = getattr(config, "layer_types", None)
+    if family in ("mistral", "phi3") or types is None:
+        layers = list(range(config.num_hidden_layers))
+    else:
+        layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    return (int(window), layers) if layers else (0, [])
 
 
 def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
@@ -215,7 +229,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     dtype = cfg.dtype
     heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
     rope_type = cfg.rope_scaling.get("rope_type", "default") if cfg.rotary_dim else None
-    table_rope = rope_type in TABLE_ROPE
+    table_rope = rope_type is not None and "inv_freq" in cfg.rope_scaling
 
     def relax(expr, name: str) -> Tensor:
         return op.wrap_nested(expr, name)

@@ -125,6 +125,10 @@ class Generator:
         # original context (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache then); so does step().
         scaling = m["decoder"].get("rope_scaling") or {}
         self.rope_switch = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
+        # A model with a sliding window: each sequence's cache keeps the window - 1 tokens before the newest (TVM's
+        # sliding window; pages that leave it are freed). A call's tokens see all of those, and each other
+        # causally: exact for a sequence's first window of tokens at once, then one token a call (see step()).
+        self.window = m["decoder"].get("sliding_window") or 0
         self.prefill_chunks = tuple(m.get("prefill_chunks", []))
         pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.kv_pages = kv_pages or pages_per_seq * self.max_batch
@@ -134,7 +138,7 @@ class Generator:
         seqs = self.max_batch + max(self.decode_batches, default=1) - 1
         self.cache = self.vm["create_paged_kv_cache"](
             shape([seqs]), shape([self.kv_pages * self.page_size]), shape([self.max_seq_len]),
-            shape([self.page_size]), shape([0]))
+            shape([self.page_size]), shape([1 if self.window else 0]))
         builtin = tvm.get_global_func
         self._add = builtin("vm.builtin.kv_state_add_sequence")
         self._fork = builtin("vm.builtin.kv_state_fork_sequence")
@@ -143,6 +147,7 @@ class Generator:
         self._end = builtin("vm.builtin.kv_state_end_forward")
         self._free_pages = builtin("vm.builtin.attention_kv_cache_get_num_available_pages")
         self._popn = builtin("vm.builtin.kv_state_popn")
+        self._enable_window = builtin("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")
         self._shape = shape
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
@@ -179,6 +184,9 @@ class Generator:
         if bad:
             raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab - 1})")
         base = 0
+        if parent is not None and self.window:
+            raise GenerationError(f"forks of a prefix are not supported for a model with a sliding window "
+                                  f"({self.window} tokens): the cache drops a sequence's tokens as they leave it")
         if parent is not None and self.rope_switch is not None:
             raise GenerationError("forks of a prefix are not supported for a longrope model: it re-reads a whole "
                                   f"sequence with the long factors when it grows past {self.rope_switch} tokens")
@@ -196,6 +204,8 @@ class Generator:
         self._next_id += 1
         if parent is None:
             self._add(self.cache, seq_id)
+            if self.window:
+                self._enable_window(self.cache, seq_id, self.window - 1, 0)  # TVM's window: the tokens before
         else:
             self._fork(self.cache, parent, seq_id, -1)
         sampling = sampling or Sampling()
@@ -238,8 +248,10 @@ class Generator:
             chunk = max((t for t in self.prefill_chunks if t <= total), default=None)
             parts, room = [], chunk or self.max_seq_len
             for seq in waiting:
-                take = min(len(seq.pending), room)
-                if chunk is None and parts and take < len(seq.pending):
+                # In a window: a sequence's first call takes up to a window of its tokens, then one a call.
+                want = (min(len(seq.pending), self.window) if seq.length == 0 else 1) if self.window else len(seq.pending)
+                take = min(want, room)
+                if chunk is None and parts and take < want:
                     break
                 parts.append((seq, take))
                 room -= take
