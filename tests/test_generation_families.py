@@ -51,6 +51,16 @@ def _config(name: str):
     if name == "qwen2-window":  # Qwen2's window, from layer max_window_layers on: every layer here
         return (transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
                 transformers.Qwen2ForCausalLM)
+    if name == "gemma2":  # final soft-capping, pre- and post-norms, query_pre_attn_scalar; no attention soft-cap
+        return (transformers.Gemma2Config(**TINY, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=None,
+                                          final_logit_softcapping=5.0), transformers.Gemma2ForCausalLM)
+    if name == "gemma3":  # q/k norms, a rotary table per layer type (local theta 10000; global 1e6, linear x8)
+        return (transformers.Gemma3TextConfig(**TINY, head_dim=32, query_pre_attn_scalar=24,
+                                              layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                  "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                     "rope_theta": 1000000.0}}),
+                transformers.Gemma3ForCausalLM)
     if name == "dynamic":
         return (transformers.LlamaConfig(**TINY, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
                 transformers.LlamaForCausalLM)
@@ -66,10 +76,10 @@ def _saved(name: str, folder):
     model = cls(config).eval()
     with torch.no_grad():
         for param_name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in param_name:
-                p.normal_(1.0, 0.1)
+            if p.dim() > 1:  # Gemma's post-norms: layers outweigh its scaled (and tied) embeddings only if they are small
+                p.normal_(0.0, 0.02 if name.startswith("gemma") and "embed" in param_name else 0.08)
+            elif "norm" in param_name:  # Gemma's norms scale by 1 + w
+                p.normal_(0.0 if name.startswith("gemma") else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.02)
     model.save_pretrained(folder)
@@ -85,7 +95,8 @@ def _reference(model, prompt, new=NEW):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "qwen3", "mistral-window", "qwen2-window"])
+@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "qwen3", "mistral-window", "qwen2-window",
+                                  "gemma2", "gemma3"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -175,15 +186,21 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
     assert len(longrope.rope_scaling["long_inv_freq"]) == 12 != longrope.rope_scaling["inv_freq"]
     qwen3 = config_from_hf(_config("qwen3")[0], "float32")
     assert qwen3.family == "qwen3" and qwen3.qk_norm and qwen3.head_dim == 48 and not qwen3.qkv_bias
+    gemma2 = config_from_hf(_config("gemma2")[0], "float32")
+    assert gemma2.post_norms and gemma2.logit_softcap == 5.0 and gemma2.attn_scale == 24 ** -0.5
+    gemma3 = config_from_hf(_config("gemma3")[0], "float32").rope_scaling
+    local, global_ = gemma3["tables"]  # sorted by layer type: full_attention first
+    assert gemma3["layer_tables"] == [1, 0] and global_["inv_freq"][1] != local["inv_freq"][1]
     refused = {
         "rotary scaling 'dynamic' is not supported": _config("dynamic")[0],
         "rotary scaling 'longrope' is supported for phi3 models; this model is 'llama'":
             transformers.LlamaConfig(**TINY, rope_scaling={**LONGROPE, "original_max_position_embeddings": 16}),
         "attention_bias=True is not supported": transformers.LlamaConfig(**TINY, attention_bias=True),
         "mlp_bias=True is not supported": transformers.LlamaConfig(**TINY, mlp_bias=True),
+        "attention soft-capping (attn_logit_softcapping=50.0) is not supported": transformers.Gemma2Config(**TINY),
     }
     for says, config in refused.items():
-        with pytest.raises(UsageError, match=says.replace("(", r"\(")):
+        with pytest.raises(UsageError, match=re.escape(says)):
             config_from_hf(config, "float32")
 
 

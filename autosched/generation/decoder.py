@@ -1,11 +1,13 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
-The families of ``examples/hf.py`` (Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2) differ in a handful of
-choices: the norm, the MLP, biases, how positions enter (rotary in the cache, or a learned table), how the
-embeddings are scaled and whether the LM head is the embedding table. :class:`DecoderConfig` names those
-choices; :func:`config_from_hf` reads them from a transformers config, and :func:`weights_from_hf` maps the
-model's state dict onto this module's parameters (q/k/v and gate/up concatenated, GPT-2's Conv1D weights
-transposed, Gemma's ``1 + w`` norms folded).
+The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, GPT-2) differ in a
+handful of choices: the norm (and whether attention and MLP outputs are normed too), the MLP, biases, q/k
+norms, how positions enter (rotary in the cache, rotary from a frequency table in the model, or a learned
+table), the attention window, how the embeddings are scaled, a soft-cap on the logits and whether the LM
+head is the embedding table. :class:`DecoderConfig` names those choices; :func:`config_from_hf` reads them
+from a transformers config (refusing, in one line, what it cannot reproduce), and :func:`weights_from_hf`
+maps the model's state dict onto this module's parameters (q/k/v and gate/up concatenated, GPT-2's Conv1D
+weights transposed, Gemma's ``1 + w`` norms folded).
 
 The model exports what a generation runtime drives (as MLC-LLM's models do): ``batch_prefill`` (a batch of
 prompts' token ids packed along one axis, logits at the last token of each), ``batch_decode`` (one token for
@@ -23,7 +25,8 @@ from typing import Any
 
 from autosched.errors import UsageError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2")
+GEMMA = ("gemma", "gemma2", "gemma3_text")  # (1 + w) norms, embeddings scaled by sqrt(hidden)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,10 @@ class DecoderConfig:
     gated_mlp: bool = True  # act(gate) * up, else act(fc)
     activation: str = "silu"  # "silu", "gelu_tanh" or "gelu"
     qkv_bias: bool = False
-    qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotary embedding (Qwen3)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotary embedding (Qwen3, Gemma 3)
+    post_norms: bool = False  # a norm on the attention's and on the MLP's output too (Gemma 2 and 3)
+    attn_scale: float = 0.0  # the attention's softmax scale; 0: head_dim ** -0.5
+    logit_softcap: float = 0.0  # logits as cap * tanh(logits / cap) (Gemma 2); 0: none
     dense_bias: bool = False  # biases on the output projection, the MLP and the norms (GPT-2)
     rope_theta: float = 10000.0
     rotary_dim: int = 0  # 0: no rotary embedding
@@ -104,6 +110,26 @@ def _rope(config) -> tuple[float, dict]:
     raise UsageError(f"rotary scaling '{kind}' is not supported for generation yet: use a model without rope_scaling")
 
 
+def _layered_rope(config) -> tuple[float, dict]:
+    """Gemma 3's rotary embedding: one table per layer type (local layers at theta 10000, global ones at
+    1e6, scaled), rotated by the model (the cache's fused RoPE has one theta)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    tables, index = [], {}
+    for kind in sorted(set(config.layer_types)):
+        params = config.rope_parameters[kind]
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise UsageError(f"rotary scaling '{rope_type}' is not supported for generation yet ({kind} layers)")
+        init = Gemma3RotaryEmbedding.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+        inv_freq, factor = init(config, None, layer_type=kind)
+        index[kind] = len(tables)
+        tables.append({"inv_freq": [float(f) for f in inv_freq], "attention_factor": float(factor)})
+    return 10000.0, {"rope_type": "per_layer", "inv_freq": tables[0]["inv_freq"], "tables": tables,
+                     "layer_tables": [index[kind] for kind in config.layer_types]}
+
+
 def config_from_hf(config, dtype: str) -> DecoderConfig:
     """The :class:`DecoderConfig` of a transformers ``PretrainedConfig``; a UsageError for another family."""
     family = getattr(config, "model_type", None)
@@ -125,22 +151,30 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
     partial = float((getattr(config, "rope_parameters", None) or {}).get(
         "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
     window, sliding_layers = _window(config, family)
-    theta, scaling = _rope(config)
+    theta, scaling = _layered_rope(config) if family == "gemma3_text" else _rope(config)
     if scaling.get("rope_type") == "longrope" and family != "phi3":
         # transformers' Phi-3 re-reads a sequence as it passes the original context (as our Generator does);
         # another family would keep its short-factor keys, which a build does not reproduce.
         raise UsageError(f"rotary scaling 'longrope' is supported for phi3 models; this model is '{family}'")
-    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}.get(config.hidden_act)
+    # Gemma's MLP reads hidden_activation (hidden_act is a leftover of its config)
+    hidden_act = getattr(config, "hidden_activation", None) or config.hidden_act
+    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}.get(hidden_act)
     if act is None:
-        raise UsageError(f"activation '{config.hidden_act}' is not supported for generation")
+        raise UsageError(f"activation '{hidden_act}' is not supported for generation")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UsageError(f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is not "
+                         "supported for generation: TVM's paged attention kernels have none")
+    scalar = getattr(config, "query_pre_attn_scalar", None) if family in GEMMA else None
     for flag in ("attention_bias", "mlp_bias"):
         if getattr(config, flag, False):
             raise UsageError(f"{flag}=True is not supported for generation yet")
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
                          config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
-                         activation=act, qkv_bias=family == "qwen2", qk_norm=family == "qwen3", rope_theta=theta,
+                         activation=act, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "gemma3_text"),
+                         post_norms=family in ("gemma2", "gemma3_text"), attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+                         logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0), rope_theta=theta,
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
-                         embed_scale=math.sqrt(hidden) if family == "gemma" else 1.0,
+                         embed_scale=math.sqrt(hidden) if family in GEMMA else 1.0,
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                          sliding_window=window, sliding_layers=sliding_layers, dtype=dtype)
 
@@ -150,7 +184,7 @@ def _window(config, family: str) -> tuple[int, list[int]]:
     on every layer; Qwen2's and Qwen3's with ``use_sliding_window``, on the layers ``layer_types`` names
     ``sliding_attention`` (from ``max_window_layers`` on)."""
     window = getattr(config, "sliding_window", None)
-    if not window or family not in ("mistral", "phi3", "qwen2", "qwen3"):
+    if not window or family not in ("mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3_text"):
         return 0, []
     types = getattr(config, "layer_types", None)
     if family in ("mistral", "phi3") or types is None:
@@ -186,12 +220,17 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
         out["norm.weight"], out["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
     else:
         # Gemma's norms scale by (1 + w): folded here so that every family runs a plain RMSNorm.
-        norm = (lambda w: w.float().add(1.0).to(w.dtype)) if cfg.family == "gemma" else (lambda w: w)
+        norm = (lambda w: w.float().add(1.0).to(w.dtype)) if cfg.family in GEMMA else (lambda w: w)
         out["embed.weight"] = get("embed_tokens.weight")
         for i in range(cfg.layers):
             p, q = f"layers.{i}.", f"layers.{i}."
             out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
-            out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
+            if cfg.post_norms:  # Gemma 2 and 3: a norm before and after each of attention and MLP
+                out[q + "attn_post_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
+                out[q + "mlp_norm.weight"] = norm(get(p + "pre_feedforward_layernorm.weight"))
+                out[q + "mlp_post_norm.weight"] = norm(get(p + "post_feedforward_layernorm.weight"))
+            else:
+                out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
             if cfg.family == "phi3":
                 out[q + "qkv.weight"] = get(p + "self_attn.qkv_proj.weight")
                 out[q + "up.weight"] = get(p + "mlp.gate_up_proj.weight")
@@ -201,8 +240,8 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                     out[q + "qkv.bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
                 out[q + "up.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             if cfg.qk_norm:
-                out[q + "q_norm.weight"] = get(p + "self_attn.q_norm.weight")
-                out[q + "k_norm.weight"] = get(p + "self_attn.k_norm.weight")
+                out[q + "q_norm.weight"] = norm(get(p + "self_attn.q_norm.weight"))
+                out[q + "k_norm.weight"] = norm(get(p + "self_attn.k_norm.weight"))
             out[q + "o.weight"] = get(p + "self_attn.o_proj.weight")
             out[q + "down.weight"] = get(p + "mlp.down_proj.weight")
         out["norm.weight"] = norm(get("norm.weight"))
@@ -261,18 +300,25 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             self.scaling = scaling
 
         def cos_sin(self, cache: PagedKVCache, b, s, last: Tensor | None):
-            """(cos, sin) of shape (b, s, 1, rotary_dim) for the tokens of this forward. ``last``: each
-            prompt's last token in the packed prefill (longrope picks its table by the sequence's length
-            after this forward), None in a decode step."""
+            """(cos, sin) of shape (b, s, 1, rotary_dim) for the tokens of this forward, or a list of them, one
+            per table, where layers have tables of their own (Gemma 3). ``last``: each prompt's last token in
+            the packed prefill (longrope picks its table by the sequence's length after this forward), None
+            in a decode step."""
+            positions = cache.get_query_positions(b * s)
+            if "tables" in self.scaling:
+                return [self._cos_sin(table, positions, b, s, last) for table in self.scaling["tables"]]
+            return self._cos_sin(self.scaling, positions, b, s, last)
+
+        @staticmethod
+        def _cos_sin(scaling: dict, positions: Tensor, b, s, last: Tensor | None):
             import numpy as np
             from tvm import relax as rx
             from tvm import te
 
             n = b * s
-            positions = cache.get_query_positions(n)
-            table = lambda key: relax(rx.const(np.asarray(self.scaling[key], "float32")[None, :]), key)
+            table = lambda key: relax(rx.const(np.asarray(scaling[key], "float32")[None, :]), key)
             freq = table("inv_freq")
-            if "long_inv_freq" in self.scaling:
+            if "long_inv_freq" in scaling:
                 if last is not None:
                     def sequence_end(pos, ends):  # the position of the last token of each token's prompt
                         k = te.reduce_axis((0, ends.shape[0]), "k")
@@ -285,11 +331,11 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 else:
                     end = positions
                 longer = op.greater_equal(op.reshape(end, (n, 1)),
-                                          relax(rx.const(self.scaling["original_max_position_embeddings"], "int32"), "orig"))
+                                          relax(rx.const(scaling["original_max_position_embeddings"], "int32"), "orig"))
                 freq = op.where(longer, table("long_inv_freq"), freq)
             angle = op.reshape(positions.astype("float32"), (n, 1)) * freq
             angle = op.concat([angle, angle], dim=1)
-            factor = self.scaling["attention_factor"]
+            factor = scaling["attention_factor"]
             cos, sin = (relax(f(angle._expr), name) * factor for f, name in ((rx.op.cos, "cos"), (rx.op.sin, "sin")))
             shape = (b, s, 1, cfg.rotary_dim)
             return op.reshape(cos.astype(dtype), shape), op.reshape(sin.astype(dtype), shape)
@@ -317,8 +363,12 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if cfg.qk_norm:
                 self.q_norm, self.k_norm = make_norm(head_dim), make_norm(head_dim)
             self.o = nn.Linear(heads * head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            if cfg.post_norms:
+                self.attn_post_norm = make_norm()
             # MLP: its norm, up (gate and up concatenated when gated) and down
             self.mlp_norm = make_norm()
+            if cfg.post_norms:
+                self.mlp_post_norm = make_norm()
             self.up = nn.Linear(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
             self.down = nn.Linear(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
 
@@ -330,7 +380,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
             if rope is not None:
                 qkv = Rotary.apply(qkv, *rope)
-            attn = cache.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=head_dim ** -0.5)
+            attn = cache.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=cfg.attn_scale or head_dim ** -0.5)
             return self.o(op.reshape(attn, (b, s, heads * head_dim)))
 
         def mlp(self, x: Tensor):
@@ -341,8 +391,12 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             return self.down(activation(up))
 
         def forward(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope=None):
-            x = x + self.attention(self.attn_norm(x), cache, layer_id, rope)
-            return x + self.mlp(self.mlp_norm(x))
+            if isinstance(rope, list):  # a table per layer type: this layer's
+                rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
+            out = self.attention(self.attn_norm(x), cache, layer_id, rope)
+            x = x + (self.attn_post_norm(out) if cfg.post_norms else out)
+            out = self.mlp(self.mlp_norm(x))
+            return x + (self.mlp_post_norm(out) if cfg.post_norms else out)
 
     class Decoder(nn.Module):
         def __init__(self):
@@ -369,7 +423,10 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 out = op.matmul(x, op.permute_dims(self.embed.weight))
             else:
                 out = self.lm_head(x)
-            return out.astype("float32") if out.dtype != "float32" else out
+            out = out.astype("float32") if out.dtype != "float32" else out
+            if cfg.logit_softcap:
+                out = op.tanh(out / cfg.logit_softcap) * cfg.logit_softcap
+            return out
 
         def embed_tokens(self, input_ids: Tensor):
             x = gather(self.embed.weight, input_ids, 0, "embed")
