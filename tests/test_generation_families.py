@@ -61,8 +61,9 @@ def _config(name: str):
                                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                      "rope_theta": 1000000.0}}),
                 transformers.Gemma3ForCausalLM)
-    if name == "dynamic":
-        return (transformers.LlamaConfig(**TINY, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
+        return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
+                                         rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
                 transformers.LlamaForCausalLM)
     raise ValueError(name)
 
@@ -95,8 +96,8 @@ def _reference(model, prompt, new=NEW):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "qwen3", "mistral-window", "qwen2-window",
-                                  "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "mistral-window",
+                                  "qwen2-window", "gemma2", "gemma3"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -192,7 +193,6 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
     local, global_ = gemma3["tables"]  # sorted by layer type: full_attention first
     assert gemma3["layer_tables"] == [1, 0] and global_["inv_freq"][1] != local["inv_freq"][1]
     refused = {
-        "rotary scaling 'dynamic' is not supported": _config("dynamic")[0],
         "rotary scaling 'longrope' is supported for phi3 models; this model is 'llama'":
             transformers.LlamaConfig(**TINY, rope_scaling={**LONGROPE, "original_max_position_embeddings": 16}),
         "attention_bias=True is not supported": transformers.LlamaConfig(**TINY, attention_bias=True),
@@ -204,9 +204,9 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
             config_from_hf(config, "float32")
 
 
-def test_what_a_window_cannot_do_is_refused_at_build(tmp_path):
+def test_what_a_window_or_dynamic_scaling_cannot_do_is_refused_at_build(tmp_path):
     """A window on some layers only, or with rotary scaling, is refused in one line when it binds (and builds as
-    the model without a window when --max-seq-len is within it)."""
+    the model without a window when --max-seq-len is within it); dynamic scaling past max_position_embeddings too."""
     from autosched.generation.build import _check_limits
     from autosched.generation.decoder import config_from_hf
 
@@ -220,6 +220,10 @@ def test_what_a_window_cannot_do_is_refused_at_build(tmp_path):
         _check_limits(cfg, WINDOW, 1)
         with pytest.raises(Exception, match=re.escape(says + " for generation yet: use --max-seq-len 8 or less")):
             _check_limits(cfg, MAX_SEQ_LEN, 1)
+    dynamic = config_from_hf(_config("dynamic")[0], "float32")
+    _check_limits(dynamic, MAX_SEQ_LEN, 1)
+    with pytest.raises(Exception, match=re.escape("rotary scaling 'dynamic' is supported up to --max-seq-len 80")):
+        _check_limits(dynamic, MAX_SEQ_LEN + 1, 1)
     plain = config_from_hf(_config("mistral-window")[0], "float32")
     assert plain.sliding_window == WINDOW and plain.sliding_layers == [0, 1]
     _check_limits(plain, MAX_SEQ_LEN, 1)

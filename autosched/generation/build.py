@@ -267,6 +267,11 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
 def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:
     if max_seq_len < 1 or max_batch < 1:
         raise UsageError("--max-seq-len and --max-batch must be at least 1")
+    dynamic = cfg.rope_scaling.get("max_position_embeddings") if cfg.rope_scaling.get("rope_type") == "dynamic" else None
+    if dynamic and max_seq_len > dynamic:
+        raise UsageError(f"rotary scaling 'dynamic' is supported up to --max-seq-len {dynamic} (max_position_embeddings): "
+                         "past it, transformers recomputes the frequencies from the longest sequence seen so far, "
+                         "which a KV cache's keys cannot follow")
     if cfg.sliding_window and max_seq_len > cfg.sliding_window:
         # TVM's sliding window holds for every layer and rotates the keys in its attention kernels (the whole
         # head, with the default or cache-computed frequencies): what it cannot do is refused.

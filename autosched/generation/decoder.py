@@ -105,8 +105,10 @@ def _rope(config) -> tuple[float, dict]:
             scaling.update(long_inv_freq=[float(f) for f in long], original_max_position_embeddings=original)
         return theta, scaling
     if kind == "dynamic":
-        raise UsageError("rotary scaling 'dynamic' is not supported for generation: transformers recomputes its "
-                         "frequencies from the longest sequence it has seen so far, which a KV cache's keys cannot follow")
+        # transformers' frequencies are the default ones up to max_position_embeddings; past it, they follow the
+        # longest sequence it has seen so far, which a KV cache's keys cannot (the build refuses a longer
+        # --max-seq-len).
+        return theta, {"rope_type": "dynamic", "max_position_embeddings": int(config.max_position_embeddings)}
     raise UsageError(f"rotary scaling '{kind}' is not supported for generation yet: use a model without rope_scaling")
 
 
@@ -448,7 +450,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
             from tvm import relax as rx
 
-            # The cache's fused RoPE: the default and llama3 frequencies, linear scaling as scaled positions.
+            # The cache's fused RoPE: the default and llama3 frequencies (dynamic's are the default ones within
+            # max_position_embeddings), linear scaling as scaled positions.
             cache_rope = rope_type is not None and not table_rope
             scaling = cfg.rope_scaling if rope_type == "llama3" else {}
             scale = 1.0 / cfg.rope_scaling["factor"] if rope_type == "linear" else 1
