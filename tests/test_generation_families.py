@@ -104,13 +104,17 @@ def test_a_family_or_feature_matches_transformers(name, tmp_path):
     model = _saved(name, tmp_path / "hf")
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
         "--max-batch", str(MAX_BATCH))
-    results = Generator(tmp_path / "art").generate(PROMPTS, NEW)
+    gen = Generator(tmp_path / "art")
+    results = gen.generate(PROMPTS, NEW)
     for prompt, result in zip(PROMPTS, results):
         assert result.error is None
         assert result.tokens == _reference(model, prompt), (name, len(prompt))
     assert all(len(set(r.tokens)) > 3 for r in results)  # greedy decoding moves: a comparison that can fail
     if name in ROPE_CASES:  # and the scaling shows: without it, the 40-token prompt continues otherwise
         assert results[2].tokens != _reference(_unscaled(model), PROMPTS[2]), name
+    if name in ("longrope", "mistral-window"):  # a sequence re-read, or its tokens dropped: no forks of a prefix
+        forked = gen.generate([[1]], 2, prefix=[1, 2, 3])[0]
+        assert "forks of a prefix are not supported" in forked.error and gen.live == []
 
 
 ROPE_CASES = ("llama3", "linear", "yarn", "longrope")
@@ -199,6 +203,11 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
         "mlp_bias=True is not supported": transformers.LlamaConfig(**TINY, mlp_bias=True),
         "attention soft-capping (attn_logit_softcapping=50.0) is not supported": transformers.Gemma2Config(**TINY),
     }
+    from autosched.generation.build import lower_generation
+    from autosched.target import parse_target
+
+    with pytest.raises(UsageError, match="--prefill-chunks is not supported for a longrope model"):
+        lower_generation(longrope, parse_target("llvm"), (), (8,))
     for says, config in refused.items():
         with pytest.raises(UsageError, match=re.escape(says)):
             config_from_hf(config, "float32")

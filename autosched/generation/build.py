@@ -119,6 +119,9 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
 
     from autosched.pipeline.lowering import lower
 
+    if prefill_chunks and cfg.rope_scaling.get("rope_type") == "longrope":
+        raise UsageError("--prefill-chunks is not supported for a longrope model: it picks its rotary factors from "
+                         "a whole prompt's length")
     mod, names = export(cfg, target.tvm_target(), decode_batches, prefill_chunks)
     return lower(relax.transform.FuseTransposeMatmul()(mod)), names
 
@@ -246,9 +249,6 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
         # None unless asked for (with tune-model --generate): untuned, a static prefill runs the same default
         # schedules as the dynamic one.
         prefill_chunks = ()
-    if prefill_chunks and model.config.rope_scaling.get("rope_type") == "longrope":
-        raise UsageError("--prefill-chunks is not supported for a longrope model: it picks its rotary factors from "
-                         "a whole prompt's length")
     if any(not 1 <= t <= max_seq_len for t in prefill_chunks):
         raise UsageError(f"--prefill-chunks must lie between 1 and --max-seq-len {max_seq_len}")
     executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks)
