@@ -1,10 +1,10 @@
 """The model families and features deployed today generate transformers' exact greedy tokens: rotary scaling
-(llama3, linear, yarn, longrope), Qwen3's q/k norms, Mistral's and Qwen2's sliding windows (of 8 tokens, shorter
-than the longest prompt and than --max-seq-len). Each model is a tiny transformers model made here with
-weights large enough that greedy decoding wanders over the vocabulary, saved with ``save_pretrained`` and
-built from that folder; a batch of prompts of 1, 7 and 40 tokens, 24 new tokens each. Features whose
-effect depends on the length (rotary scaling) take an ``original_max_position_embeddings`` of 16, well
-inside the prompts and the generated tokens."""
+(llama3, linear, yarn, longrope, dynamic), Qwen3's q/k norms, Gemma 2 and 3, sliding windows (Mistral's,
+Qwen2's, Qwen3's, Phi-3's; of 8 tokens, shorter than the longest prompt and than --max-seq-len). Each model is a
+tiny transformers model made here with weights large enough that greedy decoding wanders over the vocabulary,
+saved with ``save_pretrained`` and built from that folder; a batch of prompts of 1, 7 and 40 tokens, 24 new
+tokens each. Features whose effect depends on the length (rotary scaling) take an
+``original_max_position_embeddings`` of 16, well inside the prompts and the generated tokens."""
 
 from __future__ import annotations
 
@@ -51,6 +51,11 @@ def _config(name: str):
     if name == "qwen2-window":  # Qwen2's window, from layer max_window_layers on: every layer here
         return (transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
                 transformers.Qwen2ForCausalLM)
+    if name == "phi3-window":  # Phi-3-mini's window (2047 tokens in the 4k model)
+        return transformers.Phi3Config(**TINY, sliding_window=WINDOW, pad_token_id=0), transformers.Phi3ForCausalLM
+    if name == "qwen3-window":
+        return (transformers.Qwen3Config(**TINY, head_dim=48, use_sliding_window=True, sliding_window=WINDOW,
+                                         max_window_layers=0), transformers.Qwen3ForCausalLM)
     if name == "gemma2":  # final soft-capping, pre- and post-norms, query_pre_attn_scalar; no attention soft-cap
         return (transformers.Gemma2Config(**TINY, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=None,
                                           final_logit_softcapping=5.0), transformers.Gemma2ForCausalLM)
@@ -97,7 +102,7 @@ def _reference(model, prompt, new=NEW):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "mistral-window",
-                                  "qwen2-window", "gemma2", "gemma3"])
+                                  "qwen2-window", "qwen3-window", "phi3-window", "gemma2", "gemma3"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
