@@ -25,8 +25,25 @@ from typing import Any
 
 from autosched.errors import UsageError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2")
-GEMMA = ("gemma", "gemma2", "gemma3_text")  # (1 + w) norms, embeddings scaled by sqrt(hidden)
+# What a family (transformers' model_type) decides beyond what its config's fields say: a new family like
+# these is a row here, and its weight names in weights_from_hf where they are not Llama's.
+#   qkv_bias: biases on q/k/v only; qk_norm: an RMSNorm on each head of q and k; post_norms: attention's and MLP's
+#   outputs normed too; gemma: (1 + w) norms, embeddings scaled by sqrt(hidden), query_pre_attn_scalar;
+#   window: which layers attend over config.sliding_window ("all", or those layer_types names sliding);
+#   rope_per_layer_type: a rotary table per layer type (rope_parameters by layer type).
+TRAITS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"window": "all"},
+    "qwen2": {"qkv_bias": True, "window": "layer_types"},
+    "qwen3": {"qk_norm": True, "window": "layer_types"},
+    "gemma": {"gemma": True},
+    "gemma2": {"gemma": True, "post_norms": True, "window": "layer_types"},
+    "gemma3_text": {"gemma": True, "post_norms": True, "qk_norm": True, "window": "layer_types",
+                    "rope_per_layer_type": True},
+    "phi3": {"window": "all"},  # q/k/v and gate/up fused in its weights; longrope
+}
+FAMILIES = (*TRAITS, "gpt2")
+GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
 
 
 @dataclass(frozen=True)
@@ -148,12 +165,13 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                              config.n_inner or 4 * hidden, norm="layer", norm_eps=config.layer_norm_epsilon,
                              gated_mlp=False, activation=act, qkv_bias=True, dense_bias=True,
                              learned_positions=config.n_positions, tied_embeddings=True, dtype=dtype)
+    traits = TRAITS[family]
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     partial = float((getattr(config, "rope_parameters", None) or {}).get(
         "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-    window, sliding_layers = _window(config, family)
-    theta, scaling = _layered_rope(config) if family == "gemma3_text" else _rope(config)
+    window, sliding_layers = _window(config, traits.get("window"))
+    theta, scaling = _layered_rope(config) if traits.get("rope_per_layer_type") else _rope(config)
     if scaling.get("rope_type") == "longrope" and family != "phi3":
         # transformers' Phi-3 re-reads a sequence as it passes the original context (as our Generator does);
         # another family would keep its short-factor keys, which a build does not reproduce.
@@ -166,30 +184,30 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
     if getattr(config, "attn_logit_softcapping", None):
         raise UsageError(f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is not "
                          "supported for generation: TVM's paged attention kernels have none")
-    scalar = getattr(config, "query_pre_attn_scalar", None) if family in GEMMA else None
+    scalar = getattr(config, "query_pre_attn_scalar", None) if traits.get("gemma") else None
     for flag in ("attention_bias", "mlp_bias"):
         if getattr(config, flag, False):
             raise UsageError(f"{flag}=True is not supported for generation yet")
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
                          config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
-                         activation=act, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "gemma3_text"),
-                         post_norms=family in ("gemma2", "gemma3_text"), attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+                         activation=act, qkv_bias=bool(traits.get("qkv_bias")), qk_norm=bool(traits.get("qk_norm")),
+                         post_norms=bool(traits.get("post_norms")), attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
                          logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0), rope_theta=theta,
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
-                         embed_scale=math.sqrt(hidden) if family in GEMMA else 1.0,
+                         embed_scale=math.sqrt(hidden) if traits.get("gemma") else 1.0,
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                          sliding_window=window, sliding_layers=sliding_layers, dtype=dtype)
 
 
-def _window(config, family: str) -> tuple[int, list[int]]:
-    """(window, the layers attending over it) of a transformers config: Mistral's and Phi-3's ``sliding_window``
-    on every layer; Qwen2's and Qwen3's with ``use_sliding_window``, on the layers ``layer_types`` names
-    ``sliding_attention`` (from ``max_window_layers`` on)."""
+def _window(config, layers: str | None) -> tuple[int, list[int]]:
+    """(window, the layers attending over it) of a transformers config: ``sliding_window`` on every layer
+    (``layers`` "all": Mistral, Phi-3) or on those ``layer_types`` names ``sliding_attention`` (Qwen2's and
+    Qwen3's from ``max_window_layers`` on, with ``use_sliding_window``; Gemma 2's and 3's alternating)."""
     window = getattr(config, "sliding_window", None)
-    if not window or family not in ("mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3_text"):
+    if not window or layers is None:
         return 0, []
     types = getattr(config, "layer_types", None)
-    if family in ("mistral", "phi3") or types is None:
+    if layers == "all" or types is None:
         layers = list(range(config.num_hidden_layers))
     else:
         layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
