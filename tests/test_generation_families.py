@@ -56,6 +56,16 @@ def _config(name: str):
     if name == "qwen3-window":
         return (transformers.Qwen3Config(**TINY, head_dim=48, use_sliding_window=True, sliding_window=WINDOW,
                                          max_window_layers=0), transformers.Qwen3ForCausalLM)
+    if name == "qwen2-mixed-window":  # from max_window_layers on: layer 0 global, layer 1 windowed
+        return (transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+                transformers.Qwen2ForCausalLM)
+    if name in ("gemma2-window", "gemma3-window"):  # Gemma's alternating windowed and global layers
+        config, cls = _config(name.split("-")[0])
+        config.sliding_window = WINDOW
+        return config, cls
+    if name == "gemma3-local-window":  # Gemma 3's first five layers are windowed: both of two
+        return (transformers.Gemma3TextConfig(**TINY, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW),
+                transformers.Gemma3ForCausalLM)
     if name == "gemma2":  # final soft-capping, pre- and post-norms, query_pre_attn_scalar; no attention soft-cap
         return (transformers.Gemma2Config(**TINY, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=None,
                                           final_logit_softcapping=5.0), transformers.Gemma2ForCausalLM)
@@ -101,8 +111,9 @@ def _reference(model, prompt, new=NEW):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "mistral-window",
-                                  "qwen2-window", "qwen3-window", "phi3-window", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3",
+                                  "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
+                                  "gemma2-window", "gemma3-window", "gemma3-local-window"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -117,12 +128,22 @@ def test_a_family_or_feature_matches_transformers(name, tmp_path):
     assert all(len(set(r.tokens)) > 3 for r in results)  # greedy decoding moves: a comparison that can fail
     if name in ROPE_CASES:  # and the scaling shows: without it, the 40-token prompt continues otherwise
         assert results[2].tokens != _reference(_unscaled(model), PROMPTS[2]), name
+    if name.endswith("window"):  # and the window shows: without it, the 40-token prompt continues otherwise
+        assert results[2].tokens != _reference(_unwindowed(model), PROMPTS[2]), name
     if name in ("longrope", "mistral-window"):  # a sequence re-read, or its tokens dropped: no forks of a prefix
         forked = gen.generate([[1]], 2, prefix=[1, 2, 3])[0]
         assert "forks of a prefix are not supported" in forked.error and gen.live == []
 
 
 ROPE_CASES = ("llama3", "linear", "yarn", "longrope")
+
+
+def _unwindowed(model):
+    """The same weights with a window longer than any sequence here."""
+    config = model.config.__class__(**{**model.config.to_dict(), "sliding_window": 4096})
+    plain = model.__class__(config).eval()
+    plain.load_state_dict(model.state_dict())
+    return plain
 
 
 def _unscaled(model):
@@ -219,18 +240,29 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
 
 
 def test_what_a_window_or_dynamic_scaling_cannot_do_is_refused_at_build(tmp_path):
-    """A window on some layers only, or with rotary scaling, is refused in one line when it binds (and builds as
-    the model without a window when --max-seq-len is within it); dynamic scaling past max_position_embeddings too."""
+    """A window whose layers rotate otherwise than TVM's windowed cache can (scaled, partial) is refused in one
+    line when it binds (and builds as the model without a window when --max-seq-len is within it); dynamic
+    scaling past max_position_embeddings too."""
     from autosched.generation.build import _check_limits
     from autosched.generation.decoder import config_from_hf
 
-    mixed = config_from_hf(transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
-                                                    max_window_layers=1), "float32")
+    mixed = config_from_hf(_config("qwen2-mixed-window")[0], "float32")
     assert mixed.sliding_window == WINDOW and mixed.sliding_layers == [1]
+    _check_limits(mixed, MAX_SEQ_LEN, 1)
+    gemma3 = config_from_hf(_config("gemma3-window")[0], "float32")
+    assert gemma3.sliding_layers == [0]
+    _check_limits(gemma3, MAX_SEQ_LEN, 1)  # its windowed layers' table is the default one
+    scaled = transformers.Gemma3TextConfig(**TINY, head_dim=32, sliding_window=WINDOW, rope_parameters={
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     yarn = config_from_hf(transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
                                                    max_window_layers=0, rope_scaling=YARN), "float32")
-    for cfg, says in ((mixed, "a sliding window of 8 tokens on layers [1] only (the others global) is not supported"),
-                      (yarn, "a sliding window of 8 tokens with rotary scaling 'yarn' is not supported")):
+    phi4 = config_from_hf(transformers.Phi3Config(**TINY, sliding_window=WINDOW, partial_rotary_factor=0.75,
+                                                  pad_token_id=0), "float32")
+    for cfg, says in ((yarn, "a sliding window of 8 tokens with rotary scaling 'yarn' is not supported"),
+                      (config_from_hf(scaled, "float32"),
+                       "a sliding window of 8 tokens with rotary scaling 'linear' on its windowed layers is not supported"),
+                      (phi4, "a sliding window of 8 tokens with a partial rotary embedding is not supported")):
         _check_limits(cfg, WINDOW, 1)
         with pytest.raises(Exception, match=re.escape(says + " for generation yet: use --max-seq-len 8 or less")):
             _check_limits(cfg, MAX_SEQ_LEN, 1)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from autosched.errors import UsageError
 
-from .decoder import DecoderConfig, config_from_hf, export, weights_from_hf
+from .decoder import DecoderConfig, config_from_hf, export, weights_from_hf, window_rope_unsupported
 
 if TYPE_CHECKING:
     from autosched.database.store import Database
@@ -273,15 +273,9 @@ def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:
                          "past it, transformers recomputes the frequencies from the longest sequence seen so far, "
                          "which a KV cache's keys cannot follow")
     if cfg.sliding_window and max_seq_len > cfg.sliding_window:
-        # TVM's sliding window holds for every layer and rotates the keys in its attention kernels (the whole
-        # head, with the default or cache-computed frequencies): what it cannot do is refused.
-        unsupported = None
-        if cfg.sliding_layers and len(cfg.sliding_layers) < cfg.layers:
-            unsupported = f"on layers {cfg.sliding_layers} only (the others global)"
-        elif cfg.rope_scaling:
-            unsupported = f"with rotary scaling '{cfg.rope_scaling.get('rope_type')}'"
-        elif cfg.rotary_dim != cfg.head_dim:
-            unsupported = "with a partial rotary embedding"
+        # TVM's sliding window rotates the keys in its attention kernels (the whole head, the default
+        # frequencies at one theta): what it cannot do is refused.
+        unsupported = window_rope_unsupported(cfg)
         if unsupported:
             raise UsageError(f"a sliding window of {cfg.sliding_window} tokens {unsupported} is not supported for "
                              f"generation yet: use --max-seq-len {cfg.sliding_window} or less")

@@ -144,7 +144,8 @@ def _layered_rope(config) -> tuple[float, dict]:
         init = Gemma3RotaryEmbedding.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
         inv_freq, factor = init(config, None, layer_type=kind)
         index[kind] = len(tables)
-        tables.append({"inv_freq": [float(f) for f in inv_freq], "attention_factor": float(factor)})
+        tables.append({"inv_freq": [float(f) for f in inv_freq], "attention_factor": float(factor),
+                       "rope_type": rope_type, "rope_theta": float(params["rope_theta"])})
     return 10000.0, {"rope_type": "per_layer", "inv_freq": tables[0]["inv_freq"], "tables": tables,
                      "layer_tables": [index[kind] for kind in config.layer_types]}
 
@@ -375,6 +376,15 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     rotary = Rotary(cfg.rope_scaling) if table_rope else None
 
+    # Windowed layers attend through a KV cache of their own with TVM's sliding window (it drops what leaves a
+    # sequence's window, for all of its layers), rotated by that cache at the window's theta; the others through
+    # the main cache. A model windowed on every layer has the one cache, windowed.
+    windowed = sorted(cfg.sliding_layers) if cfg.sliding_window else []
+    two_caches = 0 < len(windowed) < cfg.layers
+    local = {layer: i for i, layer in enumerate(windowed)} if two_caches else {}
+    main = {layer: i for i, layer in enumerate(layer for layer in range(cfg.layers) if layer not in local)}
+    window_theta = window_rope_theta(cfg)
+
     class Layer(nn.Module):
         def __init__(self):
             # attention: its norm, the fused q/k/v projection, q/k norms, the output projection
@@ -410,10 +420,16 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 return self.down(activation(gate) * up)
             return self.down(activation(up))
 
-        def forward(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope=None):
+        def forward(self, x: Tensor, caches: list, layer_id: int, rope=None):
+            if layer_id in local:
+                cache, index = caches[1], local[layer_id]
+            else:
+                cache, index = caches[0], main[layer_id]
+            if layer_id in windowed:  # a windowed cache rotates q and k itself
+                rope = None
             if isinstance(rope, list):  # a table per layer type: this layer's
                 rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
-            out = self.attention(self.attn_norm(x), cache, layer_id, rope)
+            out = self.attention(self.attn_norm(x), cache, index, rope)
             x = x + (self.attn_post_norm(out) if cfg.post_norms else out)
             out = self.mlp(self.mlp_norm(x))
             return x + (self.mlp_post_norm(out) if cfg.post_norms else out)
@@ -428,14 +444,14 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if not cfg.tied_embeddings:
                 self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
 
-        def forward(self, x: Tensor, cache: PagedKVCache, last: Tensor | None = None):
+        def forward(self, x: Tensor, caches: list, last: Tensor | None = None):
             b, s, _ = x.shape
             if cfg.learned_positions:
-                at = cache.get_query_positions(b * s)
+                at = caches[0].get_query_positions(b * s)
                 x = x + op.reshape(gather(self.positions.weight, at, 0, "positions"), (b, s, cfg.hidden))
-            rope = rotary.cos_sin(cache, b, s, last) if rotary is not None else None
+            rope = rotary.cos_sin(caches[0], b, s, last) if rotary is not None else None
             for layer_id, layer in enumerate(self.layers):
-                x = layer(x, cache, layer_id, rope)
+                x = layer(x, caches, layer_id, rope)
             return self.norm(x)
 
         def logits(self, x: Tensor):
@@ -452,37 +468,77 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             x = gather(self.embed.weight, input_ids, 0, "embed")
             return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
 
+        def _prefill(self, input_ids: Tensor, logit_positions: Tensor, caches: list):
+            x = op.reshape(self.embed_tokens(input_ids), (1, input_ids.shape[0], cfg.hidden))
+            x = gather(self.forward(x, caches, logit_positions), logit_positions, 1, "last_tokens")
+            return self.logits(x), *caches
+
+        def _decode(self, input_ids: Tensor, caches: list):
+            x = op.reshape(self.embed_tokens(input_ids), (input_ids.shape[0], 1, cfg.hidden))
+            return self.logits(self.forward(x, caches)), *caches
+
         def batch_prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
             """Prompts packed one after another in ``input_ids``; logits at ``logit_positions`` (each prompt's last)."""
-            x = op.reshape(self.embed_tokens(input_ids), (1, input_ids.shape[0], cfg.hidden))
-            x = gather(self.forward(x, cache, logit_positions), logit_positions, 1, "last_tokens")
-            return self.logits(x), cache
+            return self._prefill(input_ids, logit_positions, [cache])
 
         def batch_decode(self, input_ids: Tensor, cache: PagedKVCache):
             """One token for each sequence of the batch."""
-            x = op.reshape(self.embed_tokens(input_ids), (input_ids.shape[0], 1, cfg.hidden))
-            return self.logits(self.forward(x, cache)), cache
+            return self._decode(input_ids, [cache])
+
+        def batch_prefill_windowed(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache,
+                                   window_cache: PagedKVCache):
+            """batch_prefill of a model with windowed and global layers: a cache for each."""
+            return self._prefill(input_ids, logit_positions, [cache, window_cache])
+
+        def batch_decode_windowed(self, input_ids: Tensor, cache: PagedKVCache, window_cache: PagedKVCache):
+            return self._decode(input_ids, [cache, window_cache])
 
         def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
-            from tvm import relax as rx
+            """The main cache (the only one, windowed or not, unless layers differ)."""
+            if windowed and not two_caches:
+                return make_cache(cfg.layers, True, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                                  support_sliding_window)
+            return make_cache(len(main), False, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                              support_sliding_window)
 
-            # The cache's fused RoPE: the default and llama3 frequencies (dynamic's are the default ones within
-            # max_position_embeddings), linear scaling as scaled positions.
-            cache_rope = rope_type is not None and not table_rope
-            scaling = cfg.rope_scaling if rope_type == "llama3" else {}
-            scale = 1.0 / cfg.rope_scaling["factor"] if rope_type == "linear" else 1
-            return TIRPagedKVCache(
-                attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-                prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-                support_sliding_window=support_sliding_window, layer_partition=rx.ShapeExpr([0, cfg.layers]),
-                num_hidden_layers=cfg.layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                qk_head_dim=head_dim, v_head_dim=head_dim, mla_original_qk_head_dim=0,
-                mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL if cache_rope else RopeMode.NONE,
-                rope_scale=scale, rope_theta=cfg.rope_theta, rope_scaling=scaling,
-                rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.rotary_dim or head_dim,
-                enable_disaggregation=False, dtype=dtype, target=_current_target())
+        def create_window_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                                prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                                support_sliding_window: tirx.Var) -> PagedKVCache:
+            """The windowed layers' cache of a model whose other layers are global."""
+            return make_cache(len(local), True, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                              support_sliding_window)
+
+    def make_cache(layers: int, window: bool, *sizes) -> PagedKVCache:
+        """A TIRPagedKVCache over ``layers`` layers. Its fused RoPE: the default and llama3 frequencies (dynamic's
+        are the default ones within max_position_embeddings), linear scaling as scaled positions; none where
+        the model rotates from a table. A windowed cache rotates inside its attention kernels (TVM's sliding
+        window), at the windowed layers' theta with the default frequencies (the build refuses others)."""
+        import contextlib
+
+
+        max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window = sizes
+        with _window_symbols() if window and two_caches else contextlib.nullcontext():
+            return _cache(layers, window, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                          support_sliding_window)
+
+    def _cache(layers, window, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window):
+        from tvm import relax as rx
+
+        cache_rope = window or (rope_type is not None and not table_rope)
+        scaling = cfg.rope_scaling if rope_type == "llama3" and not window else {}
+        scale = 1.0 / cfg.rope_scaling["factor"] if rope_type == "linear" and not window else 1
+        return TIRPagedKVCache(
+            attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+            support_sliding_window=support_sliding_window, layer_partition=rx.ShapeExpr([0, layers]),
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            qk_head_dim=head_dim, v_head_dim=head_dim, mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL if cache_rope else RopeMode.NONE,
+            rope_scale=scale, rope_theta=window_theta if window else cfg.rope_theta, rope_scaling=scaling,
+            rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.rotary_dim or head_dim,
+            enable_disaggregation=False, dtype=dtype, target=_current_target())
 
     module = Decoder()
     packed = {"param_mode": "packed", "effect_mode": "none"}
@@ -495,15 +551,69 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                                                          "page_size", "support_sliding_window")}
         | {"$": {"param_mode": "none", "effect_mode": "none"}},
     }
+    caches = {"cache": cache_spec}
+    if two_caches:  # every step function takes both caches
+        caches["window_cache"] = cache_spec
+        module.batch_prefill, module.batch_decode = module.batch_prefill_windowed, module.batch_decode_windowed
+        spec["create_window_cache"] = dict(spec["create_paged_kv_cache"])
+        for name in ("batch_prefill", "batch_decode"):
+            spec[name] = {**spec[name], **caches, "$": packed}
     for n in decode_batches:
         setattr(module, f"decode_b{n}", module.batch_decode)
-        spec[f"decode_b{n}"] = {"input_ids": nn.spec.Tensor([n], "int32"), "cache": cache_spec, "$": packed}
+        spec[f"decode_b{n}"] = {"input_ids": nn.spec.Tensor([n], "int32"), **caches, "$": packed}
     for t in prefill_chunks:
         setattr(module, f"prefill_t{t}", module.batch_prefill)
         spec[f"prefill_t{t}"] = {"input_ids": nn.spec.Tensor([t], "int32"),
-                                 "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "cache": cache_spec,
-                                 "$": packed}
+                                 "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), **caches, "$": packed}
     return module, spec
+
+
+class _window_symbols:
+    """While the second (windowed) cache of a model is made: its kernels, which TVM adds under the same global
+    symbols as the first cache's, get symbols of their own (``<symbol>_window``)."""
+
+    def __enter__(self):
+        from tvm import relax as rx
+
+        self.add_func = add_func = rx.BlockBuilder.add_func
+
+        def renamed(builder, func, name):
+            symbol = func.attrs.get("global_symbol") if getattr(func, "attrs", None) else None
+            if symbol is not None:
+                func = func.with_attr("global_symbol", f"{symbol}_window")
+            return add_func(builder, func, f"{name}_window")
+
+        rx.BlockBuilder.add_func = renamed
+
+    def __exit__(self, *exc):
+        from tvm import relax as rx
+
+        rx.BlockBuilder.add_func = self.add_func
+
+
+def window_rope_theta(cfg: DecoderConfig) -> float:
+    """The rotary theta of the windowed layers (Gemma 3's local layers have their own)."""
+    tables = cfg.rope_scaling.get("tables")
+    if tables and cfg.sliding_layers:
+        return tables[cfg.rope_scaling["layer_tables"][cfg.sliding_layers[0]]]["rope_theta"]
+    return cfg.rope_theta
+
+
+def window_rope_unsupported(cfg: DecoderConfig) -> str | None:
+    """Why the windowed layers' rotary embedding cannot run in TVM's windowed cache (its kernels rotate the whole
+    head with the default frequencies at one theta), or None."""
+    if cfg.rotary_dim != cfg.head_dim:
+        return "with a partial rotary embedding"
+    tables = cfg.rope_scaling.get("tables")
+    if tables:
+        used = {cfg.rope_scaling["layer_tables"][layer] for layer in cfg.sliding_layers}
+        kinds = {tables[i]["rope_type"] for i in used}
+        if len(used) > 1 or kinds != {"default"}:
+            return f"with rotary scaling '{'/'.join(sorted(kinds))}' on its windowed layers"
+        return None
+    if cfg.rope_scaling:
+        return f"with rotary scaling '{cfg.rope_scaling.get('rope_type')}'"
+    return None
 
 
 _TARGET = []

@@ -136,17 +136,27 @@ class Generator:
         # Room for the padding rows of a decode step (see _padding) beside max_batch live sequences.
         self._pad_ids: list[int] = []
         seqs = self.max_batch + max(self.decode_batches, default=1) - 1
-        self.cache = self.vm["create_paged_kv_cache"](
-            shape([seqs]), shape([self.kv_pages * self.page_size]), shape([self.max_seq_len]),
-            shape([self.page_size]), shape([1 if self.window else 0]))
+        # A model with windowed and global layers has a cache for each (the windowed one second), driven together.
+        decoder = m["decoder"]
+        layers = decoder.get("sliding_layers") or []
+        two = bool(self.window) and 0 < len(layers) < decoder["layers"]
+        sizes = (shape([seqs]), shape([self.kv_pages * self.page_size]), shape([self.max_seq_len]), shape([self.page_size]))
+        self.caches = [self.vm["create_paged_kv_cache"](*sizes, shape([1 if self.window and not two else 0]))]
+        if two:
+            self.caches.append(self.vm["create_window_cache"](*sizes, shape([1])))
         builtin = tvm.get_global_func
-        self._add = builtin("vm.builtin.kv_state_add_sequence")
-        self._fork = builtin("vm.builtin.kv_state_fork_sequence")
-        self._remove = builtin("vm.builtin.kv_state_remove_sequence")
-        self._begin = builtin("vm.builtin.kv_state_begin_forward")
-        self._end = builtin("vm.builtin.kv_state_end_forward")
-        self._free_pages = builtin("vm.builtin.attention_kv_cache_get_num_available_pages")
-        self._popn = builtin("vm.builtin.kv_state_popn")
+
+        def each(name):  # the runtime function, on every cache
+            function = builtin(name)
+            return lambda *args: [function(cache, *args) for cache in self.caches][0]
+
+        self._add = each("vm.builtin.kv_state_add_sequence")
+        self._fork = each("vm.builtin.kv_state_fork_sequence")
+        self._remove = each("vm.builtin.kv_state_remove_sequence")
+        self._begin = each("vm.builtin.kv_state_begin_forward")
+        self._end = each("vm.builtin.kv_state_end_forward")
+        self._popn = each("vm.builtin.kv_state_popn")
+        self._free_pages = builtin("vm.builtin.attention_kv_cache_get_num_available_pages")  # of the main cache
         self._enable_window = builtin("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")
         self._shape = shape
         self._seqs: dict[int, _Sequence] = {}
@@ -203,11 +213,11 @@ class Generator:
         seq_id = self._next_id
         self._next_id += 1
         if parent is None:
-            self._add(self.cache, seq_id)
-            if self.window:
-                self._enable_window(self.cache, seq_id, self.window - 1, 0)  # TVM's window: the tokens before
+            self._add(seq_id)
+            if self.window:  # on the windowed cache (the last)
+                self._enable_window(self.caches[-1], seq_id, self.window - 1, 0)  # TVM's window: the tokens before
         else:
-            self._fork(self.cache, parent, seq_id, -1)
+            self._fork(parent, seq_id, -1)
         sampling = sampling or Sampling()
         stops = frozenset(self.eos_token_ids if stop_tokens is None else stop_tokens)
         self._seqs[seq_id] = _Sequence(seq_id, prompt, base, max_new_tokens, stops, sampling,
@@ -217,7 +227,7 @@ class Generator:
     def remove(self, seq_id: int) -> Completion:
         """Drop a sequence from the cache (its pages are freed once no fork shares them); returns what it made."""
         seq = self._get(seq_id)
-        self._remove(self.cache, seq_id)
+        self._remove(seq_id)
         del self._seqs[seq_id]
         return seq.completion
 
@@ -236,7 +246,7 @@ class Generator:
             for seq in self._seqs.values():
                 if (seq.prefilled and seq.pending and seq.completion.finish_reason is None
                         and seq.length <= self.rope_switch < seq.length + len(seq.pending)):
-                    self._popn(self.cache, seq.seq_id, seq.length)
+                    self._popn(seq.seq_id, seq.length)
                     seq.pending, seq.cached, seq.length, seq.prefilled = seq.cached + seq.pending, [], 0, False
         decoding = [s for s in self._seqs.values() if s.prefilled and s.pending and s.completion.finish_reason is None]
         waiting = [s for s in self._seqs.values() if not s.prefilled]
@@ -344,7 +354,7 @@ class Generator:
             return []
         while len(self._pad_ids) < pads:
             self._pad_ids.append(PAD_SEQUENCE_IDS + len(self._pad_ids))
-            self._add(self.cache, self._pad_ids[-1])
+            self._add(self._pad_ids[-1])
         return self._pad_ids[:pads]
 
     def _forward(self, parts: list[tuple[_Sequence, int]], prefill: bool, chunk: int | None = None):
@@ -354,7 +364,7 @@ class Generator:
         import tvm
 
         # A sequence the cache has no room for ends with an error; the rest of the batch goes on.
-        free = int(self._free_pages(self.cache))
+        free = int(self._free_pages(self.caches[0]))
         kept, feed = [], {}
         for seq, tokens in parts:
             need = self._pages_needed(seq, tokens)
@@ -375,24 +385,24 @@ class Generator:
         ids = np.concatenate([np.asarray(s.pending[:feed[s.seq_id]], dtype="int32") for s in kept]
                              + [np.zeros(len(pads), dtype="int32")])
         began = time.perf_counter()
-        self._begin(self.cache, self._shape([s.seq_id for s in kept] + pads), self._shape(lengths))
+        self._begin(self._shape([s.seq_id for s in kept] + pads), self._shape(lengths))
         input_ids = tvm.runtime.tensor(ids, self.device)
         if prefill:
             last = tvm.runtime.tensor(np.cumsum(lengths, dtype="int32") - 1, self.device)
             # A chunk of a static length runs its own function (tuned kernels), unless a sequence was dropped.
             name = f"prefill_t{chunk}" if chunk is not None and int(ids.size) == chunk else "batch_prefill"
             self.stats["static_prefill_calls"] += name != "batch_prefill"
-            logits, self.cache = self.vm[name](input_ids, last, self.cache, self.params)
+            logits, *self.caches = self.vm[name](input_ids, last, *self.caches, self.params)
         else:
             # A batch size with a static function of its own runs it (tuned kernels, CUDA graphs).
             rows = len(kept) + len(pads)
             name = f"decode_b{rows}" if rows in self.decode_batches else "batch_decode"
             self.stats["static_decode_steps"] += name != "batch_decode"
             self.stats["padded_decode_steps"] += bool(pads)
-            logits, self.cache = self.vm[name](input_ids, self.cache, self.params)
-        self._end(self.cache)
+            logits, *self.caches = self.vm[name](input_ids, *self.caches, self.params)
+        self._end()
         for pad in pads:  # the padding rows' token leaves their (empty) sequences again
-            self._popn(self.cache, pad, 1)
+            self._popn(pad, 1)
         logits = logits.numpy().reshape(len(kept) + len(pads), -1)[:len(kept)]
         elapsed = time.perf_counter() - began
         key = "prefill" if prefill else "decode"
