@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autosched.errors import UsageError
 
-from .decoder import DecoderConfig, config_from_hf, export, weights_from_hf
+from .decoder import DecoderConfig, config_from_hf, export, weights_from_hf, window_rope_unsupported
 
 if TYPE_CHECKING:
     from autosched.database.store import Database
@@ -124,6 +124,9 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
 
     from autosched.pipeline.lowering import lower
 
+    if prefill_chunks and cfg.rope_scaling.get("rope_type") == "longrope":
+        raise UsageError("--prefill-chunks is not supported for a longrope model: it picks its rotary factors from "
+                         "a whole prompt's length")
     mod, names = export(cfg, target.tvm_target(), decode_batches, prefill_chunks)
     return lower(relax.transform.FuseTransposeMatmul()(mod)), names
 
@@ -272,6 +275,8 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     import tvm
 
     _check_limits(model.config, max_seq_len, max_batch)
+    if model.config.sliding_window >= max_seq_len:  # the window never binds: every layer attends to the whole sequence
+        model = replace(model, config=replace(model.config, sliding_window=0, sliding_layers=[]))
     if decode_batches is None:
         decode_batches = default_decode_batches(max_batch)
     if any(not 1 <= n <= max_batch for n in decode_batches):
@@ -300,12 +305,21 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
 def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:
     if max_seq_len < 1 or max_batch < 1:
         raise UsageError("--max-seq-len and --max-batch must be at least 1")
+    dynamic = cfg.rope_scaling.get("max_position_embeddings") if cfg.rope_scaling.get("rope_type") == "dynamic" else None
+    if dynamic and max_seq_len > dynamic:
+        raise UsageError(f"rotary scaling 'dynamic' is supported up to --max-seq-len {dynamic} (max_position_embeddings): "
+                         "past it, transformers recomputes the frequencies from the longest sequence seen so far, "
+                         "which a KV cache's keys cannot follow")
+    if cfg.sliding_window and max_seq_len > cfg.sliding_window:
+        # TVM's sliding window rotates the keys in its attention kernels (the whole head, the default
+        # frequencies at one theta): what it cannot do is refused.
+        unsupported = window_rope_unsupported(cfg)
+        if unsupported:
+            raise UsageError(f"a sliding window of {cfg.sliding_window} tokens {unsupported} is not supported for "
+                             f"generation yet: use --max-seq-len {cfg.sliding_window} or less")
     if cfg.learned_positions and max_seq_len > cfg.learned_positions:
         raise UsageError(f"the model has {cfg.learned_positions} learned positions: use --max-seq-len "
                          f"{cfg.learned_positions} or less")
-    if cfg.sliding_window and max_seq_len > cfg.sliding_window:
-        raise UsageError(f"the model attends over a sliding window of {cfg.sliding_window} tokens, which generation "
-                         f"does not support yet: use --max-seq-len {cfg.sliding_window} or less")
 
 
 def _to_tvm(tensor, dtype: str):

@@ -1,11 +1,13 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
-The families of ``examples/hf.py`` (Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2) differ in a handful of
-choices: the norm, the MLP, biases, how positions enter (rotary in the cache, or a learned table), how the
-embeddings are scaled and whether the LM head is the embedding table. :class:`DecoderConfig` names those
-choices; :func:`config_from_hf` reads them from a transformers config, and :func:`weights_from_hf` maps the
-model's state dict onto this module's parameters (q/k/v and gate/up concatenated, GPT-2's Conv1D weights
-transposed, Gemma's ``1 + w`` norms folded).
+The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, GPT-2) differ in a
+handful of choices: the norm (and whether attention and MLP outputs are normed too), the MLP, biases, q/k
+norms, how positions enter (rotary in the cache, rotary from a frequency table in the model, or a learned
+table), the attention window, how the embeddings are scaled, a soft-cap on the logits and whether the LM
+head is the embedding table. :class:`DecoderConfig` names those choices; :func:`config_from_hf` reads them
+from a transformers config (refusing, in one line, what it cannot reproduce), and :func:`weights_from_hf`
+maps the model's state dict onto this module's parameters (q/k/v and gate/up concatenated, GPT-2's Conv1D
+weights transposed, Gemma's ``1 + w`` norms folded).
 
 The model exports what a generation runtime drives (as MLC-LLM's models do): ``batch_prefill`` (a batch of
 prompts' token ids packed along one axis, logits at the last token of each), ``batch_decode`` (one token for
@@ -23,7 +25,25 @@ from typing import Any
 
 from autosched.errors import UsageError
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2")
+# What a family (transformers' model_type) decides beyond what its config's fields say: a new family like
+# these is a row here, and its weight names in weights_from_hf where they are not Llama's.
+#   qkv_bias: biases on q/k/v only; qk_norm: an RMSNorm on each head of q and k; post_norms: attention's and MLP's
+#   outputs normed too; gemma: (1 + w) norms, embeddings scaled by sqrt(hidden), query_pre_attn_scalar;
+#   window: which layers attend over config.sliding_window ("all", or those layer_types names sliding);
+#   rope_per_layer_type: a rotary table per layer type (rope_parameters by layer type).
+TRAITS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"window": "all"},
+    "qwen2": {"qkv_bias": True, "window": "layer_types"},
+    "qwen3": {"qk_norm": True, "window": "layer_types"},
+    "gemma": {"gemma": True},
+    "gemma2": {"gemma": True, "post_norms": True, "window": "layer_types"},
+    "gemma3_text": {"gemma": True, "post_norms": True, "qk_norm": True, "window": "layer_types",
+                    "rope_per_layer_type": True},
+    "phi3": {"window": "all"},  # q/k/v and gate/up fused in its weights; longrope
+}
+FAMILIES = (*TRAITS, "gpt2")
+GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
 
 
 @dataclass(frozen=True)
@@ -41,6 +61,10 @@ class DecoderConfig:
     gated_mlp: bool = True  # act(gate) * up, else act(fc)
     activation: str = "silu"  # "silu", "gelu_tanh" or "gelu"
     qkv_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotary embedding (Qwen3, Gemma 3)
+    post_norms: bool = False  # a norm on the attention's and on the MLP's output too (Gemma 2 and 3)
+    attn_scale: float = 0.0  # the attention's softmax scale; 0: head_dim ** -0.5
+    logit_softcap: float = 0.0  # logits as cap * tanh(logits / cap) (Gemma 2); 0: none
     dense_bias: bool = False  # biases on the output projection, the MLP and the norms (GPT-2)
     rope_theta: float = 10000.0
     rotary_dim: int = 0  # 0: no rotary embedding
@@ -48,7 +72,8 @@ class DecoderConfig:
     learned_positions: int = 0  # rows of a learned position table (GPT-2), else 0
     embed_scale: float = 1.0
     tied_embeddings: bool = False
-    sliding_window: int = 0  # attention window of the model (Mistral); 0: none
+    sliding_window: int = 0  # attention window (a token sees itself and the window - 1 before it); 0: none
+    sliding_layers: list[int] = field(default_factory=list)  # the layers that attend over the window (else all)
     dtype: str = "float32"
 
     def to_json(self) -> dict:
@@ -59,14 +84,70 @@ class DecoderConfig:
         return cls(**data)
 
 
+# Rotary scaling, by transformers' ``rope_type``. The KV cache's fused RoPE computes the frequencies of
+# "default", "linear" (positions scaled by 1 / factor: the cache's ``rope_scale``) and "llama3" (TVM's
+# ``rope_freq_llama3`` is transformers' formula: the smooth factor clamped to [0, 1] picks the same low, medium
+# and high bands). "yarn" and "longrope" are rotated by the model itself, before the cache, from the frequency
+# table transformers' own init function gives (TVM's ``rope_freq_yarn`` neither truncates the correction range
+# nor indexes the ramp by frequency for the second half of a head, and applies no attention factor), with
+# cos and sin scaled by the attention factor as transformers scales them.
+CACHE_ROPE = ("default", "linear", "llama3")
+TABLE_ROPE = ("yarn", "longrope")
+
+
 def _rope(config) -> tuple[float, dict]:
     """(theta, scaling) of a transformers config, old (``rope_theta``/``rope_scaling``) or new (``rope_parameters``)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    old = dict(getattr(config, "rope_scaling", None) or {})
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    kind = params.get("rope_type") or (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
-    if kind not in ("default", None):
-        raise UsageError(f"rotary scaling '{kind}' is not supported for generation yet: use a model without rope_scaling")
-    return theta, {}
+    kind = params.get("rope_type") or old.get("rope_type") or old.get("type") or "default"
+    params = {**old, **params}
+    if kind == "default":
+        return theta, {}
+    if kind == "linear":
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+    if kind == "llama3":
+        return theta, {"rope_type": "llama3", **{key: float(params[key]) for key in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+    if kind in TABLE_ROPE:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+        scaling = {"rope_type": kind, "inv_freq": [float(f) for f in inv_freq], "attention_factor": float(attention_factor)}
+        if kind == "longrope":
+            # transformers rotates with the long factors once a sequence is longer than the original context
+            # (from the forward whose last position passes it: a whole prompt's, then each decode step's).
+            original = int(params.get("original_max_position_embeddings") or config.original_max_position_embeddings)
+            long, _ = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=original + 1)
+            scaling.update(long_inv_freq=[float(f) for f in long], original_max_position_embeddings=original)
+        return theta, scaling
+    if kind == "dynamic":
+        # transformers' frequencies are the default ones up to max_position_embeddings; past it, they follow the
+        # longest sequence it has seen so far, which a KV cache's keys cannot (the build refuses a longer
+        # --max-seq-len).
+        return theta, {"rope_type": "dynamic", "max_position_embeddings": int(config.max_position_embeddings)}
+    raise UsageError(f"rotary scaling '{kind}' is not supported for generation yet: use a model without rope_scaling")
+
+
+def _layered_rope(config) -> tuple[float, dict]:
+    """Gemma 3's rotary embedding: one table per layer type (local layers at theta 10000, global ones at
+    1e6, scaled), rotated by the model (the cache's fused RoPE has one theta)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    tables, index = [], {}
+    for kind in sorted(set(config.layer_types)):
+        params = config.rope_parameters[kind]
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise UsageError(f"rotary scaling '{rope_type}' is not supported for generation yet ({kind} layers)")
+        init = Gemma3RotaryEmbedding.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+        inv_freq, factor = init(config, None, layer_type=kind)
+        index[kind] = len(tables)
+        tables.append({"inv_freq": [float(f) for f in inv_freq], "attention_factor": float(factor),
+                       "rope_type": rope_type, "rope_theta": float(params["rope_theta"])})
+    return 10000.0, {"rope_type": "per_layer", "inv_freq": tables[0]["inv_freq"], "tables": tables,
+                     "layer_tables": [index[kind] for kind in config.layer_types]}
 
 
 def config_from_hf(config, dtype: str) -> DecoderConfig:
@@ -85,24 +166,53 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                              config.n_inner or 4 * hidden, norm="layer", norm_eps=config.layer_norm_epsilon,
                              gated_mlp=False, activation=act, qkv_bias=True, dense_bias=True,
                              learned_positions=config.n_positions, tied_embeddings=True, dtype=dtype)
+    traits = TRAITS[family]
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    theta, scaling = _rope(config)
     partial = float((getattr(config, "rope_parameters", None) or {}).get(
         "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}.get(config.hidden_act)
+    window, sliding_layers = _window(config, traits.get("window"))
+    theta, scaling = _layered_rope(config) if traits.get("rope_per_layer_type") else _rope(config)
+    if scaling.get("rope_type") == "longrope" and family != "phi3":
+        # transformers' Phi-3 re-reads a sequence as it passes the original context (as our Generator does);
+        # another family would keep its short-factor keys, which a build does not reproduce.
+        raise UsageError(f"rotary scaling 'longrope' is supported for phi3 models; this model is '{family}'")
+    # Gemma's MLP reads hidden_activation (hidden_act is a leftover of its config)
+    hidden_act = getattr(config, "hidden_activation", None) or config.hidden_act
+    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}.get(hidden_act)
     if act is None:
-        raise UsageError(f"activation '{config.hidden_act}' is not supported for generation")
-    window = getattr(config, "sliding_window", None) if family in ("mistral", "qwen2") else None
-    if family == "qwen2" and not getattr(config, "use_sliding_window", False):
-        window = None
+        raise UsageError(f"activation '{hidden_act}' is not supported for generation")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UsageError(f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is not "
+                         "supported for generation: TVM's paged attention kernels have none")
+    scalar = getattr(config, "query_pre_attn_scalar", None) if traits.get("gemma") else None
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(config, flag, False):
+            raise UsageError(f"{flag}=True is not supported for generation yet")
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
                          config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
-                         activation=act, qkv_bias=family == "qwen2", rope_theta=theta,
+                         activation=act, qkv_bias=bool(traits.get("qkv_bias")), qk_norm=bool(traits.get("qk_norm")),
+                         post_norms=bool(traits.get("post_norms")), attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+                         logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0), rope_theta=theta,
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
-                         embed_scale=math.sqrt(hidden) if family == "gemma" else 1.0,
+                         embed_scale=math.sqrt(hidden) if traits.get("gemma") else 1.0,
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                         sliding_window=int(window or 0), dtype=dtype)
+                         sliding_window=window, sliding_layers=sliding_layers, dtype=dtype)
+
+
+def _window(config, layers: str | None) -> tuple[int, list[int]]:
+    """(window, the layers attending over it) of a transformers config: ``sliding_window`` on every layer
+    (``layers`` "all": Mistral, Phi-3) or on those ``layer_types`` names ``sliding_attention`` (Qwen2's and
+    Qwen3's from ``max_window_layers`` on, with ``use_sliding_window``; Gemma 2's and 3's alternating)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or layers is None:
+        return 0, []
+    types = getattr(config, "layer_types", None)
+    if layers == "all" or types is None:
+        layers = list(range(config.num_hidden_layers))
+    else:
+        layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    return (int(window), layers) if layers else (0, [])
 
 
 def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
@@ -131,12 +241,17 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
         out["norm.weight"], out["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
     else:
         # Gemma's norms scale by (1 + w): folded here so that every family runs a plain RMSNorm.
-        norm = (lambda w: w.float().add(1.0).to(w.dtype)) if cfg.family == "gemma" else (lambda w: w)
+        norm = (lambda w: w.float().add(1.0).to(w.dtype)) if cfg.family in GEMMA else (lambda w: w)
         out["embed.weight"] = get("embed_tokens.weight")
         for i in range(cfg.layers):
             p, q = f"layers.{i}.", f"layers.{i}."
             out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
-            out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
+            if cfg.post_norms:  # Gemma 2 and 3: a norm before and after each of attention and MLP
+                out[q + "attn_post_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
+                out[q + "mlp_norm.weight"] = norm(get(p + "pre_feedforward_layernorm.weight"))
+                out[q + "mlp_post_norm.weight"] = norm(get(p + "post_feedforward_layernorm.weight"))
+            else:
+                out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
             if cfg.family == "phi3":
                 out[q + "qkv.weight"] = get(p + "self_attn.qkv_proj.weight")
                 out[q + "up.weight"] = get(p + "mlp.gate_up_proj.weight")
@@ -145,6 +260,9 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                 if cfg.qkv_bias:
                     out[q + "qkv.bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
                 out[q + "up.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            if cfg.qk_norm:
+                out[q + "q_norm.weight"] = norm(get(p + "self_attn.q_norm.weight"))
+                out[q + "k_norm.weight"] = norm(get(p + "self_attn.k_norm.weight"))
             out[q + "o.weight"] = get(p + "self_attn.o_proj.weight")
             out[q + "down.weight"] = get(p + "mlp.down_proj.weight")
         out["norm.weight"] = norm(get("norm.weight"))
@@ -159,7 +277,11 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     that also get a decode function of their own, ``decode_b<N>``, whose shapes are all static (its kernels
     can be tuned, and on CUDA the step is captured as CUDA graphs); other sizes run ``batch_decode``.
     ``prefill_chunks``: token counts that get a prefill function of their own, ``prefill_t<T>`` (prompts
-    are prefilled in chunks of exactly that many tokens, the rest by ``batch_prefill``)."""
+    are prefilled in chunks of exactly that many tokens, the rest by ``batch_prefill``).
+
+    The model is made of blocks chosen from ``cfg``: the norm (:func:`make_norm`), the attention (its q/k
+    norms, its rotary embedding: :class:`Rotary` for a frequency table, else the cache's fused one), the
+    MLP (gated or not) and the embeddings and head; a family is a choice of each."""
     from tvm import tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import Tensor, op
@@ -168,6 +290,12 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     from .linear import linear, swiglu
 
     dtype = cfg.dtype
+    heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+    rope_type = cfg.rope_scaling.get("rope_type", "default") if cfg.rotary_dim else None
+    table_rope = rope_type is not None and "inv_freq" in cfg.rope_scaling
+
+    def relax(expr, name: str) -> Tensor:
+        return op.wrap_nested(expr, name)
 
     class Linear(nn.Linear):
         """``nn.Linear`` (same parameters) whose product is our ``gemm`` at static shapes (:mod:`.linear`)."""
@@ -181,44 +309,143 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         every build that an out-of-bounds index would crash it."""
         from tvm import relax as rx
 
-        return op.wrap_nested(rx.op.take(x._expr, ids._expr, axis=axis, mode="clip"), name)
+        return relax(rx.op.take(x._expr, ids._expr, axis=axis, mode="clip"), name)
 
-    def make_norm():
+    def make_norm(size: int = cfg.hidden):
         if cfg.norm == "layer":
-            return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=dtype)
-        return nn.RMSNorm(cfg.hidden, -1, cfg.norm_eps, bias=False, dtype=dtype)
+            return nn.LayerNorm(size, eps=cfg.norm_eps, dtype=dtype)
+        return nn.RMSNorm(size, -1, cfg.norm_eps, bias=False, dtype=dtype)
 
     def activation(x):
         if cfg.activation == "silu":
             return op.silu(x)
         return op.gelu(x, approximate="tanh" if cfg.activation == "gelu_tanh" else None)
 
+    class Rotary:
+        """The rotary embedding of a frequency table (``inv_freq``, and ``long_inv_freq`` for longrope), applied
+        to q and k before the cache (which then runs without RoPE): cos and sin of each token's position times
+        the table, scaled by the attention factor, as transformers computes them."""
+
+        def __init__(self, scaling: dict):
+            self.scaling = scaling
+
+        def cos_sin(self, cache: PagedKVCache, b, s, last: Tensor | None):
+            """(cos, sin) of shape (b, s, 1, rotary_dim) for the tokens of this forward, or a list of them, one
+            per table, where layers have tables of their own (Gemma 3). ``last``: each prompt's last token in
+            the packed prefill (longrope picks its table by the sequence's length after this forward), None
+            in a decode step."""
+            positions = cache.get_query_positions(b * s)
+            if "tables" in self.scaling:
+                return [self._cos_sin(table, positions, b, s, last) for table in self.scaling["tables"]]
+            return self._cos_sin(self.scaling, positions, b, s, last)
+
+        @staticmethod
+        def _cos_sin(scaling: dict, positions: Tensor, b, s, last: Tensor | None):
+            import numpy as np
+            from tvm import relax as rx
+            from tvm import te
+
+            n = b * s
+            table = lambda key: relax(rx.const(np.asarray(scaling[key], "float32")[None, :]), key)
+            freq = table("inv_freq")
+            if "long_inv_freq" in scaling:
+                if last is not None:
+                    def sequence_end(pos, ends):  # the position of the last token of each token's prompt
+                        k = te.reduce_axis((0, ends.shape[0]), "k")
+                        prompt = te.compute((pos.shape[0],), lambda i: te.sum(
+                            tirx.Select(ends[k] < i, 1, 0), axis=k), name="prompt")
+                        return te.compute((pos.shape[0],), lambda i: pos[ends[tirx.min(
+                            prompt[i], ends.shape[0] - 1)]], name="sequence_end")
+
+                    end = op.tensor_expr_op(sequence_end, "sequence_end", [positions, last])
+                else:
+                    end = positions
+                longer = op.greater_equal(op.reshape(end, (n, 1)),
+                                          relax(rx.const(scaling["original_max_position_embeddings"], "int32"), "orig"))
+                freq = op.where(longer, table("long_inv_freq"), freq)
+            angle = op.reshape(positions.astype("float32"), (n, 1)) * freq
+            angle = op.concat([angle, angle], dim=1)
+            factor = scaling["attention_factor"]
+            cos, sin = (relax(f(angle._expr), name) * factor for f, name in ((rx.op.cos, "cos"), (rx.op.sin, "sin")))
+            shape = (b, s, 1, cfg.rotary_dim)
+            return op.reshape(cos.astype(dtype), shape), op.reshape(sin.astype(dtype), shape)
+
+        @staticmethod
+        def apply(qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+            """q and k of the fused (b, s, heads, head_dim) qkv rotated (the first rotary_dim of each head)."""
+            qk, v = op.split(qkv, [heads + kv_heads], axis=2)
+            keep = None
+            if cfg.rotary_dim < head_dim:
+                qk, keep = op.split(qk, [cfg.rotary_dim], axis=3)
+            x1, x2 = op.split(qk, 2, axis=3)
+            qk = qk * cos + op.concat([op.negative(x2), x1], dim=3) * sin
+            if keep is not None:
+                qk = op.concat([qk, keep], dim=3)
+            return op.concat([qk, v], dim=2)
+
+    rotary = Rotary(cfg.rope_scaling) if table_rope else None
+
+    # Windowed layers attend through a KV cache of their own with TVM's sliding window (it drops what leaves a
+    # sequence's window, for all of its layers), rotated by that cache at the window's theta; the others through
+    # the main cache. A model windowed on every layer has the one cache, windowed.
+    windowed = sorted(cfg.sliding_layers) if cfg.sliding_window else []
+    two_caches = 0 < len(windowed) < cfg.layers
+    local = {layer: i for i, layer in enumerate(windowed)} if two_caches else {}
+    main = {layer: i for i, layer in enumerate(layer for layer in range(cfg.layers) if layer not in local)}
+    window_theta = window_rope_theta(cfg)
+
     class Layer(nn.Module):
         def __init__(self):
-            qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+            # attention: its norm, the fused q/k/v projection, q/k norms, the output projection
             self.attn_norm = make_norm()
-            self.qkv = Linear(cfg.hidden, qkv_rows, bias=cfg.qkv_bias, dtype=dtype)
-            self.o = Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            self.qkv = Linear(cfg.hidden, (heads + 2 * kv_heads) * head_dim, bias=cfg.qkv_bias, dtype=dtype)
+            if cfg.qk_norm:
+                self.q_norm, self.k_norm = make_norm(head_dim), make_norm(head_dim)
+            self.o = Linear(heads * head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            if cfg.post_norms:
+                self.attn_post_norm = make_norm()
+            # MLP: its norm, up (gate and up concatenated when gated) and down
             self.mlp_norm = make_norm()
+            if cfg.post_norms:
+                self.mlp_post_norm = make_norm()
             self.up = Linear(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
             self.down = Linear(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
 
-        def forward(self, x: Tensor, cache: PagedKVCache, layer_id: int):
+        def attention(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope):
             b, s, _ = x.shape
-            qkv = op.reshape(self.qkv(self.attn_norm(x)), (b, s, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim))
-            attn = cache.attention_with_fused_qkv(layer_id, qkv, cfg.heads, sm_scale=cfg.head_dim ** -0.5)
-            x = x + self.o(op.reshape(attn, (b, s, cfg.heads * cfg.head_dim)))
-            h = self.mlp_norm(x)
-            fused = swiglu(h, self.up.weight, hopper) if cfg.gated_mlp and cfg.activation == "silu" \
-                and self.up.bias is None else None
-            if fused is not None:
-                up = fused
-            elif cfg.gated_mlp:
-                gate, up = op.split(self.up(h), 2, axis=-1)
-                up = activation(gate) * up
+            qkv = op.reshape(self.qkv(x), (b, s, heads + 2 * kv_heads, head_dim))
+            if cfg.qk_norm:
+                q, k, v = op.split(qkv, [heads, heads + kv_heads], axis=2)
+                qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+            if rope is not None:
+                qkv = Rotary.apply(qkv, *rope)
+            attn = cache.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=cfg.attn_scale or head_dim ** -0.5)
+            return self.o(op.reshape(attn, (b, s, heads * head_dim)))
+
+        def mlp(self, x: Tensor):
+            if cfg.gated_mlp and cfg.activation == "silu" and self.up.bias is None:
+                fused = swiglu(x, self.up.weight, hopper)  # on sm_90, a prefill chunk's gate and up as one GEMM
+                if fused is not None:
+                    return self.down(fused)
+            up = self.up(x)
+            if cfg.gated_mlp:
+                gate, up = op.split(up, 2, axis=-1)
+                return self.down(activation(gate) * up)
+            return self.down(activation(up))
+
+        def forward(self, x: Tensor, caches: list, layer_id: int, rope=None):
+            if layer_id in local:
+                cache, index = caches[1], local[layer_id]
             else:
-                up = activation(self.up(h))
-            return x + self.down(up)
+                cache, index = caches[0], main[layer_id]
+            if layer_id in windowed:  # a windowed cache rotates q and k itself
+                rope = None
+            if isinstance(rope, list):  # a table per layer type: this layer's
+                rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
+            out = self.attention(self.attn_norm(x), cache, index, rope)
+            x = x + (self.attn_post_norm(out) if cfg.post_norms else out)
+            out = self.mlp(self.mlp_norm(x))
+            return x + (self.mlp_post_norm(out) if cfg.post_norms else out)
 
     class Decoder(nn.Module):
         def __init__(self):
@@ -230,13 +457,14 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if not cfg.tied_embeddings:
                 self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
 
-        def forward(self, x: Tensor, cache: PagedKVCache):
+        def forward(self, x: Tensor, caches: list, last: Tensor | None = None):
+            b, s, _ = x.shape
             if cfg.learned_positions:
-                b, s, _ = x.shape
-                at = cache.get_query_positions(b * s)
+                at = caches[0].get_query_positions(b * s)
                 x = x + op.reshape(gather(self.positions.weight, at, 0, "positions"), (b, s, cfg.hidden))
+            rope = rotary.cos_sin(caches[0], b, s, last) if rotary is not None else None
             for layer_id, layer in enumerate(self.layers):
-                x = layer(x, cache, layer_id)
+                x = layer(x, caches, layer_id, rope)
             return self.norm(x)
 
         def logits(self, x: Tensor):
@@ -244,22 +472,39 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 out = linear(x, self.embed.weight)
             else:
                 out = self.lm_head(x)
-            return out.astype("float32") if out.dtype != "float32" else out
+            out = out.astype("float32") if out.dtype != "float32" else out
+            if cfg.logit_softcap:
+                out = op.tanh(out / cfg.logit_softcap) * cfg.logit_softcap
+            return out
 
         def embed_tokens(self, input_ids: Tensor):
             x = gather(self.embed.weight, input_ids, 0, "embed")
             return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
 
+        def _prefill(self, input_ids: Tensor, logit_positions: Tensor, caches: list):
+            x = op.reshape(self.embed_tokens(input_ids), (1, input_ids.shape[0], cfg.hidden))
+            x = gather(self.forward(x, caches, logit_positions), logit_positions, 1, "last_tokens")
+            return self.logits(x), *caches
+
+        def _decode(self, input_ids: Tensor, caches: list):
+            x = op.reshape(self.embed_tokens(input_ids), (input_ids.shape[0], 1, cfg.hidden))
+            return self.logits(self.forward(x, caches)), *caches
+
         def batch_prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
             """Prompts packed one after another in ``input_ids``; logits at ``logit_positions`` (each prompt's last)."""
-            x = op.reshape(self.embed_tokens(input_ids), (1, input_ids.shape[0], cfg.hidden))
-            x = gather(self.forward(x, cache), logit_positions, 1, "last_tokens")
-            return self.logits(x), cache
+            return self._prefill(input_ids, logit_positions, [cache])
 
         def batch_decode(self, input_ids: Tensor, cache: PagedKVCache):
             """One token for each sequence of the batch."""
-            x = op.reshape(self.embed_tokens(input_ids), (input_ids.shape[0], 1, cfg.hidden))
-            return self.logits(self.forward(x, cache)), cache
+            return self._decode(input_ids, [cache])
+
+        def batch_prefill_windowed(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache,
+                                   window_cache: PagedKVCache):
+            """batch_prefill of a model with windowed and global layers: a cache for each."""
+            return self._prefill(input_ids, logit_positions, [cache, window_cache])
+
+        def batch_decode_windowed(self, input_ids: Tensor, cache: PagedKVCache, window_cache: PagedKVCache):
+            return self._decode(input_ids, [cache, window_cache])
 
         def greedy_tokens(self, logits: Tensor):
             """Each row's greedy choice (the first index of its largest logit, as numpy's argmax): what the
@@ -276,18 +521,49 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
-            from tvm import relax as rx
+            """The main cache (the only one, windowed or not, unless layers differ)."""
+            if windowed and not two_caches:
+                return make_cache(cfg.layers, True, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                                  support_sliding_window)
+            return make_cache(len(main), False, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                              support_sliding_window)
 
-            return TIRPagedKVCache(
-                attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-                prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-                support_sliding_window=support_sliding_window, layer_partition=rx.ShapeExpr([0, cfg.layers]),
-                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                qk_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0,
-                mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL if cfg.rotary_dim else RopeMode.NONE,
-                rope_scale=1, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-                rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.rotary_dim or cfg.head_dim,
-                enable_disaggregation=False, dtype=dtype, target=_current_target())
+        def create_window_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                                prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                                support_sliding_window: tirx.Var) -> PagedKVCache:
+            """The windowed layers' cache of a model whose other layers are global."""
+            return make_cache(len(local), True, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                              support_sliding_window)
+
+    def make_cache(layers: int, window: bool, *sizes) -> PagedKVCache:
+        """A TIRPagedKVCache over ``layers`` layers. Its fused RoPE: the default and llama3 frequencies (dynamic's
+        are the default ones within max_position_embeddings), linear scaling as scaled positions; none where
+        the model rotates from a table. A windowed cache rotates inside its attention kernels (TVM's sliding
+        window), at the windowed layers' theta with the default frequencies (the build refuses others)."""
+        import contextlib
+
+
+        max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window = sizes
+        with _window_symbols() if window and two_caches else contextlib.nullcontext():
+            return _cache(layers, window, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                          support_sliding_window)
+
+    def _cache(layers, window, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window):
+        from tvm import relax as rx
+
+        cache_rope = window or (rope_type is not None and not table_rope)
+        scaling = cfg.rope_scaling if rope_type == "llama3" and not window else {}
+        scale = 1.0 / cfg.rope_scaling["factor"] if rope_type == "linear" and not window else 1
+        return TIRPagedKVCache(
+            attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+            support_sliding_window=support_sliding_window, layer_partition=rx.ShapeExpr([0, layers]),
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            qk_head_dim=head_dim, v_head_dim=head_dim, mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL if cache_rope else RopeMode.NONE,
+            rope_scale=scale, rope_theta=window_theta if window else cfg.rope_theta, rope_scaling=scaling,
+            rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.rotary_dim or head_dim,
+            enable_disaggregation=False, dtype=dtype, target=_current_target())
 
     module = Decoder()
     packed = {"param_mode": "packed", "effect_mode": "none"}
@@ -302,15 +578,69 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                                                          "page_size", "support_sliding_window")}
         | {"$": {"param_mode": "none", "effect_mode": "none"}},
     }
+    caches = {"cache": cache_spec}
+    if two_caches:  # every step function takes both caches
+        caches["window_cache"] = cache_spec
+        module.batch_prefill, module.batch_decode = module.batch_prefill_windowed, module.batch_decode_windowed
+        spec["create_window_cache"] = dict(spec["create_paged_kv_cache"])
+        for name in ("batch_prefill", "batch_decode"):
+            spec[name] = {**spec[name], **caches, "$": packed}
     for n in decode_batches:
         setattr(module, f"decode_b{n}", module.batch_decode)
-        spec[f"decode_b{n}"] = {"input_ids": nn.spec.Tensor([n], "int32"), "cache": cache_spec, "$": packed}
+        spec[f"decode_b{n}"] = {"input_ids": nn.spec.Tensor([n], "int32"), **caches, "$": packed}
     for t in prefill_chunks:
         setattr(module, f"prefill_t{t}", module.batch_prefill)
         spec[f"prefill_t{t}"] = {"input_ids": nn.spec.Tensor([t], "int32"),
-                                 "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "cache": cache_spec,
-                                 "$": packed}
+                                 "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), **caches, "$": packed}
     return module, spec
+
+
+class _window_symbols:
+    """While the second (windowed) cache of a model is made: its kernels, which TVM adds under the same global
+    symbols as the first cache's, get symbols of their own (``<symbol>_window``)."""
+
+    def __enter__(self):
+        from tvm import relax as rx
+
+        self.add_func = add_func = rx.BlockBuilder.add_func
+
+        def renamed(builder, func, name):
+            symbol = func.attrs.get("global_symbol") if getattr(func, "attrs", None) else None
+            if symbol is not None:
+                func = func.with_attr("global_symbol", f"{symbol}_window")
+            return add_func(builder, func, f"{name}_window")
+
+        rx.BlockBuilder.add_func = renamed
+
+    def __exit__(self, *exc):
+        from tvm import relax as rx
+
+        rx.BlockBuilder.add_func = self.add_func
+
+
+def window_rope_theta(cfg: DecoderConfig) -> float:
+    """The rotary theta of the windowed layers (Gemma 3's local layers have their own)."""
+    tables = cfg.rope_scaling.get("tables")
+    if tables and cfg.sliding_layers:
+        return tables[cfg.rope_scaling["layer_tables"][cfg.sliding_layers[0]]]["rope_theta"]
+    return cfg.rope_theta
+
+
+def window_rope_unsupported(cfg: DecoderConfig) -> str | None:
+    """Why the windowed layers' rotary embedding cannot run in TVM's windowed cache (its kernels rotate the whole
+    head with the default frequencies at one theta), or None."""
+    if cfg.rotary_dim != cfg.head_dim:
+        return "with a partial rotary embedding"
+    tables = cfg.rope_scaling.get("tables")
+    if tables:
+        used = {cfg.rope_scaling["layer_tables"][layer] for layer in cfg.sliding_layers}
+        kinds = {tables[i]["rope_type"] for i in used}
+        if len(used) > 1 or kinds != {"default"}:
+            return f"with rotary scaling '{'/'.join(sorted(kinds))}' on its windowed layers"
+        return None
+    if cfg.rope_scaling:
+        return f"with rotary scaling '{cfg.rope_scaling.get('rope_type')}'"
+    return None
 
 
 _TARGET = []

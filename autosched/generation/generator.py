@@ -77,6 +77,7 @@ class _Sequence:
     rng: object
     completion: Completion
     prefilled: bool = False
+    cached: list[int] = field(default_factory=list)  # the tokens in the cache (for a re-read: see Generator.step)
 
 
 class Generator:
@@ -135,6 +136,14 @@ class Generator:
         self.max_seq_len, self.max_batch, self.page_size = m["max_seq_len"], m["max_batch"], m["page_size"]
         self.eos_token_ids = frozenset(m.get("eos_token_ids", []))
         self.decode_batches = frozenset(m.get("decode_batches", []))
+        # Phi-3's longrope: transformers re-reads a sequence with the long factors when it grows past the
+        # original context (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache then); so does step().
+        scaling = m["decoder"].get("rope_scaling") or {}
+        self.rope_switch = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
+        # A model with a sliding window: each sequence's cache keeps the window - 1 tokens before the newest (TVM's
+        # sliding window; pages that leave it are freed). A call's tokens see all of those, and each other
+        # causally: exact for a sequence's first window of tokens at once, then one token a call (see step()).
+        self.window = m["decoder"].get("sliding_window") or 0
         self.prefill_chunks = tuple(m.get("prefill_chunks", []))
         pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.kv_pages = kv_pages or pages_per_seq * self.max_batch
@@ -142,19 +151,30 @@ class Generator:
         # Room for the padding rows of a decode step (see _padding) beside max_batch live sequences.
         self._pad_ids: list[int] = []
         seqs = self.max_batch + max(self.decode_batches, default=1) - 1
+        # A model with windowed and global layers has a cache for each (the windowed one second), driven together.
+        decoder = m["decoder"]
+        layers = decoder.get("sliding_layers") or []
+        two = bool(self.window) and 0 < len(layers) < decoder["layers"]
         # The cache's scratch space holds one prefill call: a prompt, or a static chunk of packed prompts.
         prefill_tokens = max(self.max_seq_len, *self.prefill_chunks)
-        self.cache = self.vm["create_paged_kv_cache"](
-            shape([seqs]), shape([self.kv_pages * self.page_size]), shape([prefill_tokens]),
-            shape([self.page_size]), shape([0]))
+        sizes = (shape([seqs]), shape([self.kv_pages * self.page_size]), shape([prefill_tokens]), shape([self.page_size]))
+        self.caches = [self.vm["create_paged_kv_cache"](*sizes, shape([1 if self.window and not two else 0]))]
+        if two:
+            self.caches.append(self.vm["create_window_cache"](*sizes, shape([1])))
         builtin = tvm.get_global_func
-        self._add = builtin("vm.builtin.kv_state_add_sequence")
-        self._fork = builtin("vm.builtin.kv_state_fork_sequence")
-        self._remove = builtin("vm.builtin.kv_state_remove_sequence")
-        self._begin = builtin("vm.builtin.kv_state_begin_forward")
-        self._end = builtin("vm.builtin.kv_state_end_forward")
-        self._free_pages = builtin("vm.builtin.attention_kv_cache_get_num_available_pages")
-        self._popn = builtin("vm.builtin.kv_state_popn")
+
+        def each(name):  # the runtime function, on every cache
+            function = builtin(name)
+            return lambda *args: [function(cache, *args) for cache in self.caches][0]
+
+        self._add = each("vm.builtin.kv_state_add_sequence")
+        self._fork = each("vm.builtin.kv_state_fork_sequence")
+        self._remove = each("vm.builtin.kv_state_remove_sequence")
+        self._begin = each("vm.builtin.kv_state_begin_forward")
+        self._end = each("vm.builtin.kv_state_end_forward")
+        self._popn = each("vm.builtin.kv_state_popn")
+        self._free_pages = builtin("vm.builtin.attention_kv_cache_get_num_available_pages")  # of the main cache
+        self._enable_window = builtin("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")
         self._shape = shape
         # Greedy choices made on the device (artifacts built before it lack the function: the host chooses).
         try:
@@ -196,6 +216,12 @@ class Generator:
         if bad:
             raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab - 1})")
         base = 0
+        if parent is not None and self.window:
+            raise GenerationError(f"forks of a prefix are not supported for a model with a sliding window "
+                                  f"({self.window} tokens): the cache drops a sequence's tokens as they leave it")
+        if parent is not None and self.rope_switch is not None:
+            raise GenerationError("forks of a prefix are not supported for a longrope model: it re-reads a whole "
+                                  f"sequence with the long factors when it grows past {self.rope_switch} tokens")
         if parent is not None:
             parent_seq = self._get(parent)
             if parent_seq.pending:
@@ -212,9 +238,11 @@ class Generator:
         seq_id = self._next_id
         self._next_id += 1
         if parent is None:
-            self._add(self.cache, seq_id)
+            self._add(seq_id)
+            if self.window:  # on the windowed cache (the last)
+                self._enable_window(self.caches[-1], seq_id, self.window - 1, 0)  # TVM's window: the tokens before
         else:
-            self._fork(self.cache, parent, seq_id, -1)
+            self._fork(parent, seq_id, -1)
         sampling = sampling or Sampling()
         stops = frozenset(self.eos_token_ids if stop_tokens is None else stop_tokens)
         self._seqs[seq_id] = _Sequence(seq_id, prompt, base, max_new_tokens, stops, sampling,
@@ -224,7 +252,7 @@ class Generator:
     def remove(self, seq_id: int) -> Completion:
         """Drop a sequence from the cache (its pages are freed once no fork shares them); returns what it made."""
         seq = self._get(seq_id)
-        self._remove(self.cache, seq_id)
+        self._remove(seq_id)
         del self._seqs[seq_id]
         return seq.completion
 
@@ -234,7 +262,17 @@ class Generator:
     def step(self) -> list[tuple[int, int]]:
         """Prefill the sequences added since the last step, then decode one token for every sequence that was
         decoding already. Returns the (sequence id, token) pairs made, in order. A finished sequence is
-        removed from the cache (unless it is held as a parent: ``max_new_tokens=0``)."""
+        removed from the cache (unless it is held as a parent: ``max_new_tokens=0``).
+
+        A longrope model's sequence about to grow past the original context is read again from its first
+        token, as a prompt (transformers' Phi-3 does the same): its cached keys were rotated with the short
+        factors, and from then on every position uses the long ones."""
+        if self.rope_switch is not None:
+            for seq in self._seqs.values():
+                if (seq.prefilled and seq.pending and seq.completion.finish_reason is None
+                        and seq.length <= self.rope_switch < seq.length + len(seq.pending)):
+                    self._popn(seq.seq_id, seq.length)
+                    seq.pending, seq.cached, seq.length, seq.prefilled = seq.cached + seq.pending, [], 0, False
         decoding = [s for s in self._seqs.values() if s.prefilled and s.pending and s.completion.finish_reason is None]
         waiting = [s for s in self._seqs.values() if not s.prefilled]
         made = []
@@ -245,8 +283,10 @@ class Generator:
             chunk = max((t for t in self.prefill_chunks if t <= total), default=None)
             parts, room = [], chunk or self.max_seq_len
             for seq in waiting:
-                take = min(len(seq.pending), room)
-                if chunk is None and parts and take < len(seq.pending):
+                # In a window: a sequence's first call takes up to a window of its tokens, then one a call.
+                want = (min(len(seq.pending), self.window) if seq.length == 0 else 1) if self.window else len(seq.pending)
+                take = min(want, room)
+                if chunk is None and parts and take < want:
                     break
                 parts.append((seq, take))
                 room -= take
@@ -342,7 +382,7 @@ class Generator:
             return []
         while len(self._pad_ids) < pads:
             self._pad_ids.append(PAD_SEQUENCE_IDS + len(self._pad_ids))
-            self._add(self.cache, self._pad_ids[-1])
+            self._add(self._pad_ids[-1])
         return self._pad_ids[:pads]
 
     def _forward(self, parts: list[tuple[_Sequence, int]], prefill: bool, chunk: int | None = None):
@@ -352,7 +392,7 @@ class Generator:
         import tvm
 
         # A sequence the cache has no room for ends with an error; the rest of the batch goes on.
-        free = int(self._free_pages(self.cache))
+        free = int(self._free_pages(self.caches[0]))
         kept, feed = [], {}
         for seq, tokens in parts:
             need = self._pages_needed(seq, tokens)
@@ -373,24 +413,24 @@ class Generator:
         ids = np.concatenate([np.asarray(s.pending[:feed[s.seq_id]], dtype="int32") for s in kept]
                              + [np.zeros(len(pads), dtype="int32")])
         began = time.perf_counter()
-        self._begin(self.cache, self._shape([s.seq_id for s in kept] + pads), self._shape(lengths))
+        self._begin(self._shape([s.seq_id for s in kept] + pads), self._shape(lengths))
         input_ids = tvm.runtime.tensor(ids, self.device)
         if prefill:
             last = tvm.runtime.tensor(np.cumsum(lengths, dtype="int32") - 1, self.device)
             # A chunk of a static length runs its own function (tuned kernels), unless a sequence was dropped.
             name = f"prefill_t{chunk}" if chunk is not None and int(ids.size) == chunk else "batch_prefill"
             self.stats["static_prefill_calls"] += name != "batch_prefill"
-            logits, self.cache = self.vm[name](input_ids, last, self.cache, self.params)
+            logits, *self.caches = self.vm[name](input_ids, last, *self.caches, self.params)
         else:
             # A batch size with a static function of its own runs it (tuned kernels, CUDA graphs).
             rows = len(kept) + len(pads)
             name = f"decode_b{rows}" if rows in self.decode_batches else "batch_decode"
             self.stats["static_decode_steps"] += name != "batch_decode"
             self.stats["padded_decode_steps"] += bool(pads)
-            logits, self.cache = self.vm[name](input_ids, self.cache, self.params)
-        self._end(self.cache)
+            logits, *self.caches = self.vm[name](input_ids, *self.caches, self.params)
+        self._end()
         for pad in pads:  # the padding rows' token leaves their (empty) sequences again
-            self._popn(self.cache, pad, 1)
+            self._popn(pad, 1)
         # A step whose sequences all decode greedily reads back a token per row, not the logits.
         greedy = self._greedy is not None and all(seq.sampling.temperature == 0 for seq in kept)
         if greedy:
@@ -411,6 +451,8 @@ class Generator:
         for i, seq in enumerate(kept):
             fed = feed[seq.seq_id]
             seq.length += fed
+            if self.rope_switch is not None:
+                seq.cached += seq.pending[:fed]
             seq.pending = seq.pending[fed:]
             if seq.pending:  # the rest of its prompt comes in the next chunk
                 continue

@@ -1,0 +1,275 @@
+"""The model families and features deployed today generate transformers' exact greedy tokens: rotary scaling
+(llama3, linear, yarn, longrope, dynamic), Qwen3's q/k norms, Gemma 2 and 3, sliding windows (Mistral's,
+Qwen2's, Qwen3's, Phi-3's; of 8 tokens, shorter than the longest prompt and than --max-seq-len). Each model is a
+tiny transformers model made here with weights large enough that greedy decoding wanders over the vocabulary,
+saved with ``save_pretrained`` and built from that folder; a batch of prompts of 1, 7 and 40 tokens, 24 new
+tokens each. Features whose effect depends on the length (rotary scaling) take an
+``original_max_position_embeddings`` of 16, well inside the prompts and the generated tokens."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .helpers import cli
+
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
+
+NEW, MAX_SEQ_LEN, MAX_BATCH = 24, 80, 4
+PROMPTS = [[17], [5, 7, 9, 11, 13, 2, 8], [(7 * i + 3) % 512 for i in range(40)]]
+TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
+            vocab_size=512, max_position_embeddings=4096)
+ORIGINAL = 16  # original_max_position_embeddings: scaling shows within the prompts
+WINDOW = 8  # sliding windows shorter than the prompts
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": ORIGINAL}
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+# Phi-3.5's longrope: 12 factors for a rotary dimension of 24 (head_dim 32, partial_rotary_factor 0.75, as Phi-4-mini).
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+            "long_factor": [1.0 + 0.5 * i for i in range(12)]}
+
+
+def _config(name: str):
+    """(config, class) of each case: a family with the feature under test."""
+    if name == "llama3":
+        return transformers.LlamaConfig(**TINY, rope_scaling=LLAMA3), transformers.LlamaForCausalLM
+    if name == "linear":
+        return transformers.LlamaConfig(**TINY, rope_scaling=LINEAR), transformers.LlamaForCausalLM
+    if name == "yarn":  # Qwen2.5 with YaRN
+        return transformers.Qwen2Config(**TINY, rope_scaling=YARN), transformers.Qwen2ForCausalLM
+    if name == "longrope":  # Phi-3.5 / Phi-4-mini
+        return (transformers.Phi3Config(**{**TINY, "max_position_embeddings": 4 * ORIGINAL}, pad_token_id=0,
+                                        original_max_position_embeddings=ORIGINAL, partial_rotary_factor=0.75,
+                                        rope_scaling=LONGROPE), transformers.Phi3ForCausalLM)
+    if name == "qwen3":
+        return transformers.Qwen3Config(**TINY, head_dim=48), transformers.Qwen3ForCausalLM
+    if name == "mistral-window":  # every layer over a window of 8, shorter than the 40-token prompt
+        return transformers.MistralConfig(**TINY, sliding_window=WINDOW), transformers.MistralForCausalLM
+    if name == "qwen2-window":  # Qwen2's window, from layer max_window_layers on: every layer here
+        return (transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
+                transformers.Qwen2ForCausalLM)
+    if name == "phi3-window":  # Phi-3-mini's window (2047 tokens in the 4k model)
+        return transformers.Phi3Config(**TINY, sliding_window=WINDOW, pad_token_id=0), transformers.Phi3ForCausalLM
+    if name == "qwen3-window":
+        return (transformers.Qwen3Config(**TINY, head_dim=48, use_sliding_window=True, sliding_window=WINDOW,
+                                         max_window_layers=0), transformers.Qwen3ForCausalLM)
+    if name == "qwen2-mixed-window":  # from max_window_layers on: layer 0 global, layer 1 windowed
+        return (transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+                transformers.Qwen2ForCausalLM)
+    if name in ("gemma2-window", "gemma3-window"):  # Gemma's alternating windowed and global layers
+        config, cls = _config(name.split("-")[0])
+        config.sliding_window = WINDOW
+        return config, cls
+    if name == "gemma3-local-window":  # Gemma 3's first five layers are windowed: both of two
+        return (transformers.Gemma3TextConfig(**TINY, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW),
+                transformers.Gemma3ForCausalLM)
+    if name == "gemma2":  # final soft-capping, pre- and post-norms, query_pre_attn_scalar; no attention soft-cap
+        return (transformers.Gemma2Config(**TINY, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=None,
+                                          final_logit_softcapping=5.0), transformers.Gemma2ForCausalLM)
+    if name == "gemma3":  # q/k norms, a rotary table per layer type (local theta 10000; global 1e6, linear x8)
+        return (transformers.Gemma3TextConfig(**TINY, head_dim=32, query_pre_attn_scalar=24,
+                                              layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                  "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                     "rope_theta": 1000000.0}}),
+                transformers.Gemma3ForCausalLM)
+    if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
+        return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
+                                         rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+                transformers.LlamaForCausalLM)
+    raise ValueError(name)
+
+
+def _saved(name: str, folder):
+    """The case's model with lively random weights (as tests/test_generation.py makes them), saved to ``folder``."""
+    import torch
+
+    config, cls = _config(name)
+    torch.manual_seed(1)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if p.dim() > 1:  # Gemma's post-norms: layers outweigh its scaled (and tied) embeddings only if they are small
+                p.normal_(0.0, 0.02 if name.startswith("gemma") and "embed" in param_name else 0.08)
+            elif "norm" in param_name:  # Gemma's norms scale by 1 + w
+                p.normal_(0.0 if name.startswith("gemma") else 1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(folder)
+    return model
+
+
+def _reference(model, prompt, new=NEW):
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3",
+                                  "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
+                                  "gemma2-window", "gemma3-window", "gemma3-local-window"])
+def test_a_family_or_feature_matches_transformers(name, tmp_path):
+    from autosched.generation import Generator
+
+    model = _saved(name, tmp_path / "hf")
+    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
+        "--max-batch", str(MAX_BATCH))
+    gen = Generator(tmp_path / "art")
+    results = gen.generate(PROMPTS, NEW)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.error is None
+        assert result.tokens == _reference(model, prompt), (name, len(prompt))
+    assert all(len(set(r.tokens)) > 3 for r in results)  # greedy decoding moves: a comparison that can fail
+    if name in ROPE_CASES:  # and the scaling shows: without it, the 40-token prompt continues otherwise
+        assert results[2].tokens != _reference(_unscaled(model), PROMPTS[2]), name
+    if name.endswith("window"):  # and the window shows: without it, the 40-token prompt continues otherwise
+        assert results[2].tokens != _reference(_unwindowed(model), PROMPTS[2]), name
+    if name in ("longrope", "mistral-window"):  # a sequence re-read, or its tokens dropped: no forks of a prefix
+        forked = gen.generate([[1]], 2, prefix=[1, 2, 3])[0]
+        assert "forks of a prefix are not supported" in forked.error and gen.live == []
+
+
+ROPE_CASES = ("llama3", "linear", "yarn", "longrope")
+
+
+def _unwindowed(model):
+    """The same weights with a window longer than any sequence here."""
+    config = model.config.__class__(**{**model.config.to_dict(), "sliding_window": 4096})
+    plain = model.__class__(config).eval()
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
+def _unscaled(model):
+    """The same weights with the default rotary embedding."""
+    config = model.config.__class__(**{**model.config.to_dict(), "rope_scaling": None, "rope_parameters": None})
+    plain = model.__class__(config).eval()
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
+def _cache_rope_cos(scaling: dict, scale: float, rotary_dim: int, theta: float, positions: int):
+    """cos of every (position, dimension) as the KV cache's fused RoPE computes it (``switch_rope_freq_func``
+    on ``position * scale``, as ``llama_rope_with_position_map`` calls it), compiled for the CPU."""
+    import numpy as np
+    import tvm
+    from tvm import te, tirx
+    from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
+
+    def cos(s, d):
+        value, _, bindings = switch_rope_freq_func(scaling)(s * tirx.const(scale, "float32"), d, rotary_dim, theta, "float32")
+        for var, bound in bindings.items():
+            value = tirx.Let(var, bound, value)
+        return value
+
+    out = te.compute((positions, rotary_dim), cos, name="cos")
+    run = tvm.compile(te.create_prim_func([out]), target=tvm.target.Target({"kind": "llvm"}))
+    result = tvm.runtime.empty((positions, rotary_dim), "float32", tvm.cpu())
+    run(result)
+    return result.numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("name", ["llama3", "linear"])
+def test_the_caches_rotary_frequencies_are_transformers(name):
+    """llama3 and linear scaling run in the KV cache's fused RoPE: its cos for each position equals the cos of
+    transformers' frequencies (``ROPE_INIT_FUNCTIONS``, as the model's rotary embedding computes it)."""
+    import numpy as np
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from autosched.generation.decoder import config_from_hf
+
+    config, _ = _config(name)
+    ours = config_from_hf(config, "float32")
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[name](config, "cpu")
+    assert attention_factor == 1.0
+    positions = torch.arange(64, dtype=torch.float32)[:, None]
+    theirs = torch.cat([positions * inv_freq[None, :]] * 2, dim=1).cos().double().numpy()
+    scaling = ours.rope_scaling if name == "llama3" else {}
+    scale = 1.0 / ours.rope_scaling["factor"] if name == "linear" else 1.0
+    got = _cache_rope_cos(scaling, scale, ours.rotary_dim, ours.rope_theta, 64)
+    assert np.abs(got - theirs).max() < 2e-5
+    # and the scaling shows: unscaled frequencies differ
+    assert np.abs(_cache_rope_cos({}, 1.0, ours.rotary_dim, ours.rope_theta, 64) - theirs).max() > 0.1
+
+
+def test_rotary_scaling_and_new_families_read_from_the_config():
+    """yarn and longrope carry transformers' own frequency tables and attention factor; Qwen3 its q/k norms;
+    what the build cannot reproduce is refused in one line naming it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from autosched.errors import UsageError
+    from autosched.generation.decoder import config_from_hf
+
+    for name in ("yarn", "longrope"):
+        config, _ = _config(name)
+        scaling = config_from_hf(config, "float32").rope_scaling
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[name](config, "cpu")
+        assert scaling["inv_freq"] == inv_freq.tolist() and scaling["attention_factor"] == factor > 1.0
+    longrope = config_from_hf(_config("longrope")[0], "float32")
+    assert longrope.rotary_dim == 24 and longrope.rope_scaling["original_max_position_embeddings"] == ORIGINAL
+    assert len(longrope.rope_scaling["long_inv_freq"]) == 12 != longrope.rope_scaling["inv_freq"]
+    qwen3 = config_from_hf(_config("qwen3")[0], "float32")
+    assert qwen3.family == "qwen3" and qwen3.qk_norm and qwen3.head_dim == 48 and not qwen3.qkv_bias
+    gemma2 = config_from_hf(_config("gemma2")[0], "float32")
+    assert gemma2.post_norms and gemma2.logit_softcap == 5.0 and gemma2.attn_scale == 24 ** -0.5
+    gemma3 = config_from_hf(_config("gemma3")[0], "float32").rope_scaling
+    local, global_ = gemma3["tables"]  # sorted by layer type: full_attention first
+    assert gemma3["layer_tables"] == [1, 0] and global_["inv_freq"][1] != local["inv_freq"][1]
+    refused = {
+        "rotary scaling 'longrope' is supported for phi3 models; this model is 'llama'":
+            transformers.LlamaConfig(**TINY, rope_scaling={**LONGROPE, "original_max_position_embeddings": 16}),
+        "attention_bias=True is not supported": transformers.LlamaConfig(**TINY, attention_bias=True),
+        "mlp_bias=True is not supported": transformers.LlamaConfig(**TINY, mlp_bias=True),
+        "attention soft-capping (attn_logit_softcapping=50.0) is not supported": transformers.Gemma2Config(**TINY),
+    }
+    from autosched.generation.build import lower_generation
+    from autosched.target import parse_target
+
+    with pytest.raises(UsageError, match="--prefill-chunks is not supported for a longrope model"):
+        lower_generation(longrope, parse_target("llvm"), (), (8,))
+    for says, config in refused.items():
+        with pytest.raises(UsageError, match=re.escape(says)):
+            config_from_hf(config, "float32")
+
+
+def test_what_a_window_or_dynamic_scaling_cannot_do_is_refused_at_build(tmp_path):
+    """A window whose layers rotate otherwise than TVM's windowed cache can (scaled, partial) is refused in one
+    line when it binds (and builds as the model without a window when --max-seq-len is within it); dynamic
+    scaling past max_position_embeddings too."""
+    from autosched.generation.build import _check_limits
+    from autosched.generation.decoder import config_from_hf
+
+    mixed = config_from_hf(_config("qwen2-mixed-window")[0], "float32")
+    assert mixed.sliding_window == WINDOW and mixed.sliding_layers == [1]
+    _check_limits(mixed, MAX_SEQ_LEN, 1)
+    gemma3 = config_from_hf(_config("gemma3-window")[0], "float32")
+    assert gemma3.sliding_layers == [0]
+    _check_limits(gemma3, MAX_SEQ_LEN, 1)  # its windowed layers' table is the default one
+    scaled = transformers.Gemma3TextConfig(**TINY, head_dim=32, sliding_window=WINDOW, rope_parameters={
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    yarn = config_from_hf(transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
+                                                   max_window_layers=0, rope_scaling=YARN), "float32")
+    phi4 = config_from_hf(transformers.Phi3Config(**TINY, sliding_window=WINDOW, partial_rotary_factor=0.75,
+                                                  pad_token_id=0), "float32")
+    for cfg, says in ((yarn, "a sliding window of 8 tokens with rotary scaling 'yarn' is not supported"),
+                      (config_from_hf(scaled, "float32"),
+                       "a sliding window of 8 tokens with rotary scaling 'linear' on its windowed layers is not supported"),
+                      (phi4, "a sliding window of 8 tokens with a partial rotary embedding is not supported")):
+        _check_limits(cfg, WINDOW, 1)
+        with pytest.raises(Exception, match=re.escape(says + " for generation yet: use --max-seq-len 8 or less")):
+            _check_limits(cfg, MAX_SEQ_LEN, 1)
+    dynamic = config_from_hf(_config("dynamic")[0], "float32")
+    _check_limits(dynamic, MAX_SEQ_LEN, 1)
+    with pytest.raises(Exception, match=re.escape("rotary scaling 'dynamic' is supported up to --max-seq-len 80")):
+        _check_limits(dynamic, MAX_SEQ_LEN + 1, 1)
+    plain = config_from_hf(_config("mistral-window")[0], "float32")
+    assert plain.sliding_window == WINDOW and plain.sliding_layers == [0, 1]
+    _check_limits(plain, MAX_SEQ_LEN, 1)
