@@ -156,7 +156,7 @@ class Generator:
         layers = decoder.get("sliding_layers") or []
         two = bool(self.window) and 0 < len(layers) < decoder["layers"]
         # The cache's scratch space holds one prefill call: a prompt, or a static chunk of packed prompts.
-        prefill_tokens = max(self.max_seq_len, *self.prefill_chunks)
+        prefill_tokens = max((self.max_seq_len, *self.prefill_chunks))
         sizes = (shape([seqs]), shape([self.kv_pages * self.page_size]), shape([prefill_tokens]), shape([self.page_size]))
         self.caches = [self.vm["create_paged_kv_cache"](*sizes, shape([1 if self.window and not two else 0]))]
         if two:
