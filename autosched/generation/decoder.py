@@ -510,13 +510,15 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             """Each row's greedy choice (the first index of its largest logit, as numpy's argmax): what the
             runtime reads back of a greedy step, a token per sequence rather than the whole logits. ``logits``
             as a step returns them: [1, sequences, vocab] from a prefill, [sequences, 1, vocab] from a decode."""
-            from tvm import relax as rx
+            from .greedy import greedy_kernel
 
-            vocab = logits.shape[-1]
-            best = rx.op.max(logits._expr, axis=-1, keepdims=True)
-            index = rx.op.arange(0, vocab, dtype="int32")
-            at_best = rx.op.where(rx.op.equal(logits._expr, best), index, rx.const(vocab, "int32"))
-            return op.wrap_nested(rx.op.min(at_best, axis=-1), "greedy_tokens")
+            rows, columns, vocab = logits.shape
+            flat = op.reshape(logits, (rows * columns, vocab))
+            kernel = greedy_kernel(vocab, gpu=_current_target().kind.name == "cuda")
+            index, _ = op.tensor_ir_op(kernel, "greedy_tokens", [flat],
+                                       [Tensor.placeholder((rows * columns,), "int32"),
+                                        Tensor.placeholder((rows * columns,), "float32")])
+            return index
 
         def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
