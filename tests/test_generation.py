@@ -449,3 +449,27 @@ def test_a_damaged_generation_artifact_is_named_in_one_line(built, tmp_path):
     # And `run` on a generation artifact says which command reads it.
     proc = cli("run", str(artifact), check=False)
     assert proc.returncode == 2 and f"autosched generate {artifact}" in proc.stderr
+
+
+def test_the_greedy_kernel_takes_the_first_maximum_and_gives_each_row_a_gpu_block():
+    import numpy as np
+    import tvm
+
+    from autosched.generation.greedy import THREADS, greedy_kernel
+
+    vocab = 1000
+
+    def named(gpu):  # the build names the kernel; compiled alone it needs a symbol of its own
+        return tvm.IRModule({"main": greedy_kernel(vocab, gpu).with_attr("global_symbol", "main")})
+
+    run = tvm.compile(named(False), target=tvm.target.Target({"kind": "llvm"}))
+    logits = np.random.default_rng(0).standard_normal((6, vocab)).astype("float32")
+    logits[1, [10, 700]] = logits[1].max() + 1  # a tie: the first index wins, as numpy's argmax
+    logits[2] = 0.0
+    index, value = tvm.runtime.empty((6,), "int32"), tvm.runtime.empty((6,), "float32")
+    run(tvm.runtime.tensor(logits), index, value)
+    assert index.numpy().tolist() == logits.argmax(-1).tolist() and index.numpy()[1] == 10
+    # On a GPU: a CTA of THREADS threads per row, meeting in a cross-thread reduction (not one thread a row).
+    cuda = tvm.compile(named(True), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    source = cuda.mod.imports[0].inspect_source()
+    assert f"__launch_bounds__({THREADS})" in source and "__shfl" in source and "blockIdx.x" in source
