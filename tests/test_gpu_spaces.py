@@ -139,6 +139,7 @@ def test_split_k_points_launch_clusters_and_compile(sm90):
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_pingpong_consumers_take_whole_tiles(sm90):
     """With ping-pong each consumer owns whole tiles of wg_rows rows (the A box is one consumer's rows,
     the empty barriers count one warpgroup, named barriers hand the main loop over in turn), it compiles
@@ -181,6 +182,7 @@ def test_block_n_choices_add_tiles_that_fill_whole_waves(sm90):
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_whole_wave_block_n_compiles_for_sm90a(sm90):
     """wgmma m64n168k16 with its 84 accumulators per m64 fragment compiles for sm_90a without spills,
     cooperative and ping-pong."""
@@ -196,6 +198,7 @@ def test_whole_wave_block_n_compiles_for_sm90a(sm90):
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_multicast_pairs_share_one_operand_tile(sm90):
     """Multicast: two CTAs of a cluster on neighbouring tiles (an odd last one paired with a tile past the
     edge) each load half of the shared operand's tile and multicast it into both; the launch is a cluster
@@ -473,6 +476,7 @@ int main() {{
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_prefill_dequantisation_writes_the_swizzled_tile_tma_would(tmp_path):
     """hopper_dequant_gemm's 8-weight helper, compiled for the host by nvcc: for every row and chunk of a
     packed 64-column tile it writes (q - 8) x scale, rounded once to the half type as the workload's
@@ -530,6 +534,7 @@ int main() {{
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
     """Few sequences: the pages of one are split between the CTAs of a cluster (the launch carries the
     cluster's size), every split compiles for sm_90a without spills (products on CUDA or tensor cores),
@@ -821,6 +826,7 @@ def test_pingpong_attention_takes_turns_through_named_barriers(sm90):
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_overlapped_softmax_compiles_and_leaves_the_serial_kernel_as_it_was(sm90):
     """The overlap knob issues tile j's QKᵀ and tile j - 1's P·V together (two wgmma groups in flight,
     the first waited with wait_group 1); it compiles for sm_90a without spills, and without it the

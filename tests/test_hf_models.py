@@ -37,6 +37,7 @@ def _kernels(model, target):
     return extract_tasks(lowered)
 
 
+@pytest.mark.slow
 def test_a_causal_mask_built_from_aranges_becomes_our_causal_attention(cpu_target):
     """transformers builds Llama's causal mask from ``arange`` comparisons and hands it to attention under
     ``torch.export``; the import computes it, finds the causal pattern and calls our causal kernel."""
@@ -47,6 +48,7 @@ def test_a_causal_mask_built_from_aranges_becomes_our_causal_attention(cpu_targe
     assert len(attention) == 1 and attention[0].workload.attrs_dict["causal"] is True
 
 
+@pytest.mark.slow
 def test_a_sliding_window_mask_stays_a_mask_and_matches_torch(cpu_target, tmp_path):
     """A constant mask that is not causal is kept, as a constant (the boolean kernel that computed it
     failed in LLVM's code generator), and the model matches torch."""
@@ -78,6 +80,7 @@ def test_integer_powers_are_products_and_bfloat16_layer_norm_imports(family, dty
         assert "R.nn.layer_norm" in text
 
 
+@pytest.mark.slow
 def test_gpt2_conv1d_is_our_gemm_on_its_weight_transposed_at_build_time(cpu_target):
     """GPT-2 writes its Linears as Conv1D, ``addmm(bias, x, W)`` on W[k,n] as stored: for the GPU each is our
     gemm with the bias in its epilogue (it ran on dlight's matmul), on W transposed once at build time.

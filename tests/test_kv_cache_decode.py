@@ -226,6 +226,7 @@ def _tiny(head_dim: int = 64, **overrides):
     return DecoderConfig(**(fields | overrides))
 
 
+@pytest.mark.slow
 def test_a_build_for_sm90_runs_our_decode_attention_and_a_cpu_build_keeps_tvms():
     """``cuda:sm_90``: the cache's decode kernel is ours (the report names it, TVM's PrimFunc is gone, the
     executable's function table holds ours as a packed function linked in from its own TIRx build), the

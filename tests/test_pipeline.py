@@ -198,6 +198,7 @@ def test_half_precision_model_builds_for_cuda_without_a_gpu():
     assert any(str(p.dtype) == "float16" and len(p.shape) == 2 for p in params)  # the GEMM weights
 
 
+@pytest.mark.slow
 def test_prefill_model_links_hopper_gemm_kernels_built_apart():
     # From 2 tokens on, the GEMMs of an sm_90 build are TIRx wgmma kernels: compiled by the TIRx pipeline
     # on their own, called from the model as packed functions and linked into one exportable library.
