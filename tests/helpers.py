@@ -107,3 +107,12 @@ def check_point(task, space, point, target, seed: int = 0) -> float:
     outs = [torch.full(s, float("nan"), dtype=torch_dtype(d), device=target.torch_device) for s, d in checker.output_specs()]
     executable(*[tvm.runtime.from_dlpack(t) for t in checker.arrange(inputs, outs)])
     return max(relative_error(o, r) for o, r in zip(outs, refs))
+
+
+def transformers_greedy(model, prompt, new: int) -> list[int]:
+    """transformers' greedy ``generate()`` of ``new`` tokens after ``prompt`` (one sequence, no padding)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()

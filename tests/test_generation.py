@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from .helpers import cli
+from .helpers import cli, transformers_greedy
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
 
@@ -46,12 +46,7 @@ def _saved_model(family: str, folder):
 
 
 def _reference(model, prompt, new=NEW):
-    """transformers' greedy ``generate()`` of ``new`` tokens after ``prompt`` (one sequence, no padding)."""
-    import torch
-
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return transformers_greedy(model, prompt, new)
 
 
 @pytest.fixture(scope="module", params=["llama"])

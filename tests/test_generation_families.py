@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from .helpers import cli
+from .helpers import cli, transformers_greedy
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
 
@@ -103,11 +103,7 @@ def _saved(name: str, folder):
 
 
 def _reference(model, prompt, new=NEW):
-    import torch
-
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return transformers_greedy(model, prompt, new)
 
 
 @pytest.mark.slow
