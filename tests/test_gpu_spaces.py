@@ -112,6 +112,7 @@ def test_the_search_starts_from_the_default_and_its_multicast_pairs(sm90):
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_split_k_points_launch_clusters_and_compile(sm90):
     """Split-K across a cluster: the launch carries the cluster's size, the grid one CTA per tile and
     rank, and the kernel compiles for sm_90a without spills; split-K is refused where it cannot help."""
@@ -566,6 +567,7 @@ def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_paged_decode_caps_registers_for_more_ctas_per_sm(sm90):
     """ctas_per_sm asks nvcc (through __launch_bounds__'s minimum) for registers that let that many CTAs
     share an SM, so a split of GQA 8:1 decode keeps 16 warps resident; a cap under 128 registers is

@@ -260,6 +260,7 @@ def test_a_build_for_sm90_runs_our_decode_attention_and_a_cpu_build_keeps_tvms()
     assert same is lowered and served == {} and kernels == {}
 
 
+@pytest.mark.slow
 def test_the_dispatch_names_tvms_kernel_as_the_fallback_with_the_reason():
     from autosched.generation.attention import DECODE_ROLE, dispatch_attention
     from autosched.generation.build import lower_generation

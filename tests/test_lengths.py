@@ -156,6 +156,7 @@ def test_a_model_that_is_not_causal_is_refused():
         check_padding_is_exact("tests.test_lengths:bidirectional", {})
 
 
+@pytest.mark.slow
 def test_one_artifact_runs_lengths_between_its_buckets_exactly(cpu_target, tmp_path):
     """Buckets 8 and 16 of tiny-llama: 5 tokens run padded to 8, 11 padded to 16, and both match the
     model run at exactly that length; the rotary tables that differ by length are stored per bucket,
