@@ -30,7 +30,7 @@ ATTENTION_ROLES = {
     "prefill over new tokens (ragged)": ("batch_prefill_ragged_kv",),
     "prefill over cached pages": ("batch_prefill_paged_kv",),
     "decode over cached pages": ("batch_decode_paged_kv",),
-    "merge of partial attention": ("merge_state_inplace",),
+    "merge of partial attention": ("tir_attention_merge_state",),
     "rotary embedding and q/k/v split": ("fused_rope",),
 }
 
@@ -282,8 +282,8 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     if any(not 1 <= n <= max_batch for n in decode_batches):
         raise UsageError(f"--decode-batches must lie between 1 and --max-batch {max_batch}")
     if prefill_chunks is None:
-        # None unless asked for (with tune-model --generate): untuned, a static prefill runs the same default
-        # schedules as the dynamic one.
+        # None unless asked for: which chunk lengths pay off depends on the prompts served (tune-model
+        # --generate --prefill-chunks tunes them).
         prefill_chunks = ()
     # A chunk packs the prompts waiting at once (16 prompts of 512 tokens: one chunk of 8192).
     if any(not 1 <= t <= max_seq_len * max_batch for t in prefill_chunks):
