@@ -116,10 +116,11 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
     return (lambda: Generator.in_memory(executable, params, manifest, device)), built, attention
 
 
-def profile_decode(make_generator, prompts, steps: int = 4, top: int = 12) -> list[dict]:
-    """Where one decode step spends its time, by kernel (CUDA events around each call of a build without
-    CUDA graphs, or the host's clock on the CPU, whose kernels return when done; builtins such as the KV
-    cache's attention included), slowest first."""
+def profile_steps(make_generator, prompts, phase: str, steps: int = 4, top: int = 12) -> list[dict]:
+    """Where one decode step (``phase="decode"``) or the batch's prefill (``"prefill"``) spends its time, by
+    kernel (CUDA events around each call of a build without CUDA graphs, or the host's clock on the CPU, whose
+    kernels return when done; builtins such as the KV cache's attention included), slowest first. Without
+    graphs each time includes its launch: small kernels read high."""
     import time
 
     import torch
@@ -133,9 +134,6 @@ def profile_decode(make_generator, prompts, steps: int = 4, top: int = 12) -> li
 
     event_type = (lambda: torch.cuda.Event(enable_timing=True)) if DEVICE == "cuda" else HostEvent
     gen = make_generator()
-    ids = [gen.add(p, steps + 8, stop_tokens=[]) for p in prompts]
-    gen.step()
-    gen.step()
     pairs, opened = [], []
 
     def instrument(func, symbol, before, ret, *args):
@@ -149,6 +147,17 @@ def profile_decode(make_generator, prompts, steps: int = 4, top: int = 12) -> li
             pairs.append((symbol, opened.pop(), event))
         return 0
 
+    def add_all():
+        return [gen.add(p, steps + 8, stop_tokens=[]) for p in prompts]
+
+    ids = add_all()
+    gen.step()  # the prefill (its first launches load the kernels), then decode steps
+    gen.step()
+    if phase == "prefill":
+        for seq_id in ids:
+            gen.remove(seq_id)
+        ids = add_all()
+        steps = 1
     gen.vm.set_instrument(instrument)
     for _ in range(steps):
         gen.step()
@@ -159,7 +168,8 @@ def profile_decode(make_generator, prompts, steps: int = 4, top: int = 12) -> li
     for symbol, start, end in pairs:
         totals.setdefault(symbol, []).append(start.elapsed_time(end))
     rows = sorted(({"kernel": k, "calls_per_step": len(v) / steps, "ms_per_step": sum(v) / steps}
-                   for k, v in totals.items()), key=lambda r: -r["ms_per_step"])
+                   for k, v in totals.items() if not k.startswith("vm.builtin.") or "attention" in k),
+                  key=lambda r: -r["ms_per_step"])
     for seq_id in set(ids) & set(gen.live):  # a sequence that reached --max-seq-len has left already
         gen.remove(seq_id)
     return rows[:top]
@@ -273,7 +283,7 @@ def main() -> int:
                         help="also time our decode step without its static function (no CUDA graphs)")
     parser.add_argument("--db", help="a tuning database whose records the build applies (tune-model --generate)")
     parser.add_argument("--profile", action="store_true",
-                        help="also each decode step's slowest kernels (builds without CUDA graphs, per batch)")
+                        help="also the slowest kernels of a decode step and of the prefill (a build without CUDA graphs, per batch)")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
@@ -292,7 +302,8 @@ def main() -> int:
     chunks = tuple(sorted({args.prompt * b for b in batches}))
     make, built, attention = build_ours(model, batches, max_seq_len, db_path=args.db, prefill_chunks=chunks)
     make_dynamic = build_ours(model, batches, max_seq_len, static=False, db_path=args.db)[0] if args.dynamic else None
-    make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False)[0] if args.profile else None
+    make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False,
+                               prefill_chunks=chunks)[0] if args.profile else None
     print(f"built in {built:.1f} s", flush=True)
     for batch in batches:
         prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt), generator=generator).tolist()
@@ -307,8 +318,9 @@ def main() -> int:
         if make_dynamic is not None:
             row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
         if make_profiled is not None:
-            row["profile"] = profile_decode(make_profiled, prompts)
-            print(json.dumps(row["profile"], indent=1), flush=True)
+            row["profile"] = profile_steps(make_profiled, prompts, "decode")
+            row["prefill_profile"] = profile_steps(make_profiled, prompts, "prefill")
+            print(json.dumps({k: row[k] for k in ("profile", "prefill_profile")}, indent=1), flush=True)
         floor = floor_ms(model, batch, args.prompt + args.new / 2, bandwidth)
         row.update(ours_prefill_ms=prefill, ours_ms_per_step=step, ours_tokens_per_s=1e3 * batch / step,
                    floor_ms=floor, share_of_floor=floor / step, build_s=built, attention=attention)
