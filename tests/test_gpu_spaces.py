@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autosched.cuda_tools import cuda_source, nvcc_compile
+from autosched.cuda_tools import cuda_source
 from autosched.target import parse_target
 from autosched.task import Task
 from autosched.workloads import make_workload
+
+from .nvcc import nvcc_compile
 
 # (op, shape, dtype, attrs, the space the target's architecture gets, architecture)
 CASES = [

@@ -181,10 +181,12 @@ def test_kv_cache_decode_compiles_for_sm90a_without_spills(h, hkv, d, dtype):
     sm_90a without spills."""
     import tvm
 
-    from autosched.cuda_tools import cuda_source, nvcc_compile
+    from autosched.cuda_tools import cuda_source
     from autosched.generation.attention import CODEGEN
     from autosched.search_spaces.templates.kv_cache_decode import default_split, kv_cache_decode_kernel
     from autosched.target import parse_target
+
+    from .nvcc import nvcc_compile
 
     sm90 = parse_target("cuda:sm_90", require_device=False)
     kernel = kv_cache_decode_kernel(h, hkv, d, dtype)
