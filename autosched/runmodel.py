@@ -230,7 +230,7 @@ def _against_torch(manifest: dict[str, Any], params: list, inputs: list, out, si
     (``sizes``: the batch and tokens a bucketed build ran at, where they vary)."""
     import torch
 
-    from autosched.measure._worker import relative_error
+    from autosched.measure.timing import relative_error
 
     from .pipeline import load_model
 

@@ -68,7 +68,7 @@ def time_tvm(mod, target, task, inputs, refs, config: dict | None = None, repeat
     return its median seconds, its relative error and a function that times it again (a list of seconds)."""
     import tvm
 
-    from autosched.measure._worker import relative_error
+    from autosched.measure.timing import relative_error
     from autosched.target import compile_module
 
     checker = task.spec.checker(task.func)

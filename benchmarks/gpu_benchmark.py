@@ -131,7 +131,7 @@ def run_tvm_module(mod, target, checker, inputs, refs, config=None, codegen=None
     """Compile, check against the reference, return a zero-argument function that runs the kernel."""
     import tvm
 
-    from autosched.measure._worker import relative_error
+    from autosched.measure.timing import relative_error
     from autosched.target import compile_module
     from autosched.workloads import torch_dtype
 
@@ -162,7 +162,7 @@ def seconds_to_90_percent(db, workload_key: str, run_id) -> float | None:
 
 
 def check_torch(fn, refs):
-    from autosched.measure._worker import relative_error
+    from autosched.measure.timing import relative_error
 
     out = fn()
     torch.cuda.synchronize()
@@ -203,7 +203,7 @@ def _gemm_point(m, n, k, dtype, bias, act, point, queue):
         import torch
         import tvm
 
-        from autosched.measure._worker import time_cuda
+        from autosched.measure.timing import time_cuda
         from autosched.search_spaces.templates.hopper_gemm import hopper_gemm_kernel
 
         point = {**point, "sms": torch.cuda.get_device_properties(0).multi_processor_count}
@@ -250,7 +250,7 @@ def _attention_point(case, dtype, point, queue):
         import tvm
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        from autosched.measure._worker import time_cuda
+        from autosched.measure.timing import time_cuda
         from autosched.search_spaces.templates.hopper_attention import hopper_attention_kernel
 
         b, h, hkv, s, d, causal = case
@@ -347,7 +347,7 @@ def main() -> int:
 
     from autosched.database.store import Database
     from autosched.measure import MeasureConfig, Measurer
-    from autosched.measure._worker import time_cuda
+    from autosched.measure.timing import time_cuda
     from autosched.target import parse_target
     from autosched.task import Task
     from autosched.tuner import TuneOptions, tune

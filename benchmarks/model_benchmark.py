@@ -129,7 +129,7 @@ def main() -> int:
         return 0
 
     from autosched.database.store import Database
-    from autosched.measure._worker import relative_error
+    from autosched.measure.timing import relative_error
     from autosched.pipeline import build_model, extract_tasks, load_model, prepare, split_tunable
     from autosched.target import parse_target
     from autosched.tuner import TuneOptions, tune_tasks

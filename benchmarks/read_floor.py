@@ -86,7 +86,7 @@ def main() -> int:
     import triton.language as tl
     import tvm
 
-    from autosched.measure._worker import time_cuda
+    from autosched.measure.timing import time_cuda
 
     @triton.jit
     def stream_read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):

@@ -97,7 +97,7 @@ def check_point(task, space, point, target, seed: int = 0) -> float:
     against the task's reference (float64 torch, or the unscheduled function)."""
     import tvm
 
-    from autosched.measure._worker import relative_error
+    from autosched.measure.timing import relative_error
     from autosched.workloads import torch_dtype
 
     mod = space.apply(point)

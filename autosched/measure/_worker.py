@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any
 
+from autosched.measure.timing import relative_error, time_cuda
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
 
 _CACHE: dict[str, Any] = {}
@@ -116,17 +117,6 @@ def prepare_task(spec, target) -> str | None:
     return None
 
 
-def relative_error(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64; infinity if out has a NaN or infinity (e.g. unwritten)."""
-    import torch
-
-    out = out.double()
-    if not bool(torch.isfinite(out).all()):
-        return math.inf
-    denom = float(ref.norm())
-    return float((out - ref).norm()) / (denom if denom > 0 else 1.0)
-
-
 # The first call of a freshly loaded CPU kernel (the check) can take milliseconds more than a warm one
 # (lazy binding, the thread pool waking), many times a short kernel's own time on a small VM. Below
 # this, a slow check is no evidence of a slow kernel, so the cutoff waits for a warm run.
@@ -198,48 +188,3 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
     except Exception as exc:  # noqa: BLE001
         return MeasureResult.failed("run", _short(exc), run_seconds=time.perf_counter() - start)
     return MeasureResult(latencies, None, None, 0.0, time.perf_counter() - start, worst)
-
-
-_FLUSH: dict[int, Any] = {}
-
-
-def time_cuda(fn, repeat: int, flush_bytes: int, cutoff: float | None = None, warmup: int = 3,
-              flush_by: str = "read") -> list[float]:
-    """Times of ``repeat`` single runs of ``fn`` on the GPU, each after the L2 cache was flushed, with
-    CUDA events. Stops after one run if that run is slower than ``cutoff`` seconds.
-
-    The flush reads ``flush_bytes`` (a sum over a buffer several times the L2's size), so that memory-bound
-    kernels are not timed out of the cache. Reading leaves the cache full of clean lines: the timed kernel
-    finds none of its data there and has no other kernel's data to write back. ``flush_by="write"``
-    (zeroing the buffer, autosched's older flush) leaves it full of dirty lines instead, whose write-back
-    falls into the timed kernel: up to the L2's size in extra DRAM writes, which looks like a fixed cost per
-    launch of a memory-bound kernel (``benchmarks/gpu_benchmark.py --flush write`` compares). Either flush
-    also keeps the GPU busy while the host enqueues the timed launch, so launch latency does not enter
-    the measurement.
-    """
-    import torch
-
-    if flush_by not in ("read", "write"):
-        raise ValueError(f"flush_by={flush_by!r}: use 'read' or 'write'")
-    if flush_bytes and flush_bytes not in _FLUSH:
-        _FLUSH[flush_bytes] = torch.ones(flush_bytes // 4, dtype=torch.int32, device="cuda")
-    flush = _FLUSH.get(flush_bytes)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        if flush is not None:
-            if flush_by == "read":
-                flush.sum()
-            else:
-                flush.zero_()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e-3)
-        if cutoff is not None and times[-1] > cutoff:
-            break
-    return times
