@@ -189,10 +189,6 @@ def fold_consumer_chain(sch: s_tir.Schedule, block: SBlockRV) -> SBlockRV | None
         stage = following[0]
 
 
-def spatial_producers(sch: s_tir.Schedule, block: SBlockRV) -> list[SBlockRV]:
-    return [p for p in sch.get_producers(block) if not is_reduction(sch, p)]
-
-
 # ---- structural tests that pick a space for a function of unknown origin -------------------------
 def is_contraction(func: PrimFunc) -> bool:
     """One matrix-product block, every other block elementwise."""
