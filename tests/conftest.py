@@ -46,17 +46,33 @@ FAST_CASES = {
 
 @pytest.hookimpl(tryfirst=True)  # before the `-m 'not slow'` of addopts deselects by marker
 def pytest_collection_modifyitems(config, items):
+    cases: dict[str, set[str]] = {}
     for item in items:
-        kept = FAST_CASES.get(getattr(item, "originalname", item.name))
+        name = getattr(item, "originalname", item.name)
+        kept = FAST_CASES.get(name)
         callspec = getattr(item, "callspec", None)
-        if kept is not None and callspec is not None and callspec.id not in kept:
-            item.add_marker(pytest.mark.slow)
+        if kept is not None and callspec is not None:
+            cases.setdefault(name, set()).add(callspec.id)
+            if callspec.id not in kept:
+                item.add_marker(pytest.mark.slow)
+    if not any("::" in str(arg) for arg in config.args):  # whole files collected: every case is there
+        _check_fast_cases(cases)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (tvm.cuda(0) does not exist here)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _check_fast_cases(collected: dict[str, set[str]]) -> None:
+    """A case named in FAST_CASES that its test no longer has (renamed, removed) would silently leave the
+    fast tier without it: stop the run instead."""
+    for name, ids in collected.items():
+        missing = sorted(FAST_CASES[name] - ids)
+        if missing:
+            raise pytest.UsageError(f"tests/conftest.py FAST_CASES names cases {name} does not have: {missing}; "
+                                    "rename them to existing case ids")
 
 
 @pytest.fixture(scope="session")

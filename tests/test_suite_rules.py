@@ -7,6 +7,8 @@ import re
 import textwrap
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).parent
 
 # A time or a load, by the names an operand reads: a clock, an interval, a latency, a machine's load, or a
@@ -119,3 +121,12 @@ def test_gpu_tests_report_a_test_that_passed_only_when_re_run_as_flaky(tmp_path)
     assert "FAILED: tests/test_a.py::test_broken" in out and "NOT RE-RUN: tests/test_a.py::test_cut" in out
     assert "4 failed at first, 2 flaky, 2 not passing" in out
     assert "_rerun_report.sh" in (TESTS.parent / "benchmarks" / "gpu_tests.sh").read_text()
+
+
+def test_a_fast_case_its_test_no_longer_has_stops_the_run():
+    from .conftest import FAST_CASES, _check_fast_cases
+
+    name, kept = next((n, ids) for n, ids in FAST_CASES.items() if ids)
+    _check_fast_cases({name: set(kept) | {"another-case"}})  # every kept case present: fine
+    with pytest.raises(pytest.UsageError, match=name):
+        _check_fast_cases({name: set(sorted(kept)[1:]) | {"another-case"}})
