@@ -1,6 +1,6 @@
 """What the command line prints: tables, JSON or CSV of rows on stdout, and the consoles for progress.
 
-Shared by ``autosched/cli.py`` and ``database/cli.py``, so that neither command module imports the other
+Shared by ``autosched/cli/`` and ``database/cli.py``, so that neither command module imports the other
 for its output.
 """
 

@@ -217,7 +217,7 @@ def test_a_factory_that_returns_no_model_is_named_in_one_line(tmp_path):
 
 
 def test_build_without_a_database_warns_that_it_builds_untuned(tmp_path, capsys):
-    from autosched.cli import open_build_db
+    from autosched.cli.common import open_build_db
 
     missing = str(tmp_path / "tuned.db")
     assert open_build_db(missing) is None
@@ -231,7 +231,7 @@ def test_the_load_warning_is_said_once_per_batch_not_once_per_kernel():
     get one warning; a later round under another load gets its own, a quiet one none."""
     from types import SimpleNamespace
 
-    from autosched.cli import _ModelProgress
+    from autosched.cli.common import ModelProgress
     from autosched.tuner import RoundStats
 
     class Log:
@@ -243,7 +243,7 @@ def test_the_load_warning_is_said_once_per_batch_not_once_per_kernel():
 
     tasks = [SimpleNamespace(key=f"k{i}", name=f"kernel{i}", weight=1) for i in range(14)]
     log = Log()
-    progress = _ModelProgress(log, tasks, 64)
+    progress = ModelProgress(log, tasks, 64)
 
     def round_of(task, load):
         progress.on_round(task, RoundStats(1, 1, 1, 0, 1e-3, 1e-3, 0.0, {}, load))
@@ -277,8 +277,28 @@ def test_a_kernel_no_trial_reached_is_not_called_searched():
     """A budget smaller than a model's kernels leaves some unmeasured: tune-model's table says so, not "yes"."""
     from types import SimpleNamespace
 
-    from autosched.cli import searched_cell
+    from autosched.cli.common import searched_cell
 
     assert searched_cell(SimpleNamespace(best_point=None, searched=True)) == "no (not measured)"
     assert searched_cell(SimpleNamespace(best_point={"x": 1}, searched=True)) == "yes"
     assert searched_cell(SimpleNamespace(best_point={"x": 0}, searched=False)) == "no (default point)"
+
+
+@pytest.mark.parametrize("command", [("tune", "gemm"), ("tune-model", "tiny-llama"),
+                                     ("tune-model", "hf-tiny-llama", "--generate")], ids=lambda c: " ".join(c))
+@pytest.mark.parametrize("option, message", [
+    (("--time-budget", "0"), "--time-budget must be above 0 seconds"),
+    (("--batch-size", "0"), "--batch-size must be at least 1"),
+    (("--trials", "0"), "--trials must be at least 1"),
+], ids=lambda o: o[0] if isinstance(o, tuple) else "")
+def test_every_tuning_command_checks_its_budget_the_same_way(command, option, message, tmp_path):
+    db = tmp_path / "t.db"
+    out = cli(*command, *option, "--db", str(db), check=False)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [out.stderr.strip()]  # one line
+    assert out.stderr.startswith(f"autosched: error: {message}")
+    assert not db.exists()  # refused before anything was created
+
+
+def test_patience_zero_is_refused(tmp_path):
+    out = cli("tune", "gemm", "--patience", "0", "--db", str(tmp_path / "t.db"), check=False)
+    assert out.returncode == 2 and "--patience must be at least 1 round" in out.stderr

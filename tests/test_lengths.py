@@ -141,7 +141,8 @@ def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_t
 def test_build_makes_finer_buckets_than_tune_model_tunes():
     """By default ``build --tokens dynamic`` pads by at most a quarter (300 tokens run as 304), while
     ``tune-model`` tunes the powers of two, which the build's buckets include; both take --bucket-growth."""
-    from autosched.cli import _sizes, build_parser
+    from autosched.cli import build_parser
+    from autosched.cli.model import _sizes
 
     def buckets(*argv):
         return _sizes(build_parser().parse_args([*argv, "tiny-llama", "--tokens", "dynamic", "--max-tokens", "1024"]))[1]

@@ -63,7 +63,7 @@ def test_throughput_chart_shows_whole_labels_inside_the_figure():
 
 def test_progress_lines_written_to_a_file_are_as_long_as_their_text(capsys, cpu_target):
     """Regression: with stderr redirected to a file, every progress line was padded with spaces to 220 columns."""
-    from autosched.cli import ConsoleReporter
+    from autosched.cli.common import ConsoleReporter
     from autosched.tuner import RoundStats
 
     task = Task.from_workload(make_workload("gemm", "m=64,n=64,k=64"))

@@ -1,4 +1,4 @@
-"""``autosched build MODEL --generate`` and ``autosched generate DIR``."""
+"""``autosched tune-model MODEL --generate``, ``build MODEL --generate`` and ``generate DIR``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,18 @@ import json
 import os
 import sys
 
-from autosched.errors import UsageError
-from autosched.output import console
+from ..errors import UsageError
+from ..output import console
+from .common import (
+    DEFAULT_DB,
+    DEFAULT_MAX_BATCH,
+    TUNE_MODEL_TRIALS,
+    open_build_db,
+    parse_ids,
+    searched_cell,
+    tune_kernels,
+    tuning_budget,
+)
 
 
 def add_build_arguments(p) -> None:
@@ -38,10 +48,8 @@ def add_tune_arguments(p) -> None:
 
 
 def cmd_build_generate(args) -> int:
-    from autosched.cli import open_build_db
-    from autosched.target import parse_target
-
-    from .build import build_generator, load_generation_model
+    from ..generation.build import build_generator, load_generation_model
+    from ..target import parse_target
 
     target = parse_target(args.target, require_device=False)
     if args.tokens or args.batch:
@@ -53,10 +61,10 @@ def cmd_build_generate(args) -> int:
     try:
         batches = None
         if args.decode_batches is not None:
-            batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
+            batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
         chunks = None
         if args.prefill_chunks is not None:
-            chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks", "lengths"))))
+            chunks = tuple(sorted(set(parse_ids(args.prefill_chunks, "--prefill-chunks", "lengths"))))
         out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
                                       db_path=str(db.path) if db else None, decode_batches=batches,
                                       prefill_chunks=chunks)
@@ -74,59 +82,33 @@ def cmd_tune_generate(args) -> int:
     ``--prefill-chunks``, under one trial budget."""
     import math
 
-    from autosched.cli import (
-        DEFAULT_DB,
-        DEFAULT_MAX_BATCH,
-        TUNE_MODEL_TRIALS,
-        ConsoleReporter,
-        _measurer,
-        _ModelProgress,
-        _open_db,
-        _trials,
-        searched_cell,
-    )
-    from autosched.output import emit
-    from autosched.pipeline import split_tunable
-    from autosched.pipeline.tasks import kernel_calls
-    from autosched.target import parse_target
-    from autosched.tuner import TuneOptions, tune_tasks
-
-    from .build import (
+    from ..generation.build import (
         default_decode_batches,
         generation_tasks,
         is_static_function,
         load_generation_model,
         lower_generation,
     )
+    from ..output import emit
+    from ..pipeline import split_tunable
+    from ..pipeline.tasks import kernel_calls
+    from ..target import parse_target
 
+    trials = tuning_budget(args, TUNE_MODEL_TRIALS)
     target = parse_target(args.target, require_device=args.runner == "local")
     model = load_generation_model(args.model, args.dtype)
     if args.decode_batches is not None:
-        batches = tuple(sorted(set(_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
+        batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
     else:  # those the build makes by default, so that a plain build applies the records
         batches = default_decode_batches(args.max_batch)
-    chunks = tuple(sorted(set(_ids(args.prefill_chunks, "--prefill-chunks", "lengths")))) if args.prefill_chunks else ()
+    chunks = tuple(sorted(set(parse_ids(args.prefill_chunks, "--prefill-chunks", "lengths")))) if args.prefill_chunks else ()
     lowered, _ = lower_generation(model.config, target, batches, chunks)
     tasks, untunable = split_tunable(generation_tasks(lowered), target)
     log = console(stderr=True)
     log.log(f"{args.model}: decode steps at batch {', '.join(map(str, batches))}"
             + (f", prefill chunks of {', '.join(map(str, chunks))} tokens" if chunks else "")
             + f": {len(tasks) + len(untunable)} distinct kernels, {len(tasks)} tunable (attention keeps TVM's kernels)")
-    db = _open_db(args.db)
-    trials = _trials(args, TUNE_MODEL_TRIALS)
-    reporter = ConsoleReporter(quiet=True)
-    options = TuneOptions(trials=trials, batch_size=args.batch_size, seed=args.seed, time_budget=args.time_budget,
-                          scheduler=args.scheduler)
-    progress = _ModelProgress(log, tasks, trials) if not args.quiet else None
-    measurer = _measurer(args, target)
-    try:
-        results = tune_tasks(tasks, target, db, options, progress or reporter, measurer=measurer,
-                             command=" ".join(sys.argv))
-    finally:
-        reporter.close()
-        if measurer is not None:
-            measurer.close()
-        db.close()
+    results = tune_kernels(args, tasks, target, trials, log)
     best = {t.key: r.best_latency for t, r in zip(tasks, results)}
     rows = [{"kernel": t.name, "weight": t.weight, "space": r.space, "trials": r.trials,
              "searched": searched_cell(r),
@@ -182,20 +164,6 @@ FINISHED_BECAUSE = {"length": "--max-new-tokens reached", "stop": "a stop token 
                     "max_seq_len": "the artifact's --max-seq-len reached"}
 
 
-def _ids(text: str, what: str, noun: str = "token ids") -> list[int]:
-    """Comma-separated whole numbers, 0 or more: ``1,,2`` (an empty item), ``-1``, ``1.5`` or ``a`` is a
-    UsageError in one line, never read as something else."""
-    items = text.replace(" ", "").split(",")
-    for item in items:
-        if not item.isdecimal():
-            if item.startswith("-") and item[1:].isdecimal():
-                why = f"{item} is negative: {noun} are 0 or more"
-            else:
-                why = "an empty item between commas" if not item else f"{item!r} is not a whole number"
-            raise UsageError(f"{what} '{text}' should be comma-separated {noun}, e.g. 1,2,3 ({why})")
-    return [int(item) for item in items]
-
-
 def _tokenizer(path: str | None):
     if path is None:
         return None
@@ -212,19 +180,19 @@ def _tokenizer(path: str | None):
 
 
 def cmd_generate(args) -> int:
-    from .generator import read_generation_manifest
+    from ..generation.generator import read_generation_manifest
 
     read_generation_manifest(args.artifact)  # a bad folder is reported before TVM loads
     tokenizer = _tokenizer(args.tokenizer)
     if args.prompt and tokenizer is None:
         raise UsageError("--prompt needs --tokenizer LOCAL_DIR (or give token ids with --prompt-ids)")
-    prompts = [_ids(p, "--prompt-ids") for p in args.prompt_ids]
+    prompts = [parse_ids(p, "--prompt-ids") for p in args.prompt_ids]
     prompts += [tokenizer(text)["input_ids"] for text in args.prompt]
     if not prompts:
         raise UsageError("give a prompt: --prompt-ids 1,2,3 (or --prompt TEXT with --tokenizer)")
-    stop = _ids(args.stop_ids, "--stop-ids") if args.stop_ids else None
+    stop = parse_ids(args.stop_ids, "--stop-ids") if args.stop_ids else None
 
-    from .generator import Generator, Sampling
+    from ..generation.generator import Generator, Sampling
 
     Sampling(args.temperature, args.top_k, args.top_p, args.seed)  # checks the options before loading
     if args.max_new_tokens < 1:
