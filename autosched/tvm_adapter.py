@@ -97,3 +97,65 @@ def convert_attention_as_tvm_does(importer: Any, node: Any) -> Any:
     """TVM's own conversion of ``scaled_dot_product_attention`` (a method of the exported-program
     importer): what our attention converter hands over the forms it does not take (dropout, 2-D)."""
     return importer._scaled_dot_product_attention(node)
+
+
+def convert_layer_norm_as_tvm_does(importer: Any, node: Any) -> Any:
+    """TVM's own conversion of ``aten.native_layer_norm`` (a private method of the exported-program
+    importer), which our RMSNorm/LayerNorm converter falls back on."""
+    return importer._native_layer_norm(node)
+
+
+# ---- relax.frontend.nn: its tensors, and TVM's paged KV cache -------------------------------------
+def relax_expr(tensor: Any) -> Any:
+    """The Relax expression behind an ``nn.Tensor`` (its private ``_expr``), for Relax ops ``nn.op`` lacks."""
+    return tensor._expr
+
+
+def nn_tensor(expr: Any, name: str) -> Any:
+    """An ``nn.Tensor`` of a Relax expression, named ``name`` in the emitted module (``nn.op.wrap_nested``)."""
+    from tvm.relax.frontend.nn import op
+
+    return op.wrap_nested(expr, name)
+
+
+def tir_paged_kv_cache(*, layers: int, heads: int, kv_heads: int, head_dim: int, dtype: str, target: Any,
+                       sizes: tuple, rope_mode: str, rope_scale: float, rope_theta: float, rope_scaling: dict,
+                       rotary_dim: int) -> Any:
+    """TVM's paged KV cache with its TIR attention kernels (``TIRPagedKVCache``) over ``layers`` layers of
+    multi-head attention with equal q/k and v head dims. ``sizes``: (max batch, max total tokens, prefill
+    chunk, page size, sliding window support), the creation function's arguments; ``rope_mode``: "none"
+    (q and k arrive rotated, or the model has no RoPE), "normal" (the cache rotates k as it appends), or
+    "inline" (the attention kernels rotate)."""
+    from tvm import relax as rx
+    from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
+
+    max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window = sizes
+    return TIRPagedKVCache(
+        attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+        prefill_chunk_size=prefill_chunk_size, page_size=page_size, support_sliding_window=support_sliding_window,
+        layer_partition=rx.ShapeExpr([0, layers]), num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, qk_head_dim=head_dim, v_head_dim=head_dim, mla_original_qk_head_dim=0,
+        mla_original_v_head_dim=0, rope_mode={"none": RopeMode.NONE, "normal": RopeMode.NORMAL,
+                                              "inline": RopeMode.INLINE}[rope_mode],
+        rope_scale=rope_scale, rope_theta=rope_theta, rope_scaling=rope_scaling, rope_ext_factors=rx.prim_value(0),
+        rotary_dim=rotary_dim, enable_disaggregation=False, dtype=dtype, target=target)
+
+
+# The runtime functions that drive a paged KV cache, by the names the VM registers them under.
+KV_CACHE_RUNTIME = {
+    "add_sequence": "vm.builtin.kv_state_add_sequence",
+    "fork_sequence": "vm.builtin.kv_state_fork_sequence",
+    "remove_sequence": "vm.builtin.kv_state_remove_sequence",
+    "begin_forward": "vm.builtin.kv_state_begin_forward",
+    "end_forward": "vm.builtin.kv_state_end_forward",
+    "popn": "vm.builtin.kv_state_popn",
+    "free_pages": "vm.builtin.attention_kv_cache_get_num_available_pages",
+    "enable_sliding_window": "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq",
+}
+
+
+def kv_cache_runtime() -> dict[str, Callable]:
+    """The runtime functions of :data:`KV_CACHE_RUNTIME`, each taking the cache object first."""
+    import tvm
+
+    return {role: tvm.get_global_func(name) for role, name in KV_CACHE_RUNTIME.items()}

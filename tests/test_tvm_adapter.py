@@ -141,3 +141,58 @@ def test_frozen_frame_lookups_give_the_answer_of_the_scan_they_replace(tmp_path,
     tvm_adapter.cache_frozen_frame_lookups()
     assert {f.f_code.co_filename for f in frozen} <= set(inspect.modulesbyfile)
     assert [inspect.getmodule(f, f.f_code.co_filename) for f in frozen] == scanned == [None] * len(frozen)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_layer_norm_is_converted_by_tvms_own_converter(dtype):
+    """Our LayerNorm converter hands the work to TVM's private ``_native_layer_norm`` (a bfloat16 input cast to
+    float32 around it): the method must exist and give Relax's layer_norm."""
+    import torch
+
+    from autosched.pipeline.importer import import_model
+    from autosched.pipeline.load import Model
+
+    module = torch.nn.LayerNorm(8).to(getattr(torch, dtype))
+    mod, _ = import_model(Model("layer-norm", module, (torch.randn(2, 8, dtype=getattr(torch, dtype)),)),
+                          linear_as_gemm=False)
+    text = mod.script()
+    assert "R.nn.layer_norm" in text
+    assert ('R.astype(' in text) == (dtype == "bfloat16")
+
+
+def test_nn_tensors_wrap_and_unwrap_relax_expressions():
+    from tvm import relax
+    from tvm.relax.frontend import nn
+
+    class Take(nn.Module):
+        def forward(self, x: nn.Tensor, ids: nn.Tensor):
+            expr = relax.op.take(tvm_adapter.relax_expr(x), tvm_adapter.relax_expr(ids), axis=0, mode="clip")
+            return tvm_adapter.nn_tensor(expr, "picked")
+
+    mod, _ = Take().export_tvm({"forward": {"x": nn.spec.Tensor([4, 3], "float32"),
+                                            "ids": nn.spec.Tensor([2], "int32")}})
+    assert 'R.take(x, ids, axis=0, mode="clip")' in mod.script()
+
+
+def test_a_paged_kv_cache_is_made_with_the_arguments_we_give():
+    """TIRPagedKVCache's keyword arguments as tir_paged_kv_cache passes them: a cache of 2 layers exports, and its
+    creation call carries our theta and dtype."""
+    from tvm.relax.frontend import nn
+
+    class Cache(nn.Module):
+        def create(self, max_batch: tirx.Var, total: tirx.Var, chunk: tirx.Var, page: tirx.Var, window: tirx.Var):
+            return tvm_adapter.tir_paged_kv_cache(
+                layers=2, heads=4, kv_heads=2, head_dim=64, dtype="float16", target=tvm.target.Target("llvm"),
+                sizes=(max_batch, total, chunk, page, window), rope_mode="normal", rope_scale=1.0,
+                rope_theta=12345.0, rope_scaling={}, rotary_dim=64)
+
+    mod, _ = Cache().export_tvm({"create": {name: int for name in ("max_batch", "total", "chunk", "page", "window")}
+                                 | {"$": {"param_mode": "none", "effect_mode": "none"}}})
+    text = mod["create"].script()
+    assert "vm.builtin.paged_attention_kv_cache_create" in text and "12345" in text and "float16" in text
+
+
+def test_the_kv_cache_runtime_functions_exist_by_name():
+    functions = tvm_adapter.kv_cache_runtime()
+    assert set(functions) == set(tvm_adapter.KV_CACHE_RUNTIME)
+    assert all(callable(f) for f in functions.values())

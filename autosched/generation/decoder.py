@@ -285,7 +285,9 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     from tvm import tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import Tensor, op
-    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
+
+    from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
 
     from .linear import linear, swiglu
 
@@ -295,7 +297,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     table_rope = rope_type is not None and "inv_freq" in cfg.rope_scaling
 
     def relax(expr, name: str) -> Tensor:
-        return op.wrap_nested(expr, name)
+        return nn_tensor(expr, name)
 
     class Linear(nn.Linear):
         """``nn.Linear`` (same parameters) whose product is our ``gemm`` at static shapes (:mod:`.linear`)."""
@@ -309,7 +311,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         every build that an out-of-bounds index would crash it."""
         from tvm import relax as rx
 
-        return relax(rx.op.take(x._expr, ids._expr, axis=axis, mode="clip"), name)
+        return relax(rx.op.take(relax_expr(x), relax_expr(ids), axis=axis, mode="clip"), name)
 
     def make_norm(size: int = cfg.hidden):
         if cfg.norm == "layer":
@@ -366,7 +368,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             angle = op.reshape(positions.astype("float32"), (n, 1)) * freq
             angle = op.concat([angle, angle], dim=1)
             factor = scaling["attention_factor"]
-            cos, sin = (relax(f(angle._expr), name) * factor for f, name in ((rx.op.cos, "cos"), (rx.op.sin, "sin")))
+            cos, sin = (relax(f(relax_expr(angle)), name) * factor for f, name in ((rx.op.cos, "cos"), (rx.op.sin, "sin")))
             shape = (b, s, 1, cfg.rotary_dim)
             return op.reshape(cos.astype(dtype), shape), op.reshape(sin.astype(dtype), shape)
 
@@ -551,21 +553,16 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                           support_sliding_window)
 
     def _cache(layers, window, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window):
-        from tvm import relax as rx
 
         cache_rope = window or (rope_type is not None and not table_rope)
         scaling = cfg.rope_scaling if rope_type == "llama3" and not window else {}
         scale = 1.0 / cfg.rope_scaling["factor"] if rope_type == "linear" and not window else 1
-        return TIRPagedKVCache(
-            attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-            support_sliding_window=support_sliding_window, layer_partition=rx.ShapeExpr([0, layers]),
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            qk_head_dim=head_dim, v_head_dim=head_dim, mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL if cache_rope else RopeMode.NONE,
-            rope_scale=scale, rope_theta=window_theta if window else cfg.rope_theta, rope_scaling=scaling,
-            rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.rotary_dim or head_dim,
-            enable_disaggregation=False, dtype=dtype, target=_current_target())
+        return tir_paged_kv_cache(
+            layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, target=_current_target(),
+            sizes=(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window),
+            rope_mode="normal" if cache_rope else "none", rope_scale=scale,
+            rope_theta=window_theta if window else cfg.rope_theta, rope_scaling=scaling,
+            rotary_dim=cfg.rotary_dim or head_dim)
 
     module = Decoder()
     packed = {"param_mode": "packed", "effect_mode": "none"}

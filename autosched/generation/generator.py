@@ -125,6 +125,7 @@ class Generator:
         import tvm
 
         from autosched.target import use_all_cpu_threads
+        from autosched.tvm_adapter import kv_cache_runtime
 
         if kv_pages is not None:
             check_kv_pages(kv_pages)
@@ -161,20 +162,16 @@ class Generator:
         self.caches = [self.vm["create_paged_kv_cache"](*sizes, shape([1 if self.window and not two else 0]))]
         if two:
             self.caches.append(self.vm["create_window_cache"](*sizes, shape([1])))
-        builtin = tvm.get_global_func
+        runtime = kv_cache_runtime()
 
-        def each(name):  # the runtime function, on every cache
-            function = builtin(name)
+        def each(role):  # the runtime function, on every cache
+            function = runtime[role]
             return lambda *args: [function(cache, *args) for cache in self.caches][0]
 
-        self._add = each("vm.builtin.kv_state_add_sequence")
-        self._fork = each("vm.builtin.kv_state_fork_sequence")
-        self._remove = each("vm.builtin.kv_state_remove_sequence")
-        self._begin = each("vm.builtin.kv_state_begin_forward")
-        self._end = each("vm.builtin.kv_state_end_forward")
-        self._popn = each("vm.builtin.kv_state_popn")
-        self._free_pages = builtin("vm.builtin.attention_kv_cache_get_num_available_pages")  # of the main cache
-        self._enable_window = builtin("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")
+        self._add, self._fork, self._remove = each("add_sequence"), each("fork_sequence"), each("remove_sequence")
+        self._begin, self._end, self._popn = each("begin_forward"), each("end_forward"), each("popn")
+        self._free_pages = runtime["free_pages"]  # of the main cache
+        self._enable_window = runtime["enable_sliding_window"]
         self._shape = shape
         # Greedy choices made on the device (artifacts built before it lack the function: the host chooses).
         try:

@@ -198,15 +198,17 @@ def _layer_norm_bfloat16_in_float32(node, importer):
     import torch
     from tvm import relax
 
+    from autosched.tvm_adapter import convert_layer_norm_as_tvm_does
+
     if str(importer.env[node.args[0]].ty.dtype) != "bfloat16":
-        return importer._native_layer_norm(node)
+        return convert_layer_norm_as_tvm_does(importer, node)
     # input, weight and bias (args 0, 2 and 3) are cast while TVM's converter reads them
     tensors = [a for i, a in enumerate(node.args) if i in (0, 2, 3) and isinstance(a, torch.fx.Node)]
     bb, saved = importer.block_builder, {a: importer.env[a] for a in tensors}
     try:
         for a in tensors:
             importer.env[a] = bb.emit(relax.op.astype(saved[a], "float32"))
-        y = importer._native_layer_norm(node)
+        y = convert_layer_norm_as_tvm_does(importer, node)
     finally:
         importer.env.update(saved)
     return bb.emit(relax.op.astype(y, "bfloat16"))
