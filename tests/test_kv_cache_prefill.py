@@ -215,3 +215,106 @@ def test_the_prefill_kernel_refuses_what_it_cannot_serve():
     assert "6 query heads over 4" in unsupported(6, 4, 128, "float16")
     with pytest.raises(ValueError, match="head dim 256"):
         kv_cache_prefill_kernel(8, 8, 256, "float16")
+
+
+def _run_ragged(executable, name: str, inputs, causal: int, device):
+    """Calls a kernel of the runtime's ragged prefill signature on ``device`` (inputs as torch tensors):
+    (output, lse) as torch tensors on the CPU."""
+    import torch
+    import tvm
+
+    q, q_indptr, k, v, kv_indptr, sm_scale = inputs
+    on = "cuda" if device.dlpack_device_type() == 2 else "cpu"
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=on)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=on)
+    q_rope_position = torch.zeros(q.shape[0], dtype=torch.int32)  # unread at rotary_mode 0
+    k_rope_pos_offset = torch.zeros(len(q_indptr) - 1, dtype=torch.int32)
+    tensors = [q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset]
+    args = [tvm.runtime.from_dlpack(t.to(on).contiguous()) for t in tensors]
+    args += [tvm.runtime.from_dlpack(out), tvm.runtime.from_dlpack(lse)]
+    executable[name](*args, causal, 0, 1.0, 10000.0, sm_scale)
+    if on == "cuda":
+        torch.cuda.synchronize()
+    return out.cpu(), lse.cpu()
+
+
+@pytest.mark.slow
+def test_the_reference_is_tvms_convention_by_its_cpu_kernel():
+    """TVM's own ragged prefill for the CPU (the same convention as its GPU kernel) on the host cases' inputs:
+    its output and base-2 log-sum-exp are the float64 reference's, causal and not, with more keys than
+    queries (rows that see no key aside: TVM's CPU kernel leaves them unnormalised)."""
+    import tvm
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_ragged_cpu
+
+    shifted = ([5, 40, 1], [20, 40, 9], 4, 2, 64, "float16", 1)  # more keys than queries, causal
+    for q_lens, kv_lens, h, hkv, d, dtype, causal in [*HOST_CASES, shifted]:
+        if dtype != "float16":
+            continue  # fp16 is enough for the convention
+        kernel = _attention_prefill_ragged_cpu(hkv, h, d, d, dtype, {})
+        executable = tvm.compile(tvm.IRModule({"main": kernel}), target={"kind": "llvm"})
+        inputs = prefill_case(q_lens, kv_lens, h, hkv, d, dtype, spare_kv=0)
+        out, lse = _run_ragged(executable, "main", inputs, causal, tvm.cpu())
+        ref_out, ref_lse = reference(*inputs, causal=bool(causal))
+        check(out, lse, ref_out, ref_lse, dtype)
+
+
+# --- on the GPU -----------------------------------------------------------------------------------------------
+
+def _gpu_kernel(func, codegen: dict | None):
+    """A kernel of the runtime's ragged prefill signature compiled for this machine's GPU: call(inputs,
+    causal) -> (output, lse) as torch tensors on the CPU."""
+    import tvm
+
+    from autosched.target import compile_module, parse_target
+
+    name = str(func.attrs["global_symbol"])
+    executable = compile_module(tvm.IRModule({name: func}), parse_target("cuda"), {}, codegen)
+    return lambda inputs, causal=1: _run_ragged(executable, name, inputs, causal, tvm.cuda())
+
+
+# (q_lens, kv_lens): the runtime's own (keys are the queries), a single token, lengths no tile divides, one
+# long prompt, 16 prompts of 512 (the packed prefill), and more keys than queries.
+GPU_BATCHES = [([1], [1]), ([512], [512]), ([1, 17, 64, 65, 200, 3], [1, 17, 64, 65, 200, 3]),
+               ([512] * 16, [512] * 16), ([1 + (37 * i) % 300 for i in range(8)], [1 + (37 * i) % 300 for i in range(8)]),
+               ([5, 100, 1], [40, 300, 77])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,hkv,d,dtype", [(32, 8, 128, "float16"), (32, 32, 128, "float16"), (32, 8, 128, "bfloat16"),
+                                           (32, 32, 128, "bfloat16"), (16, 4, 64, "float16")])
+def test_kv_cache_prefill_matches_float64_on_the_gpu(h, hkv, d, dtype):
+    """Our kernel on ragged batches (1 to 16 sequences of 1 to 512 tokens), causal and not: output and
+    base-2 log-sum-exp against float64."""
+    from autosched.generation.attention import CODEGEN
+    from autosched.search_spaces.templates.kv_cache_prefill import kv_cache_prefill_kernel
+
+    kernel = _gpu_kernel(kv_cache_prefill_kernel(h, hkv, d, dtype), CODEGEN)
+    for seed, (q_lens, kv_lens) in enumerate(GPU_BATCHES):
+        inputs = prefill_case(q_lens, kv_lens, h, hkv, d, dtype, seed=seed)
+        for causal in (1, 0):
+            out, lse = kernel(inputs, causal)
+            ref_out, ref_lse = reference(*inputs, causal=bool(causal))
+            check(out, lse, ref_out, ref_lse, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,hkv,dtype", [(32, 8, "float16"), (32, 32, "float16"), (32, 8, "bfloat16")])
+def test_kv_cache_prefill_agrees_with_tvms_kernel_on_the_gpu(h, hkv, dtype):
+    """The same causal inputs through TVM's ``batch_prefill_ragged_kv`` (d 128): the two outputs and
+    log-sum-exps agree (the convention the cache's merge reads), and both match float64."""
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_ragged
+
+    from autosched.generation.attention import CODEGEN
+    from autosched.search_spaces.templates.kv_cache_prefill import kv_cache_prefill_kernel
+    from autosched.target import parse_target
+
+    d = 128
+    ours = _gpu_kernel(kv_cache_prefill_kernel(h, hkv, d, dtype), CODEGEN)
+    theirs = _gpu_kernel(_attention_prefill_ragged(hkv, h, d, d, dtype, {}, parse_target("cuda").tvm_target()), None)
+    for seed, q_lens in enumerate([[1, 40, 333], [512] * 4, [7, 64, 129]]):
+        inputs = prefill_case(q_lens, q_lens, h, hkv, d, dtype, seed=seed)
+        ref_out, ref_lse = reference(*inputs)
+        mine, tvms = ours(inputs), theirs(inputs)
+        for out, lse in (mine, tvms):
+            check(out, lse, ref_out, ref_lse, dtype)
+        assert (mine[1] - tvms[1]).abs().max().item() < 2e-3
