@@ -26,7 +26,7 @@ return at once. This is not a search space: the generation build puts it in the 
 
 from __future__ import annotations
 
-from ._hopper import CUDA_SCALAR, SMEM_LIMIT, config_struct, cuda_file
+from ._hopper import CUDA_SCALAR, SMEM_LIMIT, device_function
 
 HEAD_DIMS = (64, 128)
 BLOCK_M = 64  # query rows ((token, head) pairs) per CTA: four warps of 16
@@ -55,8 +55,7 @@ def kernel_name(h: int, hkv: int, d: int, dtype: str, block_m: int, block_n: int
 
 def body_source(name: str, dtype: str, config: dict) -> str:
     """The body as the device function ``name`` for the constants of ``config``."""
-    return (cuda_file("kv_cache_prefill.cuh") + config_struct(f"{name}_config", config)
-            + f"AUTOSCHED_KV_CACHE_PREFILL({name}, {CUDA_SCALAR[dtype]}, {name}_config)\n")
+    return device_function("kv_cache_prefill.cuh", "AUTOSCHED_KV_CACHE_PREFILL", name, dtype, config)
 
 
 def kv_cache_prefill_kernel(h: int, hkv: int, d: int, dtype: str, block_m: int = BLOCK_M, block_n: int = BLOCK_N):

@@ -19,16 +19,9 @@
 
 #include "common.cuh"
 
-__device__ __forceinline__ float autosched_kvp_neg_inf() { return __int_as_float(0xff800000); }
-
 // Four 8x8 matrices by ldmatrix, each lane naming one row by a generic pointer into shared memory.
 __device__ __forceinline__ void autosched_kvp_ldmatrix_x4(uint32_t* r, const void* row, bool trans) {
   autosched_ldmatrix_x4(r, static_cast<unsigned>(__cvta_generic_to_shared(row)), trans);
-}
-
-__device__ __forceinline__ void autosched_kvp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void autosched_kvp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 }
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a tile of D-element rows: chunks XOR-swizzled by
@@ -89,8 +82,8 @@ __device__ __forceinline__ void autosched_kv_cache_prefill(const T* __restrict__
     }
   };
   if (kv_tiles > 0) load_kv(0, 0);
-  autosched_kvp_commit();
-  autosched_kvp_wait<0>();
+  autosched_cp_async_commit();
+  autosched_cp_async_wait<0>();
   __syncthreads();
 
   // Q's A fragments (16 rows x 16 columns a step): matrices (rows 0-7, 8-15) x (columns 0-7, 8-15).
@@ -106,14 +99,14 @@ __device__ __forceinline__ void autosched_kv_cache_prefill(const T* __restrict__
   float o[D / 8][4], m[2], l[2];
   #pragma unroll
   for (int nb = 0; nb < D / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
-  m[0] = m[1] = autosched_kvp_neg_inf();
+  m[0] = m[1] = autosched_neg_inf();
   l[0] = l[1] = 0.f;
 
   for (int j = 0; j < kv_tiles; ++j) {
     const int buf = j & 1;
     if (j + 1 < kv_tiles) load_kv(j + 1, buf ^ 1);
-    autosched_kvp_commit();  // empty on the last tile: the wait below still leaves this tile's group done
-    autosched_kvp_wait<1>();
+    autosched_cp_async_commit();  // empty on the last tile: the wait below still leaves this tile's group done
+    autosched_cp_async_wait<1>();
     __syncthreads();
     const T* k = sk + buf * BN * D;
     const T* v = sv + buf * BN * D;
@@ -143,14 +136,14 @@ __device__ __forceinline__ void autosched_kv_cache_prefill(const T* __restrict__
         for (int e = 0; e < 2; ++e) {
           const int col = j * BN + nb * 8 + 2 * (lane % 4) + e;
           float x = s[nb][2 * r + e] * scale;
-          if (masked && col >= limit[r]) x = autosched_kvp_neg_inf();
+          if (masked && col >= limit[r]) x = autosched_neg_inf();
           s[nb][2 * r + e] = x;
           top = fmaxf(top, x);
         }
       }
       top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
       top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-      const float base = top == autosched_kvp_neg_inf() ? 0.f : top;  // a row that sees no key yet
+      const float base = top == autosched_neg_inf() ? 0.f : top;  // a row that sees no key yet
       const float keep = exp2f(m[r] - base);
       m[r] = top;
       l[r] *= keep;
