@@ -357,10 +357,10 @@ def test_kv_cache_decode_agrees_with_tvms_kernel_on_the_gpu():
 
 @pytest.mark.gpu
 def test_tiny_fp16_model_generates_with_our_decode_attention(tmp_path, monkeypatch):
-    """A tiny fp16 Llama (head dim 64, GQA 4:2) built for the GPU: the manifest names our kernel for the
-    decode role, and its greedy tokens over prompts of 1 to 300 tokens are transformers' on the same GPU and
-    the tokens of the same build on TVM's decode kernel, or the first difference is a near-tie of
-    transformers' logits (margin under 0.05)."""
+    """A tiny fp16 Llama (head dim 64, GQA 4:2) built for the GPU: the manifest names our kernels for the
+    decode and ragged prefill roles, and its greedy tokens over prompts of 1 to 300 tokens are transformers'
+    on the same GPU and the tokens of the same build on TVM's attention kernels, or the first difference is
+    a near-tie of transformers' logits (margin under 0.05)."""
     import json
 
     import torch
@@ -381,6 +381,7 @@ def test_tiny_fp16_model_generates_with_our_decode_attention(tmp_path, monkeypat
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "ours"), *flags)
     manifest = json.loads((tmp_path / "ours" / "manifest.json").read_text())
     assert manifest["attention"][dispatch.DECODE_ROLE].startswith("autosched kv_cache_decode")
+    assert manifest["attention"][dispatch.RAGGED_PREFILL_ROLE].startswith("autosched kv_cache_prefill")
     monkeypatch.setattr(dispatch, "ARCHS", ())  # the dispatch refuses every target: TVM's kernel
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "tvm"), *flags)
     manifest = json.loads((tmp_path / "tvm" / "manifest.json").read_text())

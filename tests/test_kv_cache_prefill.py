@@ -107,11 +107,13 @@ HOST_CASES = [
     ([1, 70, 33], [1, 70, 33], 4, 2, 64, "float16", 1),  # GQA 2:1, one token, lengths no tile divides
     ([5, 40, 10], [20, 40, 4], 2, 2, 128, "bfloat16", 1),  # MHA d128: more keys than queries, rows without keys
     ([17, 3], [130, 3], 4, 1, 64, "float16", 0),  # GQA 4:1, not causal, keys over three tiles
+    ([1, 131], [1, 131], 8, 2, 128, "float16", 1),  # Llama's grouping (4:1) and head dim, tiles of 16 tokens
 ]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("case", HOST_CASES, ids=["gqa2-d64-causal", "mha-d128-bf16-shifted", "gqa4-noncausal"])
+@pytest.mark.parametrize("case", [HOST_CASES[0], *(pytest.param(case, marks=pytest.mark.slow) for case in HOST_CASES[1:])],
+                         ids=["gqa2-d64-causal", "mha-d128-bf16-shifted", "gqa4-noncausal", "gqa4-d128-causal"])
 def test_kv_cache_prefill_body_matches_float64_on_the_host(case, tmp_path):
     """The body, compiled for the host by nvcc and run with one thread per CUDA thread, one CTA at a time
     (every CTA of the launch, the spare ones included), against the float64 reference: output and base-2
