@@ -293,7 +293,7 @@ def test_kv_cache_prefill_matches_float64_on_the_gpu(h, hkv, d, dtype):
     kernel = _gpu_kernel(kv_cache_prefill_kernel(h, hkv, d, dtype), CODEGEN)
     for seed, (q_lens, kv_lens) in enumerate(GPU_BATCHES):
         inputs = prefill_case(q_lens, kv_lens, h, hkv, d, dtype, seed=seed)
-        for causal in (1, 0):
+        for causal in (1, 0) if sum(q_lens) <= 2048 else (1,):  # the float64 reference of 16 x 512 once
             out, lse = kernel(inputs, causal)
             ref_out, ref_lse = reference(*inputs, causal=bool(causal))
             check(out, lse, ref_out, ref_lse, dtype)
