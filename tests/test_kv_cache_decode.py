@@ -229,11 +229,12 @@ def _tiny(head_dim: int = 64, **overrides):
 
 
 @pytest.mark.slow
-def test_a_build_for_sm90_runs_our_decode_attention_and_a_cpu_build_keeps_tvms():
-    """``cuda:sm_90``: the cache's decode kernel is ours (the report names it, TVM's PrimFunc is gone, the
-    executable's function table holds ours as a packed function linked in from its own TIRx build), the
-    sliding-window variant stays TVM's. ``llvm``: every role stays TVM's."""
-    from autosched.generation.attention import DECODE_ROLE
+def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms():
+    """``cuda:sm_90``: the cache's decode and ragged prefill kernels are ours (the report names them, TVM's
+    PrimFuncs are gone, the executable's function table holds ours as packed functions linked in from their
+    own TIRx builds), the sliding-window decode variant and the prefill over cached pages stay TVM's.
+    ``llvm``: every role stays TVM's."""
+    from autosched.generation.attention import DECODE_ROLE, RAGGED_PREFILL_ROLE
     from autosched.generation.build import lower_generation, schedule_generation
     from autosched.pipeline.build import build_pipeline, compile_separate
     from autosched.target import compile_module, parse_target
@@ -244,15 +245,21 @@ def test_a_build_for_sm90_runs_our_decode_attention_and_a_cpu_build_keeps_tvms()
     ours = report.attention[DECODE_ROLE]
     assert ours.startswith("autosched kv_cache_decode (autosched_kv_cache_decode_h4_hkv2_d64_page16_")
     assert "TVM default for the sliding-window variant (batch_decode_paged_kv_sliding_window)" in ours
-    assert "except ours for decode over cached pages" in report.summary()
-    name = ours.split("(")[1].split(")")[0]
-    assert name in applied.separate and "batch_decode_paged_kv" not in [gv.name_hint for gv in scheduled.functions]
-    assert f'R.ExternFunc("{name}")' in scheduled["create_paged_kv_cache"].script()
+    ragged = report.attention[RAGGED_PREFILL_ROLE]
+    assert ragged == "autosched kv_cache_prefill (autosched_kv_cache_prefill_h4_hkv2_d64_bm64_bn64_float16)"
+    assert report.attention["prefill over cached pages"].startswith("TVM default (batch_prefill_paged_kv")
+    assert "except ours for decode over cached pages, prefill over new tokens (ragged)" in report.summary()
+    names = [role.split("(")[1].split(")")[0] for role in (ours, ragged)]
+    functions = [gv.name_hint for gv in scheduled.functions]
+    assert "batch_decode_paged_kv" not in functions and "batch_prefill_ragged_kv" not in functions
     executable = compile_module(scheduled, sm90, {}, relax_pipeline=build_pipeline(sm90))
     executable = compile_separate(executable, applied, sm90)
-    assert f"@{name} packed_func" in executable.as_text()
-    assert any(m.kind == "cuda" and name in m.inspect_source()
-               for lib in executable.mod.imports for m in [lib, *lib.imports])
+    for name in names:
+        assert name in applied.separate
+        assert f'R.ExternFunc("{name}")' in scheduled["create_paged_kv_cache"].script()
+        assert f"@{name} packed_func" in executable.as_text()
+        assert any(m.kind == "cuda" and name in m.inspect_source()
+                   for lib in executable.mod.imports for m in [lib, *lib.imports])
 
     cpu = parse_target("llvm")
     lowered, _ = lower_generation(_tiny(), cpu, (1,))
@@ -264,7 +271,7 @@ def test_a_build_for_sm90_runs_our_decode_attention_and_a_cpu_build_keeps_tvms()
 
 @pytest.mark.slow
 def test_the_dispatch_names_tvms_kernel_as_the_fallback_with_the_reason():
-    from autosched.generation.attention import DECODE_ROLE, dispatch_attention
+    from autosched.generation.attention import DECODE_ROLE, RAGGED_PREFILL_ROLE, dispatch_attention
     from autosched.generation.build import lower_generation
     from autosched.target import parse_target
 
@@ -272,11 +279,13 @@ def test_the_dispatch_names_tvms_kernel_as_the_fallback_with_the_reason():
     lowered, _ = lower_generation(_tiny(head_dim=16), sm90, ())
     mod, served, kernels = dispatch_attention(lowered, sm90)
     assert served[DECODE_ROLE] == "TVM default (batch_decode_paged_kv): ours does not serve head dim 16 (one of 32, 64, 128, 256)"
+    assert served[RAGGED_PREFILL_ROLE] == "TVM default (batch_prefill_ragged_kv): ours does not serve head dim 16 (64 or 128)"
     assert not kernels and mod is lowered
     sm80 = parse_target("cuda:sm_80", require_device=False)
     lowered, _ = lower_generation(_tiny(), sm80, ())
     mod, served, kernels = dispatch_attention(lowered, sm80)
     assert "target cuda:sm_80 (sm_90 only)" in served[DECODE_ROLE] and not kernels
+    assert "target cuda:sm_80 (sm_90 only)" in served[RAGGED_PREFILL_ROLE]
 
 
 # --- on the GPU -----------------------------------------------------------------------------------------------
@@ -348,10 +357,10 @@ def test_kv_cache_decode_agrees_with_tvms_kernel_on_the_gpu():
 
 @pytest.mark.gpu
 def test_tiny_fp16_model_generates_with_our_decode_attention(tmp_path, monkeypatch):
-    """A tiny fp16 Llama (head dim 64, GQA 4:2) built for the GPU: the manifest names our kernel for the
-    decode role, and its greedy tokens over prompts of 1 to 300 tokens are transformers' on the same GPU and
-    the tokens of the same build on TVM's decode kernel, or the first difference is a near-tie of
-    transformers' logits (margin under 0.05)."""
+    """A tiny fp16 Llama (head dim 64, GQA 4:2) built for the GPU: the manifest names our kernels for the
+    decode and ragged prefill roles, and its greedy tokens over prompts of 1 to 300 tokens are transformers'
+    on the same GPU and the tokens of the same build on TVM's attention kernels, or the first difference is
+    a near-tie of transformers' logits (margin under 0.05)."""
     import json
 
     import torch
@@ -372,6 +381,7 @@ def test_tiny_fp16_model_generates_with_our_decode_attention(tmp_path, monkeypat
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "ours"), *flags)
     manifest = json.loads((tmp_path / "ours" / "manifest.json").read_text())
     assert manifest["attention"][dispatch.DECODE_ROLE].startswith("autosched kv_cache_decode")
+    assert manifest["attention"][dispatch.RAGGED_PREFILL_ROLE].startswith("autosched kv_cache_prefill")
     monkeypatch.setattr(dispatch, "ARCHS", ())  # the dispatch refuses every target: TVM's kernel
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "tvm"), *flags)
     manifest = json.loads((tmp_path / "tvm" / "manifest.json").read_text())

@@ -8,13 +8,22 @@ our kernel by its symbol (``R.ExternFunc``), and the kernel is compiled on its o
 into the executable, like the tuned TIRx kernels (``ApplyReport.separate``, ``compile_separate``). TVM's
 default stays wherever ours does not serve the configuration, named as the fallback in the report.
 
-Served so far: "decode over cached pages" (TVM's ``batch_decode_paged_kv``, without sliding window) by
-``search_spaces/templates/kv_cache_decode.py`` on sm_90, for fp16/bf16, head dims 32-256, pages of 16, GQA
-groups up to 8, RoPE applied before caching (or none: ``rotary_mode`` 0).
+Served so far, on sm_90, RoPE applied before caching (or none: ``rotary_mode`` 0), fp16/bf16:
+
+* "decode over cached pages" (TVM's ``batch_decode_paged_kv``, without sliding window) by
+  ``search_spaces/templates/kv_cache_decode.py``: head dims 32-256, pages of 16, GQA groups up to 8;
+* "prefill over new tokens (ragged)" (TVM's ``batch_prefill_ragged_kv``: the runtime's causal attention of a
+  prefill's new tokens to themselves, whose log-sum-exp it merges with that over the cached pages) by
+  ``search_spaces/templates/kv_cache_prefill.py``: head dims 64 and 128, any GQA grouping.
+
+Each role is a :class:`Role`: TVM's kernel by name, how to read the configuration off its buffers, and the
+template module of ours; :func:`dispatch_attention` runs the same path for every role.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,7 +32,9 @@ if TYPE_CHECKING:
     from autosched.target import TargetSpec
 
 DECODE_ROLE = "decode over cached pages"
-TVM_DECODE = "batch_decode_paged_kv"  # TVM's kernel's symbol (and global name in our lowered module)
+RAGGED_PREFILL_ROLE = "prefill over new tokens (ragged)"
+TVM_DECODE = "batch_decode_paged_kv"  # TVM's kernels' symbols (and global names in our lowered module)
+TVM_RAGGED_PREFILL = "batch_prefill_ragged_kv"
 CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"
 ROPE_MODE_ARG = 9  # where the RopeMode is among the creation call's arguments (0: the builtin's name)
 ROPE_INLINE = 2  # RopeMode.INLINE: the attention kernels would apply RoPE (rotary_mode 1)
@@ -31,25 +42,47 @@ ARCHS = ("sm_90", "sm_90a")
 CODEGEN = {"tir_pipeline": "tirx", "arch": "sm_90a"}
 
 
+@dataclass(frozen=True)
+class Role:
+    """One attention function the cache calls: ``tvm_kernel``, the name of TVM's PrimFunc for it; ``facts``,
+    the configuration read off that PrimFunc's buffers (None if it is not the kernel we know); ``ours``, the
+    template module of our kernel, whose ``unsupported(**facts)`` says why it cannot serve them (or None) and
+    whose ``<ours>_kernel(**facts)`` makes it."""
+
+    name: str
+    tvm_kernel: str
+    ours: str
+    facts: Callable[[Any], dict[str, Any] | None]
+
+    def module(self):
+        import importlib
+
+        return importlib.import_module(f"autosched.search_spaces.templates.{self.ours}")
+
+
 def dispatch_attention(mod: IRModule, target: TargetSpec) -> tuple[IRModule, dict[str, str], dict[str, tuple]]:
     """(``mod`` with our kernels in the KV cache's place where they serve it, {role: what runs it} for the
     roles ours took or refused, {name: (kernel, pass options, codegen)} to compile on their own and link, as
-    ``ApplyReport.separate`` holds them). ``mod``: a generation module as ``lower_generation`` gives it."""
+    ``ApplyReport.separate`` holds them). ``mod``: a generation module as ``lower_generation`` gives it. A CPU
+    build is left as it is: its kernels are TVM's CPU variants, some under the GPU kernels' names."""
     served: dict[str, str] = {}
     kernels: dict[str, tuple] = {}
-    decode = _function(mod, TVM_DECODE)
-    if decode is None:
+    if target.kind != "cuda":
         return mod, served, kernels
-    reason, kernel = _our_decode(mod, decode, target)
-    if kernel is None:
-        served[DECODE_ROLE] = f"TVM default ({TVM_DECODE}): ours does not serve {reason}"
-        return mod, served, kernels
-    name = str(kernel.attrs["global_symbol"])
-    mod = _replace_in_cache(mod, TVM_DECODE, name)
-    kernels[name] = (kernel, {}, CODEGEN)
-    others = sorted(gv.name_hint for gv in mod.functions if gv.name_hint.startswith(TVM_DECODE))
-    served[DECODE_ROLE] = f"autosched kv_cache_decode ({name})" + (
-        f"; TVM default for the sliding-window variant ({', '.join(others)})" if others else "")
+    for role in ROLES:
+        theirs = _function(mod, role.tvm_kernel)
+        if theirs is None:
+            continue
+        reason, kernel = _ours(mod, role, theirs, target)
+        if kernel is None:
+            served[role.name] = f"TVM default ({role.tvm_kernel}): ours does not serve {reason}"
+            continue
+        name = str(kernel.attrs["global_symbol"])
+        mod = _replace_in_cache(mod, role.tvm_kernel, name)
+        kernels[name] = (kernel, {}, CODEGEN)
+        others = sorted(gv.name_hint for gv in mod.functions if gv.name_hint.startswith(role.tvm_kernel))
+        served[role.name] = f"autosched {role.ours} ({name})" + (
+            f"; TVM default for the sliding-window variant ({', '.join(others)})" if others else "")
     return mod, served, kernels
 
 
@@ -70,12 +103,37 @@ def _decode_facts(func) -> dict[str, Any] | None:
     try:
         _, h, d = q.shape
         _, two, hkv, page, d2 = pages.shape
-        facts = {"h": int(h), "hkv": int(hkv), "d": int(d), "page": int(page), "dtype": str(q.dtype)}
+        facts = {"h": int(h), "hkv": int(hkv), "d": int(d), "dtype": str(q.dtype), "page": int(page)}
     except (AttributeError, ValueError, TypeError):
         return None
     if int(two) != 2 or int(d2) != facts["d"] or str(pages.dtype) != facts["dtype"]:
         return None
     return facts
+
+
+def _ragged_prefill_facts(func) -> dict[str, Any] | None:
+    """Heads, K/V heads, head dim and dtype of TVM's ragged prefill kernel, from its buffers (q [total_q,
+    h, d], k and v [total_kv, hkv, d]); None if it does not look like that kernel (MLA's differing K and V
+    head dims among them)."""
+    params = list(func.params)
+    if len(params) != 14:
+        return None
+    q, k, v = params[0], params[2], params[3]
+    try:
+        _, h, d = q.shape
+        _, hkv, dk = k.shape
+        _, hkv_v, dv = v.shape
+        facts = {"h": int(h), "hkv": int(hkv), "d": int(d), "dtype": str(q.dtype)}
+        same = (int(dk), int(dv), int(hkv_v)) == (facts["d"], facts["d"], facts["hkv"])
+    except (AttributeError, ValueError, TypeError):
+        return None
+    if not same or str(k.dtype) != facts["dtype"] or str(v.dtype) != facts["dtype"]:
+        return None
+    return facts
+
+
+ROLES = (Role(RAGGED_PREFILL_ROLE, TVM_RAGGED_PREFILL, "kv_cache_prefill", _ragged_prefill_facts),
+         Role(DECODE_ROLE, TVM_DECODE, "kv_cache_decode", _decode_facts))
 
 
 def _cache_rope_modes(mod: IRModule) -> set[int]:
@@ -97,25 +155,22 @@ def _cache_rope_modes(mod: IRModule) -> set[int]:
     return modes
 
 
-def _our_decode(mod: IRModule, decode, target: TargetSpec):
-    """(why ours does not serve, None) or (None, our kernel) for TVM's decode kernel ``decode``."""
-    from autosched.search_spaces.templates.kv_cache_decode import kv_cache_decode_kernel, unsupported
-
-    if target.kind != "cuda" or target.arch not in ARCHS:
+def _ours(mod: IRModule, role: Role, theirs, target: TargetSpec):
+    """(why ours does not serve, None) or (None, our kernel) for ``role``, whose TVM kernel is ``theirs``."""
+    if target.arch not in ARCHS:
         return f"target {target.kind}:{target.arch} (sm_90 only)", None
-    facts = _decode_facts(decode)
+    facts = role.facts(theirs)
     if facts is None:
-        return "a decode kernel of another signature", None
+        return f"a {role.tvm_kernel} of another signature", None
     modes = _cache_rope_modes(mod)
     if not modes or modes - {0, 1}:
         # RopeMode.INLINE (2) would have the kernel rotate Q and K itself (rotary_mode 1), which ours does not.
         return "RoPE applied inside attention (RopeMode.INLINE)", None
-    reason = unsupported(facts["h"], facts["hkv"], facts["d"], facts["dtype"], facts["page"])
+    ours = role.module()
+    reason = ours.unsupported(**facts)
     if reason:
         return reason, None
-    return None, kv_cache_decode_kernel(facts["h"], facts["hkv"], facts["d"], facts["dtype"], facts["page"])
-
-
+    return None, getattr(ours, f"{role.ours}_kernel")(**facts)
 def _replace_in_cache(mod: IRModule, old: str, new: str) -> IRModule:
     """``mod`` with the cache's ``(R.str("tirx"), old)`` tuples naming ``R.ExternFunc(new)`` instead, and the
     PrimFunc ``old`` removed."""

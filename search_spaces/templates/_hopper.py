@@ -35,6 +35,13 @@ def config_struct(name: str, values: dict) -> str:
     return f"struct {name} {{{members} }};\n"
 
 
+def device_function(file: str, macro: str, name: str, dtype: str, config: dict) -> str:
+    """The source of a body in ``cuda/<file>`` as the device function ``name``: the file, the struct
+    ``<name>_config`` of ``config``'s constants, and the file's entry macro instantiated for ``dtype``."""
+    return (cuda_file(file) + config_struct(f"{name}_config", config)
+            + f"{macro}({name}, {CUDA_SCALAR[dtype]}, {name}_config)\n")
+
+
 class HopperTemplate(Space):
     """A space whose points are whole TIRx kernels for sm_90a (``kernel``), not schedules of the workload."""
 

@@ -25,7 +25,7 @@ generation build puts it in the cache through :func:`autosched.generation.attent
 
 from __future__ import annotations
 
-from ._hopper import CUDA_SCALAR, SMEM_LIMIT, config_struct, cuda_file
+from ._hopper import CUDA_SCALAR, SMEM_LIMIT, device_function
 
 HEAD_DIMS = (32, 64, 128, 256)
 PAGE_SIZES = (16,)  # the page TVM's decode kernel fixes (the cache's buffer shape names it)
@@ -88,8 +88,7 @@ def kernel_name(h: int, hkv: int, d: int, dtype: str, page: int, split: int, war
 
 def body_source(name: str, dtype: str, config: dict) -> str:
     """The body as the device function ``name`` for the constants of ``config``."""
-    return (cuda_file("kv_cache_decode.cuh") + config_struct(f"{name}_config", config)
-            + f"AUTOSCHED_KV_CACHE_DECODE({name}, {CUDA_SCALAR[dtype]}, {name}_config)\n")
+    return device_function("kv_cache_decode.cuh", "AUTOSCHED_KV_CACHE_DECODE", name, dtype, config)
 
 
 def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16, split: int | None = None,

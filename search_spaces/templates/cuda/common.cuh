@@ -52,11 +52,20 @@ __device__ __forceinline__ uint4 autosched_ld_stream_v4(const void* p) {
   return v;
 }
 
+// -inf by its bits (NVRTC may lack math.h's INFINITY).
+__device__ __forceinline__ float autosched_neg_inf() { return __int_as_float(0xff800000); }
+
 // 16 bytes into shared memory without registers; zeros where `valid` is false (src-size 0).
 __device__ __forceinline__ void autosched_cp_async(void* dst, const void* src, bool valid) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(address), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+// Closes the thread's group of cp.async copies issued since the last; waits until at most N groups are open.
+__device__ __forceinline__ void autosched_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void autosched_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 }
 
 // Bytes into the L2 cache by the copy engine, without registers or shared memory.

@@ -18,10 +18,9 @@
 
 #include "common.cuh"
 
-// -inf by its bits (NVRTC may lack math.h's INFINITY), and exp2(m - top) that is 0 for an empty state.
-__device__ __forceinline__ float autosched_kvd_neg_inf() { return __int_as_float(0xff800000); }
+// exp2(m - top) that is 0 for an empty state.
 __device__ __forceinline__ float autosched_kvd_weight(float m, float top) {
-  return m == autosched_kvd_neg_inf() ? 0.f : exp2f(m - top);
+  return m == autosched_neg_inf() ? 0.f : exp2f(m - top);
 }
 
 // A sequence's page number `i` (read-only path: the table is written before the kernel).
@@ -69,7 +68,7 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
     autosched_unpack8<T>(raw, q[h]);
     #pragma unroll
     for (int j = 0; j < 8; ++j) { q[h][j] *= scale; o[h][j] = 0.f; }
-    m[h] = autosched_kvd_neg_inf(); l[h] = 0.f;
+    m[h] = autosched_neg_inf(); l[h] = 0.f;
   }
   // The page numbers of the first step's tokens; each step then reads the next step's while its K and V
   // loads are in flight.
@@ -110,7 +109,7 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
         for (int j = 0; j < 8; ++j) x += q[h][j] * k[j];
         #pragma unroll
         for (int off = TG / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-        s[u][h] = live[u] ? x : autosched_kvd_neg_inf();
+        s[u][h] = live[u] ? x : autosched_neg_inf();
       }
     }
     #pragma unroll
@@ -165,7 +164,7 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
   // without tokens gives what TVM's kernel gives: an output of zeros and a log-sum-exp of -5e4.
   for (int e = tid; e < G * D; e += THREADS) {
     const int h = e / D, c = e % D;
-    float top = autosched_kvd_neg_inf();
+    float top = autosched_neg_inf();
     for (int w = 0; w < WARPS; ++w) top = fmaxf(top, part_ml[w][h][0]);
     float sum = 0.f, acc = 0.f;
     for (int w = 0; w < WARPS; ++w) {
@@ -189,7 +188,7 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
       for (int e = tid; e < G * D; e += THREADS) {
         const int h = e / D, c = e % D;
         float mr[SPLIT], lr[SPLIT], orr[SPLIT];
-        float top = autosched_kvd_neg_inf();
+        float top = autosched_neg_inf();
         #pragma unroll
         for (int r = 0; r < SPLIT; ++r) {
           mr[r] = autosched_remote_f32(&fin_ml[h][0], r);

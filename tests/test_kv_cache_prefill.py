@@ -1,0 +1,323 @@
+"""Our ragged prefill attention in the calling convention of TVM's paged KV cache (``kv_cache_prefill``) and
+the dispatch that puts it in a generation build in place of TVM's ``batch_prefill_ragged_kv``.
+
+Without a GPU: the body, compiled for the host and run CTA by CTA (``test_gpu_spaces``' shim, with ldmatrix
+emulated), matches a float64 reference of ragged causal GQA attention and its base-2 log-sum-exp (sequences
+of 1 token and of lengths no tile divides, more keys than queries, rows that see no key, NaN past the last
+sequence's keys); the TIRx kernel compiles for sm_90a without spills; a build for ``cuda:sm_90`` names it for
+the ragged prefill role. On the GPU (``-m gpu``): the kernel against float64 and against TVM's kernel."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+
+import pytest
+
+from .test_gpu_spaces import HOST_SHIM, _host_body
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+
+EMPTY_LSE = -5e4  # what TVM's kernel writes for a row that sees no key (its initial max, a sum of 1)
+
+
+def prefill_case(q_lens: list[int], kv_lens: list[int], h: int, hkv: int, d: int, dtype: str, seed: int = 0,
+                 spare_kv: int = 5):
+    """Inputs in the runtime's convention: (q [total_q, h, d], q_indptr [b + 1], k, v [total_kv + spare, hkv,
+    d], kv_indptr [b + 1], sm_scale), torch tensors on the CPU. Keys past the last sequence's hold NaN, so
+    that reading them shows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    total_q, total_kv = sum(q_lens), sum(kv_lens)
+    q = torch.randn((total_q, h, d), generator=gen).to(dt)
+    k = torch.full((total_kv + spare_kv, hkv, d), float("nan"), dtype=dt)
+    v = torch.full((total_kv + spare_kv, hkv, d), float("nan"), dtype=dt)
+    k[:total_kv] = torch.randn((total_kv, hkv, d), generator=gen).to(dt)
+    v[:total_kv] = torch.randn((total_kv, hkv, d), generator=gen).to(dt)
+    indptr = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)  # noqa: E731
+    return q, indptr(q_lens), k, v, indptr(kv_lens), 1.0 / math.sqrt(d)
+
+
+def reference(q, q_indptr, k, v, kv_indptr, sm_scale, causal: bool = True):
+    """(output [total_q, h, d], lse [total_q, h] in base 2) in float64; query i of a sequence of qlen queries
+    and kvlen keys sees key j <= kvlen - qlen + i when causal; zeros and -5e4 for a row that sees no key."""
+    import torch
+
+    total, h, d = q.shape
+    group = h // k.shape[1]
+    out = torch.zeros((total, h, d), dtype=torch.float64)
+    lse = torch.full((total, h), EMPTY_LSE, dtype=torch.float64)
+    for b in range(len(q_indptr) - 1):
+        qs, qe, ks, ke = int(q_indptr[b]), int(q_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
+        qlen, kvlen = qe - qs, ke - ks
+        if qlen == 0:
+            continue
+        kk = k[ks:ke].double().repeat_interleave(group, dim=1)  # [kvlen, h, d]
+        vv = v[ks:ke].double().repeat_interleave(group, dim=1)
+        s = torch.einsum("ihd,jhd->hij", q[qs:qe].double(), kk) * sm_scale  # [h, qlen, kvlen]
+        if causal:
+            seen = torch.arange(kvlen)[None, :] <= (kvlen - qlen + torch.arange(qlen))[:, None]
+            s = s.masked_fill(~seen, float("-inf"))
+        live = torch.isfinite(s).any(-1)  # [h, qlen]
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        o = torch.einsum("hij,jhd->ihd", p, vv)
+        out[qs:qe] = torch.where(live.T[..., None], o, torch.zeros_like(o))
+        lse[qs:qe] = torch.where(live, torch.logsumexp(s, -1) / math.log(2), torch.full_like(s[..., 0], EMPTY_LSE)).T
+    return out, lse
+
+
+def check(out, lse, ref_out, ref_lse, dtype: str) -> None:
+    import torch
+
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+    tol = 2e-2 if dtype == "bfloat16" else 5e-3  # P is rounded to the input type for the second product
+    err = (out.double().cpu() - ref_out).abs().max().item() / max(ref_out.abs().max().item(), 1e-6)
+    assert err < tol, f"output: relative error {err}"
+    lse_err = (lse.double().cpu() - ref_lse).abs().max().item()
+    assert lse_err < 1e-3 * max(1.0, ref_lse.abs().max().item() / 100), f"log-sum-exp (base 2): error {lse_err}"
+
+
+# --- the body on the host (nvcc) ----------------------------------------------------------------------------
+
+# ldmatrix on the host: each lane posts its row's address, then takes its registers by the PTX ISA's layout
+# (lane l: row l / 4, columns 2 (l % 4) + {0, 1} of each matrix; transposed: those of the transpose).
+HOST_LDMATRIX = r"""
+using std::max;
+static const uint16_t* host_ldmatrix_rows[512][32];
+inline void host_ldmatrix_x4(uint32_t* r, const void* row, bool trans) {
+  const int w = host_rank * host_warps_per_cta + host_thread.x / 32, l = host_thread.x % 32;
+  host_warp_barriers[w]->arrive_and_wait();
+  host_ldmatrix_rows[w][l] = static_cast<const uint16_t*>(row);
+  host_warp_barriers[w]->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t* const* rows = host_ldmatrix_rows[w] + 8 * i;
+    const uint16_t lo = trans ? rows[2 * (l % 4)][l / 4] : rows[l / 4][2 * (l % 4)];
+    const uint16_t hi = trans ? rows[2 * (l % 4) + 1][l / 4] : rows[l / 4][2 * (l % 4) + 1];
+    r[i] = lo | (uint32_t)hi << 16;
+  }
+  host_warp_barriers[w]->arrive_and_wait();
+}
+"""
+
+HOST_CASES = [
+    # (q_lens, kv_lens, h, hkv, d, dtype, causal)
+    ([1, 70, 33], [1, 70, 33], 4, 2, 64, "float16", 1),  # GQA 2:1, one token, lengths no tile divides
+    ([5, 40, 10], [20, 40, 4], 2, 2, 128, "bfloat16", 1),  # MHA d128: more keys than queries, rows without keys
+    ([17, 3], [130, 3], 4, 1, 64, "float16", 0),  # GQA 4:1, not causal, keys over three tiles
+    ([1, 131], [1, 131], 8, 2, 128, "float16", 1),  # Llama's grouping (4:1) and head dim, tiles of 16 tokens
+]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("case", HOST_CASES, ids=["gqa2-d64-causal", "mha-d128-bf16-shifted", "gqa4-noncausal",
+                                                  "gqa4-d128-causal"])
+def test_kv_cache_prefill_body_matches_float64_on_the_host(case, tmp_path):
+    """The body, compiled for the host by nvcc and run with one thread per CUDA thread, one CTA at a time
+    (every CTA of the launch, the spare ones included), against the float64 reference: output and base-2
+    log-sum-exp."""
+    import subprocess
+
+    import torch
+
+    from autosched.search_spaces.templates.kv_cache_prefill import BLOCK_M, BLOCK_N, body_source, smem_elements
+
+    q_lens, kv_lens, h, hkv, d, dtype, causal = case
+    q, q_indptr, k, v, kv_indptr, sm_scale = prefill_case(q_lens, kv_lens, h, hkv, d, dtype)
+    config = {"H": h, "HKV": hkv, "G": h // hkv, "D": d, "BM": BLOCK_M, "BN": BLOCK_N}
+    body = body_source("kv_prefill_body", dtype, config)
+    body = re.sub(r"__device__ __forceinline__ void autosched_kvp_ldmatrix_x4\(.*?\n}\n", "", body, flags=re.S)
+    body = _host_body(body).replace("autosched_kvp_ldmatrix_x4(", "host_ldmatrix_x4(")
+    for name, tensor in (("q", q), ("qi", q_indptr), ("k", k), ("v", v), ("ki", kv_indptr)):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    scalar = "half" if dtype == "float16" else "nv_bfloat16"
+    ctas = (-(-len(q) * (h // hkv) // BLOCK_M) + len(q_lens)) * hkv  # the launch's grid
+    program = HOST_SHIM + HOST_LDMATRIX + body + f"""
+template <class T> std::vector<T> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<T> data(n / sizeof(T)); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+  auto q = load<{scalar}>("q.bin"); auto k = load<{scalar}>("k.bin"); auto v = load<{scalar}>("v.bin");
+  auto qi = load<int>("qi.bin"); auto ki = load<int>("ki.bin");
+  std::vector<{scalar}> out(q.size(), {scalar}(NAN));
+  std::vector<float> lse(q.size() / {d}, NAN);
+  const int threads = {BLOCK_M // 16} * 32;
+  host_warps_per_cta = {BLOCK_M // 16};
+  for (int cta = 0; cta < {ctas}; ++cta) {{
+    std::vector<{scalar}> smem({smem_elements(d)});
+    host_block_barriers.assign(1, new std::barrier<>(threads));
+    host_warp_barriers.clear();
+    for (int w = 0; w < {BLOCK_M // 16}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {{
+        host_rank = 0;
+        host_thread.x = t;
+        kv_prefill_body(q.data(), qi.data(), k.data(), v.data(), ki.data(), out.data(), lse.data(), smem.data(),
+                        cta, {len(q_lens)}, {causal}, {sm_scale!r}f);
+      }});
+    for (auto& th : pool) th.join();
+    delete host_block_barriers[0];
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("out.bin", "wb"); fwrite(out.data(), sizeof({scalar}), out.size(), f); fclose(f);
+  f = fopen("lse.bin", "wb"); fwrite(lse.data(), sizeof(float), lse.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    (tmp_path / "host.cu").write_text(program)
+    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=600)
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=q.dtype).reshape(q.shape)
+    lse = torch.frombuffer(bytearray((tmp_path / "lse.bin").read_bytes()), dtype=torch.float32).reshape(q.shape[:2])
+    ref_out, ref_lse = reference(q, q_indptr, k, v, kv_indptr, sm_scale, bool(causal))
+    check(out, lse, ref_out, ref_lse, dtype)
+    assert ((ref_lse == EMPTY_LSE) == (lse == EMPTY_LSE)).all()
+
+
+# --- the TIRx kernel, compiled for sm_90a ---------------------------------------------------------------------
+
+@needs_nvcc
+@pytest.mark.parametrize("h,hkv,d,dtype", [(32, 8, 128, "float16"), (32, 8, 128, "bfloat16"), (32, 32, 128, "float16"),
+                                           (8, 2, 64, "float16")])
+def test_kv_cache_prefill_compiles_for_sm90a_without_spills(h, hkv, d, dtype):
+    """TVM's TIRx pipeline makes the launch (the host-side check of ``rotary_mode``, a grid over the query
+    tiles of every sequence and K/V head), and nvcc compiles it for sm_90a without spills."""
+    import tvm
+
+    from autosched.cuda_tools import cuda_source
+    from autosched.generation.attention import CODEGEN
+    from autosched.search_spaces.templates.kv_cache_prefill import kv_cache_prefill_kernel
+    from autosched.target import parse_target
+
+    from .nvcc import nvcc_compile
+
+    sm90 = parse_target("cuda:sm_90", require_device=False)
+    kernel = kv_cache_prefill_kernel(h, hkv, d, dtype)
+    name = str(kernel.attrs["global_symbol"])
+    mod = tvm.IRModule({name: kernel})
+    hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with hopper:
+        lowered = str(tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(mod)))
+    assert "rotary_mode == 0" in lowered
+    report = nvcc_compile(cuda_source(mod, sm90, {}, CODEGEN), "sm_90a")
+    assert report.ok and report.spills == 0, report.log[-2000:]
+
+
+def test_the_prefill_kernel_refuses_what_it_cannot_serve():
+    from autosched.search_spaces.templates.kv_cache_prefill import kv_cache_prefill_kernel, unsupported
+
+    assert unsupported(32, 8, 128, "float16") is None and unsupported(32, 32, 64, "bfloat16") is None
+    assert "head dim 96" in unsupported(32, 8, 96, "float16")
+    assert "float32" in unsupported(32, 8, 128, "float32")
+    assert "6 query heads over 4" in unsupported(6, 4, 128, "float16")
+    with pytest.raises(ValueError, match="head dim 256"):
+        kv_cache_prefill_kernel(8, 8, 256, "float16")
+
+
+def _run_ragged(executable, name: str, inputs, causal: int, device):
+    """Calls a kernel of the runtime's ragged prefill signature on ``device`` (inputs as torch tensors):
+    (output, lse) as torch tensors on the CPU."""
+    import torch
+    import tvm
+
+    q, q_indptr, k, v, kv_indptr, sm_scale = inputs
+    on = "cuda" if device.dlpack_device_type() == 2 else "cpu"
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=on)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=on)
+    q_rope_position = torch.zeros(q.shape[0], dtype=torch.int32)  # unread at rotary_mode 0
+    k_rope_pos_offset = torch.zeros(len(q_indptr) - 1, dtype=torch.int32)
+    tensors = [q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset]
+    args = [tvm.runtime.from_dlpack(t.to(on).contiguous()) for t in tensors]
+    args += [tvm.runtime.from_dlpack(out), tvm.runtime.from_dlpack(lse)]
+    executable[name](*args, causal, 0, 1.0, 10000.0, sm_scale)
+    if on == "cuda":
+        torch.cuda.synchronize()
+    return out.cpu(), lse.cpu()
+
+
+@pytest.mark.slow
+def test_the_reference_is_tvms_convention_by_its_cpu_kernel():
+    """TVM's own ragged prefill for the CPU (the same convention as its GPU kernel) on the host cases' inputs:
+    its output and base-2 log-sum-exp are the float64 reference's, causal and not, with more keys than
+    queries (rows that see no key aside: TVM's CPU kernel leaves them unnormalised)."""
+    import tvm
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_ragged_cpu
+
+    shifted = ([5, 40, 1], [20, 40, 9], 4, 2, 64, "float16", 1)  # more keys than queries, causal
+    for q_lens, kv_lens, h, hkv, d, dtype, causal in [*HOST_CASES, shifted]:
+        if dtype != "float16":
+            continue  # fp16 is enough for the convention
+        kernel = _attention_prefill_ragged_cpu(hkv, h, d, d, dtype, {})
+        executable = tvm.compile(tvm.IRModule({"main": kernel}), target={"kind": "llvm"})
+        inputs = prefill_case(q_lens, kv_lens, h, hkv, d, dtype, spare_kv=0)
+        out, lse = _run_ragged(executable, "main", inputs, causal, tvm.cpu())
+        ref_out, ref_lse = reference(*inputs, causal=bool(causal))
+        check(out, lse, ref_out, ref_lse, dtype)
+
+
+# --- on the GPU -----------------------------------------------------------------------------------------------
+
+def _gpu_kernel(func, codegen: dict | None):
+    """A kernel of the runtime's ragged prefill signature compiled for this machine's GPU: call(inputs,
+    causal) -> (output, lse) as torch tensors on the CPU."""
+    import tvm
+
+    from autosched.target import compile_module, parse_target
+
+    name = str(func.attrs["global_symbol"])
+    executable = compile_module(tvm.IRModule({name: func}), parse_target("cuda"), {}, codegen)
+    return lambda inputs, causal=1: _run_ragged(executable, name, inputs, causal, tvm.cuda())
+
+
+# (q_lens, kv_lens): the runtime's own (keys are the queries), a single token, lengths no tile divides, one
+# long prompt, 16 prompts of 512 (the packed prefill), and more keys than queries.
+GPU_BATCHES = [([1], [1]), ([512], [512]), ([1, 17, 64, 65, 200, 3], [1, 17, 64, 65, 200, 3]),
+               ([512] * 16, [512] * 16), ([1 + (37 * i) % 300 for i in range(8)], [1 + (37 * i) % 300 for i in range(8)]),
+               ([5, 100, 1], [40, 300, 77])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,hkv,d,dtype", [(32, 8, 128, "float16"), (32, 32, 128, "float16"), (32, 8, 128, "bfloat16"),
+                                           (32, 32, 128, "bfloat16"), (16, 4, 64, "float16")])
+def test_kv_cache_prefill_matches_float64_on_the_gpu(h, hkv, d, dtype):
+    """Our kernel on ragged batches (1 to 16 sequences of 1 to 512 tokens), causal and not: output and
+    base-2 log-sum-exp against float64."""
+    from autosched.generation.attention import CODEGEN
+    from autosched.search_spaces.templates.kv_cache_prefill import kv_cache_prefill_kernel
+
+    kernel = _gpu_kernel(kv_cache_prefill_kernel(h, hkv, d, dtype), CODEGEN)
+    for seed, (q_lens, kv_lens) in enumerate(GPU_BATCHES):
+        inputs = prefill_case(q_lens, kv_lens, h, hkv, d, dtype, seed=seed)
+        for causal in (1, 0) if sum(q_lens) <= 2048 else (1,):  # the float64 reference of 16 x 512 once
+            out, lse = kernel(inputs, causal)
+            ref_out, ref_lse = reference(*inputs, causal=bool(causal))
+            check(out, lse, ref_out, ref_lse, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,hkv,dtype", [(32, 8, "float16"), (32, 32, "float16"), (32, 8, "bfloat16")])
+def test_kv_cache_prefill_agrees_with_tvms_kernel_on_the_gpu(h, hkv, dtype):
+    """The same causal inputs through TVM's ``batch_prefill_ragged_kv`` (d 128): the two outputs and
+    log-sum-exps agree (the convention the cache's merge reads), and both match float64."""
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_ragged
+
+    from autosched.generation.attention import CODEGEN
+    from autosched.search_spaces.templates.kv_cache_prefill import kv_cache_prefill_kernel
+    from autosched.target import parse_target
+
+    d = 128
+    ours = _gpu_kernel(kv_cache_prefill_kernel(h, hkv, d, dtype), CODEGEN)
+    theirs = _gpu_kernel(_attention_prefill_ragged(hkv, h, d, d, dtype, {}, parse_target("cuda").tvm_target()), None)
+    for seed, q_lens in enumerate([[1, 40, 333], [512] * 4, [7, 64, 129]]):
+        inputs = prefill_case(q_lens, q_lens, h, hkv, d, dtype, seed=seed)
+        ref_out, ref_lse = reference(*inputs)
+        mine, tvms = ours(inputs), theirs(inputs)
+        for out, lse in (mine, tvms):
+            check(out, lse, ref_out, ref_lse, dtype)
+        assert (mine[1] - tvms[1]).abs().max().item() < 2e-3
