@@ -283,7 +283,8 @@ def main() -> int:
                         help="also time our decode step without its static function (no CUDA graphs)")
     parser.add_argument("--db", help="a tuning database whose records the build applies (tune-model --generate)")
     parser.add_argument("--profile", action="store_true",
-                        help="also the slowest kernels of a decode step and of the prefill (a build without CUDA graphs, per batch)")
+                        help="also the slowest kernels of a decode step and of the prefill (a build without CUDA "
+                        "graphs, per batch)")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
