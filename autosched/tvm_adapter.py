@@ -141,6 +141,29 @@ def tir_paged_kv_cache(*, layers: int, heads: int, kv_heads: int, head_dim: int,
         rotary_dim=rotary_dim, enable_disaggregation=False, dtype=dtype, target=target)
 
 
+KV_CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"  # the call TIRPagedKVCache emits
+ROPE_MODE_ARG = 9  # where the RopeMode is among that call's arguments (0: the builtin's name)
+
+
+def kv_cache_rope_modes(mod: Any) -> set[int]:
+    """The RopeMode (0 none, 1 normal, 2 inline) of every paged-KV-cache creation call in ``mod``'s Relax
+    functions, read from the call's arguments by position; -1 for one that is not a constant."""
+    from tvm import relax
+
+    modes = set()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and len(expr.args) > ROPE_MODE_ARG and \
+                isinstance(expr.args[0], relax.ExternFunc) and expr.args[0].global_symbol == KV_CACHE_CREATE:
+            value = getattr(expr.args[ROPE_MODE_ARG], "value", None)  # an integer immediate
+            modes.add(value if isinstance(value, int) else -1)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return modes
+
+
 # The runtime functions that drive a paged KV cache, by the names the VM registers them under.
 KV_CACHE_RUNTIME = {
     "add_sequence": "vm.builtin.kv_state_add_sequence",

@@ -174,22 +174,24 @@ def test_nn_tensors_wrap_and_unwrap_relax_expressions():
     assert 'R.take(x, ids, axis=0, mode="clip")' in mod.script()
 
 
-def test_a_paged_kv_cache_is_made_with_the_arguments_we_give():
-    """TIRPagedKVCache's keyword arguments as tir_paged_kv_cache passes them: a cache of 2 layers exports, and its
-    creation call carries our theta and dtype."""
+@pytest.mark.parametrize("rope_mode, code", [("none", 0), ("normal", 1), ("inline", 2)])
+def test_a_paged_kv_cache_is_made_with_the_arguments_we_give(rope_mode, code):
+    """TIRPagedKVCache's keyword arguments as tir_paged_kv_cache passes them: a cache of 2 layers exports, its
+    creation call carries our theta and dtype, and its rope mode where kv_cache_rope_modes reads it."""
     from tvm.relax.frontend import nn
 
     class Cache(nn.Module):
         def create(self, max_batch: tirx.Var, total: tirx.Var, chunk: tirx.Var, page: tirx.Var, window: tirx.Var):
             return tvm_adapter.tir_paged_kv_cache(
                 layers=2, heads=4, kv_heads=2, head_dim=64, dtype="float16", target=tvm.target.Target("llvm"),
-                sizes=(max_batch, total, chunk, page, window), rope_mode="normal", rope_scale=1.0,
+                sizes=(max_batch, total, chunk, page, window), rope_mode=rope_mode, rope_scale=1.0,
                 rope_theta=12345.0, rope_scaling={}, rotary_dim=64)
 
     mod, _ = Cache().export_tvm({"create": {name: int for name in ("max_batch", "total", "chunk", "page", "window")}
                                  | {"$": {"param_mode": "none", "effect_mode": "none"}}})
     text = mod["create"].script()
     assert "vm.builtin.paged_attention_kv_cache_create" in text and "12345" in text and "float16" in text
+    assert tvm_adapter.kv_cache_rope_modes(mod) == {code}
 
 
 def test_the_kv_cache_runtime_functions_exist_by_name():

@@ -35,9 +35,6 @@ DECODE_ROLE = "decode over cached pages"
 RAGGED_PREFILL_ROLE = "prefill over new tokens (ragged)"
 TVM_DECODE = "batch_decode_paged_kv"  # TVM's kernels' symbols (and global names in our lowered module)
 TVM_RAGGED_PREFILL = "batch_prefill_ragged_kv"
-CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"
-ROPE_MODE_ARG = 9  # where the RopeMode is among the creation call's arguments (0: the builtin's name)
-ROPE_INLINE = 2  # RopeMode.INLINE: the attention kernels would apply RoPE (rotary_mode 1)
 ARCHS = ("sm_90", "sm_90a")
 CODEGEN = {"tir_pipeline": "tirx", "arch": "sm_90a"}
 
@@ -136,33 +133,16 @@ ROLES = (Role(RAGGED_PREFILL_ROLE, TVM_RAGGED_PREFILL, "kv_cache_prefill", _ragg
          Role(DECODE_ROLE, TVM_DECODE, "kv_cache_decode", _decode_facts))
 
 
-def _cache_rope_modes(mod: IRModule) -> set[int]:
-    """The RopeMode of every cache-creation call in ``mod``."""
-    from tvm import relax
-
-    modes = set()
-    for func in mod.functions.values():
-        if not isinstance(func, relax.Function):
-            continue
-
-        def visit(expr):
-            if isinstance(expr, relax.Call) and len(expr.args) > ROPE_MODE_ARG and \
-                    isinstance(expr.args[0], relax.ExternFunc) and expr.args[0].global_symbol == CACHE_CREATE:
-                value = getattr(expr.args[ROPE_MODE_ARG], "value", None)  # an integer immediate
-                modes.add(value if isinstance(value, int) else -1)
-
-        relax.analysis.post_order_visit(func, visit)
-    return modes
-
-
 def _ours(mod: IRModule, role: Role, theirs, target: TargetSpec):
     """(why ours does not serve, None) or (None, our kernel) for ``role``, whose TVM kernel is ``theirs``."""
+    from autosched.tvm_adapter import kv_cache_rope_modes
+
     if target.arch not in ARCHS:
         return f"target {target.kind}:{target.arch} (sm_90 only)", None
     facts = role.facts(theirs)
     if facts is None:
         return f"a {role.tvm_kernel} of another signature", None
-    modes = _cache_rope_modes(mod)
+    modes = kv_cache_rope_modes(mod)
     if not modes or modes - {0, 1}:
         # RopeMode.INLINE (2) would have the kernel rotate Q and K itself (rotary_mode 1), which ours does not.
         return "RoPE applied inside attention (RopeMode.INLINE)", None
@@ -171,6 +151,8 @@ def _ours(mod: IRModule, role: Role, theirs, target: TargetSpec):
     if reason:
         return reason, None
     return None, getattr(ours, f"{role.ours}_kernel")(**facts)
+
+
 def _replace_in_cache(mod: IRModule, old: str, new: str) -> IRModule:
     """``mod`` with the cache's ``(R.str("tirx"), old)`` tuples naming ``R.ExternFunc(new)`` instead, and the
     PrimFunc ``old`` removed."""
