@@ -129,7 +129,7 @@ def test_interrupted_run_keeps_its_records(tmp_path, sig):
     kept = _records(db)
     assert kept >= 8
     if sig == signal.SIGINT:
-        assert proc.returncode == 130 and "kept" in err
+        assert proc.returncode == 130 and "kept" in err, f"exit {proc.returncode}, stderr:\n{err[-3000:]}"
         con = sqlite3.connect(db)
         assert con.execute("SELECT status FROM runs").fetchone()[0] == "interrupted"
         con.close()
