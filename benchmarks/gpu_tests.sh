@@ -13,12 +13,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/
 # The files themselves are named (the GPU machine's .git can be older than the files it was sent).
 echo "code digest: $(bash benchmarks/code_digest.sh)" | tee -a "$OUT/gpu.txt"
 timeout "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short --durations 20 \
-  -n "${GPU_TEST_WORKERS:-8}" "$@" 2>&1 \
+  -n "${GPU_TEST_WORKERS:-8}" --dist load "$@" 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error|^E |s call|s setup" | cut -c1-400 | tail -100
 mapfile -t failed < <(grep -E "^FAILED " "$OUT/gpu_tests.log" | sed -E 's/^FAILED ([^ ]+).*/\1/')
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "re-running ${#failed[@]} failed test(s), two at a time:"
-  timeout "${RERUN_TIMEOUT:-240}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short -n 2 \
+  timeout "${RERUN_TIMEOUT:-240}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short -n 2 --dist load \
     "${failed[@]}" 2>&1 | tee "$OUT/gpu_tests_rerun.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-400
   bash benchmarks/_rerun_report.sh "$OUT/gpu_tests.log" "$OUT/gpu_tests_rerun.log" | tee "$OUT/gpu_tests_rerun_report.txt"
 fi

@@ -67,7 +67,7 @@ def test_the_readmes_test_command_is_what_ci_runs():
           if not line.startswith("#") for c in line.split("&&")]
     ci = {c.strip() for c in ci}
     assert readme and all(c in ci for c in readme), (readme, ci)
-    both_tiers = ".ci/with-postgres bash -c 'python -m pytest && python -m pytest -m slow -n 2'"
+    both_tiers = ".ci/with-postgres bash -c 'python -m pytest && python -m pytest -m slow -n 2 --dist load'"
     assert both_tiers in _section("Quick start") and both_tiers in (REPO / ".ci" / "run").read_text()
 
 
