@@ -289,7 +289,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
 
-    from .linear import linear, swiglu
+    from .linear import linear, rms_norm, swiglu
 
     dtype = cfg.dtype
     heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -313,10 +313,17 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
         return relax(rx.op.take(relax_expr(x), relax_expr(ids), axis=axis, mode="clip"), name)
 
+    class RMSNorm(nn.RMSNorm):
+        """TVM's RMSNorm module (its parameter names), computed by our ``rmsnorm`` at static shapes."""
+
+        def forward(self, x: Tensor) -> Tensor:
+            out = rms_norm(x, self.weight, self.epsilon)
+            return out if out is not None else super().forward(x)
+
     def make_norm(size: int = cfg.hidden):
         if cfg.norm == "layer":
             return nn.LayerNorm(size, eps=cfg.norm_eps, dtype=dtype)
-        return nn.RMSNorm(size, -1, cfg.norm_eps, bias=False, dtype=dtype)
+        return RMSNorm(size, -1, cfg.norm_eps, bias=False, dtype=dtype)
 
     def activation(x):
         if cfg.activation == "silu":

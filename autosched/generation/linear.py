@@ -1,12 +1,13 @@
-"""The decoder's linear layers as our workloads.
+"""The decoder's linear layers and RMSNorms as our workloads.
 
 In a function of static shapes (a decode step at a fixed batch, a prefill chunk) each product ``x·Wᵀ``
 is a call of the ``gemm`` workload's kernel on W as stored, keyed, searched and stored exactly as
 ``autosched tune gemm`` keys them, so a record of either serves both, and on sm_90 the Hopper spaces
 serve it (swapped operands and split-K for a decode step's few rows, wgmma tiles for a prefill chunk).
 A SwiGLU MLP's gate and up projections become one ``swiglu_gemm`` where its sm_90 space serves the
-shape. At symbolic shapes (``batch_prefill``, ``batch_decode``) the product stays TVM's ``matmul``,
-which its default schedules serve.
+shape. An RMSNorm at static shapes is a call of the ``rmsnorm`` workload's kernel on the rows, keyed as
+``autosched tune rmsnorm`` keys it. At symbolic shapes (``batch_prefill``, ``batch_decode``) the product
+stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default schedules serve.
 """
 
 from __future__ import annotations
@@ -65,3 +66,22 @@ def swiglu(x: Tensor, weight: Tensor, hopper: bool) -> Tensor | None:
     wl = make_workload("swiglu_gemm", {"m": rows, "n": n, "k": k}, weight.dtype)
     out = _call(wl, "autosched_swiglu_gemm", [op.reshape(x, (rows, k)), weight], rows, n)
     return op.reshape(out, (*x.shape[:-1], n))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """``x / sqrt(mean(x², -1) + eps) · w`` over the last axis as our ``rmsnorm`` at static shapes; None where
+    the shape is symbolic or the workload does not take the dtype or eps (the caller uses TVM's)."""
+    from tvm.relax.frontend.nn import op
+
+    from autosched.errors import UsageError
+    from autosched.workloads import make_workload
+
+    rows, n = static_rows(x), x.shape[-1]
+    if rows is None or not isinstance(n, int) or x.dtype != weight.dtype:
+        return None
+    try:
+        wl = make_workload("rmsnorm", {"m": rows, "n": n}, x.dtype, {"eps": eps})
+    except UsageError:
+        return None
+    out = _call(wl, "autosched_rmsnorm", [op.reshape(x, (rows, n)), weight], rows, n)
+    return op.reshape(out, x.shape)
