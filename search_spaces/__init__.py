@@ -51,6 +51,7 @@ def space_classes() -> dict[str, type[Space]]:
     from .generated.gpu_rows import GpuInjectiveSpace, GpuRowsSpace
     from .generated.injective import InjectiveSpace
     from .generated.matmul import MatmulSpace
+    from .generated.moe_matmul import MoeMatmulSpace
     from .generated.rows import RowsSpace
     from .templates.gpu_attention import FlashAttentionSpace
     from .templates.hopper_attention import HopperAttentionSpace
@@ -59,7 +60,7 @@ def space_classes() -> dict[str, type[Space]]:
     from .templates.int4_gemv import Int4GemvSpace
     from .templates.paged_decode import PagedDecodeSpace
 
-    ordered = (MatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
+    ordered = (MatmulSpace, MoeMatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
                HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace, HopperDequantGemmSpace, PagedDecodeSpace,
                # (CUDA, sm_90: each declines other targets)
                FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA

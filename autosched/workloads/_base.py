@@ -198,7 +198,7 @@ def list_operators() -> list[Operator]:
 
 def _load_all() -> None:
     if not _REGISTRY:
-        from . import attention, dequant, gemm, norm, rope  # noqa: F401  (registration side effects)
+        from . import attention, dequant, gemm, moe, norm, rope  # noqa: F401  (registration side effects)
 
 
 # ---- parsing user input -------------------------------------------------------------------------
