@@ -6,7 +6,8 @@ is a call of the ``gemm`` workload's kernel on W as stored, keyed, searched and 
 serve it (swapped operands and split-K for a decode step's few rows, wgmma tiles for a prefill chunk).
 A SwiGLU MLP's gate and up projections become one ``swiglu_gemm`` where its sm_90 space serves the
 shape. At symbolic shapes (``batch_prefill``, ``batch_decode``) the product stays TVM's ``matmul``,
-which its default schedules serve.
+which its default schedules serve. A mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed
+token-slot by its own expert's weight), static or symbolic alike.
 """
 
 from __future__ import annotations
@@ -65,3 +66,20 @@ def swiglu(x: Tensor, weight: Tensor, hopper: bool) -> Tensor | None:
     wl = make_workload("swiglu_gemm", {"m": rows, "n": n, "k": k}, weight.dtype)
     out = _call(wl, "autosched_swiglu_gemm", [op.reshape(x, (rows, k)), weight], rows, n)
     return op.reshape(out, (*x.shape[:-1], n))
+
+
+def moe_linear(x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
+    """``Y[i] = x[i]·W[expert[i]]ᵀ`` for x [m, k], expert [m] int32 and W [e, n, k] (each expert's
+    ``nn.Linear`` weight): our ``moe_gemm`` at a static m, the same TE at a symbolic one (TVM's default
+    schedules serve it there)."""
+    from tvm.relax.frontend.nn import op
+
+    from autosched.workloads import make_workload
+    from autosched.workloads.moe import moe_compute
+
+    m, k = x.shape
+    e, n, _ = weight.shape
+    if not isinstance(m, int) or x.dtype != weight.dtype:
+        return op.tensor_expr_op(lambda a, b, c: moe_compute(a, b, c, weight.dtype), "moe_matmul", [x, expert, weight])
+    wl = make_workload("moe_gemm", {"m": m, "e": e, "n": n, "k": k}, weight.dtype)
+    return _call(wl, "autosched_moe_gemm", [x, expert, weight], m, n)

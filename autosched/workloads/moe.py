@@ -22,6 +22,18 @@ def _presets() -> tuple[Preset, ...]:
     return tuple(out)
 
 
+def moe_compute(X, expert, W, dtype: str):
+    """The TE of ``Y[i] = X[i]·W[expert[i]]ᵀ`` (fp32 accumulation, cast to ``dtype``); shapes may be symbolic."""
+    from tvm import te
+
+    m, k = X.shape
+    n = W.shape[1]
+    r = te.reduce_axis((0, k), name="k")
+    acc = te.compute((m, n), lambda i, j: te.sum(X[i, r].astype("float32") * W[expert[i], j, r].astype("float32"),
+                                                 axis=r), name="moe_matmul")
+    return acc if dtype == "float32" else te.compute((m, n), lambda i, j: acc[i, j].astype(dtype), name="epilogue")
+
+
 @register
 class MoeGemm(Operator):
     name = "moe_gemm"
@@ -40,11 +52,7 @@ class MoeGemm(Operator):
         X = te.placeholder((m, k), wl.dtype, name="X")
         expert = te.placeholder((m,), "int32", name="expert")
         W = te.placeholder((e, n, k), wl.dtype, name="W")
-        r = te.reduce_axis((0, k), name="k")
-        acc = te.compute((m, n), lambda i, j: te.sum(X[i, r].astype("float32") * W[expert[i], j, r].astype("float32"),
-                                                     axis=r), name="moe_matmul")
-        out = acc if wl.dtype == "float32" else te.compute((m, n), lambda i, j: acc[i, j].astype(wl.dtype),
-                                                           name="epilogue")
+        out = moe_compute(X, expert, W, wl.dtype)
         return te.create_prim_func([X, expert, W, out])
 
     def make_inputs(self, wl, gen, device):
