@@ -182,3 +182,25 @@ def test_a_tuned_moe_gemm_record_is_applied_by_the_build(tmp_path):
     assert {k["schedule"] for k in kernels.values() if k["workload"] == key} == {"database"}
     result = Generator(tmp_path / "tuned").generate([PROMPTS[1]], NEW)[0]
     assert result.error is None and result.tokens == transformers_greedy(model, PROMPTS[1], NEW)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_expert_weights_load_fused_or_per_expert(name, tmp_path):
+    """The experts' weights as a loaded model holds them (fused ``experts.gate_up_proj``/``down_proj``) and as
+    ``save_pretrained`` writes them (one tensor per expert and projection) map onto the same parameters."""
+    import torch
+    from safetensors.torch import load_file
+
+    from autosched.generation.decoder import config_from_hf, weights_from_hf
+
+    model = _saved(name, tmp_path)
+    cfg = config_from_hf(model.config, "float32")
+    fused = weights_from_hf(model.state_dict(), cfg)
+    per_expert = weights_from_hf(load_file(str(tmp_path / "model.safetensors")), cfg)
+    assert sorted(fused) == sorted(per_expert)
+    assert "layers.0.experts_up" in fused and fused["layers.0.experts_up"].shape == (
+        cfg.experts, 2 * cfg.expert_mlp, cfg.hidden)
+    for key in fused:
+        assert torch.equal(fused[key], per_expert[key]), key
+    if name == "qwen3_moe":  # layer 1 is dense (mlp_only_layers)
+        assert "layers.1.up.weight" in fused and "layers.1.experts_up" not in fused
