@@ -216,9 +216,9 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
 def _moe(config, family: str) -> dict[str, Any]:
     """The mixture-of-experts fields of :class:`DecoderConfig` for a Mixtral or Qwen3-MoE config; a one-line
     UsageError for what the decoder does not reproduce (shared experts, more experts per token than experts)."""
-    for name in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
-        if getattr(config, name, None):
-            raise UsageError(f"shared experts ({name}={getattr(config, name)}) are not supported for generation yet")
+    for name, value in config.to_dict().items():
+        if "shared_expert" in name and value:
+            raise UsageError(f"shared experts ({name}={value}) are not supported for generation yet")
     layers = config.num_hidden_layers
     if family == "mixtral":
         experts, inter, renorm = config.num_local_experts, config.intermediate_size, True
