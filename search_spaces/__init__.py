@@ -12,7 +12,12 @@ rows       blocks share leading row loops and reduce within a row          rmsno
 attention  rows whose first stage reads Q and K (``cpu_attention``:       prefill attention
            blocks of query rows, K transposed)                             (CPU, b = 1)
 injective  no reduction                                                    rope, casts, adds
+moe_matmul a contraction whose weight is picked per row by an index input  moe_gemm (CPU only)
 ========== =============================================================== =======================
+
+``moe_gemm`` has no CUDA space yet: the generic GPU matmul spaces tile B as shared by every row of a
+tile, which a weight gathered per row is not, so on CUDA :func:`create_space` finds none and those
+kernels keep TVM's default (dlight) schedule, as the build report and manifest say.
 
 A space may also decline a function for a target (``Space.suits``): ``hopper_gemm``,
 ``hopper_dequant_gemm`` and ``hopper_attention``, the TIRx wgmma kernels, serve ``gemm``, int4
@@ -51,6 +56,7 @@ def space_classes() -> dict[str, type[Space]]:
     from .generated.gpu_rows import GpuInjectiveSpace, GpuRowsSpace
     from .generated.injective import InjectiveSpace
     from .generated.matmul import MatmulSpace
+    from .generated.moe_matmul import MoeMatmulSpace
     from .generated.rows import RowsSpace
     from .templates.gpu_attention import FlashAttentionSpace
     from .templates.hopper_attention import HopperAttentionSpace
@@ -59,7 +65,7 @@ def space_classes() -> dict[str, type[Space]]:
     from .templates.int4_gemv import Int4GemvSpace
     from .templates.paged_decode import PagedDecodeSpace
 
-    ordered = (MatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
+    ordered = (MatmulSpace, MoeMatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
                HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace, HopperDequantGemmSpace, PagedDecodeSpace,
                # (CUDA, sm_90: each declines other targets)
                FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA

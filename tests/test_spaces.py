@@ -30,6 +30,7 @@ CASES = [
     ("attention", "b=1,h=4,hkv=2,s=48,d=16", "float32", "causal=1"),  # blocks of query rows, K transposed
     ("attention", "b=2,h=2,s=16,d=8", "float32", "causal=0"),  # two sequences: the rows space
     ("paged_decode_attention", "b=2,h=4,hkv=2,d=8,ctx=21,page=4", "float32", ""),
+    ("moe_gemm", "m=9,e=3,n=40,k=24", "float32", ""),  # a weight gathered per row
 ]
 
 SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,

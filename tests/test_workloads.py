@@ -26,6 +26,7 @@ SMALL_CASES = [
     ("attention", "b=2,h=2,s=8,d=8", "float32", "causal=0"),
     ("attention_bshd", "b=2,h=4,s=19,d=16,hkv=2", "float16", "causal=1"),
     ("swiglu_gemm", "m=5,n=24,k=40", "float16", ""),
+    ("moe_gemm", "m=7,e=3,n=24,k=40", "float16", ""),
     ("paged_decode_attention", "b=3,h=4,hkv=2,d=16,ctx=37,page=8", "float16", ""),
 ]
 

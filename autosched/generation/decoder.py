@@ -1,13 +1,14 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
-The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, GPT-2) differ in a
-handful of choices: the norm (and whether attention and MLP outputs are normed too), the MLP, biases, q/k
-norms, how positions enter (rotary in the cache, rotary from a frequency table in the model, or a learned
-table), the attention window, how the embeddings are scaled, a soft-cap on the logits and whether the LM
-head is the embedding table. :class:`DecoderConfig` names those choices; :func:`config_from_hf` reads them
-from a transformers config (refusing, in one line, what it cannot reproduce), and :func:`weights_from_hf`
-maps the model's state dict onto this module's parameters (q/k/v and gate/up concatenated, GPT-2's Conv1D
-weights transposed, Gemma's ``1 + w`` norms folded).
+The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, GPT-2, and the mixtures
+of experts Mixtral and Qwen3-MoE) differ in a handful of choices: the norm (and whether attention and MLP
+outputs are normed too), the MLP (dense, or a router over experts), biases, q/k norms, how positions enter
+(rotary in the cache, rotary from a frequency table in the model, or a learned table), the attention window,
+how the embeddings are scaled, a soft-cap on the logits and whether the LM head is the embedding table.
+:class:`DecoderConfig` names those choices; :func:`config_from_hf` reads them from a transformers config
+(refusing, in one line, what it cannot reproduce), and :func:`weights_from_hf` maps the model's state dict
+onto this module's parameters (q/k/v and gate/up concatenated, experts stacked, GPT-2's Conv1D weights
+transposed, Gemma's ``1 + w`` norms folded).
 
 The model exports what a generation runtime drives (as MLC-LLM's models do): ``batch_prefill`` (a batch of
 prompts' token ids packed along one axis, logits at the last token of each), ``batch_decode`` (one token for
@@ -41,6 +42,10 @@ TRAITS: dict[str, dict[str, Any]] = {
     "gemma3_text": {"gemma": True, "post_norms": True, "qk_norm": True, "window": "layer_types",
                     "rope_per_layer_type": True},
     "phi3": {"window": "all"},  # q/k/v and gate/up fused in its weights; longrope
+    # moe: a mixture-of-experts MLP (on every layer for Mixtral; for Qwen3-MoE on the layers config's
+    # decoder_sparse_step and mlp_only_layers leave sparse, a dense MLP on the others)
+    "mixtral": {"window": "all", "moe": True},
+    "qwen3_moe": {"qk_norm": True, "window": "all", "moe": True},
 }
 FAMILIES = (*TRAITS, "gpt2")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
@@ -74,6 +79,13 @@ class DecoderConfig:
     tied_embeddings: bool = False
     sliding_window: int = 0  # attention window (a token sees itself and the window - 1 before it); 0: none
     sliding_layers: list[int] = field(default_factory=list)  # the layers that attend over the window (else all)
+    # Mixture of experts: experts (0: none), experts per token, each expert's intermediate size, whether the
+    # chosen experts' probabilities are renormalised to sum to one, and the layers whose MLP is the experts'.
+    experts: int = 0
+    top_k: int = 0
+    expert_mlp: int = 0
+    renorm_topk: bool = True
+    sparse_layers: list[int] = field(default_factory=list)
     dtype: str = "float32"
 
     def to_json(self) -> dict:
@@ -189,6 +201,7 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if getattr(config, flag, False):
             raise UsageError(f"{flag}=True is not supported for generation yet")
+    moe = _moe(config, family) if traits.get("moe") else {}
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
                          config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
                          activation=act, qkv_bias=bool(traits.get("qkv_bias")), qk_norm=bool(traits.get("qk_norm")),
@@ -197,7 +210,28 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
                          embed_scale=math.sqrt(hidden) if traits.get("gemma") else 1.0,
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                         sliding_window=window, sliding_layers=sliding_layers, dtype=dtype)
+                         sliding_window=window, sliding_layers=sliding_layers, dtype=dtype, **moe)
+
+
+def _moe(config, family: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of :class:`DecoderConfig` for a Mixtral or Qwen3-MoE config; a one-line
+    UsageError for what the decoder does not reproduce (shared experts, more experts per token than experts)."""
+    for name, value in config.to_dict().items():
+        if "shared_expert" in name and value:
+            raise UsageError(f"shared experts ({name}={value}) are not supported for generation yet")
+    layers = config.num_hidden_layers
+    if family == "mixtral":
+        experts, inter, renorm = config.num_local_experts, config.intermediate_size, True
+        sparse = list(range(layers))
+    else:  # qwen3_moe
+        experts, inter, renorm = config.num_experts, config.moe_intermediate_size, bool(config.norm_topk_prob)
+        step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or [])
+        sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
+    top_k = config.num_experts_per_tok
+    if sparse and not 0 < top_k <= experts:
+        raise UsageError(f"num_experts_per_tok={top_k} must be between 1 and the {experts} experts")
+    return {"experts": experts if sparse else 0, "top_k": top_k if sparse else 0, "expert_mlp": inter if sparse else 0,
+            "renorm_topk": renorm, "sparse_layers": sparse}
 
 
 def _window(config, layers: str | None) -> tuple[int, list[int]]:
@@ -259,15 +293,43 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                 out[q + "qkv.weight"] = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
                 if cfg.qkv_bias:
                     out[q + "qkv.bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            if cfg.family != "phi3" and i not in cfg.sparse_layers:
                 out[q + "up.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             if cfg.qk_norm:
                 out[q + "q_norm.weight"] = norm(get(p + "self_attn.q_norm.weight"))
                 out[q + "k_norm.weight"] = norm(get(p + "self_attn.k_norm.weight"))
             out[q + "o.weight"] = get(p + "self_attn.o_proj.weight")
-            out[q + "down.weight"] = get(p + "mlp.down_proj.weight")
+            if i in cfg.sparse_layers:
+                out.update(_expert_weights(get, state, cfg, p, q))
+            else:
+                out[q + "down.weight"] = get(p + "mlp.down_proj.weight")
         out["norm.weight"] = norm(get("norm.weight"))
     if not cfg.tied_embeddings:
         out["lm_head.weight"] = state.get("lm_head.weight", out["embed.weight"])
+    return out
+
+
+def _expert_weights(get, state: dict, cfg: DecoderConfig, p: str, q: str) -> dict:
+    """A sparse layer's router and experts: the experts' gate and up projections stacked [experts, 2 x inter,
+    hidden] (gate rows first) and their down projections [experts, hidden, inter], from transformers' fused
+    tensors (``mlp.experts.gate_up_proj``, ``down_proj``, as a loaded model has them) or per expert (as
+    ``save_pretrained`` writes them: Mixtral's ``block_sparse_moe.experts.{i}.w1/w3/w2``, Qwen3-MoE's
+    ``mlp.experts.{i}.gate_proj/up_proj/down_proj``)."""
+    import torch
+
+    def has(name):
+        return any(prefix + name in state for prefix in ("", "model."))
+
+    block = "block_sparse_moe." if has(p + "block_sparse_moe.gate.weight") else "mlp."
+    out = {q + "router.weight": get(p + block + "gate.weight")}
+    if has(p + block + "experts.gate_up_proj"):
+        out[q + "experts_up"] = get(p + block + "experts.gate_up_proj")
+        out[q + "experts_down"] = get(p + block + "experts.down_proj")
+        return out
+    names = ("w1", "w3", "w2") if block == "block_sparse_moe." else ("gate_proj", "up_proj", "down_proj")
+    experts = [[get(f"{p}{block}experts.{e}.{name}.weight") for name in names] for e in range(cfg.experts)]
+    out[q + "experts_up"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in experts])
+    out[q + "experts_down"] = torch.stack([down for _, _, down in experts])
     return out
 
 
@@ -289,7 +351,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
 
-    from .linear import linear, rms_norm, swiglu
+    from .linear import linear, moe_linear, rms_norm, swiglu
 
     dtype = cfg.dtype
     heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -404,7 +466,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     window_theta = window_rope_theta(cfg)
 
     class Layer(nn.Module):
-        def __init__(self):
+        def __init__(self, sparse: bool = False):
             # attention: its norm, the fused q/k/v projection, q/k norms, the output projection
             self.attn_norm = make_norm()
             self.qkv = Linear(cfg.hidden, (heads + 2 * kv_heads) * head_dim, bias=cfg.qkv_bias, dtype=dtype)
@@ -417,6 +479,12 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             self.mlp_norm = make_norm()
             if cfg.post_norms:
                 self.mlp_post_norm = make_norm()
+            self.sparse = sparse
+            if sparse:  # the router and the experts' gate and up (stacked, gate rows first) and down projections
+                self.router = Linear(cfg.hidden, cfg.experts, bias=False, dtype=dtype)
+                self.experts_up = nn.Parameter((cfg.experts, 2 * cfg.expert_mlp, cfg.hidden), dtype)
+                self.experts_down = nn.Parameter((cfg.experts, cfg.hidden, cfg.expert_mlp), dtype)
+                return
             self.up = Linear(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
             self.down = Linear(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
 
@@ -431,7 +499,31 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             attn = cache.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=cfg.attn_scale or head_dim ** -0.5)
             return self.o(op.reshape(attn, (b, s, heads * head_dim)))
 
+        def moe(self, x: Tensor):
+            """The mixture of experts: router logits, softmax over the experts (in float32), the top k, their
+            probabilities renormalised to sum to one where the model does (Mixtral always; Qwen3-MoE with
+            norm_topk_prob). Each token is replicated k times, each row multiplied by its own expert's gate/up
+            and down weights (``moe_gemm``), SwiGLU between, and the k rows summed with their weights."""
+            b, s, hidden = x.shape
+            tokens, k = b * s, cfg.top_k
+            flat = op.reshape(x, (tokens, hidden))
+            logits = self.router(flat)
+            probs = op.softmax(logits.astype("float32") if logits.dtype != "float32" else logits, axis=-1)
+            weights, chosen = op.topk(probs, k=k, axis=-1, ret_type="both", largest=True, dtype="int32")
+            if cfg.renorm_topk:
+                weights = weights / op.sum(weights, axis=-1, keepdims=True)
+            rows = tokens * k
+            replicated = op.reshape(op.broadcast_to(op.reshape(flat, (tokens, 1, hidden)), (tokens, k, hidden)),
+                                    (rows, hidden))
+            expert = op.reshape(chosen, (rows,))
+            gate, up = op.split(moe_linear(replicated, expert, self.experts_up), 2, axis=-1)
+            out = moe_linear(activation(gate) * up, expert, self.experts_down)
+            out = op.reshape(out, (tokens, k, hidden)) * op.reshape(weights.astype(dtype), (tokens, k, 1))
+            return op.reshape(op.sum(out, axis=1), (b, s, hidden))
+
         def mlp(self, x: Tensor):
+            if self.sparse:
+                return self.moe(x)
             if cfg.gated_mlp and cfg.activation == "silu" and self.up.bias is None:
                 fused = swiglu(x, self.up.weight, hopper)  # on sm_90, a prefill chunk's gate and up as one GEMM
                 if fused is not None:
@@ -461,7 +553,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype)
             if cfg.learned_positions:
                 self.positions = nn.Embedding(cfg.learned_positions, cfg.hidden, dtype=dtype)
-            self.layers = nn.ModuleList([Layer() for _ in range(cfg.layers)])
+            self.layers = nn.ModuleList([Layer(i in cfg.sparse_layers) for i in range(cfg.layers)])
             self.norm = make_norm()
             if not cfg.tied_embeddings:
                 self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)

@@ -7,7 +7,9 @@ serve it (swapped operands and split-K for a decode step's few rows, wgmma tiles
 A SwiGLU MLP's gate and up projections become one ``swiglu_gemm`` where its sm_90 space serves the
 shape. An RMSNorm at static shapes is a call of the ``rmsnorm`` workload's kernel on the rows, keyed as
 ``autosched tune rmsnorm`` keys it. At symbolic shapes (``batch_prefill``, ``batch_decode``) the product
-stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default schedules serve.
+stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default schedules serve. A
+mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed token-slot by its own expert's
+weight), static or symbolic alike.
 """
 
 from __future__ import annotations
@@ -85,3 +87,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         return None
     out = _call(wl, "autosched_rmsnorm", [op.reshape(x, (rows, n)), weight], rows, n)
     return op.reshape(out, x.shape)
+
+
+def moe_linear(x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
+    """``Y[i] = x[i]·W[expert[i]]ᵀ`` for x [m, k], expert [m] int32 and W [e, n, k] (each expert's
+    ``nn.Linear`` weight): our ``moe_gemm`` at a static m, the same TE at a symbolic one (TVM's default
+    schedules serve it there)."""
+    from tvm.relax.frontend.nn import op
+
+    from autosched.workloads import make_workload
+    from autosched.workloads.moe import moe_compute
+
+    m, k = x.shape
+    e, n, _ = weight.shape
+    if not isinstance(m, int) or x.dtype != weight.dtype:
+        return op.tensor_expr_op(lambda a, b, c: moe_compute(a, b, c, weight.dtype), "moe_matmul", [x, expert, weight])
+    wl = make_workload("moe_gemm", {"m": m, "e": e, "n": n, "k": k}, weight.dtype)
+    return _call(wl, "autosched_moe_gemm", [x, expert, weight], m, n)

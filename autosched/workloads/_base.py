@@ -197,8 +197,8 @@ def list_operators() -> list[Operator]:
 
 
 def _load_all() -> None:
-    if not _REGISTRY:
-        from . import attention, dequant, gemm, norm, rope  # noqa: F401  (registration side effects)
+    # Every module, whichever registered first (importing one module directly registers its operators only).
+    from . import attention, dequant, gemm, moe, norm, rope  # noqa: F401  (registration side effects)
 
 
 # ---- parsing user input -------------------------------------------------------------------------
