@@ -512,7 +512,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             """Each row's greedy choice (the first index of its largest logit, as numpy's argmax): what the
             runtime reads back of a greedy step, a token per sequence rather than the whole logits. ``logits``
             as a step returns them: [1, sequences, vocab] from a prefill, [sequences, 1, vocab] from a decode."""
-            from .greedy import greedy_kernel
+            from .sampler import greedy_kernel
 
             rows, columns, vocab = logits.shape
             flat = op.reshape(logits, (rows * columns, vocab))
