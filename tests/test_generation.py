@@ -96,6 +96,44 @@ def test_a_decode_step_is_padded_up_to_a_static_batch(built):
     assert gen.live == [] and len(gen.completions) == 1
 
 
+def test_a_finished_result_stays_readable_until_removed_and_stream_leaves_added_sequences_alone(built):
+    """After step() a finished sequence's completion (tokens, finish_reason, error) is readable until
+    remove() takes it; stream(prefix=...) steps only its own sequences, not those the caller added; generate
+    returns a list of its own, which later calls leave as it was."""
+    from autosched.generation import GenerationError, Generator
+
+    model, artifact = built
+    gen = Generator(artifact)
+    a = gen.add(PROMPTS[1], 3)
+    while a in gen.live:
+        gen.step()
+    assert gen.finished == [a] and gen.completion(a).finish_reason == "length"
+    assert gen.completion(a).tokens == _reference(model, PROMPTS[1], 3)
+    assert gen.remove(a).tokens == _reference(model, PROMPTS[1], 3) and gen.finished == []
+    with pytest.raises(GenerationError, match=f"no live sequence {a}"):
+        gen.completion(a)
+    # A sequence the cache ran out of pages for keeps its error too.
+    small = Generator(artifact, kv_pages=1)
+    b = small.add([3] * 60, 4)  # more pages than the cache holds
+    small.step()
+    assert b not in small.live and small.completion(b).finish_reason == "error"
+    assert "out of pages" in small.completion(b).error
+    # The caller's own sequence waits while stream serves its prompts, with or without a prefix.
+    mine = gen.add(PROMPTS[0], 4)
+    streamed = gen.generate([[9, 8, 7]], 4, prefix=[1, 2, 3, 4, 5])
+    assert streamed[0].tokens == _reference(model, [1, 2, 3, 4, 5, 9, 8, 7], 4)
+    assert gen.live == [mine] and gen.completion(mine).tokens == [] and gen.stats["decode_steps"] > 0
+    while mine in gen.live:
+        gen.step()
+    assert gen.remove(mine).tokens == _reference(model, PROMPTS[0], 4)
+    # generate's lists are the caller's own.
+    first = gen.generate(PROMPTS[:2], 4)
+    second = gen.generate(PROMPTS[2:], 4)
+    assert first is not second and first is not gen.completions
+    assert [r.tokens for r in first] == [_reference(model, p, 4) for p in PROMPTS[:2]]
+    assert [r.tokens for r in second] == [_reference(model, p, 4) for p in PROMPTS[2:]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "gpt2", "mistral", "gemma", "phi3"])
 def test_every_family_matches_transformers(family, tmp_path_factory):
