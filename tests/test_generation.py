@@ -210,8 +210,10 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(built):
     assert first[0].tokens == again[0].tokens
     other = gen.generate(PROMPTS[:1], 16, temperature=1.0, top_p=0.9, seed=8)
     assert other[0].tokens != first[0].tokens
-    greedy = gen.generate(PROMPTS, 16)  # chosen on the device; top-k 1 below on the host from the logits
+    greedy = gen.generate(PROMPTS, 16)  # chosen on the device by greedy_tokens; top-k 1 below by sample_tokens
     assert [r.tokens for r in gen.generate(PROMPTS, 16, temperature=0.7, top_k=1)] == [r.tokens for r in greedy]
+    # Every sampled token was chosen on the device: no step read the logits back.
+    assert gen.stats["device_sample_calls"] > 0 and gen.stats["host_sample_calls"] == 0
 
 
 def test_stop_tokens_end_a_sequence(built):
@@ -507,3 +509,40 @@ def test_the_greedy_kernel_takes_the_first_maximum_and_gives_each_row_a_gpu_bloc
     cuda = tvm.compile(named(True), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
     source = cuda.mod.imports[0].inspect_source()
     assert f"__launch_bounds__({THREADS})" in source and "__shfl" in source and "blockIdx.x" in source
+
+
+def test_the_sampling_kernel_matches_host_sampling_for_the_same_uniforms_and_compiles_for_cuda():
+    """sample_tokens (greedy, temperature, top-k, top-p; thresholds by bisection, no sort) picks the token
+    numpy's host sampling picks for the same uniform draw; the CUDA form gives each row a thread block."""
+    import numpy as np
+    import tvm
+
+    from autosched.generation.request import Sampling
+    from autosched.generation.sampler import sample_host, sample_kernel
+
+    vocab = 1000
+
+    def named(gpu):
+        return tvm.IRModule({"main": sample_kernel(vocab, gpu).with_attr("global_symbol", "main")})
+
+    class Uniform:  # numpy's Generator.choice with a given uniform draw
+        def __init__(self, u):
+            self.u = u
+
+        def choice(self, n, p):
+            cdf = np.cumsum(p)
+            return int(np.searchsorted(cdf / cdf[-1], self.u, side="right"))
+
+    rng = np.random.default_rng(0)
+    logits = (3 * rng.standard_normal((8, vocab))).astype("float32")
+    params = np.array([[0, 0, 1, 0], [1, 0, 1, 0.3], [0.7, 5, 1, 0.9], [1, 0, 0.5, 0.5], [1.3, 20, 0.8, 0.1],
+                       [1, 1, 1, 0.99], [2, 0, 0.9, 0.7], [0.5, 3, 0.6, 0.2]], dtype="float32")
+    run = tvm.compile(named(False), target=tvm.target.Target({"kind": "llvm"}))
+    out = tvm.runtime.empty((8,), "int32")
+    run(tvm.runtime.tensor(logits), tvm.runtime.tensor(params), out)
+    expected = [int(np.argmax(logits[0]))] + [
+        sample_host(logits[i], Sampling(float(t), int(k), float(p)), Uniform(float(u)))
+        for i, (t, k, p, u) in enumerate(params) if i]
+    assert out.numpy().tolist() == expected
+    cuda = tvm.compile(named(True), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    assert "blockIdx.x" in cuda.mod.imports[0].inspect_source()

@@ -113,7 +113,8 @@ class StepStats:
     def reset(self) -> None:
         self.counts = {"prefill_calls": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0,
                        "static_decode_steps": 0, "padded_decode_steps": 0, "static_prefill_calls": 0,
-                       "decode_tokens": 0, "decode_s": 0.0, "device_greedy_calls": 0, "host_sample_calls": 0}
+                       "decode_tokens": 0, "decode_s": 0.0, "device_greedy_calls": 0,
+                       "device_sample_calls": 0, "host_sample_calls": 0}
 
     def record(self, prefill: bool, began: float, tokens: int, function: str, padded: bool = False) -> None:
         """A call that began at ``began`` (this clock) and fed ``tokens`` tokens (prefill) or rows (decode)."""
