@@ -96,6 +96,31 @@ def test_a_decode_step_is_padded_up_to_a_static_batch(built):
     assert gen.live == [] and len(gen.completions) == 1
 
 
+def test_the_loaded_model_holds_the_cache_and_runs_one_call(built):
+    """LoadedModel on its own: the artifact's facts, its functions (greedy_tokens and sample_tokens
+    included), sequences in the cache and their pages, padding sequences kept empty, and one prefill call
+    whose logits hold a row per sequence."""
+
+    from autosched.generation.model import PAD_SEQUENCE_IDS, LoadedModel
+
+    model, artifact = built
+    m = LoadedModel.load(artifact)
+    assert (m.max_seq_len, m.max_batch, m.vocab) == (MAX_SEQ_LEN, MAX_BATCH, 512)
+    assert m.greedy_tokens is not None and m.sample_tokens is not None and m.function("no_such_function") is None
+    free = m.free_pages()
+    m.add(0)
+    m.add(1)
+    logits = m.forward("batch_prefill", [0, 1], [3, 2], [5, 7, 9, 100, 200], prefill=True)
+    rows = logits.numpy().reshape(2, -1)
+    assert rows.shape == (2, 512)
+    assert int(rows[1].argmax()) == _reference(model, [100, 200], 1)[0]
+    assert m.free_pages() == free - 2
+    assert m.padding_ids(2) == [PAD_SEQUENCE_IDS, PAD_SEQUENCE_IDS + 1] and m.padding_ids(1) == [PAD_SEQUENCE_IDS]
+    m.remove(0)
+    m.remove(1)
+    assert m.free_pages() == free
+
+
 def test_a_finished_result_stays_readable_until_removed_and_stream_leaves_added_sequences_alone(built):
     """After step() a finished sequence's completion (tokens, finish_reason, error) is readable until
     remove() takes it; stream(prefix=...) steps only its own sequences, not those the caller added; generate
