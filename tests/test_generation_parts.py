@@ -163,3 +163,22 @@ def test_the_runtime_does_not_import_the_build_module():
             "bad = [m for m in sys.modules if m in ('autosched.generation.build', 'autosched.pipeline.build')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_generation_report_is_the_model_builds_report():
+    """Transferred kernels and records slower than the default are reported as `build` reports them, and
+    written to the manifest the same way."""
+    from autosched.artifact import kernel_sources
+    from autosched.generation.build import GenerationReport
+    from autosched.pipeline.build import ApplyReport
+
+    report = GenerationReport(tuned={"a": {}}, transferred={"b": "gemm[m=8]"}, default=["c", "d"],
+                              slower_than_default=["c"], attention={"decode over cached pages": "autosched x"},
+                              workloads={"a": {}}, seconds={"compile": 2.5})
+    assert isinstance(report, ApplyReport)
+    summary = report.summary()
+    assert summary.startswith("4 kernels per forward pass: 1 from the database, 1 from the nearest tuned shape, "
+                              "2 on default schedules (1 of them had a record slower than the default, not used)")
+    assert "except ours for decode over cached pages" in summary and summary.endswith("compile 2.5 s")
+    sources = kernel_sources(report)
+    assert sources["transferred_kernels"] == {"b": "gemm[m=8]"} and sources["records_slower_than_default"] == ["c"]
