@@ -151,6 +151,11 @@ def test_a_finished_result_stays_readable_until_removed_and_stream_leaves_added_
     while mine in gen.live:
         gen.step()
     assert gen.remove(mine).tokens == _reference(model, PROMPTS[0], 4)
+    # A batch the caller filled with add() leaves no room: stream's prompts end with that error, not silently.
+    held = [gen.add([1, 2], 4) for _ in range(MAX_BATCH)]
+    assert "sequences are live, the artifact's --max-batch" in gen.generate([[5]], 2)[0].error
+    for seq_id in held:
+        gen.remove(seq_id)
     # generate's lists are the caller's own.
     first = gen.generate(PROMPTS[:2], 4)
     second = gen.generate(PROMPTS[2:], 4)

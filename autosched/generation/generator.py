@@ -203,7 +203,9 @@ class Generator:
             self._step([root])
         try:
             while queue or owner:
-                while queue and len(self._seqs) < self.max_batch:
+                # With none of its own live, a prompt that finds the batch full (of add()'s sequences) ends with
+                # add()'s error rather than waiting for a step that would never come.
+                while queue and (len(self._seqs) < self.max_batch or not owner):
                     index, prompt = queue.pop(0)
                     sampling = Sampling(temperature, top_k, top_p, seed + index)
                     try:
