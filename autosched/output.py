@@ -87,6 +87,8 @@ def check_output_folder(path: str, what: str, build: bool = False) -> None:
     so that a build never mixes its files into a folder of other things."""
     from pathlib import Path
 
+    from autosched.artifact import MANIFEST
+
     from .errors import UsageError
 
     out = Path(path)
@@ -96,6 +98,6 @@ def check_output_folder(path: str, what: str, build: bool = False) -> None:
                 where = "" if folder == out else f" ({folder} is a file)"
                 raise UsageError(f"-o {path} cannot be a folder{where}: give a folder path for {what}")
             break
-    if build and out.is_dir() and not (out / "manifest.json").exists() and any(out.iterdir()):
+    if build and out.is_dir() and not (out / MANIFEST).exists() and any(out.iterdir()):
         raise UsageError(f"-o {path} holds other files and is not an autosched build: give a new or empty folder "
                          f"for {what}")

@@ -170,7 +170,7 @@ def profile_steps(make_generator, prompts, phase: str, steps: int = 4, top: int 
     rows = sorted(({"kernel": k, "calls_per_step": len(v) / steps, "ms_per_step": sum(v) / steps}
                    for k, v in totals.items() if not k.startswith("vm.builtin.") or "attention" in k),
                   key=lambda r: -r["ms_per_step"])
-    for seq_id in set(ids) & set(gen.live):  # a sequence that reached --max-seq-len has left already
+    for seq_id in set(ids) & {*gen.live, *gen.finished}:  # a finished sequence's result, or a live one
         gen.remove(seq_id)
     return rows[:top]
 

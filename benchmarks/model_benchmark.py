@@ -190,7 +190,7 @@ def main() -> int:
         retimed = retime_interleaved({name: functools.partial(timer, 5) for name, timer in timers.items()})
         row.update({name: seconds * 1e3 for name, seconds in retimed.items()})
         if args.profile:
-            from autosched.pipeline.artifact import kernel_sources
+            from autosched.artifact import kernel_sources
             from autosched.runmodel import schedule_of
 
             kernels = kernel_sources(report)

@@ -70,8 +70,9 @@ def _check_family(model, artifact):
     gen = Generator(artifact)
     results = gen.generate(PROMPTS, NEW)
     assert gen.stats["static_prefill_calls"] == 4  # 32 prompt tokens: four chunks of 8
-    # Every call chose its greedy tokens on the device (read back a token per row, not the logits).
-    assert gen.stats["device_greedy_calls"] == gen.stats["prefill_calls"] + gen.stats["decode_steps"] > 0
+    # Every call that made tokens chose them on the device (read back a token per row, not the logits); a
+    # chunk that ends no prompt reads nothing back.
+    assert gen.stats["device_greedy_calls"] > gen.stats["decode_steps"] > 0 and gen.stats["host_sample_calls"] == 0
     for prompt, result in zip(PROMPTS, results):
         assert result.error is None
         assert result.tokens == _reference(model, prompt), prompt
@@ -93,6 +94,74 @@ def test_a_decode_step_is_padded_up_to_a_static_batch(built):
     assert result.tokens == _reference(model, PROMPTS[1], 12)
     assert gen.stats["padded_decode_steps"] == gen.stats["static_decode_steps"] == 11
     assert gen.live == [] and len(gen.completions) == 1
+
+
+def test_the_loaded_model_holds_the_cache_and_runs_one_call(built):
+    """LoadedModel on its own: the artifact's facts, its functions (greedy_tokens and sample_tokens
+    included), sequences in the cache and their pages, padding sequences kept empty, and one prefill call
+    whose logits hold a row per sequence."""
+
+    from autosched.generation.model import PAD_SEQUENCE_IDS, LoadedModel
+
+    model, artifact = built
+    m = LoadedModel.load(artifact)
+    assert (m.max_seq_len, m.max_batch, m.vocab) == (MAX_SEQ_LEN, MAX_BATCH, 512)
+    assert m.greedy_tokens is not None and m.sample_tokens is not None and m.function("no_such_function") is None
+    free = m.free_pages()
+    m.add(0)
+    m.add(1)
+    logits = m.forward("batch_prefill", [0, 1], [3, 2], [5, 7, 9, 100, 200], prefill=True)
+    rows = logits.numpy().reshape(2, -1)
+    assert rows.shape == (2, 512)
+    assert int(rows[1].argmax()) == _reference(model, [100, 200], 1)[0]
+    assert m.free_pages() == free - 2
+    assert m.padding_ids(2) == [PAD_SEQUENCE_IDS, PAD_SEQUENCE_IDS + 1] and m.padding_ids(1) == [PAD_SEQUENCE_IDS]
+    m.remove(0)
+    m.remove(1)
+    assert m.free_pages() == free
+
+
+def test_a_finished_result_stays_readable_until_removed_and_stream_leaves_added_sequences_alone(built):
+    """After step() a finished sequence's completion (tokens, finish_reason, error) is readable until
+    remove() takes it; stream(prefix=...) steps only its own sequences, not those the caller added; generate
+    returns a list of its own, which later calls leave as it was."""
+    from autosched.generation import GenerationError, Generator
+
+    model, artifact = built
+    gen = Generator(artifact)
+    a = gen.add(PROMPTS[1], 3)
+    while a in gen.live:
+        gen.step()
+    assert gen.finished == [a] and gen.completion(a).finish_reason == "length"
+    assert gen.completion(a).tokens == _reference(model, PROMPTS[1], 3)
+    assert gen.remove(a).tokens == _reference(model, PROMPTS[1], 3) and gen.finished == []
+    with pytest.raises(GenerationError, match=f"no live sequence {a}"):
+        gen.completion(a)
+    # A sequence the cache ran out of pages for keeps its error too.
+    small = Generator(artifact, kv_pages=1)
+    b = small.add([3] * 60, 4)  # more pages than the cache holds
+    small.step()
+    assert b not in small.live and small.completion(b).finish_reason == "error"
+    assert "out of pages" in small.completion(b).error
+    # The caller's own sequence waits while stream serves its prompts, with or without a prefix.
+    mine = gen.add(PROMPTS[0], 4)
+    streamed = gen.generate([[9, 8, 7]], 4, prefix=[1, 2, 3, 4, 5])
+    assert streamed[0].tokens == _reference(model, [1, 2, 3, 4, 5, 9, 8, 7], 4)
+    assert gen.live == [mine] and gen.completion(mine).tokens == [] and gen.stats["decode_steps"] > 0
+    while mine in gen.live:
+        gen.step()
+    assert gen.remove(mine).tokens == _reference(model, PROMPTS[0], 4)
+    # A batch the caller filled with add() leaves no room: stream's prompts end with that error, not silently.
+    held = [gen.add([1, 2], 4) for _ in range(MAX_BATCH)]
+    assert "sequences are live, the artifact's --max-batch" in gen.generate([[5]], 2)[0].error
+    for seq_id in held:
+        gen.remove(seq_id)
+    # generate's lists are the caller's own.
+    first = gen.generate(PROMPTS[:2], 4)
+    second = gen.generate(PROMPTS[2:], 4)
+    assert first is not second and first is not gen.completions
+    assert [r.tokens for r in first] == [_reference(model, p, 4) for p in PROMPTS[:2]]
+    assert [r.tokens for r in second] == [_reference(model, p, 4) for p in PROMPTS[2:]]
 
 
 @pytest.mark.slow
@@ -171,8 +240,10 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(built):
     assert first[0].tokens == again[0].tokens
     other = gen.generate(PROMPTS[:1], 16, temperature=1.0, top_p=0.9, seed=8)
     assert other[0].tokens != first[0].tokens
-    greedy = gen.generate(PROMPTS, 16)  # chosen on the device; top-k 1 below on the host from the logits
+    greedy = gen.generate(PROMPTS, 16)  # chosen on the device by greedy_tokens; top-k 1 below by sample_tokens
     assert [r.tokens for r in gen.generate(PROMPTS, 16, temperature=0.7, top_k=1)] == [r.tokens for r in greedy]
+    # Every sampled token was chosen on the device: no step read the logits back.
+    assert gen.stats["device_sample_calls"] > 0 and gen.stats["host_sample_calls"] == 0
 
 
 def test_stop_tokens_end_a_sequence(built):
@@ -453,7 +524,7 @@ def test_the_greedy_kernel_takes_the_first_maximum_and_gives_each_row_a_gpu_bloc
     import numpy as np
     import tvm
 
-    from autosched.generation.greedy import THREADS, greedy_kernel
+    from autosched.generation.sampler import THREADS, greedy_kernel
 
     vocab = 1000
 
@@ -471,3 +542,40 @@ def test_the_greedy_kernel_takes_the_first_maximum_and_gives_each_row_a_gpu_bloc
     cuda = tvm.compile(named(True), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
     source = cuda.mod.imports[0].inspect_source()
     assert f"__launch_bounds__({THREADS})" in source and "__shfl" in source and "blockIdx.x" in source
+
+
+def test_the_sampling_kernel_matches_host_sampling_for_the_same_uniforms_and_compiles_for_cuda():
+    """sample_tokens (greedy, temperature, top-k, top-p; thresholds by bisection, no sort) picks the token
+    numpy's host sampling picks for the same uniform draw; the CUDA form gives each row a thread block."""
+    import numpy as np
+    import tvm
+
+    from autosched.generation.request import Sampling
+    from autosched.generation.sampler import sample_host, sample_kernel
+
+    vocab = 1000
+
+    def named(gpu):
+        return tvm.IRModule({"main": sample_kernel(vocab, gpu).with_attr("global_symbol", "main")})
+
+    class Uniform:  # numpy's Generator.choice with a given uniform draw
+        def __init__(self, u):
+            self.u = u
+
+        def choice(self, n, p):
+            cdf = np.cumsum(p)
+            return int(np.searchsorted(cdf / cdf[-1], self.u, side="right"))
+
+    rng = np.random.default_rng(0)
+    logits = (3 * rng.standard_normal((8, vocab))).astype("float32")
+    params = np.array([[0, 0, 1, 0], [1, 0, 1, 0.3], [0.7, 5, 1, 0.9], [1, 0, 0.5, 0.5], [1.3, 20, 0.8, 0.1],
+                       [1, 1, 1, 0.99], [2, 0, 0.9, 0.7], [0.5, 3, 0.6, 0.2]], dtype="float32")
+    run = tvm.compile(named(False), target=tvm.target.Target({"kind": "llvm"}))
+    out = tvm.runtime.empty((8,), "int32")
+    run(tvm.runtime.tensor(logits), tvm.runtime.tensor(params), out)
+    expected = [int(np.argmax(logits[0]))] + [
+        sample_host(logits[i], Sampling(float(t), int(k), float(p)), Uniform(float(u)))
+        for i, (t, k, p, u) in enumerate(params) if i]
+    assert out.numpy().tolist() == expected
+    cuda = tvm.compile(named(True), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    assert "blockIdx.x" in cuda.mod.imports[0].inspect_source()

@@ -178,8 +178,8 @@ def test_run_refuses_an_artifact_it_cannot_read_as_a_model_build(tmp_path):
 
 
 def test_the_generation_format_is_the_one_the_generation_build_writes():
+    from autosched.artifact import GENERATION_FORMAT
     from autosched.generation.build import FORMAT
-    from autosched.pipeline.artifact import GENERATION_FORMAT
 
     assert GENERATION_FORMAT == FORMAT
 

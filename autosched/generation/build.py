@@ -4,13 +4,16 @@ one library with the paged KV cache's functions, and written next to the weights
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autosched.artifact import GENERATION_FORMAT as FORMAT
+from autosched.artifact import GENERATION_LIBRARY as LIBRARY
+from autosched.artifact import MANIFEST_VERSION, PARAMS, kernel_sources, write_artifact
 from autosched.errors import UsageError
+from autosched.pipeline.build import ApplyReport, build_summary
 
 from .decoder import DecoderConfig, config_from_hf, export, weights_from_hf, window_rope_unsupported
 
@@ -18,10 +21,6 @@ if TYPE_CHECKING:
     from autosched.database.store import Database
     from autosched.target import TargetSpec
 
-FORMAT = "autosched-generator"
-LIBRARY = "generate.so"
-PARAMS = "params.bin"
-MANIFEST = "manifest.json"
 DEFAULT_PAGE_SIZE = 16
 
 # The functions TVM's paged KV cache calls for attention, by what they do: TVM's kernels (the default TIR
@@ -97,22 +96,25 @@ def load_generation_model(spec: str, dtype: str | None = None) -> GenerationMode
 
 
 @dataclass
-class GenerationReport:
-    """Where each kernel's schedule came from, and the attention functions the cache runs."""
+class GenerationReport(ApplyReport):
+    """A model build's report (:class:`~autosched.pipeline.build.ApplyReport`: tuned, transferred and default
+    kernels, records slower than the default) and what a generation build adds: the attention functions the
+    cache runs and the kernels of our workloads."""
 
-    tuned: dict[str, dict] = field(default_factory=dict)
-    default: list[str] = field(default_factory=list)
     attention: dict[str, str] = field(default_factory=dict)  # role -> what runs it
     # Kernels of our workloads (each linear layer of the static functions): name -> workload key, space and
     # where its schedule came from.
     workloads: dict[str, dict[str, str]] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         ours = sorted(role for role, runs in self.attention.items() if runs.startswith("autosched"))
-        text = (f"{len(self.tuned) + len(self.default)} kernels: {len(self.tuned)} from the database, "
-                f"{len(self.default)} on default schedules, {len(self.workloads)} of our workloads; attention on "
-                "TVM's default paged-KV kernels" + (f" except ours for {', '.join(ours)}" if ours else ""))
+        seconds, self.seconds = self.seconds, {}
+        try:
+            text = build_summary(self)
+        finally:
+            self.seconds = seconds
+        text += (f", {len(self.workloads)} of our workloads; attention on TVM's default paged-KV kernels"
+                 + (f" except ours for {', '.join(ours)}" if ours else ""))
         return text + "; " + ", ".join(f"{step} {s:.1f} s" for step, s in self.seconds.items())
 
 
@@ -143,11 +145,13 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
     lowered, ours, kernels = dispatch_attention(lowered, target)
     scheduled, applied = apply_database(lowered, db, target, calls=decode_calls(lowered))
     applied.separate.update(kernels)  # compiled on their own and linked, as tuned TIRx kernels are
-    report = GenerationReport(tuned=dict(applied.tuned))
+    report = GenerationReport(tuned=dict(applied.tuned), transferred=dict(applied.transferred),
+                              slower_than_default=list(applied.slower_than_default), build_time=list(applied.build_time))
     attention_kernels = {name for names in ATTENTION_ROLES.values() for name in names}
     for gv, func in lowered.functions.items():
         name = gv.name_hint
-        if isinstance(func, tirx.PrimFunc) and name not in report.tuned and not name.startswith(tuple(attention_kernels)):
+        if (isinstance(func, tirx.PrimFunc) and name not in report.tuned and name not in report.transferred
+                and not name.startswith(tuple(attention_kernels))):
             report.default.append(name)
     report.workloads = workload_kernels(lowered, applied, target)
     present = [gv.name_hint for gv in lowered.functions]
@@ -254,13 +258,14 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
     from autosched import __version__
 
     return {
-        "format": FORMAT, "version": 1, "model": model.spec, "decoder": model.config.to_json(), "param_names": names,
+        "format": FORMAT, "version": MANIFEST_VERSION, "model": model.spec, "decoder": model.config.to_json(),
+        "param_names": names,
         "param_order": [f"p{i}" for i in range(len(names))], "library": LIBRARY, "params": PARAMS,
         "target": target.to_json(), "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
         "decode_batches": list(decode_batches), "prefill_chunks": list(prefill_chunks), "eos_token_ids": model.eos_token_ids,
         "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
-        "tuned_kernels": report.tuned, "default_kernels": report.default, "attention": report.attention,
+        **kernel_sources(report), "attention": report.attention,
         "workload_kernels": report.workloads,
     }
 
@@ -272,7 +277,6 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
                     prefill_chunks: tuple[int, ...] | None = None) -> tuple[Path, GenerationReport]:
     """Write a generation artifact for ``model`` to ``out_dir``: ``generate.so`` (batched prefill and decode,
     the KV cache's creation), ``params.bin`` and ``manifest.json``. Nothing is written if the build fails."""
-    import tvm
 
     _check_limits(model.config, max_seq_len, max_batch)
     if model.config.sliding_window >= max_seq_len:  # the window never binds: every layer attends to the whole sequence
@@ -293,13 +297,8 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     weights = weights_from_hf(model.hf.state_dict(), model.config)
     manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,
                                    decode_batches, prefill_chunks)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {key: _to_tvm(weights[name], model.config.dtype) for key, name in zip(manifest["param_order"], names)}
-    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(tensors))
-    executable.export_library(str(out / LIBRARY))
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return out, report
+    return write_artifact(out_dir, {LIBRARY: executable}, tensors, manifest), report
 
 
 def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:

@@ -611,7 +611,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             """Each row's greedy choice (the first index of its largest logit, as numpy's argmax): what the
             runtime reads back of a greedy step, a token per sequence rather than the whole logits. ``logits``
             as a step returns them: [1, sequences, vocab] from a prefill, [sequences, 1, vocab] from a decode."""
-            from .greedy import greedy_kernel
+            from .sampler import greedy_kernel
 
             rows, columns, vocab = logits.shape
             flat = op.reshape(logits, (rows * columns, vocab))
@@ -620,6 +620,18 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                                        [Tensor.placeholder((rows * columns,), "int32"),
                                         Tensor.placeholder((rows * columns,), "float32")])
             return index
+
+        def sample_tokens(self, logits: Tensor, params: Tensor):
+            """Each row's token chosen on the device as its (temperature, top_k, top_p, uniform) row of
+            ``params`` asks (see :func:`.sampler.sample_kernel`): what the runtime reads back of a sampled step,
+            a token per sequence rather than the whole logits. ``logits`` as :meth:`greedy_tokens` takes them."""
+            from .sampler import sample_kernel
+
+            rows, columns, vocab = logits.shape
+            flat = op.reshape(logits, (rows * columns, vocab))
+            kernel = sample_kernel(vocab, gpu=_current_target().kind.name == "cuda")
+            return op.tensor_ir_op(kernel, "sample_tokens", [flat, params],
+                                   [Tensor.placeholder((rows * columns,), "int32")])
 
         def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
@@ -671,6 +683,9 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                           "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), "cache": cache_spec, "$": packed},
         "batch_decode": {"input_ids": nn.spec.Tensor(["batch_size"], "int32"), "cache": cache_spec, "$": packed},
         "greedy_tokens": {"logits": nn.spec.Tensor(["rows", "columns", cfg.vocab], "float32"),
+                          "$": {"param_mode": "none", "effect_mode": "none"}},
+        "sample_tokens": {"logits": nn.spec.Tensor(["rows", "columns", cfg.vocab], "float32"),
+                          "params": nn.spec.Tensor(["sampled", 4], "float32"),
                           "$": {"param_mode": "none", "effect_mode": "none"}},
         "create_paged_kv_cache": {name: int for name in ("max_batch_size", "max_total_seq_len", "prefill_chunk_size",
                                                          "page_size", "support_sliding_window")}

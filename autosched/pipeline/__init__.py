@@ -20,7 +20,7 @@
 
 from __future__ import annotations
 
-from .artifact import LIBRARY, MANIFEST, PARAMS, BucketedModel, export_artifact, export_bucketed, load_artifact, read_manifest
+from ..artifact import LIBRARY, MANIFEST, PARAMS, BucketedModel, export_artifact, export_bucketed, load_artifact, read_manifest
 from .build import ApplyReport, apply_database, build_buckets, build_model, build_pipeline, build_summary, compile_separate
 from .importer import import_model
 from .lengths import bucket_grid, bucket_key, check_padding_is_exact, models_at, parse_batches, parse_lengths

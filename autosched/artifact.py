@@ -1,5 +1,7 @@
-"""The deployable artifact: the compiled library, the parameters and a manifest, loadable with TVM's
-runtime alone."""
+"""The deployable artifacts, both kinds: a model build (``autosched build``: ``model.so``, or a library per
+bucket) and a generation build (``autosched build --generate``: ``generate.so``), each beside ``params.bin`` and
+``manifest.json``. One writer (:func:`write_artifact`) and one manifest reader (:func:`read_manifest`, by
+kind) for both, loadable with TVM's runtime alone: nothing here imports a build module."""
 
 from __future__ import annotations
 
@@ -11,28 +13,42 @@ from typing import TYPE_CHECKING
 from autosched.errors import UsageError
 
 if TYPE_CHECKING:
+    from autosched.pipeline.build import ApplyReport
+    from autosched.pipeline.load import Model
     from autosched.target import TargetSpec
-
-    from .build import ApplyReport
-    from .load import Model
 
 
 MANIFEST = "manifest.json"
 LIBRARY = "model.so"
 PARAMS = "params.bin"
 MANIFEST_VERSION = 1  # what export_artifact, export_bucketed and the generation build write
-GENERATION_FORMAT = "autosched-generator"  # the format of `build --generate`'s manifest (generation/build.py's FORMAT)
+MODEL_FORMAT = "autosched-model"  # the format of `build`'s manifest
+GENERATION_FORMAT = "autosched-generator"  # the format of `build --generate`'s manifest
+GENERATION_LIBRARY = "generate.so"
+
+
+def write_artifact(out_dir: str | Path, libraries: dict, params: dict, manifest: dict) -> Path:
+    """Write an artifact of either kind: ``params`` ({name: TVM tensor}) to ``params.bin``, each executable of
+    ``libraries`` ({file name: executable}) and then ``manifest.json`` (last: a folder with a manifest is
+    whole). The folder is created."""
+    import tvm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(params))
+    for name, executable in libraries.items():
+        executable.export_library(str(out / name))
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out
 
 
 def export_artifact(out_dir: str | Path, executable, params: list, model: Model, target: TargetSpec,
                     report: ApplyReport, db_path: str | None) -> Path:
     """Write ``model.so``, ``params.bin`` and ``manifest.json`` to ``out_dir``."""
-    out, manifest = _export_common(out_dir, model, target, db_path)
-    manifest["param_order"] = _write_params(out, params)
-    executable.export_library(str(out / LIBRARY))
-    manifest.update(library=LIBRARY, **kernel_sources(report))
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return out
+    manifest = _manifest(model, target, db_path)
+    tensors = _named(params)
+    manifest.update(param_order=list(tensors), library=LIBRARY, **kernel_sources(report))
+    return write_artifact(out_dir, {LIBRARY: executable}, tensors, manifest)
 
 
 def export_bucketed(out_dir: str | Path, executables: dict, params: dict, model: Model, target: TargetSpec,
@@ -41,16 +57,15 @@ def export_bucketed(out_dir: str | Path, executables: dict, params: dict, model:
     ``model-b4.so``, ``model-b4-t128.so``), one parameter file holding each distinct tensor once
     (``param_order`` per bucket), and a manifest saying which axis of each input and output is the
     batch and the sequence. ``axes``: {"batch" and/or "tokens": PaddedAxes}, the axes that vary."""
-    from .lengths import bucket_key
+    from autosched.pipeline.lengths import bucket_key
 
-    out, manifest = _export_common(out_dir, model, target, db_path)
+    manifest = _manifest(model, target, db_path)
     buckets = sorted(executables, key=lambda b: (b[0] or 0, b[1] or 0))
     # Each tensor once: build_buckets made a tensor shared by several buckets one object.
     distinct = list({id(t): t for bucket in params.values() for t in bucket}.values())
-    names = dict(zip(map(id, distinct), _write_params(out, distinct)))
+    tensors = _named(distinct)
+    names = dict(zip(map(id, distinct), tensors))
     manifest["param_order"] = {bucket_key(b): [names[id(t)] for t in params[b]] for b in buckets}
-    for bucket in buckets:
-        executables[bucket].export_library(str(out / _library(bucket)))
     for axis, found in axes.items():
         for spec, index in zip(manifest["inputs"], found.inputs):
             if index is not None:
@@ -61,12 +76,11 @@ def export_bucketed(out_dir: str | Path, executables: dict, params: dict, model:
     listed = [b[1] for b in buckets] if "batch" not in axes else [list(b) for b in buckets]
     manifest.update(buckets=listed, libraries={bucket_key(b): _library(b) for b in buckets},
                     kernels_per_bucket={bucket_key(b): kernel_sources(reports[b]) for b in buckets})
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return out
+    return write_artifact(out_dir, {_library(b): executables[b] for b in buckets}, tensors, manifest)
 
 
 def _library(bucket) -> str:
-    from .lengths import bucket_key
+    from autosched.pipeline.lengths import bucket_key
 
     key = bucket_key(bucket)
     return f"model-{key if key.startswith('b') else 't' + key}.so"
@@ -79,41 +93,40 @@ def kernel_sources(report: ApplyReport) -> dict:
             "records_slower_than_default": report.slower_than_default}
 
 
-def _write_params(out: Path, tensors: list) -> list[str]:
-    """Write ``tensors`` to ``params.bin`` as ``p0``, ``p1``, ...; returns the names."""
-    import tvm
-
-    names = [f"p{i}" for i in range(len(tensors))]
-    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(dict(zip(names, tensors))))
-    return names
+def _named(tensors: list) -> dict:
+    """``tensors`` named as ``params.bin`` holds them: ``p0``, ``p1``, ..."""
+    return {f"p{i}": t for i, t in enumerate(tensors)}
 
 
-def _export_common(out_dir: str | Path, model: Model, target: TargetSpec, db_path: str | None):
-    """The output folder, created, and the manifest's fields every build has."""
+def _manifest(model: Model, target: TargetSpec, db_path: str | None) -> dict:
+    """The manifest's fields every model build has."""
     import tvm
 
     from autosched import __version__
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = {
-        "format": "autosched-model", "version": MANIFEST_VERSION, "model": model.spec, "model_kwargs": dict(model.kwargs),
+    return {
+        "format": MODEL_FORMAT, "version": MANIFEST_VERSION, "model": model.spec, "model_kwargs": dict(model.kwargs),
         "autosched_version": __version__,
         "tvm_version": tvm.__version__, "target": target.to_json(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "params": PARAMS, "inputs": model.input_specs(), "weights_sha256": model.weights_digest(), "database": db_path,
     }
-    return out, manifest
 
 
-def read_manifest(out_dir: str | Path) -> dict:
-    """The artifact's manifest, checked: it parses, has the fields a load needs, and the files it names
-    are there (a damaged artifact is named in one line, not met later as a TVM or KeyError)."""
+def read_manifest(out_dir: str | Path, kind: str = "model") -> dict:
+    """The manifest of an artifact of ``kind`` (``model``: ``autosched build``; ``generation``: ``autosched build
+    --generate``), checked: it parses, is of that kind and a version this autosched reads, has the fields a
+    load needs, and the files it names are there (a damaged artifact is named in one line, not met later as
+    a TVM or KeyError)."""
+    generation = kind == "generation"
+    build = "`autosched build MODEL --generate`" if generation else "`autosched build`"
+    rebuild = f"rebuild it with {build}"
     manifest_path = Path(out_dir) / MANIFEST
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UsageError(f"{out_dir} is a file, not an artifact: give the folder {build[:-1]} -o DIR` wrote")
     if not Path(out_dir).is_dir():
-        raise UsageError(f"no folder {out_dir}: give the folder `autosched build -o` wrote")
+        raise UsageError(f"no folder {out_dir} (so no {MANIFEST}): give the folder {build[:-1]} -o DIR` wrote")
     if not manifest_path.exists():
-        raise UsageError(f"{out_dir} is not an autosched build (no {MANIFEST}): run `autosched build` first")
-    rebuild = "rebuild it with `autosched build`"
+        raise UsageError(f"{out_dir} is not an autosched build (no {MANIFEST}): run {build[:-1]} -o {out_dir}` first")
     try:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as exc:
@@ -122,12 +135,17 @@ def read_manifest(out_dir: str | Path) -> dict:
         raise UsageError(f"{manifest_path} cannot be read ({exc}): {rebuild}") from None
     if not isinstance(manifest, dict):
         raise UsageError(f"{manifest_path} is not an autosched manifest (not a JSON object): {rebuild}")
-    if manifest.get("format") == GENERATION_FORMAT:
+    if generation and manifest.get("format") != GENERATION_FORMAT:
+        raise UsageError(f"{out_dir} was built without --generate: rebuild it with {build}")
+    if not generation and manifest.get("format") == GENERATION_FORMAT:
         raise UsageError(f"{out_dir} is a generation artifact (built with --generate): generate from it with "
                          f"`autosched generate {out_dir} --prompt-ids 1,2,3` or autosched.Generator")
     check_manifest_version(manifest, manifest_path)
-    need = ["model", "target", "inputs", "params", "param_order"] + (
-        ["libraries", "kernels_per_bucket"] if "buckets" in manifest else ["library", "tuned_kernels", "default_kernels"])
+    if generation:
+        need = ["target", "decoder", "library", "params", "param_order", "max_seq_len", "max_batch", "page_size"]
+    else:
+        need = ["model", "target", "inputs", "params", "param_order"] + (
+            ["libraries", "kernels_per_bucket"] if "buckets" in manifest else ["library", "tuned_kernels", "default_kernels"])
     missing = [key for key in need if key not in manifest]
     if missing:
         raise UsageError(f"{manifest_path} lacks {', '.join(missing)}: {rebuild}")
@@ -196,6 +214,21 @@ def artifact_device(manifest: dict, path: str | Path):
     return device
 
 
+def load_generation_artifact(out_dir: str | Path):
+    """(executable, params on the device in ``param_order``, manifest, device) of a ``build --generate``
+    artifact, using TVM's runtime only."""
+    out, manifest = Path(out_dir), read_manifest(out_dir, "generation")
+    rebuild = "rebuild the artifact with `autosched build MODEL --generate`"
+    device = artifact_device(manifest, out)
+    executable = load_library(out / manifest["library"], rebuild)
+    saved = load_params(out / manifest["params"], rebuild)
+    missing = [name for name in manifest["param_order"] if name not in saved]
+    if missing:
+        raise UsageError(f"{out / manifest['params']} lacks {len(missing)} of the {len(manifest['param_order'])} "
+                         f"parameters {MANIFEST} names (a truncated file?): {rebuild}")
+    return executable, [saved[name].copyto(device) for name in manifest["param_order"]], manifest, device
+
+
 def load_artifact(out_dir: str | Path):
     """(VirtualMachine, params, manifest) of an exported artifact, using TVM's runtime only. A
     ``--tokens dynamic`` build is loaded by :class:`BucketedModel` instead."""
@@ -232,7 +265,7 @@ class BucketedModel:
 
     def key(self, bucket: tuple) -> str:
         """The bucket's name in the manifest."""
-        from .lengths import bucket_key
+        from autosched.pipeline.lengths import bucket_key
 
         return bucket_key(bucket)
 

@@ -1,0 +1,132 @@
+"""The loaded model of a generation artifact: its VM functions, its parameters on the device, TVM's paged
+KV cache (one, or two for a model with windowed and global layers) and the runtime's ``vm.builtin.kv_state_*``
+handles that add, fork and remove sequences. It runs one call a time; what to call is the scheduler's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autosched.errors import UsageError
+
+# Sequence ids of the padding rows of a decode step, far from those of requests (0, 1, 2, ...).
+PAD_SEQUENCE_IDS = 1 << 40
+
+
+def check_kv_pages(kv_pages) -> None:
+    """``kv_pages``: a whole number of pages, at least 1 (None: the default)."""
+    if isinstance(kv_pages, bool) or not isinstance(kv_pages, int) or kv_pages < 1:
+        raise UsageError(f"kv_pages must be a whole number of pages, at least 1 (got {kv_pages!r}); leave it out for "
+                         "room for max_batch sequences of max_seq_len tokens")
+
+
+class LoadedModel:
+    """A generation artifact's functions, parameters and KV cache, on ``device``."""
+
+    def __init__(self, vm, params: list, manifest: dict, device, kv_pages: int | None = None):
+        import tvm
+
+        from autosched.target import use_all_cpu_threads
+        from autosched.tvm_adapter import kv_cache_runtime
+
+        if kv_pages is not None:
+            check_kv_pages(kv_pages)
+        m = manifest
+        if m["target"]["kind"] == "llvm":
+            use_all_cpu_threads()  # as the kernels were tuned and timed; before the first kernel runs
+        self.manifest, self.vm, self.params, self.device = m, vm, params, device
+        self.vocab = m["decoder"]["vocab"]
+        self.max_seq_len, self.max_batch, self.page_size = m["max_seq_len"], m["max_batch"], m["page_size"]
+        self.eos_token_ids = frozenset(m.get("eos_token_ids", []))
+        self.decode_batches = frozenset(m.get("decode_batches", []))
+        self.prefill_chunks = tuple(m.get("prefill_chunks", []))
+        # Phi-3's longrope: transformers re-reads a sequence with the long factors when it grows past the
+        # original context (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache then).
+        scaling = m["decoder"].get("rope_scaling") or {}
+        self.rope_switch = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
+        # A model with a sliding window: each sequence's cache keeps the window - 1 tokens before the newest (TVM's
+        # sliding window; pages that leave it are freed).
+        self.window = m["decoder"].get("sliding_window") or 0
+        pages_per_seq = -(-self.max_seq_len // self.page_size)
+        self.kv_pages = kv_pages or pages_per_seq * self.max_batch
+        shape = self._shape = tvm.runtime.ShapeTuple
+        # Room for the padding rows of a decode step beside max_batch live sequences.
+        seqs = self.max_batch + max(self.decode_batches, default=1) - 1
+        decoder = m["decoder"]
+        layers = decoder.get("sliding_layers") or []
+        two = bool(self.window) and 0 < len(layers) < decoder["layers"]
+        # The cache's scratch space holds one prefill call: a prompt, or a static chunk of packed prompts.
+        prefill_tokens = max((self.max_seq_len, *self.prefill_chunks))
+        sizes = (shape([seqs]), shape([self.kv_pages * self.page_size]), shape([prefill_tokens]), shape([self.page_size]))
+        self.caches = [vm["create_paged_kv_cache"](*sizes, shape([1 if self.window and not two else 0]))]
+        if two:  # windowed and global layers: a cache for each (the windowed one second), driven together
+            self.caches.append(vm["create_window_cache"](*sizes, shape([1])))
+        runtime = kv_cache_runtime()
+
+        def each(role):  # the runtime function, on every cache
+            function = runtime[role]
+            return lambda *args: [function(cache, *args) for cache in self.caches][0]
+
+        self._add, self._fork, self.remove = each("add_sequence"), each("fork_sequence"), each("remove_sequence")
+        self._begin, self._end, self.popn = each("begin_forward"), each("end_forward"), each("popn")
+        self._free_pages = runtime["free_pages"]  # of the main cache
+        self._enable_window = runtime["enable_sliding_window"]
+        self._pad_ids: list[int] = []
+        self.sample_tokens = self.function("sample_tokens")
+        self.greedy_tokens = self.function("greedy_tokens")
+
+    @classmethod
+    def load(cls, artifact_dir: str | Path, kv_pages: int | None = None) -> LoadedModel:
+        """The model of a ``build --generate`` artifact, read with TVM's runtime alone."""
+        from tvm import relax
+
+        from autosched.artifact import load_generation_artifact
+
+        if kv_pages is not None:
+            check_kv_pages(kv_pages)
+        executable, params, manifest, device = load_generation_artifact(artifact_dir)
+        return cls(relax.VirtualMachine(executable, device), params, manifest, device, kv_pages)
+
+    def function(self, name: str):
+        """The artifact's function ``name``, or None where an older build lacks it."""
+        try:
+            return self.vm[name]
+        except (AttributeError, KeyError, RuntimeError):
+            return None
+
+    # ---- the cache's sequences ---------------------------------------------------------------------
+
+    def add(self, seq_id: int, parent: int | None = None) -> None:
+        if parent is not None:
+            self._fork(parent, seq_id, -1)
+            return
+        self._add(seq_id)
+        if self.window:  # on the windowed cache (the last); TVM's window counts the tokens before the newest
+            self._enable_window(self.caches[-1], seq_id, self.window - 1, 0)
+
+    def free_pages(self) -> int:
+        return int(self._free_pages(self.caches[0]))
+
+    def padding_ids(self, pads: int) -> list[int]:
+        """The ids of ``pads`` empty sequences for padding rows (added to the cache once, kept empty)."""
+        while len(self._pad_ids) < pads:
+            self._pad_ids.append(PAD_SEQUENCE_IDS + len(self._pad_ids))
+            self._add(self._pad_ids[-1])
+        return self._pad_ids[:pads]
+
+    # ---- one call ----------------------------------------------------------------------------------
+
+    def forward(self, function: str, seq_ids: list[int], lengths: list[int], ids, prefill: bool):
+        """Run ``function`` over ``ids`` (the tokens of ``seq_ids``, ``lengths`` each, packed); returns the
+        logits on the device (one row per sequence: the last token's)."""
+        import numpy as np
+        import tvm
+
+        self._begin(self._shape(seq_ids), self._shape(lengths))
+        input_ids = tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device)
+        if prefill:
+            last = tvm.runtime.tensor(np.cumsum(lengths, dtype="int32") - 1, self.device)
+            logits, *self.caches = self.vm[function](input_ids, last, *self.caches, self.params)
+        else:
+            logits, *self.caches = self.vm[function](input_ids, *self.caches, self.params)
+        self._end()
+        return logits

@@ -1,0 +1,124 @@
+"""Request and sequence state: what a caller asks for (:class:`Sampling`, stop tokens, a token budget) and
+what a sequence has made so far (:class:`Completion`), apart from the model and the step scheduler."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+from autosched.errors import AutoschedError, UsageError
+
+
+class GenerationError(AutoschedError):
+    """A request the generator cannot serve (bad input or a limit of the artifact); other sequences go on."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy when ``temperature`` is 0, else sampled from the logits divided
+    by ``temperature``, kept to the ``top_k`` most likely (0: all) and to the smallest set whose probability
+    reaches ``top_p``. ``seed`` makes a request's samples reproducible whatever else is in its batch."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for wrong, what in ((self.temperature < 0, f"temperature must be 0 (greedy) or more, got {self.temperature}"),
+                            (self.top_k < 0, f"top_k must be 0 (no limit) or more, got {self.top_k}"),
+                            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")):
+            if wrong:
+                raise UsageError(what)
+        if self.temperature == 0 and (self.top_k or self.top_p < 1):
+            raise UsageError(f"top_k {self.top_k} and top_p {self.top_p:g} choose among tokens to sample, and temperature "
+                             "0 is greedy (no sampling): give a temperature above 0 (e.g. --temperature 0.8), or leave "
+                             "top_k and top_p out")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise UsageError(f"seed must be a whole number, 0 or more (got {self.seed})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Completion:
+    """What one request produced: the new tokens and why it stopped (``length``: max_new_tokens reached;
+    ``stop``: a stop token; ``max_seq_len``: the artifact's longest sequence; ``error``: see ``error``)."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fail(self, error: str) -> None:
+        self.finish_reason, self.error = "error", error
+
+
+@dataclass
+class SequenceState:
+    """One sequence in the cache: its tokens not yet fed, its length there, its limits and its completion."""
+
+    seq_id: int
+    pending: list[int]  # tokens not yet in the cache: the prompt (or a fork's suffix), then the last sample
+    length: int  # tokens in the cache
+    max_new_tokens: int
+    stop_tokens: frozenset
+    sampling: Sampling
+    completion: Completion = field(default_factory=Completion)
+    prefilled: bool = False
+    cached: list[int] = field(default_factory=list)  # the tokens in the cache (for a re-read: see Generator.step)
+    rng: object = None  # the request's own random stream (numpy, seeded by sampling.seed)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled and bool(self.pending) and not self.completion.finished
+
+    def feed(self, fed: int, keep_cached: bool) -> None:
+        """``fed`` of the pending tokens went into the cache."""
+        self.length += fed
+        if keep_cached:
+            self.cached += self.pending[:fed]
+        self.pending = self.pending[fed:]
+        if not self.pending:
+            self.prefilled = True
+
+    def accept(self, token: int) -> None:
+        """A token was sampled for this sequence: record it and decide whether the sequence ends."""
+        self.completion.tokens.append(token)
+        if token in self.stop_tokens:
+            self.completion.finish_reason = "stop"
+        elif len(self.completion.tokens) >= self.max_new_tokens:
+            self.completion.finish_reason = "length"
+        else:
+            self.pending = [token]
+
+
+def is_token_id(value) -> bool:
+    """Whether ``value`` is one token id: a whole number (an int, a numpy or torch integer), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def token_ids(prompt) -> list[int]:
+    """A prompt as a list of ints; a GenerationError for text or ids that are not whole numbers (1.7 or "3"
+    would otherwise be read as 1 and 3)."""
+    if isinstance(prompt, (str, bytes)) or is_token_id(prompt) or not hasattr(prompt, "__iter__"):
+        raise GenerationError(f"a prompt is a list of token ids, not {type(prompt).__name__}: tokenize text first "
+                              "(the command line's --prompt with --tokenizer does)")
+    prompt = list(prompt)
+    bad = [t for t in prompt if not is_token_id(t)]
+    if bad:
+        raise GenerationError(f"token id {bad[0]!r} is not a whole number: a prompt is a list of int token ids")
+    return [operator.index(t) for t in prompt]
