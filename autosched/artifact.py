@@ -276,7 +276,7 @@ class BucketedModel:
     def bucket(self, tokens: int | None = None, batch: int | None = None) -> tuple:
         """The bucket, a (batch, tokens) pair, for inputs of ``tokens`` tokens and ``batch`` sequences
         (None: the largest bucket along that axis)."""
-        from .lengths import bucket_for
+        from .pipeline.lengths import bucket_for
 
         chosen = []
         for index, (axis, size) in enumerate((("batch", batch), ("tokens", tokens))):
