@@ -129,7 +129,10 @@ def test_interrupted_run_keeps_its_records(tmp_path, sig):
     kept = _records(db)
     assert kept >= 8
     if sig == signal.SIGINT:
-        assert proc.returncode == 130 and "kept" in err, f"exit {proc.returncode}, stderr:\n{err[-3000:]}"
+        # 130, or killed by SIGINT itself (a shell shows both as 130): under load the interpreter has ended
+        # that way after the command handled the interrupt and said so (seen in CI, not reproduced here).
+        assert proc.returncode in (130, -signal.SIGINT) and "kept" in err, \
+            f"exit {proc.returncode}, stderr:\n{err[-3000:]}"
         con = sqlite3.connect(db)
         assert con.execute("SELECT status FROM runs").fetchone()[0] == "interrupted"
         con.close()
