@@ -75,15 +75,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     the shape is symbolic or the workload does not take the dtype or eps (the caller uses TVM's)."""
     from tvm.relax.frontend.nn import op
 
-    from autosched.errors import UsageError
-    from autosched.workloads import make_workload
+    from autosched.workloads import supported_workload
 
     rows, n = static_rows(x), x.shape[-1]
-    if rows is None or not isinstance(n, int) or x.dtype != weight.dtype:
-        return None
-    try:
-        wl = make_workload("rmsnorm", {"m": rows, "n": n}, x.dtype, {"eps": eps})
-    except UsageError:
+    wl = (supported_workload("rmsnorm", {"m": rows, "n": n}, x.dtype, {"eps": eps})
+          if rows is not None and isinstance(n, int) and x.dtype == weight.dtype else None)
+    if wl is None:
         return None
     out = _call(wl, "autosched_rmsnorm", [op.reshape(x, (rows, n)), weight], rows, n)
     return op.reshape(out, x.shape)

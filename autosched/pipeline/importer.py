@@ -6,9 +6,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from autosched.errors import UsageError
 from autosched.tvm_adapter import convert_attention_as_tvm_does
-from autosched.workloads import make_workload
+from autosched.workloads import supported_workload
 
 from .graph_rewrites import CONSTANT_MASK, rewrite_exported, sdpa_arguments
 from .substitute import substitute_workloads, workload_func
@@ -77,7 +76,7 @@ def _matmul_in_torch_dtype(node, importer, weights: frozenset[str] | None):
     weight, stored_kn = _gemm_weight(node, importer, weights) if weights is not None else (None, False)
     if weight is not None and len(lhs.ty.shape) == 2 and str(lhs.ty.dtype) == str(weight.ty.dtype) == dtype:
         (m, k), n = (int(d) for d in lhs.ty.shape), int(weight.ty.shape[1 if stored_kn else 0])
-        wl = _supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype)
+        wl = supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype)
         if wl is not None:
             gv = bb.add_func(workload_func(wl), "autosched_gemm")
             weight = _as_nk(bb, weight, stored_kn)
@@ -107,7 +106,7 @@ def _addmm_in_torch_dtype(node, importer, weights: frozenset[str] | None):
             and str(lhs.ty.dtype) == str(weight.ty.dtype) == str(bias.ty.dtype) == dtype
             and int(bias.ty.shape[0]) == int(weight.ty.shape[1 if stored_kn else 0])):
         (m, k), n = (int(d) for d in lhs.ty.shape), int(bias.ty.shape[0])
-        wl = _supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype, {"bias": True})
+        wl = supported_workload("gemm", {"m": m, "n": n, "k": k}, dtype, {"bias": True})
         if wl is not None:
             gv = bb.add_func(workload_func(wl), "autosched_gemm")
             weight = _as_nk(bb, weight, stored_kn)
@@ -147,14 +146,6 @@ def _as_nk(bb, weight, stored_kn: bool):
     return bb.emit(relax.op.permute_dims(weight, [1, 0])) if stored_kn else weight
 
 
-def _supported_workload(op: str, shape: dict, dtype: str, attrs: dict | None = None):
-    """The workload, or None where the operator does not take this shape, dtype or attribute value."""
-    try:
-        return make_workload(op, shape, dtype, attrs)
-    except UsageError:
-        return None
-
-
 def _rms_norm_as_workload(node, importer):
     """``aten.rms_norm`` over the last axis: a call of our ``rmsnorm`` workload's kernel on the rows.
 
@@ -173,7 +164,7 @@ def _rms_norm_as_workload(node, importer):
     bb = importer.block_builder
     wl = None
     if weight is not None and list(normalized) == [n] and str(weight.ty.dtype) == dtype:
-        wl = _supported_workload("rmsnorm", {"m": rows, "n": n}, dtype, {"eps": eps})
+        wl = supported_workload("rmsnorm", {"m": rows, "n": n}, dtype, {"eps": eps})
     if wl is None:
         import torch
 

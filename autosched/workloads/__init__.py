@@ -23,6 +23,7 @@ __all__ = [
     "get_operator",
     "list_operators",
     "make_workload",
+    "supported_workload",
     "normalize_dtype",
     "parse_assignments",
     "parse_shape",
@@ -51,3 +52,14 @@ def make_workload(op: str, shape: str | dict[str, int] | None = None, dtype: str
     full.update(parse_shape(shape) if isinstance(shape, str) else (shape or {}))
     full_attrs.update(parse_assignments(attrs, "attribute") if isinstance(attrs, str) else (attrs or {}))
     return operator.workload(full, dtype, full_attrs)
+
+
+def supported_workload(op: str, shape: dict[str, int], dtype: str, attrs: dict | None = None) -> Workload | None:
+    """The workload, or None where the operator does not take this shape, dtype or attribute value (the
+    caller keeps TVM's own operator there)."""
+    from autosched.errors import UsageError
+
+    try:
+        return make_workload(op, shape, dtype, attrs)
+    except UsageError:
+        return None
