@@ -175,6 +175,41 @@ def profile_steps(make_generator, prompts, phase: str, steps: int = 4, top: int 
     return rows[:top]
 
 
+def trace_steps(make_generator, prompts, steps: int = 4, top: int = 16) -> dict:
+    """The GPU's own account of decode steps of the real build (CUDA graphs and all), from CUPTI through
+    torch's profiler: per step, the span from the first kernel's start to the last one's end, the time some
+    kernel runs (busy), the kernels launched, and the kernels that take most of the busy time. Span minus
+    busy is the GPU idle inside a step: launches, graph boundaries, host work between them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = make_generator()
+    ids = [gen.add(p, steps + 8, stop_tokens=[]) for p in prompts]
+    gen.step()  # the prefill, then a decode step that captures the graphs
+    gen.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            gen.step()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, reach = 0.0, float("-inf")
+    for start, end, _ in kernels:  # the union of the kernels' intervals (concurrent ones count once)
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    by_name: dict[str, list] = {}
+    for start, end, name in kernels:
+        by_name.setdefault(name, []).append(end - start)
+    span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+    for seq_id in set(ids) & {*gen.live, *gen.finished}:
+        gen.remove(seq_id)
+    rows = sorted(({"kernel": k[:120], "calls_per_step": len(v) / steps, "us_per_call": sum(v) / len(v),
+                    "ms_per_step": sum(v) / steps / 1e3} for k, v in by_name.items()), key=lambda r: -r["ms_per_step"])
+    return {"span_ms_per_step": span / steps / 1e3, "busy_ms_per_step": busy / steps / 1e3,
+            "kernels_per_step": len(kernels) / steps, "top": rows[:top]}
+
+
 def ours(make_generator, prompts, new: int):
     """(prefill ms, ms per decode step, tokens per prompt) of one batch of prompts."""
     gen = make_generator()
@@ -285,6 +320,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also the slowest kernels of a decode step and of the prefill (a build without CUDA "
                         "graphs, per batch)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also the GPU's trace of decode steps of the real build (CUDA graphs included): span, "
+                        "busy time, kernels per step and the costliest kernels (CUDA only)")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
@@ -318,6 +356,9 @@ def main() -> int:
         prefill, step, tokens = ours(make, prompts, args.new)
         if make_dynamic is not None:
             row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
+        if args.trace and DEVICE == "cuda":
+            row["trace"] = trace_steps(make, prompts)
+            print(json.dumps(row["trace"], indent=1), flush=True)
         if make_profiled is not None:
             row["profile"] = profile_steps(make_profiled, prompts, "decode")
             row["prefill_profile"] = profile_steps(make_profiled, prompts, "prefill")
