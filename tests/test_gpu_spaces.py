@@ -38,6 +38,7 @@ CASES = [
     ("dequant_gemm", "m=300,n=512,k=256", "float16", "bits=4,group=128", "hopper_dequant_gemm", "sm_90"),
     ("dequant_gemm", "m=100,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu", "hopper_dequant_gemm", "sm_90"),
     ("rmsnorm", "m=8,n=1000", "float16", "", "gpu_rows", "sm_90"),
+    ("add_rmsnorm", "m=16,n=4096", "float16", "", "gpu_rows", "sm_90"),  # a second output in global memory
     ("softmax", "m=8,n=4096", "float32", "", "gpu_rows", "sm_90"),
     ("rope", "b=1,s=16,h=4,d=64", "float16", "", "gpu_injective", "sm_90"),
     ("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16", "", "gpu_rows", "sm_80"),

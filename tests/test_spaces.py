@@ -24,6 +24,7 @@ CASES = [
     ("batch_matmul", "b=3,m=17,n=33,k=31", "float32", ""),
     ("dequant_gemm", "m=5,n=48,k=96", "float16", "bits=4,group=32"),
     ("rmsnorm", "m=13,n=100", "float32", ""),
+    ("add_rmsnorm", "m=5,n=100", "float32", ""),  # two outputs
     ("softmax", "m=9,n=77", "float16", ""),
     ("rope", "b=1,s=7,h=3,d=16", "float32", ""),
     ("attention", "b=1,h=2,s=13,d=8", "float32", "causal=1"),

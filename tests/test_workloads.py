@@ -20,6 +20,7 @@ SMALL_CASES = [
     ("dequant_gemm", "m=3,n=40,k=100", "float16", "bits=4,group=32"),
     ("dequant_gemm", "m=2,n=24,k=64", "float32", "bits=8,group=32,bias=1"),
     ("rmsnorm", "m=7,n=100", "float16", ""),
+    ("add_rmsnorm", "m=3,n=64", "float16", ""),
     ("softmax", "m=5,n=77", "float32", ""),
     ("rope", "b=2,s=9,h=3,d=16", "float16", ""),
     ("attention", "b=1,h=4,s=19,d=16,hkv=2", "float16", "causal=1"),

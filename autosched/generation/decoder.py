@@ -351,7 +351,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
 
-    from .linear import linear, moe_linear, rms_norm, swiglu
+    from .linear import add_rms_norm, linear, moe_linear, rms_norm, swiglu
 
     dtype = cfg.dtype
     heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -381,6 +381,18 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         def forward(self, x: Tensor) -> Tensor:
             out = rms_norm(x, self.weight, self.epsilon)
             return out if out is not None else super().forward(x)
+
+    def add_norm(norm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(``norm(x + residual)``, ``x + residual``): the residual stream's add and the norm that reads it,
+        one ``add_rmsnorm`` kernel at static shapes. ``residual`` None: nothing to add."""
+        if residual is None:
+            return norm(x), x
+        if isinstance(norm, RMSNorm):
+            fused = add_rms_norm(x, residual, norm.weight, norm.epsilon)
+            if fused is not None:
+                return fused
+        x = x + residual
+        return norm(x), x
 
     def make_norm(size: int = cfg.hidden):
         if cfg.norm == "layer":
@@ -534,7 +546,9 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 return self.down(activation(gate) * up)
             return self.down(activation(up))
 
-        def forward(self, x: Tensor, caches: list, layer_id: int, rope=None):
+        def forward(self, x: Tensor, pending: Tensor | None, caches: list, layer_id: int, rope=None):
+            """(the residual stream, this layer's MLP output): the output is added by the next norm, in the
+            same kernel (``pending``: the previous layer's, None before the first layer)."""
             if layer_id in local:
                 cache, index = caches[1], local[layer_id]
             else:
@@ -543,10 +557,11 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 rope = None
             if isinstance(rope, list):  # a table per layer type: this layer's
                 rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
-            out = self.attention(self.attn_norm(x), cache, index, rope)
-            x = x + (self.attn_post_norm(out) if cfg.post_norms else out)
-            out = self.mlp(self.mlp_norm(x))
-            return x + (self.mlp_post_norm(out) if cfg.post_norms else out)
+            h, x = add_norm(self.attn_norm, x, pending)
+            out = self.attention(h, cache, index, rope)
+            h, x = add_norm(self.mlp_norm, x, self.attn_post_norm(out) if cfg.post_norms else out)
+            out = self.mlp(h)
+            return x, (self.mlp_post_norm(out) if cfg.post_norms else out)
 
     class Decoder(nn.Module):
         def __init__(self):
@@ -564,9 +579,10 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 at = caches[0].get_query_positions(b * s)
                 x = x + op.reshape(gather(self.positions.weight, at, 0, "positions"), (b, s, cfg.hidden))
             rope = rotary.cos_sin(caches[0], b, s, last) if rotary is not None else None
+            pending = None
             for layer_id, layer in enumerate(self.layers):
-                x = layer(x, caches, layer_id, rope)
-            return self.norm(x)
+                x, pending = layer(x, pending, caches, layer_id, rope)
+            return add_norm(self.norm, x, pending)[0]
 
         def logits(self, x: Tensor):
             if cfg.tied_embeddings:

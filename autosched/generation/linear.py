@@ -6,7 +6,7 @@ is a call of the ``gemm`` workload's kernel on W as stored, keyed, searched and 
 serve it (swapped operands and split-K for a decode step's few rows, wgmma tiles for a prefill chunk).
 A SwiGLU MLP's gate and up projections become one ``swiglu_gemm`` where its sm_90 space serves the
 shape. An RMSNorm at static shapes is a call of the ``rmsnorm`` workload's kernel on the rows, keyed as
-``autosched tune rmsnorm`` keys it. At symbolic shapes (``batch_prefill``, ``batch_decode``) the product
+``autosched tune rmsnorm`` keys it, or, after a residual add, of ``add_rmsnorm`` (both in one kernel). At symbolic shapes (``batch_prefill``, ``batch_decode``) the product
 stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default schedules serve. A
 mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed token-slot by its own expert's
 weight), static or symbolic alike.
@@ -84,6 +84,27 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         return None
     out = _call(wl, "autosched_rmsnorm", [op.reshape(x, (rows, n)), weight], rows, n)
     return op.reshape(out, x.shape)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor] | None:
+    """``(rmsnorm(x + residual) · w, x + residual)`` as one ``add_rmsnorm`` at static shapes (a decoder
+    layer's residual add and the norm after it: one kernel instead of two); None where :func:`rms_norm`
+    would give None (the caller adds, then normalises)."""
+    from tvm.relax.frontend.nn import Tensor as NNTensor
+    from tvm.relax.frontend.nn import op
+
+    from autosched.pipeline.substitute import workload_func
+    from autosched.workloads import supported_workload
+
+    rows, n = static_rows(x), x.shape[-1]
+    wl = (supported_workload("add_rmsnorm", {"m": rows, "n": n}, x.dtype, {"eps": eps})
+          if rows is not None and isinstance(n, int) and x.dtype == weight.dtype == residual.dtype else None)
+    if wl is None:
+        return None
+    flat = [op.reshape(x, (rows, n)), op.reshape(residual, (rows, n)), weight]
+    total, normed = op.tensor_ir_op(workload_func(wl), "autosched_add_rmsnorm", flat,
+                                    [NNTensor.placeholder((rows, n), wl.dtype), NNTensor.placeholder((rows, n), wl.dtype)])
+    return op.reshape(normed, x.shape), op.reshape(total, x.shape)
 
 
 def moe_linear(x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
