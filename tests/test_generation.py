@@ -408,7 +408,8 @@ def test_tune_model_generate_tunes_the_decode_step_and_build_uses_its_records(bu
 @pytest.mark.slow
 def test_a_build_for_sm_90_runs_every_linear_layer_of_its_static_functions_on_our_workloads():
     """Built here without a GPU (scheduled, not compiled): in the decode steps and the prefill chunk every
-    product with a weight and every RMSNorm (with the residual add before it) is one of our workloads (a decode step's rows on hopper_gemm's swapped kernel,
+    product with a weight and every RMSNorm (with the residual add before it) is one of our workloads (a
+    decode step's rows on hopper_gemm's swapped kernel,
     one row left to the GEMV space, the chunk's gate and up projections one swiglu_gemm); the dynamic
     functions keep TVM's matmul kernels, and so does the chunk's LM head, over the last token of each of a
     symbolic number of prompts."""

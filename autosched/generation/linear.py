@@ -1,15 +1,15 @@
 """The decoder's linear layers and RMSNorms as our workloads.
 
-In a function of static shapes (a decode step at a fixed batch, a prefill chunk) each product ``x·Wᵀ``
-is a call of the ``gemm`` workload's kernel on W as stored, keyed, searched and stored exactly as
-``autosched tune gemm`` keys them, so a record of either serves both, and on sm_90 the Hopper spaces
-serve it (swapped operands and split-K for a decode step's few rows, wgmma tiles for a prefill chunk).
-A SwiGLU MLP's gate and up projections become one ``swiglu_gemm`` where its sm_90 space serves the
-shape. An RMSNorm at static shapes is a call of the ``rmsnorm`` workload's kernel on the rows, keyed as
-``autosched tune rmsnorm`` keys it, or, after a residual add, of ``add_rmsnorm`` (both in one kernel). At symbolic shapes (``batch_prefill``, ``batch_decode``) the product
-stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default schedules serve. A
-mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed token-slot by its own expert's
-weight), static or symbolic alike.
+In a function of static shapes (a decode step at a fixed batch, a prefill chunk) each product ``x·Wᵀ`` is a
+call of the ``gemm`` workload's kernel on W as stored, keyed, searched and stored exactly as ``autosched tune
+gemm`` keys them, so a record of either serves both, and on sm_90 the Hopper spaces serve it (swapped operands
+and split-K for a decode step's few rows, wgmma tiles for a prefill chunk). A SwiGLU MLP's gate and up
+projections become one ``swiglu_gemm`` where its sm_90 space serves the shape. An RMSNorm at static shapes is
+a call of the ``rmsnorm`` workload's kernel on the rows, keyed as ``autosched tune rmsnorm`` keys it, or,
+after a residual add, of ``add_rmsnorm`` (both in one kernel). At symbolic shapes (``batch_prefill``,
+``batch_decode``) the product stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default
+schedules serve. A mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed token-slot by its
+own expert's weight), static or symbolic alike.
 """
 
 from __future__ import annotations
