@@ -95,8 +95,8 @@ class PromptLookupDraft:
         for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
             tail = context[-n:]
             for start in range(len(context) - n - 1, -1, -1):  # latest first; not the tail itself
-                if context[start:start + n] == tail:
-                    return context[start + n:start + n + k]
+                if context[start : start + n] == tail:
+                    return context[start + n : start + n + k]
         return []
 
     def room(self, seq: SequenceState) -> int:
@@ -208,17 +208,23 @@ def make_draft(draft, target) -> PromptLookupDraft | ModelDraft:
     if isinstance(draft, (str, Path)):
         draft = LoadedModel.load(draft)
     if not isinstance(draft, LoadedModel):
-        raise UsageError(f"draft must be 'prompt-lookup', a generation artifact's folder or a LoadedModel, not "
-                         f"{type(draft).__name__}")
+        raise UsageError(
+            f"draft must be 'prompt-lookup', a generation artifact's folder or a LoadedModel, not {type(draft).__name__}"
+        )
     if draft.vocab != target.vocab:
-        raise UsageError(f"the draft's vocabulary has {draft.vocab} tokens, the model's {target.vocab}: a draft must "
-                         "share the model's tokenizer (or use --prompt-lookup)")
+        raise UsageError(
+            f"the draft's vocabulary has {draft.vocab} tokens, the model's {target.vocab}: a draft must "
+            "share the model's tokenizer (or use --prompt-lookup)"
+        )
     if draft.max_batch < target.max_batch:
-        raise UsageError(f"the draft takes {draft.max_batch} sequences at once, the model {target.max_batch}: rebuild "
-                         f"the draft with --max-batch {target.max_batch}")
+        raise UsageError(
+            f"the draft takes {draft.max_batch} sequences at once, the model {target.max_batch}: rebuild "
+            f"the draft with --max-batch {target.max_batch}"
+        )
     if draft.window or draft.rope_switch is not None:
-        raise UsageError("a draft with a sliding window or longrope is not supported: its cache cannot roll back "
-                         "what the model rejects")
+        raise UsageError(
+            "a draft with a sliding window or longrope is not supported: its cache cannot roll back what the model rejects"
+        )
     return ModelDraft(draft)
 
 
@@ -227,11 +233,14 @@ def check_speculation(speculate: int, target) -> None:
     if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 1:
         raise UsageError(f"speculate must be a whole number of proposed tokens, at least 1 (got {speculate!r})")
     if target.window:
-        raise UsageError(f"speculative decoding is not supported for a model with a sliding window "
-                         f"({target.window} tokens): its cache drops tokens that a rejection would need back")
+        raise UsageError(
+            f"speculative decoding is not supported for a model with a sliding window "
+            f"({target.window} tokens): its cache drops tokens that a rejection would need back"
+        )
     if target.rope_switch is not None:
-        raise UsageError("speculative decoding is not supported for a longrope model: it picks its rotary factors "
-                         "from a whole prompt's length")
+        raise UsageError(
+            "speculative decoding is not supported for a longrope model: it picks its rotary factors from a whole prompt's length"
+        )
 
 
 class Speculator:
@@ -282,10 +291,10 @@ class Speculator:
         for seq, start, length in zip(seqs, starts, lengths):
             proposal = proposal_of[seq.seq_id]
             if seq.sampling.greedy:
-                rows = choices[start:start + length] if host is None else host[start:start + length].argmax(axis=1)
+                rows = choices[start : start + length] if host is None else host[start : start + length].argmax(axis=1)
                 tokens = accept_greedy(proposal.tokens, [int(t) for t in rows])
             else:
-                p_rows = [distribution(row, seq.sampling) for row in host[start:start + length]]
+                p_rows = [distribution(row, seq.sampling) for row in host[start : start + length]]
                 tokens = accept_sampled(proposal.tokens, p_rows, proposal.q_rows, seq.rng)
             accepted = len(tokens) - 1
             m.popn(seq.seq_id, len(proposal.tokens) - accepted)  # the rejected proposals leave the cache
