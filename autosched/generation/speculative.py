@@ -193,6 +193,18 @@ class ModelDraft:
             proposals[i].q_rows.append(q)
 
 
+def verify_function(lengths: list[int], speculate, decode_batches) -> str:
+    """The target's function for a speculative step feeding ``lengths`` tokens to its sequences: a static
+    ``verify_b<n>_k<k>`` where every sequence gets k proposals and the artifact was built with ``--speculate k``
+    and decode batch n (tuned kernels, CUDA graphs), else ``batch_prefill``."""
+    from .decoder import verify_function as static_name
+
+    k = lengths[0] - 1
+    if all(n == k + 1 for n in lengths) and k in speculate and len(lengths) in decode_batches:
+        return static_name(len(lengths), k)
+    return "batch_prefill"
+
+
 def make_draft(draft, target) -> PromptLookupDraft | ModelDraft:
     """A draft from what ``Generator(draft=...)`` was given: ``"prompt-lookup"``, the folder of another
     generation artifact, a loaded model (``LoadedModel``) or a draft object. One-line errors for a draft
@@ -278,7 +290,8 @@ class Speculator:
         fed = [seq.pending + proposal_of[seq.seq_id].tokens for seq in seqs]
         lengths = [len(f) for f in fed]
         ids = np.concatenate([np.asarray(f, dtype="int32") for f in fed])
-        logits = m.forward("batch_prefill", [s.seq_id for s in seqs], lengths, ids, prefill=True, every_position=True)
+        function = verify_function(lengths, m.speculate, m.decode_batches)
+        logits = m.forward(function, [s.seq_id for s in seqs], lengths, ids, prefill=True, every_position=True)
         starts = np.cumsum([0, *lengths])
         if all(seq.sampling.greedy for seq in seqs) and m.greedy_tokens is not None:
             counts["device_greedy_calls"] += 1
@@ -312,5 +325,5 @@ class Speculator:
                     break
         counts["speculative_steps"] += 1
         counts["speculative_rows"] += len(seqs)
-        self.stats.record(False, began, len(made), "batch_prefill")
+        self.stats.record(False, began, len(made), function)
         return made
