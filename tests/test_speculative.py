@@ -262,14 +262,17 @@ def test_a_draft_of_another_vocabulary_is_refused_in_one_line(artifacts, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_build_for_sm_90_has_the_static_verify_function_on_our_workloads():
-    """Built here without a GPU (scheduled, not compiled): ``--speculate 3`` at decode batch 2 adds
-    ``verify_b2_k3``, a prefill of 8 tokens whose linear layers are our workloads, logits at every position."""
+def test_a_build_for_sm_90_compiles_the_static_verify_function_on_our_workloads(tmp_path):
+    """Built here without a GPU: ``--speculate 3`` at decode batch 2 adds ``verify_b2_k3``, a prefill of 8
+    tokens whose linear layers are our workloads (the LM head at 8 rows: logits at every position), and the
+    whole artifact compiles and exports for sm_90 (the CUDA binary is made where it loads)."""
     from autosched.examples.hf import TINY, _config
-    from autosched.generation.build import lower_generation, schedule_generation
+    from autosched.generation.build import compile_generation, load_generation_model, lower_generation, schedule_generation
     from autosched.generation.decoder import config_from_hf
     from autosched.pipeline.tasks import kernel_calls
     from autosched.target import parse_target
+
+    from .test_generation import _saved_model
 
     target = parse_target("cuda:sm_90a", require_device=False)
     cfg = config_from_hf(_config("llama", TINY)[0], "float16")
@@ -279,6 +282,14 @@ def test_a_build_for_sm_90_has_the_static_verify_function_on_our_workloads():
     ours = {report.workloads[k]["workload"] for k in called if k in report.workloads}
     assert any(w.startswith("gemm[m=8,") for w in ours), ours  # every position's logits: 8 rows of the LM head
     assert not [k for k in called if "matmul" in k.lower()]
+    _saved_model("llama", tmp_path / "hf")
+    model = load_generation_model(str(tmp_path / "hf"), "float16")
+    executable, _, _ = compile_generation(
+        model, parse_target("cuda:sm_90", require_device=False), None, decode_batches=(1,), speculate=(3,)
+    )
+    assert "verify_b1_k3" in executable.as_text()
+    executable.export_library(str(tmp_path / "generate.so"))
+    assert (tmp_path / "generate.so").stat().st_size > 0
 
 
 @pytest.mark.gpu
