@@ -185,6 +185,26 @@ def test_speculation_serves_joins_and_forks_and_the_draft_cache_follows(artifact
 
 
 @pytest.mark.slow
+def test_speculation_stops_where_plain_decoding_does(artifacts):
+    """At the artifact's longest sequence (fewer proposals as it nears, none past it) and at a stop token in
+    the middle of a step's accepted tokens, the tokens and the reason are the plain ones."""
+    from autosched.generation import Generator
+
+    _, target, draft = artifacts
+    prompts = [list(range(1, MAX_SEQ_LEN - 6)), [7] * (MAX_SEQ_LEN - 3), [5, 6]]
+    plain = Generator(target)
+    reference = [(r.tokens, r.finish_reason) for r in plain.generate(prompts, NEW)]
+    assert [reason for _, reason in reference] == ["max_seq_len", "max_seq_len", "length"]
+    stops = [reference[2][0][5], reference[2][0][9]]
+    stopped = plain.generate([[5, 6]], NEW, stop_tokens=stops)[0]
+    assert stopped.finish_reason == "stop"
+    for kind in (target, draft, "prompt-lookup"):  # the target as its own draft: every proposal accepted
+        gen = Generator(target, draft=kind, speculate=3)
+        assert [(r.tokens, r.finish_reason) for r in gen.generate(prompts, NEW)] == reference, kind
+        assert gen.generate([[5, 6]], NEW, stop_tokens=stops)[0] == stopped, kind
+
+
+@pytest.mark.slow
 def test_sampled_speculative_decoding_runs_and_is_reproducible_with_a_seed(artifacts):
     from autosched.generation import Generator
 

@@ -313,16 +313,16 @@ class Speculator:
             m.popn(seq.seq_id, len(proposal.tokens) - accepted)  # the rejected proposals leave the cache
             seq.length += 1 + accepted
             seq.pending = []
-            if seq.length >= self.limits.max_seq_len:  # no room to feed the last token: a plain step stops here too
-                tokens = tokens[:-1]
-                seq.completion.finish_reason = "max_seq_len"
+            full = seq.length >= self.limits.max_seq_len  # no room to feed a last token: a plain step makes none
             counts["proposed_tokens"] += len(proposal.tokens)
             counts["accepted_tokens"] += accepted
-            for token in tokens:
+            for token in tokens[:-1] if full else tokens:
                 seq.accept(token)
                 made.append((seq.seq_id, token))
                 if seq.completion.finished:
                     break
+            if full and not seq.completion.finished:
+                seq.completion.finish_reason = "max_seq_len"
         counts["speculative_steps"] += 1
         counts["speculative_rows"] += len(seqs)
         self.stats.record(False, began, len(made), function)
