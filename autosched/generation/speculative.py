@@ -140,7 +140,9 @@ class ModelDraft:
                     break
                 batch.append(i)
                 room -= len(tokens)
-            self._call(requests, proposals, batch, [feeds.pop(i) for i in batch], prefill=True)
+            tokens = [feeds.pop(i) for i in batch]
+            # One new token each (after a rejection): a decode call, static where the draft has one.
+            self._call(requests, proposals, batch, tokens, prefill=any(len(t) > 1 for t in tokens))
         for step in range(1, max((k for _, k in requests), default=0)):
             batch = [i for i in active if requests[i][1] > step]
             if batch:
