@@ -104,6 +104,22 @@ def test_the_timing_says_what_speculation_did():
     assert stats.counts["static_decode_steps"] == 1
 
 
+def test_a_build_refuses_speculation_it_cannot_serve_in_one_line():
+    from dataclasses import replace
+
+    from autosched.errors import UsageError
+    from autosched.examples.hf import TINY, _config
+    from autosched.generation.build import lower_generation
+    from autosched.generation.decoder import config_from_hf
+    from autosched.target import parse_target
+
+    cfg = config_from_hf(_config("llama", TINY)[0], "float32")
+    with pytest.raises(UsageError, match="each at least 1"):
+        lower_generation(cfg, parse_target("llvm"), (1,), (), (0,))
+    with pytest.raises(UsageError, match="not supported for a model with a sliding window"):
+        lower_generation(replace(cfg, sliding_window=64), parse_target("llvm"), (1,), (), (3,))
+
+
 # --- whole artifacts (slow tier) --------------------------------------------------------------------------------
 
 MAX_SEQ_LEN, MAX_BATCH, NEW = 96, 4, 32

@@ -49,6 +49,8 @@ def add_tune_arguments(p) -> None:
                    "(default: those the build makes, 1, 2, 4, ... up to --max-batch)")
     p.add_argument("--prefill-chunks", help="with --generate: prefill chunk lengths to tune, e.g. 128,512 "
                    "(default: none)")
+    p.add_argument("--speculate", help="with --generate: numbers of proposed tokens k whose static verify functions "
+                   "(at each decode batch) to tune, e.g. 4 (default: none)")
 
 
 def cmd_build_generate(args) -> int:
@@ -109,7 +111,9 @@ def cmd_tune_generate(args) -> int:
     else:  # those the build makes by default, so that a plain build applies the records
         batches = default_decode_batches(args.max_batch)
     chunks = tuple(sorted(set(parse_ids(args.prefill_chunks, "--prefill-chunks", "lengths")))) if args.prefill_chunks else ()
-    lowered, _ = lower_generation(model.config, target, batches, chunks)
+    speculate = tuple(sorted(set(parse_ids(args.speculate, "--speculate", "numbers of proposed tokens")))) \
+        if args.speculate else ()
+    lowered, _ = lower_generation(model.config, target, batches, chunks, speculate)
     tasks, untunable = split_tunable(generation_tasks(lowered), target)
     log = console(stderr=True)
     log.log(f"{args.model}: decode steps at batch {', '.join(map(str, batches))}"
@@ -134,6 +138,7 @@ def cmd_tune_generate(args) -> int:
         log.log(f"{args.model}: {what}")
     options_used = [f"--decode-batches {','.join(map(str, batches))}"]
     options_used += [f"--prefill-chunks {','.join(map(str, chunks))}"] if chunks else []
+    options_used += [f"--speculate {','.join(map(str, speculate))}"] if speculate else []
     options_used += [f"--max-batch {args.max_batch}"] if args.max_batch != DEFAULT_MAX_BATCH else []
     options_used += [f"--db {args.db}"] if args.db != DEFAULT_DB else []
     options_used += [f"--target {args.target}"] if args.target != "llvm" else []

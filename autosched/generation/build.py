@@ -129,6 +129,8 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
     if prefill_chunks and cfg.rope_scaling.get("rope_type") == "longrope":
         raise UsageError("--prefill-chunks is not supported for a longrope model: it picks its rotary factors from "
                          "a whole prompt's length")
+    if any(k < 1 for k in speculate):
+        raise UsageError("--speculate takes numbers of proposed tokens, each at least 1 (e.g. --speculate 4)")
     if speculate and (cfg.sliding_window or cfg.rope_scaling.get("rope_type") == "longrope"):
         raise UsageError("--speculate is not supported for a model with a sliding window or longrope: a speculative "
                          "step feeds several tokens past what such a cache can roll back")
@@ -298,8 +300,6 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     if any(not 1 <= t <= max_seq_len * max_batch for t in prefill_chunks):
         raise UsageError(f"--prefill-chunks must lie between 1 and --max-seq-len x --max-batch "
                          f"({max_seq_len * max_batch})")
-    if any(k < 1 for k in speculate):
-        raise UsageError("--speculate takes numbers of proposed tokens, each at least 1 (e.g. --speculate 4)")
     executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks,
                                                    speculate=speculate)
     weights = weights_from_hf(model.hf.state_dict(), model.config)
