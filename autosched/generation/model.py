@@ -39,7 +39,8 @@ class LoadedModel:
         self.eos_token_ids = frozenset(m.get("eos_token_ids", []))
         self.decode_batches = frozenset(m.get("decode_batches", []))
         self.prefill_chunks = tuple(m.get("prefill_chunks", []))
-        self.speculate = frozenset(m.get("speculate", []))  # proposal counts with static verify functions
+        # Proposal counts k whose speculative verification has static functions (build --speculate).
+        self.static_proposals = frozenset(m.get("speculate", []))
         # Phi-3's longrope: transformers re-reads a sequence with the long factors when it grows past the
         # original context (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache then).
         scaling = m["decoder"].get("rope_scaling") or {}

@@ -80,8 +80,6 @@ class PromptLookupDraft:
     tokens (``n`` from ``max_ngram`` down to 1), in its own prompt and output. No model: it pays off where
     the output repeats its input (code edits, summaries quoting the text)."""
 
-    deterministic = True
-
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
 
@@ -100,10 +98,11 @@ class PromptLookupDraft:
         return []
 
     def room(self, seq: SequenceState) -> int:
+        """No limit of its own: it reads the sequence's tokens."""
         return 1 << 30
 
     def forget(self, seq_id: int) -> None:
-        pass
+        """Nothing is kept per sequence."""
 
 
 class ModelDraft:
@@ -111,8 +110,6 @@ class ModelDraft:
     request, sampled from its own distribution (after the request's temperature, top-k, top-p) otherwise.
     Its KV cache holds each sequence's tokens as far as they agree with the target's: before it proposes,
     whatever the target did not keep is rolled back (``kv_state_popn``) and the new tokens are fed."""
-
-    deterministic = False
 
     def __init__(self, model):
         self.model = model
@@ -292,7 +289,7 @@ class Speculator:
         fed = [seq.pending + proposal_of[seq.seq_id].tokens for seq in seqs]
         lengths = [len(f) for f in fed]
         ids = np.concatenate([np.asarray(f, dtype="int32") for f in fed])
-        function = verify_function(lengths, m.speculate, m.decode_batches)
+        function = verify_function(lengths, m.static_proposals, m.decode_batches)
         logits = m.forward(function, [s.seq_id for s in seqs], lengths, ids, prefill=True, every_position=True)
         starts = np.cumsum([0, *lengths])
         if all(seq.sampling.greedy for seq in seqs) and m.greedy_tokens is not None:
