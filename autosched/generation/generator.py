@@ -67,6 +67,13 @@ class Generator:
         gen._start(LoadedModel(relax.VirtualMachine(executable, device), params, manifest, device, kv_pages))
         return gen
 
+    @classmethod
+    def from_model(cls, model: LoadedModel, clock: Callable[[], float] = time.perf_counter) -> Generator:
+        """A generator over a model already loaded (:class:`~.model.LoadedModel`), e.g. one built in memory."""
+        gen = cls.__new__(cls)
+        gen._start(model, clock)
+        return gen
+
     def _start(self, model: LoadedModel, clock: Callable[[], float] = time.perf_counter) -> None:
         self.model = model
         self.limits = scheduler.Limits(model.max_seq_len, model.page_size, model.decode_batches, model.prefill_chunks,
