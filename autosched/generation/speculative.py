@@ -105,6 +105,11 @@ class PromptLookupDraft:
         """Nothing is kept per sequence."""
 
 
+# New tokens of a sequence up to which a draft feeds them by decode calls, one a call (a step leaves one, or
+# two where every proposal was kept), rather than by a prefill call of symbolic shape.
+STEP_FEED = 2
+
+
 class ModelDraft:
     """A smaller generation artifact of the same vocabulary proposes the tokens: greedy for a greedy
     request, sampled from its own distribution (after the request's temperature, top-k, top-p) otherwise.
@@ -124,22 +129,29 @@ class ModelDraft:
             self.model.remove(seq_id)
 
     def propose(self, requests: list[tuple[SequenceState, int]]) -> list[Proposal]:
-        """Up to k tokens for each (sequence, k): one draft call over every sequence's new tokens, then a
-        decode call per further token for the sequences that want it."""
+        """Up to k tokens for each (sequence, k): the sequences' new tokens fed (a prompt by a prefill call; the
+        one or two tokens of a later step by decode calls, static where the draft has them), the first
+        proposal from the last one's logits, then a decode call per further proposal."""
         proposals = [Proposal([], None if seq.sampling.greedy else []) for seq, _ in requests]
         active = [i for i, (_, k) in enumerate(requests) if k > 0]
         feeds = {i: self._sync(requests[i][0]) for i in active}
-        # The first call packs each sequence's new tokens, in calls that fit the draft's prefill scratch space.
-        while feeds:
+        prompts = {i: tokens for i, tokens in feeds.items() if len(tokens) > STEP_FEED}
+        # Prompts packed into prefill calls that fit the draft's prefill scratch space.
+        while prompts:
             batch, room = [], self.model.max_seq_len
-            for i, tokens in feeds.items():
+            for i, tokens in prompts.items():
                 if batch and len(tokens) > room:
                     break
                 batch.append(i)
                 room -= len(tokens)
-            tokens = [feeds.pop(i) for i in batch]
-            # One new token each (after a rejection): a decode call, static where the draft has one.
-            self._call(requests, proposals, batch, tokens, prefill=any(len(t) > 1 for t in tokens))
+            self._call(requests, proposals, batch, [prompts.pop(i) for i in batch], prefill=True)
+        # A later step's tokens: all accepted leaves the last proposal and the model's token to feed.
+        steps = {i: tokens for i, tokens in feeds.items() if len(tokens) <= STEP_FEED}
+        while any(len(tokens) > 1 for tokens in steps.values()):
+            batch = [i for i, tokens in steps.items() if len(tokens) > 1]
+            self._call(requests, proposals, batch, [[steps[i].pop(0)] for i in batch], prefill=False, propose=False)
+        if steps:
+            self._call(requests, proposals, list(steps), list(steps.values()), prefill=False)
         for step in range(1, max((k for _, k in requests), default=0)):
             batch = [i for i in active if requests[i][1] > step]
             if batch:
@@ -165,8 +177,9 @@ class ModelDraft:
             del cached[same:]
         return context[same:]
 
-    def _call(self, requests, proposals, batch: list[int], feeds: list[list[int]], prefill: bool) -> None:
-        """One draft call feeding ``feeds`` to the sequences ``batch``; a proposal for each from its last row."""
+    def _call(self, requests, proposals, batch: list[int], feeds: list[list[int]], prefill: bool, propose: bool = True) -> None:
+        """One draft call feeding ``feeds`` to the sequences ``batch``; a proposal for each from its last row
+        (``propose=False``: the tokens only go into the cache)."""
         import numpy as np
 
         m = self.model
@@ -177,6 +190,8 @@ class ModelDraft:
         logits = m.forward(function, [s.seq_id for s in seqs], lengths, ids, prefill)
         for seq, fed in zip(seqs, feeds):
             self.cached[seq.seq_id] += fed
+        if not propose:
+            return
         if all(seq.sampling.greedy for seq in seqs) and m.greedy_tokens is not None:
             picks = m.greedy_tokens(logits).numpy().reshape(-1)
             for i, pick in zip(batch, picks):
