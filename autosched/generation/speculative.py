@@ -104,6 +104,9 @@ class PromptLookupDraft:
     def forget(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
 
+    def prefill(self, requests) -> None:
+        """Nothing to read ahead."""
+
 
 # New tokens of a sequence up to which a draft feeds them by decode calls, one a call (a step leaves one, or
 # two where every proposal was kept), rather than by a prefill call of symbolic shape.
@@ -135,16 +138,7 @@ class ModelDraft:
         proposals = [Proposal([], None if seq.sampling.greedy else []) for seq, _ in requests]
         active = [i for i, (_, k) in enumerate(requests) if k > 0]
         feeds = {i: self._sync(requests[i][0]) for i in active}
-        prompts = {i: tokens for i, tokens in feeds.items() if len(tokens) > STEP_FEED}
-        # Prompts packed into prefill calls that fit the draft's prefill scratch space.
-        while prompts:
-            batch, room = [], self.model.max_seq_len
-            for i, tokens in prompts.items():
-                if batch and len(tokens) > room:
-                    break
-                batch.append(i)
-                room -= len(tokens)
-            self._call(requests, proposals, batch, [prompts.pop(i) for i in batch], prefill=True)
+        self._prefill(requests, proposals, {i: tokens for i, tokens in feeds.items() if len(tokens) > STEP_FEED})
         # A later step's tokens: all accepted leaves the last proposal and the model's token to feed.
         steps = {i: tokens for i, tokens in feeds.items() if len(tokens) <= STEP_FEED}
         while any(len(tokens) > 1 for tokens in steps.values()):
@@ -157,6 +151,25 @@ class ModelDraft:
             if batch:
                 self._call(requests, proposals, batch, [[proposals[i].tokens[-1]] for i in batch], prefill=False)
         return proposals
+
+    def prefill(self, requests: list[tuple[SequenceState, int]]) -> None:
+        """Feed the sequences' prompts (all but their last token, whose logits the first proposal needs) by
+        prefill calls, before the step proper: what the prompt costs the draft is prefill time, not a step's."""
+        feeds = {i: self._sync(seq)[:-1] for i, (seq, k) in enumerate(requests) if k > 0}
+        self._prefill(requests, None, {i: tokens for i, tokens in feeds.items() if len(tokens) > STEP_FEED})
+
+    def _prefill(self, requests, proposals, prompts: dict[int, list[int]]) -> None:
+        """``prompts`` packed into prefill calls that fit the draft's prefill scratch space (a proposal from
+        each prompt's last token unless ``proposals`` is None)."""
+        while prompts:
+            batch, room = [], self.model.max_seq_len
+            for i, tokens in prompts.items():
+                if batch and len(tokens) > room:
+                    break
+                batch.append(i)
+                room -= len(tokens)
+            feeds = [prompts.pop(i) for i in batch]
+            self._call(requests, proposals, batch, feeds, prefill=True, propose=proposals is not None)
 
     def _sync(self, seq: SequenceState) -> list[int]:
         """Roll the draft's cache of ``seq`` back to where it agrees with the sequence's tokens; returns the
@@ -292,8 +305,11 @@ class Speculator:
         import numpy as np
 
         m, counts = self.model, self.stats.counts
-        began = self.stats.clock()
         requests = [(seq, self.proposals_wanted(seq)) for seq in decoding]
+        began = self.stats.clock()
+        self.draft.prefill(requests)  # new prompts into the draft's cache: prefill time
+        counts["prefill_s"] += self.stats.clock() - began
+        began = self.stats.clock()
         proposals = self.draft.propose(requests)
         parts = [(seq, 1 + len(p.tokens)) for (seq, _), p in zip(requests, proposals)]
         kept, _ = scheduler.admit(parts, m.free_pages(), self.limits, m.kv_pages)
