@@ -64,6 +64,7 @@ def test_sampled_acceptance_makes_a_bonus_token_only_when_every_proposal_is_kept
     p = np.eye(VOCAB)[[2, 4, 5]]  # the target is certain: proposals 2 and 4 are kept, the bonus is 5
     assert accept_sampled([2, 4], p, None, rng) == [2, 4, 5]
     assert accept_sampled([2, 3], p, None, rng) == [2, 4]  # 3 has probability 0: rejected, replaced by p's 4
+    assert accept_sampled([2, 4], p, [np.full(VOCAB, 1 / VOCAB), None], rng) == [2, 4, 5]  # a filled-up proposal
 
 
 def test_greedy_acceptance_keeps_proposals_while_they_are_the_targets_choice():
@@ -174,8 +175,8 @@ def test_greedy_speculative_decoding_gives_the_plain_greedy_tokens(artifacts, k)
         spec = gen.speculation
         assert 0 < spec["accepted_tokens"] < spec["proposed_tokens"], (kind, spec)
         assert spec["tokens_per_step"] > 1 and gen.stats["speculative_steps"] == gen.stats["decode_steps"]
-        if kind == draft:  # 3 proposals for each of the four sequences: the static verify_b4_k3 (built for k = 3)
-            assert (gen.stats["static_decode_steps"] > 0) == (k == 3)
+        # k = 3 was built: every row gets 3 proposals (prompt lookup's filled up), the static verify_b4_k3 runs.
+        assert (gen.stats["static_decode_steps"] > 0) == (k == 3), kind
 
 
 @pytest.mark.slow

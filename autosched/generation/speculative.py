@@ -46,17 +46,17 @@ def accept_greedy(proposals: list[int], target_tokens: list[int]) -> list[int]:
 
 
 def accept_sampled(proposals: list[int], p_rows, q_rows, rng) -> list[int]:
-    """The tokens a sampled step makes from ``proposals`` (drawn from ``q_rows``; None: a deterministic draft,
-    each row one-hot) and the target's distributions ``p_rows`` (one more row than proposals): each proposal
-    ``x`` kept with probability min(1, p(x) / q(x)); the first rejected one replaced by a draw from
-    normalize(max(0, p - q)); a bonus draw from the last row of ``p`` when all are kept. The tokens so made are
-    distributed as the target's own samples."""
+    """The tokens a sampled step makes from ``proposals`` (drawn from ``q_rows``; None, or a row None: a
+    deterministic proposal, its row one-hot) and the target's distributions ``p_rows`` (one more row than
+    proposals): each proposal ``x`` kept with probability min(1, p(x) / q(x)); the first rejected one replaced
+    by a draw from normalize(max(0, p - q)); a bonus draw from the last row of ``p`` when all are kept. The
+    tokens so made are distributed as the target's own samples."""
     import numpy as np
 
     made = []
     for i, x in enumerate(proposals):
         p = np.asarray(p_rows[i], dtype=np.float64)
-        if q_rows is None:
+        if q_rows is None or q_rows[i] is None:
             q = np.zeros_like(p)
             q[x] = 1.0
         else:
@@ -295,10 +295,26 @@ class Speculator:
         self.draft.forget(seq_id)
 
     def proposals_wanted(self, seq: SequenceState) -> int:
-        """How many tokens to propose for ``seq``: k, fewer where its token budget, the artifact's longest
-        sequence or the draft's leave less room (0: a plain decode row in the same call)."""
-        left = seq.max_new_tokens - len(seq.completion.tokens) - 1
-        return max(0, min(self.k, left, self.limits.max_seq_len - seq.length - 1, self.draft.room(seq)))
+        """How many tokens to propose for ``seq``: k, fewer where the artifact's longest sequence or the
+        draft's leave less room (0: a plain decode row in the same call), or, unless the artifact verifies k
+        proposals in a static function, where the sequence's token budget needs fewer."""
+        wanted = min(self.k, self.limits.max_seq_len - seq.length - 1, self.draft.room(seq))
+        if self.k not in self.model.static_proposals:
+            wanted = min(wanted, seq.max_new_tokens - len(seq.completion.tokens) - 1)
+        return max(0, wanted)
+
+    def fill(self, requests, proposals: list[Proposal]) -> None:
+        """Where the artifact verifies k proposals in a static function, a draft's short proposals are
+        filled up to what was wanted with its last token repeated (a deterministic guess, q one-hot): every
+        row then has k and the static function runs (tuned kernels, CUDA graphs) for about the same cost."""
+        if self.k not in self.model.static_proposals:
+            return
+        for (seq, wanted), proposal in zip(requests, proposals):
+            missing = wanted - len(proposal.tokens)
+            if missing > 0:
+                proposal.tokens += [(proposal.tokens or seq.pending)[-1]] * missing
+                if proposal.q_rows is not None:
+                    proposal.q_rows += [None] * missing
 
     def step(self, decoding: list[SequenceState]) -> list[tuple[int, int]]:
         """One speculative step of the ``decoding`` sequences; returns the (sequence id, token) pairs made."""
@@ -311,6 +327,7 @@ class Speculator:
         counts["prefill_s"] += self.stats.clock() - began
         began = self.stats.clock()
         proposals = self.draft.propose(requests)
+        self.fill(requests, proposals)
         parts = [(seq, 1 + len(p.tokens)) for (seq, _), p in zip(requests, proposals)]
         kept, _ = scheduler.admit(parts, m.free_pages(), self.limits, m.kv_pages)
         if not kept:
