@@ -121,6 +121,38 @@ def test_the_loaded_model_holds_the_cache_and_runs_one_call(built):
     assert m.free_pages() == free
 
 
+def test_a_verify_call_gives_every_positions_logits_and_popn_takes_tokens_back(built):
+    """What speculative decoding stands on: a prefill over tokens appended to cached sequences returns the
+    logits of every position (transformers' logits there), and ``kv_state_popn`` takes tokens back out of the
+    cache so that the next call continues from the kept ones."""
+    import numpy as np
+    import torch
+
+    from autosched.generation.model import LoadedModel
+
+    model, artifact = built
+    m = LoadedModel.load(artifact)
+    m.add(0)
+    m.add(1)
+    m.forward("batch_prefill", [0, 1], [3, 2], [5, 7, 9, 100, 200], prefill=True)
+    free = m.free_pages()
+    rows = m.forward("batch_prefill", [0, 1], [3, 2], [11, 13, 2, 1, 2], prefill=True, every_position=True)
+    with torch.no_grad():
+        theirs = [model(torch.tensor([ids])).logits[0].numpy() for ids in ([5, 7, 9, 11, 13, 2], [100, 200, 1, 2])]
+    ours = rows.numpy().reshape(5, -1)
+    np.testing.assert_allclose(ours[:3], theirs[0][-3:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(ours[3:], theirs[1][-2:], rtol=1e-4, atol=1e-4)
+    m.popn(0, 2)  # sequence 0 keeps 11, sequence 1 keeps 1
+    m.popn(1, 1)
+    again = m.forward("batch_prefill", [0, 1], [1, 1], [4, 6], prefill=True).numpy().reshape(2, -1)
+    with torch.no_grad():
+        theirs = [model(torch.tensor([ids])).logits[0, -1].numpy() for ids in ([5, 7, 9, 11, 4], [100, 200, 1, 6])]
+    np.testing.assert_allclose(again, np.stack(theirs), rtol=1e-4, atol=1e-4)
+    m.remove(0)
+    m.remove(1)
+    assert m.free_pages() >= free
+
+
 def test_a_finished_result_stays_readable_until_removed_and_stream_leaves_added_sequences_alone(built):
     """After step() a finished sequence's completion (tokens, finish_reason, error) is readable until
     remove() takes it; stream(prefix=...) steps only its own sequences, not those the caller added; generate

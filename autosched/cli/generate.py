@@ -35,6 +35,10 @@ def add_build_arguments(p) -> None:
                    help="with --generate: token counts that get a static prefill function, the prompts waiting at once "
                         "being packed and prefilled in chunks of those sizes, e.g. 512,8192 as tuned by tune-model "
                         "--generate (default: none)")
+    p.add_argument("--speculate",
+                   help="with --generate: numbers of proposed tokens k whose speculative verification gets a static "
+                        "function at each decode batch (tuned kernels; CUDA graphs on a GPU), e.g. 4 for "
+                        "`generate --speculate 4` (default: none; other k verify through the dynamic prefill)")
 
 
 def add_tune_arguments(p) -> None:
@@ -45,6 +49,8 @@ def add_tune_arguments(p) -> None:
                    "(default: those the build makes, 1, 2, 4, ... up to --max-batch)")
     p.add_argument("--prefill-chunks", help="with --generate: prefill chunk lengths to tune, e.g. 128,512 "
                    "(default: none)")
+    p.add_argument("--speculate", help="with --generate: numbers of proposed tokens k whose static verify functions "
+                   "(at each decode batch) to tune, e.g. 4 (default: none)")
 
 
 def cmd_build_generate(args) -> int:
@@ -65,9 +71,12 @@ def cmd_build_generate(args) -> int:
         chunks = None
         if args.prefill_chunks is not None:
             chunks = tuple(sorted(set(parse_ids(args.prefill_chunks, "--prefill-chunks", "lengths"))))
+        speculate = ()
+        if args.speculate is not None:
+            speculate = tuple(sorted(set(parse_ids(args.speculate, "--speculate", "numbers of proposed tokens"))))
         out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
                                       db_path=str(db.path) if db else None, decode_batches=batches,
-                                      prefill_chunks=chunks)
+                                      prefill_chunks=chunks, speculate=speculate)
     finally:
         if db is not None:
             db.close()
@@ -102,7 +111,9 @@ def cmd_tune_generate(args) -> int:
     else:  # those the build makes by default, so that a plain build applies the records
         batches = default_decode_batches(args.max_batch)
     chunks = tuple(sorted(set(parse_ids(args.prefill_chunks, "--prefill-chunks", "lengths")))) if args.prefill_chunks else ()
-    lowered, _ = lower_generation(model.config, target, batches, chunks)
+    speculate = tuple(sorted(set(parse_ids(args.speculate, "--speculate", "numbers of proposed tokens")))) \
+        if args.speculate else ()
+    lowered, _ = lower_generation(model.config, target, batches, chunks, speculate)
     tasks, untunable = split_tunable(generation_tasks(lowered), target)
     log = console(stderr=True)
     log.log(f"{args.model}: decode steps at batch {', '.join(map(str, batches))}"
@@ -127,6 +138,7 @@ def cmd_tune_generate(args) -> int:
         log.log(f"{args.model}: {what}")
     options_used = [f"--decode-batches {','.join(map(str, batches))}"]
     options_used += [f"--prefill-chunks {','.join(map(str, chunks))}"] if chunks else []
+    options_used += [f"--speculate {','.join(map(str, speculate))}"] if speculate else []
     options_used += [f"--max-batch {args.max_batch}"] if args.max_batch != DEFAULT_MAX_BATCH else []
     options_used += [f"--db {args.db}"] if args.db != DEFAULT_DB else []
     options_used += [f"--target {args.target}"] if args.target != "llvm" else []
@@ -139,6 +151,9 @@ def _function_label(name: str) -> str:
     """``decode_b8`` -> 'a decode step at batch 8', ``prefill_t128`` -> 'a prefill chunk of 128 tokens'."""
     if name.startswith("decode_b"):
         return f"a decode step at batch {name[len('decode_b'):]}"
+    if name.startswith("verify_b"):
+        rows, proposals = name[len("verify_b"):].split("_k")
+        return f"a speculative step of {proposals} proposals at batch {rows}"
     return f"a prefill chunk of {name[len('prefill_t'):]} tokens"
 
 
@@ -155,6 +170,15 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens up to this mass")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (prompt i uses seed + i)")
     p.add_argument("--stop-ids", help="comma-separated token ids that end a sequence (default: the model's EOS)")
+    p.add_argument("--speculate", type=int, metavar="K",
+                   help="decode speculatively: a draft proposes K tokens a step and the model verifies them in one "
+                        "call, keeping its own greedy tokens (or its sampling distribution); needs --draft or "
+                        "--prompt-lookup")
+    p.add_argument("--draft", metavar="DRAFT_DIR",
+                   help="with --speculate: a smaller model's `build --generate` artifact with the same vocabulary")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="with --speculate: propose what followed the latest earlier occurrence of the last tokens "
+                        "(no second model)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output (default text)")
     p.set_defaults(fn=cmd_generate)
 
@@ -179,6 +203,28 @@ def _tokenizer(path: str | None):
         raise UsageError(f"no tokenizer could be read from {path}: {exc}") from None
 
 
+def _draft(args):
+    """What ``--speculate``, ``--draft`` and ``--prompt-lookup`` ask for: a draft for Generator, or None."""
+    from ..generation.generator import read_generation_manifest
+
+    if args.draft and args.prompt_lookup:
+        raise UsageError("--draft and --prompt-lookup are two kinds of draft: give one of them")
+    if args.speculate is None:
+        if args.draft or args.prompt_lookup:
+            raise UsageError(f"{'--draft' if args.draft else '--prompt-lookup'} needs --speculate K: the number of "
+                             "tokens the draft proposes a step (e.g. --speculate 4)")
+        return None
+    if args.speculate < 1:
+        raise UsageError(f"--speculate must be at least 1 proposed token (got {args.speculate})")
+    if args.prompt_lookup:
+        return "prompt-lookup"
+    if not args.draft:
+        raise UsageError("--speculate needs a draft: --draft DRAFT_DIR (a smaller model's generation artifact) or "
+                         "--prompt-lookup")
+    read_generation_manifest(args.draft)  # a bad folder is reported before TVM loads
+    return args.draft
+
+
 def cmd_generate(args) -> int:
     from ..generation.generator import read_generation_manifest
 
@@ -197,7 +243,8 @@ def cmd_generate(args) -> int:
     Sampling(args.temperature, args.top_k, args.top_p, args.seed)  # checks the options before loading
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
-    gen = Generator(args.artifact)
+    draft = _draft(args)
+    gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1)
     results = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop_tokens=stop)
     timing = gen.timing()
@@ -218,7 +265,11 @@ def cmd_generate(args) -> int:
                 print(f"[{i}] {row['text']}")
             if "error" not in row:
                 print(f"[{i}] ended: {FINISHED_BECAUSE.get(row['finish_reason'], row['finish_reason'])}", file=sys.stderr)
+        speculation = ""
+        if "proposed_tokens" in timing:
+            speculation = (f"; speculating: {timing['accepted_tokens']} of {timing['proposed_tokens']} proposed tokens "
+                           f"accepted, {timing['tokens_per_step']:.2f} tokens per sequence per step")
         print(f"prefill {timing['prefill_ms']:.2f} ms ({timing['prefill_tokens']} tokens), {timing['ms_per_step']:.3f} ms "
-              f"per decode step over {timing['decode_steps']} steps, {timing['tokens_per_s']:.1f} tokens/s",
+              f"per decode step over {timing['decode_steps']} steps, {timing['tokens_per_s']:.1f} tokens/s{speculation}",
               file=sys.stderr)
     return 2 if any("error" in r for r in rows) else 0

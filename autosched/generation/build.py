@@ -119,7 +119,7 @@ class GenerationReport(ApplyReport):
 
 
 def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tuple[int, ...] = (),
-                     prefill_chunks: tuple[int, ...] = ()):
+                     prefill_chunks: tuple[int, ...] = (), speculate: tuple[int, ...] = ()):
     """The decoder's module lowered as our model builds lower (so that kernels key as tuned ones), with each
     Linear's transpose folded into its product (``x @ W.T`` read from W as stored, never copied)."""
     from tvm import relax
@@ -129,7 +129,12 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
     if prefill_chunks and cfg.rope_scaling.get("rope_type") == "longrope":
         raise UsageError("--prefill-chunks is not supported for a longrope model: it picks its rotary factors from "
                          "a whole prompt's length")
-    mod, names = export(cfg, target.tvm_target(), decode_batches, prefill_chunks)
+    if any(k < 1 for k in speculate):
+        raise UsageError("--speculate takes numbers of proposed tokens, each at least 1 (e.g. --speculate 4)")
+    if speculate and (cfg.sliding_window or cfg.rope_scaling.get("rope_type") == "longrope"):
+        raise UsageError("--speculate is not supported for a model with a sliding window or longrope: a speculative "
+                         "step feeds several tokens past what such a cache can roll back")
+    mod, names = export(cfg, target.tvm_target(), decode_batches, prefill_chunks, speculate)
     return lower(relax.transform.FuseTransposeMatmul()(mod)), names
 
 
@@ -204,8 +209,8 @@ def default_decode_batches(max_batch: int) -> tuple[int, ...]:
 
 def is_static_function(name: str) -> bool:
     """Whether a generation module's Relax function is one of static shapes (``decode_b<N>``,
-    ``prefill_t<T>``): its kernels are the tunable ones."""
-    return name.startswith(("decode_b", "prefill_t"))
+    ``prefill_t<T>``, ``verify_b<N>_k<K>``): its kernels are the tunable ones."""
+    return name.startswith(("decode_b", "prefill_t", "verify_b"))
 
 
 def decode_calls(lowered):
@@ -226,7 +231,7 @@ def generation_tasks(lowered) -> list:
 
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,
                        decode_batches: tuple[int, ...] = (), cuda_graphs: bool = True,
-                       prefill_chunks: tuple[int, ...] = ()):
+                       prefill_chunks: tuple[int, ...] = (), speculate: tuple[int, ...] = ()):
     """(executable, the parameter names its functions take in order, report): the decoder lowered, scheduled
     and compiled, without writing anything (``build_generator`` writes it; benchmarks run it in memory).
     On a GPU, the kernels between two attention calls of a static decode function (``decode_batches``) run
@@ -236,7 +241,7 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
     from autosched.target import compile_module
 
     began = time.perf_counter()
-    lowered, names = lower_generation(model.config, target, decode_batches, prefill_chunks)
+    lowered, names = lower_generation(model.config, target, decode_batches, prefill_chunks, speculate)
     exported = time.perf_counter()
     scheduled, report, applied = schedule_generation(lowered, db, target)
     scheduled_at = time.perf_counter()
@@ -251,7 +256,7 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
 def generation_manifest(model: GenerationModel, names: list[str], target: TargetSpec, report: GenerationReport,
                         max_seq_len: int, max_batch: int, page_size: int = DEFAULT_PAGE_SIZE,
                         db_path: str | None = None, decode_batches: tuple[int, ...] = (),
-                        prefill_chunks: tuple[int, ...] = ()) -> dict:
+                        prefill_chunks: tuple[int, ...] = (), speculate: tuple[int, ...] = ()) -> dict:
     """What a :class:`~autosched.generation.Generator` needs to know of a build, as ``manifest.json`` holds it."""
     import tvm
 
@@ -262,7 +267,8 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "param_names": names,
         "param_order": [f"p{i}" for i in range(len(names))], "library": LIBRARY, "params": PARAMS,
         "target": target.to_json(), "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
-        "decode_batches": list(decode_batches), "prefill_chunks": list(prefill_chunks), "eos_token_ids": model.eos_token_ids,
+        "decode_batches": list(decode_batches), "prefill_chunks": list(prefill_chunks),
+        "speculate": list(speculate), "eos_token_ids": model.eos_token_ids,
         "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         **kernel_sources(report), "attention": report.attention,
@@ -274,7 +280,8 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
                     max_seq_len: int, max_batch: int, db_path: str | None = None,
                     page_size: int = DEFAULT_PAGE_SIZE,
                     decode_batches: tuple[int, ...] | None = None,
-                    prefill_chunks: tuple[int, ...] | None = None) -> tuple[Path, GenerationReport]:
+                    prefill_chunks: tuple[int, ...] | None = None,
+                    speculate: tuple[int, ...] = ()) -> tuple[Path, GenerationReport]:
     """Write a generation artifact for ``model`` to ``out_dir``: ``generate.so`` (batched prefill and decode,
     the KV cache's creation), ``params.bin`` and ``manifest.json``. Nothing is written if the build fails."""
 
@@ -293,10 +300,11 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     if any(not 1 <= t <= max_seq_len * max_batch for t in prefill_chunks):
         raise UsageError(f"--prefill-chunks must lie between 1 and --max-seq-len x --max-batch "
                          f"({max_seq_len * max_batch})")
-    executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks)
+    executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks,
+                                                   speculate=speculate)
     weights = weights_from_hf(model.hf.state_dict(), model.config)
     manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,
-                                   decode_batches, prefill_chunks)
+                                   decode_batches, prefill_chunks, speculate)
     tensors = {key: _to_tvm(weights[name], model.config.dtype) for key, name in zip(manifest["param_order"], names)}
     return write_artifact(out_dir, {LIBRARY: executable}, tensors, manifest), report
 

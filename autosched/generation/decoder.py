@@ -334,12 +334,15 @@ def _expert_weights(get, state: dict, cfg: DecoderConfig, p: str, q: str) -> dic
 
 
 def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = (),
-                 hopper: bool = False):
+                 hopper: bool = False, speculate: tuple[int, ...] = ()):
     """The ``tvm.relax.frontend.nn`` module of ``cfg`` and its export spec. ``decode_batches``: batch sizes
     that also get a decode function of their own, ``decode_b<N>``, whose shapes are all static (its kernels
     can be tuned, and on CUDA the step is captured as CUDA graphs); other sizes run ``batch_decode``.
     ``prefill_chunks``: token counts that get a prefill function of their own, ``prefill_t<T>`` (prompts
-    are prefilled in chunks of exactly that many tokens, the rest by ``batch_prefill``).
+    are prefilled in chunks of exactly that many tokens, the rest by ``batch_prefill``). ``speculate``: numbers
+    of proposed tokens k whose verification gets a function of its own at each decode batch n,
+    ``verify_b<n>_k<k>``: a prefill of n sequences' k + 1 tokens with the logits of every one (a speculative
+    step of another shape verifies through ``batch_prefill``).
 
     The model is made of blocks chosen from ``cfg``: the norm (:func:`make_norm`), the attention (its q/k
     norms, its rotary embedding: :class:`Rotary` for a frequency table, else the cache's fused one), the
@@ -717,11 +720,22 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     for n in decode_batches:
         setattr(module, f"decode_b{n}", module.batch_decode)
         spec[f"decode_b{n}"] = {"input_ids": nn.spec.Tensor([n], "int32"), **caches, "$": packed}
+    for k in speculate:
+        for n in decode_batches:
+            tokens = n * (k + 1)
+            setattr(module, verify_function(n, k), module.batch_prefill)
+            spec[verify_function(n, k)] = {"input_ids": nn.spec.Tensor([tokens], "int32"),
+                                           "logit_positions": nn.spec.Tensor([tokens], "int32"), **caches, "$": packed}
     for t in prefill_chunks:
         setattr(module, f"prefill_t{t}", module.batch_prefill)
         spec[f"prefill_t{t}"] = {"input_ids": nn.spec.Tensor([t], "int32"),
                                  "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), **caches, "$": packed}
     return module, spec
+
+
+def verify_function(rows: int, proposals: int) -> str:
+    """The name of the static function that verifies ``proposals`` tokens for each of ``rows`` sequences."""
+    return f"verify_b{rows}_k{proposals}"
 
 
 class _window_symbols:
@@ -780,12 +794,13 @@ def _current_target():
     return _TARGET[-1]
 
 
-def export(cfg: DecoderConfig, tvm_target, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = ()):
+def export(cfg: DecoderConfig, tvm_target, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = (),
+           speculate: tuple[int, ...] = ()):
     """(IRModule, parameter names in the order the functions take them) of ``cfg`` for ``tvm_target``."""
     from autosched.search_spaces.templates.hopper_gemm import HOPPER_ARCHS
 
     hopper = tvm_target.kind.name == "cuda" and str(tvm_target.attrs.get("arch", "")) in HOPPER_ARCHS
-    module, spec = build_module(cfg, decode_batches, prefill_chunks, hopper)
+    module, spec = build_module(cfg, decode_batches, prefill_chunks, hopper, speculate)
     _TARGET.append(tvm_target)
     try:
         mod, params = module.export_tvm(spec=spec)

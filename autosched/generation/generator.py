@@ -30,11 +30,32 @@ class Generator:
     sequence that finishes in a step leaves the cache, and its :meth:`completion` stays readable until
     :meth:`remove` takes it. ``kv_pages``: pages in the cache (default: room for ``max_batch`` sequences of
     ``max_seq_len`` tokens). ``clock``: what times the calls (see :meth:`timing`).
+
+    ``draft``: decode speculatively (:mod:`.speculative`), the same tokens (greedy) or the same distribution
+    (sampled) in fewer target steps: ``"prompt-lookup"`` (proposals copied from earlier in the sequence) or
+    the folder of another generation artifact with the same vocabulary (a smaller model); ``speculate``:
+    tokens proposed per step.
     """
 
     def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, *, draft=None, speculate: int = 4):
         self._start(LoadedModel.load(artifact_dir, kv_pages), clock)
+        if draft is not None:
+            self.speculate(draft, speculate)
+
+    def speculate(self, draft, k: int = 4) -> None:
+        """Decode speculatively from now on with ``draft`` (as the constructor's) proposing ``k`` tokens a step;
+        ``draft=None`` stops."""
+        from .speculative import Speculator, check_speculation, make_draft
+
+        if self._speculator is not None:
+            for seq_id in list(self._seqs):
+                self._speculator.forget(seq_id)
+            self._speculator = None
+        if draft is None:
+            return
+        check_speculation(k, self.model)
+        self._speculator = Speculator(self.model, make_draft(draft, self.model), k, self.limits, self._stats)
 
     @classmethod
     def in_memory(cls, executable, params: list, manifest: dict, device, kv_pages: int | None = None) -> Generator:
@@ -44,6 +65,13 @@ class Generator:
 
         gen = cls.__new__(cls)
         gen._start(LoadedModel(relax.VirtualMachine(executable, device), params, manifest, device, kv_pages))
+        return gen
+
+    @classmethod
+    def from_model(cls, model: LoadedModel, clock: Callable[[], float] = time.perf_counter) -> Generator:
+        """A generator over a model already loaded (:class:`~.model.LoadedModel`), e.g. one built in memory."""
+        gen = cls.__new__(cls)
+        gen._start(model, clock)
         return gen
 
     def _start(self, model: LoadedModel, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -56,6 +84,7 @@ class Generator:
         self._done: dict[int, SequenceState] = {}  # finished and out of the cache, until removed
         self._next_id = 0
         self.completions: list[Completion] = []
+        self._speculator = None
 
     def __getattr__(self, name: str):
         # The model's facts (max_batch, max_seq_len, vocab, manifest, vm, caches, ...), as attributes of old.
@@ -66,8 +95,17 @@ class Generator:
 
     @property
     def stats(self) -> dict:
-        """Calls, tokens and seconds of prefill and decode since the generator was made (or reset_timing)."""
+        """Calls, tokens and seconds of prefill and decode since the generator was made (or reset_timing);
+        speculating, the tokens proposed and accepted and the target's speculative steps too."""
         return self._stats.counts
+
+    @property
+    def speculation(self) -> dict | None:
+        """Tokens proposed and accepted, the acceptance rate and the tokens a sequence made per target step,
+        since the generator was made (or reset_timing); None when it does not speculate."""
+        if self._speculator is None:
+            return None
+        return scheduler.speculation_counts(self._stats.counts)
 
     def reset_timing(self) -> None:
         self._stats.reset()
@@ -108,11 +146,13 @@ class Generator:
         if parent is not None and self.rope_switch is not None:
             raise GenerationError("forks of a prefix are not supported for a longrope model: it re-reads a whole "
                                   f"sequence with the long factors when it grows past {self.rope_switch} tokens")
+        context = list(prompt)
         if parent is not None:
             parent_seq = self._get(parent)
             if parent_seq.pending:
                 raise GenerationError(f"sequence {parent} has tokens not yet in the cache: fork it after a step")
             base = parent_seq.length
+            context = parent_seq.context + context
         if base + len(prompt) > self.max_seq_len:
             raise GenerationError(f"the prompt has {base + len(prompt)} tokens, more than the artifact's --max-seq-len "
                                   f"{self.max_seq_len}: shorten it or rebuild with a larger --max-seq-len")
@@ -127,7 +167,7 @@ class Generator:
         sampling = sampling or Sampling()
         stops = frozenset(self.eos_token_ids if stop_tokens is None else stop_tokens)
         self._seqs[seq_id] = SequenceState(seq_id, prompt, base, max_new_tokens, stops, sampling,
-                                           rng=np.random.default_rng(sampling.seed))
+                                           rng=np.random.default_rng(sampling.seed), prompt_context=context)
         return seq_id
 
     def remove(self, seq_id: int) -> Completion:
@@ -137,6 +177,8 @@ class Generator:
             return self._done.pop(seq_id).completion
         seq = self._get(seq_id)
         self.model.remove(seq_id)
+        if self._speculator is not None:
+            self._speculator.forget(seq_id)
         del self._seqs[seq_id]
         return seq.completion
 
@@ -171,11 +213,15 @@ class Generator:
             parts, chunk = scheduler.next_prefill(waiting, self.limits)
             made += self._forward(parts, prefill=True, chunk=chunk)
             waiting = [s for s in waiting if not s.prefilled and not s.completion.finished]
-        if decoding:
+        if decoding and self._speculator is not None:
+            made += self._speculator.step(decoding)
+        elif decoding:
             made += self._forward([(s, 1) for s in decoding], prefill=False)
         for seq in seqs:
             if seq.completion.finished and seq.max_new_tokens > 0:
                 self.model.remove(seq.seq_id)
+                if self._speculator is not None:
+                    self._speculator.forget(seq.seq_id)
                 self._done[seq.seq_id] = self._seqs.pop(seq.seq_id)
         return made
 

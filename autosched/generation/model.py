@@ -39,6 +39,8 @@ class LoadedModel:
         self.eos_token_ids = frozenset(m.get("eos_token_ids", []))
         self.decode_batches = frozenset(m.get("decode_batches", []))
         self.prefill_chunks = tuple(m.get("prefill_chunks", []))
+        # Proposal counts k whose speculative verification has static functions (build --speculate).
+        self.static_proposals = frozenset(m.get("speculate", []))
         # Phi-3's longrope: transformers re-reads a sequence with the long factors when it grows past the
         # original context (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache then).
         scaling = m["decoder"].get("rope_scaling") or {}
@@ -115,16 +117,19 @@ class LoadedModel:
 
     # ---- one call ----------------------------------------------------------------------------------
 
-    def forward(self, function: str, seq_ids: list[int], lengths: list[int], ids, prefill: bool):
+    def forward(self, function: str, seq_ids: list[int], lengths: list[int], ids, prefill: bool,
+                every_position: bool = False):
         """Run ``function`` over ``ids`` (the tokens of ``seq_ids``, ``lengths`` each, packed); returns the
-        logits on the device (one row per sequence: the last token's)."""
+        logits on the device (one row per sequence: the last token's; with ``every_position``, a prefill's
+        row for every token fed, as a speculative step's verification reads them)."""
         import numpy as np
         import tvm
 
         self._begin(self._shape(seq_ids), self._shape(lengths))
         input_ids = tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device)
         if prefill:
-            last = tvm.runtime.tensor(np.cumsum(lengths, dtype="int32") - 1, self.device)
+            positions = np.arange(len(ids), dtype="int32") if every_position else np.cumsum(lengths, dtype="int32") - 1
+            last = tvm.runtime.tensor(positions, self.device)
             logits, *self.caches = self.vm[function](input_ids, last, *self.caches, self.params)
         else:
             logits, *self.caches = self.vm[function](input_ids, *self.caches, self.params)

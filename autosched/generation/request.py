@@ -75,6 +75,12 @@ class SequenceState:
     prefilled: bool = False
     cached: list[int] = field(default_factory=list)  # the tokens in the cache (for a re-read: see Generator.step)
     rng: object = None  # the request's own random stream (numpy, seeded by sampling.seed)
+    prompt_context: list[int] = field(default_factory=list)  # a fork's parent tokens and the prompt
+
+    @property
+    def context(self) -> list[int]:
+        """Every token of the sequence: its parent's, its prompt, what it made (a draft reads them)."""
+        return self.prompt_context + self.completion.tokens
 
     @property
     def decoding(self) -> bool:

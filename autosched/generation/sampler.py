@@ -47,12 +47,11 @@ def greedy_kernel(vocab: int, gpu: bool):
     return sch.mod["main"].with_attr("tirx.is_scheduled", True).without_attr("global_symbol")
 
 
-def sample_host(logits, sampling, rng) -> int:
-    """One token from one row of logits (numpy) as ``sampling`` asks, drawing from ``rng`` (numpy's Generator)."""
+def distribution(logits, sampling):
+    """The probabilities (numpy float64, summing to 1) of one row of logits after ``sampling``'s temperature,
+    top-k and top-p: what a sampled token is drawn from. ``sampling`` must not be greedy."""
     import numpy as np
 
-    if sampling.temperature == 0:
-        return int(np.argmax(logits))
     scores = logits.astype(np.float64) / sampling.temperature
     if sampling.top_k:
         cut = np.partition(scores, -sampling.top_k)[-sampling.top_k]
@@ -66,6 +65,16 @@ def sample_host(logits, sampling, rng) -> int:
         mask[order[keep]] = True
         probs = np.where(mask, probs, 0.0)
         probs /= probs.sum()
+    return probs
+
+
+def sample_host(logits, sampling, rng) -> int:
+    """One token from one row of logits (numpy) as ``sampling`` asks, drawing from ``rng`` (numpy's Generator)."""
+    import numpy as np
+
+    if sampling.temperature == 0:
+        return int(np.argmax(logits))
+    probs = distribution(logits, sampling)
     return int(rng.choice(len(probs), p=probs))
 
 

@@ -114,7 +114,8 @@ class StepStats:
         self.counts = {"prefill_calls": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0,
                        "static_decode_steps": 0, "padded_decode_steps": 0, "static_prefill_calls": 0,
                        "decode_tokens": 0, "decode_s": 0.0, "device_greedy_calls": 0,
-                       "device_sample_calls": 0, "host_sample_calls": 0}
+                       "device_sample_calls": 0, "host_sample_calls": 0, "speculative_steps": 0,
+                       "speculative_rows": 0, "proposed_tokens": 0, "accepted_tokens": 0}
 
     def record(self, prefill: bool, began: float, tokens: int, function: str, padded: bool = False) -> None:
         """A call that began at ``began`` (this clock) and fed ``tokens`` tokens (prefill) or rows (decode)."""
@@ -129,13 +130,24 @@ class StepStats:
             c["decode_steps"] += 1
             c["decode_tokens"] += tokens
             c["decode_s"] += elapsed
-            c["static_decode_steps"] += function != "batch_decode"
+            c["static_decode_steps"] += function not in ("batch_decode", "batch_prefill")
             c["padded_decode_steps"] += padded
 
     def timing(self) -> dict:
         """Prefill time, time per decode step and tokens per second."""
         c = self.counts
         steps = max(c["decode_steps"], 1)
-        return {"prefill_ms": 1e3 * c["prefill_s"], "prefill_tokens": c["prefill_tokens"],
-                "ms_per_step": 1e3 * c["decode_s"] / steps, "decode_steps": c["decode_steps"],
-                "tokens_per_s": c["decode_tokens"] / c["decode_s"] if c["decode_s"] else 0.0}
+        out = {"prefill_ms": 1e3 * c["prefill_s"], "prefill_tokens": c["prefill_tokens"],
+               "ms_per_step": 1e3 * c["decode_s"] / steps, "decode_steps": c["decode_steps"],
+               "tokens_per_s": c["decode_tokens"] / c["decode_s"] if c["decode_s"] else 0.0}
+        if c["speculative_steps"]:
+            out |= speculation_counts(c)
+        return out
+
+
+def speculation_counts(c: dict) -> dict:
+    """What speculation did: tokens proposed and accepted, and the tokens a sequence made per target step
+    (one without speculation)."""
+    return {"proposed_tokens": c["proposed_tokens"], "accepted_tokens": c["accepted_tokens"],
+            "acceptance_rate": c["accepted_tokens"] / c["proposed_tokens"] if c["proposed_tokens"] else 0.0,
+            "tokens_per_step": c["decode_tokens"] / max(c["speculative_rows"], 1)}
