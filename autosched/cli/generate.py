@@ -35,6 +35,13 @@ def add_build_arguments(p) -> None:
                    help="with --generate: token counts that get a static prefill function, the prompts waiting at once "
                         "being packed and prefilled in chunks of those sizes, e.g. 512,8192 as tuned by tune-model "
                         "--generate (default: none)")
+    _add_quantize(p)
+
+
+def _add_quantize(p) -> None:
+    p.add_argument("--quantize", help="with --generate: quantise the decoder layers' weights, q4f16 (int4, groups of "
+                   "128 along K) or q8f16 (int8, a scale per output channel); scales in the model's dtype; the "
+                   "embeddings and LM head stay unquantised (default: none)")
 
 
 def add_tune_arguments(p) -> None:
@@ -45,6 +52,7 @@ def add_tune_arguments(p) -> None:
                    "(default: those the build makes, 1, 2, 4, ... up to --max-batch)")
     p.add_argument("--prefill-chunks", help="with --generate: prefill chunk lengths to tune, e.g. 128,512 "
                    "(default: none)")
+    _add_quantize(p)
 
 
 def cmd_build_generate(args) -> int:
@@ -55,7 +63,7 @@ def cmd_build_generate(args) -> int:
     if args.tokens or args.batch:
         raise UsageError("--tokens and --batch do not apply to --generate: prompts and batches vary at run time "
                          "(give --max-seq-len and --max-batch)")
-    model = load_generation_model(args.model, args.dtype)
+    model = load_generation_model(args.model, args.dtype, args.quantize)
     db = open_build_db(args.db)  # as any build: a database one may only read is read as it is
     log = console(stderr=True)
     try:
@@ -96,7 +104,7 @@ def cmd_tune_generate(args) -> int:
 
     trials = tuning_budget(args, TUNE_MODEL_TRIALS)
     target = parse_target(args.target, require_device=args.runner == "local")
-    model = load_generation_model(args.model, args.dtype)
+    model = load_generation_model(args.model, args.dtype, args.quantize)
     if args.decode_batches is not None:
         batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
     else:  # those the build makes by default, so that a plain build applies the records
@@ -131,6 +139,7 @@ def cmd_tune_generate(args) -> int:
     options_used += [f"--db {args.db}"] if args.db != DEFAULT_DB else []
     options_used += [f"--target {args.target}"] if args.target != "llvm" else []
     options_used += [f"--dtype {args.dtype}"] if args.dtype else []
+    options_used += [f"--quantize {args.quantize}"] if args.quantize else []
     log.log(f"build it with `autosched build {args.model} --generate {' '.join(options_used)} -o DIR`")
     return 0
 

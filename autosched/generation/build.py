@@ -16,6 +16,7 @@ from autosched.errors import UsageError
 from autosched.pipeline.build import ApplyReport, build_summary
 
 from .decoder import DecoderConfig, config_from_hf, export, weights_from_hf, window_rope_unsupported
+from .quantize import manifest_entry, quantize_weights
 
 if TYPE_CHECKING:
     from autosched.database.store import Database
@@ -62,11 +63,17 @@ def find_hf_model(module):
     return None
 
 
-def load_generation_model(spec: str, dtype: str | None = None) -> GenerationModel:
+def load_generation_model(spec: str, dtype: str | None = None, quantize: str | None = None) -> GenerationModel:
     """A model to generate with: a folder written by transformers' ``save_pretrained`` (read locally, nothing
     downloaded), an example name (``hf-llama``, ...) or a ``module:factory`` whose model is a transformers
-    causal LM of a supported family."""
+    causal LM of a supported family. ``quantize``: a weight quantisation scheme of :mod:`.quantize` (its
+    projections quantised when built)."""
     import torch
+
+    from .quantize import check_quantizable, scheme
+
+    if quantize:
+        scheme(quantize)  # an unknown scheme is refused before the model loads
 
     path = Path(spec)
     if path.is_dir():
@@ -88,6 +95,9 @@ def load_generation_model(spec: str, dtype: str | None = None) -> GenerationMode
                              "returns one (hf-llama, ..., or a save_pretrained folder)")
         hf = hf.eval()
     config = config_from_hf(hf.config, dtype or _torch_dtype_name(hf))
+    if quantize:
+        check_quantizable(config, quantize)
+        config = replace(config, quantize=quantize)
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(hf.config, "eos_token_id", None)
@@ -266,7 +276,7 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         **kernel_sources(report), "attention": report.attention,
-        "workload_kernels": report.workloads,
+        "workload_kernels": report.workloads, "quantization": manifest_entry(model.config),
     }
 
 
@@ -295,6 +305,8 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
                          f"({max_seq_len * max_batch})")
     executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks)
     weights = weights_from_hf(model.hf.state_dict(), model.config)
+    if model.config.quantize:  # round-to-nearest from the float weights, as the kernels read them
+        weights = quantize_weights(weights, model.config, model.config.quantize)
     manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,
                                    decode_batches, prefill_chunks)
     tensors = {key: _to_tvm(weights[name], model.config.dtype) for key, name in zip(manifest["param_order"], names)}
@@ -322,11 +334,13 @@ def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:
 
 
 def _to_tvm(tensor, dtype: str):
-    """A torch tensor as a TVM tensor of ``dtype`` on the CPU (bfloat16 too, which numpy lacks)."""
+    """A torch tensor as a TVM tensor of ``dtype`` on the CPU (bfloat16 too, which numpy lacks); integer
+    tensors (quantised weights' codes) keep their own dtype."""
     import torch
     import tvm
 
-    t = tensor.detach().to(getattr(torch, dtype)).cpu()
+    t = tensor.detach().cpu()
+    t = t.to(getattr(torch, dtype)) if t.is_floating_point() else t
     if t.dtype != torch.bfloat16:
         return tvm.runtime.tensor(t.contiguous().numpy())
     # A fresh copy: DLPack import needs 64-byte aligned data, which a view into a state dict may not be.
