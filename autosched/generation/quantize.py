@@ -30,8 +30,9 @@ class Scheme:
 
 
 SCHEMES = {
-    "q4f16": Scheme("q4f16", 4, (128, 64, 32), "int4 weights (zero point 8) in groups of 128 along K, scales in the "
-                    "model's dtype"),
+    "q4f16": Scheme(
+        "q4f16", 4, (128, 64, 32), "int4 weights (zero point 8) in groups of 128 along K, scales in the model's dtype"
+    ),
     "q8f16": Scheme("q8f16", 8, (), "int8 weights, one scale per output channel, scales in the model's dtype"),
 }
 # The decoder's projections that are quantised (each layer's ``<name>.weight``).
@@ -54,9 +55,11 @@ def group_size(name: str, k: int) -> int:
     for group in s.groups:
         if k % group == 0:
             return group
-    raise UsageError(f"--quantize {name} groups {s.groups[0]} (or {', '.join(map(str, s.groups[1:]))}) weights along "
-                     f"K, and a layer here has K={k}, not a multiple of {s.groups[-1]}: use --quantize q8f16 "
-                     "(one scale per output channel) or build without --quantize")
+    raise UsageError(
+        f"--quantize {name} groups {s.groups[0]} (or {', '.join(map(str, s.groups[1:]))}) weights along "
+        f"K, and a layer here has K={k}, not a multiple of {s.groups[-1]}: use --quantize q8f16 "
+        "(one scale per output channel) or build without --quantize"
+    )
 
 
 def check_quantizable(cfg, name: str) -> None:
@@ -64,8 +67,10 @@ def check_quantizable(cfg, name: str) -> None:
     cannot group."""
     scheme(name)
     if cfg.experts:
-        raise UsageError(f"--quantize {name} does not support mixture-of-experts models yet (their experts run as "
-                         "moe_gemm, which has no quantised form): build this model without --quantize")
+        raise UsageError(
+            f"--quantize {name} does not support mixture-of-experts models yet (their experts run as "
+            "moe_gemm, which has no quantised form): build this model without --quantize"
+        )
     for k in {cfg.hidden, cfg.heads * cfg.head_dim, cfg.mlp}:
         group_size(name, k)
 
@@ -126,7 +131,12 @@ def manifest_entry(cfg) -> dict | None:
         return None
     s = scheme(cfg.quantize)
     ks = {"q/k/v, gate/up": cfg.hidden, "output": cfg.heads * cfg.head_dim, "down": cfg.mlp}
-    return {"scheme": s.name, "bits": s.bits, "about": s.doc,
-            "layout": ("uint8, two int4 per byte, low nibble first, zero point 8" if s.bits == 4 else "int8, symmetric"),
-            "scale_dtype": cfg.dtype, "group_size": {what: group_size(s.name, k) for what, k in ks.items()},
-            "projections": list(QUANTIZED_PROJECTIONS)}
+    return {
+        "scheme": s.name,
+        "bits": s.bits,
+        "about": s.doc,
+        "layout": ("uint8, two int4 per byte, low nibble first, zero point 8" if s.bits == 4 else "int8, symmetric"),
+        "scale_dtype": cfg.dtype,
+        "group_size": {what: group_size(s.name, k) for what, k in ks.items()},
+        "projections": list(QUANTIZED_PROJECTIONS),
+    }

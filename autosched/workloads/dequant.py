@@ -38,7 +38,9 @@ class DequantGemm(Operator):
     shape_keys = ("m", "n", "k")
     defaults = {"m": 1, "n": 4096, "k": 4096}
     dtypes = ("float16", "float32", "bfloat16")
-    attrs = (Attr("bits", (4, 8), "weight bits"), Attr("group", (128, 32, 64, 256), "weights per scale (k or more: one per output channel)", open=True)) + EPILOGUE_ATTRS
+    attrs = (Attr("bits", (4, 8), "weight bits"),
+             Attr("group", (128, 32, 64, 256), "weights per scale (k or more: one per output channel)", open=True),
+             *EPILOGUE_ATTRS)
     family = "matmul"
     presets = (
         Preset("llama2-7b-decode-up", {"m": 1, "n": 11008, "k": 4096}, note="decode GEMV, MLP up"),
