@@ -115,16 +115,19 @@ class LoadedModel:
 
     # ---- one call ----------------------------------------------------------------------------------
 
-    def forward(self, function: str, seq_ids: list[int], lengths: list[int], ids, prefill: bool):
+    def forward(self, function: str, seq_ids: list[int], lengths: list[int], ids, prefill: bool,
+                logit_positions=None):
         """Run ``function`` over ``ids`` (the tokens of ``seq_ids``, ``lengths`` each, packed); returns the
-        logits on the device (one row per sequence: the last token's)."""
+        logits on the device (one row per sequence: the last token's; a prefill's rows at ``logit_positions``
+        of the packed tokens where given, every position for an evaluation)."""
         import numpy as np
         import tvm
 
         self._begin(self._shape(seq_ids), self._shape(lengths))
         input_ids = tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device)
         if prefill:
-            last = tvm.runtime.tensor(np.cumsum(lengths, dtype="int32") - 1, self.device)
+            positions = np.cumsum(lengths, dtype="int32") - 1 if logit_positions is None else logit_positions
+            last = tvm.runtime.tensor(np.asarray(positions, dtype="int32"), self.device)
             logits, *self.caches = self.vm[function](input_ids, last, *self.caches, self.params)
         else:
             logits, *self.caches = self.vm[function](input_ids, *self.caches, self.params)
