@@ -13,12 +13,18 @@ from ..errors import UsageError
 def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="the perplexity of an artifact of `autosched build MODEL --generate` over a text")
     p.add_argument("artifact", help="the folder `autosched build --generate` wrote")
-    p.add_argument("--text", help="a local UTF-8 text file, tokenised with --tokenizer (default: the tokenizer of "
-                   "the model folder the artifact was built from, if it has one)")
+    p.add_argument(
+        "--text",
+        help="a local UTF-8 text file, tokenised with --tokenizer (default: the tokenizer of "
+        "the model folder the artifact was built from, if it has one)",
+    )
     p.add_argument("--tokenizer", help="a local folder holding a Hugging Face tokenizer (nothing is downloaded)")
     p.add_argument("--token-ids", help="a file of token ids (whitespace- or comma-separated) instead of --text")
-    p.add_argument("--max-seq-len", type=int,
-                   help="tokens per window, each prefilled as a fresh sequence (default: the artifact's --max-seq-len)")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="tokens per window, each prefilled as a fresh sequence (default: the artifact's --max-seq-len)",
+    )
     p.add_argument("--format", choices=("text", "json"), default="text", help="output (default text)")
     p.set_defaults(fn=cmd_eval)
 
@@ -35,8 +41,10 @@ def _tokens(args, manifest: dict) -> list[int]:
         items = [item for item in re.split(r"[\s,]+", path.read_text()) if item]
         bad = next((item for item in items if not item.isdigit()), None)
         if bad is not None:
-            raise UsageError(f"--token-ids {path}: '{bad}' is not a token id (whole numbers, 0 or more, separated by "
-                             "spaces, newlines or commas)")
+            raise UsageError(
+                f"--token-ids {path}: '{bad}' is not a token id (whole numbers, 0 or more, separated by "
+                "spaces, newlines or commas)"
+            )
         return [int(item) for item in items]
     try:
         text = path.read_text(encoding="utf-8")
@@ -46,11 +54,14 @@ def _tokens(args, manifest: dict) -> list[int]:
     if folder is None:
         built_from = str(manifest.get("model", ""))
         if os.path.isdir(built_from) and any(
-                os.path.exists(os.path.join(built_from, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+            os.path.exists(os.path.join(built_from, name)) for name in ("tokenizer.json", "tokenizer_config.json")
+        ):
             folder = built_from
         else:
-            raise UsageError("--text needs a tokenizer: give --tokenizer LOCAL_DIR (the artifact's model folder has "
-                             "none), or give token ids with --token-ids FILE")
+            raise UsageError(
+                "--text needs a tokenizer: give --tokenizer LOCAL_DIR (the artifact's model folder has "
+                "none), or give token ids with --token-ids FILE"
+            )
     return _tokenizer(folder)(text)["input_ids"]
 
 
@@ -66,6 +77,8 @@ def cmd_eval(args) -> int:
     if args.format == "json":
         print(json.dumps({**result.to_json(), "weights": scheme}, indent=2))
     else:
-        print(f"perplexity {result.perplexity:.4f} ({scheme} weights) over {result.scored_tokens} tokens in "
-              f"{result.windows} window(s) of up to {result.window}")
+        print(
+            f"perplexity {result.perplexity:.4f} ({scheme} weights) over {result.scored_tokens} tokens in "
+            f"{result.windows} window(s) of up to {result.window}"
+        )
     return 0

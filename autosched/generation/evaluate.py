@@ -27,8 +27,13 @@ class Perplexity:
     window: int
 
     def to_json(self) -> dict:
-        return {"perplexity": self.perplexity, "mean_nll": self.mean_nll, "scored_tokens": self.scored_tokens,
-                "windows": self.windows, "window": self.window}
+        return {
+            "perplexity": self.perplexity,
+            "mean_nll": self.mean_nll,
+            "scored_tokens": self.scored_tokens,
+            "windows": self.windows,
+            "window": self.window,
+        }
 
 
 def window_limit(model, window: int | None) -> int:
@@ -41,8 +46,10 @@ def window_limit(model, window: int | None) -> int:
         limit = min(limit, model.rope_switch)
     window = limit if window is None else window
     if not 2 <= window <= limit:
-        raise UsageError(f"--max-seq-len {window} does not fit this artifact: an evaluation window holds 2 to {limit} "
-                         "tokens (the artifact's --max-seq-len, or its sliding window)")
+        raise UsageError(
+            f"--max-seq-len {window} does not fit this artifact: an evaluation window holds 2 to {limit} "
+            "tokens (the artifact's --max-seq-len, or its sliding window)"
+        )
     return window
 
 
@@ -53,8 +60,7 @@ def all_logits(model, ids: list[int]):
     model.add(EVAL_SEQUENCE_ID)
     try:
         positions = np.arange(len(ids), dtype="int32")
-        logits = model.forward("batch_prefill", [EVAL_SEQUENCE_ID], [len(ids)], ids, prefill=True,
-                               logit_positions=positions)
+        logits = model.forward("batch_prefill", [EVAL_SEQUENCE_ID], [len(ids)], ids, prefill=True, logit_positions=positions)
         return logits.numpy().reshape(len(ids), -1)
     finally:
         model.remove(EVAL_SEQUENCE_ID)
@@ -73,7 +79,7 @@ def perplexity(model, tokens: list[int], window: int | None = None) -> Perplexit
         raise UsageError(f"the text has {len(tokens)} token(s): a perplexity needs at least 2")
     total, scored, windows = 0.0, 0, 0
     for start in range(0, len(tokens), window):
-        ids = tokens[start:start + window]
+        ids = tokens[start : start + window]
         if len(ids) < 2:  # a last lone token has nothing before it in its window
             break
         logits = all_logits(model, ids)[:-1].astype("float64")
