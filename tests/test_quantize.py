@@ -23,11 +23,18 @@ MAX_SEQ_LEN = 64
 
 def _run(capsys, *args) -> tuple[int, list[str]]:
     """``autosched ARGS`` in this process: (exit code, autosched's lines on stderr: not transformers' progress bars)."""
+    code, _, lines = _run_out(capsys, *args)
+    return code, lines
+
+
+def _run_out(capsys, *args) -> tuple[int, str, list[str]]:
+    """(exit code, stdout, autosched's lines on stderr) of ``autosched ARGS`` run in this process."""
     from autosched.cli import main
 
     capsys.readouterr()
     code = main(list(args))
-    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line]
+    said = capsys.readouterr()
+    return code, said.out, [line for line in said.err.splitlines() if line.strip() and "it/s]" not in line]
 
 
 # ---- fast: the quantisation itself and what is refused ----------------------------------------------------
@@ -114,6 +121,15 @@ def tiny_llama(tmp_path_factory):
     return _saved_model("llama", root / "hf"), root
 
 
+def _quantized(tiny_llama, scheme: str):
+    """The tiny Llama built with ``--quantize scheme`` (once per module)."""
+    _, root = tiny_llama
+    artifact = root / f"art-{scheme}"
+    if not artifact.exists():
+        _build(root / "hf", artifact, "--decode-batches", "1", "--prefill-chunks", "8", "--quantize", scheme)
+    return artifact
+
+
 def _build(folder, out, *extra):
     cli("build", str(folder), "--generate", "-o", str(out), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2", *extra)
     return out
@@ -171,7 +187,7 @@ def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(
     from autosched.generation.model import LoadedModel
 
     hf, root = tiny_llama
-    artifact = _build(root / "hf", root / f"art-{scheme}", "--decode-batches", "1", "--prefill-chunks", "8", "--quantize", scheme)
+    artifact = _quantized(tiny_llama, scheme)
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["quantization"]["scheme"] == scheme and manifest["decoder"]["quantize"] == scheme
     kernels = [w["workload"] for w in manifest["workload_kernels"].values()]
@@ -193,6 +209,54 @@ def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(
     step = model.forward("decode_b1", [0], [1], ids[-1:], prefill=False)
     np.testing.assert_allclose(step.numpy().reshape(-1), ref[-1], rtol=0, atol=tolerance)
     assert np.abs(all_logits(model, ids) - floats).max() > 20 * tolerance  # the weights were quantised
+
+
+@pytest.mark.slow
+def test_eval_reads_text_or_token_ids_and_its_perplexity_is_the_float64_models(tiny_llama, tmp_path, capsys):
+    """``autosched eval``: a text through a local tokenizer and the same ids from a file give one perplexity, that
+    of the float64 model of the same weights over the same windows of 16 tokens; bad input is one line, exit 2."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    hf, _ = tiny_llama
+    artifact = _quantized(tiny_llama, "q4f16")
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, 512)}}, unk_token="[UNK]"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    ids = [int(i) for i in np.random.default_rng(0).integers(1, 512, 100)]
+    (tmp_path / "text.txt").write_text(" ".join(f"w{i}" for i in ids), encoding="utf-8")
+    (tmp_path / "ids.txt").write_text(",".join(map(str, ids[:50])) + "\n" + " ".join(map(str, ids[50:])))
+    base = ["eval", str(artifact), "--max-seq-len", "16", "--format", "json"]
+    code, out, _ = _run_out(capsys, *base, "--text", str(tmp_path / "text.txt"), "--tokenizer", str(tmp_path / "tok"))
+    assert code == 0
+    from_text = json.loads(out)
+    code, out, _ = _run_out(capsys, *base, "--token-ids", str(tmp_path / "ids.txt"))
+    assert code == 0 and json.loads(out) == from_text
+    assert (from_text["windows"], from_text["scored_tokens"], from_text["weights"]) == (7, 6 * 15 + 3, "q4f16")
+    reference = _reference_model(hf, artifact)
+    nll = []
+    with torch.no_grad():
+        for start in range(0, 100, 16):
+            window = ids[start : start + 16]
+            logits = reference(torch.tensor([window])).logits[0, :-1]
+            nll += (-torch.log_softmax(logits, -1)[torch.arange(len(window) - 1), window[1:]]).tolist()
+    assert from_text["perplexity"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+
+    (tmp_path / "latin1.txt").write_bytes("w5 caf\u00e9".encode("latin-1"))
+    (tmp_path / "big.txt").write_text("1 2 999")
+    (tmp_path / "word.txt").write_text("1 2 x3")
+    for args, says in (
+        (["--text", str(tmp_path / "text.txt"), "--token-ids", str(tmp_path / "ids.txt")], "--text FILE (with a tokenizer) or"),
+        (["--token-ids", str(tmp_path / "none.txt")], "is not a file"),
+        (["--text", str(tmp_path / "latin1.txt"), "--tokenizer", str(tmp_path / "tok")], "is not UTF-8"),
+        (["--text", str(tmp_path / "text.txt")], "--text needs a tokenizer"),
+        (["--token-ids", str(tmp_path / "big.txt")], "token id 999 is outside the artifact's vocabulary (0 to 511)"),
+        (["--token-ids", str(tmp_path / "word.txt")], "'x3' is not a token id"),
+        (["--token-ids", str(tmp_path / "ids.txt"), "--max-seq-len", "65"], "holds 2 to 64 tokens"),
+    ):
+        code, _, lines = _run_out(capsys, "eval", str(artifact), *args)
+        assert code == 2 and len(lines) == 1 and says in lines[0], (args, lines)
 
 
 LIKELY = 0.8  # the probability of a token's likely successor; each of four others: 0.05
