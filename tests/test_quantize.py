@@ -408,3 +408,51 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
         if w["workload"].startswith("dequant_gemm")
     )
     assert (out / manifest["library"]).exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["q4f16", "q8f16"])
+def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny_llama, scheme, tmp_path):
+    """fp16 on the GPU: the dynamic prefill, a static chunk of 32 tokens (q4f16: hopper_dequant_gemm on sm_90) and
+    a static decode step (q4f16: int4_gemv) give the float64 model's logits of the same dequantised weights, to
+    half precision's tolerance."""
+    import torch
+
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    hf, root = tiny_llama
+    out = tmp_path / "gpu"
+    cli(
+        "build",
+        str(root / "hf"),
+        "--generate",
+        "--target",
+        "cuda",
+        "--dtype",
+        "float16",
+        "-o",
+        str(out),
+        "--max-seq-len",
+        str(MAX_SEQ_LEN),
+        "--max-batch",
+        "2",
+        "--decode-batches",
+        "1",
+        "--prefill-chunks",
+        "32",
+        "--quantize",
+        scheme,
+    )
+    ids = list(range(3, 3 + 7 * 40, 7))
+    with torch.no_grad():
+        ref = _reference_model(hf, out)(torch.tensor([ids])).logits[0].numpy()
+    tolerance = 2e-2 * np.abs(ref).max()
+    model = LoadedModel.load(out)
+    np.testing.assert_allclose(all_logits(model, ids), ref, rtol=0, atol=tolerance)
+    model.add(0)
+    chunk = model.forward("prefill_t32", [0], [32], ids[:32], prefill=True, logit_positions=np.arange(32))
+    np.testing.assert_allclose(chunk.numpy().reshape(32, -1), ref[:32], rtol=0, atol=tolerance)
+    model.forward("batch_prefill", [0], [7], ids[32:39], prefill=True)
+    step = model.forward("decode_b1", [0], [1], ids[39:], prefill=False)
+    np.testing.assert_allclose(step.numpy().reshape(-1), ref[-1], rtol=0, atol=tolerance)
