@@ -456,3 +456,86 @@ def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny
     model.forward("batch_prefill", [0], [7], ids[32:39], prefill=True)
     step = model.forward("decode_b1", [0], [1], ids[39:], prefill=False)
     np.testing.assert_allclose(step.numpy().reshape(-1), ref[-1], rtol=0, atol=tolerance)
+
+
+def _pack_along(fields, axis: int):
+    """Eight 4-bit ``fields`` per int32 along ``axis`` (the lowest bits first), as GPTQ packs them."""
+    import torch
+
+    moved = fields.to(torch.int64).movedim(axis, -1)
+    words = sum(moved[..., b::8] << (4 * b) for b in range(8))
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the same 32 bits as a signed int32
+    return words.to(torch.int32).movedim(-1, axis).contiguous()
+
+
+def _write_gptq(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = False):
+    """``hf``'s projections quantised as q4f16 quantises them (float16 scales), written as a GPTQ checkpoint
+    (format "gptq": zero points stored one less) in ``folder``; ``float_folder`` gets the float model whose
+    projections are those dequantised weights."""
+    import copy
+
+    import torch
+    from safetensors.torch import save_file
+
+    from autosched.generation.quantize import dequantize_weight, quantize_weight
+
+    model = copy.deepcopy(hf).float()
+    state, tensors = model.state_dict(), {}
+    for key in list(state):
+        if not any(f".{p}.weight" in key for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+            continue
+        codes, scales = quantize_weight(state[key], "q4f16", "float16")
+        n, k = state[key].shape
+        state[key] = dequantize_weight(codes, scales, "q4f16", k, "float32").float()
+        nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, k)  # [N, K]
+        prefix = key[: -len("weight")]
+        tensors[prefix + "qweight"] = _pack_along(nibbles.t(), 0)
+        zeros = torch.full((k // 128, n), zero_point - 1)
+        tensors[prefix + "qzeros"] = _pack_along(zeros, 1)
+        tensors[prefix + "scales"] = scales.t().contiguous()
+        tensors[prefix + "g_idx"] = (torch.arange(k) // 128).to(torch.int32)
+    model.load_state_dict(state)
+    model.save_pretrained(float_folder)
+    quantized = {key[: -len("weight")] for key in state if key[: -len("weight")] + "qweight" in tensors}
+    floats = {key: value.contiguous() for key, value in state.items() if key[: -len("weight")] not in quantized}
+    folder.mkdir()
+    save_file({**floats, **tensors}, str(folder / "model.safetensors"))
+    config = json.loads((float_folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "desc_act": desc_act,
+        "sym": True,
+        "checkpoint_format": "gptq",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.slow
+def test_a_gptq_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_path, capsys):
+    """A GPTQ folder (4-bit, desc_act false, symmetric) read from its safetensors without GPTQ's library and
+    repacked gives the parameters and logits of ``--quantize q4f16`` of the float weights it holds; asymmetric
+    zero points and activation order are refused in one line."""
+    from autosched.artifact import load_generation_artifact
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    hf, _ = tiny_llama
+    _write_gptq(hf, tmp_path / "gptq", tmp_path / "float")
+    ours = _build(tmp_path / "float", tmp_path / "ours", "--decode-batches", "1", "--quantize", "q4f16")
+    theirs = _build(tmp_path / "gptq", tmp_path / "theirs", "--decode-batches", "1", "--dtype", "float32")
+    manifest = json.loads((theirs / "manifest.json").read_text())
+    assert manifest["quantization"]["scheme"] == "q4f16" and manifest["quantization"]["source"] == "gptq"
+    (_, a, m, _), (_, b, n, _) = load_generation_artifact(ours), load_generation_artifact(theirs)
+    assert m["param_names"] == n["param_names"]
+    for name, x, y in zip(m["param_names"], a, b):
+        assert x.dtype == y.dtype and np.array_equal(x.numpy(), y.numpy()), name
+    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3]
+    np.testing.assert_array_equal(all_logits(LoadedModel.load(theirs), ids), all_logits(LoadedModel.load(ours), ids))
+
+    for kind, says in (({"zero_point": 6}, "asymmetric zero points (sym=false)"), ({"desc_act": True}, "desc_act=true")):
+        folder = tmp_path / f"bad-{next(iter(kind))}"
+        _write_gptq(hf, folder, tmp_path / f"float-{next(iter(kind))}", **kind)
+        code, lines = _run(capsys, "build", str(folder), "--generate", "-o", str(tmp_path / "no"))
+        assert code == 2 and len(lines) == 1 and says in lines[0], lines

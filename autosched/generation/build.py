@@ -43,6 +43,8 @@ class GenerationModel:
     hf: Any  # transformers.PreTrainedModel
     config: DecoderConfig
     eos_token_ids: list[int] = field(default_factory=list)
+    # Projections already quantised by the checkpoint (a GPTQ folder), as the decoder's parameters by name.
+    prequantized: dict[str, Any] = field(default_factory=dict)
 
 
 def _torch_dtype_name(module) -> str:
@@ -70,13 +72,21 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
     projections quantised when built)."""
     import torch
 
-    from .quantize import check_quantizable, scheme
+    from .quantize import check_gptq, check_quantizable, scheme
 
     if quantize:
         scheme(quantize)  # an unknown scheme is refused before the model loads
 
+    from .gptq import gptq_config, load_gptq
+
     path = Path(spec)
-    if path.is_dir():
+    prequantized, gptq_group = {}, None
+    if path.is_dir() and gptq_config(path) is not None:
+        if quantize not in (None, "q4f16"):
+            raise UsageError(f"{spec} is a GPTQ checkpoint, which builds as q4f16: leave out --quantize {quantize}")
+        quantize = "q4f16"
+        hf, prequantized, gptq_group = load_gptq(path, dtype)
+    elif path.is_dir():
         if not (path / "config.json").exists():
             raise UsageError(f"{spec} is a folder without config.json: give a folder written by save_pretrained")
         try:
@@ -98,11 +108,13 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
     if quantize:
         check_quantizable(config, quantize)
         config = replace(config, quantize=quantize)
+    if gptq_group is not None:
+        check_gptq(config, gptq_group)
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(hf.config, "eos_token_id", None)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return GenerationModel(spec, hf, config, [i for i in eos_ids if 0 <= i < config.vocab])
+    return GenerationModel(spec, hf, config, [i for i in eos_ids if 0 <= i < config.vocab], prequantized)
 
 
 @dataclass
@@ -276,7 +288,8 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         **kernel_sources(report), "attention": report.attention,
-        "workload_kernels": report.workloads, "quantization": manifest_entry(model.config),
+        "workload_kernels": report.workloads,
+        "quantization": manifest_entry(model.config, "gptq" if model.prequantized else "build"),
     }
 
 
@@ -306,7 +319,7 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks)
     weights = weights_from_hf(model.hf.state_dict(), model.config)
     if model.config.quantize:  # round-to-nearest from the float weights, as the kernels read them
-        weights = quantize_weights(weights, model.config, model.config.quantize)
+        weights = quantize_weights(weights, model.config, model.config.quantize, given=model.prequantized)
     manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,
                                    decode_batches, prefill_chunks)
     tensors = {key: _to_tvm(weights[name], model.config.dtype) for key, name in zip(manifest["param_order"], names)}

@@ -111,22 +111,44 @@ def dequantize_weight(codes, scales, name: str, k: int, dtype: str):
     return w.to(getattr(torch, dtype)).double()
 
 
-def quantize_weights(weights: dict, cfg, name: str) -> dict:
+def check_gptq(cfg, group: int) -> None:
+    """A one-line UsageError where a GPTQ checkpoint's groups are not those ``q4f16`` gives this model's layers,
+    or its family's projections are not Llama's (q/k/v/o, gate/up/down)."""
+    if cfg.family in ("phi3", "gpt2") or cfg.experts:
+        raise UsageError(
+            f"GPTQ checkpoints of {cfg.family} models are not supported: only those with Llama-style "
+            "projections (q/k/v/o, gate/up/down) are"
+        )
+    for k in sorted({cfg.hidden, cfg.heads * cfg.head_dim, cfg.mlp}):
+        if group_size("q4f16", k) != group:
+            raise UsageError(
+                f"the GPTQ checkpoint's group_size {group} is not q4f16's for K={k} "
+                f"({group_size('q4f16', k)}): only checkpoints with q4f16's groups are supported"
+            )
+
+
+def quantize_weights(weights: dict, cfg, name: str, given: dict | None = None) -> dict:
     """``weights`` (the decoder's parameters by name, :func:`~.decoder.weights_from_hf`) with each quantised
-    projection's ``<p>.weight`` replaced by ``<p>.qweight`` (codes) and ``<p>.scales``."""
+    projection's ``<p>.weight`` replaced by ``<p>.qweight`` (codes) and ``<p>.scales``: those of ``given``
+    (a checkpoint quantised already, :mod:`.gptq`) where it has them, else quantised here."""
     out = {}
+    given = given or {}
     for key, value in weights.items():
         parts = key.split(".")
         if parts[0] == "layers" and len(parts) == 4 and parts[2] in QUANTIZED_PROJECTIONS and parts[3] == "weight":
             prefix = key[: -len(".weight")]
+            if prefix + ".qweight" in given:
+                out[prefix + ".qweight"], out[prefix + ".scales"] = given[prefix + ".qweight"], given[prefix + ".scales"]
+                continue
             out[prefix + ".qweight"], out[prefix + ".scales"] = quantize_weight(value, name, cfg.dtype)
         else:
             out[key] = value
     return out
 
 
-def manifest_entry(cfg) -> dict | None:
-    """What the manifest says of a quantised build (None for a float one)."""
+def manifest_entry(cfg, source: str = "build") -> dict | None:
+    """What the manifest says of a quantised build (None for a float one); ``source``: where the codes come from
+    ("build": quantised from the float weights; "gptq": a GPTQ checkpoint's)."""
     if not cfg.quantize:
         return None
     s = scheme(cfg.quantize)
@@ -139,4 +161,5 @@ def manifest_entry(cfg) -> dict | None:
         "scale_dtype": cfg.dtype,
         "group_size": {what: group_size(s.name, k) for what, k in ks.items()},
         "projections": list(QUANTIZED_PROJECTIONS),
+        "source": source,
     }
