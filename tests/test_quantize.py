@@ -539,3 +539,52 @@ def test_a_gptq_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_p
         _write_gptq(hf, folder, tmp_path / f"float-{next(iter(kind))}", **kind)
         code, lines = _run(capsys, "build", str(folder), "--generate", "-o", str(tmp_path / "no"))
         assert code == 2 and len(lines) == 1 and says in lines[0], lines
+
+
+@pytest.mark.slow
+def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_them(tiny_llama, tmp_path):
+    """``tune-model --generate --quantize q4f16``: the decode step's projections are dequant_gemm tasks, tuned and
+    stored; the build with that database runs their records and computes what the untuned build computes."""
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    _, root = tiny_llama
+    db = str(tmp_path / "tune.db")
+    rows = json.loads(
+        cli(
+            "tune-model",
+            str(root / "hf"),
+            "--generate",
+            "--decode-batches",
+            "1",
+            "--max-batch",
+            "2",
+            "--quantize",
+            "q4f16",
+            "--trials",
+            "16",
+            "--db",
+            db,
+            "--format",
+            "json",
+        ).stdout
+    )
+    assert sum(r["kernel"].startswith("autosched_dequant_gemm") for r in rows) == 4
+    artifact = _build(
+        root / "hf", tmp_path / "tuned", "--decode-batches", "1", "--prefill-chunks", "8", "--quantize", "q4f16", "--db", db
+    )
+    kernels = json.loads((artifact / "manifest.json").read_text())["workload_kernels"].values()
+    tuned = {w["workload"].split(";")[0] for w in kernels if w["schedule"] == "database"}
+    assert {k for k in tuned if k.startswith("dequant_gemm[m=1,")} == {
+        "dequant_gemm[m=1,n=256,k=128]:float32",
+        "dequant_gemm[m=1,n=128,k=128]:float32",
+        "dequant_gemm[m=1,n=512,k=128]:float32",
+        "dequant_gemm[m=1,n=128,k=256]:float32",
+    }
+    ids = [5, 7, 9, 11, 13, 2, 8, 100]
+    untuned = all_logits(LoadedModel.load(_quantized(tiny_llama, "q4f16")), ids)
+    model = LoadedModel.load(artifact)
+    model.add(0)
+    model.forward("batch_prefill", [0], [7], ids[:7], prefill=True)
+    step = model.forward("decode_b1", [0], [1], ids[7:], prefill=False).numpy().reshape(-1)
+    np.testing.assert_allclose(step, untuned[-1], rtol=0, atol=2e-5 * np.abs(untuned).max())
