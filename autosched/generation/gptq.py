@@ -97,6 +97,14 @@ def load_gptq(folder: str | Path, dtype: str | None):
     torch_dtype = getattr(torch, dtype) if dtype else state[next(k for k in state if k.endswith("scales"))].dtype
     hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
     floats = {key: value for key, value in state.items() if value.is_floating_point() and not key.endswith(".scales")}
+    # Every float tensor the model has must come from the checkpoint (the quantised projections' come below).
+    projections = tuple(f".{name}.weight" for names in PROJECTIONS.values() for name in names)
+    missing = sorted(key for key in hf.state_dict() if key not in floats and not key.endswith(projections))
+    if missing:
+        raise UsageError(
+            f"the GPTQ checkpoint has no {missing[0]} ({len(missing)} float tensors missing): is it a "
+            "complete checkpoint of this model?"
+        )
     hf.load_state_dict(floats, strict=False)
     quantized = {}
     layers = config.num_hidden_layers
