@@ -84,6 +84,13 @@ def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
         check_quantizable(moe, "q4f16")
     with pytest.raises(UsageError, match="'fp8' is not a scheme: use q4f16 or q8f16"):
         group_size("fp8", 128)
+    # dequant_gemm's group: its usual sizes or any other positive one (k: a scale per output channel)
+    from autosched.workloads import make_workload
+
+    assert make_workload("dequant_gemm", {"k": 11008}, "float16", {"bits": 8, "group": "11008"}).attrs_dict["group"] == 11008
+    for bad in ("0", "-128", "row", True):
+        with pytest.raises(UsageError, match="or another positive whole number"):
+            make_workload("dequant_gemm", {"k": 256}, "float16", {"bits": 8, "group": bad})
 
 
 def test_bad_quantize_input_is_one_line_and_exit_2(capsys, tmp_path):
