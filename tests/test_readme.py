@@ -110,9 +110,9 @@ def test_the_readme_says_which_commands_take_which_format():
 
     formats = {name: choices for name, choices in subcommands(build_parser()) if name}
     said = ["`ops`, `tune-model` and the\n`db` read commands take `--format table|json|csv`",
-            "`tune`, `run` and `db import` take `--format table|json`", "`generate` `--format text|json`"]
+            "`tune`, `run` and `db import` take `--format table|json`", "`generate` and `eval` `--format text|json`"]
     expected = {"ops": ("table", "json", "csv"), "tune-model": ("table", "json", "csv"), "tune": ("table", "json"),
-                "run": ("table", "json"), "db import": ("table", "json"), "generate": ("text", "json"),
+                "run": ("table", "json"), "db import": ("table", "json"), "generate": ("text", "json"), "eval": ("text", "json"),
                 "show": None, "report": None, "build": None, "rpc-server": None, "db export": None, "db upgrade": None}
     for name in ("best", "list", "show", "history", "compare", "stats"):
         expected[f"db {name}"] = ("table", "json", "csv")

@@ -17,6 +17,7 @@ import sys
 from .. import __version__
 from ..errors import AutoschedError
 from .common import DEFAULT_MAX_BATCH, TUNE_MODEL_TRIALS, TUNE_TRIALS, add_db_arg, add_format, add_measure_args
+from .evaluate import add_eval_parser
 from .generate import add_build_arguments as add_generation_build_arguments
 from .generate import add_generate_parser
 from .generate import add_tune_arguments as add_generation_tune_arguments
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_build)
 
     add_generate_parser(sub)
+    add_eval_parser(sub)
 
     p = sub.add_parser("run", help="run a built model on random inputs, check it against torch, time it")
     p.add_argument("artifact", help="the folder `autosched build` wrote")

@@ -39,6 +39,13 @@ def add_build_arguments(p) -> None:
                    help="with --generate: numbers of proposed tokens k whose speculative verification gets a static "
                         "function at each decode batch (tuned kernels; CUDA graphs on a GPU), e.g. 4 for "
                         "`generate --speculate 4` (default: none; other k verify through the dynamic prefill)")
+    _add_quantize(p)
+
+
+def _add_quantize(p) -> None:
+    p.add_argument("--quantize", help="with --generate: quantise the decoder layers' weights, q4f16 (int4, groups of "
+                   "128 along K) or q8f16 (int8, a scale per output channel); scales in the model's dtype; the "
+                   "embeddings and LM head stay unquantised (default: none)")
 
 
 def add_tune_arguments(p) -> None:
@@ -51,6 +58,7 @@ def add_tune_arguments(p) -> None:
                    "(default: none)")
     p.add_argument("--speculate", help="with --generate: numbers of proposed tokens k whose static verify functions "
                    "(at each decode batch) to tune, e.g. 4 (default: none)")
+    _add_quantize(p)
 
 
 def cmd_build_generate(args) -> int:
@@ -61,7 +69,7 @@ def cmd_build_generate(args) -> int:
     if args.tokens or args.batch:
         raise UsageError("--tokens and --batch do not apply to --generate: prompts and batches vary at run time "
                          "(give --max-seq-len and --max-batch)")
-    model = load_generation_model(args.model, args.dtype)
+    model = load_generation_model(args.model, args.dtype, args.quantize)
     db = open_build_db(args.db)  # as any build: a database one may only read is read as it is
     log = console(stderr=True)
     try:
@@ -105,7 +113,7 @@ def cmd_tune_generate(args) -> int:
 
     trials = tuning_budget(args, TUNE_MODEL_TRIALS)
     target = parse_target(args.target, require_device=args.runner == "local")
-    model = load_generation_model(args.model, args.dtype)
+    model = load_generation_model(args.model, args.dtype, args.quantize)
     if args.decode_batches is not None:
         batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
     else:  # those the build makes by default, so that a plain build applies the records
@@ -143,6 +151,7 @@ def cmd_tune_generate(args) -> int:
     options_used += [f"--db {args.db}"] if args.db != DEFAULT_DB else []
     options_used += [f"--target {args.target}"] if args.target != "llvm" else []
     options_used += [f"--dtype {args.dtype}"] if args.dtype else []
+    options_used += [f"--quantize {args.quantize}"] if args.quantize else []
     log.log(f"build it with `autosched build {args.model} --generate {' '.join(options_used)} -o DIR`")
     return 0
 

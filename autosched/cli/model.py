@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from ..errors import UsageError
 from ..output import console, emit
 from .common import TUNE_MODEL_TRIALS, open_build_db, open_db, searched_cell, tune_kernels, tuning_budget
 
@@ -16,6 +17,7 @@ def cmd_tune_model(args) -> int:
     from ..tuner import check_seed
 
     check_seed(args.seed, "--seed")
+    _quantize_needs_generate(args)
     if args.generate:
         from .generate import cmd_tune_generate
 
@@ -78,10 +80,16 @@ def model_estimate(tasks, results, untunable=()) -> str:
     return text
 
 
+def _quantize_needs_generate(args) -> None:
+    if getattr(args, "quantize", None) and not args.generate:
+        raise UsageError(f"--quantize {args.quantize} applies to text generation builds: add --generate")
+
+
 def cmd_build(args) -> int:
     from ..output import check_output_folder
 
     check_output_folder(args.output, "the artifact", build=True)  # before minutes of building
+    _quantize_needs_generate(args)
     if args.generate:
         from .generate import cmd_build_generate
 

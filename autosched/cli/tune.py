@@ -17,7 +17,7 @@ def cmd_ops(args) -> int:
     rows = []
     for op in list_operators():
         rows.append({"op": op.name, "shape_keys": ",".join(op.shape_keys), "dtypes": ",".join(op.dtypes),
-                     "attrs": ", ".join(f"{a.name}={'|'.join(map(str, a.choices))}" for a in op.attrs),
+                     "attrs": ", ".join(f"{a.name}={'|'.join(map(str, a.choices))}{'|...' if a.open else ''}" for a in op.attrs),
                      "presets": ", ".join(p.name for p in op.presets), "description": op.description})
     emit(rows, args.format, [("op", "operator"), ("shape_keys", "shape keys"), ("dtypes", "dtypes"),
                              ("attrs", "attributes"), ("presets", "presets"), ("description", "computes")])

@@ -16,6 +16,7 @@ from autosched.errors import UsageError
 from autosched.pipeline.build import ApplyReport, build_summary
 
 from .decoder import DecoderConfig, config_from_hf, export, weights_from_hf, window_rope_unsupported
+from .quantize import manifest_entry, quantize_weights
 
 if TYPE_CHECKING:
     from autosched.database.store import Database
@@ -42,6 +43,8 @@ class GenerationModel:
     hf: Any  # transformers.PreTrainedModel
     config: DecoderConfig
     eos_token_ids: list[int] = field(default_factory=list)
+    # Projections already quantised by the checkpoint (a GPTQ folder), as the decoder's parameters by name.
+    prequantized: dict[str, Any] = field(default_factory=dict)
 
 
 def _torch_dtype_name(module) -> str:
@@ -62,14 +65,28 @@ def find_hf_model(module):
     return None
 
 
-def load_generation_model(spec: str, dtype: str | None = None) -> GenerationModel:
+def load_generation_model(spec: str, dtype: str | None = None, quantize: str | None = None) -> GenerationModel:
     """A model to generate with: a folder written by transformers' ``save_pretrained`` (read locally, nothing
     downloaded), an example name (``hf-llama``, ...) or a ``module:factory`` whose model is a transformers
-    causal LM of a supported family."""
+    causal LM of a supported family. ``quantize``: a weight quantisation scheme of :mod:`.quantize` (its
+    projections quantised when built)."""
     import torch
 
+    from .quantize import check_gptq, check_quantizable, scheme
+
+    if quantize:
+        scheme(quantize)  # an unknown scheme is refused before the model loads
+
+    from .gptq import gptq_config, load_gptq
+
     path = Path(spec)
-    if path.is_dir():
+    prequantized, gptq_group = {}, None
+    if path.is_dir() and gptq_config(path) is not None:
+        if quantize not in (None, "q4f16"):
+            raise UsageError(f"{spec} is a GPTQ checkpoint, which builds as q4f16: leave out --quantize {quantize}")
+        quantize = "q4f16"
+        hf, prequantized, gptq_group = load_gptq(path, dtype)
+    elif path.is_dir():
         if not (path / "config.json").exists():
             raise UsageError(f"{spec} is a folder without config.json: give a folder written by save_pretrained")
         try:
@@ -88,11 +105,16 @@ def load_generation_model(spec: str, dtype: str | None = None) -> GenerationMode
                              "returns one (hf-llama, ..., or a save_pretrained folder)")
         hf = hf.eval()
     config = config_from_hf(hf.config, dtype or _torch_dtype_name(hf))
+    if quantize:
+        check_quantizable(config, quantize)
+        config = replace(config, quantize=quantize)
+    if gptq_group is not None:
+        check_gptq(config, gptq_group)
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(hf.config, "eos_token_id", None)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return GenerationModel(spec, hf, config, [i for i in eos_ids if 0 <= i < config.vocab])
+    return GenerationModel(spec, hf, config, [i for i in eos_ids if 0 <= i < config.vocab], prequantized)
 
 
 @dataclass
@@ -273,6 +295,7 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         **kernel_sources(report), "attention": report.attention,
         "workload_kernels": report.workloads,
+        "quantization": manifest_entry(model.config, "gptq" if model.prequantized else "build"),
     }
 
 
@@ -303,6 +326,8 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks,
                                                    speculate=speculate)
     weights = weights_from_hf(model.hf.state_dict(), model.config)
+    if model.config.quantize:  # round-to-nearest from the float weights, as the kernels read them
+        weights = quantize_weights(weights, model.config, model.config.quantize, given=model.prequantized)
     manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,
                                    decode_batches, prefill_chunks, speculate)
     tensors = {key: _to_tvm(weights[name], model.config.dtype) for key, name in zip(manifest["param_order"], names)}
@@ -330,11 +355,13 @@ def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:
 
 
 def _to_tvm(tensor, dtype: str):
-    """A torch tensor as a TVM tensor of ``dtype`` on the CPU (bfloat16 too, which numpy lacks)."""
+    """A torch tensor as a TVM tensor of ``dtype`` on the CPU (bfloat16 too, which numpy lacks); integer
+    tensors (quantised weights' codes) keep their own dtype."""
     import torch
     import tvm
 
-    t = tensor.detach().to(getattr(torch, dtype)).cpu()
+    t = tensor.detach().cpu()
+    t = t.to(getattr(torch, dtype)) if t.is_floating_point() else t
     if t.dtype != torch.bfloat16:
         return tvm.runtime.tensor(t.contiguous().numpy())
     # A fresh copy: DLPack import needs 64-byte aligned data, which a view into a state dict may not be.

@@ -87,6 +87,7 @@ class DecoderConfig:
     renorm_topk: bool = True
     sparse_layers: list[int] = field(default_factory=list)
     dtype: str = "float32"
+    quantize: str = ""  # the projections' weight quantisation (a scheme of .quantize: "q4f16", "q8f16"); "": none
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -354,7 +355,9 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
 
-    from .linear import add_rms_norm, linear, moe_linear, rms_norm, swiglu
+    from .linear import add_rms_norm, linear, moe_linear, quant_linear, rms_norm, swiglu
+    from .quantize import group_size
+    from .quantize import scheme as quant_scheme
 
     dtype = cfg.dtype
     heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -369,6 +372,23 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
         def forward(self, x: Tensor) -> Tensor:
             return linear(x, self.weight, self.bias)
+
+    class QuantLinear(nn.Module):
+        """A linear layer of quantised weights (``cfg.quantize``): codes and scales as ``dequant_gemm`` reads them
+        (:mod:`.quantize`), its product our ``dequant_gemm`` at static shapes (:func:`.linear.quant_linear`)."""
+
+        def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: str = dtype):
+            self.bits, self.group, self.k = quant_scheme(cfg.quantize).bits, group_size(cfg.quantize, in_features), in_features
+            packed = in_features // 2 if self.bits == 4 else in_features
+            self.qweight = nn.Parameter((out_features, packed), "uint8" if self.bits == 4 else "int8")
+            self.scales = nn.Parameter((out_features, in_features // self.group), dtype)
+            self.bias = nn.Parameter((out_features,), dtype) if bias else None
+
+        def forward(self, x: Tensor) -> Tensor:
+            return quant_linear(x, self.qweight, self.scales, self.bias, self.bits, self.group, self.k)
+
+    # The decoder layers' projections (the router, the embeddings and the LM head stay in the model's dtype).
+    Projection = QuantLinear if cfg.quantize else Linear
 
     def gather(x: Tensor, ids: Tensor, axis: int, name: str) -> Tensor:
         """Slices of ``x`` at ``ids`` along ``axis``. Indices are clipped rather than trusted: the Generator
@@ -484,10 +504,10 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         def __init__(self, sparse: bool = False):
             # attention: its norm, the fused q/k/v projection, q/k norms, the output projection
             self.attn_norm = make_norm()
-            self.qkv = Linear(cfg.hidden, (heads + 2 * kv_heads) * head_dim, bias=cfg.qkv_bias, dtype=dtype)
+            self.qkv = Projection(cfg.hidden, (heads + 2 * kv_heads) * head_dim, bias=cfg.qkv_bias, dtype=dtype)
             if cfg.qk_norm:
                 self.q_norm, self.k_norm = make_norm(head_dim), make_norm(head_dim)
-            self.o = Linear(heads * head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            self.o = Projection(heads * head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
             if cfg.post_norms:
                 self.attn_post_norm = make_norm()
             # MLP: its norm, up (gate and up concatenated when gated) and down
@@ -500,8 +520,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 self.experts_up = nn.Parameter((cfg.experts, 2 * cfg.expert_mlp, cfg.hidden), dtype)
                 self.experts_down = nn.Parameter((cfg.experts, cfg.hidden, cfg.expert_mlp), dtype)
                 return
-            self.up = Linear(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
-            self.down = Linear(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
+            self.up = Projection(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
+            self.down = Projection(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
 
         def attention(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope):
             b, s, _ = x.shape
@@ -539,7 +559,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         def mlp(self, x: Tensor):
             if self.sparse:
                 return self.moe(x)
-            if cfg.gated_mlp and cfg.activation == "silu" and self.up.bias is None:
+            if cfg.gated_mlp and cfg.activation == "silu" and self.up.bias is None and not cfg.quantize:
                 fused = swiglu(x, self.up.weight, hopper)  # on sm_90, a prefill chunk's gate and up as one GEMM
                 if fused is not None:
                     return self.down(fused)

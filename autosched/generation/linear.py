@@ -9,7 +9,8 @@ a call of the ``rmsnorm`` workload's kernel on the rows, keyed as ``autosched tu
 after a residual add, of ``add_rmsnorm`` (both in one kernel). At symbolic shapes (``batch_prefill``,
 ``batch_decode``) the product stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default
 schedules serve. A mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed token-slot by its
-own expert's weight), static or symbolic alike.
+own expert's weight), static or symbolic alike. A quantised projection (``build --generate --quantize``) is a
+call of the ``dequant_gemm`` workload's kernel at static shapes and the same dequantising TE at symbolic ones.
 """
 
 from __future__ import annotations
@@ -49,6 +50,33 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     wl = make_workload("gemm", {"m": rows, "n": n, "k": k}, weight.dtype, {"bias": bias is not None, "act": "none"})
     args = [op.reshape(x, (rows, k)), weight] + ([bias] if bias is not None else [])
     return op.reshape(_call(wl, "autosched_gemm", args, rows, n), (*x.shape[:-1], n))
+
+
+def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, bits: int, group: int,
+                 k: int) -> Tensor:
+    """``x·dequant(Wq)ᵀ (+ bias)`` of int4/int8 codes and per-group scales (:mod:`.quantize`): our ``dequant_gemm``
+    at static shapes; at symbolic ones the same TE, which TVM's default schedules serve."""
+    from tvm.relax.frontend.nn import op
+
+    from autosched.workloads import make_workload
+    from autosched.workloads.dequant import dequant_matmul
+    from autosched.workloads.gemm import epilogue
+
+    n = qweight.shape[0]
+    rows = static_rows(x)
+    if rows is None:
+        flat = op.reshape(x, (-1, k))
+
+        def compute(a, wq, s, *b):
+            return epilogue(dequant_matmul(a, wq, s, bits, group, k), (a.shape[0], n), scales.dtype,
+                            b[0] if b else None, "none")
+
+        out = op.tensor_expr_op(compute, "dequant_matmul", [flat, qweight, scales] + ([bias] if bias is not None else []))
+        return op.reshape(out, (*x.shape[:-1], n))
+    wl = make_workload("dequant_gemm", {"m": rows, "n": n, "k": k}, scales.dtype,
+                       {"bits": bits, "group": group, "bias": bias is not None, "act": "none"})
+    args = [op.reshape(x, (rows, k)), qweight, scales] + ([bias] if bias is not None else [])
+    return op.reshape(_call(wl, "autosched_dequant_gemm", args, rows, n), (*x.shape[:-1], n))
 
 
 def swiglu(x: Tensor, weight: Tensor, hopper: bool) -> Tensor | None:

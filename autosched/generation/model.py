@@ -118,18 +118,24 @@ class LoadedModel:
     # ---- one call ----------------------------------------------------------------------------------
 
     def forward(self, function: str, seq_ids: list[int], lengths: list[int], ids, prefill: bool,
-                every_position: bool = False):
+                every_position: bool = False, logit_positions=None):
         """Run ``function`` over ``ids`` (the tokens of ``seq_ids``, ``lengths`` each, packed); returns the
-        logits on the device (one row per sequence: the last token's; with ``every_position``, a prefill's
-        row for every token fed, as a speculative step's verification reads them)."""
+        logits on the device (one row per sequence: the last token's; a prefill's rows at ``logit_positions``
+        of the packed tokens where given, as an evaluation reads them; with ``every_position``, a row for every
+        token fed, as a speculative step's verification reads them)."""
         import numpy as np
         import tvm
 
         self._begin(self._shape(seq_ids), self._shape(lengths))
         input_ids = tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device)
         if prefill:
-            positions = np.arange(len(ids), dtype="int32") if every_position else np.cumsum(lengths, dtype="int32") - 1
-            last = tvm.runtime.tensor(positions, self.device)
+            if logit_positions is not None:
+                positions = logit_positions
+            elif every_position:
+                positions = np.arange(len(ids), dtype="int32")
+            else:
+                positions = np.cumsum(lengths, dtype="int32") - 1
+            last = tvm.runtime.tensor(np.asarray(positions, dtype="int32"), self.device)
             logits, *self.caches = self.vm[function](input_ids, last, *self.caches, self.params)
         else:
             logits, *self.caches = self.vm[function](input_ids, *self.caches, self.params)

@@ -77,11 +77,13 @@ class Preset:
 
 @dataclass(frozen=True)
 class Attr:
-    """A non-shape parameter of an operator with its allowed values (the first is the default)."""
+    """A non-shape parameter of an operator with its allowed values (the first is the default). ``open``: any
+    positive whole number is allowed too, the choices being the usual ones (a quantisation group of a whole row)."""
 
     name: str
     choices: tuple[Any, ...]
     doc: str = ""
+    open: bool = False
 
     @property
     def default(self) -> Any:
@@ -249,7 +251,10 @@ def _coerce_attr(value: Any, attr: Attr) -> Any:
             return choice
         if isinstance(choice, bool) and str(value).lower() in (("1", "true", "yes") if choice else ("0", "false", "no")):
             return choice
-    raise UsageError(f"attribute {attr.name}={value} is not one of {', '.join(map(str, attr.choices))}")
+    if attr.open and not isinstance(value, bool) and str(value).isdigit() and int(value) > 0:
+        return int(value)
+    more = " or another positive whole number" if attr.open else ""
+    raise UsageError(f"attribute {attr.name}={value} is not one of {', '.join(map(str, attr.choices))}{more}")
 
 
 # ---- helpers shared by the operator definitions ---------------------------------------------------

@@ -8,6 +8,28 @@ from ._base import DTYPE_BYTES, Attr, Operator, Preset, ceil_div, randn, registe
 from .gemm import EPILOGUE_ATTRS, epilogue, torch_epilogue
 
 
+def dequant_matmul(A, Wq, S, bits: int, group: int, k: int):
+    """The TE of ``A·dequant(Wq)ᵀ`` in fp32 (the weights dequantised to ``S``'s dtype first); A's rows may be
+    symbolic (a generation module's dynamic functions compute it so, on TVM's default schedules)."""
+    from tvm import te, tirx
+
+    m, n, dtype = A.shape[0], Wq.shape[0], S.dtype
+    if bits == 4:
+        def value(j, r):
+            byte = Wq[j, r // 2]
+            shift = ((r % 2) * 4).astype("uint8")
+            return (tirx.shift_right(byte, shift) & tirx.const(15, "uint8")).astype("float32") - 8.0
+    else:
+        def value(j, r):
+            return Wq[j, r].astype("float32")
+
+    W = te.compute((n, k), lambda j, r: (value(j, r) * S[j, r // group].astype("float32")).astype(dtype),
+                   name="dequantize")
+    red = te.reduce_axis((0, k), name="k")
+    return te.compute((m, n), lambda i, j: te.sum(A[i, red].astype("float32") * W[j, red].astype("float32"),
+                                                  axis=red), name="matmul")
+
+
 @register
 class DequantGemm(Operator):
     name = "dequant_gemm"
@@ -16,7 +38,9 @@ class DequantGemm(Operator):
     shape_keys = ("m", "n", "k")
     defaults = {"m": 1, "n": 4096, "k": 4096}
     dtypes = ("float16", "float32", "bfloat16")
-    attrs = (Attr("bits", (4, 8), "weight bits"), Attr("group", (128, 32, 64, 256), "weights per scale")) + EPILOGUE_ATTRS
+    attrs = (Attr("bits", (4, 8), "weight bits"),
+             Attr("group", (128, 32, 64, 256), "weights per scale (k or more: one per output channel)", open=True),
+             *EPILOGUE_ATTRS)
     family = "matmul"
     presets = (
         Preset("llama2-7b-decode-up", {"m": 1, "n": 11008, "k": 4096}, note="decode GEMV, MLP up"),
@@ -25,30 +49,15 @@ class DequantGemm(Operator):
     )
 
     def build(self, wl):
-        from tvm import te, tirx
+        from tvm import te
 
         s, a = wl.shape_dict, wl.attrs_dict
         m, n, k, group = s["m"], s["n"], s["k"], a["group"]
         A = te.placeholder((m, k), wl.dtype, name="A")
         S = te.placeholder((n, ceil_div(k, group)), wl.dtype, name="scale")
-        if a["bits"] == 4:
-            Wq = te.placeholder((n, ceil_div(k, 2)), "uint8", name="Wq")
-
-            def value(j, r):
-                byte = Wq[j, r // 2]
-                shift = ((r % 2) * 4).astype("uint8")
-                return (tirx.shift_right(byte, shift) & tirx.const(15, "uint8")).astype("float32") - 8.0
-        else:
-            Wq = te.placeholder((n, k), "int8", name="Wq")
-
-            def value(j, r):
-                return Wq[j, r].astype("float32")
-
-        W = te.compute((n, k), lambda j, r: (value(j, r) * S[j, r // group].astype("float32")).astype(wl.dtype),
-                       name="dequantize")
-        red = te.reduce_axis((0, k), name="k")
-        acc = te.compute((m, n), lambda i, j: te.sum(A[i, red].astype("float32") * W[j, red].astype("float32"),
-                                                     axis=red), name="matmul")
+        Wq = te.placeholder((n, ceil_div(k, 2)) if a["bits"] == 4 else (n, k), "uint8" if a["bits"] == 4 else "int8",
+                            name="Wq")
+        acc = dequant_matmul(A, Wq, S, a["bits"], group, k)
         bias = te.placeholder((n,), wl.dtype, name="bias") if a["bias"] else None
         out = epilogue(acc, (m, n), wl.dtype, bias, a["act"])
         return te.create_prim_func([A, Wq, S] + ([bias] if bias is not None else []) + [out])

@@ -1,0 +1,165 @@
+"""Weight quantisation of a generation build: the decoder's linear layers as ``dequant_gemm`` weights.
+
+Quantised at build time from the float weights, round-to-nearest, in the layout ``dequant_gemm`` reads:
+
+- ``q4f16``: int4 weights, two per uint8 (low nibble first), zero point 8, a scale per group of 128 weights
+  along K (the input features); where K is not a multiple of 128, the largest of 64 and 32 that divides it
+  (tiny models), and a K that is not a multiple of 32 is refused. A group's scale is its largest magnitude / 7,
+  so its weights take the levels -7..7 (the code 0, level -8, stays unused: symmetric).
+- ``q8f16``: int8 weights, one scale per output channel (a group of K weights), largest magnitude / 127.
+
+Scales are kept in the model's dtype (float16 for an fp16 build: the "f16"), rounded before the weights are
+quantised against them, so that the codes fit the scales the kernel multiplies by. The projections of every
+decoder layer (q/k/v, output, gate/up, down) are quantised; the embeddings, the LM head and the norms stay
+in the model's dtype. Mixture-of-experts models are refused (their experts' ``moe_gemm`` has no int form).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autosched.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    bits: int
+    groups: tuple[int, ...]  # group sizes to try along K, largest first; () for one group of all K (per channel)
+    doc: str
+
+
+SCHEMES = {
+    "q4f16": Scheme(
+        "q4f16", 4, (128, 64, 32), "int4 weights (zero point 8) in groups of 128 along K, scales in the model's dtype"
+    ),
+    "q8f16": Scheme("q8f16", 8, (), "int8 weights, one scale per output channel, scales in the model's dtype"),
+}
+# The decoder's projections that are quantised (each layer's ``<name>.weight``).
+QUANTIZED_PROJECTIONS = ("qkv", "o", "up", "down")
+
+
+def scheme(name: str) -> Scheme:
+    """The scheme called ``name``, or a one-line UsageError naming the known ones."""
+    found = SCHEMES.get(name)
+    if found is None:
+        raise UsageError(f"--quantize {name!r} is not a scheme: use {' or '.join(SCHEMES)} (fp8 is not supported)")
+    return found
+
+
+def group_size(name: str, k: int) -> int:
+    """The weights per scale of scheme ``name`` for a layer of ``k`` input features (a UsageError if none fits)."""
+    s = scheme(name)
+    if not s.groups:
+        return k
+    for group in s.groups:
+        if k % group == 0:
+            return group
+    raise UsageError(
+        f"--quantize {name} groups {s.groups[0]} (or {', '.join(map(str, s.groups[1:]))}) weights along "
+        f"K, and a layer here has K={k}, not a multiple of {s.groups[-1]}: use --quantize q8f16 "
+        "(one scale per output channel) or build without --quantize"
+    )
+
+
+def check_quantizable(cfg, name: str) -> None:
+    """A one-line UsageError for a model ``name`` cannot quantise: a mixture of experts, or an input size it
+    cannot group."""
+    scheme(name)
+    if cfg.experts:
+        raise UsageError(
+            f"--quantize {name} does not support mixture-of-experts models yet (their experts run as "
+            "moe_gemm, which has no quantised form): build this model without --quantize"
+        )
+    for k in {cfg.hidden, cfg.heads * cfg.head_dim, cfg.mlp}:
+        group_size(name, k)
+
+
+def quantize_weight(weight, name: str, dtype: str):
+    """(codes, scales) of a float weight [n, k] (``nn.Linear``'s layout) as scheme ``name`` stores it: codes
+    uint8 [n, k / 2] (int4) or int8 [n, k], scales [n, k / group] in ``dtype``, as torch tensors."""
+    import torch
+
+    s = scheme(name)
+    n, k = weight.shape
+    group = group_size(name, k)
+    top = 7 if s.bits == 4 else 127
+    w = weight.detach().double().reshape(n, k // group, group)
+    scales = (w.abs().amax(-1) / top).to(getattr(torch, dtype))
+    # An all-zero group (or a scale below the dtype's range) quantises to zeros against a scale of one.
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.clamp(torch.round(w / scales.double()[..., None]), -top, top).reshape(n, k)
+    if s.bits == 8:
+        return codes.to(torch.int8), scales
+    nibbles = (codes + 8).to(torch.uint8)
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales
+
+
+def dequantize_weight(codes, scales, name: str, k: int, dtype: str):
+    """The float weight [n, k] ``dequant_gemm`` computes with (each weight rounded to ``dtype``), as a float64
+    torch tensor: for references."""
+    import torch
+
+    s = scheme(name)
+    group = group_size(name, k)
+    if s.bits == 4:
+        c = codes.to(torch.int16)
+        values = torch.stack([c & 15, (c >> 4) & 15], dim=-1).reshape(c.shape[0], -1).double() - 8.0
+    else:
+        values = codes.double()
+    w = values * scales.double().repeat_interleave(group, dim=1)
+    return w.to(getattr(torch, dtype)).double()
+
+
+def check_gptq(cfg, group: int) -> None:
+    """A one-line UsageError where a GPTQ checkpoint's groups are not those ``q4f16`` gives this model's layers,
+    or its family's projections are not Llama's (q/k/v/o, gate/up/down)."""
+    if cfg.family in ("phi3", "gpt2") or cfg.experts:
+        raise UsageError(
+            f"GPTQ checkpoints of {cfg.family} models are not supported: only those with Llama-style "
+            "projections (q/k/v/o, gate/up/down) are"
+        )
+    for k in sorted({cfg.hidden, cfg.heads * cfg.head_dim, cfg.mlp}):
+        if group_size("q4f16", k) != group:
+            raise UsageError(
+                f"the GPTQ checkpoint's group_size {group} is not q4f16's for K={k} "
+                f"({group_size('q4f16', k)}): only checkpoints with q4f16's groups are supported"
+            )
+
+
+def quantize_weights(weights: dict, cfg, name: str, given: dict | None = None) -> dict:
+    """``weights`` (the decoder's parameters by name, :func:`~.decoder.weights_from_hf`) with each quantised
+    projection's ``<p>.weight`` replaced by ``<p>.qweight`` (codes) and ``<p>.scales``: those of ``given``
+    (a checkpoint quantised already, :mod:`.gptq`) where it has them, else quantised here."""
+    out = {}
+    given = given or {}
+    for key, value in weights.items():
+        parts = key.split(".")
+        if parts[0] == "layers" and len(parts) == 4 and parts[2] in QUANTIZED_PROJECTIONS and parts[3] == "weight":
+            prefix = key[: -len(".weight")]
+            if prefix + ".qweight" in given:
+                out[prefix + ".qweight"], out[prefix + ".scales"] = given[prefix + ".qweight"], given[prefix + ".scales"]
+                continue
+            out[prefix + ".qweight"], out[prefix + ".scales"] = quantize_weight(value, name, cfg.dtype)
+        else:
+            out[key] = value
+    return out
+
+
+def manifest_entry(cfg, source: str = "build") -> dict | None:
+    """What the manifest says of a quantised build (None for a float one); ``source``: where the codes come from
+    ("build": quantised from the float weights; "gptq": a GPTQ checkpoint's)."""
+    if not cfg.quantize:
+        return None
+    s = scheme(cfg.quantize)
+    ks = {"q/k/v, gate/up": cfg.hidden, "output": cfg.heads * cfg.head_dim, "down": cfg.mlp}
+    return {
+        "scheme": s.name,
+        "bits": s.bits,
+        "about": s.doc,
+        "layout": ("uint8, two int4 per byte, low nibble first, zero point 8" if s.bits == 4 else "int8, symmetric"),
+        "scale_dtype": cfg.dtype,
+        "group_size": {what: group_size(s.name, k) for what, k in ks.items()},
+        "projections": list(QUANTIZED_PROJECTIONS),
+        "source": source,
+    }

@@ -1,0 +1,597 @@
+"""Quantised generation builds (``build --generate --quantize q4f16|q8f16``) and ``autosched eval``.
+
+The weights are quantised at build time as ``dequant_gemm`` reads them; the artifact's logits are those of a
+float64 model holding the same dequantised weights (exact up to fp32 accumulation order), on the dynamic
+prefill, a static prefill chunk and a static decode step. A tiny Llama trained here on a synthetic Markov
+chain measures what the schemes cost: its perplexity (``autosched eval``) and greedy tokens against its fp32
+build."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from .helpers import cli
+
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
+
+MAX_SEQ_LEN = 64
+
+
+def _run(capsys, *args) -> tuple[int, list[str]]:
+    """``autosched ARGS`` in this process: (exit code, autosched's lines on stderr: not transformers' progress bars)."""
+    code, _, lines = _run_out(capsys, *args)
+    return code, lines
+
+
+def _run_out(capsys, *args) -> tuple[int, str, list[str]]:
+    """(exit code, stdout, autosched's lines on stderr) of ``autosched ARGS`` run in this process."""
+    from autosched.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    said = capsys.readouterr()
+    return code, said.out, [line for line in said.err.splitlines() if line.strip() and "it/s]" not in line]
+
+
+# ---- fast: the quantisation itself and what is refused ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name, bits, dtype", [("q4f16", 4, "float32"), ("q8f16", 8, "float16")])
+def test_quantized_weights_are_what_dequant_gemm_reads_rounded_to_the_nearest_level(name, bits, dtype):
+    """Codes and scales in dequant_gemm's layout (its own reference dequantises them): every weight within half
+    a level of its float value, each group's largest magnitude on the top level exactly."""
+    import torch
+
+    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.workloads import get_operator, make_workload
+
+    n, k = 6, 256
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.05
+    weight[2, :128] = 0.0  # an all-zero group quantises to zeros
+    codes, scales = quantize_weight(weight, name, dtype)
+    group = 128 if bits == 4 else k
+    assert codes.dtype == (torch.uint8 if bits == 4 else torch.int8)
+    assert tuple(codes.shape) == (n, k // 2 if bits == 4 else k) and tuple(scales.shape) == (n, k // group)
+    assert scales.dtype == getattr(torch, dtype)
+    wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, dtype, {"bits": bits, "group": group})
+    ours = get_operator("dequant_gemm").dequantize(wl, codes, scales)
+    assert torch.equal(ours.to(getattr(torch, dtype)).double(), dequantize_weight(codes, scales, name, k, dtype))
+    step = scales.double().repeat_interleave(group, dim=1)
+    assert bool(((ours - weight).abs() <= step / 2 + 1e-12).all())
+    assert bool((ours[2, :128] == 0).all())
+    top = 7 if bits == 4 else 127
+    levels = (ours / step).round()
+    assert float(levels.abs().max()) == top and float(levels.min()) >= -top  # symmetric: 4-bit code 0 (-8) unused
+    peak = weight.abs().reshape(n, k // group, group).argmax(-1)
+    assert bool((levels.reshape(n, k // group, group).gather(-1, peak[..., None]).abs()[[0, 1, 3, 4, 5]] == top).all())
+
+
+def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
+    from autosched.errors import UsageError
+    from autosched.generation.decoder import DecoderConfig
+    from autosched.generation.quantize import check_quantizable, group_size
+
+    assert [group_size("q4f16", k) for k in (4096, 11008, 192, 96)] == [128, 128, 64, 32]
+    assert group_size("q8f16", 11008) == 11008  # one scale per output channel
+    with pytest.raises(UsageError, match="K=48, not a multiple of 32"):
+        group_size("q4f16", 48)
+    moe = DecoderConfig("mixtral", 512, 128, 4, 2, 32, 2, 256, experts=4, top_k=2, expert_mlp=256, sparse_layers=[0, 1])
+    with pytest.raises(UsageError, match="mixture-of-experts models"):
+        check_quantizable(moe, "q4f16")
+    with pytest.raises(UsageError, match="'fp8' is not a scheme: use q4f16 or q8f16"):
+        group_size("fp8", 128)
+    # dequant_gemm's group: its usual sizes or any other positive one (k: a scale per output channel)
+    from autosched.workloads import make_workload
+
+    assert make_workload("dequant_gemm", {"k": 11008}, "float16", {"bits": 8, "group": "11008"}).attrs_dict["group"] == 11008
+    for bad in ("0", "-128", "row", True):
+        with pytest.raises(UsageError, match="or another positive whole number"):
+            make_workload("dequant_gemm", {"k": 256}, "float16", {"bits": 8, "group": bad})
+
+
+def test_bad_quantize_input_is_one_line_and_exit_2(capsys, tmp_path):
+    """An unknown scheme (refused before the model loads), --quantize without --generate, and a model whose
+    K q4f16 cannot group (hidden 48): one line each, exit code 2, nothing written."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = str(tmp_path / "art")
+    for args, says in (
+        (["build", "hf-llama", "--generate", "--quantize", "q3", "-o", out], "'q3' is not a scheme"),
+        (["tune-model", "hf-llama", "--generate", "--quantize", "int4"], "'int4' is not a scheme"),
+        (["build", "hf-llama", "--quantize", "q4f16", "-o", out], "add --generate"),
+    ):
+        code, lines = _run(capsys, *args)
+        assert code == 2 and len(lines) == 1 and says in lines[0], (args, lines)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "odd")
+    code, lines = _run(capsys, "build", str(tmp_path / "odd"), "--generate", "--quantize", "q4f16", "-o", out)
+    assert code == 2 and len(lines) == 1 and "K=48, not a multiple of 32: use --quantize q8f16" in lines[0], lines
+    assert not (tmp_path / "art").exists()
+
+
+# ---- slow: built artifacts ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from .test_generation import _saved_model
+
+    root = tmp_path_factory.mktemp("quant")
+    return _saved_model("llama", root / "hf"), root
+
+
+def _quantized(tiny_llama, scheme: str):
+    """The tiny Llama built with ``--quantize scheme`` (once per module)."""
+    _, root = tiny_llama
+    artifact = root / f"art-{scheme}"
+    if not artifact.exists():
+        _build(root / "hf", artifact, "--decode-batches", "1", "--prefill-chunks", "8", "--quantize", scheme)
+    return artifact
+
+
+def _build(folder, out, *extra):
+    cli("build", str(folder), "--generate", "-o", str(out), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2", *extra)
+    return out
+
+
+def _reference_model(hf, artifact):
+    """A float64 copy of ``hf`` holding the artifact's dequantised projections (dequant_gemm's own reference
+    dequantises them), q/k/v and gate/up split back."""
+    import copy
+
+    import torch
+
+    from autosched.artifact import load_generation_artifact
+    from autosched.workloads import get_operator, make_workload
+
+    _, params, manifest, _ = load_generation_artifact(artifact)
+    named = {name: torch.from_numpy(p.numpy()) for name, p in zip(manifest["param_names"], params)}
+    cfg = manifest["decoder"]
+    bits = manifest["quantization"]["bits"]
+    ref = copy.deepcopy(hf).double()
+    state = ref.state_dict()
+
+    def weight(prefix):
+        codes, scales = named[prefix + ".qweight"], named[prefix + ".scales"]
+        n, k = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
+        group = k // scales.shape[1]
+        wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, cfg["dtype"], {"bits": bits, "group": group})
+        return get_operator("dequant_gemm").dequantize(wl, codes, scales)
+
+    q, kv = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"]
+    for i in range(cfg["layers"]):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        qkv = weight(ours + "qkv")
+        for name, part in zip("qkv", torch.split(qkv, [q, kv, kv])):
+            state[f"{theirs}self_attn.{name}_proj.weight"] = part
+        state[theirs + "self_attn.o_proj.weight"] = weight(ours + "o")
+        gate, up = torch.split(weight(ours + "up"), cfg["mlp"])
+        state[theirs + "mlp.gate_proj.weight"], state[theirs + "mlp.up_proj.weight"] = gate, up
+        state[theirs + "mlp.down_proj.weight"] = weight(ours + "down")
+    ref.load_state_dict(state)
+    return ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["q4f16", "q8f16"])
+def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(tiny_llama, scheme):
+    """Every position of the dynamic prefill (TVM's schedule of the dequantising TE), a static prefill chunk
+    and a static decode step (dequant_gemm kernels) give the float64 reference's logits up to fp32
+    accumulation order, and differ from the float model's by far more than that tolerance."""
+    import copy
+
+    import torch
+
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    hf, root = tiny_llama
+    artifact = _quantized(tiny_llama, scheme)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantization"]["scheme"] == scheme and manifest["decoder"]["quantize"] == scheme
+    kernels = [w["workload"] for w in manifest["workload_kernels"].values()]
+    assert sum(k.startswith("dequant_gemm[m=1,") for k in kernels) == 4  # qkv, o, up, down of decode_b1
+    assert sum(k.startswith("dequant_gemm[m=8,") for k in kernels) == 4  # and of the chunk of 8
+    assert {k.split("]")[0].split(",", 1)[1] for k in kernels if k.startswith("gemm[")} == {"n=512,k=128"}  # the LM head
+
+    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3, 3, 3, 4, 42, 43, 44, 45, 46, 17, 301]
+    with torch.no_grad():
+        ref = _reference_model(hf, artifact)(torch.tensor([ids])).logits[0].numpy()
+        floats = copy.deepcopy(hf).double()(torch.tensor([ids])).logits[0].numpy()
+    tolerance = 2e-5 * np.abs(ref).max()
+    model = LoadedModel.load(artifact)
+    np.testing.assert_allclose(all_logits(model, ids), ref, rtol=0, atol=tolerance)
+    model.add(0)
+    chunk = model.forward("prefill_t8", [0], [8], ids[:8], prefill=True, logit_positions=np.arange(8))
+    np.testing.assert_allclose(chunk.numpy().reshape(8, -1), ref[:8], rtol=0, atol=tolerance)
+    model.forward("batch_prefill", [0], [len(ids) - 9], ids[8:-1], prefill=True)
+    step = model.forward("decode_b1", [0], [1], ids[-1:], prefill=False)
+    np.testing.assert_allclose(step.numpy().reshape(-1), ref[-1], rtol=0, atol=tolerance)
+    assert np.abs(all_logits(model, ids) - floats).max() > 20 * tolerance  # the weights were quantised
+
+
+@pytest.mark.slow
+def test_eval_reads_text_or_token_ids_and_its_perplexity_is_the_float64_models(tiny_llama, tmp_path, capsys):
+    """``autosched eval``: a text through a local tokenizer and the same ids from a file give one perplexity, that
+    of the float64 model of the same weights over the same windows of 16 tokens; bad input is one line, exit 2."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    hf, _ = tiny_llama
+    artifact = _quantized(tiny_llama, "q4f16")
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, 512)}}, unk_token="[UNK]"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    ids = [int(i) for i in np.random.default_rng(0).integers(1, 512, 100)]
+    (tmp_path / "text.txt").write_text(" ".join(f"w{i}" for i in ids), encoding="utf-8")
+    (tmp_path / "ids.txt").write_text(",".join(map(str, ids[:50])) + "\n" + " ".join(map(str, ids[50:])))
+    base = ["eval", str(artifact), "--max-seq-len", "16", "--format", "json"]
+    code, out, _ = _run_out(capsys, *base, "--text", str(tmp_path / "text.txt"), "--tokenizer", str(tmp_path / "tok"))
+    assert code == 0
+    from_text = json.loads(out)
+    code, out, _ = _run_out(capsys, *base, "--token-ids", str(tmp_path / "ids.txt"))
+    assert code == 0 and json.loads(out) == from_text
+    assert (from_text["windows"], from_text["scored_tokens"], from_text["weights"]) == (7, 6 * 15 + 3, "q4f16")
+    reference = _reference_model(hf, artifact)
+    nll = []
+    with torch.no_grad():
+        for start in range(0, 100, 16):
+            window = ids[start : start + 16]
+            logits = reference(torch.tensor([window])).logits[0, :-1]
+            nll += (-torch.log_softmax(logits, -1)[torch.arange(len(window) - 1), window[1:]]).tolist()
+    assert from_text["perplexity"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+
+    (tmp_path / "latin1.txt").write_bytes("w5 caf\u00e9".encode("latin-1"))
+    (tmp_path / "big.txt").write_text("1 2 999")
+    (tmp_path / "word.txt").write_text("1 2 x3")
+    for args, says in (
+        (["--text", str(tmp_path / "text.txt"), "--token-ids", str(tmp_path / "ids.txt")], "--text FILE (with a tokenizer) or"),
+        (["--token-ids", str(tmp_path / "none.txt")], "is not a file"),
+        (["--text", str(tmp_path / "latin1.txt"), "--tokenizer", str(tmp_path / "tok")], "is not UTF-8"),
+        (["--text", str(tmp_path / "text.txt")], "--text needs a tokenizer"),
+        (["--token-ids", str(tmp_path / "big.txt")], "token id 999 is outside the artifact's vocabulary (0 to 511)"),
+        (["--token-ids", str(tmp_path / "word.txt")], "'x3' is not a token id"),
+        (["--token-ids", str(tmp_path / "ids.txt"), "--max-seq-len", "65"], "holds 2 to 64 tokens"),
+    ):
+        code, _, lines = _run_out(capsys, "eval", str(artifact), *args)
+        assert code == 2 and len(lines) == 1 and says in lines[0], (args, lines)
+
+
+LIKELY = 0.8  # the probability of a token's likely successor; each of four others: 0.05
+
+
+def _markov_chain(vocab: int, seed: int = 0):
+    """Each token's likely successor and four others."""
+    rng = np.random.default_rng(seed)
+    likely = rng.permutation(vocab)
+    others = np.stack([rng.choice(np.setdiff1d(np.arange(vocab), [likely[t]]), 4, replace=False) for t in range(vocab)])
+    return likely, others
+
+
+def _sample(chain, rows: int, length: int, seed: int) -> np.ndarray:
+    likely, others = chain
+    rng = np.random.default_rng(seed)
+    out = np.empty((rows, length), dtype=np.int64)
+    out[:, 0] = rng.integers(0, len(likely), rows)
+    for i in range(1, length):
+        prev = out[:, i - 1]
+        out[:, i] = np.where(rng.random(rows) < LIKELY, likely[prev], others[prev, rng.integers(0, 4, rows)])
+    return out
+
+
+@pytest.mark.slow
+def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(tmp_path):
+    """A tiny Llama (hidden 128: q4f16 groups of 128) trained on a Markov chain (entropy 0.78 nats a token) and
+    built fp32, q8f16 and q4f16: ``autosched eval`` perplexity within 5% (q8f16) and 15% (q4f16) of the fp32
+    build's on held-out text, and greedy tokens the fp32 build's for at least 90% of 8 x 64 new tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autosched.generation import Generator
+
+    vocab = 64
+    chain = _markov_chain(vocab)
+    # Sequences as long as a prompt and its 64 new tokens: the positions generation reaches are trained ones.
+    data = torch.from_numpy(_sample(chain, 1024, 72, seed=1))
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=None,  # every token is the chain's: none ends a sequence
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = torch.Generator().manual_seed(2)
+    for _ in range(60):
+        batch = data[torch.randint(0, len(data), (8,), generator=batches)]
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval().save_pretrained(tmp_path / "hf")
+    held_out = _sample(chain, 1, 8 * MAX_SEQ_LEN, seed=3)[0]
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, held_out)))
+
+    perplexity, tokens = {}, {}
+    prompts = [list(map(int, row)) for row in _sample(chain, 8, 6, seed=4)]
+    for scheme in ("fp32", "q8f16", "q4f16"):
+        extra = ("--quantize", scheme) if scheme != "fp32" else ()
+        artifact = tmp_path / scheme
+        cli(
+            "build",
+            str(tmp_path / "hf"),
+            "--generate",
+            "-o",
+            str(artifact),
+            "--max-seq-len",
+            "96",
+            "--max-batch",
+            "2",
+            "--decode-batches",
+            "1,2",
+            *extra,
+        )
+        said = json.loads(
+            cli(
+                "eval",
+                str(artifact),
+                "--token-ids",
+                str(tmp_path / "ids.txt"),
+                "--max-seq-len",
+                str(MAX_SEQ_LEN),
+                "--format",
+                "json",
+            ).stdout
+        )
+        assert said["scored_tokens"] == 8 * (MAX_SEQ_LEN - 1) and said["windows"] == 8
+        perplexity[scheme] = said["perplexity"]
+        tokens[scheme] = [r.tokens for r in Generator(artifact).generate(prompts, 64)]
+    entropy = -(LIKELY * math.log(LIKELY) + (1 - LIKELY) * math.log((1 - LIKELY) / 4))  # nats a token
+    assert perplexity["fp32"] < 1.5 * math.exp(entropy), perplexity  # trained (uniform guessing: 64)
+    assert perplexity["q8f16"] < 1.05 * perplexity["fp32"], perplexity
+    assert perplexity["q4f16"] < 1.15 * perplexity["fp32"], perplexity
+    for scheme in ("q8f16", "q4f16"):
+        same = sum(a == b for ours, theirs in zip(tokens[scheme], tokens["fp32"]) for a, b in zip(ours, theirs))
+        assert same >= 0.9 * 8 * 64, (scheme, same, perplexity)
+    assert all(len(t) == 64 for t in tokens["fp32"])
+
+
+@pytest.mark.slow
+def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_llama, tmp_path):
+    """Built here without a GPU for sm_90a in float16: decode steps' projections on int4_gemv, a prefill chunk's
+    on hopper_dequant_gemm, the library written (the CUDA compiled when loaded on the GPU)."""
+    _, root = tiny_llama
+    out = tmp_path / "sm90"
+    cli(
+        "build",
+        str(root / "hf"),
+        "--generate",
+        "--target",
+        "cuda:sm_90a",
+        "--dtype",
+        "float16",
+        "-o",
+        str(out),
+        "--max-seq-len",
+        "256",
+        "--max-batch",
+        "4",
+        "--decode-batches",
+        "1,4",
+        "--prefill-chunks",
+        "128",
+        "--quantize",
+        "q4f16",
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    spaces = {
+        (w["workload"].split(",")[0], w["space"])
+        for w in manifest["workload_kernels"].values()
+        if w["workload"].startswith("dequant_gemm")
+    }
+    assert spaces == {
+        ("dequant_gemm[m=1", "int4_gemv"),
+        ("dequant_gemm[m=4", "int4_gemv"),
+        ("dequant_gemm[m=128", "hopper_dequant_gemm"),
+    }
+    assert all(
+        ";bits=4;group=128;" in w["workload"]
+        for w in manifest["workload_kernels"].values()
+        if w["workload"].startswith("dequant_gemm")
+    )
+    assert (out / manifest["library"]).exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["q4f16", "q8f16"])
+def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny_llama, scheme, tmp_path):
+    """fp16 on the GPU: the dynamic prefill, a static chunk of 32 tokens (q4f16: hopper_dequant_gemm on sm_90) and
+    a static decode step (q4f16: int4_gemv) give the float64 model's logits of the same dequantised weights, to
+    half precision's tolerance."""
+    import torch
+
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    hf, root = tiny_llama
+    out = tmp_path / "gpu"
+    cli(
+        "build",
+        str(root / "hf"),
+        "--generate",
+        "--target",
+        "cuda",
+        "--dtype",
+        "float16",
+        "-o",
+        str(out),
+        "--max-seq-len",
+        str(MAX_SEQ_LEN),
+        "--max-batch",
+        "2",
+        "--decode-batches",
+        "1",
+        "--prefill-chunks",
+        "32",
+        "--quantize",
+        scheme,
+    )
+    ids = list(range(3, 3 + 7 * 40, 7))
+    with torch.no_grad():
+        ref = _reference_model(hf, out)(torch.tensor([ids])).logits[0].numpy()
+    tolerance = 2e-2 * np.abs(ref).max()
+    model = LoadedModel.load(out)
+    np.testing.assert_allclose(all_logits(model, ids), ref, rtol=0, atol=tolerance)
+    model.add(0)
+    chunk = model.forward("prefill_t32", [0], [32], ids[:32], prefill=True, logit_positions=np.arange(32))
+    np.testing.assert_allclose(chunk.numpy().reshape(32, -1), ref[:32], rtol=0, atol=tolerance)
+    model.forward("batch_prefill", [0], [7], ids[32:39], prefill=True)
+    step = model.forward("decode_b1", [0], [1], ids[39:], prefill=False)
+    np.testing.assert_allclose(step.numpy().reshape(-1), ref[-1], rtol=0, atol=tolerance)
+
+
+def _pack_along(fields, axis: int):
+    """Eight 4-bit ``fields`` per int32 along ``axis`` (the lowest bits first), as GPTQ packs them."""
+    import torch
+
+    moved = fields.to(torch.int64).movedim(axis, -1)
+    words = sum(moved[..., b::8] << (4 * b) for b in range(8))
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the same 32 bits as a signed int32
+    return words.to(torch.int32).movedim(-1, axis).contiguous()
+
+
+def _write_gptq(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = False):
+    """``hf``'s projections quantised as q4f16 quantises them (float16 scales), written as a GPTQ checkpoint
+    (format "gptq": zero points stored one less) in ``folder``; ``float_folder`` gets the float model whose
+    projections are those dequantised weights."""
+    import copy
+
+    import torch
+    from safetensors.torch import save_file
+
+    from autosched.generation.quantize import dequantize_weight, quantize_weight
+
+    model = copy.deepcopy(hf).float()
+    state, tensors = model.state_dict(), {}
+    for key in list(state):
+        if not any(f".{p}.weight" in key for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+            continue
+        codes, scales = quantize_weight(state[key], "q4f16", "float16")
+        n, k = state[key].shape
+        state[key] = dequantize_weight(codes, scales, "q4f16", k, "float32").float()
+        nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, k)  # [N, K]
+        prefix = key[: -len("weight")]
+        tensors[prefix + "qweight"] = _pack_along(nibbles.t(), 0)
+        zeros = torch.full((k // 128, n), zero_point - 1)
+        tensors[prefix + "qzeros"] = _pack_along(zeros, 1)
+        tensors[prefix + "scales"] = scales.t().contiguous()
+        tensors[prefix + "g_idx"] = (torch.arange(k) // 128).to(torch.int32)
+    model.load_state_dict(state)
+    model.save_pretrained(float_folder)
+    quantized = {key[: -len("weight")] for key in state if key[: -len("weight")] + "qweight" in tensors}
+    floats = {key: value.contiguous() for key, value in state.items() if key[: -len("weight")] not in quantized}
+    folder.mkdir()
+    save_file({**floats, **tensors}, str(folder / "model.safetensors"))
+    config = json.loads((float_folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "desc_act": desc_act,
+        "sym": True,
+        "checkpoint_format": "gptq",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.slow
+def test_a_gptq_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_path, capsys):
+    """A GPTQ folder (4-bit, desc_act false, symmetric) read from its safetensors without GPTQ's library and
+    repacked gives the parameters and logits of ``--quantize q4f16`` of the float weights it holds; asymmetric
+    zero points and activation order are refused in one line."""
+    from autosched.artifact import load_generation_artifact
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    hf, _ = tiny_llama
+    _write_gptq(hf, tmp_path / "gptq", tmp_path / "float")
+    ours = _build(tmp_path / "float", tmp_path / "ours", "--decode-batches", "1", "--quantize", "q4f16")
+    theirs = _build(tmp_path / "gptq", tmp_path / "theirs", "--decode-batches", "1", "--dtype", "float32")
+    manifest = json.loads((theirs / "manifest.json").read_text())
+    assert manifest["quantization"]["scheme"] == "q4f16" and manifest["quantization"]["source"] == "gptq"
+    (_, a, m, _), (_, b, n, _) = load_generation_artifact(ours), load_generation_artifact(theirs)
+    assert m["param_names"] == n["param_names"]
+    for name, x, y in zip(m["param_names"], a, b):
+        assert x.dtype == y.dtype and np.array_equal(x.numpy(), y.numpy()), name
+    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3]
+    np.testing.assert_array_equal(all_logits(LoadedModel.load(theirs), ids), all_logits(LoadedModel.load(ours), ids))
+
+    for kind, says in (({"zero_point": 6}, "asymmetric zero points (sym=false)"), ({"desc_act": True}, "desc_act=true")):
+        folder = tmp_path / f"bad-{next(iter(kind))}"
+        _write_gptq(hf, folder, tmp_path / f"float-{next(iter(kind))}", **kind)
+        code, lines = _run(capsys, "build", str(folder), "--generate", "-o", str(tmp_path / "no"))
+        assert code == 2 and len(lines) == 1 and says in lines[0], lines
+
+
+@pytest.mark.slow
+def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_them(tiny_llama, tmp_path):
+    """``tune-model --generate --quantize q4f16``: the decode step's projections are dequant_gemm tasks, tuned and
+    stored; the build with that database runs their records and computes what the untuned build computes."""
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    _, root = tiny_llama
+    db = str(tmp_path / "tune.db")
+    rows = json.loads(
+        cli(
+            "tune-model",
+            str(root / "hf"),
+            "--generate",
+            "--decode-batches",
+            "1",
+            "--max-batch",
+            "2",
+            "--quantize",
+            "q4f16",
+            "--trials",
+            "16",
+            "--db",
+            db,
+            "--format",
+            "json",
+        ).stdout
+    )
+    assert sum(r["kernel"].startswith("autosched_dequant_gemm") for r in rows) == 4
+    artifact = _build(
+        root / "hf", tmp_path / "tuned", "--decode-batches", "1", "--prefill-chunks", "8", "--quantize", "q4f16", "--db", db
+    )
+    kernels = json.loads((artifact / "manifest.json").read_text())["workload_kernels"].values()
+    tuned = {w["workload"].split(";")[0] for w in kernels if w["schedule"] == "database"}
+    assert {k for k in tuned if k.startswith("dequant_gemm[m=1,")} == {
+        "dequant_gemm[m=1,n=256,k=128]:float32",
+        "dequant_gemm[m=1,n=128,k=128]:float32",
+        "dequant_gemm[m=1,n=512,k=128]:float32",
+        "dequant_gemm[m=1,n=128,k=256]:float32",
+    }
+    ids = [5, 7, 9, 11, 13, 2, 8, 100]
+    untuned = all_logits(LoadedModel.load(_quantized(tiny_llama, "q4f16")), ids)
+    model = LoadedModel.load(artifact)
+    model.add(0)
+    model.forward("batch_prefill", [0], [7], ids[:7], prefill=True)
+    step = model.forward("decode_b1", [0], [1], ids[7:], prefill=False).numpy().reshape(-1)
+    np.testing.assert_allclose(step, untuned[-1], rtol=0, atol=2e-5 * np.abs(untuned).max())
