@@ -136,6 +136,28 @@ def test_a_family_or_feature_matches_transformers(name, tmp_path):
 ROPE_CASES = ("llama3", "linear", "yarn", "longrope")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window"])
+def test_a_prompt_of_several_windows_prefills_in_chunks_of_a_window(name, tmp_path):
+    """A prompt of 2.5 windows (20 tokens over a window of 8) beside a short one, in an artifact with a static
+    chunk longer than the window: the long prompt goes in calls of a window (8, 8, 4: three, not 8 + 12 calls of
+    a token), the short one beside its first, and both give transformers' greedy tokens, for a model windowed on
+    every layer (one cache) and one whose windowed layers have a cache of their own (Gemma 2)."""
+    from autosched.generation import Generator
+
+    model = _saved(name, tmp_path / "hf")
+    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
+        "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "16")
+    gen = Generator(tmp_path / "art")
+    prompts = [[(11 * i + 5) % 512 for i in range(20)], [3, 1, 4]]
+    results = gen.generate(prompts, NEW)
+    for prompt, result in zip(prompts, results):
+        assert result.error is None
+        assert result.tokens == _reference(model, prompt), (name, len(prompt))
+    assert gen.stats["prefill_calls"] == 3 and gen.stats["prefill_tokens"] == 23
+    assert results[0].tokens != _reference(_unwindowed(model), prompts[0])  # the window binds
+
+
 def _unwindowed(model):
     """The same weights with a window longer than any sequence here."""
     config = model.config.__class__(**{**model.config.to_dict(), "sliding_window": 4096})

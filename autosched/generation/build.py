@@ -126,10 +126,14 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
 
     from autosched.pipeline.lowering import lower
 
+    from .window_prefill import replace_window_prefill_cpu
+
     if prefill_chunks and cfg.rope_scaling.get("rope_type") == "longrope":
         raise UsageError("--prefill-chunks is not supported for a longrope model: it picks its rotary factors from "
                          "a whole prompt's length")
     mod, names = export(cfg, target.tvm_target(), decode_batches, prefill_chunks)
+    if cfg.sliding_window and target.kind == "llvm":
+        mod = replace_window_prefill_cpu(mod, cfg.sliding_window)
     return lower(relax.transform.FuseTransposeMatmul()(mod)), names
 
 
@@ -262,7 +266,10 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "param_names": names,
         "param_order": [f"p{i}" for i in range(len(names))], "library": LIBRARY, "params": PARAMS,
         "target": target.to_json(), "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
-        "decode_batches": list(decode_batches), "prefill_chunks": list(prefill_chunks), "eos_token_ids": model.eos_token_ids,
+        "decode_batches": list(decode_batches), "prefill_chunks": list(prefill_chunks),
+        # A windowed sequence's prefill calls past its first window take up to this many tokens (the windowed
+        # cache's prefill kernel masks the cached keys to the window); older builds: one a call.
+        "window_chunk": model.config.sliding_window, "eos_token_ids": model.eos_token_ids,
         "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         **kernel_sources(report), "attention": report.attention,

@@ -456,9 +456,10 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     rotary = Rotary(cfg.rope_scaling) if table_rope else None
 
-    # Windowed layers attend through a KV cache of their own with TVM's sliding window (it drops what leaves a
-    # sequence's window, for all of its layers), rotated by that cache at the window's theta; the others through
-    # the main cache. A model windowed on every layer has the one cache, windowed.
+    # Windowed layers attend through a KV cache of their own whose layers are TVM's sliding layers (decode reads
+    # the last window of keys; a prefill call's cached keys are masked to the window per query, so a call of up to
+    # a window of tokens is exact anywhere), rotated by that cache at the window's theta; the others through the
+    # main cache. A model windowed on every layer has the one cache, windowed.
     windowed = sorted(cfg.sliding_layers) if cfg.sliding_window else []
     two_caches = 0 < len(windowed) < cfg.layers
     local = {layer: i for i, layer in enumerate(windowed)} if two_caches else {}
@@ -653,8 +654,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     def make_cache(layers: int, window: bool, *sizes) -> PagedKVCache:
         """A TIRPagedKVCache over ``layers`` layers. Its fused RoPE: the default and llama3 frequencies (dynamic's
         are the default ones within max_position_embeddings), linear scaling as scaled positions; none where
-        the model rotates from a table. A windowed cache rotates inside its attention kernels (TVM's sliding
-        window), at the windowed layers' theta with the default frequencies (the build refuses others)."""
+        the model rotates from a table. A windowed cache rotates q and k as it appends them, at the windowed
+        layers' theta with the default frequencies (the build refuses others)."""
         import contextlib
 
 
@@ -673,7 +674,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             sizes=(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window),
             rope_mode="normal" if cache_rope else "none", rope_scale=scale,
             rope_theta=window_theta if window else cfg.rope_theta, rope_scaling=scaling,
-            rotary_dim=cfg.rotary_dim or head_dim)
+            rotary_dim=cfg.rotary_dim or head_dim, window=cfg.sliding_window if window else 0)
 
     module = Decoder()
     packed = {"param_mode": "packed", "effect_mode": "none"}

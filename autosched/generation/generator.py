@@ -49,7 +49,7 @@ class Generator:
     def _start(self, model: LoadedModel, clock: Callable[[], float] = time.perf_counter) -> None:
         self.model = model
         self.limits = scheduler.Limits(model.max_seq_len, model.page_size, model.decode_batches, model.prefill_chunks,
-                                       model.window)
+                                       model.window, model.window_chunk)
         self.sampler = Sampler(model.greedy_tokens, model.sample_tokens, model.device)
         self._stats = scheduler.StepStats(clock)
         self._seqs: dict[int, SequenceState] = {}  # in the cache
