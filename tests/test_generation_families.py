@@ -76,6 +76,8 @@ def _config(name: str):
                                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                      "rope_theta": 1000000.0}}),
                 transformers.Gemma3ForCausalLM)
+    if name == "olmo2":  # q/k norms over the whole projections, norms after attention and MLP instead of before
+        return transformers.Olmo2Config(**TINY, rms_norm_eps=1e-6), transformers.Olmo2ForCausalLM
     if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
         return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
                                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -107,7 +109,7 @@ def _reference(model, prompt, new=NEW):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3",
+@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3", "olmo2",
                                   "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
                                   "gemma2-window", "gemma3-window", "gemma3-local-window"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
@@ -128,6 +130,8 @@ def test_a_family_or_feature_matches_transformers(name, tmp_path):
         assert results[2].tokens != _reference(_unscaled(model), PROMPTS[2]), name
     if name.endswith("window"):  # and the window shows: without it, the 40-token prompt continues otherwise
         assert results[2].tokens != _reference(_unwindowed(model), PROMPTS[2]), name
+    if name == "olmo2":  # and its norms show: with per-head q/k norms and Llama's pre-norms, otherwise
+        assert results[2].tokens != _reference(_as_llama_norms(model), PROMPTS[2]), name
     if name in ("longrope", "mistral-window"):  # a sequence re-read, or its tokens dropped: no forks of a prefix
         forked = gen.generate([[1]], 2, prefix=[1, 2, 3])[0]
         assert "forks of a prefix are not supported" in forked.error and gen.live == []
@@ -156,6 +160,21 @@ def test_a_prompt_of_several_windows_prefills_in_chunks_of_a_window(name, tmp_pa
         assert result.tokens == _reference(model, prompt), (name, len(prompt))
     assert gen.stats["prefill_calls"] == 3 and gen.stats["prefill_tokens"] == 23
     assert results[0].tokens != _reference(_unwindowed(model), prompts[0])  # the window binds
+
+
+def _as_llama_norms(model):
+    """OLMo 2's weights in Llama's layout: each norm before its attention or MLP, where OLMo 2 puts it after,
+    and no q/k norms (per head, Qwen3's, takes a weight per head dimension, not per projection)."""
+    import torch
+
+    config = transformers.LlamaConfig(**TINY, rms_norm_eps=1e-6)
+    plain = transformers.LlamaForCausalLM(config).eval()
+    state = {name.replace("post_attention_layernorm", "input_layernorm")
+             .replace("post_feedforward_layernorm", "post_attention_layernorm"): w
+             for name, w in model.state_dict().items() if "q_norm" not in name and "k_norm" not in name}
+    with torch.no_grad():
+        plain.load_state_dict(state)
+    return plain
 
 
 def _unwindowed(model):

@@ -28,8 +28,8 @@ from autosched.errors import UsageError
 
 # What a family (transformers' model_type) decides beyond what its config's fields say: a new family like
 # these is a row here, and its weight names in weights_from_hf where they are not Llama's.
-#   qkv_bias: biases on q/k/v only; qk_norm: an RMSNorm on each head of q and k; post_norms: attention's and MLP's
-#   outputs normed too; gemma: (1 + w) norms, embeddings scaled by sqrt(hidden), query_pre_attn_scalar;
+#   qkv_bias: biases on q/k/v only; qk_norm: an RMSNorm on each head of q and k ("whole": over the whole q and
+#   k projections); post_norms: attention's and MLP's outputs normed too ("only": instead of their inputs); gemma: (1 + w) norms, embeddings scaled by sqrt(hidden), query_pre_attn_scalar;
 #   window: which layers attend over config.sliding_window ("all", or those layer_types names sliding);
 #   rope_per_layer_type: a rotary table per layer type (rope_parameters by layer type).
 TRAITS: dict[str, dict[str, Any]] = {
@@ -46,6 +46,7 @@ TRAITS: dict[str, dict[str, Any]] = {
     # decoder_sparse_step and mlp_only_layers leave sparse, a dense MLP on the others)
     "mixtral": {"window": "all", "moe": True},
     "qwen3_moe": {"qk_norm": True, "window": "all", "moe": True},
+    "olmo2": {"qk_norm": "whole", "post_norms": "only"},
 }
 FAMILIES = (*TRAITS, "gpt2")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
@@ -67,7 +68,9 @@ class DecoderConfig:
     activation: str = "silu"  # "silu", "gelu_tanh" or "gelu"
     qkv_bias: bool = False
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotary embedding (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # the q and k norms over the whole projection, all heads at once (OLMo 2)
     post_norms: bool = False  # a norm on the attention's and on the MLP's output too (Gemma 2 and 3)
+    pre_norms: bool = True  # a norm on the attention's and on the MLP's input (all but OLMo 2)
     attn_scale: float = 0.0  # the attention's softmax scale; 0: head_dim ** -0.5
     logit_softcap: float = 0.0  # logits as cap * tanh(logits / cap) (Gemma 2); 0: none
     dense_bias: bool = False  # biases on the output projection, the MLP and the norms (GPT-2)
@@ -205,7 +208,8 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
                          config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
                          activation=act, qkv_bias=bool(traits.get("qkv_bias")), qk_norm=bool(traits.get("qk_norm")),
-                         post_norms=bool(traits.get("post_norms")), attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+                         qk_norm_whole=traits.get("qk_norm") == "whole", post_norms=bool(traits.get("post_norms")),
+                         pre_norms=traits.get("post_norms") != "only", attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
                          logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0), rope_theta=theta,
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
                          embed_scale=math.sqrt(hidden) if traits.get("gemma") else 1.0,
@@ -279,12 +283,16 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
         out["embed.weight"] = get("embed_tokens.weight")
         for i in range(cfg.layers):
             p, q = f"layers.{i}.", f"layers.{i}."
-            out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
-            if cfg.post_norms:  # Gemma 2 and 3: a norm before and after each of attention and MLP
+            if not cfg.pre_norms:  # OLMo 2: a norm after each of attention and MLP only
+                out[q + "attn_post_norm.weight"] = get(p + "post_attention_layernorm.weight")
+                out[q + "mlp_post_norm.weight"] = get(p + "post_feedforward_layernorm.weight")
+            elif cfg.post_norms:  # Gemma 2 and 3: a norm before and after each of attention and MLP
+                out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
                 out[q + "attn_post_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
                 out[q + "mlp_norm.weight"] = norm(get(p + "pre_feedforward_layernorm.weight"))
                 out[q + "mlp_post_norm.weight"] = norm(get(p + "post_feedforward_layernorm.weight"))
             else:
+                out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
                 out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
             if cfg.family == "phi3":
                 out[q + "qkv.weight"] = get(p + "self_attn.qkv_proj.weight")
@@ -469,15 +477,19 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     class Layer(nn.Module):
         def __init__(self, sparse: bool = False):
             # attention: its norm, the fused q/k/v projection, q/k norms, the output projection
-            self.attn_norm = make_norm()
+            if cfg.pre_norms:
+                self.attn_norm = make_norm()
             self.qkv = Linear(cfg.hidden, (heads + 2 * kv_heads) * head_dim, bias=cfg.qkv_bias, dtype=dtype)
-            if cfg.qk_norm:
+            if cfg.qk_norm_whole:
+                self.q_norm, self.k_norm = make_norm(heads * head_dim), make_norm(kv_heads * head_dim)
+            elif cfg.qk_norm:
                 self.q_norm, self.k_norm = make_norm(head_dim), make_norm(head_dim)
             self.o = Linear(heads * head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
             if cfg.post_norms:
                 self.attn_post_norm = make_norm()
             # MLP: its norm, up (gate and up concatenated when gated) and down
-            self.mlp_norm = make_norm()
+            if cfg.pre_norms:
+                self.mlp_norm = make_norm()
             if cfg.post_norms:
                 self.mlp_post_norm = make_norm()
             self.sparse = sparse
@@ -491,8 +503,12 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
         def attention(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope):
             b, s, _ = x.shape
-            qkv = op.reshape(self.qkv(x), (b, s, heads + 2 * kv_heads, head_dim))
-            if cfg.qk_norm:
+            qkv = self.qkv(x)
+            if cfg.qk_norm_whole:  # each of q and k normed over all of its heads at once
+                q, k, v = op.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=2)
+                qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+            qkv = op.reshape(qkv, (b, s, heads + 2 * kv_heads, head_dim))
+            if cfg.qk_norm and not cfg.qk_norm_whole:
                 q, k, v = op.split(qkv, [heads, heads + kv_heads], axis=2)
                 qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
             if rope is not None:
@@ -544,9 +560,9 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 rope = None
             if isinstance(rope, list):  # a table per layer type: this layer's
                 rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
-            out = self.attention(self.attn_norm(x), cache, index, rope)
+            out = self.attention(self.attn_norm(x) if cfg.pre_norms else x, cache, index, rope)
             x = x + (self.attn_post_norm(out) if cfg.post_norms else out)
-            out = self.mlp(self.mlp_norm(x))
+            out = self.mlp(self.mlp_norm(x) if cfg.pre_norms else x)
             return x + (self.mlp_post_norm(out) if cfg.post_norms else out)
 
     class Decoder(nn.Module):
