@@ -145,6 +145,7 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
     from autosched.pipeline.build import apply_database
 
     from .attention import dispatch_attention
+    from .window_prefill import KERNEL_ATTR
 
     lowered, ours, kernels = dispatch_attention(lowered, target)
     scheduled, applied = apply_database(lowered, db, target, calls=decode_calls(lowered))
@@ -158,10 +159,14 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
                 and not name.startswith(tuple(attention_kernels))):
             report.default.append(name)
     report.workloads = workload_kernels(lowered, applied, target)
-    present = [gv.name_hint for gv in lowered.functions]
+    present = {gv.name_hint: func for gv, func in lowered.functions.items()}
     for role, prefixes in ATTENTION_ROLES.items():
         found = sorted(n for n in present if n.startswith(prefixes))
-        report.attention[role] = ours.get(role) or (f"TVM default ({', '.join(found)})" if found else "none")
+        mine = [n for n in found if (getattr(present[n], "attrs", None) or {}).get(KERNEL_ATTR)]
+        theirs = [n for n in found if n not in mine]
+        text = "; ".join([f"autosched window_prefill ({', '.join(mine)})"] * bool(mine)
+                         + [f"TVM default ({', '.join(theirs)})"] * bool(theirs))
+        report.attention[role] = ours.get(role) or text or "none"
     return scheduled, report, applied
 
 

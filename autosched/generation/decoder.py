@@ -29,7 +29,8 @@ from autosched.errors import UsageError
 # What a family (transformers' model_type) decides beyond what its config's fields say: a new family like
 # these is a row here, and its weight names in weights_from_hf where they are not Llama's.
 #   qkv_bias: biases on q/k/v only; qk_norm: an RMSNorm on each head of q and k ("whole": over the whole q and
-#   k projections); post_norms: attention's and MLP's outputs normed too ("only": instead of their inputs); gemma: (1 + w) norms, embeddings scaled by sqrt(hidden), query_pre_attn_scalar;
+#   k projections); post_norms: attention's and MLP's outputs normed too ("only": instead of their inputs);
+#   gemma: (1 + w) norms, embeddings scaled by sqrt(hidden), query_pre_attn_scalar;
 #   window: which layers attend over config.sliding_window ("all", or those layer_types names sliding);
 #   rope_per_layer_type: a rotary table per layer type (rope_parameters by layer type).
 TRAITS: dict[str, dict[str, Any]] = {

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 TVM_SYMBOL = "batch_prefill_paged_kv_cpu_sliding_window"  # and "<symbol>_window" in a model's second cache
 EMPTY_LSE = -5e4
+KERNEL_ATTR = "autosched.kernel"  # names our kernel in the build's report
 
 
 def window_prefill_cpu_kernel(h_q: int, h_kv: int, d: int, page_size: int, dtype: str, window: int, symbol: str):
@@ -36,7 +37,7 @@ def window_prefill_cpu_kernel(h_q: int, h_kv: int, d: int, page_size: int, dtype
                var_page_values: T.handle, var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
                var_q_rope_position: T.handle, var_output: T.handle, var_lse: T.handle, causal: T.int32,
                rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
-        T.func_attr({"global_symbol": symbol, "tirx.is_scheduled": True})
+        T.func_attr({"global_symbol": symbol, "tirx.is_scheduled": True, KERNEL_ATTR: "window_prefill"})
         batch_size = T.int32()
         total_len = T.int32()
         nnz_pages = T.int32()
