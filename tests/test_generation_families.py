@@ -162,6 +162,36 @@ def test_a_prompt_of_several_windows_prefills_in_chunks_of_a_window(name, tmp_pa
     assert results[0].tokens != _reference(_unwindowed(model), prompts[0])  # the window binds
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window"])
+def test_windowed_prefill_in_chunks_matches_transformers_on_the_gpu(name, tmp_path):
+    """fp16 on the GPU, TVM's CUDA kernels for the sliding layers (the prefill over cached pages masked to the
+    window): prompts of 1, 7 and 40 tokens over a window of 8 (the 40-token one in five calls), the first 16
+    greedy tokens are transformers' (fp16, same GPU), or the first difference is a near-tie of its logits."""
+    import torch
+
+    from autosched.generation import Generator
+
+    model = _saved(name, tmp_path / "hf")
+    cli("build", str(tmp_path / "hf"), "--generate", "--target", "cuda", "--dtype", "float16", "-o",
+        str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
+    model = model.to("cuda", torch.float16)
+    gen = Generator(tmp_path / "art")
+    results = gen.generate(PROMPTS, 16)
+    assert gen.stats["prefill_calls"] == 5  # the 40-token prompt in windows of 8, the others beside its first
+    for prompt, result in zip(PROMPTS, results):
+        assert result.error is None
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        theirs = out.sequences[0, len(prompt):].tolist()
+        diff = next((i for i, (a, b) in enumerate(zip(result.tokens, theirs)) if a != b), None)
+        if diff is not None:
+            top = out.scores[diff][0].float().topk(2).values
+            margin = float(top[0] - top[1])
+            assert margin < 0.05, f"{name}, {len(prompt)} tokens: token {diff} differs at a margin of {margin:.3f}"
+
+
 def _as_llama_norms(model):
     """OLMo 2's weights in Llama's layout: each norm before its attention or MLP, where OLMo 2 puts it after,
     and no q/k norms (per head, Qwen3's, takes a weight per head dimension, not per projection)."""
