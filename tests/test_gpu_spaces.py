@@ -283,6 +283,10 @@ def test_moe_gemm_gets_the_gpu_moe_space_whose_tiles_divide_the_loops(sm90):
     assert wide.validate(wide.default()) is None
     assert "exceed 48 KB" in wide.validate({**wide.default(), "stage_x": True, "rows_per_block": 2})
     assert wide.validate({**wide.default(), "stage_x": True}) is None  # one row of 14336 halves: 28 KB
+    from autosched.errors import SpaceError
+
+    with pytest.raises(SpaceError, match="no schedule space"):  # K = 24: no lane count divides it
+        Task.from_workload(make_workload("moe_gemm", "m=4,e=3,n=40,k=24", "float32")).space(sm90)
     rng = np.random.default_rng(0)
     sampled = [wide.sample(rng) for _ in range(40)]
     assert all(wide.validate(p) is None for p in sampled)
