@@ -120,25 +120,33 @@ def nn_tensor(expr: Any, name: str) -> Any:
 
 def tir_paged_kv_cache(*, layers: int, heads: int, kv_heads: int, head_dim: int, dtype: str, target: Any,
                        sizes: tuple, rope_mode: str, rope_scale: float, rope_theta: float, rope_scaling: dict,
-                       rotary_dim: int) -> Any:
+                       rotary_dim: int, window: int = 0) -> Any:
     """TVM's paged KV cache with its TIR attention kernels (``TIRPagedKVCache``) over ``layers`` layers of
     multi-head attention with equal q/k and v head dims. ``sizes``: (max batch, max total tokens, prefill
     chunk, page size, sliding window support), the creation function's arguments; ``rope_mode``: "none"
     (q and k arrive rotated, or the model has no RoPE), "normal" (the cache rotates k as it appends), or
-    "inline" (the attention kernels rotate)."""
+    "inline" (the attention kernels rotate). ``window`` > 0: every layer attends over that window (TVM's
+    "mha_sliding" layers: decode reads a sequence's last ``window`` keys, and a prefill call's query ``r``
+    tokens in sees the last ``window - r - 1`` cached keys beside the call's own, so a call of up to ``window``
+    tokens is exact wherever it starts; the cache keeps the whole sequence). Such a cache has one plain layer
+    more, which no model layer uses: TVM 0.27's runtime allocates a cache's attention scratch only where one of
+    its layers is plain ("mha"), and fails a prefill call of a cache without one."""
     from tvm import relax as rx
     from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 
     max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window = sizes
+    kinds = ["mha_sliding"] * layers + ["mha"] if window else "mha"
+    layers += 1 if window else 0
     return TIRPagedKVCache(
-        attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+        attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
         prefill_chunk_size=prefill_chunk_size, page_size=page_size, support_sliding_window=support_sliding_window,
         layer_partition=rx.ShapeExpr([0, layers]), num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, qk_head_dim=head_dim, v_head_dim=head_dim, mla_original_qk_head_dim=0,
         mla_original_v_head_dim=0, rope_mode={"none": RopeMode.NONE, "normal": RopeMode.NORMAL,
                                               "inline": RopeMode.INLINE}[rope_mode],
         rope_scale=rope_scale, rope_theta=rope_theta, rope_scaling=rope_scaling, rope_ext_factors=rx.prim_value(0),
-        rotary_dim=rotary_dim, enable_disaggregation=False, dtype=dtype, target=target)
+        rotary_dim=rotary_dim, enable_disaggregation=False, dtype=dtype, target=target,
+        **({"layer_sliding_window_size": window} if window else {}))
 
 
 KV_CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"  # the call TIRPagedKVCache emits

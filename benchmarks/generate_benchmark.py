@@ -1,8 +1,9 @@
 """Text generation on a GPU: autosched's generation build against transformers' ``generate()``, same run.
 
-A Llama-2-7B or Llama-3-8B configuration (all layers, fp16, random weights, made on the GPU: nothing is
-downloaded), prompts of ``--prompt`` random tokens, ``--new`` tokens, greedy. For each batch size: prefill
-ms, ms per decode step, tokens/s and the share of the floor (the bytes one decode step must read: the
+A Llama-2-7B, Llama-3-8B, Llama-3.1-8B (llama3 rotary scaling) or Qwen3-8B (q/k norms, untied head)
+configuration (all layers, or ``--layers`` of them, fp16, random weights, made on the GPU: nothing is
+downloaded) in its transformers class, prompts of ``--prompt`` random tokens, ``--new`` tokens, greedy. For
+each batch size: prefill ms, ms per decode step, tokens/s and the share of the floor (the bytes one decode step must read: the
 weights without the embedding table, plus the K/V cache at the mean context, at the device-to-device copy
 bandwidth measured in the same run). transformers runs eagerly (dynamic cache) and, with ``--compile``, with
 a static cache and ``torch.compile`` (fullgraph, no CUDA graphs), and in torch's best recipe
@@ -24,11 +25,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                 vocab_size=128256, max_position_embeddings=8192, rope_parameters={"rope_type": "default",
+                                                                                   "rope_theta": 500000.0})
+# (transformers class, config) of each model: the real model's dimensions, all of its layers.
 CONFIGS = {
-    "llama2-7b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
-                      vocab_size=32000, rope_theta=10000.0),
-    "llama3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                      vocab_size=128256, rope_theta=500000.0),
+    "llama2-7b": ("Llama", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+                                intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_hidden_layers=32)),
+    "llama3-8b": ("Llama", dict(LLAMA3_8B, num_hidden_layers=32)),
+    "llama3.1-8b": ("Llama", dict(LLAMA3_8B, num_hidden_layers=32, max_position_embeddings=131072, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_theta": 500000.0})),
+    "qwen3-8b": ("Qwen3", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               intermediate_size=12288, num_hidden_layers=36, vocab_size=151936,
+                               max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 }
 COMPARED = 16  # new tokens compared with transformers per prompt
 
@@ -36,18 +48,18 @@ COMPARED = 16  # new tokens compared with transformers per prompt
 DEVICE = "cuda"  # --target llvm: a smoke test of this script on the CPU (tiny --layers, fp32)
 
 
-def make_model(name: str, layers: int):
+def make_model(name: str, layers: int | None):
+    """The model ``name`` in its transformers class, ``layers`` of its layers (None: all), random weights."""
     import torch
     import transformers
 
-    dims = dict(CONFIGS[name])
-    theta = dims.pop("rope_theta")
-    config = transformers.LlamaConfig(**dims, num_hidden_layers=layers, max_position_embeddings=4096,
-                                      rope_parameters={"rope_type": "default", "rope_theta": theta})
+    family, dims = CONFIGS[name]
+    config = getattr(transformers, f"{family}Config")(**{**dims, "num_hidden_layers": layers or dims["num_hidden_layers"]})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = transformers.LlamaForCausalLM(config).to(torch.float16 if DEVICE == "cuda" else torch.float32).eval()
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+        model = model.to(torch.float16 if DEVICE == "cuda" else torch.float32).eval()
     return model
 
 
@@ -75,7 +87,7 @@ def floor_ms(model, batch: int, context: float, bandwidth: float) -> float:
     ``context`` tokens for each sequence."""
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2
     return 1e3 * (weights + kv) / bandwidth
 
@@ -108,7 +120,10 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
         db.close()
     built = time.perf_counter() - began
     weights = weights_from_hf(model.state_dict(), gm.config)
-    params = [tvm.runtime.from_dlpack(weights[n].clone(memory_format=torch.contiguous_format)) for n in names]
+    # On the CPU (a smoke test) the weights are shared with the model rather than copied: an 8B model's
+    # embedding and head alone are 5 GB in fp32.
+    own = (lambda t: t.clone(memory_format=torch.contiguous_format)) if DEVICE == "cuda" else (lambda t: t.contiguous())
+    params = [tvm.runtime.from_dlpack(own(weights[n])) for n in names]
     manifest = generation_manifest(gm, names, target, report, max_seq_len, max(batches), decode_batches=decode_batches,
                                    prefill_chunks=chunks)
     device = tvm.cuda(0) if DEVICE == "cuda" else tvm.cpu(0)
@@ -308,7 +323,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(CONFIGS), default="llama2-7b")
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--layers", type=int, help="the first N layers of the model (default: all of them)")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128)
@@ -332,6 +347,7 @@ def main() -> int:
 
     bandwidth = copy_bandwidth()
     model = make_model(args.model, args.layers)
+    args.layers = model.config.num_hidden_layers
     print(f"{args.model}, {args.layers} layers, copy {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows = []
     generator = torch.Generator().manual_seed(0)

@@ -12,12 +12,11 @@ rows       blocks share leading row loops and reduce within a row          rmsno
 attention  rows whose first stage reads Q and K (``cpu_attention``:       prefill attention
            blocks of query rows, K transposed)                             (CPU, b = 1)
 injective  no reduction                                                    rope, casts, adds
-moe_matmul a contraction whose weight is picked per row by an index input  moe_gemm (CPU only)
+moe_matmul a contraction whose weight is picked per row by an index input  moe_gemm
 ========== =============================================================== =======================
 
-``moe_gemm`` has no CUDA space yet: the generic GPU matmul spaces tile B as shared by every row of a
-tile, which a weight gathered per row is not, so on CUDA :func:`create_space` finds none and those
-kernels keep TVM's default (dlight) schedule, as the build report and manifest say.
+``moe_gemm`` has spaces of its own (``moe_matmul`` on the CPU, ``gpu_moe_matmul`` on CUDA): the generic
+matmul spaces tile B as shared by every row of a tile, which a weight gathered per row is not.
 
 A space may also decline a function for a target (``Space.suits``): ``hopper_gemm``,
 ``hopper_dequant_gemm`` and ``hopper_attention``, the TIRx wgmma kernels, serve ``gemm``, int4
@@ -53,6 +52,7 @@ def space_classes() -> dict[str, type[Space]]:
     """Every space by name, in the order they are tried on an unknown function."""
     from .generated.cpu_attention import BlockedAttentionSpace
     from .generated.gpu_matmul import GpuGemvSpace, GpuMatmulSpace
+    from .generated.gpu_moe_matmul import GpuMoeMatmulSpace
     from .generated.gpu_rows import GpuInjectiveSpace, GpuRowsSpace
     from .generated.injective import InjectiveSpace
     from .generated.matmul import MatmulSpace
@@ -68,7 +68,7 @@ def space_classes() -> dict[str, type[Space]]:
     ordered = (MatmulSpace, MoeMatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
                HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace, HopperDequantGemmSpace, PagedDecodeSpace,
                # (CUDA, sm_90: each declines other targets)
-               FlashAttentionSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
+               FlashAttentionSpace, GpuMoeMatmulSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}
 
 

@@ -30,7 +30,8 @@ def _has_cuda() -> bool:
 FAST_CASES = {
     "test_sampled_cuda_kernels_compile": {
         "gemm-float16-m=256,n=256,k=128-sm_90", "dequant_gemm-float16-m=1,n=256,k=512-sm_90",
-        "rmsnorm-float16-m=8,n=1000-sm_90", "paged_decode_attention-float16-b=2,h=4,hkv=2,d=64,ctx=200,page=16-sm_90",
+        "rmsnorm-float16-m=8,n=1000-sm_90",
+        "moe_gemm-float16-m=2,e=8,n=512,k=256-sm_90", "paged_decode_attention-float16-b=2,h=4,hkv=2,d=64,ctx=200,page=16-sm_90",
     },
     # kv_cache_decode.cuh and kv_cache_prefill.cuh compile in their own tests' fast cases
     "test_each_cuda_file_of_the_templates_compiles_on_its_own": {"common.cuh"},

@@ -76,6 +76,8 @@ def _config(name: str):
                                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                      "rope_theta": 1000000.0}}),
                 transformers.Gemma3ForCausalLM)
+    if name == "olmo2":  # q/k norms over the whole projections, norms after attention and MLP instead of before
+        return transformers.Olmo2Config(**TINY, rms_norm_eps=1e-6), transformers.Olmo2ForCausalLM
     if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
         return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
                                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -107,7 +109,7 @@ def _reference(model, prompt, new=NEW):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3",
+@pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3", "olmo2",
                                   "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
                                   "gemma2-window", "gemma3-window", "gemma3-local-window"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
@@ -128,12 +130,81 @@ def test_a_family_or_feature_matches_transformers(name, tmp_path):
         assert results[2].tokens != _reference(_unscaled(model), PROMPTS[2]), name
     if name.endswith("window"):  # and the window shows: without it, the 40-token prompt continues otherwise
         assert results[2].tokens != _reference(_unwindowed(model), PROMPTS[2]), name
+    if name == "olmo2":  # and its norms show: with per-head q/k norms and Llama's pre-norms, otherwise
+        assert results[2].tokens != _reference(_as_llama_norms(model), PROMPTS[2]), name
     if name in ("longrope", "mistral-window"):  # a sequence re-read, or its tokens dropped: no forks of a prefix
         forked = gen.generate([[1]], 2, prefix=[1, 2, 3])[0]
         assert "forks of a prefix are not supported" in forked.error and gen.live == []
 
 
 ROPE_CASES = ("llama3", "linear", "yarn", "longrope")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window"])
+def test_a_prompt_of_several_windows_prefills_in_chunks_of_a_window(name, tmp_path):
+    """A prompt of 2.5 windows (20 tokens over a window of 8) beside a short one, in an artifact with a static
+    chunk longer than the window: the long prompt goes in calls of a window (8, 8, 4: three, not 8 + 12 calls of
+    a token), the short one beside its first, and both give transformers' greedy tokens, for a model windowed on
+    every layer (one cache) and one whose windowed layers have a cache of their own (Gemma 2)."""
+    from autosched.generation import Generator
+
+    model = _saved(name, tmp_path / "hf")
+    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
+        "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "16")
+    gen = Generator(tmp_path / "art")
+    prompts = [[(11 * i + 5) % 512 for i in range(20)], [3, 1, 4]]
+    results = gen.generate(prompts, NEW)
+    for prompt, result in zip(prompts, results):
+        assert result.error is None
+        assert result.tokens == _reference(model, prompt), (name, len(prompt))
+    assert gen.stats["prefill_calls"] == 3 and gen.stats["prefill_tokens"] == 23
+    assert results[0].tokens != _reference(_unwindowed(model), prompts[0])  # the window binds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window"])
+def test_windowed_prefill_in_chunks_matches_transformers_on_the_gpu(name, tmp_path):
+    """fp16 on the GPU, TVM's CUDA kernels for the sliding layers (the prefill over cached pages masked to the
+    window): prompts of 1, 7 and 40 tokens over a window of 8 (the 40-token one in five calls), the first 16
+    greedy tokens are transformers' (fp16, same GPU), or the first difference is a near-tie of its logits."""
+    import torch
+
+    from autosched.generation import Generator
+
+    model = _saved(name, tmp_path / "hf")
+    cli("build", str(tmp_path / "hf"), "--generate", "--target", "cuda", "--dtype", "float16", "-o",
+        str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
+    model = model.to("cuda", torch.float16)
+    gen = Generator(tmp_path / "art")
+    results = gen.generate(PROMPTS, 16)
+    assert gen.stats["prefill_calls"] == 5  # the 40-token prompt in windows of 8, the others beside its first
+    for prompt, result in zip(PROMPTS, results):
+        assert result.error is None
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        theirs = out.sequences[0, len(prompt):].tolist()
+        diff = next((i for i, (a, b) in enumerate(zip(result.tokens, theirs)) if a != b), None)
+        if diff is not None:
+            top = out.scores[diff][0].float().topk(2).values
+            margin = float(top[0] - top[1])
+            assert margin < 0.05, f"{name}, {len(prompt)} tokens: token {diff} differs at a margin of {margin:.3f}"
+
+
+def _as_llama_norms(model):
+    """OLMo 2's weights in Llama's layout: each norm before its attention or MLP, where OLMo 2 puts it after,
+    and no q/k norms (per head, Qwen3's, takes a weight per head dimension, not per projection)."""
+    import torch
+
+    config = transformers.LlamaConfig(**TINY, rms_norm_eps=1e-6)
+    plain = transformers.LlamaForCausalLM(config).eval()
+    state = {name.replace("post_attention_layernorm", "input_layernorm")
+             .replace("post_feedforward_layernorm", "post_attention_layernorm"): w
+             for name, w in model.state_dict().items() if "q_norm" not in name and "k_norm" not in name}
+    with torch.no_grad():
+        plain.load_state_dict(state)
+    return plain
 
 
 def _unwindowed(model):

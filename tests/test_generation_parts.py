@@ -34,12 +34,31 @@ def test_prefill_packs_prompts_into_static_chunks_then_whole_prompts():
     c, d = _seq(2, range(10)), _seq(3, range(10))
     parts, _ = scheduler.next_prefill([c, d], scheduler.Limits(max_seq_len=16, page_size=4))
     assert [(s.seq_id, n) for s, n in parts] == [(2, 10)]
-    # In a window: up to a window of a new sequence's tokens, then one a call.
+    # In a window, a build from before windowed prefill calls were masked: up to a window of a new sequence's
+    # tokens, then one a call.
     windowed = scheduler.Limits(max_seq_len=16, page_size=4, window=4)
     e = _seq(4, range(7))
     assert scheduler.next_prefill([e], windowed)[0][0][1] == 4
     e.feed(4, keep_cached=False)
     assert scheduler.next_prefill([e], windowed)[0][0][1] == 1
+
+
+def test_a_prompt_past_the_window_prefills_in_chunks_of_up_to_a_window():
+    """With the window masked in the cache's prefill kernel, a long prompt goes in calls of up to a window each
+    (never more: a call's new tokens see each other unmasked), packed beside other prompts into a static chunk."""
+    limits = scheduler.Limits(max_seq_len=64, page_size=4, prefill_chunks=(16,), window=6, window_chunk=6)
+    long, short = _seq(0, range(20)), _seq(1, range(3))
+    calls = []
+    while long.pending or short.pending:
+        parts, chunk = scheduler.next_prefill([s for s in (long, short) if s.pending], limits)
+        calls.append(([(s.seq_id, n) for s, n in parts], chunk))
+        for seq, n in parts:
+            seq.feed(n, keep_cached=False)
+    # 20 tokens: 6 + 6 + 6 + 2, the short prompt beside the first part; no call takes more than a window.
+    assert [c for c, _ in calls] == [[(0, 6), (1, 3)], [(0, 6)], [(0, 6)], [(0, 2)]]
+    # A call the window leaves short of the static chunk (9 of 16 tokens) runs the dynamic function.
+    assert calls[0][1] == 16 and scheduler.prefill_function(9, calls[0][1]) == "batch_prefill"
+    assert scheduler.Limits(max_seq_len=8, page_size=4).window_chunk == 1  # old manifests: one a call
 
 
 def test_admit_ends_what_the_cache_cannot_hold_and_the_rest_go_on():
@@ -182,3 +201,50 @@ def test_the_generation_report_is_the_model_builds_report():
     assert "except ours for decode over cached pages" in summary and summary.endswith("compile 2.5 s")
     sources = kernel_sources(report)
     assert sources["transferred_kernels"] == {"b": "gemm[m=8]"} and sources["records_slower_than_default"] == ["c"]
+
+
+def test_the_cpu_window_prefill_kernel_masks_cached_keys_to_the_window():
+    """Our CPU kernel for a prefill call's queries over a windowed cache's pages, against numpy: two sequences
+    (one whose window starts inside its first page, one with nothing cached), GQA, the query r tokens into the
+    call seeing the last window - r - 1 cached keys (none from r = window - 1 on: zeros and a log-sum-exp of
+    -5e4, which the merge with the call's own keys ignores); without ``causal``, every cached key."""
+    import math
+
+    import numpy as np
+    import tvm
+
+    from autosched.generation.window_prefill import EMPTY_LSE, window_prefill_cpu_kernel
+
+    h_q, h_kv, d, page, window = 4, 2, 8, 4, 6
+    kernel = window_prefill_cpu_kernel(h_q, h_kv, d, page, "float32", window, "window_prefill")
+    run = tvm.compile(tvm.IRModule({"main": kernel}), target=tvm.target.Target({"kind": "llvm"}))
+    rng = np.random.default_rng(0)
+    pages = rng.standard_normal((8, 2, h_kv, page, d)).astype("float32")
+    # Sequence 0: 6 keys in the window, its slots 3..8 of pages 5, 2, 7 (window offset 3); 7 new queries.
+    # Sequence 1: no pages; 2 new queries.
+    seq_pages, offset, cached, new = [5, 2, 7], 3, 6, [7, 2]
+    q = rng.standard_normal((sum(new), h_q, d)).astype("float32")
+    last_page_len = (offset + cached - 1) % page + 1
+    args = [q, np.array([0, 7, 9], "int32"), pages, np.array([0, 3, 3], "int32"), np.array(seq_pages, "int32"),
+            np.array([[last_page_len, 0], [offset, 0], [0, 0]], "int32"), np.zeros(2, "int32"),
+            np.zeros(sum(new), "int32")]
+    slots = [(seq_pages[(offset + c) // page], (offset + c) % page) for c in range(cached)]
+    keys = np.stack([pages[p, 0, :, s] for p, s in slots])
+    values = np.stack([pages[p, 1, :, s] for p, s in slots])
+    scale = 1 / math.sqrt(d)
+    for causal in (1, 0):
+        out = tvm.runtime.tensor(np.full((sum(new), h_q, d), np.nan, "float32"))
+        lse = tvm.runtime.tensor(np.full((sum(new), h_q), np.nan, "float32"))
+        run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, scale)
+        for row in range(sum(new)):
+            first = max(cached - max(window - row - 1, 0), 0) if causal else 0
+            for h in range(h_q):
+                if row >= new[0] or first == cached:  # nothing visible
+                    assert not out.numpy()[row, h].any() and lse.numpy()[row, h] == EMPTY_LSE
+                    continue
+                scores = keys[first:, h // 2] @ q[row, h] * scale
+                weights = np.exp(scores - scores.max())
+                want = weights @ values[first:, h // 2] / weights.sum()
+                np.testing.assert_allclose(out.numpy()[row, h], want, rtol=1e-5, atol=1e-6)
+                want_lse = (scores.max() + math.log(weights.sum())) / math.log(2)
+                np.testing.assert_allclose(lse.numpy()[row, h], want_lse, rtol=1e-5)

@@ -222,6 +222,27 @@ def test_int4_gemv_on_tensor_cores_is_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
 
 
+def test_moe_gemv_points_are_correct_on_the_gpu(measurers):
+    """gpu_moe_matmul at Mixtral's decode and a prefill's shapes (cut in N): each routed row by its own
+    expert's weight, with one to four rows per block, X staged in shared memory or read from global memory,
+    narrow and wide loads, fp16, bf16 and fp32: every point matches the float64 reference."""
+    target, measurer = measurers("sm_90")
+    for shape, dtype in (("m=2,e=8,n=1024,k=4096", "float16"), ("m=64,e=8,n=512,k=1792", "bfloat16"),
+                         ("m=12,e=3,n=96,k=160", "float32")):
+        task = Task.from_workload(make_workload("moe_gemm", shape, dtype))
+        space = task.space(target)
+        assert space.name == "gpu_moe_matmul"
+        points = [space.default()] + [
+            {"outputs_per_block": outs, "rows_per_block": rows, "lanes": lanes, "vector": vec, "stage_x": staged,
+             "unroll": 16}
+            for outs, rows, lanes, vec, staged in ((1, 1, 32, 1, False), (4, 2, 64, 4, True), (8, 4, 128, 2, True),
+                                                   (2, 1, 256, 4, False), (16, 2, 32, 2, True), (2, 4, 32, 1, True))]
+        points = [p for p in points if space.validate(p) is None]
+        assert len(points) >= 3, shape
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_int4_prefill_dequantised_for_wgmma_is_correct_on_the_gpu(measurers):
     """hopper_dequant_gemm: int4 weights dequantised in shared memory for wgmma, fp16 and bf16, a bias and
     SiLU, m and n that no tile divides, groups of 64 and 128, one and two consumers, persistent CTAs: every

@@ -37,6 +37,9 @@ CASES = [
     ("dequant_gemm", "m=3,n=1000,k=352", "bfloat16", "bits=4,group=32,bias=1,act=silu", "int4_gemv", "sm_90"),
     ("dequant_gemm", "m=300,n=512,k=256", "float16", "bits=4,group=128", "hopper_dequant_gemm", "sm_90"),
     ("dequant_gemm", "m=100,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu", "hopper_dequant_gemm", "sm_90"),
+    ("moe_gemm", "m=2,e=8,n=512,k=256", "float16", "", "gpu_moe_matmul", "sm_90"),  # decode: 1 token x 2 experts
+    ("moe_gemm", "m=64,e=4,n=384,k=448", "bfloat16", "", "gpu_moe_matmul", "sm_90"),
+    ("moe_gemm", "m=24,e=3,n=96,k=160", "float32", "", "gpu_moe_matmul", "sm_80"),
     ("rmsnorm", "m=8,n=1000", "float16", "", "gpu_rows", "sm_90"),
     ("add_rmsnorm", "m=16,n=4096", "float16", "", "gpu_rows", "sm_90"),  # a second output in global memory
     ("softmax", "m=8,n=4096", "float32", "", "gpu_rows", "sm_90"),
@@ -266,6 +269,29 @@ def test_swapped_operands_put_a_decode_steps_tokens_on_wgmmas_n_side(sm90):
     assert "block_n 16 is for swapped operands" in space.validate({**base, "swap_ab": False, "split_k": 1})
     prefill = Task.from_workload(make_workload("gemm", "m=512,n=4096,k=4096", "float16")).space(sm90)
     assert "for few rows" in prefill.validate({**base, "block_n": 64, "split_k": 1})
+
+
+def test_moe_gemm_gets_the_gpu_moe_space_whose_tiles_divide_the_loops(sm90):
+    """On CUDA a moe_gemm has a space of its own (the generic GPU matmul spaces would share a weight tile
+    between rows that each read their own expert's): its default fits odd shapes, and points whose tiles
+    do not divide a loop, or whose staged rows of X overflow shared memory, are refused with the reason."""
+    odd = Task.from_workload(make_workload("moe_gemm", "m=6,e=3,n=96,k=160", "float32")).space(sm90)
+    assert odd.name == "gpu_moe_matmul" and odd.validate(odd.default()) is None
+    assert "do not divide K = 160" in odd.validate({**odd.default(), "lanes": 64, "vector": 4})
+    assert "4 rows per block do not divide the 6 rows" in odd.validate({**odd.default(), "rows_per_block": 4})
+    assert odd.validate({**odd.default(), "rows_per_block": 2}) is None
+    wide = Task.from_workload(make_workload("moe_gemm", "m=2,e=8,n=4096,k=14336", "float16")).space(sm90)
+    assert wide.validate(wide.default()) is None
+    assert "exceed 48 KB" in wide.validate({**wide.default(), "stage_x": True, "rows_per_block": 2})
+    assert wide.validate({**wide.default(), "stage_x": True}) is None  # one row of 14336 halves: 28 KB
+    from autosched.errors import SpaceError
+
+    with pytest.raises(SpaceError, match="no schedule space"):  # K = 24: no lane count divides it
+        Task.from_workload(make_workload("moe_gemm", "m=4,e=3,n=40,k=24", "float32")).space(sm90)
+    rng = np.random.default_rng(0)
+    sampled = [wide.sample(rng) for _ in range(40)]
+    assert all(wide.validate(p) is None for p in sampled)
+    assert {p["stage_x"] for p in sampled} == {False, True}
 
 
 def test_tensor_core_space_offers_bf16(sm80):

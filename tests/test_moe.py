@@ -205,3 +205,61 @@ def test_expert_weights_load_fused_or_per_expert(name, tmp_path):
         assert torch.equal(fused[key], per_expert[key]), key
     if name == "qwen3_moe":  # layer 1 is dense (mlp_only_layers)
         assert "layers.1.up.weight" in fused and "layers.1.experts_up" not in fused
+
+
+@pytest.mark.gpu
+def test_mixtral_dimensions_in_half_precision_match_transformers_on_the_gpu():
+    """Mixtral-8x7B's layer (hidden 4096, 8 experts of 14336, top 2, 32 heads over 8 K/V heads), two of them and a
+    vocabulary of 8000, random weights scaled so that activations stay near 1 and the head's logits spread over a
+    few units (greedy choices rarely near-ties), fp16 on the GPU, built through the Python API (no folder: the
+    experts alone are 5.6 GB): the 8 greedy tokens of each prompt are transformers' (fp16, same GPU), or the first
+    difference is a near-tie of transformers' logits (its margin in the message)."""
+    import math
+
+    import torch
+    import transformers
+    import tvm
+
+    from autosched.generation import Generator
+    from autosched.generation.build import GenerationModel, compile_generation, generation_manifest
+    from autosched.generation.decoder import config_from_hf, weights_from_hf
+    from autosched.target import parse_target
+
+    config = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                                        num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
+                                        num_hidden_layers=2, vocab_size=8000, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.MixtralForCausalLM(config).to(torch.float16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif "lm_head" in name or name.endswith("gate.weight"):  # logits and router logits of spread ~3
+                p.normal_(0.0, 3.0 / math.sqrt(config.hidden_size))
+            else:  # each product keeps the scale of its input
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    target = parse_target("cuda")
+    gm = GenerationModel("mixtral-2-layers", model, config_from_hf(model.config, "float16"), [])
+    executable, names, report = compile_generation(gm, target, None, decode_batches=(2,))
+    weights = weights_from_hf(model.state_dict(), gm.config)
+    params = [tvm.runtime.from_dlpack(weights[n].contiguous()) for n in names]
+    manifest = generation_manifest(gm, names, target, report, 128, 2, decode_batches=(2,))
+    # The static decode step's expert products are moe_gemm kernels, which the CUDA space serves.
+    experts = [kernel for kernel in report.workloads.values() if kernel["workload"].startswith("moe_gemm")]
+    assert experts and all(kernel["space"] == "gpu_moe_matmul" for kernel in experts), report.workloads
+    prompts = [[(37 * i + 11) % 8000 for i in range(7)], [(101 * i + 5) % 8000 for i in range(40)]]
+    results = Generator.in_memory(executable, params, manifest, tvm.cuda(0)).generate(prompts, 8)
+    for prompt, result in zip(prompts, results):
+        assert result.error is None
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        theirs = out.sequences[0, len(prompt):].tolist()
+        diff = next((i for i, (a, b) in enumerate(zip(result.tokens, theirs)) if a != b), None)
+        if diff is not None:
+            top = out.scores[diff][0].float().topk(2).values
+            margin = float(top[0] - top[1])
+            assert margin < 0.1, f"{len(prompt)}-token prompt: token {diff} differs at a margin of {margin:.3f}"

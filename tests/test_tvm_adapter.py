@@ -194,6 +194,28 @@ def test_a_paged_kv_cache_is_made_with_the_arguments_we_give(rope_mode, code):
     assert tvm_adapter.kv_cache_rope_modes(mod) == {code}
 
 
+def test_a_windowed_paged_kv_cache_has_sliding_layers_of_our_window():
+    """A windowed cache: every layer TVM's "mha_sliding" kind, one plain layer more (TVM 0.27 allocates the
+    attention scratch only for a cache with a plain layer), and our window where the runtime reads the layers'
+    window size (the sixth size of the creation call)."""
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn.llm.kv_cache import AttnKind
+
+    class Cache(nn.Module):
+        def create(self, max_batch: tirx.Var, total: tirx.Var, chunk: tirx.Var, page: tirx.Var, window: tirx.Var):
+            return tvm_adapter.tir_paged_kv_cache(
+                layers=3, heads=4, kv_heads=2, head_dim=64, dtype="float32", target=tvm.target.Target("llvm"),
+                sizes=(max_batch, total, chunk, page, window), rope_mode="normal", rope_scale=1.0,
+                rope_theta=10000.0, rope_scaling={}, rotary_dim=64, window=37)
+
+    mod, _ = Cache().export_tvm({"create": {name: int for name in ("max_batch", "total", "chunk", "page", "window")}
+                                 | {"$": {"param_mode": "none", "effect_mode": "none"}}})
+    text = mod["create"].script()
+    sliding, plain = int(AttnKind.MHA_SLIDING), int(AttnKind.MHA)
+    assert f"R.shape([{sliding}, {sliding}, {sliding}, {plain}])" in text
+    assert "window, 37])" in text
+
+
 def test_the_kv_cache_runtime_functions_exist_by_name():
     functions = tvm_adapter.kv_cache_runtime()
     assert set(functions) == set(tvm_adapter.KV_CACHE_RUNTIME)

@@ -148,6 +148,8 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
 
     from autosched.pipeline.lowering import lower
 
+    from .window_prefill import replace_window_prefill_cpu
+
     if prefill_chunks and cfg.rope_scaling.get("rope_type") == "longrope":
         raise UsageError("--prefill-chunks is not supported for a longrope model: it picks its rotary factors from "
                          "a whole prompt's length")
@@ -157,6 +159,8 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
         raise UsageError("--speculate is not supported for a model with a sliding window or longrope: a speculative "
                          "step feeds several tokens past what such a cache can roll back")
     mod, names = export(cfg, target.tvm_target(), decode_batches, prefill_chunks, speculate)
+    if cfg.sliding_window and target.kind == "llvm":
+        mod = replace_window_prefill_cpu(mod, cfg.sliding_window)
     return lower(relax.transform.FuseTransposeMatmul()(mod)), names
 
 
@@ -168,6 +172,7 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
     from autosched.pipeline.build import apply_database
 
     from .attention import dispatch_attention
+    from .window_prefill import KERNEL_ATTR
 
     lowered, ours, kernels = dispatch_attention(lowered, target)
     scheduled, applied = apply_database(lowered, db, target, calls=decode_calls(lowered))
@@ -181,10 +186,14 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
                 and not name.startswith(tuple(attention_kernels))):
             report.default.append(name)
     report.workloads = workload_kernels(lowered, applied, target)
-    present = [gv.name_hint for gv in lowered.functions]
+    present = {gv.name_hint: func for gv, func in lowered.functions.items()}
     for role, prefixes in ATTENTION_ROLES.items():
         found = sorted(n for n in present if n.startswith(prefixes))
-        report.attention[role] = ours.get(role) or (f"TVM default ({', '.join(found)})" if found else "none")
+        mine = [n for n in found if (getattr(present[n], "attrs", None) or {}).get(KERNEL_ATTR)]
+        theirs = [n for n in found if n not in mine]
+        text = "; ".join([f"autosched window_prefill ({', '.join(mine)})"] * bool(mine)
+                         + [f"TVM default ({', '.join(theirs)})"] * bool(theirs))
+        report.attention[role] = ours.get(role) or text or "none"
     return scheduled, report, applied
 
 
@@ -290,7 +299,10 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "param_order": [f"p{i}" for i in range(len(names))], "library": LIBRARY, "params": PARAMS,
         "target": target.to_json(), "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
         "decode_batches": list(decode_batches), "prefill_chunks": list(prefill_chunks),
-        "speculate": list(speculate), "eos_token_ids": model.eos_token_ids,
+        "speculate": list(speculate),
+        # A windowed sequence's prefill calls past its first window take up to this many tokens (the windowed
+        # cache's prefill kernel masks the cached keys to the window); older builds: one a call.
+        "window_chunk": model.config.sliding_window, "eos_token_ids": model.eos_token_ids,
         "autosched_version": __version__, "tvm_version": tvm.__version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         **kernel_sources(report), "attention": report.attention,

@@ -28,8 +28,9 @@ from autosched.errors import UsageError
 
 # What a family (transformers' model_type) decides beyond what its config's fields say: a new family like
 # these is a row here, and its weight names in weights_from_hf where they are not Llama's.
-#   qkv_bias: biases on q/k/v only; qk_norm: an RMSNorm on each head of q and k; post_norms: attention's and MLP's
-#   outputs normed too; gemma: (1 + w) norms, embeddings scaled by sqrt(hidden), query_pre_attn_scalar;
+#   qkv_bias: biases on q/k/v only; qk_norm: an RMSNorm on each head of q and k ("whole": over the whole q and
+#   k projections); post_norms: attention's and MLP's outputs normed too ("only": instead of their inputs);
+#   gemma: (1 + w) norms, embeddings scaled by sqrt(hidden), query_pre_attn_scalar;
 #   window: which layers attend over config.sliding_window ("all", or those layer_types names sliding);
 #   rope_per_layer_type: a rotary table per layer type (rope_parameters by layer type).
 TRAITS: dict[str, dict[str, Any]] = {
@@ -46,6 +47,7 @@ TRAITS: dict[str, dict[str, Any]] = {
     # decoder_sparse_step and mlp_only_layers leave sparse, a dense MLP on the others)
     "mixtral": {"window": "all", "moe": True},
     "qwen3_moe": {"qk_norm": True, "window": "all", "moe": True},
+    "olmo2": {"qk_norm": "whole", "post_norms": "only"},
 }
 FAMILIES = (*TRAITS, "gpt2")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
@@ -67,7 +69,9 @@ class DecoderConfig:
     activation: str = "silu"  # "silu", "gelu_tanh" or "gelu"
     qkv_bias: bool = False
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotary embedding (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # the q and k norms over the whole projection, all heads at once (OLMo 2)
     post_norms: bool = False  # a norm on the attention's and on the MLP's output too (Gemma 2 and 3)
+    pre_norms: bool = True  # a norm on the attention's and on the MLP's input (all but OLMo 2)
     attn_scale: float = 0.0  # the attention's softmax scale; 0: head_dim ** -0.5
     logit_softcap: float = 0.0  # logits as cap * tanh(logits / cap) (Gemma 2); 0: none
     dense_bias: bool = False  # biases on the output projection, the MLP and the norms (GPT-2)
@@ -206,7 +210,8 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
                          config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
                          activation=act, qkv_bias=bool(traits.get("qkv_bias")), qk_norm=bool(traits.get("qk_norm")),
-                         post_norms=bool(traits.get("post_norms")), attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+                         qk_norm_whole=traits.get("qk_norm") == "whole", post_norms=bool(traits.get("post_norms")),
+                         pre_norms=traits.get("post_norms") != "only", attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
                          logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0), rope_theta=theta,
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
                          embed_scale=math.sqrt(hidden) if traits.get("gemma") else 1.0,
@@ -280,12 +285,16 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
         out["embed.weight"] = get("embed_tokens.weight")
         for i in range(cfg.layers):
             p, q = f"layers.{i}.", f"layers.{i}."
-            out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
-            if cfg.post_norms:  # Gemma 2 and 3: a norm before and after each of attention and MLP
+            if not cfg.pre_norms:  # OLMo 2: a norm after each of attention and MLP only
+                out[q + "attn_post_norm.weight"] = get(p + "post_attention_layernorm.weight")
+                out[q + "mlp_post_norm.weight"] = get(p + "post_feedforward_layernorm.weight")
+            elif cfg.post_norms:  # Gemma 2 and 3: a norm before and after each of attention and MLP
+                out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
                 out[q + "attn_post_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
                 out[q + "mlp_norm.weight"] = norm(get(p + "pre_feedforward_layernorm.weight"))
                 out[q + "mlp_post_norm.weight"] = norm(get(p + "post_feedforward_layernorm.weight"))
             else:
+                out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
                 out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
             if cfg.family == "phi3":
                 out[q + "qkv.weight"] = get(p + "self_attn.qkv_proj.weight")
@@ -407,7 +416,11 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     def add_norm(norm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
         """(``norm(x + residual)``, ``x + residual``): the residual stream's add and the norm that reads it,
-        one ``add_rmsnorm`` kernel at static shapes. ``residual`` None: nothing to add."""
+        one ``add_rmsnorm`` kernel at static shapes. ``residual`` None: nothing to add; ``norm`` None: no norm
+        (a model whose norms come after attention and MLP, not before)."""
+        if norm is None:
+            x = x + residual if residual is not None else x
+            return x, x
         if residual is None:
             return norm(x), x
         if isinstance(norm, RMSNorm):
@@ -491,9 +504,10 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     rotary = Rotary(cfg.rope_scaling) if table_rope else None
 
-    # Windowed layers attend through a KV cache of their own with TVM's sliding window (it drops what leaves a
-    # sequence's window, for all of its layers), rotated by that cache at the window's theta; the others through
-    # the main cache. A model windowed on every layer has the one cache, windowed.
+    # Windowed layers attend through a KV cache of their own whose layers are TVM's sliding layers (decode reads
+    # the last window of keys; a prefill call's cached keys are masked to the window per query, so a call of up to
+    # a window of tokens is exact anywhere), rotated by that cache at the window's theta; the others through the
+    # main cache. A model windowed on every layer has the one cache, windowed.
     windowed = sorted(cfg.sliding_layers) if cfg.sliding_window else []
     two_caches = 0 < len(windowed) < cfg.layers
     local = {layer: i for i, layer in enumerate(windowed)} if two_caches else {}
@@ -503,15 +517,19 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     class Layer(nn.Module):
         def __init__(self, sparse: bool = False):
             # attention: its norm, the fused q/k/v projection, q/k norms, the output projection
-            self.attn_norm = make_norm()
+            if cfg.pre_norms:
+                self.attn_norm = make_norm()
             self.qkv = Projection(cfg.hidden, (heads + 2 * kv_heads) * head_dim, bias=cfg.qkv_bias, dtype=dtype)
-            if cfg.qk_norm:
+            if cfg.qk_norm_whole:
+                self.q_norm, self.k_norm = make_norm(heads * head_dim), make_norm(kv_heads * head_dim)
+            elif cfg.qk_norm:
                 self.q_norm, self.k_norm = make_norm(head_dim), make_norm(head_dim)
             self.o = Projection(heads * head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
             if cfg.post_norms:
                 self.attn_post_norm = make_norm()
             # MLP: its norm, up (gate and up concatenated when gated) and down
-            self.mlp_norm = make_norm()
+            if cfg.pre_norms:
+                self.mlp_norm = make_norm()
             if cfg.post_norms:
                 self.mlp_post_norm = make_norm()
             self.sparse = sparse
@@ -525,8 +543,12 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
         def attention(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope):
             b, s, _ = x.shape
-            qkv = op.reshape(self.qkv(x), (b, s, heads + 2 * kv_heads, head_dim))
-            if cfg.qk_norm:
+            qkv = self.qkv(x)
+            if cfg.qk_norm_whole:  # each of q and k normed over all of its heads at once
+                q, k, v = op.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=2)
+                qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+            qkv = op.reshape(qkv, (b, s, heads + 2 * kv_heads, head_dim))
+            if cfg.qk_norm and not cfg.qk_norm_whole:
                 q, k, v = op.split(qkv, [heads, heads + kv_heads], axis=2)
                 qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
             if rope is not None:
@@ -580,9 +602,10 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 rope = None
             if isinstance(rope, list):  # a table per layer type: this layer's
                 rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
-            h, x = add_norm(self.attn_norm, x, pending)
+            h, x = add_norm(self.attn_norm if cfg.pre_norms else None, x, pending)
             out = self.attention(h, cache, index, rope)
-            h, x = add_norm(self.mlp_norm, x, self.attn_post_norm(out) if cfg.post_norms else out)
+            post = self.attn_post_norm(out) if cfg.post_norms else out
+            h, x = add_norm(self.mlp_norm if cfg.pre_norms else None, x, post)
             out = self.mlp(h)
             return x, (self.mlp_post_norm(out) if cfg.post_norms else out)
 
@@ -692,8 +715,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     def make_cache(layers: int, window: bool, *sizes) -> PagedKVCache:
         """A TIRPagedKVCache over ``layers`` layers. Its fused RoPE: the default and llama3 frequencies (dynamic's
         are the default ones within max_position_embeddings), linear scaling as scaled positions; none where
-        the model rotates from a table. A windowed cache rotates inside its attention kernels (TVM's sliding
-        window), at the windowed layers' theta with the default frequencies (the build refuses others)."""
+        the model rotates from a table. A windowed cache rotates q and k as it appends them, at the windowed
+        layers' theta with the default frequencies (the build refuses others)."""
         import contextlib
 
 
@@ -712,7 +735,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             sizes=(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window),
             rope_mode="normal" if cache_rope else "none", rope_scale=scale,
             rope_theta=window_theta if window else cfg.rope_theta, rope_scaling=scaling,
-            rotary_dim=cfg.rotary_dim or head_dim)
+            rotary_dim=cfg.rotary_dim or head_dim, window=cfg.sliding_window if window else 0)
 
     module = Decoder()
     packed = {"param_mode": "packed", "effect_mode": "none"}

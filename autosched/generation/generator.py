@@ -77,7 +77,7 @@ class Generator:
     def _start(self, model: LoadedModel, clock: Callable[[], float] = time.perf_counter) -> None:
         self.model = model
         self.limits = scheduler.Limits(model.max_seq_len, model.page_size, model.decode_batches, model.prefill_chunks,
-                                       model.window)
+                                       model.window, model.window_chunk)
         self.sampler = Sampler(model.greedy_tokens, model.sample_tokens, model.device)
         self._stats = scheduler.StepStats(clock)
         self._seqs: dict[int, SequenceState] = {}  # in the cache
@@ -142,7 +142,8 @@ class Generator:
         base = 0
         if parent is not None and self.window:
             raise GenerationError(f"forks of a prefix are not supported for a model with a sliding window "
-                                  f"({self.window} tokens): the cache drops a sequence's tokens as they leave it")
+                                  f"({self.window} tokens): TVM's windowed cache does not span a shared prefix's "
+                                  "tokens and a sequence's own")
         if parent is not None and self.rope_switch is not None:
             raise GenerationError("forks of a prefix are not supported for a longrope model: it re-reads a whole "
                                   f"sequence with the long factors when it grows past {self.rope_switch} tokens")

@@ -45,9 +45,12 @@ class LoadedModel:
         # original context (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache then).
         scaling = m["decoder"].get("rope_scaling") or {}
         self.rope_switch = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
-        # A model with a sliding window: each sequence's cache keeps the window - 1 tokens before the newest (TVM's
-        # sliding window; pages that leave it are freed).
+        # A model with a sliding window: its windowed layers attend over the window (TVM's sliding layers, whose
+        # prefill calls take up to a window of a sequence's tokens). Builds from before them kept each sequence's
+        # window - 1 tokens before the newest (TVM's per-sequence window), exact only a token a call past it.
         self.window = m["decoder"].get("sliding_window") or 0
+        self.window_chunk = max(1, min(m.get("window_chunk") or 1, self.window or 1))
+        self._window_per_sequence = bool(self.window) and not m.get("window_chunk")
         pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.kv_pages = kv_pages or pages_per_seq * self.max_batch
         shape = self._shape = tvm.runtime.ShapeTuple
@@ -59,9 +62,12 @@ class LoadedModel:
         # The cache's scratch space holds one prefill call: a prompt, or a static chunk of packed prompts.
         prefill_tokens = max((self.max_seq_len, *self.prefill_chunks))
         sizes = (shape([seqs]), shape([self.kv_pages * self.page_size]), shape([prefill_tokens]), shape([self.page_size]))
-        self.caches = [vm["create_paged_kv_cache"](*sizes, shape([1 if self.window and not two else 0]))]
+        # TVM's per-sequence window support (older builds): it also has the kernels rotate q and k (RoPE inline);
+        # the sliding layers of newer builds need neither, the cache rotating q and k as it appends them.
+        per_sequence = int(self._window_per_sequence)
+        self.caches = [vm["create_paged_kv_cache"](*sizes, shape([per_sequence if not two else 0]))]
         if two:  # windowed and global layers: a cache for each (the windowed one second), driven together
-            self.caches.append(vm["create_window_cache"](*sizes, shape([1])))
+            self.caches.append(vm["create_window_cache"](*sizes, shape([per_sequence])))
         runtime = kv_cache_runtime()
 
         def each(role):  # the runtime function, on every cache
@@ -102,7 +108,7 @@ class LoadedModel:
             self._fork(parent, seq_id, -1)
             return
         self._add(seq_id)
-        if self.window:  # on the windowed cache (the last); TVM's window counts the tokens before the newest
+        if self._window_per_sequence:  # on the windowed cache (the last); it counts the tokens before the newest
             self._enable_window(self.caches[-1], seq_id, self.window - 1, 0)
 
     def free_pages(self) -> int:

@@ -15,13 +15,15 @@ from .request import SequenceState
 @dataclass(frozen=True)
 class Limits:
     """What the artifact can run: its longest sequence, its cache's page size, its static decode batch sizes
-    and prefill chunk lengths, and a sliding window (0: none)."""
+    and prefill chunk lengths, a sliding window (0: none) and how many tokens a windowed sequence's prefill call
+    may take past its first window (a build masks its cached keys to the window: up to a window; older: 1)."""
 
     max_seq_len: int
     page_size: int
     decode_batches: frozenset = frozenset()
     prefill_chunks: tuple[int, ...] = ()
     window: int = 0
+    window_chunk: int = 1
 
 
 def pages_needed(length: int, tokens: int, page_size: int) -> int:
@@ -35,14 +37,15 @@ def next_prefill(waiting: Sequence[SequenceState], limits: Limits) -> tuple[list
     static chunk length the call fills (None: a dynamic call). The prompts are packed: chunks of exactly a
     static length while enough tokens wait (a prompt may span two chunks), then whole prompts up to
     ``max_seq_len`` tokens a call. In a sliding window a sequence's first call takes up to a window of its
-    tokens, then one a call."""
+    tokens, later ones up to ``window_chunk`` (a call's new tokens attend to each other unmasked: more than a
+    window of them would see past it)."""
     total = sum(len(s.pending) for s in waiting)
     chunk = max((t for t in limits.prefill_chunks if t <= total), default=None)
     parts: list[tuple[SequenceState, int]] = []
     room = chunk or limits.max_seq_len
     for seq in waiting:
         if limits.window:
-            want = min(len(seq.pending), limits.window) if seq.length == 0 else 1
+            want = min(len(seq.pending), limits.window if seq.length == 0 else limits.window_chunk)
         else:
             want = len(seq.pending)
         take = min(want, room)

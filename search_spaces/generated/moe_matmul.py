@@ -3,8 +3,7 @@
 Each row reads its own expert's weight through the gathered index, so the contraction is not the
 matmul family's (B is indexed by data): no packing of B, no row tiles sharing a B tile. The schedule
 tiles the output columns and the reduction, runs the rows and column blocks in parallel and vectorises
-an inner column tile. CUDA has no space here yet: ``moe_gemm`` kernels there keep TVM's default
-(dlight) schedule, as the build report says, until a GPU space for the gathered weight is written.
+an inner column tile. CUDA's space is ``gpu_moe_matmul``.
 """
 
 from __future__ import annotations
