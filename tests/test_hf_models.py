@@ -126,26 +126,39 @@ def test_written_out_rms_norm_is_our_rmsnorm_kernel(family, dtype):
     assert weight_plus_one == (family == "gemma")
 
 
+# The tuning path is the same whichever family: two families whose import differs most (Llama's, GPT-2's
+# Conv1D, LayerNorm and learned positions) go through it; every family is built and checked against torch.
+TUNED_FAMILIES = ("llama", "gpt2")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_transformers_model_tunes_builds_and_matches_torch_on_the_cpu(family, tmp_path):
     """tune-model with a small budget, then build: every kernel was measured, so every kernel of the
-    forward pass comes from the database; the build runs on token ids and matches torch."""
+    forward pass comes from the database (the other families build untuned); the build runs on token ids
+    and matches torch."""
     db, out = str(tmp_path / "tune.db"), tmp_path / family
-    autosched("tune-model", f"hf-{family}", "--trials", "24", "--db", db, "-q")
+    tuned = family in TUNED_FAMILIES
+    if tuned:
+        autosched("tune-model", f"hf-{family}", "--trials", "24", "--db", db, "-q")
     proc = autosched("build", f"hf-{family}", "--db", db, "-o", str(out))
     summary = next(line for line in proc.stderr.splitlines() if "kernels per forward pass" in line)
     kernels = int(summary.split(" kernels per")[0].split()[-1])
-    assert f"{kernels} from the database, 0 on default schedules" in summary, summary
+    expected = f"{kernels} from the database, 0 on default schedules" if tuned else "0 from the database"
+    assert expected in summary, summary
     result = json.loads(autosched("run", str(out), "--format", "json").stdout)
     assert result["matches_torch"] is True and result["rel_error_vs_torch"] < 1e-4, result
     assert json.loads((out / "manifest.json").read_text())["inputs"] == [
         {"shape": [1, 16], "dtype": "int64", "range": [0, 512]}]  # token ids within the vocabulary
 
 
+# Each family in one half-precision dtype, both dtypes covered (the GPU tests run every pair).
+HALF_PRECISION_BUILDS = [("llama", "float16"), ("qwen2", "float16"), ("gpt2", "float16"), ("mistral", "bfloat16"),
+                         ("gemma", "bfloat16"), ("phi3", "bfloat16")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("family,dtype", HALF_PRECISION_BUILDS)
 def test_a_half_precision_transformers_model_builds_for_the_h200(family, dtype, tmp_path):
     """The CUDA build needs no GPU. Qwen2's and GPT-2's biased Linears in float16 once failed at import,
     Phi-3's partial rotary slice in dlight ("Divide by zero"), and Gemma's build took 8.5 minutes
