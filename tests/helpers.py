@@ -116,3 +116,20 @@ def transformers_greedy(model, prompt, new: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def assert_gpu_greedy_matches(model, prompts, results, new: int, max_margin: float) -> None:
+    """Our greedy tokens of ``prompts`` equal transformers' (``model``, in half precision on the GPU) for ``new``
+    tokens, or the first difference is a near-tie in transformers' logits (top-two margin under ``max_margin``,
+    which the message reports otherwise)."""
+    for prompt, result in zip(prompts, results):
+        assert result.error is None
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        theirs = out.sequences[0, len(prompt):].tolist()
+        diff = next((i for i, (a, b) in enumerate(zip(result.tokens, theirs)) if a != b), None)
+        if diff is not None:
+            top = out.scores[diff][0].float().topk(2).values
+            margin = float(top[0] - top[1])
+            assert margin < max_margin, f"{len(prompt)}-token prompt: token {diff} differs at a margin of {margin:.3f}"

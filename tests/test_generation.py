@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from .helpers import cli, transformers_greedy
+from .helpers import assert_gpu_greedy_matches, cli, transformers_greedy
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
 
@@ -399,15 +399,7 @@ def test_half_precision_generation_on_the_gpu_matches_transformers(family, tmp_p
         str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
     model = model.to("cuda", torch.float16)
     results = Generator(tmp_path / "art").generate(PROMPTS, 16)
-    for prompt, result in zip(PROMPTS, results):
-        ids = torch.tensor([prompt], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
-        theirs = out.sequences[0, len(prompt):].tolist()
-        diff = next((i for i, (a, b) in enumerate(zip(result.tokens, theirs)) if a != b), None)
-        if diff is not None:
-            top = out.scores[diff][0].float().topk(2).values
-            assert float(top[0] - top[1]) < 0.05, f"{prompt}: token {diff} differs away from a near-tie"
+    assert_gpu_greedy_matches(model, PROMPTS, results, 16, max_margin=0.05)
 
 
 @pytest.mark.slow

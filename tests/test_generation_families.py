@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from .helpers import cli, transformers_greedy
+from .helpers import assert_gpu_greedy_matches, cli, transformers_greedy
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
 
@@ -179,17 +179,7 @@ def test_windowed_prefill_in_chunks_matches_transformers_on_the_gpu(name, tmp_pa
     gen = Generator(tmp_path / "art")
     results = gen.generate(PROMPTS, 16)
     assert gen.stats["prefill_calls"] == 5  # the 40-token prompt in windows of 8, the others beside its first
-    for prompt, result in zip(PROMPTS, results):
-        assert result.error is None
-        ids = torch.tensor([prompt], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
-        theirs = out.sequences[0, len(prompt):].tolist()
-        diff = next((i for i, (a, b) in enumerate(zip(result.tokens, theirs)) if a != b), None)
-        if diff is not None:
-            top = out.scores[diff][0].float().topk(2).values
-            margin = float(top[0] - top[1])
-            assert margin < 0.05, f"{name}, {len(prompt)} tokens: token {diff} differs at a margin of {margin:.3f}"
+    assert_gpu_greedy_matches(model, PROMPTS, results, 16, max_margin=0.05)
 
 
 def _as_llama_norms(model):

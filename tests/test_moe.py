@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from .helpers import cli, transformers_greedy
+from .helpers import assert_gpu_greedy_matches, cli, transformers_greedy
 
 NEW, MAX_SEQ_LEN, MAX_BATCH = 24, 80, 4
 PROMPTS = [[17], [5, 7, 9, 11, 13, 2, 8], [(7 * i + 3) % 512 for i in range(40)]]
@@ -252,14 +252,4 @@ def test_mixtral_dimensions_in_half_precision_match_transformers_on_the_gpu():
     assert experts and all(kernel["space"] == "gpu_moe_matmul" for kernel in experts), report.workloads
     prompts = [[(37 * i + 11) % 8000 for i in range(7)], [(101 * i + 5) % 8000 for i in range(40)]]
     results = Generator.in_memory(executable, params, manifest, tvm.cuda(0)).generate(prompts, 8)
-    for prompt, result in zip(prompts, results):
-        assert result.error is None
-        ids = torch.tensor([prompt], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
-        theirs = out.sequences[0, len(prompt):].tolist()
-        diff = next((i for i, (a, b) in enumerate(zip(result.tokens, theirs)) if a != b), None)
-        if diff is not None:
-            top = out.scores[diff][0].float().topk(2).values
-            margin = float(top[0] - top[1])
-            assert margin < 0.1, f"{len(prompt)}-token prompt: token {diff} differs at a margin of {margin:.3f}"
+    assert_gpu_greedy_matches(model, prompts, results, 8, max_margin=0.1)
