@@ -24,7 +24,6 @@ CASES = [
     ("batch_matmul", "b=3,m=17,n=33,k=31", "float32", ""),
     ("dequant_gemm", "m=5,n=48,k=96", "float16", "bits=4,group=32"),
     ("rmsnorm", "m=13,n=100", "float32", ""),
-    ("add_rmsnorm", "m=5,n=100", "float32", ""),  # two outputs
     ("softmax", "m=9,n=77", "float16", ""),
     ("rope", "b=1,s=7,h=3,d=16", "float32", ""),
     ("attention", "b=1,h=2,s=13,d=8", "float32", "causal=1"),
@@ -32,6 +31,7 @@ CASES = [
     ("attention", "b=2,h=2,s=16,d=8", "float32", "causal=0"),  # two sequences: the rows space
     ("paged_decode_attention", "b=2,h=4,hkv=2,d=8,ctx=21,page=4", "float32", ""),
     ("moe_gemm", "m=9,e=3,n=40,k=24", "float32", ""),  # a weight gathered per row
+    ("add_rmsnorm", "m=5,n=100", "float32", ""),  # two outputs
 ]
 
 SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,
