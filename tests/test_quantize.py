@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -475,10 +476,26 @@ def _pack_along(fields, axis: int):
     return words.to(torch.int32).movedim(-1, axis).contiguous()
 
 
-def _write_gptq(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = False):
+def _pack_awq(fields):
+    """Eight 4-bit ``fields`` per int32 along the last axis in AutoAWQ's order (awq/utils/packing_utils.py): bits
+    4 j of word w hold field 8 w + order[j]."""
+    import torch
+
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    fields = fields.to(torch.int64)
+    words = torch.zeros(fields.shape[0], fields.shape[1] // 8, dtype=torch.int64)
+    for col in range(words.shape[1]):
+        for j in range(8):
+            words[:, col] |= fields[:, col * 8 + order[j]] << (4 * j)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)
+    return words.to(torch.int32)
+
+
+def _write_gptq(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = False, fmt: str = "gptq", **awq):
     """``hf``'s projections quantised as q4f16 quantises them (float16 scales), written as a GPTQ checkpoint
-    (format "gptq": zero points stored one less) in ``folder``; ``float_folder`` gets the float model whose
-    projections are those dequantised weights."""
+    (format "gptq": zero points stored one less) or, with ``fmt="awq"``, an AutoAWQ GEMM one (``awq``: fields of
+    its ``quantization_config``) in ``folder``; ``float_folder`` gets the float model whose projections are those
+    dequantised weights."""
     import copy
 
     import torch
@@ -496,10 +513,14 @@ def _write_gptq(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = 
         state[key] = dequantize_weight(codes, scales, "q4f16", k, "float32").float()
         nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, k)  # [N, K]
         prefix = key[: -len("weight")]
+        tensors[prefix + "scales"] = scales.t().contiguous()
+        if fmt == "awq":
+            tensors[prefix + "qweight"] = _pack_awq(nibbles.t())
+            tensors[prefix + "qzeros"] = _pack_awq(torch.full((k // 128, n), zero_point))
+            continue
         tensors[prefix + "qweight"] = _pack_along(nibbles.t(), 0)
         zeros = torch.full((k // 128, n), zero_point - 1)
         tensors[prefix + "qzeros"] = _pack_along(zeros, 1)
-        tensors[prefix + "scales"] = scales.t().contiguous()
         tensors[prefix + "g_idx"] = (torch.arange(k) // 128).to(torch.int32)
     model.load_state_dict(state)
     model.save_pretrained(float_folder)
@@ -508,15 +529,71 @@ def _write_gptq(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = 
     folder.mkdir()
     save_file({**floats, **tensors}, str(folder / "model.safetensors"))
     config = json.loads((float_folder / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": 128,
-        "desc_act": desc_act,
-        "sym": True,
-        "checkpoint_format": "gptq",
-    }
+    if fmt == "awq":
+        config["quantization_config"] = {
+            "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm", **awq
+        }
+    else:
+        config["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": 128,
+            "desc_act": desc_act,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        }
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_awq_codes_unpack_from_autoawqs_interleaved_order():
+    """AutoAWQ's GEMM packing (eight codes along the output features per int32, order 0 2 4 6 1 3 5 7) unpacks to
+    the codes packed, and the layer repacks to dequant_gemm's layout with its scales kept."""
+    import torch
+
+    from autosched.generation.awq import repack, unpack_awq
+
+    # Outputs 0..7 holding their own index pack as the nibbles 0 2 4 6 1 3 5 7, lowest bits first.
+    assert _pack_awq(torch.arange(8)[None]).item() == 0x75316420
+    gen = torch.Generator().manual_seed(0)
+    k, n = 256, 32
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    zeros = torch.randint(0, 16, (k // 128, n), generator=gen)
+    got_codes, got_zeros = unpack_awq(_pack_awq(codes), _pack_awq(zeros))
+    assert torch.equal(got_codes, codes) and torch.equal(got_zeros, zeros)
+    scales = torch.rand(k // 128, n, generator=gen).half()
+    packed, got_scales = repack(_pack_awq(codes), _pack_awq(torch.full((k // 128, n), 8)), scales)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (n, k // 2)
+    assert torch.equal(packed & 15, codes.t()[:, 0::2].to(torch.uint8))
+    assert torch.equal(packed >> 4, codes.t()[:, 1::2].to(torch.uint8))
+    assert torch.equal(got_scales, scales.t())
+
+
+def test_awq_checkpoints_kernels_cannot_run_are_refused_in_one_line(tmp_path):
+    """Asymmetric zero points (not re-quantised), a version other than gemm, other bit widths, no groups and
+    zero_point false are each refused with a UsageError that names the problem."""
+    import torch
+
+    from autosched.errors import UsageError
+    from autosched.generation.awq import load_awq, repack
+
+    zeros = torch.full((2, 8), 8)
+    zeros[1, 3] = 7
+    with pytest.raises(UsageError, match=r"zero points other than 8 \(asymmetric\).*--quantize q4f16"):
+        repack(_pack_awq(torch.zeros(256, 8, dtype=torch.int64)), _pack_awq(zeros), torch.ones(2, 8).half())
+    cases = {
+        "version 'gemv' is not supported": {"version": "gemv"},
+        "bits=8 and group_size=128": {"bits": 8},
+        "bits=4 and group_size=-1": {"group_size": -1},
+        "zero_point false": {"zero_point": False},
+    }
+    for says, fields in cases.items():
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        quant = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm", **fields}
+        (folder / "config.json").write_text(json.dumps({"quantization_config": quant}))
+        with pytest.raises(UsageError, match=re.escape(says)) as raised:
+            load_awq(folder, None)
+        assert "\n" not in str(raised.value)
 
 
 @pytest.mark.slow
@@ -546,6 +623,33 @@ def test_a_gptq_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_p
         _write_gptq(hf, folder, tmp_path / f"float-{next(iter(kind))}", **kind)
         code, lines = _run(capsys, "build", str(folder), "--generate", "-o", str(tmp_path / "no"))
         assert code == 2 and len(lines) == 1 and says in lines[0], lines
+
+
+@pytest.mark.slow
+def test_an_awq_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_path, capsys):
+    """An AutoAWQ GEMM folder whose zero points are all 8, read from its safetensors without AutoAWQ and repacked,
+    gives the parameters and logits of ``--quantize q4f16`` of the float weights it holds; an asymmetric one is
+    refused in one line with exit code 2."""
+    from autosched.artifact import load_generation_artifact
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    hf, _ = tiny_llama
+    _write_gptq(hf, tmp_path / "awq", tmp_path / "float", fmt="awq")
+    ours = _build(tmp_path / "float", tmp_path / "ours", "--decode-batches", "1", "--quantize", "q4f16")
+    theirs = _build(tmp_path / "awq", tmp_path / "theirs", "--decode-batches", "1", "--dtype", "float32")
+    manifest = json.loads((theirs / "manifest.json").read_text())
+    assert manifest["quantization"]["scheme"] == "q4f16" and manifest["quantization"]["source"] == "awq"
+    (_, a, m, _), (_, b, n, _) = load_generation_artifact(ours), load_generation_artifact(theirs)
+    assert m["param_names"] == n["param_names"]
+    for name, x, y in zip(m["param_names"], a, b):
+        assert x.dtype == y.dtype and np.array_equal(x.numpy(), y.numpy()), name
+    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3]
+    np.testing.assert_array_equal(all_logits(LoadedModel.load(theirs), ids), all_logits(LoadedModel.load(ours), ids))
+
+    _write_gptq(hf, tmp_path / "asym", tmp_path / "float-asym", zero_point=9, fmt="awq")
+    code, lines = _run(capsys, "build", str(tmp_path / "asym"), "--generate", "-o", str(tmp_path / "no"))
+    assert code == 2 and len(lines) == 1 and "zero points other than 8 (asymmetric)" in lines[0], lines
 
 
 @pytest.mark.slow

@@ -43,8 +43,10 @@ class GenerationModel:
     hf: Any  # transformers.PreTrainedModel
     config: DecoderConfig
     eos_token_ids: list[int] = field(default_factory=list)
-    # Projections already quantised by the checkpoint (a GPTQ folder), as the decoder's parameters by name.
+    # Projections already quantised by the checkpoint (a GPTQ or AWQ folder), as the decoder's parameters by name.
     prequantized: dict[str, Any] = field(default_factory=dict)
+    # Where the quantised codes come from: "build" (quantised from the float weights), "gptq" or "awq".
+    quant_source: str = "build"
 
 
 def _torch_dtype_name(module) -> str:
@@ -72,20 +74,26 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
     projections quantised when built)."""
     import torch
 
-    from .quantize import check_gptq, check_quantizable, scheme
+    from .quantize import check_prequantized, check_quantizable, scheme
 
     if quantize:
         scheme(quantize)  # an unknown scheme is refused before the model loads
 
+    from .awq import awq_config, load_awq
     from .gptq import gptq_config, load_gptq
 
     path = Path(spec)
-    prequantized, gptq_group = {}, None
-    if path.is_dir() and gptq_config(path) is not None:
+    prequantized, group, source = {}, None, "build"
+    readers = {"gptq": (gptq_config, load_gptq), "awq": (awq_config, load_awq)}
+    found = [name for name, (detect, _) in readers.items() if path.is_dir() and detect(path) is not None]
+    if found:
+        source = found[0]
         if quantize not in (None, "q4f16"):
-            raise UsageError(f"{spec} is a GPTQ checkpoint, which builds as q4f16: leave out --quantize {quantize}")
+            raise UsageError(
+                f"{spec} is a {source.upper()} checkpoint, which builds as q4f16: leave out --quantize {quantize}"
+            )
         quantize = "q4f16"
-        hf, prequantized, gptq_group = load_gptq(path, dtype)
+        hf, prequantized, group = readers[source][1](path, dtype)
     elif path.is_dir():
         if not (path / "config.json").exists():
             raise UsageError(f"{spec} is a folder without config.json: give a folder written by save_pretrained")
@@ -108,13 +116,13 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
     if quantize:
         check_quantizable(config, quantize)
         config = replace(config, quantize=quantize)
-    if gptq_group is not None:
-        check_gptq(config, gptq_group)
+    if group is not None:
+        check_prequantized(config, group, source.upper())
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(hf.config, "eos_token_id", None)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return GenerationModel(spec, hf, config, [i for i in eos_ids if 0 <= i < config.vocab], prequantized)
+    return GenerationModel(spec, hf, config, [i for i in eos_ids if 0 <= i < config.vocab], prequantized, source)
 
 
 @dataclass
@@ -307,7 +315,7 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         **kernel_sources(report), "attention": report.attention,
         "workload_kernels": report.workloads,
-        "quantization": manifest_entry(model.config, "gptq" if model.prequantized else "build"),
+        "quantization": manifest_entry(model.config, model.quant_source),
     }
 
 

@@ -111,18 +111,18 @@ def dequantize_weight(codes, scales, name: str, k: int, dtype: str):
     return w.to(getattr(torch, dtype)).double()
 
 
-def check_gptq(cfg, group: int) -> None:
-    """A one-line UsageError where a GPTQ checkpoint's groups are not those ``q4f16`` gives this model's layers,
+def check_prequantized(cfg, group: int, what: str) -> None:
+    """A one-line UsageError where a ``what`` (GPTQ, AWQ) checkpoint's groups are not those ``q4f16`` gives this model's layers,
     or its family's projections are not Llama's (q/k/v/o, gate/up/down)."""
     if cfg.family in ("phi3", "gpt2") or cfg.experts:
         raise UsageError(
-            f"GPTQ checkpoints of {cfg.family} models are not supported: only those with Llama-style "
+            f"{what} checkpoints of {cfg.family} models are not supported: only those with Llama-style "
             "projections (q/k/v/o, gate/up/down) are"
         )
     for k in sorted({cfg.hidden, cfg.heads * cfg.head_dim, cfg.mlp}):
         if group_size("q4f16", k) != group:
             raise UsageError(
-                f"the GPTQ checkpoint's group_size {group} is not q4f16's for K={k} "
+                f"the {what} checkpoint's group_size {group} is not q4f16's for K={k} "
                 f"({group_size('q4f16', k)}): only checkpoints with q4f16's groups are supported"
             )
 
@@ -130,7 +130,7 @@ def check_gptq(cfg, group: int) -> None:
 def quantize_weights(weights: dict, cfg, name: str, given: dict | None = None) -> dict:
     """``weights`` (the decoder's parameters by name, :func:`~.decoder.weights_from_hf`) with each quantised
     projection's ``<p>.weight`` replaced by ``<p>.qweight`` (codes) and ``<p>.scales``: those of ``given``
-    (a checkpoint quantised already, :mod:`.gptq`) where it has them, else quantised here."""
+    (a checkpoint quantised already, :mod:`.gptq`, :mod:`.awq`) where it has them, else quantised here."""
     out = {}
     given = given or {}
     for key, value in weights.items():
@@ -148,7 +148,7 @@ def quantize_weights(weights: dict, cfg, name: str, given: dict | None = None) -
 
 def manifest_entry(cfg, source: str = "build") -> dict | None:
     """What the manifest says of a quantised build (None for a float one); ``source``: where the codes come from
-    ("build": quantised from the float weights; "gptq": a GPTQ checkpoint's)."""
+    ("build": quantised from the float weights; "gptq", "awq": a GPTQ or AWQ checkpoint's)."""
     if not cfg.quantize:
         return None
     s = scheme(cfg.quantize)

@@ -1,0 +1,115 @@
+"""Checkpoints quantised already (GPTQ, :mod:`.gptq`; AWQ, :mod:`.awq`), read without their libraries: what both share.
+
+Each format packs eight 4-bit fields per int32 (in its own order) and stores per-group scales and zero points;
+:func:`unpack_int4` reads the fields, :func:`to_q4f16` checks that every zero point is 8 and repacks the codes
+as ``dequant_gemm``'s int4 layout (codes [N, K / 2], low nibble first; scales [N, K / group]), and
+:func:`load_prequantized` reads a folder's safetensors: the float tensors into a transformers model, each
+quantised projection into the decoder's ``layers.<i>.<p>.qweight`` / ``.scales`` through the format's reader.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from autosched.errors import UsageError
+
+# transformers' projection names -> the decoder's fused projection and the order of its parts
+PROJECTIONS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+NATURAL_ORDER = tuple(range(8))
+
+
+def quant_config(folder: str | Path, method: str) -> dict | None:
+    """The ``quantization_config`` of a folder whose ``quant_method`` is ``method``, or None for one that is not."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    quant = json.loads(path.read_text()).get("quantization_config") or {}
+    return quant if str(quant.get("quant_method", "")).lower() == method else None
+
+
+def unpack_int4(words, axis: int, order=NATURAL_ORDER):
+    """The 4-bit fields of int32 ``words``, eight per word, spread along ``axis`` in their natural order:
+    field ``order[j]`` of a word's eight sits at bits ``4 j`` (``NATURAL_ORDER``: the lowest bits first)."""
+    import torch
+
+    words = words.to(torch.int64)
+    fields = torch.stack([(words >> (4 * order.index(i))) & 15 for i in range(8)], dim=axis + 1)
+    shape = list(words.shape)
+    shape[axis] *= 8
+    return fields.reshape(shape)
+
+
+def to_q4f16(codes, zeros, scales, asymmetric: str):
+    """(codes uint8 [N, K / 2], scales [N, K / group]) in ``dequant_gemm``'s layout from a layer's codes [K, N],
+    zero points [K / group, N] and scales [K / group, N]; the one-line UsageError ``asymmetric`` where a zero
+    point is not 8 (the kernels' fixed zero point)."""
+    import torch
+
+    if not bool((zeros == 8).all()):
+        raise UsageError(asymmetric)
+    nibbles = codes.t().to(torch.uint8)
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales.t().contiguous()
+
+
+def check_bits_and_group(quant: dict, what: str) -> int:
+    """The group size of a 4-bit ``quantization_config``; a one-line UsageError for other bit widths or no groups."""
+    bits, group = int(quant.get("bits", 0)), int(quant.get("group_size", -1))
+    if bits != 4 or group <= 0:
+        raise UsageError(
+            f"{what} with bits={bits} and group_size={group} is not supported: only 4-bit checkpoints "
+            "with groups (group_size > 0) are"
+        )
+    return group
+
+
+def load_prequantized(folder: str | Path, dtype: str | None, what: str, layer: Callable[[dict, str], tuple]):
+    """(transformers model holding the checkpoint's float tensors, the quantised projections as the decoder's
+    parameters ``layers.<i>.<p>.qweight`` / ``.scales``) of a ``what`` folder; ``layer(state, prefix)`` gives
+    one projection's (codes, scales) in ``dequant_gemm``'s layout from the tensors ``<prefix>qweight``, ...."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"{folder} holds no *.safetensors files: {what} checkpoints are read from safetensors")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    torch_dtype = getattr(torch, dtype) if dtype else state[next(k for k in state if k.endswith("scales"))].dtype
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
+    floats = {key: value for key, value in state.items() if value.is_floating_point() and not key.endswith(".scales")}
+    # Every float tensor the model has must come from the checkpoint (the quantised projections' come below).
+    projections = tuple(f".{name}.weight" for names in PROJECTIONS.values() for name in names)
+    missing = sorted(key for key in hf.state_dict() if key not in floats and not key.endswith(projections))
+    if missing:
+        raise UsageError(
+            f"the {what} checkpoint has no {missing[0]} ({len(missing)} float tensors missing): is it a "
+            "complete checkpoint of this model?"
+        )
+    hf.load_state_dict(floats, strict=False)
+    quantized = {}
+    for i in range(config.num_hidden_layers):
+        for ours, theirs in PROJECTIONS.items():
+            parts = []
+            for name in theirs:
+                prefix = f"model.layers.{i}.{name}."
+                if prefix + "qweight" not in state or prefix + "qzeros" not in state:
+                    raise UsageError(
+                        f"the {what} checkpoint has no {prefix}qweight and qzeros: only Llama-style projections "
+                        "(q/k/v/o, gate/up/down) quantised with zero points are read"
+                    )
+                parts.append(layer(state, prefix))
+            quantized[f"layers.{i}.{ours}.qweight"] = torch.cat([codes for codes, _ in parts])
+            quantized[f"layers.{i}.{ours}.scales"] = torch.cat([scales for _, scales in parts])
+    return hf, quantized
