@@ -491,11 +491,10 @@ def _pack_awq(fields):
     return words.to(torch.int32)
 
 
-def _write_gptq(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = False, fmt: str = "gptq", **awq):
+def _write_prequantized(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = False, fmt: str = "gptq"):
     """``hf``'s projections quantised as q4f16 quantises them (float16 scales), written as a GPTQ checkpoint
-    (format "gptq": zero points stored one less) or, with ``fmt="awq"``, an AutoAWQ GEMM one (``awq``: fields of
-    its ``quantization_config``) in ``folder``; ``float_folder`` gets the float model whose projections are those
-    dequantised weights."""
+    (format "gptq": zero points stored one less) or, with ``fmt="awq"``, an AutoAWQ GEMM one in ``folder``;
+    ``float_folder`` gets the float model whose projections are those dequantised weights."""
     import copy
 
     import torch
@@ -531,7 +530,7 @@ def _write_gptq(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = 
     config = json.loads((float_folder / "config.json").read_text())
     if fmt == "awq":
         config["quantization_config"] = {
-            "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm", **awq
+            "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"
         }
     else:
         config["quantization_config"] = {
@@ -597,49 +596,29 @@ def test_awq_checkpoints_kernels_cannot_run_are_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_gptq_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_path, capsys):
-    """A GPTQ folder (4-bit, desc_act false, symmetric) read from its safetensors without GPTQ's library and
-    repacked gives the parameters and logits of ``--quantize q4f16`` of the float weights it holds; asymmetric
-    zero points and activation order are refused in one line."""
-    from autosched.artifact import load_generation_artifact
-    from autosched.generation.evaluate import all_logits
-    from autosched.generation.model import LoadedModel
-
-    hf, _ = tiny_llama
-    _write_gptq(hf, tmp_path / "gptq", tmp_path / "float")
-    ours = _build(tmp_path / "float", tmp_path / "ours", "--decode-batches", "1", "--quantize", "q4f16")
-    theirs = _build(tmp_path / "gptq", tmp_path / "theirs", "--decode-batches", "1", "--dtype", "float32")
-    manifest = json.loads((theirs / "manifest.json").read_text())
-    assert manifest["quantization"]["scheme"] == "q4f16" and manifest["quantization"]["source"] == "gptq"
-    (_, a, m, _), (_, b, n, _) = load_generation_artifact(ours), load_generation_artifact(theirs)
-    assert m["param_names"] == n["param_names"]
-    for name, x, y in zip(m["param_names"], a, b):
-        assert x.dtype == y.dtype and np.array_equal(x.numpy(), y.numpy()), name
-    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3]
-    np.testing.assert_array_equal(all_logits(LoadedModel.load(theirs), ids), all_logits(LoadedModel.load(ours), ids))
-
-    for kind, says in (({"zero_point": 6}, "asymmetric zero points (sym=false)"), ({"desc_act": True}, "desc_act=true")):
-        folder = tmp_path / f"bad-{next(iter(kind))}"
-        _write_gptq(hf, folder, tmp_path / f"float-{next(iter(kind))}", **kind)
-        code, lines = _run(capsys, "build", str(folder), "--generate", "-o", str(tmp_path / "no"))
-        assert code == 2 and len(lines) == 1 and says in lines[0], lines
-
-
-@pytest.mark.slow
-def test_an_awq_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_path, capsys):
-    """An AutoAWQ GEMM folder whose zero points are all 8, read from its safetensors without AutoAWQ and repacked,
-    gives the parameters and logits of ``--quantize q4f16`` of the float weights it holds; an asymmetric one is
+@pytest.mark.parametrize(
+    "fmt, refused",
+    [
+        ("gptq", (({"zero_point": 6}, "asymmetric zero points (sym=false)"), ({"desc_act": True}, "desc_act=true"))),
+        ("awq", (({"zero_point": 9}, "zero points other than 8 (asymmetric)"),)),
+    ],
+    ids=["gptq", "awq"],
+)
+def test_a_prequantized_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_path, capsys, fmt, refused):
+    """A GPTQ folder (4-bit, desc_act false, symmetric) or an AutoAWQ GEMM one (every zero point 8) read from its
+    safetensors without the format's library and repacked gives the parameters and logits of ``--quantize q4f16``
+    of the float weights it holds; asymmetric zero points (AWQ's too: not re-quantised) and activation order are
     refused in one line with exit code 2."""
     from autosched.artifact import load_generation_artifact
     from autosched.generation.evaluate import all_logits
     from autosched.generation.model import LoadedModel
 
     hf, _ = tiny_llama
-    _write_gptq(hf, tmp_path / "awq", tmp_path / "float", fmt="awq")
+    _write_prequantized(hf, tmp_path / fmt, tmp_path / "float", fmt=fmt)
     ours = _build(tmp_path / "float", tmp_path / "ours", "--decode-batches", "1", "--quantize", "q4f16")
-    theirs = _build(tmp_path / "awq", tmp_path / "theirs", "--decode-batches", "1", "--dtype", "float32")
+    theirs = _build(tmp_path / fmt, tmp_path / "theirs", "--decode-batches", "1", "--dtype", "float32")
     manifest = json.loads((theirs / "manifest.json").read_text())
-    assert manifest["quantization"]["scheme"] == "q4f16" and manifest["quantization"]["source"] == "awq"
+    assert manifest["quantization"]["scheme"] == "q4f16" and manifest["quantization"]["source"] == fmt
     (_, a, m, _), (_, b, n, _) = load_generation_artifact(ours), load_generation_artifact(theirs)
     assert m["param_names"] == n["param_names"]
     for name, x, y in zip(m["param_names"], a, b):
@@ -647,9 +626,11 @@ def test_an_awq_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_p
     ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3]
     np.testing.assert_array_equal(all_logits(LoadedModel.load(theirs), ids), all_logits(LoadedModel.load(ours), ids))
 
-    _write_gptq(hf, tmp_path / "asym", tmp_path / "float-asym", zero_point=9, fmt="awq")
-    code, lines = _run(capsys, "build", str(tmp_path / "asym"), "--generate", "-o", str(tmp_path / "no"))
-    assert code == 2 and len(lines) == 1 and "zero points other than 8 (asymmetric)" in lines[0], lines
+    for kind, says in refused:
+        folder = tmp_path / f"bad-{next(iter(kind))}"
+        _write_prequantized(hf, folder, tmp_path / f"float-{next(iter(kind))}", fmt=fmt, **kind)
+        code, lines = _run(capsys, "build", str(folder), "--generate", "-o", str(tmp_path / "no"))
+        assert code == 2 and len(lines) == 1 and says in lines[0], lines
 
 
 @pytest.mark.slow
