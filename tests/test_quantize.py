@@ -574,6 +574,7 @@ def test_awq_checkpoints_kernels_cannot_run_are_refused_in_one_line(tmp_path):
 
     from autosched.errors import UsageError
     from autosched.generation.awq import load_awq, repack
+    from autosched.generation.build import load_generation_model
 
     zeros = torch.full((2, 8), 8)
     zeros[1, 3] = 7
@@ -593,6 +594,8 @@ def test_awq_checkpoints_kernels_cannot_run_are_refused_in_one_line(tmp_path):
         with pytest.raises(UsageError, match=re.escape(says)) as raised:
             load_awq(folder, None)
         assert "\n" not in str(raised.value)
+    with pytest.raises(UsageError, match="quantised with AWQ, which builds as q4f16: leave out --quantize q8f16"):
+        load_generation_model(str(folder), quantize="q8f16")
 
 
 @pytest.mark.slow

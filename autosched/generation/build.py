@@ -90,7 +90,8 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
         source = found[0]
         if quantize not in (None, "q4f16"):
             raise UsageError(
-                f"{spec} is a {source.upper()} checkpoint, which builds as q4f16: leave out --quantize {quantize}"
+                f"{spec} is a checkpoint quantised with {source.upper()}, which builds as q4f16: "
+                f"leave out --quantize {quantize}"
             )
         quantize = "q4f16"
         hf, prequantized, group = readers[source][1](path, dtype)
