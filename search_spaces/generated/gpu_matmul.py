@@ -17,6 +17,7 @@ from .._analysis import (
     fold_consumer_chain,
     inline_producers,
     is_contraction,
+    loop_kinds,
     normalize_matmul,
 )
 from .._knobs import Knob, Point, Space
@@ -328,8 +329,6 @@ class GpuGemvSpace(Space):
         return {"outputs_per_block": 4, "lanes": 64, "vector": 8 if self.in_dtype != "float32" else 4, "unroll": 16}
 
     def schedule(self, sch: s_tir.Schedule, p: Point) -> None:
-        from .._analysis import loop_kinds
-
         main = find_matmul_block(sch)
         normalize_matmul(sch, main)
         vec, lanes, outs = p["vector"], p["lanes"], p["outputs_per_block"]
@@ -354,15 +353,7 @@ class GpuGemvSpace(Space):
             sch.annotate(k0, "pragma_auto_unroll_max_step", p["unroll"])
             sch.annotate(k0, "pragma_unroll_explicit", 1)
         # Step 2. The lanes' partial sums are reduced by the lanes themselves (warp shuffles).
-        # No unit loops around it: cross-thread reduction wants the lane loop innermost.
-        sch.reverse_compute_at(main, j1, preserve_unit_loops=False)
-        sch.set_scope(main, 0, "local")
-        inner = list(zip(sch.get_loops(main), loop_kinds(sch, main)))[2:]  # below the block and j1 loops
-        lane_loop = [lp for lp, kind in inner if kind == "R"][-1]
-        rows = [lp for lp, kind in inner if kind != "R"]
-        if rows:
-            sch.reorder(*rows, lane_loop)  # the lane loop innermost, as cross-thread reduction requires
-        sch.bind(lane_loop, "threadIdx.x")
+        reduce_across_lanes(sch, main, j1)
         # Step 3. The epilogue writes each block's outputs.
         sch.reverse_compute_at(out, j1, preserve_unit_loops=True)
 
@@ -391,6 +382,20 @@ class GpuGemvSpace(Space):
             except (RuntimeError, ValueError):
                 continue
         sch.unroll(k2)
+
+
+def reduce_across_lanes(sch, main, j1) -> None:
+    """A GEMV's reduction ``main`` of the lanes' partial sums, by the lanes themselves (warp shuffles): under
+    ``j1`` (the block's output loop), in registers, with no unit loops around it and the lane loop innermost,
+    as cross-thread reduction requires."""
+    sch.reverse_compute_at(main, j1, preserve_unit_loops=False)
+    sch.set_scope(main, 0, "local")
+    inner = list(zip(sch.get_loops(main), loop_kinds(sch, main)))[2:]  # below the block and j1 loops
+    lane_loop = [lp for lp, kind in inner if kind == "R"][-1]
+    others = [lp for lp, kind in inner if kind != "R"]
+    if others:
+        sch.reorder(*others, lane_loop)
+    sch.bind(lane_loop, "threadIdx.x")
 
 
 def _realize(sch, block):

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._analysis import HALF8_REASON, const_extents, loop_kinds
+from .._analysis import HALF8_REASON, const_extents
 from .._knobs import Knob, Point, Space
+from .gpu_matmul import reduce_across_lanes
 from .moe_matmul import BLOCK
 
 if TYPE_CHECKING:
@@ -133,16 +134,8 @@ class GpuMoeMatmulSpace(Space):
         if p["unroll"]:
             sch.annotate(k0, "pragma_auto_unroll_max_step", p["unroll"])
             sch.annotate(k0, "pragma_unroll_explicit", 1)
-        # Step 2. The lanes' partial sums reduced by the lanes themselves (warp shuffles), the lane loop
-        # innermost as cross-thread reduction requires.
-        sch.reverse_compute_at(main, j1, preserve_unit_loops=False)
-        sch.set_scope(main, 0, "local")
-        inner = list(zip(sch.get_loops(main), loop_kinds(sch, main)))[2:]  # below the block and j1 loops
-        lane_loop = [lp for lp, kind in inner if kind == "R"][-1]
-        others = [lp for lp, kind in inner if kind != "R"]
-        if others:
-            sch.reorder(*others, lane_loop)
-        sch.bind(lane_loop, "threadIdx.x")
+        # Step 2. The lanes' partial sums reduced by the lanes themselves (warp shuffles).
+        reduce_across_lanes(sch, main, j1)
         # Step 3. The output stage writes the block's outputs (the cast where the output is half precision).
         sch.reverse_compute_at(epilogue, j1, preserve_unit_loops=True)
 
