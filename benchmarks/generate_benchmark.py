@@ -222,7 +222,54 @@ def trace_steps(make_generator, prompts, steps: int = 4, top: int = 16) -> dict:
     rows = sorted(({"kernel": k[:120], "calls_per_step": len(v) / steps, "us_per_call": sum(v) / len(v),
                     "ms_per_step": sum(v) / steps / 1e3} for k, v in by_name.items()), key=lambda r: -r["ms_per_step"])
     return {"span_ms_per_step": span / steps / 1e3, "busy_ms_per_step": busy / steps / 1e3,
-            "kernels_per_step": len(kernels) / steps, "top": rows[:top]}
+            "kernels_per_step": len(kernels) / steps, "top": rows[:top], "gaps": idle_gaps(kernels, steps)}
+
+
+def idle_gaps(kernels, steps: int, top: int = 8, least_us: float = 2.0) -> list[dict]:
+    """Where the GPU waits: the idle stretches of at least ``least_us`` between one kernel's end and the next
+    one's start (``kernels``: sorted (start, end, name) in µs), summed by the pair of kernels around them."""
+    gaps: dict[tuple[str, str], list[float]] = {}
+    reach, last = float("-inf"), ""
+    for start, end, name in kernels:
+        if last and start - reach >= least_us:
+            gaps.setdefault((last[:60], name[:60]), []).append(start - reach)
+        if end > reach:
+            reach, last = end, name
+    rows = [{"after": a, "before": b, "per_step": len(v) / steps, "us_per_step": sum(v) / steps}
+            for (a, b), v in gaps.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
+def host_split(make_generator, prompts, steps: int = 16) -> dict:
+    """The host's side of decode steps, without a profiler: per step, ms in the model's call (the cache's
+    begin/end and the launches), in choosing the tokens (the sampling launch and the wait for the GPU), and
+    in the rest (the generator's Python between them)."""
+    gen = make_generator()
+    spent = {"forward": 0.0, "choose": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - began
+        return wrapper
+
+    ids = [gen.add(p, steps + 8, stop_tokens=[]) for p in prompts]
+    gen.step()
+    gen.step()
+    gen.model.forward = timed("forward", gen.model.forward)
+    gen.sampler.choose = timed("choose", gen.sampler.choose)
+    began = time.perf_counter()
+    for _ in range(steps):
+        gen.step()
+    total = time.perf_counter() - began
+    for seq_id in set(ids) & {*gen.live, *gen.finished}:
+        gen.remove(seq_id)
+    ms = {name: seconds / steps * 1e3 for name, seconds in spent.items()}
+    return {"step_ms": total / steps * 1e3, **{f"{k}_ms": v for k, v in ms.items()},
+            "other_ms": total / steps * 1e3 - sum(ms.values())}
 
 
 def ours(make_generator, prompts, new: int):
@@ -374,6 +421,7 @@ def main() -> int:
             row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
         if args.trace and DEVICE == "cuda":
             row["trace"] = trace_steps(make, prompts)
+            row["trace"]["host"] = host_split(make, prompts)
             print(json.dumps(row["trace"], indent=1), flush=True)
         if make_profiled is not None:
             row["profile"] = profile_steps(make_profiled, prompts, "decode")

@@ -78,7 +78,7 @@ class Generator:
         self.model = model
         self.limits = scheduler.Limits(model.max_seq_len, model.page_size, model.decode_batches, model.prefill_chunks,
                                        model.window, model.window_chunk)
-        self.sampler = Sampler(model.greedy_tokens, model.sample_tokens, model.device)
+        self.sampler = Sampler(model.greedy_tokens, model.sample_tokens, model.device, model.staging)
         self._stats = scheduler.StepStats(clock)
         self._seqs: dict[int, SequenceState] = {}  # in the cache
         self._done: dict[int, SequenceState] = {}  # finished and out of the cache, until removed

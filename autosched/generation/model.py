@@ -19,6 +19,33 @@ def check_kv_pages(kv_pages) -> None:
                          "room for max_batch sequences of max_seq_len tokens")
 
 
+class Staging:
+    """Device tensors that a call's host inputs (token ids, positions, sampling parameters) are copied into,
+    kept from call to call and grown as needed. A fresh TVM tensor per call would cost a ``cudaMalloc``, and
+    dropping it a ``cudaFree``, which waits for all the work queued on the GPU: the step just launched, before
+    the host could launch the sampling after it."""
+
+    def __init__(self, device):
+        self.device = device
+        self._buffers: dict[tuple[str, str], object] = {}
+
+    def put(self, name: str, array):
+        """``array`` (numpy) on the device, in the buffer kept for ``name``: valid until the next ``put`` of
+        ``name`` (each call's copy waits for the work queued before it, as TVM's copies do)."""
+        import numpy as np
+        import tvm
+
+        array = np.ascontiguousarray(array)
+        key = (name, array.dtype.str)
+        base = self._buffers.get(key)
+        if base is None or base.shape[0] < array.size:
+            size = max(array.size, 2 * (base.shape[0] if base is not None else 0), 64)
+            base = self._buffers[key] = tvm.runtime.empty((size,), array.dtype, self.device)
+        view = base._create_view(array.shape)
+        view.copyfrom(array)
+        return view
+
+
 class LoadedModel:
     """A generation artifact's functions, parameters and KV cache, on ``device``."""
 
@@ -79,6 +106,8 @@ class LoadedModel:
         self._free_pages = runtime["free_pages"]  # of the main cache
         self._enable_window = runtime["enable_sliding_window"]
         self._pad_ids: list[int] = []
+        self.staging = Staging(device)
+        self._functions: dict[str, object] = {}
         self.sample_tokens = self.function("sample_tokens")
         self.greedy_tokens = self.function("greedy_tokens")
 
@@ -130,10 +159,12 @@ class LoadedModel:
         of the packed tokens where given, as an evaluation reads them; with ``every_position``, a row for every
         token fed, as a speculative step's verification reads them)."""
         import numpy as np
-        import tvm
 
         self._begin(self._shape(seq_ids), self._shape(lengths))
-        input_ids = tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device)
+        input_ids = self.staging.put("ids", np.asarray(ids, dtype="int32"))
+        call = self._functions.get(function)
+        if call is None:
+            call = self._functions[function] = self.vm[function]
         if prefill:
             if logit_positions is not None:
                 positions = logit_positions
@@ -141,9 +172,9 @@ class LoadedModel:
                 positions = np.arange(len(ids), dtype="int32")
             else:
                 positions = np.cumsum(lengths, dtype="int32") - 1
-            last = tvm.runtime.tensor(np.asarray(positions, dtype="int32"), self.device)
-            logits, *self.caches = self.vm[function](input_ids, last, *self.caches, self.params)
+            last = self.staging.put("positions", np.asarray(positions, dtype="int32"))
+            logits, *self.caches = call(input_ids, last, *self.caches, self.params)
         else:
-            logits, *self.caches = self.vm[function](input_ids, *self.caches, self.params)
+            logits, *self.caches = call(input_ids, *self.caches, self.params)
         self._end()
         return logits

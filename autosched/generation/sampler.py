@@ -84,8 +84,11 @@ class Sampler:
     seeded stream on the host); one int a row comes back, not the logits. An artifact built before
     ``sample_tokens`` samples on the host from the logits."""
 
-    def __init__(self, greedy_tokens=None, sample_tokens=None, device=None):
+    def __init__(self, greedy_tokens=None, sample_tokens=None, device=None, staging=None):
+        from .model import Staging
+
         self.greedy_tokens, self.sample_tokens, self.device = greedy_tokens, sample_tokens, device
+        self.staging = staging or Staging(device)  # where the sampling parameters go on the device
 
     def choose(self, logits, rows: int, seqs: list, wanted: list[bool], counts: dict) -> list[int | None]:
         """A token for each of ``seqs`` that is ``wanted`` (None for the others), from the first rows of
@@ -98,15 +101,13 @@ class Sampler:
             picks = self.greedy_tokens(logits).numpy().reshape(-1)
             return [int(picks[i]) if want else None for i, want in enumerate(wanted)]
         if self.sample_tokens is not None:
-            import tvm
-
             params = np.zeros((rows, 4), dtype="float32")  # padding and unwanted rows: greedy
             for i, (seq, want) in enumerate(zip(seqs, wanted)):
                 sp = seq.sampling
                 if want and not sp.greedy:
                     params[i] = (sp.temperature, sp.top_k, sp.top_p, seq.rng.random())
             counts["device_sample_calls"] += 1
-            picks = self.sample_tokens(logits, tvm.runtime.tensor(params, self.device)).numpy().reshape(-1)
+            picks = self.sample_tokens(logits, self.staging.put("sampling", params)).numpy().reshape(-1)
             return [int(picks[i]) if want else None for i, want in enumerate(wanted)]
         counts["host_sample_calls"] += 1
         host = logits.numpy().reshape(rows, -1)

@@ -62,6 +62,16 @@ def default_unroll(group: int) -> int:
     return 4 if group <= 2 else 2 if group <= 4 else 1
 
 
+def default_blocks(group: int, d: int, warps: int, unroll: int) -> int | None:
+    """CTAs per SM the kernel is compiled to fit (``__launch_bounds__``' second argument: the registers a
+    thread may use), or None to leave the registers to the compiler. Without GQA (a group of one head) the
+    body fits in 64 registers a thread without spills (``tests/test_kv_cache_decode.py``); then the (sequence,
+    K/V head) pairs of a batch of 16 with 32 K/V heads run on the GPU at once rather than in two waves."""
+    if group > 1 or unroll > 4:
+        return None
+    return min(32 // warps, 48 * 1024 // (4 * smem_floats(group, d, warps)))
+
+
 def smem_floats(group: int, d: int, warps: int) -> int:
     """Shared memory of the body, in 4-byte words: each warp's (output, max, sum) per head, then the CTA's."""
     return (warps + 1) * group * (d + 2)
@@ -82,8 +92,10 @@ def unsupported(h: int, hkv: int, d: int, dtype: str, page: int) -> str | None:
     return None
 
 
-def kernel_name(h: int, hkv: int, d: int, dtype: str, page: int, split: int, warps: int, unroll: int) -> str:
-    return f"autosched_kv_cache_decode_h{h}_hkv{hkv}_d{d}_page{page}_split{split}_warps{warps}_unroll{unroll}_{dtype}"
+def kernel_name(h: int, hkv: int, d: int, dtype: str, page: int, split: int, warps: int, unroll: int,
+                blocks: int | None = None) -> str:
+    fit = f"_blocks{blocks}" if blocks else ""
+    return f"autosched_kv_cache_decode_h{h}_hkv{hkv}_d{d}_page{page}_split{split}_warps{warps}_unroll{unroll}{fit}_{dtype}"
 
 
 def body_source(name: str, dtype: str, config: dict) -> str:
@@ -92,9 +104,10 @@ def body_source(name: str, dtype: str, config: dict) -> str:
 
 
 def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16, split: int | None = None,
-                           warps: int | None = None, unroll: int | None = None):
+                           warps: int | None = None, unroll: int | None = None, blocks: int | None = None):
     """The TIRx PrimFunc, with the signature of TVM's ``batch_decode_paged_kv`` (no sliding window).
-    ``split``, ``warps``, ``unroll``: the defaults above unless given."""
+    ``split``, ``warps``, ``unroll``: the defaults above unless given; ``blocks``: CTAs per SM to fit in the
+    registers (None: the compiler's choice)."""
     from tvm.script import tirx as T
 
     reason = unsupported(h, hkv, d, dtype, page)
@@ -106,7 +119,7 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
     unroll = default_unroll(g) if unroll is None else unroll
     if split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16) or unroll < 1 or 4 * smem_floats(g, d, warps) > SMEM_LIMIT:
         raise ValueError(f"split {split}, warps {warps}, unroll {unroll}")
-    name = kernel_name(h, hkv, d, dtype, page, split, warps, unroll)
+    name = kernel_name(h, hkv, d, dtype, page, split, warps, unroll, blocks)
     config = {"H": h, "HKV": hkv, "G": g, "D": d, "PAGE": page, "WARPS": warps, "UNROLL": unroll, "SPLIT": split}
     source = body_source(name, dtype, config)
     threads = 32 * warps
@@ -149,6 +162,8 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
         lse = T.match_buffer(lse_handle, (B, h), "float32")
         assert rotary_mode == 0, "autosched's paged decode kernel applies no rotary embedding (rotary_mode 0 only)"
         T.device_entry()
+        if blocks is not None:
+            T.attr({"tirx.launch_bounds_min_blocks_per_sm": blocks})
         cluster, rank, spread = launch(B * hkv)
         tx = T.thread_id([threads])  # noqa: F841 (declares the block's threads)
         smem = T.alloc_buffer((words,), "float32", scope="shared.dyn", align=16)
