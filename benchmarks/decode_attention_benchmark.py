@@ -95,21 +95,24 @@ def main() -> int:
         g = h // hkv
         tvm_kernel = compile_kernel(_attention_decode(hkv, h, d, "float16", False, {}, parse_target("cuda").tvm_target()),
                                     None)
-        points = [(None, None, None, None)] + POINTS
+        batches = [int(b) for b in args.batches.split(",")]
+        # The defaults a build takes (its largest static decode batch 1, or the largest here), then the others.
+        defaults = [kvd.default_config(g, hkv, d, b) for b in (1, max(batches))]
+        points = [(c["split"], c["warps"], c["unroll"], "fit" if c["blocks"] else None) for c in defaults] + POINTS
         kernels = {}
         for split, warps, unroll, blocks in points:
             w = warps or kvd.default_warps(g, d)
             u = unroll or kvd.default_unroll(g)
-            fit = kvd.default_blocks(g, d, w, u) if blocks == "fit" else blocks
-            if blocks == "fit" and fit is None:
+            fit = kvd.default_blocks(g, d, w, u) if blocks == "fit" else 0
+            key = (split, w, u, fit or None)
+            if (blocks == "fit" and fit is None) or key in kernels:
                 continue
-            key = (split, w, u, fit)
             try:
                 kernels[key] = compile_kernel(kvd.kv_cache_decode_kernel(h, hkv, d, "float16", split=split, warps=w,
                                                                          unroll=u, blocks=fit), CODEGEN)
             except ValueError as exc:
                 print(f"h{h}:{hkv} {key}: {exc}", flush=True)
-        for batch in map(int, args.batches.split(",")):
+        for batch in batches:
             inputs = make_inputs(batch, args.context, h, hkv, d)
             kv_bytes = batch * args.context * hkv * d * 2 * 2
             theirs, ref_out, ref_lse = runner(tvm_kernel, inputs, h, d)
@@ -127,8 +130,6 @@ def main() -> int:
                     err = float((out.float() - ref_out.float()).abs().max()) + float((lse - ref_lse).abs().max())
                 seconds = statistics.median(time_cuda(run, args.repeat, FLUSH_BYTES))
                 split, warps, unroll, blocks = key if key != "tvm" else (None,) * 4
-                if key != "tvm" and split is None:
-                    split = kvd.default_split(hkv)
                 row = {"heads": h, "kv_heads": hkv, "batch": batch, "context": args.context,
                        "kernel": "tvm" if key == "tvm" else "ours", "split": split,
                        "warps": warps, "unroll": unroll, "blocks": blocks, "us": seconds * 1e6,

@@ -219,6 +219,54 @@ def test_the_kernel_refuses_what_it_cannot_serve():
 
 # --- the dispatch in a generation build ---------------------------------------------------------------------
 
+def test_the_decode_kernels_knobs_follow_the_largest_static_batch():
+    """One kernel serves every batch of a cache: at batch 1 a cluster of 8 CTAs splits each (sequence, K/V
+    head) pair; where the largest static decode batch has about four pairs an SM, clusters of 2 each take
+    pairs whole, and without GQA the registers are bounded to fit 4 CTAs an SM. The dispatch reads that
+    batch off the module's ``decode_b<n>`` functions."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from autosched.generation.attention import largest_decode_batch
+    from autosched.search_spaces.templates.kv_cache_decode import default_config
+
+    assert default_config(1, 32, 128, 1) == {"split": 8, "warps": 8, "unroll": 4, "blocks": None}
+    assert default_config(1, 32, 128, 16) == {"split": 2, "warps": 8, "unroll": 4, "blocks": 4}
+    assert default_config(4, 8, 128, 16)["split"] == 8
+    assert default_config(4, 8, 128, 64) == {"split": 2, "warps": 8, "unroll": 2, "blocks": None}
+
+    @T.prim_func
+    def empty():
+        T.evaluate(0)
+
+    named = lambda *names: tvm.IRModule({n: empty.with_attr("global_symbol", n) for n in names})  # noqa: E731
+    assert largest_decode_batch(named("decode_b1", "decode_b16", "verify_b64_k4", "batch_decode")) == 16
+    assert largest_decode_batch(named("batch_decode", "prefill_t512")) == 1
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_the_spread_kernel_fits_four_ctas_an_sm_without_spills():
+    """Without GQA, at a largest static batch of 16 (512 pairs): ``__launch_bounds__(256, 4)``, clusters of
+    2, and nvcc fits the body in 64 registers without spilling."""
+    import tvm
+
+    from autosched.cuda_tools import cuda_source
+    from autosched.generation.attention import CODEGEN
+    from autosched.search_spaces.templates.kv_cache_decode import kv_cache_decode_kernel
+    from autosched.target import parse_target
+
+    from .nvcc import nvcc_compile
+
+    kernel = kv_cache_decode_kernel(32, 32, 128, "float16", batch=16)
+    name = str(kernel.attrs["global_symbol"])
+    assert name.endswith("_split2_warps8_unroll4_blocks4_float16")
+    source = cuda_source(tvm.IRModule({name: kernel}), parse_target("cuda:sm_90", require_device=False), {}, CODEGEN)
+    assert "__launch_bounds__(256, 4)" in source
+    report = nvcc_compile(source, "sm_90a")
+    assert report.ok and report.spills == 0, report.log[-2000:]
+
+
 def _tiny(head_dim: int = 64, **overrides):
     from autosched.generation.decoder import DecoderConfig
 

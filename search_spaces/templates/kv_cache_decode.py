@@ -35,13 +35,30 @@ MAX_SPLIT = 8  # the portable cluster size
 
 
 def default_split(hkv: int, batch: int = 1) -> int:
-    """CTAs per (sequence, K/V head): the largest power of two, at most 8, whose ``batch · hkv · split`` CTAs
-    fit one per SM. Batch 1 is the step whose latency the split serves (32 K/V heads: 4, 8 heads: 8); at
-    larger batches the extra CTAs each take a shorter share of the pages and one more merge."""
+    """CTAs per (sequence, K/V head) for a step whose pairs are too few to fill the GPU: the largest power of
+    two, at most 8, whose ``batch · hkv · split`` CTAs fill the SMs at most twice (batch 1, 32 or 8 K/V heads:
+    8, each CTA a few pages of one sequence, merged in the cluster)."""
     split = 1
-    while split < MAX_SPLIT and batch * hkv * split * 2 <= SMS:
+    while split < MAX_SPLIT and batch * hkv * split <= SMS:
         split *= 2
     return split
+
+
+# (Sequence, K/V head) pairs of the largest static decode batch from which a build takes the spread kernel:
+# about four pairs an SM (batch 16 of 32 K/V heads, batch 64 of 8).
+SPREAD_PAIRS = 512
+
+
+def default_config(group: int, hkv: int, d: int, batch: int = 1) -> dict:
+    """The kernel's knobs (split, warps, unroll, blocks) for a cache whose largest static decode step has
+    ``batch`` sequences. One kernel serves every batch, and the cluster size is fixed when it compiles: at
+    batch 1 a cluster of 8 splits each pair's pages, but where the largest batch has pairs enough for each
+    CTA to take one whole, clusters of 2 schedule better, and without GQA the registers are bounded so that
+    those CTAs run at once (``benchmarks/decode_attention_benchmark.py`` measures both)."""
+    warps, unroll = default_warps(group, d), default_unroll(group)
+    if batch * hkv >= SPREAD_PAIRS:
+        return {"split": 2, "warps": warps, "unroll": unroll, "blocks": default_blocks(group, d, warps, unroll)}
+    return {"split": default_split(hkv), "warps": warps, "unroll": unroll, "blocks": None}
 
 
 def default_warps(group: int, d: int) -> int:
@@ -104,19 +121,22 @@ def body_source(name: str, dtype: str, config: dict) -> str:
 
 
 def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16, split: int | None = None,
-                           warps: int | None = None, unroll: int | None = None, blocks: int | None = None):
+                           warps: int | None = None, unroll: int | None = None, blocks: int | None = None,
+                           batch: int = 1):
     """The TIRx PrimFunc, with the signature of TVM's ``batch_decode_paged_kv`` (no sliding window).
-    ``split``, ``warps``, ``unroll``: the defaults above unless given; ``blocks``: CTAs per SM to fit in the
-    registers (None: the compiler's choice)."""
+    ``split``, ``warps``, ``unroll``, ``blocks`` (CTAs per SM to fit in the registers; 0: the compiler's
+    choice): :func:`default_config`'s for a largest static decode batch ``batch`` unless given."""
     from tvm.script import tirx as T
 
     reason = unsupported(h, hkv, d, dtype, page)
     if reason:
         raise ValueError(f"kv_cache_decode cannot serve {reason}")
     g = h // hkv
-    split = default_split(hkv) if split is None else split
-    warps = default_warps(g, d) if warps is None else warps
-    unroll = default_unroll(g) if unroll is None else unroll
+    knobs = default_config(g, hkv, d, batch)
+    split = knobs["split"] if split is None else split
+    warps = knobs["warps"] if warps is None else warps
+    unroll = knobs["unroll"] if unroll is None else unroll
+    blocks = (knobs["blocks"] if blocks is None else blocks) or None
     if split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16) or unroll < 1 or 4 * smem_floats(g, d, warps) > SMEM_LIMIT:
         raise ValueError(f"split {split}, warps {warps}, unroll {unroll}")
     name = kernel_name(h, hkv, d, dtype, page, split, warps, unroll, blocks)
