@@ -399,8 +399,8 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
 
 def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, the wgmma dequant
-    kernel 17 rows on (one scale per k step); int8 weights, 9-16 rows, groups of 32 and older GPUs keep
-    the TensorIR spaces."""
+    kernel 17 rows on (one scale per k step); int8 weights, 9-16 rows, groups of 32, zero points (their zero
+    point is 8) and older GPUs keep the TensorIR spaces."""
 
     def space(shape, attrs, target):
         return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
@@ -412,6 +412,8 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=17,n=4096,k=4096", "bits=4", sm90) == "hopper_dequant_gemm"  # prefill: wgmma
     assert space("m=512,n=4096,k=4096", "bits=4,group=32", sm90) == "gpu_matmul"  # two scales per k step
     assert space("m=1,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
+    assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
+    assert space("m=17,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "gpu_matmul"
 
 
 def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
