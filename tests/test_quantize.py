@@ -71,6 +71,33 @@ def test_quantized_weights_are_what_dequant_gemm_reads_rounded_to_the_nearest_le
     assert bool((levels.reshape(n, k // group, group).gather(-1, peak[..., None]).abs()[[0, 1, 3, 4, 5]] == top).all())
 
 
+def test_q4f16_zp_weights_are_what_dequant_gemm_with_zero_points_reads():
+    """q4f16_zp's codes, scales and zero points in dequant_gemm's zeros=1 layout (its own reference dequantises
+    them): every weight within half a level of its float value, a group's range (0 included) spanning the 16
+    levels, zero points where a group's minimum puts them (0 for a group of positive weights)."""
+    import torch
+
+    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.workloads import get_operator, make_workload
+
+    n, k = 6, 256
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.05
+    weight[2, :128] = 0.0  # an all-zero group quantises to zeros
+    weight[3, 128:] = weight[3, 128:].abs() + 0.01  # positive weights: zero point 0
+    codes, scales, zeros = quantize_weight(weight, "q4f16_zp", "float16")
+    assert (codes.dtype, scales.dtype, zeros.dtype) == (torch.uint8, torch.float16, torch.uint8)
+    assert tuple(codes.shape) == (n, k // 2) and tuple(scales.shape) == tuple(zeros.shape) == (n, k // 128)
+    wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, "float16", {"bits": 4, "group": 128, "zeros": 1})
+    ours = get_operator("dequant_gemm").dequantize(wl, codes, scales, zeros)
+    assert torch.equal(ours.half().double(), dequantize_weight(codes, scales, "q4f16_zp", k, "float16", zeros))
+    step = scales.double().repeat_interleave(128, dim=1)
+    assert bool(((ours - weight).abs() <= step / 2 + 1e-12).all())
+    assert bool((ours[2, :128] == 0).all()) and int(zeros[3, 1]) == 0 and int(zeros.max()) <= 15
+    assert int(zeros[[0, 1, 4, 5]].min()) > 0  # normal weights: the zero point inside the range
+    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, k // 128, 128)
+    assert bool((nibbles.amax(-1) - nibbles.amin(-1) >= 14)[[0, 1, 3, 4, 5]].all())  # the levels are used
+
+
 def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
     from autosched.errors import UsageError
     from autosched.generation.decoder import DecoderConfig
@@ -83,7 +110,7 @@ def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
     moe = DecoderConfig("mixtral", 512, 128, 4, 2, 32, 2, 256, experts=4, top_k=2, expert_mlp=256, sparse_layers=[0, 1])
     with pytest.raises(UsageError, match="mixture-of-experts models"):
         check_quantizable(moe, "q4f16")
-    with pytest.raises(UsageError, match="'fp8' is not a scheme: use q4f16 or q8f16"):
+    with pytest.raises(UsageError, match="'fp8' is not a scheme: use q4f16, q4f16_zp or q8f16"):
         group_size("fp8", 128)
     # dequant_gemm's group: its usual sizes or any other positive one (k: a scale per output channel)
     from autosched.workloads import make_workload
@@ -161,11 +188,12 @@ def _reference_model(hf, artifact):
     state = ref.state_dict()
 
     def weight(prefix):
-        codes, scales = named[prefix + ".qweight"], named[prefix + ".scales"]
+        codes, scales, zeros = named[prefix + ".qweight"], named[prefix + ".scales"], named.get(prefix + ".zeros")
         n, k = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
         group = k // scales.shape[1]
-        wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, cfg["dtype"], {"bits": bits, "group": group})
-        return get_operator("dequant_gemm").dequantize(wl, codes, scales)
+        attrs = {"bits": bits, "group": group, "zeros": int(zeros is not None)}
+        wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, cfg["dtype"], attrs)
+        return get_operator("dequant_gemm").dequantize(wl, codes, scales, zeros)
 
     q, kv = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"]
     for i in range(cfg["layers"]):
@@ -182,7 +210,7 @@ def _reference_model(hf, artifact):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["q4f16", "q8f16"])
+@pytest.mark.parametrize("scheme", ["q4f16", "q8f16", "q4f16_zp"])
 def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(tiny_llama, scheme):
     """Every position of the dynamic prefill (TVM's schedule of the dequantising TE), a static prefill chunk
     and a static decode step (dequant_gemm kernels) give the float64 reference's logits up to fp32
