@@ -37,6 +37,9 @@ CASES = [
     ("dequant_gemm", "m=3,n=1000,k=352", "bfloat16", "bits=4,group=32,bias=1,act=silu", "int4_gemv", "sm_90"),
     ("dequant_gemm", "m=300,n=512,k=256", "float16", "bits=4,group=128", "hopper_dequant_gemm", "sm_90"),
     ("dequant_gemm", "m=100,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu", "hopper_dequant_gemm", "sm_90"),
+    # zero points (asymmetric AWQ/GPTQ): the sm_90 int4 templates decline them, the generic spaces follow the TE
+    ("dequant_gemm", "m=2,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
+    ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
     ("moe_gemm", "m=2,e=8,n=512,k=256", "float16", "", "gpu_moe_matmul", "sm_90"),  # decode: 1 token x 2 experts
     ("moe_gemm", "m=64,e=4,n=384,k=448", "bfloat16", "", "gpu_moe_matmul", "sm_90"),
     ("moe_gemm", "m=24,e=3,n=96,k=160", "float32", "", "gpu_moe_matmul", "sm_80"),
