@@ -10,7 +10,8 @@ after a residual add, of ``add_rmsnorm`` (both in one kernel). At symbolic shape
 ``batch_decode``) the product stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default
 schedules serve. A mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed token-slot by its
 own expert's weight), static or symbolic alike. A quantised projection (``build --generate --quantize``) is a
-call of the ``dequant_gemm`` workload's kernel at static shapes and the same dequantising TE at symbolic ones.
+call of the ``dequant_gemm`` workload's kernel at static shapes and the same dequantising TE at symbolic ones
+(with ``zeros=1`` and its zero points for a scheme that has them, ``q4f16_zp``).
 """
 
 from __future__ import annotations
