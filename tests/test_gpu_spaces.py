@@ -37,6 +37,9 @@ CASES = [
     ("dequant_gemm", "m=3,n=1000,k=352", "bfloat16", "bits=4,group=32,bias=1,act=silu", "int4_gemv", "sm_90"),
     ("dequant_gemm", "m=300,n=512,k=256", "float16", "bits=4,group=128", "hopper_dequant_gemm", "sm_90"),
     ("dequant_gemm", "m=100,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu", "hopper_dequant_gemm", "sm_90"),
+    # zero points (asymmetric AWQ/GPTQ): the sm_90 int4 templates decline them, the generic spaces follow the TE
+    ("dequant_gemm", "m=2,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
+    ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
     ("moe_gemm", "m=2,e=8,n=512,k=256", "float16", "", "gpu_moe_matmul", "sm_90"),  # decode: 1 token x 2 experts
     ("moe_gemm", "m=64,e=4,n=384,k=448", "bfloat16", "", "gpu_moe_matmul", "sm_90"),
     ("moe_gemm", "m=24,e=3,n=96,k=160", "float32", "", "gpu_moe_matmul", "sm_80"),
@@ -399,8 +402,8 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
 
 def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, the wgmma dequant
-    kernel 17 rows on (one scale per k step); int8 weights, 9-16 rows, groups of 32 and older GPUs keep
-    the TensorIR spaces."""
+    kernel 17 rows on (one scale per k step); int8 weights, 9-16 rows, groups of 32, zero points (their zero
+    point is 8) and older GPUs keep the TensorIR spaces."""
 
     def space(shape, attrs, target):
         return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
@@ -412,6 +415,8 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=17,n=4096,k=4096", "bits=4", sm90) == "hopper_dequant_gemm"  # prefill: wgmma
     assert space("m=512,n=4096,k=4096", "bits=4,group=32", sm90) == "gpu_matmul"  # two scales per k step
     assert space("m=1,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
+    assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
+    assert space("m=17,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "gpu_matmul"
 
 
 def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):

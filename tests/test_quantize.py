@@ -71,6 +71,33 @@ def test_quantized_weights_are_what_dequant_gemm_reads_rounded_to_the_nearest_le
     assert bool((levels.reshape(n, k // group, group).gather(-1, peak[..., None]).abs()[[0, 1, 3, 4, 5]] == top).all())
 
 
+def test_q4f16_zp_weights_are_what_dequant_gemm_with_zero_points_reads():
+    """q4f16_zp's codes, scales and zero points in dequant_gemm's zeros=1 layout (its own reference dequantises
+    them): every weight within half a level of its float value, a group's range (0 included) spanning the 16
+    levels, zero points where a group's minimum puts them (0 for a group of positive weights)."""
+    import torch
+
+    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.workloads import get_operator, make_workload
+
+    n, k = 6, 256
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.05
+    weight[2, :128] = 0.0  # an all-zero group quantises to zeros
+    weight[3, 128:] = weight[3, 128:].abs() + 0.01  # positive weights: zero point 0
+    codes, scales, zeros = quantize_weight(weight, "q4f16_zp", "float16")
+    assert (codes.dtype, scales.dtype, zeros.dtype) == (torch.uint8, torch.float16, torch.uint8)
+    assert tuple(codes.shape) == (n, k // 2) and tuple(scales.shape) == tuple(zeros.shape) == (n, k // 128)
+    wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, "float16", {"bits": 4, "group": 128, "zeros": 1})
+    ours = get_operator("dequant_gemm").dequantize(wl, codes, scales, zeros)
+    assert torch.equal(ours.half().double(), dequantize_weight(codes, scales, "q4f16_zp", k, "float16", zeros))
+    step = scales.double().repeat_interleave(128, dim=1)
+    assert bool(((ours - weight).abs() <= step / 2 + 1e-12).all())
+    assert bool((ours[2, :128] == 0).all()) and int(zeros[3, 1]) == 0 and int(zeros.max()) <= 15
+    assert int(zeros[[0, 1, 4, 5]].min()) > 0  # normal weights: the zero point inside the range
+    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, k // 128, 128)
+    assert bool((nibbles.amax(-1) - nibbles.amin(-1) >= 14)[[0, 1, 3, 4, 5]].all())  # the levels are used
+
+
 def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
     from autosched.errors import UsageError
     from autosched.generation.decoder import DecoderConfig
@@ -83,7 +110,7 @@ def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
     moe = DecoderConfig("mixtral", 512, 128, 4, 2, 32, 2, 256, experts=4, top_k=2, expert_mlp=256, sparse_layers=[0, 1])
     with pytest.raises(UsageError, match="mixture-of-experts models"):
         check_quantizable(moe, "q4f16")
-    with pytest.raises(UsageError, match="'fp8' is not a scheme: use q4f16 or q8f16"):
+    with pytest.raises(UsageError, match="'fp8' is not a scheme: use q4f16, q4f16_zp or q8f16"):
         group_size("fp8", 128)
     # dequant_gemm's group: its usual sizes or any other positive one (k: a scale per output channel)
     from autosched.workloads import make_workload
@@ -161,11 +188,12 @@ def _reference_model(hf, artifact):
     state = ref.state_dict()
 
     def weight(prefix):
-        codes, scales = named[prefix + ".qweight"], named[prefix + ".scales"]
+        codes, scales, zeros = named[prefix + ".qweight"], named[prefix + ".scales"], named.get(prefix + ".zeros")
         n, k = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
         group = k // scales.shape[1]
-        wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, cfg["dtype"], {"bits": bits, "group": group})
-        return get_operator("dequant_gemm").dequantize(wl, codes, scales)
+        attrs = {"bits": bits, "group": group, "zeros": int(zeros is not None)}
+        wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, cfg["dtype"], attrs)
+        return get_operator("dequant_gemm").dequantize(wl, codes, scales, zeros)
 
     q, kv = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"]
     for i in range(cfg["layers"]):
@@ -182,7 +210,7 @@ def _reference_model(hf, artifact):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["q4f16", "q8f16"])
+@pytest.mark.parametrize("scheme", ["q4f16", "q8f16", "q4f16_zp"])
 def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(tiny_llama, scheme):
     """Every position of the dynamic prefill (TVM's schedule of the dequantising TE), a static prefill chunk
     and a static decode step (dequant_gemm kernels) give the float64 reference's logits up to fp32
@@ -491,10 +519,14 @@ def _pack_awq(fields):
     return words.to(torch.int32)
 
 
-def _write_prequantized(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = False, fmt: str = "gptq"):
+def _write_prequantized(hf, folder, float_folder, zero_point: int = 8, desc_act: bool = False, fmt: str = "gptq",
+                        asymmetric: bool = False):
     """``hf``'s projections quantised as q4f16 quantises them (float16 scales), written as a GPTQ checkpoint
     (format "gptq": zero points stored one less) or, with ``fmt="awq"``, an AutoAWQ GEMM one in ``folder``;
-    ``float_folder`` gets the float model whose projections are those dequantised weights."""
+    ``float_folder`` gets the float model whose projections are those dequantised weights. ``asymmetric``: each
+    group and output channel a random zero point instead (AWQ 0 to 15; GPTQ 1 to 16, whose stored fields are 0 to
+    15) and codes ``round(w / s) + z`` clipped to 0..15 against the range's scale, dequantised here as
+    ``s·(q − z)``."""
     import copy
 
     import torch
@@ -504,22 +536,31 @@ def _write_prequantized(hf, folder, float_folder, zero_point: int = 8, desc_act:
 
     model = copy.deepcopy(hf).float()
     state, tensors = model.state_dict(), {}
+    gen = torch.Generator().manual_seed(3)
     for key in list(state):
         if not any(f".{p}.weight" in key for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
             continue
-        codes, scales = quantize_weight(state[key], "q4f16", "float16")
         n, k = state[key].shape
-        state[key] = dequantize_weight(codes, scales, "q4f16", k, "float32").float()
-        nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, k)  # [N, K]
+        if asymmetric:
+            _, scales, _ = quantize_weight(state[key], "q4f16_zp", "float16")
+            zeros = torch.randint(1 if fmt == "gptq" else 0, 17 if fmt == "gptq" else 16, (n, k // 128), generator=gen)
+            step, zero = scales.double().repeat_interleave(128, 1), zeros.double().repeat_interleave(128, 1)
+            nibbles = torch.clamp(torch.round(state[key].double() / step) + zero, 0, 15).to(torch.int64)
+            state[key] = ((nibbles.double() - zero) * step).float()  # exact in float32
+            zero_points = zeros.t()  # [K / group, N]
+        else:
+            codes, scales = quantize_weight(state[key], "q4f16", "float16")
+            state[key] = dequantize_weight(codes, scales, "q4f16", k, "float32").float()
+            nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, k)  # [N, K]
+            zero_points = torch.full((k // 128, n), zero_point)
         prefix = key[: -len("weight")]
         tensors[prefix + "scales"] = scales.t().contiguous()
         if fmt == "awq":
             tensors[prefix + "qweight"] = _pack_awq(nibbles.t())
-            tensors[prefix + "qzeros"] = _pack_awq(torch.full((k // 128, n), zero_point))
+            tensors[prefix + "qzeros"] = _pack_awq(zero_points)
             continue
         tensors[prefix + "qweight"] = _pack_along(nibbles.t(), 0)
-        zeros = torch.full((k // 128, n), zero_point - 1)
-        tensors[prefix + "qzeros"] = _pack_along(zeros, 1)
+        tensors[prefix + "qzeros"] = _pack_along(zero_points - 1, 1)
         tensors[prefix + "g_idx"] = (torch.arange(k) // 128).to(torch.int32)
     model.load_state_dict(state)
     model.save_pretrained(float_folder)
@@ -538,7 +579,7 @@ def _write_prequantized(hf, folder, float_folder, zero_point: int = 8, desc_act:
             "bits": 4,
             "group_size": 128,
             "desc_act": desc_act,
-            "sym": True,
+            "sym": not asymmetric,
             "checkpoint_format": "gptq",
         }
     (folder / "config.json").write_text(json.dumps(config))
@@ -560,26 +601,53 @@ def test_awq_codes_unpack_from_autoawqs_interleaved_order():
     got_codes, got_zeros = unpack_awq(_pack_awq(codes), _pack_awq(zeros))
     assert torch.equal(got_codes, codes) and torch.equal(got_zeros, zeros)
     scales = torch.rand(k // 128, n, generator=gen).half()
-    packed, got_scales = repack(_pack_awq(codes), _pack_awq(torch.full((k // 128, n), 8)), scales)
+    packed, got_scales, got_zeros = repack(_pack_awq(codes), _pack_awq(zeros), scales)
     assert packed.dtype == torch.uint8 and tuple(packed.shape) == (n, k // 2)
     assert torch.equal(packed & 15, codes.t()[:, 0::2].to(torch.uint8))
     assert torch.equal(packed >> 4, codes.t()[:, 1::2].to(torch.uint8))
     assert torch.equal(got_scales, scales.t())
+    assert got_zeros.dtype == torch.uint8 and torch.equal(got_zeros, zeros.t().to(torch.uint8))  # asymmetric: kept
+
+
+def test_gptq_zero_points_read_as_its_library_reads_them():
+    """GPTQ's "gptq" format stores each zero point one less (its 4-bit field plus one is read back: 1 to 16, a
+    stored -1 coming back as 16), "gptq_v2" as it is; codes and scales repack as AWQ's do."""
+    import torch
+
+    from autosched.generation.gptq import repack
+
+    gen = torch.Generator().manual_seed(0)
+    k, n = 256, 16
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    fields = torch.randint(0, 16, (k // 128, n), generator=gen)
+    fields[0, :2] = torch.tensor([0, 15])
+    scales = torch.rand(k // 128, n, generator=gen).half()
+    g_idx = (torch.arange(k) // 128).to(torch.int32)
+    for offset, (low, high) in ((1, (1, 16)), (0, (0, 15))):  # "gptq", "gptq_v2"
+        packed, got_scales, zeros = repack(_pack_along(codes, 0), _pack_along(fields, 1), scales, g_idx, 128, offset)
+        assert torch.equal(zeros, (fields + offset).t().to(torch.uint8)) and torch.equal(got_scales, scales.t())
+        assert (int(zeros.min()), int(zeros.max())) == (low, high)
+        assert torch.equal(packed & 15, codes.t()[:, 0::2].to(torch.uint8))
 
 
 def test_awq_checkpoints_kernels_cannot_run_are_refused_in_one_line(tmp_path):
-    """Asymmetric zero points (not re-quantised), a version other than gemm, other bit widths, no groups and
-    zero_point false are each refused with a UsageError that names the problem."""
+    """A version other than gemm, other bit widths, no groups and zero_point false are each refused with a
+    UsageError that names the problem; an asymmetric checkpoint is refused only as q4f16 (it builds as q4f16_zp)."""
     import torch
 
     from autosched.errors import UsageError
-    from autosched.generation.awq import load_awq, repack
+    from autosched.generation.awq import load_awq
     from autosched.generation.build import load_generation_model
+    from autosched.generation.prequantized import choose_scheme
 
-    zeros = torch.full((2, 8), 8)
+    zeros = torch.full((2, 8), 8, dtype=torch.uint8)
+    given = {"layers.0.o.qweight": None, "layers.0.o.zeros": zeros}
+    assert choose_scheme(given, None, "AWQ")[0] == "q4f16" and "layers.0.o.zeros" not in choose_scheme(given, None, "AWQ")[1]
+    assert choose_scheme(given, "q4f16_zp", "AWQ") == ("q4f16_zp", given)
     zeros[1, 3] = 7
-    with pytest.raises(UsageError, match=r"zero points other than 8 \(asymmetric\).*--quantize q4f16"):
-        repack(_pack_awq(torch.zeros(256, 8, dtype=torch.int64)), _pack_awq(zeros), torch.ones(2, 8).half())
+    assert choose_scheme(given, None, "AWQ") == ("q4f16_zp", given)
+    with pytest.raises(UsageError, match=r"zero points other than 8 \(asymmetric\).*leave out --quantize q4f16 "):
+        choose_scheme(given, "q4f16", "AWQ")
     cases = {
         "version 'gemv' is not supported": {"version": "gemv"},
         "bits=8 and group_size=128": {"bits": 8},
@@ -594,23 +662,21 @@ def test_awq_checkpoints_kernels_cannot_run_are_refused_in_one_line(tmp_path):
         with pytest.raises(UsageError, match=re.escape(says)) as raised:
             load_awq(folder, None)
         assert "\n" not in str(raised.value)
-    with pytest.raises(UsageError, match="quantised with AWQ, which builds as q4f16: leave out --quantize q8f16"):
+    with pytest.raises(UsageError, match=r"quantised with AWQ, which builds as q4f16 \(q4f16_zp with zero points "
+                       r"other than 8\): leave out --quantize q8f16"):
         load_generation_model(str(folder), quantize="q8f16")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "fmt, refused",
-    [
-        ("gptq", (({"zero_point": 6}, "asymmetric zero points (sym=false)"), ({"desc_act": True}, "desc_act=true"))),
-        ("awq", (({"zero_point": 9}, "zero points other than 8 (asymmetric)"),)),
-    ],
+    [("gptq", (({"desc_act": True}, "desc_act=true"),)), ("awq", ())],
     ids=["gptq", "awq"],
 )
 def test_a_prequantized_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llama, tmp_path, capsys, fmt, refused):
     """A GPTQ folder (4-bit, desc_act false, symmetric) or an AutoAWQ GEMM one (every zero point 8) read from its
     safetensors without the format's library and repacked gives the parameters and logits of ``--quantize q4f16``
-    of the float weights it holds; asymmetric zero points (AWQ's too: not re-quantised) and activation order are
+    of the float weights it holds (its zero points, all 8, dropped: the int4 kernels' own); activation order is
     refused in one line with exit code 2."""
     from autosched.artifact import load_generation_artifact
     from autosched.generation.evaluate import all_logits
@@ -634,6 +700,65 @@ def test_a_prequantized_checkpoint_builds_as_q4f16_of_the_same_weights(tiny_llam
         _write_prequantized(hf, folder, tmp_path / f"float-{next(iter(kind))}", fmt=fmt, **kind)
         code, lines = _run(capsys, "build", str(folder), "--generate", "-o", str(tmp_path / "no"))
         assert code == 2 and len(lines) == 1 and says in lines[0], lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_an_asymmetric_checkpoint_builds_as_q4f16_zp_and_computes_its_own_weights(tiny_llama, tmp_path, capsys, fmt):
+    """A GPTQ (sym false) or AutoAWQ GEMM folder with a random zero point per group and output channel builds as
+    q4f16_zp: its codes, scales and zero points kept as dequant_gemm's zeros=1 parameters, the logits of the
+    dynamic prefill, a static prefill chunk and a static decode step those of a float64 model of ``s·(q − z)``
+    (dequantised by the writer, not by us), its greedy tokens that model's; --quantize q4f16 is refused."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from autosched.artifact import load_generation_artifact
+    from autosched.generation import Generator
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    from .helpers import transformers_greedy
+
+    hf, _ = tiny_llama
+    _write_prequantized(hf, tmp_path / fmt, tmp_path / "float", fmt=fmt, asymmetric=True)
+    built = _build(tmp_path / fmt, tmp_path / "built", "--decode-batches", "1", "--prefill-chunks", "8", "--dtype",
+                   "float32")
+    manifest = json.loads((built / "manifest.json").read_text())
+    quant = manifest["quantization"]
+    assert (quant["scheme"], quant["source"], quant["zero_points"]) == ("q4f16_zp", fmt, True)
+    assert manifest["decoder"]["quantize"] == "q4f16_zp"
+    kernels = [w["workload"] for w in manifest["workload_kernels"].values() if w["workload"].startswith("dequant_gemm")]
+    assert len(kernels) == 8 and all(k.endswith(";zeros=1") for k in kernels)  # 4 projections x decode_b1, prefill_t8
+    _, params, _, _ = load_generation_artifact(built)
+    named = dict(zip(manifest["param_names"], params))
+    zeros = named["layers.0.o.zeros"].numpy()
+    assert zeros.dtype == np.uint8 and zeros.shape == (128, 1)
+    every = np.concatenate([p.numpy().ravel() for name, p in named.items() if name.endswith(".zeros")])
+    assert (every.min(), every.max()) == ((1, 16) if fmt == "gptq" else (0, 15)) and len(np.unique(every)) == 16
+
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "float").double().eval()
+    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3, 3, 3, 4, 42, 43, 44, 45, 46, 17, 301]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].numpy()
+        floats = copy.deepcopy(hf).double()(torch.tensor([ids])).logits[0].numpy()
+    tolerance = 2e-5 * np.abs(expected).max()
+    model = LoadedModel.load(built)
+    np.testing.assert_allclose(all_logits(model, ids), expected, rtol=0, atol=tolerance)
+    model.add(0)
+    chunk = model.forward("prefill_t8", [0], [8], ids[:8], prefill=True, logit_positions=np.arange(8))
+    np.testing.assert_allclose(chunk.numpy().reshape(8, -1), expected[:8], rtol=0, atol=tolerance)
+    model.forward("batch_prefill", [0], [len(ids) - 9], ids[8:-1], prefill=True)
+    step = model.forward("decode_b1", [0], [1], ids[-1:], prefill=False)
+    np.testing.assert_allclose(step.numpy().reshape(-1), expected[-1], rtol=0, atol=tolerance)
+    assert np.abs(expected - floats).max() > 20 * tolerance  # the weights were quantised
+    prompt = [5, 7, 9, 11, 13, 2, 8]
+    result = Generator(built).generate([prompt], 12)[0]
+    assert result.error is None and result.tokens == transformers_greedy(ref, prompt, 12)
+
+    code, lines = _run(capsys, "build", str(tmp_path / fmt), "--generate", "--quantize", "q4f16", "-o", str(tmp_path / "no"))
+    assert code == 2 and len(lines) == 1 and "zero points other than 8 (asymmetric)" in lines[0], lines
 
 
 @pytest.mark.slow

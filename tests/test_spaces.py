@@ -32,6 +32,7 @@ CASES = [
     ("paged_decode_attention", "b=2,h=4,hkv=2,d=8,ctx=21,page=4", "float32", ""),
     ("moe_gemm", "m=9,e=3,n=40,k=24", "float32", ""),  # a weight gathered per row
     ("add_rmsnorm", "m=5,n=100", "float32", ""),  # two outputs
+    ("dequant_gemm", "m=3,n=40,k=96", "float16", "bits=4,group=32,zeros=1"),  # int4 zero points (asymmetric)
 ]
 
 SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,
@@ -228,3 +229,18 @@ def test_cpu_attention_keeps_register_tiles_over_the_reductions(cpu_target):
     assert re.search(r"for ax4 in range\(16\):\s+for \w+ in T\.unroll\(8\):", text), "no 8-row tile under QKᵀ's reduction"
     assert check_point(task, space, point, cpu_target) < task.spec.checker(task.func).tolerance
     assert "does not divide rows_per_task" in space.validate({**point, "rows_per_task": 6})
+
+
+@pytest.mark.slow
+def test_dequant_gemm_with_zero_points_tunes_on_the_cpu(tmp_path):
+    """``autosched tune dequant_gemm --attrs ...,zeros=1``: the generated matmul space follows the TE with its
+    zero-point input, every candidate passes the float64 check, and the record is keyed with zeros=1."""
+    import json
+
+    from .helpers import cli
+
+    out = json.loads(cli("tune", "dequant_gemm", "--shape", "m=3,n=40,k=96", "--dtype", "float16", "--attrs",
+                         "bits=4,group=32,zeros=1", "--trials", "4", "--batch-size", "4", "--db", str(tmp_path / "t.db"),
+                         "--format", "json").stdout)
+    assert out["space"].startswith("matmul@") and out["attrs"]["zeros"] == 1
+    assert out["failures"] == {} and out["latency_us"] > 0

@@ -19,6 +19,7 @@ SMALL_CASES = [
     ("batch_matmul", "b=3,m=17,n=9,k=31", "float32", ""),
     ("dequant_gemm", "m=3,n=40,k=100", "float16", "bits=4,group=32"),
     ("dequant_gemm", "m=2,n=24,k=64", "float32", "bits=8,group=32,bias=1"),
+    ("dequant_gemm", "m=3,n=40,k=100", "float16", "bits=4,group=32,zeros=1,bias=1"),  # zero points, a short group
     ("rmsnorm", "m=7,n=100", "float16", ""),
     ("add_rmsnorm", "m=3,n=64", "float16", ""),
     ("softmax", "m=5,n=77", "float32", ""),
@@ -84,6 +85,7 @@ def test_shape_keys_are_the_kernels_dimensions(op, shape, params):
     (lambda: make_workload("rope", "d=15"), "even head dimension"),
     (lambda: make_workload("attention", "h=6,hkv=4"), "multiple of KV heads"),
     (lambda: make_workload("gemm", preset="nope"), "no preset"),
+    (lambda: make_workload("dequant_gemm", attrs="bits=8,zeros=1"), "zeros=1 .* is for bits=4 only"),
 ])
 def test_bad_input_is_a_usage_error(call, message):
     with pytest.raises(UsageError, match=message):
@@ -95,6 +97,19 @@ def test_workload_key_round_trip():
     assert wl.dtype == "float16"
     again = type(wl).from_json(wl.to_json())
     assert again == wl and again.key == wl.key
+
+
+def test_dequant_gemm_without_zero_points_keeps_its_key_and_function():
+    """``zeros`` is unkeyed at 0: such a workload's key (the records' key) and its function are those it had
+    before the attribute existed; zeros=1 adds the key item and a uint8 [n, groups] input after the scales."""
+    old = "dequant_gemm[m=3,n=40,k=100]:float16;bits=4;group=32;bias=False;act=none"
+    assert make_workload("dequant_gemm", "m=3,n=40,k=100", "fp16", "bits=4,group=32").key == old
+    assert make_workload("dequant_gemm", "m=3,n=40,k=100", "fp16", "bits=4,group=32,zeros=0").key == old
+    wl = make_workload("dequant_gemm", "m=3,n=40,k=100", "fp16", "bits=4,group=32,zeros=1")
+    assert wl.key == old + ";zeros=1" and type(wl).from_json(wl.to_json()) == wl
+    params = [(tuple(int(x) for x in p.shape), str(p.dtype)) for p in get_operator("dequant_gemm").build(wl).params]
+    assert params == [((3, 100), "float16"), ((40, 50), "uint8"), ((40, 4), "float16"), ((40, 4), "uint8"),
+                      ((3, 40), "float16")]
 
 
 def test_paged_decode_reference_masks_by_length():

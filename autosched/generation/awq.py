@@ -1,12 +1,12 @@
-"""AWQ checkpoints (AutoAWQ's GEMM layout, 4-bit, every zero point 8) read without their library, repacked for ``q4f16``.
+"""AWQ checkpoints (AutoAWQ's GEMM layout, 4-bit) read without their library, repacked for ``q4f16_zp`` (or ``q4f16``).
 
 An AWQ folder (``config.json`` with ``quantization_config.quant_method`` "awq", ``version`` "gemm") stores each
 quantised linear layer as ``qweight`` int32 [K, N / 8] (eight 4-bit codes along N, the output features, per
 word, interleaved: the code of output ``8 w + AWQ_ORDER[j]`` at bits ``4 j``), ``qzeros`` int32 [K / group, N / 8]
 packed the same way and ``scales`` [K / group, N]. A weight is ``scales[k // group, n] * (q[k, n] - zero[k // group,
-n])``. AWQ's zero points are per group and output channel and usually not 8 (asymmetric); ``dequant_gemm``'s is
-fixed at 8, so a checkpoint whose zero points are all 8 is repacked with its codes and scales as they are, and any
-other is refused in one line (it is not re-quantised here: quantise the float model with ``--quantize q4f16``).
+n])``. AWQ's zero points are per group and output channel and usually not 8 (asymmetric): codes, scales and zero
+points are repacked as they are into ``dequant_gemm``'s layout with zero points (``zeros=1``), and the checkpoint
+builds as ``q4f16_zp``; one whose zero points are all 8 builds as ``q4f16`` (the kernels' fixed zero point).
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ from .prequantized import check_bits_and_group, load_prequantized, quant_config,
 
 # AutoAWQ's packing order (awq/utils/packing_utils.py): bits 4 j of a word hold output 8 w + AWQ_ORDER[j].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-ASYMMETRIC = (
-    "AWQ checkpoint with zero points other than 8 (asymmetric): autosched's int4 kernels use zero point 8; "
-    "quantize the float model with --quantize q4f16 instead"
-)
 
 
 def awq_config(folder: str | Path) -> dict | None:
@@ -36,10 +32,10 @@ def unpack_awq(qweight, qzeros):
 
 
 def repack(qweight, qzeros, scales):
-    """(codes uint8 [N, K / 2], scales [N, K / group]) in ``dequant_gemm``'s layout from one AWQ GEMM layer's
-    tensors; a one-line UsageError where a zero point is not 8."""
+    """(codes uint8 [N, K / 2], scales [N, K / group], zero points uint8 [N, K / group]) in ``dequant_gemm``'s
+    layout from one AWQ GEMM layer's tensors."""
     codes, zeros = unpack_awq(qweight, qzeros)
-    return to_q4f16(codes, zeros, scales, ASYMMETRIC)
+    return to_q4f16(codes, zeros, scales)
 
 
 def check_awq_config(quant: dict) -> int:
@@ -56,7 +52,7 @@ def check_awq_config(quant: dict) -> int:
 
 def load_awq(folder: str | Path, dtype: str | None):
     """(transformers model holding the checkpoint's float tensors, the quantised projections as the decoder's
-    parameters ``layers.<i>.<p>.qweight`` / ``.scales``, the group size) of an AWQ folder."""
+    parameters ``layers.<i>.<p>.qweight`` / ``.scales`` / ``.zeros``, the group size) of an AWQ folder."""
     group = check_awq_config(awq_config(folder))
     hf, quantized = load_prequantized(
         folder, dtype, "AWQ", lambda state, prefix: repack(*(state[prefix + t] for t in ("qweight", "qzeros", "scales")))

@@ -74,6 +74,7 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
     projections quantised when built)."""
     import torch
 
+    from .prequantized import choose_scheme
     from .quantize import check_prequantized, check_quantizable, scheme
 
     if quantize:
@@ -88,13 +89,13 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
     found = [name for name, (detect, _) in readers.items() if path.is_dir() and detect(path) is not None]
     if found:
         source = found[0]
-        if quantize not in (None, "q4f16"):
+        if quantize not in (None, "q4f16", "q4f16_zp"):
             raise UsageError(
-                f"{spec} is a checkpoint quantised with {source.upper()}, which builds as q4f16: "
-                f"leave out --quantize {quantize}"
+                f"{spec} is a checkpoint quantised with {source.upper()}, which builds as q4f16 (q4f16_zp with "
+                f"zero points other than 8): leave out --quantize {quantize}"
             )
-        quantize = "q4f16"
         hf, prequantized, group = readers[source][1](path, dtype)
+        quantize, prequantized = choose_scheme(prequantized, quantize, source.upper())
     elif path.is_dir():
         if not (path / "config.json").exists():
             raise UsageError(f"{spec} is a folder without config.json: give a folder written by save_pretrained")

@@ -383,18 +383,21 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             return linear(x, self.weight, self.bias)
 
     class QuantLinear(nn.Module):
-        """A linear layer of quantised weights (``cfg.quantize``): codes and scales as ``dequant_gemm`` reads them
-        (:mod:`.quantize`), its product our ``dequant_gemm`` at static shapes (:func:`.linear.quant_linear`)."""
+        """A linear layer of quantised weights (``cfg.quantize``): codes, scales (and a scheme's zero points) as
+        ``dequant_gemm`` reads them (:mod:`.quantize`), its product our ``dequant_gemm`` at static shapes
+        (:func:`.linear.quant_linear`)."""
 
         def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: str = dtype):
             self.bits, self.group, self.k = quant_scheme(cfg.quantize).bits, group_size(cfg.quantize, in_features), in_features
             packed = in_features // 2 if self.bits == 4 else in_features
             self.qweight = nn.Parameter((out_features, packed), "uint8" if self.bits == 4 else "int8")
             self.scales = nn.Parameter((out_features, in_features // self.group), dtype)
+            zeros = quant_scheme(cfg.quantize).zeros
+            self.zeros = nn.Parameter((out_features, in_features // self.group), "uint8") if zeros else None
             self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
         def forward(self, x: Tensor) -> Tensor:
-            return quant_linear(x, self.qweight, self.scales, self.bias, self.bits, self.group, self.k)
+            return quant_linear(x, self.qweight, self.scales, self.bias, self.bits, self.group, self.k, self.zeros)
 
     # The decoder layers' projections (the router, the embeddings and the LM head stay in the model's dtype).
     Projection = QuantLinear if cfg.quantize else Linear

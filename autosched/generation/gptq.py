@@ -1,13 +1,16 @@
-"""GPTQ checkpoints (4-bit, ``desc_act`` false, symmetric) read without their library, repacked for ``q4f16``.
+"""GPTQ checkpoints (4-bit, ``desc_act`` false) read without their library, repacked for ``q4f16`` or ``q4f16_zp``.
 
 A GPTQ folder (``config.json`` with ``quantization_config.quant_method`` "gptq") stores each quantised linear
 layer as ``qweight`` int32 [K / 8, N] (eight 4-bit codes along K per word, the lowest bits first), ``qzeros``
 int32 [K / group, N / 8] (eight zero points along N per word, stored one less than they are in the original
 "gptq" format), ``scales`` [K / group, N] and ``g_idx`` [K] (the group of each input feature). A weight is
-``scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])``. With symmetric quantisation every zero point is 8:
-exactly ``dequant_gemm``'s int4 layout once transposed (codes [N, K / 2], low nibble first; scales
-[N, K / group]), so a build runs the checkpoint's own weights, not a re-quantisation of them. Other zero
-points, activation order (a ``g_idx`` other than k // group) and other bit widths are refused in one line.
+``scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])``: ``dequant_gemm``'s int4 layout with zero points once
+transposed (codes [N, K / 2], low nibble first; scales and uint8 zero points [N, K / group]), so a build runs the
+checkpoint's own weights, not a re-quantisation of them. With symmetric quantisation every zero point is 8 and
+the checkpoint builds as ``q4f16`` (the kernels' fixed zero point); with ``sym: false`` as ``q4f16_zp``. The
+"gptq" format's zero points are read as its library reads them, the 4-bit field plus one: 1 to 16 (a zero point
+of 0 was stored as -1, whose field reads 15, so it comes back as 16, as in the library's own kernels).
+Activation order (a ``g_idx`` other than k // group) and other bit widths are refused in one line.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ def gptq_config(folder: str | Path) -> dict | None:
 
 
 def repack(qweight, qzeros, scales, g_idx, group: int, zero_offset: int):
-    """(codes uint8 [N, K / 2], scales [N, K / group]) in ``dequant_gemm``'s layout from one GPTQ layer's tensors;
-    a one-line UsageError for what that layout cannot hold."""
+    """(codes uint8 [N, K / 2], scales [N, K / group], zero points uint8 [N, K / group]) in ``dequant_gemm``'s
+    layout from one GPTQ layer's tensors; a one-line UsageError for what that layout cannot hold."""
     import torch
 
     codes = unpack_int4(qweight, 0)  # [K, N]
@@ -37,18 +40,12 @@ def repack(qweight, qzeros, scales, g_idx, group: int, zero_offset: int):
             "checkpoints are supported"
         )
     zeros = unpack_int4(qzeros, 1) + zero_offset
-    return to_q4f16(
-        codes,
-        zeros,
-        scales,
-        "this GPTQ checkpoint has asymmetric zero points (sym=false): only symmetric 4-bit "
-        "checkpoints (every zero point 8) are supported",
-    )
+    return to_q4f16(codes, zeros, scales)
 
 
 def load_gptq(folder: str | Path, dtype: str | None):
     """(transformers model holding the checkpoint's float tensors, the quantised projections as the decoder's
-    parameters ``layers.<i>.<p>.qweight`` / ``.scales``, the group size) of a GPTQ folder."""
+    parameters ``layers.<i>.<p>.qweight`` / ``.scales`` / ``.zeros``, the group size) of a GPTQ folder."""
     quant = gptq_config(folder)
     group = check_bits_and_group(quant, "GPTQ")
     if quant.get("desc_act"):

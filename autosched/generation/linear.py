@@ -10,7 +10,8 @@ after a residual add, of ``add_rmsnorm`` (both in one kernel). At symbolic shape
 ``batch_decode``) the product stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default
 schedules serve. A mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed token-slot by its
 own expert's weight), static or symbolic alike. A quantised projection (``build --generate --quantize``) is a
-call of the ``dequant_gemm`` workload's kernel at static shapes and the same dequantising TE at symbolic ones.
+call of the ``dequant_gemm`` workload's kernel at static shapes and the same dequantising TE at symbolic ones
+(with ``zeros=1`` and its zero points for a scheme that has them, ``q4f16_zp``).
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, bits: int, group: int,
-                 k: int) -> Tensor:
-    """``x·dequant(Wq)ᵀ (+ bias)`` of int4/int8 codes and per-group scales (:mod:`.quantize`): our ``dequant_gemm``
-    at static shapes; at symbolic ones the same TE, which TVM's default schedules serve."""
+                 k: int, zeros: Tensor | None = None) -> Tensor:
+    """``x·dequant(Wq)ᵀ (+ bias)`` of int4/int8 codes and per-group scales (:mod:`.quantize`), with int4's per-group
+    zero points where ``zeros`` is given (else 8): our ``dequant_gemm`` at static shapes; at symbolic ones the
+    same TE, which TVM's default schedules serve."""
     from tvm.relax.frontend.nn import op
 
     from autosched.workloads import make_workload
@@ -64,18 +66,20 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None
 
     n = qweight.shape[0]
     rows = static_rows(x)
+    tail = ([zeros] if zeros is not None else []) + ([bias] if bias is not None else [])
     if rows is None:
         flat = op.reshape(x, (-1, k))
 
-        def compute(a, wq, s, *b):
-            return epilogue(dequant_matmul(a, wq, s, bits, group, k), (a.shape[0], n), scales.dtype,
-                            b[0] if b else None, "none")
+        def compute(a, wq, s, *rest):
+            z = rest[0] if zeros is not None else None
+            b = rest[-1] if bias is not None else None
+            return epilogue(dequant_matmul(a, wq, s, bits, group, k, z), (a.shape[0], n), scales.dtype, b, "none")
 
-        out = op.tensor_expr_op(compute, "dequant_matmul", [flat, qweight, scales] + ([bias] if bias is not None else []))
+        out = op.tensor_expr_op(compute, "dequant_matmul", [flat, qweight, scales] + tail)
         return op.reshape(out, (*x.shape[:-1], n))
-    wl = make_workload("dequant_gemm", {"m": rows, "n": n, "k": k}, scales.dtype,
-                       {"bits": bits, "group": group, "bias": bias is not None, "act": "none"})
-    args = [op.reshape(x, (rows, k)), qweight, scales] + ([bias] if bias is not None else [])
+    attrs = {"bits": bits, "group": group, "bias": bias is not None, "act": "none", "zeros": int(zeros is not None)}
+    wl = make_workload("dequant_gemm", {"m": rows, "n": n, "k": k}, scales.dtype, attrs)
+    args = [op.reshape(x, (rows, k)), qweight, scales] + tail
     return op.reshape(_call(wl, "autosched_dequant_gemm", args, rows, n), (*x.shape[:-1], n))
 
 

@@ -1,10 +1,12 @@
 """Checkpoints quantised already (GPTQ, :mod:`.gptq`; AWQ, :mod:`.awq`), read without their libraries: what both share.
 
 Each format packs eight 4-bit fields per int32 (in its own order) and stores per-group scales and zero points;
-:func:`unpack_int4` reads the fields, :func:`to_q4f16` checks that every zero point is 8 and repacks the codes
-as ``dequant_gemm``'s int4 layout (codes [N, K / 2], low nibble first; scales [N, K / group]), and
+:func:`unpack_int4` reads the fields, :func:`to_q4f16` repacks codes, scales and zero points as ``dequant_gemm``'s
+int4 layout (codes [N, K / 2], low nibble first; scales and uint8 zero points [N, K / group]),
 :func:`load_prequantized` reads a folder's safetensors: the float tensors into a transformers model, each
-quantised projection into the decoder's ``layers.<i>.<p>.qweight`` / ``.scales`` through the format's reader.
+quantised projection into the decoder's ``layers.<i>.<p>.qweight`` / ``.scales`` / ``.zeros`` through the format's
+reader, and :func:`choose_scheme` picks what the checkpoint builds as: ``q4f16`` where every zero point is 8
+(symmetric: the fast int4 kernels), else ``q4f16_zp`` (its zero points kept: ``dequant_gemm``'s ``zeros=1``).
 """
 
 from __future__ import annotations
@@ -46,16 +48,29 @@ def unpack_int4(words, axis: int, order=NATURAL_ORDER):
     return fields.reshape(shape)
 
 
-def to_q4f16(codes, zeros, scales, asymmetric: str):
-    """(codes uint8 [N, K / 2], scales [N, K / group]) in ``dequant_gemm``'s layout from a layer's codes [K, N],
-    zero points [K / group, N] and scales [K / group, N]; the one-line UsageError ``asymmetric`` where a zero
-    point is not 8 (the kernels' fixed zero point)."""
+def to_q4f16(codes, zeros, scales):
+    """(codes uint8 [N, K / 2], scales [N, K / group], zero points uint8 [N, K / group]) in ``dequant_gemm``'s
+    layout from a layer's codes [K, N], zero points [K / group, N] and scales [K / group, N]."""
     import torch
 
-    if not bool((zeros == 8).all()):
-        raise UsageError(asymmetric)
     nibbles = codes.t().to(torch.uint8)
-    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales.t().contiguous()
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales.t().contiguous(), zeros.t().to(torch.uint8).contiguous()
+
+
+def choose_scheme(quantized: dict, asked: str | None, what: str) -> tuple[str, dict]:
+    """(the scheme a checkpoint's projections build as, those projections' parameters for it): ``q4f16`` where
+    every zero point is 8 (its zero points dropped: the kernels' own), else ``q4f16_zp``; ``asked`` (--quantize)
+    may choose ``q4f16_zp`` for a symmetric checkpoint too, and ``q4f16`` for an asymmetric one is refused."""
+    symmetric = all(bool((t == 8).all()) for key, t in quantized.items() if key.endswith(".zeros"))
+    name = asked or ("q4f16" if symmetric else "q4f16_zp")
+    if name == "q4f16" and not symmetric:
+        raise UsageError(
+            f"this {what} checkpoint has zero points other than 8 (asymmetric), which q4f16 cannot hold: leave out "
+            "--quantize q4f16 (it builds as q4f16_zp, its zero points kept)"
+        )
+    if name == "q4f16":
+        quantized = {key: t for key, t in quantized.items() if not key.endswith(".zeros")}
+    return name, quantized
 
 
 def check_bits_and_group(quant: dict, what: str) -> int:
@@ -71,8 +86,9 @@ def check_bits_and_group(quant: dict, what: str) -> int:
 
 def load_prequantized(folder: str | Path, dtype: str | None, what: str, layer: Callable[[dict, str], tuple]):
     """(transformers model holding the checkpoint's float tensors, the quantised projections as the decoder's
-    parameters ``layers.<i>.<p>.qweight`` / ``.scales``) of a ``what`` folder; ``layer(state, prefix)`` gives
-    one projection's (codes, scales) in ``dequant_gemm``'s layout from the tensors ``<prefix>qweight``, ...."""
+    parameters ``layers.<i>.<p>.qweight`` / ``.scales`` / ``.zeros``) of a ``what`` folder; ``layer(state, prefix)``
+    gives one projection's (codes, scales, zero points) in ``dequant_gemm``'s layout from the tensors
+    ``<prefix>qweight``, ...."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -110,6 +126,6 @@ def load_prequantized(folder: str | Path, dtype: str | None, what: str, layer: C
                         "(q/k/v/o, gate/up/down) quantised with zero points are read"
                     )
                 parts.append(layer(state, prefix))
-            quantized[f"layers.{i}.{ours}.qweight"] = torch.cat([codes for codes, _ in parts])
-            quantized[f"layers.{i}.{ours}.scales"] = torch.cat([scales for _, scales in parts])
+            for index, param in enumerate(("qweight", "scales", "zeros")):
+                quantized[f"layers.{i}.{ours}.{param}"] = torch.cat([part[index] for part in parts])
     return hf, quantized

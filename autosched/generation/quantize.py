@@ -6,6 +6,10 @@ Quantised at build time from the float weights, round-to-nearest, in the layout 
   along K (the input features); where K is not a multiple of 128, the largest of 64 and 32 that divides it
   (tiny models), and a K that is not a multiple of 32 is refused. A group's scale is its largest magnitude / 7,
   so its weights take the levels -7..7 (the code 0, level -8, stays unused: symmetric).
+- ``q4f16_zp``: q4f16's codes and groups with a zero point per group and output channel (uint8 [n, k / group],
+  ``dequant_gemm``'s ``zeros=1``): w = s·(q − z). Quantised here as GPTQ's quantiser does (the group's range
+  widened to hold 0, s = range / 15, z = round(−min / s)); it is what asymmetric AWQ and GPTQ checkpoints
+  (:mod:`.awq`, :mod:`.gptq`) build as, their own zero points kept.
 - ``q8f16``: int8 weights, one scale per output channel (a group of K weights), largest magnitude / 127.
 
 Scales are kept in the model's dtype (float16 for an fp16 build: the "f16"), rounded before the weights are
@@ -27,11 +31,17 @@ class Scheme:
     bits: int
     groups: tuple[int, ...]  # group sizes to try along K, largest first; () for one group of all K (per channel)
     doc: str
+    zeros: bool = False  # int4 with a zero point per group and output channel (else zero point 8)
 
 
 SCHEMES = {
     "q4f16": Scheme(
         "q4f16", 4, (128, 64, 32), "int4 weights (zero point 8) in groups of 128 along K, scales in the model's dtype"
+    ),
+    "q4f16_zp": Scheme(
+        "q4f16_zp", 4, (128, 64, 32),
+        "int4 weights with a uint8 zero point per group and output channel (w = s·(q − z)), groups of 128 along K, "
+        "scales in the model's dtype", zeros=True,
     ),
     "q8f16": Scheme("q8f16", 8, (), "int8 weights, one scale per output channel, scales in the model's dtype"),
 }
@@ -43,7 +53,10 @@ def scheme(name: str) -> Scheme:
     """The scheme called ``name``, or a one-line UsageError naming the known ones."""
     found = SCHEMES.get(name)
     if found is None:
-        raise UsageError(f"--quantize {name!r} is not a scheme: use {' or '.join(SCHEMES)} (fp8 is not supported)")
+        known = list(SCHEMES)
+        raise UsageError(
+            f"--quantize {name!r} is not a scheme: use {', '.join(known[:-1])} or {known[-1]} (fp8 is not supported)"
+        )
     return found
 
 
@@ -75,16 +88,26 @@ def check_quantizable(cfg, name: str) -> None:
         group_size(name, k)
 
 
-def quantize_weight(weight, name: str, dtype: str):
-    """(codes, scales) of a float weight [n, k] (``nn.Linear``'s layout) as scheme ``name`` stores it: codes
-    uint8 [n, k / 2] (int4) or int8 [n, k], scales [n, k / group] in ``dtype``, as torch tensors."""
+def quantize_weight(weight, name: str, dtype: str) -> tuple:
+    """The parameters of a float weight [n, k] (``nn.Linear``'s layout) as scheme ``name`` stores them, as torch
+    tensors: (codes, scales), codes uint8 [n, k / 2] (int4) or int8 [n, k] and scales [n, k / group] in
+    ``dtype``; a scheme with zero points adds them: (codes, scales, zeros uint8 [n, k / group])."""
     import torch
 
     s = scheme(name)
     n, k = weight.shape
     group = group_size(name, k)
-    top = 7 if s.bits == 4 else 127
     w = weight.detach().double().reshape(n, k // group, group)
+    if s.zeros:
+        # GPTQ's quantiser: the group's range widened to hold 0, 15 steps over it, 0 on a level (the zero point).
+        low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+        scales = ((high - low) / 15).to(getattr(torch, dtype))
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        zeros = torch.clamp(torch.round(-low / scales.double()), 0, 15)
+        codes = torch.clamp(torch.round(w / scales.double()[..., None]) + zeros[..., None], 0, 15).reshape(n, k)
+        nibbles = codes.to(torch.uint8)
+        return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales, zeros.to(torch.uint8)
+    top = 7 if s.bits == 4 else 127
     scales = (w.abs().amax(-1) / top).to(getattr(torch, dtype))
     # An all-zero group (or a scale below the dtype's range) quantises to zeros against a scale of one.
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -95,16 +118,17 @@ def quantize_weight(weight, name: str, dtype: str):
     return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales
 
 
-def dequantize_weight(codes, scales, name: str, k: int, dtype: str):
+def dequantize_weight(codes, scales, name: str, k: int, dtype: str, zeros=None):
     """The float weight [n, k] ``dequant_gemm`` computes with (each weight rounded to ``dtype``), as a float64
-    torch tensor: for references."""
+    torch tensor: for references. ``zeros``: int4's zero points [n, k / group] (None: 8)."""
     import torch
 
     s = scheme(name)
     group = group_size(name, k)
     if s.bits == 4:
         c = codes.to(torch.int16)
-        values = torch.stack([c & 15, (c >> 4) & 15], dim=-1).reshape(c.shape[0], -1).double() - 8.0
+        values = torch.stack([c & 15, (c >> 4) & 15], dim=-1).reshape(c.shape[0], -1).double()
+        values = values - (zeros.double().repeat_interleave(group, dim=1) if zeros is not None else 8.0)
     else:
         values = codes.double()
     w = values * scales.double().repeat_interleave(group, dim=1)
@@ -127,20 +151,27 @@ def check_prequantized(cfg, group: int, what: str) -> None:
             )
 
 
+def parameter_names(name: str) -> tuple[str, ...]:
+    """A quantised projection's parameters under scheme ``name``, in :func:`quantize_weight`'s order."""
+    return ("qweight", "scales", "zeros") if scheme(name).zeros else ("qweight", "scales")
+
+
 def quantize_weights(weights: dict, cfg, name: str, given: dict | None = None) -> dict:
     """``weights`` (the decoder's parameters by name, :func:`~.decoder.weights_from_hf`) with each quantised
-    projection's ``<p>.weight`` replaced by ``<p>.qweight`` (codes) and ``<p>.scales``: those of ``given``
-    (a checkpoint quantised already, :mod:`.gptq`, :mod:`.awq`) where it has them, else quantised here."""
+    projection's ``<p>.weight`` replaced by ``<p>.qweight`` (codes) and ``<p>.scales`` (and ``<p>.zeros`` for a
+    scheme with zero points): those of ``given`` (a checkpoint quantised already, :mod:`.gptq`, :mod:`.awq`)
+    where it has them, else quantised here."""
     out = {}
     given = given or {}
+    names = parameter_names(name)
     for key, value in weights.items():
         parts = key.split(".")
         if parts[0] == "layers" and len(parts) == 4 and parts[2] in QUANTIZED_PROJECTIONS and parts[3] == "weight":
             prefix = key[: -len(".weight")]
             if prefix + ".qweight" in given:
-                out[prefix + ".qweight"], out[prefix + ".scales"] = given[prefix + ".qweight"], given[prefix + ".scales"]
+                out.update({f"{prefix}.{p}": given[f"{prefix}.{p}"] for p in names})
                 continue
-            out[prefix + ".qweight"], out[prefix + ".scales"] = quantize_weight(value, name, cfg.dtype)
+            out.update({f"{prefix}.{p}": t for p, t in zip(names, quantize_weight(value, name, cfg.dtype))})
         else:
             out[key] = value
     return out
@@ -157,7 +188,12 @@ def manifest_entry(cfg, source: str = "build") -> dict | None:
         "scheme": s.name,
         "bits": s.bits,
         "about": s.doc,
-        "layout": ("uint8, two int4 per byte, low nibble first, zero point 8" if s.bits == 4 else "int8, symmetric"),
+        "layout": (
+            "int8, symmetric" if s.bits == 8
+            else "uint8, two int4 per byte, low nibble first; zero points uint8 [n, k / group], w = s·(q − z)"
+            if s.zeros else "uint8, two int4 per byte, low nibble first, zero point 8"
+        ),
+        "zero_points": s.zeros,
         "scale_dtype": cfg.dtype,
         "group_size": {what: group_size(s.name, k) for what, k in ks.items()},
         "projections": list(QUANTIZED_PROJECTIONS),

@@ -78,12 +78,15 @@ class Preset:
 @dataclass(frozen=True)
 class Attr:
     """A non-shape parameter of an operator with its allowed values (the first is the default). ``open``: any
-    positive whole number is allowed too, the choices being the usual ones (a quantisation group of a whole row)."""
+    positive whole number is allowed too, the choices being the usual ones (a quantisation group of a whole row).
+    ``unkeyed_default``: at its default the attribute is left out of the workload, so that one added to an
+    operator later keeps the keys and records of the workloads that existed before it."""
 
     name: str
     choices: tuple[Any, ...]
     doc: str = ""
     open: bool = False
+    unkeyed_default: bool = False
 
     @property
     def default(self) -> Any:
@@ -137,7 +140,8 @@ class Operator:
         norm = []
         for a in self.attrs:
             value = _coerce_attr(attrs.get(a.name, a.default), a)
-            norm.append((a.name, value))
+            if not (a.unkeyed_default and value == a.default):
+                norm.append((a.name, value))
         self.check(full, dtype, dict(norm))
         return Workload(self.name, tuple(full.items()), dtype, tuple(norm))
 

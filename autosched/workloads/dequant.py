@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import math
 
+from ..errors import UsageError
 from ._base import DTYPE_BYTES, Attr, Operator, Preset, ceil_div, randn, register, torch_dtype
 from .gemm import EPILOGUE_ATTRS, epilogue, torch_epilogue
 
 
-def dequant_matmul(A, Wq, S, bits: int, group: int, k: int):
+def dequant_matmul(A, Wq, S, bits: int, group: int, k: int, Z=None):
     """The TE of ``A·dequant(Wq)ᵀ`` in fp32 (the weights dequantised to ``S``'s dtype first); A's rows may be
-    symbolic (a generation module's dynamic functions compute it so, on TVM's default schedules)."""
+    symbolic (a generation module's dynamic functions compute it so, on TVM's default schedules). ``Z``: int4's
+    zero points, uint8 [n, groups] (asymmetric checkpoints); None: every zero point 8."""
     from tvm import te, tirx
 
     m, n, dtype = A.shape[0], Wq.shape[0], S.dtype
     if bits == 4:
+        def zero(j, r):
+            return Z[j, r // group].astype("float32") if Z is not None else tirx.const(8.0, "float32")
+
         def value(j, r):
             byte = Wq[j, r // 2]
             shift = ((r % 2) * 4).astype("uint8")
-            return (tirx.shift_right(byte, shift) & tirx.const(15, "uint8")).astype("float32") - 8.0
+            return (tirx.shift_right(byte, shift) & tirx.const(15, "uint8")).astype("float32") - zero(j, r)
     else:
         def value(j, r):
             return Wq[j, r].astype("float32")
@@ -33,20 +38,28 @@ def dequant_matmul(A, Wq, S, bits: int, group: int, k: int):
 @register
 class DequantGemm(Operator):
     name = "dequant_gemm"
-    description = ("C = A·dequant(Wq)ᵀ; Wq int4 (two per uint8, low nibble first, zero point 8) or int8, "
-                   "scales[n, ceil(k/group)]; fp32 accumulation")
+    description = ("C = A·dequant(Wq)ᵀ; Wq int4 (two per uint8, low nibble first, zero point 8, or with zeros=1 "
+                   "uint8 zero points[n, ceil(k/group)]) or int8, scales[n, ceil(k/group)]; fp32 accumulation")
     shape_keys = ("m", "n", "k")
     defaults = {"m": 1, "n": 4096, "k": 4096}
     dtypes = ("float16", "float32", "bfloat16")
     attrs = (Attr("bits", (4, 8), "weight bits"),
              Attr("group", (128, 32, 64, 256), "weights per scale (k or more: one per output channel)", open=True),
-             *EPILOGUE_ATTRS)
+             *EPILOGUE_ATTRS,
+             # Last and unkeyed at 0, so that the workloads without zero points keep their keys and records.
+             Attr("zeros", (0, 1), "int4 only: 1 takes a zero point per group and output channel, uint8 "
+                  "[n, ceil(k/group)], w = s·(q − z) (asymmetric AWQ/GPTQ); 0: every zero point 8",
+                  unkeyed_default=True))
     family = "matmul"
     presets = (
         Preset("llama2-7b-decode-up", {"m": 1, "n": 11008, "k": 4096}, note="decode GEMV, MLP up"),
         Preset("llama2-7b-decode-o", {"m": 1, "n": 4096, "k": 4096}, note="decode GEMV, attention out"),
         Preset("llama2-7b-prefill-up", {"m": 2048, "n": 11008, "k": 4096}, note="prefill, MLP up"),
     )
+
+    def check(self, shape, dtype, attrs):
+        if attrs.get("zeros") and attrs["bits"] != 4:
+            raise UsageError("dequant_gemm's zeros=1 (zero points) is for bits=4 only: int8 weights are symmetric")
 
     def build(self, wl):
         from tvm import te
@@ -57,10 +70,12 @@ class DequantGemm(Operator):
         S = te.placeholder((n, ceil_div(k, group)), wl.dtype, name="scale")
         Wq = te.placeholder((n, ceil_div(k, 2)) if a["bits"] == 4 else (n, k), "uint8" if a["bits"] == 4 else "int8",
                             name="Wq")
-        acc = dequant_matmul(A, Wq, S, a["bits"], group, k)
+        Z = te.placeholder((n, ceil_div(k, group)), "uint8", name="zero") if a.get("zeros") else None
+        acc = dequant_matmul(A, Wq, S, a["bits"], group, k, Z)
         bias = te.placeholder((n,), wl.dtype, name="bias") if a["bias"] else None
         out = epilogue(acc, (m, n), wl.dtype, bias, a["act"])
-        return te.create_prim_func([A, Wq, S] + ([bias] if bias is not None else []) + [out])
+        return te.create_prim_func([A, Wq, S] + ([Z] if Z is not None else []) + ([bias] if bias is not None else [])
+                                   + [out])
 
     def make_inputs(self, wl, gen, device):
         import torch
@@ -76,19 +91,23 @@ class DequantGemm(Operator):
         # Positive scales around `scale`, so that outputs stay O(1) in half precision.
         scales = (torch.rand((n, ceil_div(k, a["group"])), generator=gen) + 0.5) * scale
         ins = [randn((s["m"], k), wl.dtype, gen, device), wq.to(device), scales.to(torch_dtype(wl.dtype)).to(device)]
+        if a.get("zeros"):
+            ins.append(torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.uint8).to(device))
         if a["bias"]:
             ins.append(randn((n,), wl.dtype, gen, device))
         return ins
 
-    def dequantize(self, wl, wq, scales):
-        """The float64 weights [n, k] that the kernel must compute with."""
+    def dequantize(self, wl, wq, scales, zeros=None):
+        """The float64 weights [n, k] that the kernel must compute with; ``zeros``: int4's zero points
+        [n, groups] (None: 8)."""
         import torch
 
         s, a = wl.shape_dict, wl.attrs_dict
         k = s["k"]
         if a["bits"] == 4:
             w = wq.to(torch.int16)
-            w = torch.stack([w & 15, (w >> 4) & 15], dim=-1).reshape(w.shape[0], -1)[:, :k].double() - 8.0
+            w = torch.stack([w & 15, (w >> 4) & 15], dim=-1).reshape(w.shape[0], -1)[:, :k].double()
+            w = w - (zeros.double().repeat_interleave(a["group"], dim=1)[:, :k] if zeros is not None else 8.0)
         else:
             w = wq.double()
         return w * scales.double().repeat_interleave(a["group"], dim=1)[:, :k]
@@ -99,8 +118,9 @@ class DequantGemm(Operator):
 
     def reference(self, wl, inputs):
         a = wl.attrs_dict
-        w = self.dequantize(wl, inputs[1], inputs[2])
-        bias = inputs[3] if a["bias"] else None
+        zeros = inputs[3] if a.get("zeros") else None
+        w = self.dequantize(wl, inputs[1], inputs[2], zeros)
+        bias = inputs[4 if zeros is not None else 3] if a["bias"] else None
         return [torch_epilogue(inputs[0].double() @ w.T, bias, a["act"])]
 
     def flops(self, wl):
@@ -111,5 +131,5 @@ class DequantGemm(Operator):
         s, a = wl.shape_dict, wl.attrs_dict
         e = DTYPE_BYTES[wl.dtype]
         weights = s["n"] * (ceil_div(s["k"], 2) if a["bits"] == 4 else s["k"])
-        scales = s["n"] * ceil_div(s["k"], a["group"]) * e
+        scales = s["n"] * ceil_div(s["k"], a["group"]) * (e + (1 if a.get("zeros") else 0))  # uint8 zero points
         return e * (s["m"] * s["k"] + s["m"] * s["n"]) + weights + scales

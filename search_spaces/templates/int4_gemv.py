@@ -213,7 +213,9 @@ class Int4Template(HopperTemplate):
     @classmethod
     def suits_target(cls, target, hints) -> bool:
         hints = hints or {}
-        return target.arch in HOPPER_ARCHS and hints.get("op") == "dequant_gemm" and hints.get("bits") == 4
+        # The kernels' zero point is 8: a workload with zero points (zeros=1) falls back to the TensorIR spaces.
+        return (target.arch in HOPPER_ARCHS and hints.get("op") == "dequant_gemm" and hints.get("bits") == 4
+                and not hints.get("zeros"))
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
@@ -324,4 +326,6 @@ def _shape(func) -> tuple[int, int, int, str] | None:
     (a, wq, _), ((m, k), (n, half_k), (m2, n2)) = found
     if str(wq.dtype) != "uint8" or half_k * 2 != k or m != m2 or n != n2:
         return None
+    if any(str(getattr(p, "dtype", "")) == "uint8" for p in list(func.params)[2:]):
+        return None  # zero points (a uint8 input after the scales): the templates' zero point is fixed at 8
     return m, n, k, str(a.dtype)
