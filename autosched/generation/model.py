@@ -60,7 +60,9 @@ class LoadedModel:
         m = manifest
         if m["target"]["kind"] == "llvm":
             use_all_cpu_threads()  # as the kernels were tuned and timed; before the first kernel runs
-        self.manifest, self.vm, self.params, self.device = m, vm, params, device
+        self.manifest, self.vm, self.device = m, vm, device
+        # One TVM array of the parameters, made once: a Python list would be converted at every call.
+        self.params = tvm.runtime.convert(list(params))
         self.vocab = m["decoder"]["vocab"]
         self.max_seq_len, self.max_batch, self.page_size = m["max_seq_len"], m["max_batch"], m["page_size"]
         self.eos_token_ids = frozenset(m.get("eos_token_ids", []))
