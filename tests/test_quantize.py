@@ -209,6 +209,24 @@ def _reference_model(hf, artifact):
     return ref
 
 
+def assert_functions_match(artifact, ids, expected):
+    """The artifact's dynamic prefill (every position), its ``prefill_t8`` chunk and its ``decode_b1`` step give
+    ``expected`` (float64 logits of ``ids``) within 2e-5 of its largest; returns that tolerance."""
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    tolerance = 2e-5 * np.abs(expected).max()
+    model = LoadedModel.load(artifact)
+    np.testing.assert_allclose(all_logits(model, ids), expected, rtol=0, atol=tolerance)
+    model.add(0)
+    chunk = model.forward("prefill_t8", [0], [8], ids[:8], prefill=True, logit_positions=np.arange(8))
+    np.testing.assert_allclose(chunk.numpy().reshape(8, -1), expected[:8], rtol=0, atol=tolerance)
+    model.forward("batch_prefill", [0], [len(ids) - 9], ids[8:-1], prefill=True)
+    step = model.forward("decode_b1", [0], [1], ids[-1:], prefill=False)
+    np.testing.assert_allclose(step.numpy().reshape(-1), expected[-1], rtol=0, atol=tolerance)
+    return tolerance
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["q4f16", "q8f16", "q4f16_zp"])
 def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(tiny_llama, scheme):
@@ -219,8 +237,6 @@ def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(
 
     import torch
 
-    from autosched.generation.evaluate import all_logits
-    from autosched.generation.model import LoadedModel
 
     hf, root = tiny_llama
     artifact = _quantized(tiny_llama, scheme)
@@ -235,16 +251,8 @@ def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(
     with torch.no_grad():
         ref = _reference_model(hf, artifact)(torch.tensor([ids])).logits[0].numpy()
         floats = copy.deepcopy(hf).double()(torch.tensor([ids])).logits[0].numpy()
-    tolerance = 2e-5 * np.abs(ref).max()
-    model = LoadedModel.load(artifact)
-    np.testing.assert_allclose(all_logits(model, ids), ref, rtol=0, atol=tolerance)
-    model.add(0)
-    chunk = model.forward("prefill_t8", [0], [8], ids[:8], prefill=True, logit_positions=np.arange(8))
-    np.testing.assert_allclose(chunk.numpy().reshape(8, -1), ref[:8], rtol=0, atol=tolerance)
-    model.forward("batch_prefill", [0], [len(ids) - 9], ids[8:-1], prefill=True)
-    step = model.forward("decode_b1", [0], [1], ids[-1:], prefill=False)
-    np.testing.assert_allclose(step.numpy().reshape(-1), ref[-1], rtol=0, atol=tolerance)
-    assert np.abs(all_logits(model, ids) - floats).max() > 20 * tolerance  # the weights were quantised
+    tolerance = assert_functions_match(artifact, ids, ref)
+    assert np.abs(ref - floats).max() > 20 * tolerance  # the weights were quantised
 
 
 @pytest.mark.slow
@@ -716,8 +724,6 @@ def test_an_asymmetric_checkpoint_builds_as_q4f16_zp_and_computes_its_own_weight
 
     from autosched.artifact import load_generation_artifact
     from autosched.generation import Generator
-    from autosched.generation.evaluate import all_logits
-    from autosched.generation.model import LoadedModel
 
     from .helpers import transformers_greedy
 
@@ -743,15 +749,7 @@ def test_an_asymmetric_checkpoint_builds_as_q4f16_zp_and_computes_its_own_weight
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0].numpy()
         floats = copy.deepcopy(hf).double()(torch.tensor([ids])).logits[0].numpy()
-    tolerance = 2e-5 * np.abs(expected).max()
-    model = LoadedModel.load(built)
-    np.testing.assert_allclose(all_logits(model, ids), expected, rtol=0, atol=tolerance)
-    model.add(0)
-    chunk = model.forward("prefill_t8", [0], [8], ids[:8], prefill=True, logit_positions=np.arange(8))
-    np.testing.assert_allclose(chunk.numpy().reshape(8, -1), expected[:8], rtol=0, atol=tolerance)
-    model.forward("batch_prefill", [0], [len(ids) - 9], ids[8:-1], prefill=True)
-    step = model.forward("decode_b1", [0], [1], ids[-1:], prefill=False)
-    np.testing.assert_allclose(step.numpy().reshape(-1), expected[-1], rtol=0, atol=tolerance)
+    tolerance = assert_functions_match(built, ids, expected)
     assert np.abs(expected - floats).max() > 20 * tolerance  # the weights were quantised
     prompt = [5, 7, 9, 11, 13, 2, 8]
     result = Generator(built).generate([prompt], 12)[0]
