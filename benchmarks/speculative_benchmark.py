@@ -9,13 +9,17 @@ For each batch size:
 - ``decode_ms``, ``verify_ms``: one static decode step against one static verify call of K + 1 tokens per
   sequence (the rejected tokens popped after each), on sequences of ``--prompt`` cached tokens: the cost
   of verifying, which speculative decoding trades against the tokens it accepts;
-- ``plain_ms_per_step`` and, speculating with the draft (``draft``) and with the target as its own draft
-  (``self``, every proposal accepted: the ceiling of tokens per step, with a draft as costly as the
-  model), ms per step, tokens per sequence per step and the acceptance rate. Random weights make a real
-  draft's acceptance meaningless; the costs are what this measures. Greedy tokens are checked against the
-  plain run's for every prompt.
+- ``plain_ms_per_step`` and, speculating with each draft, ms per step, tokens per sequence per step, the
+  acceptance rate and the speedup in tokens per second: ``replay`` (the plain run's own greedy tokens,
+  proposed at no cost: every proposal kept, the ceiling of the mechanism), ``never`` (those tokens shifted
+  by one: every proposal rejected, what verifying costs when a draft never agrees), ``draft`` (the cut model)
+  and ``self`` (the target as its own draft: every proposal kept, with a draft as costly as the model).
+  Random weights make a real draft's acceptance meaningless; the costs are what this measures. Greedy tokens
+  are checked against the plain run's for every prompt.
 
-    python benchmarks/speculative_benchmark.py --model llama2-7b --batches 1,8 --speculate 4 --out spec.json
+``--db``: the records of ``tune-model --generate --speculate K`` (the verify functions' kernels among them).
+
+    python benchmarks/speculative_benchmark.py --model llama2-7b --batches 1,8 --speculate 4 --db tune.db --out spec.json
     python benchmarks/speculative_benchmark.py --target llvm --layers 2 --draft-layers 1 --prompt 16 --new 16
 """
 
@@ -34,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import generate_benchmark as gb  # noqa: E402 - after the path: make_model and the device choice
 
 
-def build(model, batches: tuple[int, ...], speculate: tuple[int, ...], max_seq_len: int):
-    """A LoadedModel of ``model`` compiled in memory (static decode and verify functions at ``batches``)."""
+def build(model, batches: tuple[int, ...], speculate: tuple[int, ...], max_seq_len: int, db_path: str | None = None):
+    """A LoadedModel of ``model`` compiled in memory (static decode and verify functions at ``batches``; the
+    records of the tuning database ``db_path`` applied where given)."""
     import torch
     import tvm
     from tvm import relax
@@ -48,7 +53,14 @@ def build(model, batches: tuple[int, ...], speculate: tuple[int, ...], max_seq_l
     target = parse_target("cuda" if gb.DEVICE == "cuda" else "llvm")
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     gm = GenerationModel("benchmark", model, config_from_hf(model.config, dtype), [])
-    executable, names, report = compile_generation(gm, target, None, batches, speculate=speculate)
+    db = None
+    if db_path:
+        from autosched.database.store import Database
+
+        db = Database(db_path)
+    executable, names, report = compile_generation(gm, target, db, batches, speculate=speculate)
+    if db is not None:
+        db.close()
     weights = weights_from_hf(model.state_dict(), gm.config)
     params = [tvm.runtime.from_dlpack(weights[n].clone(memory_format=torch.contiguous_format)) for n in names]
     manifest = generation_manifest(gm, names, target, report, max_seq_len, max(batches), decode_batches=batches,
@@ -65,6 +77,28 @@ def truncated(model, layers: int):
     draft.model.layers = draft.model.layers[:layers]
     draft.config.num_hidden_layers = layers
     return draft
+
+
+def replay_drafts(runs: dict[tuple, list[int]], vocab: int):
+    """(replay, never): drafts that propose a plain greedy run's own tokens at no cost (every proposal kept:
+    the ceiling of tokens per step) and those tokens shifted by one (every proposal rejected: what verifying
+    costs when the draft never agrees). ``runs``: each prompt's tokens from the plain run."""
+    from autosched.generation.speculative import PromptLookupDraft, Proposal
+
+    class Replay(PromptLookupDraft):
+        def __init__(self, shift: int):
+            super().__init__()
+            self.shift = shift
+
+        def propose(self, requests):
+            out = []
+            for seq, k in requests:
+                made = len(seq.completion.tokens)
+                tokens = runs[tuple(seq.prompt_context)][made:made + k]
+                out.append(Proposal([(t + self.shift) % vocab for t in tokens]))
+            return out
+
+    return Replay(0), Replay(1)
 
 
 def call_ms(model, batch: int, k: int, prompt: int, repeats: int = 20) -> tuple[float, float]:
@@ -122,6 +156,8 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--db", help="a tuning database whose records both builds apply (tune-model --generate "
+                                     "--speculate K, for the verify functions)")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
     args = parser.parse_args()
@@ -130,8 +166,8 @@ def main() -> int:
     k, max_seq_len = args.speculate, args.prompt + args.new + args.speculate + 8
     model = gb.make_model(args.model, args.layers)
     began = time.perf_counter()
-    make_target = build(model, batches, (k,), max_seq_len)
-    make_draft = build(truncated(model, args.draft_layers), batches, (), max_seq_len)
+    make_target = build(model, batches, (k,), max_seq_len, args.db)
+    make_draft = build(truncated(model, args.draft_layers), batches, (), max_seq_len, args.db)
     print(f"{args.model}, {args.layers} layers (draft {args.draft_layers}), built in {time.perf_counter() - began:.1f} s",
           flush=True)
     rows = []
@@ -145,7 +181,9 @@ def main() -> int:
         prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt), generator=generator).tolist()
         plain, tokens = run(make_target, None, prompts, args.new, k)
         row["plain_ms_per_step"] = plain["ms_per_step"]
-        for name, draft in (("draft", make_draft()), ("self", make_target())):
+        replay, never = replay_drafts({tuple(p): t for p, t in zip(prompts, tokens)}, model.config.vocab_size)
+        drafts = (("replay", replay), ("never", never), ("draft", make_draft()), ("self", make_target()))
+        for name, draft in drafts:
             timing, theirs = run(make_target, draft, prompts, args.new, k)
             row[f"{name}_ms_per_step"] = timing["ms_per_step"]
             row[f"{name}_tokens_per_step"] = timing["tokens_per_step"]
