@@ -118,6 +118,9 @@ class Sampler:
 
 BISECTIONS = 40  # halvings of a threshold's interval: below float32's spacing for logits and probabilities
 FULL_WARP = 0xFFFFFFFF  # every lane of a warp takes part in its shuffles
+# A sampled row's CTA: one of 1024 caps a thread at 64 registers, fewer than the sampling passes take
+# without spilling at some vocabulary sizes (nvcc unrolls them as far as their trip count allows).
+SAMPLE_THREADS = 512
 
 
 def sample_kernel(vocab: int, gpu: bool):
@@ -129,15 +132,17 @@ def sample_kernel(vocab: int, gpu: bool):
     vocabulary order, as numpy's ``Generator.choice`` picks. No sort: each threshold is found by bisection
     (the k-th largest logit by counting, top-p's probability by summing).
 
-    On a GPU each row is one CTA of ``THREADS`` threads. Every pass over the vocabulary is a strided loop per
-    thread and a block-wide reduction (warp shuffles, then one value a warp through shared memory) after
-    which every thread holds the same maximum, count or sum, so all take the same bisection decisions. The
-    pick: each thread sums a contiguous slice of the vocabulary, an exclusive scan of the slice sums says
+    On a GPU each row is one CTA of ``SAMPLE_THREADS`` threads. Every pass over the vocabulary is a strided
+    loop per thread and a block-wide reduction (warp shuffles, then one value a warp through shared memory)
+    after which every thread holds the same maximum, count or sum, so all take the same bisection decisions.
+    The pick: each thread sums a contiguous slice of the vocabulary, an exclusive scan of the slice sums says
     where each slice's cumulative weight starts, each thread walks its own slice, and the first token found
-    wins. On the CPU the same code runs with one thread a row (reductions and scan are then nothing)."""
+    wins. Sums are float32 in another order than the host's float64, so a uniform or top_p within rounding of
+    a cumulative probability may fall on the other side. On the CPU the same code runs with one thread a row
+    (reductions and scan are then nothing)."""
     from tvm.script import tirx as T
 
-    width = THREADS if gpu else 1  # threads a row
+    width = SAMPLE_THREADS if gpu else 1  # threads a row
     share = (vocab + width - 1) // width  # tokens a thread: strided in the passes, contiguous in the pick
     warps = width // 32
     scope = "local" if gpu else "global"
@@ -316,7 +321,7 @@ def sample_kernel(vocab: int, gpu: bool):
             params = T.match_buffer(var_params, (n, 4), "float32")
             out = T.match_buffer(var_out, (n,), "int32")
             for r in T.thread_binding(n, thread="blockIdx.x"):
-                for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                for t in T.thread_binding(SAMPLE_THREADS, thread="threadIdx.x"):
                     scratch_value = T.alloc_buffer((32,), "float32", scope="shared")  # a value a warp
                     scratch_index = T.alloc_buffer((32,), "int32", scope="shared")
                     row(logits, params, out, r, t, scratch_value, scratch_index)
