@@ -130,7 +130,9 @@ def sample_kernel(vocab: int, gpu: bool):
     temperature, kept to the ``top_k`` largest (0: all) and to the smallest set of the most likely tokens whose
     probability reaches ``top_p``, then the token at ``uniform`` (in [0, 1)) of their cumulative distribution in
     vocabulary order, as numpy's ``Generator.choice`` picks. No sort: each threshold is found by bisection
-    (the k-th largest logit by counting, top-p's probability by summing).
+    (the k-th largest logit by counting, top-p's probability by summing), ``BISECTIONS`` halvings at most: they
+    stop once no later halving could change which tokens the threshold keeps, so the tokens are those of
+    every halving done.
 
     On a GPU each row is one CTA of ``SAMPLE_THREADS`` threads. Every pass over the vocabulary is a strided
     loop per thread and a block-wide reduction (warp shuffles, then one value a warp through shared memory)
@@ -176,6 +178,26 @@ def sample_kernel(vocab: int, gpu: bool):
             value[0] = T.if_then_else(t % 32 < warps, scratch[t % 32], identity)
             warp_allreduce(value, combine)
             T.tvm_storage_sync("shared")  # scratch is free for the next reduction
+
+    @T.macro
+    def block_bounds(total, least, most, scratch_total, scratch_least, scratch_most, t):
+        # a bisection step's sum, minimum and maximum, through the same two barriers
+        if gpu:
+            warp_allreduce(total, T.Add)
+            warp_allreduce(least, T.min)
+            warp_allreduce(most, T.max)
+            if t % 32 == 0:
+                scratch_total[t // 32] = total[0]
+                scratch_least[t // 32] = least[0]
+                scratch_most[t // 32] = most[0]
+            T.tvm_storage_sync("shared")
+            total[0] = T.if_then_else(t % 32 < warps, scratch_total[t % 32], T.float32(0))
+            least[0] = T.if_then_else(t % 32 < warps, scratch_least[t % 32], T.float32("inf"))
+            most[0] = T.if_then_else(t % 32 < warps, scratch_most[t % 32], T.float32("-inf"))
+            warp_allreduce(total, T.Add)
+            warp_allreduce(least, T.min)
+            warp_allreduce(most, T.max)
+            T.tvm_storage_sync("shared")
 
     @T.macro
     def warp_first_max(value, index):
@@ -228,7 +250,7 @@ def sample_kernel(vocab: int, gpu: bool):
             value[0] = T.float32(0)
 
     @T.macro
-    def row(logits, params, out, r, t, scratch_value, scratch_index):
+    def row(logits, params, out, r, t, scratch_value, scratch_least, scratch_most, scratch_index):
         top = T.alloc_buffer((1,), "float32", scope=scope)  # the largest logit
         best = T.alloc_buffer((1,), "int32", scope=scope)  # its first index, then the chosen token
         lo = T.alloc_buffer((1,), "float32", scope=scope)
@@ -237,6 +259,15 @@ def sample_kernel(vocab: int, gpu: bool):
         acc = T.alloc_buffer((1,), "float32", scope=scope)  # a count, a mass, a running sum
         total = T.alloc_buffer((1,), "float32", scope=scope)
         goal = T.alloc_buffer((1,), "float32", scope=scope)  # the mass top-p must reach, the pick's target
+        # A bisection's bounds: the smallest value lo keeps (-inf until lo moves) and the largest one hi cuts
+        # (inf until hi moves). Where they are equal, that value alone lies between lo and hi: it is the last
+        # one kept, so no later halving changes which tokens the threshold keeps, and the halvings stop. They
+        # stop too where the midpoint rounds to lo: every later halving would keep lo as it is.
+        least_kept = T.alloc_buffer((1,), "float32", scope=scope)
+        most_cut = T.alloc_buffer((1,), "float32", scope=scope)
+        count_lo = T.alloc_buffer((1,), "float32", scope=scope)  # how many logits lo keeps
+        least = T.alloc_buffer((1,), "float32", scope=scope)
+        most = T.alloc_buffer((1,), "float32", scope=scope)
         cut_logit = T.alloc_buffer((1,), "float32", scope=scope)
         cut_weight = T.alloc_buffer((1,), "float32", scope=scope)
         found = T.alloc_buffer((1,), "int32", scope=scope)
@@ -258,17 +289,31 @@ def sample_kernel(vocab: int, gpu: bool):
                         lo[0] = T.min(lo[0], logits[r, i * width + t])
                 block_allreduce(lo, scratch_value, t, T.min, T.float32("inf"))
                 hi[0] = top[0]
+                least_kept[0] = T.float32("-inf")
+                most_cut[0] = T.float32("inf")
+                count_lo[0] = T.float32(vocab)
                 for _ in range(BISECTIONS):
-                    mid[0] = (lo[0] + hi[0]) * T.float32(0.5)
-                    acc[0] = T.float32(0)
-                    for i in range(share):
-                        if i * width + t < vocab:
-                            acc[0] = acc[0] + T.Select(logits[r, i * width + t] >= mid[0], T.float32(1), T.float32(0))
-                    block_allreduce(acc, scratch_value, t, T.Add, T.float32(0))
-                    if acc[0] >= params[r, 1]:
-                        lo[0] = mid[0]
-                    else:
-                        hi[0] = mid[0]
+                    # they stop too once lo keeps exactly k: a larger threshold keeping k or more keeps those k
+                    if (least_kept[0] != most_cut[0] and count_lo[0] != params[r, 1]
+                            and (lo[0] + hi[0]) * T.float32(0.5) != lo[0]):
+                        mid[0] = (lo[0] + hi[0]) * T.float32(0.5)
+                        acc[0] = T.float32(0)
+                        least[0] = T.float32("inf")
+                        most[0] = T.float32("-inf")
+                        for i in range(share):
+                            if i * width + t < vocab:
+                                logit = logits[r, i * width + t]
+                                acc[0] = acc[0] + T.Select(logit >= mid[0], T.float32(1), T.float32(0))
+                                least[0] = T.min(least[0], T.Select(logit >= mid[0], logit, T.float32("inf")))
+                                most[0] = T.max(most[0], T.Select(logit < mid[0], logit, T.float32("-inf")))
+                        block_bounds(acc, least, most, scratch_value, scratch_least, scratch_most, t)
+                        if acc[0] >= params[r, 1]:
+                            lo[0] = mid[0]
+                            least_kept[0] = least[0]
+                            count_lo[0] = acc[0]
+                        else:
+                            hi[0] = mid[0]
+                            most_cut[0] = most[0]
                 cut_logit[0] = lo[0]
             # top-p: the largest weight threshold whose kept mass still reaches top_p of the kept total
             cut_weight[0] = T.float32(0)
@@ -281,17 +326,28 @@ def sample_kernel(vocab: int, gpu: bool):
                 goal[0] = params[r, 2] * acc[0]
                 lo[0] = T.float32(0)
                 hi[0] = T.float32(1)
+                least_kept[0] = T.float32("-inf")
+                most_cut[0] = T.float32("inf")
                 for _ in range(BISECTIONS):
-                    mid[0] = (lo[0] + hi[0]) * T.float32(0.5)
-                    acc[0] = T.float32(0)
-                    for i in range(share):
-                        if i * width + t < vocab:
-                            acc[0] = acc[0] + kept(logits, params, top, cut_logit, mid, r, i * width + t)
-                    block_allreduce(acc, scratch_value, t, T.Add, T.float32(0))
-                    if acc[0] >= goal[0]:
-                        lo[0] = mid[0]
-                    else:
-                        hi[0] = mid[0]
+                    if least_kept[0] != most_cut[0] and (lo[0] + hi[0]) * T.float32(0.5) != lo[0]:
+                        mid[0] = (lo[0] + hi[0]) * T.float32(0.5)
+                        acc[0] = T.float32(0)
+                        least[0] = T.float32("inf")
+                        most[0] = T.float32("-inf")
+                        for i in range(share):
+                            if i * width + t < vocab:
+                                if logits[r, i * width + t] >= cut_logit[0]:  # a token top-k keeps
+                                    w = weight(logits, params, top, r, i * width + t)
+                                    acc[0] = acc[0] + T.Select(w >= mid[0], w, T.float32(0))
+                                    least[0] = T.min(least[0], T.Select(w >= mid[0], w, T.float32("inf")))
+                                    most[0] = T.max(most[0], T.Select(w < mid[0], w, T.float32("-inf")))
+                        block_bounds(acc, least, most, scratch_value, scratch_least, scratch_most, t)
+                        if acc[0] >= goal[0]:
+                            lo[0] = mid[0]
+                            least_kept[0] = least[0]
+                        else:
+                            hi[0] = mid[0]
+                            most_cut[0] = most[0]
                 cut_weight[0] = lo[0]
             # the first token whose cumulative weight passes uniform x total (the maximum if rounding runs out)
             acc[0] = T.float32(0)
@@ -322,9 +378,14 @@ def sample_kernel(vocab: int, gpu: bool):
             out = T.match_buffer(var_out, (n,), "int32")
             for r in T.thread_binding(n, thread="blockIdx.x"):
                 for t in T.thread_binding(SAMPLE_THREADS, thread="threadIdx.x"):
+                    # __launch_bounds__'s minimum of one CTA an SM: without it nvcc caps the registers for four,
+                    # and spills
+                    T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
                     scratch_value = T.alloc_buffer((32,), "float32", scope="shared")  # a value a warp
+                    scratch_least = T.alloc_buffer((32,), "float32", scope="shared")
+                    scratch_most = T.alloc_buffer((32,), "float32", scope="shared")
                     scratch_index = T.alloc_buffer((32,), "int32", scope="shared")
-                    row(logits, params, out, r, t, scratch_value, scratch_index)
+                    row(logits, params, out, r, t, scratch_value, scratch_least, scratch_most, scratch_index)
     else:
         @T.prim_func(private=True)
         def sample_tokens(var_logits: T.handle, var_params: T.handle, var_out: T.handle):
@@ -334,5 +395,5 @@ def sample_kernel(vocab: int, gpu: bool):
             params = T.match_buffer(var_params, (n, 4), "float32")
             out = T.match_buffer(var_out, (n,), "int32")
             for r in T.parallel(n):
-                row(logits, params, out, r, 0, None, None)
+                row(logits, params, out, r, 0, None, None, None, None)
     return sample_tokens.with_attr("op_pattern", 8)
