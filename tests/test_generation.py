@@ -654,11 +654,15 @@ def _sampling_case(vocab: int, seed: int = 0):
         cdf = np.cumsum(probs)
         cdf /= cdf[-1]
         inner = cdf[(probs > 0) & (cdf < cdf[-1])]  # where one kept token's share ends and the next begins
-        while u is None or (u > 0 and inner.size and np.abs(inner - float(np.float32(u))).min() < MARGIN):
-            assert u is None, (r, u)  # 0.999999 was given a large last token
+
+        def near_a_boundary(u, inner=inner):
+            return inner.size and np.abs(inner - float(np.float32(u))).min() < MARGIN
+
+        if u is None:
             u = rng.random()
-            if inner.size and np.abs(inner - float(np.float32(u))).min() < MARGIN:
-                u = None
+            while near_a_boundary(u):
+                u = rng.random()
+        assert u == 0 or not near_a_boundary(u), (r, u)
         params[r] = (t, k, p, u)
         tokens.append(int(np.searchsorted(cdf, float(np.float32(u)), side="right")))
     return logits, params, tokens
