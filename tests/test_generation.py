@@ -606,3 +606,129 @@ def test_the_sampling_kernel_matches_host_sampling_for_the_same_uniforms_and_com
     assert out.numpy().tolist() == expected
     cuda = tvm.compile(named(True), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
     assert "blockIdx.x" in cuda.mod.imports[0].inspect_source()
+
+
+MARGIN = 2e-5  # how far a test's uniforms and top_p values stay from where float32 and float64 may part ways
+
+
+def _sampling_case(vocab: int, seed: int = 0):
+    """(logits, params, tokens): rows of every kind the sampling kernel serves (greedy with a tie for the
+    maximum; temperature alone; top-k of 1, of a few with a tie at the k-th logit, of the whole vocabulary;
+    top-p down to 1e-6; both together) at uniforms 0, 0.999999 and random ones, and the token numpy's host
+    sampling (float64) picks for each. The kernel sums in float32, so a uniform or top_p within rounding of a
+    cumulative probability could legitimately fall on the other side: random uniforms are drawn again, and
+    top_p moved, until MARGIN away from every such boundary. A uniform of 0 picks the first kept token in
+    both; 0.999999 is given a row whose last token is its most likely one, so it lands inside that token."""
+    import numpy as np
+
+    from autosched.generation.request import Sampling
+    from autosched.generation.sampler import distribution
+
+    rng = np.random.default_rng(seed)
+    settings = [(0, 0, 1), (1, 0, 1), (0.7, 1, 1), (1, 5, 1), (1.3, 50, 1), (1, vocab, 1), (1, 0, 1e-6),
+                (1, 0, 0.5), (0.8, 0, 0.9), (0.5, 0, 0.99), (2, 0, 0.3), (0.5, 20, 0.6), (1, 3, 0.3)]
+    rows = [(t, k, p, u) for t, k, p in settings for u in (0.0, 0.999999, None, None)]
+    logits = (3 * rng.standard_normal((len(rows), vocab))).astype("float32")
+    params = np.zeros((len(rows), 4), dtype="float32")
+    tokens = []
+    for r, (t, k, p, u) in enumerate(rows):
+        row = logits[r]
+        if t == 0:  # two equal maxima: the first one is greedy's
+            first = int(rng.integers(vocab // 2))
+            row[[first, first + 1 + int(rng.integers(vocab // 2))]] = row.max() + 1
+            params[r] = (0, 0, 1, 0)
+            tokens.append(first)
+            continue
+        if u == 0.999999:
+            row[-1] = row.max() + 1
+        if 1 < k < vocab and p == 1:  # the k-th and (k+1)-th largest logits equal: top-k keeps both
+            order = np.argsort(-row)
+            row[order[k]] = row[order[k - 1]]
+        temperature = float(np.float32(t))
+        if p < 1:  # the nearest top_p MARGIN away from every cumulative mass of the most likely tokens
+            masses = np.cumsum(np.sort(distribution(row, Sampling(temperature, k, 1.0)))[::-1])
+            p = next(q for q in (p + 2 * MARGIN * step for step in sorted(range(-500, 501), key=abs))
+                     if 0 < q < 1 and np.abs(masses - float(np.float32(q))).min() >= MARGIN)
+        top_p = float(np.float32(p))
+        probs = distribution(row, Sampling(temperature, k, top_p))
+        cdf = np.cumsum(probs)
+        cdf /= cdf[-1]
+        inner = cdf[(probs > 0) & (cdf < cdf[-1])]  # where one kept token's share ends and the next begins
+
+        def near_a_boundary(u, inner=inner):
+            return inner.size and np.abs(inner - float(np.float32(u))).min() < MARGIN
+
+        if u is None:
+            u = rng.random()
+            while near_a_boundary(u):
+                u = rng.random()
+        assert u == 0 or not near_a_boundary(u), (r, u)
+        params[r] = (t, k, p, u)
+        tokens.append(int(np.searchsorted(cdf, float(np.float32(u)), side="right")))
+    return logits, params, tokens
+
+
+def test_the_sampling_kernel_picks_the_host_token_on_rows_of_every_kind():
+    """The CPU form of sample_tokens (the same code as the GPU's, one thread a row) on the rows of
+    ``_sampling_case``: greedy ties, top-k ties, top_k 1, tiny top_p, uniforms 0 and 0.999999."""
+    import tvm
+
+    from autosched.generation.sampler import sample_kernel
+
+    vocab = 1000
+    logits, params, tokens = _sampling_case(vocab)
+    mod = tvm.IRModule({"main": sample_kernel(vocab, False).with_attr("global_symbol", "main")})
+    run = tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
+    out = tvm.runtime.empty((len(tokens),), "int32")
+    run(tvm.runtime.tensor(logits), tvm.runtime.tensor(params), out)
+    assert out.numpy().tolist() == tokens
+
+
+@pytest.mark.parametrize("vocab", [1000, 32000, 128256])
+def test_the_sampling_kernel_compiles_for_sm90a_with_a_cta_of_threads_a_row(vocab):
+    """Without a GPU: the CUDA form of sample_tokens gives each row a CTA of SAMPLE_THREADS threads (not one
+    thread a row) that meet in warp shuffles and shared memory, and nvcc compiles it for sm_90a without
+    spills, at vocabularies of Llama 2 (32000) and Llama 3 (128256)."""
+    import tvm
+
+    from autosched.cuda_tools import cuda_source
+    from autosched.generation.sampler import SAMPLE_THREADS, sample_kernel
+    from autosched.target import parse_target
+
+    from .nvcc import nvcc_compile
+
+    mod = tvm.IRModule({"sample_tokens": sample_kernel(vocab, True).with_attr("global_symbol", "sample_tokens")})
+    source = cuda_source(mod, parse_target("cuda:sm_90a", require_device=False))
+    assert SAMPLE_THREADS >= 256 and f"__launch_bounds__({SAMPLE_THREADS}, 1)" in source
+    assert all(f in source for f in ("__shfl_xor_sync", "__shfl_up_sync", "__syncthreads()", "__shared__"))
+    report = nvcc_compile(source, "sm_90a")
+    assert report.ok and report.spills == 0, report.log[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [1000, 32000, 50257])
+def test_the_sampling_kernel_on_the_gpu_picks_the_host_token_on_rows_of_every_kind(vocab):
+    """The CUDA kernel (a CTA a row: parallel passes, the pick by a scan) on the rows of two
+    ``_sampling_case`` draws picks numpy's float64 host token for each row's uniform: greedy's first of tied
+    maxima, top-k's ties at the k-th logit, top_k 1, top_p 1e-6, uniforms 0 and 0.999999. Uniforms and top_p
+    are kept ``MARGIN`` away from the cumulative probabilities where float32 sums may legitimately part from
+    float64. A vocabulary of 1000 leaves most threads without a token; 50257 is no multiple of the CTA."""
+    import numpy as np
+    import torch
+    import tvm
+
+    from autosched.generation.sampler import sample_kernel
+    from autosched.target import compile_module, parse_target
+
+    cases = [_sampling_case(vocab, seed) for seed in (0, 1)]
+    logits, params = (np.concatenate([case[i] for case in cases]) for i in (0, 1))
+    tokens = [token for case in cases for token in case[2]]
+    mod = tvm.IRModule({"sample_tokens": sample_kernel(vocab, True).with_attr("global_symbol", "sample_tokens")})
+    run = compile_module(mod, parse_target("cuda"))
+    out = torch.full((len(tokens),), -1, dtype=torch.int32, device="cuda")
+    args = [torch.from_numpy(logits).cuda(), torch.from_numpy(params).cuda(), out]
+    run["sample_tokens"](*(tvm.runtime.from_dlpack(t) for t in args))
+    torch.cuda.synchronize()
+    picked = out.cpu().tolist()
+    wrong = [(r, params[r].tolist(), picked[r], tokens[r]) for r in range(len(tokens)) if picked[r] != tokens[r]]
+    assert not wrong, wrong  # (row, (temperature, top_k, top_p, uniform), picked, host's)

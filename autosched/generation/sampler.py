@@ -2,12 +2,13 @@
 
 Greedy choice on the device (``greedy_tokens``): each row's first index of its largest logit (numpy's
 ``argmax``), so that a greedy step reads back one token per sequence instead of the whole [sequences,
-vocabulary] logits. Sampling (temperature, top-k, top-p) on the host from the logits (:func:`sample_host`),
-each request from its own seeded random stream.
+vocabulary] logits. Sampling (temperature, top-k, top-p) on the device too (``sample_tokens``), from one
+uniform number a row drawn on the host from the request's own seeded stream; on the host from the logits
+(:func:`sample_host`) for an artifact built without it.
 
-The greedy kernel is one kernel over a symbolic number of rows. On a GPU each row is one CTA whose threads scan the vocabulary
-side by side and meet in a cross-thread reduction of (index, value) pairs (TVM's default schedules give a
-reduction of symbolic rows one thread per row, which walks the whole vocabulary alone).
+Both kernels are one kernel over a symbolic number of rows. On a GPU each row is one CTA whose threads scan
+the vocabulary side by side and meet in block-wide reductions (TVM's default schedules give a reduction of
+symbolic rows one thread per row, which walks the whole vocabulary alone).
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ class Sampler:
 
 
 BISECTIONS = 40  # halvings of a threshold's interval: below float32's spacing for logits and probabilities
+FULL_WARP = 0xFFFFFFFF  # every lane of a warp takes part in its shuffles
+# A sampled row's CTA: one of 1024 caps a thread at 64 registers, fewer than the sampling passes take
+# without spilling at some vocabulary sizes (nvcc unrolls them as far as their trip count allows).
+SAMPLE_THREADS = 512
 
 
 def sample_kernel(vocab: int, gpu: bool):
@@ -125,80 +130,243 @@ def sample_kernel(vocab: int, gpu: bool):
     temperature, kept to the ``top_k`` largest (0: all) and to the smallest set of the most likely tokens whose
     probability reaches ``top_p``, then the token at ``uniform`` (in [0, 1)) of their cumulative distribution in
     vocabulary order, as numpy's ``Generator.choice`` picks. No sort: each threshold is found by bisection
-    (the k-th largest logit by counting, top-p's probability by summing). On a GPU each row is one thread
-    block (blockIdx.x); its work is serial within the block for now."""
+    (the k-th largest logit by counting, top-p's probability by summing), ``BISECTIONS`` halvings at most: they
+    stop once no later halving could change which tokens the threshold keeps, so the tokens are those of
+    every halving done.
+
+    On a GPU each row is one CTA of ``SAMPLE_THREADS`` threads. Every pass over the vocabulary is a strided
+    loop per thread and a block-wide reduction (warp shuffles, then one value a warp through shared memory)
+    after which every thread holds the same maximum, count or sum, so all take the same bisection decisions.
+    The pick: each thread sums a contiguous slice of the vocabulary, an exclusive scan of the slice sums says
+    where each slice's cumulative weight starts, each thread walks its own slice, and the first token found
+    wins. Sums are float32 in another order than the host's float64, so a uniform or top_p within rounding of
+    a cumulative probability may fall on the other side. On the CPU the same code runs with one thread a row
+    (reductions and scan are then nothing)."""
     from tvm.script import tirx as T
 
+    width = SAMPLE_THREADS if gpu else 1  # threads a row
+    share = (vocab + width - 1) // width  # tokens a thread: strided in the passes, contiguous in the pick
+    warps = width // 32
+    scope = "local" if gpu else "global"
+
+    def weight(logits, params, top, r, j):  # exp((logit - max) / temperature): the largest weight is 1
+        return T.exp((logits[r, j] - top[0]) / params[r, 0])
+
+    def kept(logits, params, top, cut_logit, cut_weight, r, j):  # the weight of a token both cuts keep, else 0
+        w = weight(logits, params, top, r, j)
+        return T.Select(logits[r, j] >= cut_logit[0], T.Select(w >= cut_weight[0], w, T.float32(0)), T.float32(0))
+
+    def shuffle_xor(value, k):  # the value of the lane whose index differs in bit k
+        return T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), value, T.shift_left(1, k), 32, 32)
+
+    def shuffle_up(value, offset):  # the value of the lane ``offset`` lanes lower (its own in the lowest lanes)
+        return T.tvm_warp_shuffle_up(T.uint32(FULL_WARP), value, offset, 32, 32)
+
     @T.macro
-    def row(logits, params, out, s, r):
-        # s: 0 max, 1 lo, 2 hi, 3 mid, 4 count or mass, 5 total, 6 threshold on logits, 7 threshold on weights,
-        # 8 running sum, 9 target
-        s[0] = logits[r, 0]
-        out[r] = 0
-        for j in range(vocab):
-            if logits[r, j] > s[0]:
-                s[0] = logits[r, j]
-                out[r] = T.Cast("int32", j)
+    def warp_allreduce(value, combine):
+        # a butterfly: every lane ends with the same value, combine being commutative
+        for k in T.unroll(5):
+            value[0] = combine(value[0], shuffle_xor(value[0], k))
+
+    @T.macro
+    def block_allreduce(value, scratch, t, combine, identity):
+        if gpu:
+            warp_allreduce(value, combine)
+            if t % 32 == 0:
+                scratch[t // 32] = value[0]
+            T.tvm_storage_sync("shared")
+            value[0] = T.if_then_else(t % 32 < warps, scratch[t % 32], identity)
+            warp_allreduce(value, combine)
+            T.tvm_storage_sync("shared")  # scratch is free for the next reduction
+
+    @T.macro
+    def block_bounds(total, least, most, scratch_total, scratch_least, scratch_most, t):
+        # a bisection step's sum, minimum and maximum, through the same two barriers
+        if gpu:
+            warp_allreduce(total, T.Add)
+            warp_allreduce(least, T.min)
+            warp_allreduce(most, T.max)
+            if t % 32 == 0:
+                scratch_total[t // 32] = total[0]
+                scratch_least[t // 32] = least[0]
+                scratch_most[t // 32] = most[0]
+            T.tvm_storage_sync("shared")
+            total[0] = T.if_then_else(t % 32 < warps, scratch_total[t % 32], T.float32(0))
+            least[0] = T.if_then_else(t % 32 < warps, scratch_least[t % 32], T.float32("inf"))
+            most[0] = T.if_then_else(t % 32 < warps, scratch_most[t % 32], T.float32("-inf"))
+            warp_allreduce(total, T.Add)
+            warp_allreduce(least, T.min)
+            warp_allreduce(most, T.max)
+            T.tvm_storage_sync("shared")
+
+    @T.macro
+    def warp_first_max(value, index):
+        for k in T.unroll(5):
+            other_value = shuffle_xor(value[0], k)
+            other_index = shuffle_xor(index[0], k)
+            if other_value > value[0] or (other_value == value[0] and other_index < index[0]):
+                value[0] = other_value
+                index[0] = other_index
+
+    @T.macro
+    def block_first_max(value, index, scratch_value, scratch_index, t):
+        # the largest value at its smallest index: the row's first maximum, in every thread
+        if gpu:
+            warp_first_max(value, index)
+            if t % 32 == 0:
+                scratch_value[t // 32] = value[0]
+                scratch_index[t // 32] = index[0]
+            T.tvm_storage_sync("shared")
+            value[0] = T.if_then_else(t % 32 < warps, scratch_value[t % 32], T.float32("-inf"))
+            index[0] = T.if_then_else(t % 32 < warps, scratch_index[t % 32], vocab)
+            warp_first_max(value, index)
+            T.tvm_storage_sync("shared")
+
+    @T.macro
+    def warp_inclusive_scan(value, lane):
+        for k in T.unroll(5):
+            before = shuffle_up(value[0], T.shift_left(1, k))
+            value[0] = value[0] + T.Select(lane >= T.shift_left(1, k), before, T.float32(0))
+
+    @T.macro
+    def block_exclusive_scan(value, total, scratch, t):
+        # value: this thread's, then the sum of the values of the threads before it; total: the sum of all
+        if gpu:
+            lane = t % 32
+            warp_inclusive_scan(value, lane)
+            if lane == 31:
+                scratch[t // 32] = value[0]
+            lower = shuffle_up(value[0], 1)
+            value[0] = T.Select(lane > 0, lower, T.float32(0))  # exclusive within the warp
+            T.tvm_storage_sync("shared")
+            total[0] = T.if_then_else(lane < warps, scratch[lane], T.float32(0))
+            warp_inclusive_scan(total, lane)  # every warp scans the warps' sums alike
+            warp_start = T.tvm_warp_shuffle(T.uint32(FULL_WARP), total[0], T.max(t // 32 - 1, 0), 32, 32)
+            value[0] = value[0] + T.Select(t >= 32, warp_start, T.float32(0))
+            total[0] = T.tvm_warp_shuffle(T.uint32(FULL_WARP), total[0], warps - 1, 32, 32)
+            T.tvm_storage_sync("shared")
+        else:
+            total[0] = value[0]
+            value[0] = T.float32(0)
+
+    @T.macro
+    def row(logits, params, out, r, t, scratch_value, scratch_least, scratch_most, scratch_index):
+        top = T.alloc_buffer((1,), "float32", scope=scope)  # the largest logit
+        best = T.alloc_buffer((1,), "int32", scope=scope)  # its first index, then the chosen token
+        lo = T.alloc_buffer((1,), "float32", scope=scope)
+        hi = T.alloc_buffer((1,), "float32", scope=scope)
+        mid = T.alloc_buffer((1,), "float32", scope=scope)
+        acc = T.alloc_buffer((1,), "float32", scope=scope)  # a count, a mass, a running sum
+        total = T.alloc_buffer((1,), "float32", scope=scope)
+        goal = T.alloc_buffer((1,), "float32", scope=scope)  # the mass top-p must reach, the pick's target
+        # A bisection's bounds: the smallest value lo keeps (-inf until lo moves) and the largest one hi cuts
+        # (inf until hi moves). Where they are equal, that value alone lies between lo and hi: it is the last
+        # one kept, so no later halving changes which tokens the threshold keeps, and the halvings stop. They
+        # stop too where the midpoint rounds to lo: every later halving would keep lo as it is.
+        least_kept = T.alloc_buffer((1,), "float32", scope=scope)
+        most_cut = T.alloc_buffer((1,), "float32", scope=scope)
+        count_lo = T.alloc_buffer((1,), "float32", scope=scope)  # how many logits lo keeps
+        least = T.alloc_buffer((1,), "float32", scope=scope)
+        most = T.alloc_buffer((1,), "float32", scope=scope)
+        cut_logit = T.alloc_buffer((1,), "float32", scope=scope)
+        cut_weight = T.alloc_buffer((1,), "float32", scope=scope)
+        found = T.alloc_buffer((1,), "int32", scope=scope)
+        top[0] = T.float32("-inf")
+        best[0] = vocab  # none yet
+        for i in range(share):
+            if i * width + t < vocab:
+                if logits[r, i * width + t] > top[0] or best[0] == vocab:
+                    top[0] = logits[r, i * width + t]
+                    best[0] = i * width + t
+        block_first_max(top, best, scratch_value, scratch_index, t)
         if params[r, 0] > T.float32(0):
             # top-k: the largest threshold that keeps at least k logits (all where k is 0 or the vocabulary)
-            s[6] = T.min_value("float32")
+            cut_logit[0] = T.min_value("float32")
             if params[r, 1] >= T.float32(1) and params[r, 1] < T.float32(vocab):
-                s[1] = s[0]
-                for j in range(vocab):
-                    s[1] = T.min(s[1], logits[r, j])
-                s[2] = s[0]
+                lo[0] = top[0]
+                for i in range(share):
+                    if i * width + t < vocab:
+                        lo[0] = T.min(lo[0], logits[r, i * width + t])
+                block_allreduce(lo, scratch_value, t, T.min, T.float32("inf"))
+                hi[0] = top[0]
+                least_kept[0] = T.float32("-inf")
+                most_cut[0] = T.float32("inf")
+                count_lo[0] = T.float32(vocab)
                 for _ in range(BISECTIONS):
-                    s[3] = (s[1] + s[2]) * T.float32(0.5)
-                    s[4] = T.float32(0)
-                    for j in range(vocab):
-                        s[4] = s[4] + T.Select(logits[r, j] >= s[3], T.float32(1), T.float32(0))
-                    if s[4] >= params[r, 1]:
-                        s[1] = s[3]
-                    else:
-                        s[2] = s[3]
-                s[6] = s[1]
-            # weights exp((l - max) / temperature) of the kept logits; their total
-            s[5] = T.float32(0)
-            for j in range(vocab):
-                s[5] = s[5] + T.Select(logits[r, j] >= s[6], T.exp((logits[r, j] - s[0]) / params[r, 0]), T.float32(0))
-            # top-p: the largest weight threshold whose kept mass still reaches top_p of the total
-            s[7] = T.float32(0)
+                    # they stop too once lo keeps exactly k: a larger threshold keeping k or more keeps those k
+                    if (least_kept[0] != most_cut[0] and count_lo[0] != params[r, 1]
+                            and (lo[0] + hi[0]) * T.float32(0.5) != lo[0]):
+                        mid[0] = (lo[0] + hi[0]) * T.float32(0.5)
+                        acc[0] = T.float32(0)
+                        least[0] = T.float32("inf")
+                        most[0] = T.float32("-inf")
+                        for i in range(share):
+                            if i * width + t < vocab:
+                                logit = logits[r, i * width + t]
+                                acc[0] = acc[0] + T.Select(logit >= mid[0], T.float32(1), T.float32(0))
+                                least[0] = T.min(least[0], T.Select(logit >= mid[0], logit, T.float32("inf")))
+                                most[0] = T.max(most[0], T.Select(logit < mid[0], logit, T.float32("-inf")))
+                        block_bounds(acc, least, most, scratch_value, scratch_least, scratch_most, t)
+                        if acc[0] >= params[r, 1]:
+                            lo[0] = mid[0]
+                            least_kept[0] = least[0]
+                            count_lo[0] = acc[0]
+                        else:
+                            hi[0] = mid[0]
+                            most_cut[0] = most[0]
+                cut_logit[0] = lo[0]
+            # top-p: the largest weight threshold whose kept mass still reaches top_p of the kept total
+            cut_weight[0] = T.float32(0)
             if params[r, 2] < T.float32(1):
-                s[1] = T.float32(0)
-                s[2] = T.float32(1)
-                s[9] = params[r, 2] * s[5]
+                acc[0] = T.float32(0)
+                for i in range(share):
+                    if i * width + t < vocab:
+                        acc[0] = acc[0] + kept(logits, params, top, cut_logit, cut_weight, r, i * width + t)
+                block_allreduce(acc, scratch_value, t, T.Add, T.float32(0))
+                goal[0] = params[r, 2] * acc[0]
+                lo[0] = T.float32(0)
+                hi[0] = T.float32(1)
+                least_kept[0] = T.float32("-inf")
+                most_cut[0] = T.float32("inf")
                 for _ in range(BISECTIONS):
-                    s[3] = (s[1] + s[2]) * T.float32(0.5)
-                    s[4] = T.float32(0)
-                    for j in range(vocab):
-                        s[4] = s[4] + T.Select(
-                            logits[r, j] >= s[6],
-                            T.Select(T.exp((logits[r, j] - s[0]) / params[r, 0]) >= s[3],
-                                     T.exp((logits[r, j] - s[0]) / params[r, 0]), T.float32(0)),
-                            T.float32(0))
-                    if s[4] >= s[9]:
-                        s[1] = s[3]
-                    else:
-                        s[2] = s[3]
-                s[7] = s[1]
-                s[5] = T.float32(0)
-                for j in range(vocab):
-                    s[5] = s[5] + T.Select(
-                        logits[r, j] >= s[6],
-                        T.Select(T.exp((logits[r, j] - s[0]) / params[r, 0]) >= s[7],
-                                 T.exp((logits[r, j] - s[0]) / params[r, 0]), T.float32(0)),
-                        T.float32(0))
+                    if least_kept[0] != most_cut[0] and (lo[0] + hi[0]) * T.float32(0.5) != lo[0]:
+                        mid[0] = (lo[0] + hi[0]) * T.float32(0.5)
+                        acc[0] = T.float32(0)
+                        least[0] = T.float32("inf")
+                        most[0] = T.float32("-inf")
+                        for i in range(share):
+                            if i * width + t < vocab:
+                                if logits[r, i * width + t] >= cut_logit[0]:  # a token top-k keeps
+                                    w = weight(logits, params, top, r, i * width + t)
+                                    acc[0] = acc[0] + T.Select(w >= mid[0], w, T.float32(0))
+                                    least[0] = T.min(least[0], T.Select(w >= mid[0], w, T.float32("inf")))
+                                    most[0] = T.max(most[0], T.Select(w < mid[0], w, T.float32("-inf")))
+                        block_bounds(acc, least, most, scratch_value, scratch_least, scratch_most, t)
+                        if acc[0] >= goal[0]:
+                            lo[0] = mid[0]
+                            least_kept[0] = least[0]
+                        else:
+                            hi[0] = mid[0]
+                            most_cut[0] = most[0]
+                cut_weight[0] = lo[0]
             # the first token whose cumulative weight passes uniform x total (the maximum if rounding runs out)
-            s[9] = params[r, 3] * s[5]
-            s[8] = T.float32(0)
-            s[4] = T.float32(0)  # found
-            for j in range(vocab):
-                if s[4] == T.float32(0) and logits[r, j] >= s[6]:
-                    if T.exp((logits[r, j] - s[0]) / params[r, 0]) >= s[7]:
-                        s[8] = s[8] + T.exp((logits[r, j] - s[0]) / params[r, 0])
-                        if s[8] > s[9]:
-                            out[r] = T.Cast("int32", j)
-                            s[4] = T.float32(1)
+            acc[0] = T.float32(0)
+            for i in range(share):
+                if t * share + i < vocab:
+                    acc[0] = acc[0] + kept(logits, params, top, cut_logit, cut_weight, r, t * share + i)
+            block_exclusive_scan(acc, total, scratch_value, t)
+            goal[0] = params[r, 3] * total[0]
+            found[0] = vocab
+            for i in range(share):
+                if t * share + i < vocab and found[0] == vocab:
+                    acc[0] = acc[0] + kept(logits, params, top, cut_logit, cut_weight, r, t * share + i)
+                    if acc[0] > goal[0]:
+                        found[0] = t * share + i
+            block_allreduce(found, scratch_index, t, T.min, vocab)
+            if found[0] < vocab:
+                best[0] = found[0]
+        if t == 0:
+            out[r] = best[0]
 
     if gpu:
         @T.prim_func(private=True)
@@ -209,9 +377,15 @@ def sample_kernel(vocab: int, gpu: bool):
             params = T.match_buffer(var_params, (n, 4), "float32")
             out = T.match_buffer(var_out, (n,), "int32")
             for r in T.thread_binding(n, thread="blockIdx.x"):
-                for _t in T.thread_binding(1, thread="threadIdx.x"):
-                    s = T.alloc_buffer((10,), "float32", scope="local")
-                    row(logits, params, out, s, r)
+                for t in T.thread_binding(SAMPLE_THREADS, thread="threadIdx.x"):
+                    # __launch_bounds__'s minimum of one CTA an SM: without it nvcc caps the registers for four,
+                    # and spills
+                    T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
+                    scratch_value = T.alloc_buffer((32,), "float32", scope="shared")  # a value a warp
+                    scratch_least = T.alloc_buffer((32,), "float32", scope="shared")
+                    scratch_most = T.alloc_buffer((32,), "float32", scope="shared")
+                    scratch_index = T.alloc_buffer((32,), "int32", scope="shared")
+                    row(logits, params, out, r, t, scratch_value, scratch_least, scratch_most, scratch_index)
     else:
         @T.prim_func(private=True)
         def sample_tokens(var_logits: T.handle, var_params: T.handle, var_out: T.handle):
@@ -221,6 +395,5 @@ def sample_kernel(vocab: int, gpu: bool):
             params = T.match_buffer(var_params, (n, 4), "float32")
             out = T.match_buffer(var_out, (n,), "int32")
             for r in T.parallel(n):
-                s = T.alloc_buffer((10,), "float32")
-                row(logits, params, out, s, r)
+                row(logits, params, out, r, 0, None, None, None, None)
     return sample_tokens.with_attr("op_pattern", 8)
