@@ -144,3 +144,20 @@ def db_url(request, tmp_path):
     if request.param == "sqlite":
         return str(tmp_path / "tuning.db")
     return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request):
+    """After a GPU test, what it held goes back to the device: its TVM modules and VMs (their pooled
+    allocators) once collected, and torch's cached blocks. Many test processes share one GPU
+    (benchmarks/gpu_tests.sh), and memory one kept idle is memory another runs out of."""
+    yield
+    if "gpu" not in request.keywords:
+        return
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

