@@ -5,7 +5,9 @@ it and returns it with token ids as the input, so that the whole model is import
 and LM head included. ``hf-<family>`` has a tiny model's dimensions (for tests on a CPU);
 ``hf-<family>-<size>-layers`` has two decoder layers of a real model of that family, with its full
 vocabulary (for benchmarks on a GPU): Llama-2-7B, Qwen2-1.5B, Mistral-7B, Gemma-2B, Phi-3-mini and
-GPT-2 XL. What differs between the families, and what each one exercises in the pipeline:
+GPT-2 XL; and ``hf-llama3-8b-layers`` and ``hf-qwen3-8b-layers``, two layers of Llama-3-8B (also Llama-3.1-8B's
+kernels: its rope scaling changes no shape) and of Qwen3-8B, to tune what generating with those models runs.
+What differs between the families, and what each one exercises in the pipeline:
 
 - ``hf-llama``: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU;
 - ``hf-qwen2``: as Llama, with a bias on the q/k/v projections (Linear + bias in half precision);
@@ -37,6 +39,12 @@ REAL = {
     "phi3": ("mini", dict(hidden=3072, heads=32, kv_heads=32, mlp=8192, vocab=32064)),  # Phi-3-mini
     "gpt2": ("xl", dict(hidden=1600, heads=25, kv_heads=25, mlp=6400, vocab=50257)),  # GPT-2 XL
 }
+# More real sizes, named hf-<name>-layers: (family, dimensions).
+MORE_REAL = {
+    "llama3-8b": ("llama", dict(hidden=4096, heads=32, kv_heads=8, mlp=14336, vocab=128256, rope_theta=500000.0)),
+    "qwen3-8b": ("qwen3", dict(hidden=4096, heads=32, kv_heads=8, mlp=12288, vocab=151936, head_dim=128,
+                               rope_theta=1000000.0)),
+}
 
 
 class _Logits(nn.Module):
@@ -60,10 +68,15 @@ def _config(family: str, dims: dict):
     llama_like = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=dims["kv_heads"],
                       intermediate_size=dims["mlp"], num_hidden_layers=LAYERS, vocab_size=vocab,
                       max_position_embeddings=4096)
+    if "rope_theta" in dims:
+        llama_like["rope_parameters"] = {"rope_type": "default", "rope_theta": dims["rope_theta"]}
     if family == "llama":
         return transformers.LlamaConfig(**llama_like), transformers.LlamaForCausalLM
     if family == "qwen2":
         return transformers.Qwen2Config(**llama_like), transformers.Qwen2ForCausalLM
+    if family == "qwen3":  # per-head RMSNorm of q and k
+        return (transformers.Qwen3Config(**llama_like, head_dim=dims["head_dim"], tie_word_embeddings=False),
+                transformers.Qwen3ForCausalLM)
     if family == "mistral":
         return transformers.MistralConfig(**llama_like, sliding_window=4096), transformers.MistralForCausalLM
     if family == "gemma":
@@ -105,3 +118,4 @@ FAMILIES = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2")
 MODELS = {f"hf-{family}": _factory(family, TINY) for family in FAMILIES}
 MODELS.update({f"hf-{family}-{REAL[family][0]}-layers": _factory(family, REAL[family][1], REAL[family][0])
                for family in FAMILIES})
+MODELS.update({f"hf-{name}-layers": _factory(family, dims, name) for name, (family, dims) in MORE_REAL.items()})

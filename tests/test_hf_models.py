@@ -30,6 +30,22 @@ def _sliding_window_mistral(batch: int = 1, tokens: int = 16, dtype=None):
     return _Logits(model), (torch.randint(0, 256, (batch, tokens)),)
 
 
+def test_the_llama3_and_qwen3_examples_have_the_published_dimensions():
+    """``hf-llama3-8b-layers`` and ``hf-qwen3-8b-layers`` (what ``tune-model --generate`` tunes those models'
+    kernels on): the transformers classes and configs of Llama-3-8B and Qwen3-8B, two layers."""
+    from autosched.examples import MODELS
+    from autosched.examples.hf import MORE_REAL, _config
+
+    config, cls = _config(*MORE_REAL["llama3-8b"])
+    assert cls is transformers.LlamaForCausalLM and config.num_hidden_layers == 2
+    assert (config.hidden_size, config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (
+        4096, 8, 14336, 128256) and config.rope_parameters["rope_theta"] == 500000.0
+    config, cls = _config(*MORE_REAL["qwen3-8b"])
+    assert cls is transformers.Qwen3ForCausalLM and not config.tie_word_embeddings
+    assert (config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size) == (4096, 128, 12288, 151936)
+    assert {"hf-llama3-8b-layers", "hf-qwen3-8b-layers"} <= set(MODELS)
+
+
 def _kernels(model, target):
     from autosched.pipeline import extract_tasks, prepare
 
