@@ -382,6 +382,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also the slowest kernels of a decode step and of the prefill (a build without CUDA "
                         "graphs, per batch)")
+    parser.add_argument("--each-batch-alone", action="store_true",
+                        help="measure each batch on a build of its own (that batch's decode function and prefill "
+                             "chunk only, as a deployment at that batch builds), not one build for all")
     parser.add_argument("--trace", action="store_true",
                         help="also the GPU's trace of decode steps of the real build (CUDA graphs included): span, "
                         "busy time, kernels per step and the costliest kernels (CUDA only)")
@@ -402,12 +405,19 @@ def main() -> int:
     max_seq_len = args.prompt + args.new
     # A static prefill chunk per batch: its prompts packed into one call, as torch prefills the batch at once.
     chunks = tuple(sorted({args.prompt * b for b in batches}))
-    make, built, attention = build_ours(model, batches, max_seq_len, db_path=args.db, prefill_chunks=chunks)
+
+    def build_for(these):  # our build with static decode functions and prefill chunks for the batches ``these``
+        return build_ours(model, these, max_seq_len, db_path=args.db,
+                          prefill_chunks=tuple(sorted({args.prompt * b for b in these})))
+
+    shared = None if args.each_batch_alone else build_for(batches)
     make_dynamic = build_ours(model, batches, max_seq_len, static=False, db_path=args.db)[0] if args.dynamic else None
     make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False,
                                prefill_chunks=chunks)[0] if args.profile else None
-    print(f"built in {built:.1f} s", flush=True)
+    if shared is not None:
+        print(f"built in {shared[1]:.1f} s", flush=True)
     for batch in batches:
+        make, built, attention = shared or build_for([batch])
         prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt), generator=generator).tolist()
         row = {"model": args.model, "layers": args.layers, "batch": batch, "prompt": args.prompt, "new": args.new}
         rows.append(row)
