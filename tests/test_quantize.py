@@ -209,19 +209,21 @@ def _reference_model(hf, artifact):
     return ref
 
 
-def assert_functions_match(artifact, ids, expected):
-    """The artifact's dynamic prefill (every position), its ``prefill_t8`` chunk and its ``decode_b1`` step give
-    ``expected`` (float64 logits of ``ids``) within 2e-5 of its largest; returns that tolerance."""
+def assert_functions_match(artifact, ids, expected, chunk: int = 8, relative: float = 2e-5):
+    """The artifact's dynamic prefill (every position), its ``prefill_t<chunk>`` chunk over the first ``chunk``
+    ids and its ``decode_b1`` step give ``expected`` (float64 logits of ``ids``) within ``relative`` of its
+    largest; returns that tolerance."""
     from autosched.generation.evaluate import all_logits
     from autosched.generation.model import LoadedModel
 
-    tolerance = 2e-5 * np.abs(expected).max()
+    tolerance = relative * np.abs(expected).max()
     model = LoadedModel.load(artifact)
     np.testing.assert_allclose(all_logits(model, ids), expected, rtol=0, atol=tolerance)
     model.add(0)
-    chunk = model.forward("prefill_t8", [0], [8], ids[:8], prefill=True, logit_positions=np.arange(8))
-    np.testing.assert_allclose(chunk.numpy().reshape(8, -1), expected[:8], rtol=0, atol=tolerance)
-    model.forward("batch_prefill", [0], [len(ids) - 9], ids[8:-1], prefill=True)
+    logits = model.forward(f"prefill_t{chunk}", [0], [chunk], ids[:chunk], prefill=True,
+                           logit_positions=np.arange(chunk))
+    np.testing.assert_allclose(logits.numpy().reshape(chunk, -1), expected[:chunk], rtol=0, atol=tolerance)
+    model.forward("batch_prefill", [0], [len(ids) - chunk - 1], ids[chunk:-1], prefill=True)
     step = model.forward("decode_b1", [0], [1], ids[-1:], prefill=False)
     np.testing.assert_allclose(step.numpy().reshape(-1), expected[-1], rtol=0, atol=tolerance)
     return tolerance
@@ -462,9 +464,6 @@ def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny
     half precision's tolerance."""
     import torch
 
-    from autosched.generation.evaluate import all_logits
-    from autosched.generation.model import LoadedModel
-
     hf, root = tiny_llama
     out = tmp_path / "gpu"
     cli(
@@ -491,15 +490,7 @@ def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny
     ids = list(range(3, 3 + 7 * 40, 7))
     with torch.no_grad():
         ref = _reference_model(hf, out)(torch.tensor([ids])).logits[0].numpy()
-    tolerance = 2e-2 * np.abs(ref).max()
-    model = LoadedModel.load(out)
-    np.testing.assert_allclose(all_logits(model, ids), ref, rtol=0, atol=tolerance)
-    model.add(0)
-    chunk = model.forward("prefill_t32", [0], [32], ids[:32], prefill=True, logit_positions=np.arange(32))
-    np.testing.assert_allclose(chunk.numpy().reshape(32, -1), ref[:32], rtol=0, atol=tolerance)
-    model.forward("batch_prefill", [0], [7], ids[32:39], prefill=True)
-    step = model.forward("decode_b1", [0], [1], ids[39:], prefill=False)
-    np.testing.assert_allclose(step.numpy().reshape(-1), ref[-1], rtol=0, atol=tolerance)
+    assert_functions_match(out, ids, ref, chunk=32, relative=2e-2)
 
 
 def _pack_along(fields, axis: int):
