@@ -43,32 +43,26 @@ def _task():
 
 
 def test_tuning_through_rpc_matches_a_local_run(cluster, cpu_target, tmp_path, monkeypatch):
-    """The same search through two RPC servers and locally: every candidate is checked on the server
-    (a relative error comes back with each), and the two bests agree within noise. One batch, so that
-    both runs measure the same candidates (later batches follow the measurements, which differ)."""
+    """The same search through two RPC servers and locally: both servers measure, every candidate is checked
+    on the server (a relative error comes back with each), and each candidate passes or fails the same way
+    in both runs. One batch, so that both runs measure the same candidates (later batches follow the
+    measurements, which differ). Which run found the faster kernel is the servers' load, not a result."""
     monkeypatch.setenv("TVM_NUM_THREADS", "1")  # the local runners as the servers: one thread
     options = TuneOptions(trials=16, batch_size=16, seed=0, cost_model="random", transfer=False)
     config = MeasureConfig.for_target(cpu_target)
     with Database(tmp_path / "local.db") as db:
-        local = tune(_task(), cpu_target, db, options)
-        local_points = {json.dumps(r.point, sort_keys=True) for r in db.records_for(_task().key, cpu_target)}
+        tune(_task(), cpu_target, db, options)
+        local = {json.dumps(r.point, sort_keys=True): r.result for r in db.records_for(_task().key, cpu_target)}
     with Database(tmp_path / "rpc.db") as db, \
             Measurer(cpu_target, config, runner=rpc_runner(cluster.address, cluster.key)) as measurer:
-        remote = tune(_task(), cpu_target, db, options, measurer=measurer)
-        records = db.records_for(_task().key, cpu_target)
+        remote_run = tune(_task(), cpu_target, db, options, measurer=measurer)
+        remote = {json.dumps(r.point, sort_keys=True): r.result for r in db.records_for(_task().key, cpu_target)}
         assert sorted(set(measurer.runner.measured_by)) == ["rpc slot 1", "rpc slot 2"]  # both servers measured
-    assert remote.trials == local.trials == 16 and len(records) == 16
-    assert {json.dumps(r.point, sort_keys=True) for r in records} == local_points
-    assert all(r.result.rel_error is not None for r in records if r.result.ok)
-    assert sum(r.result.ok for r in records) >= 12
-    # The servers of this test share the host's cores and time at once, which inflates their figures
-    # (about 2x on two cores); so the two best kernels are re-timed side by side by one local runner.
-    # One point per call: within a batch the slow-candidate cutoff would time the second only once.
-    with Measurer(cpu_target, config) as measurer:
-        timed = [[measurer.measure(_task().spec, [p])[0].median for p in (local.best_point, remote.best_point)]
-                 for _ in range(3)]
-    local_best, remote_best = (min(t[i] for t in timed) for i in (0, 1))
-    assert 1 / 1.5 < remote_best / local_best < 1.5, (remote_best, local_best)
+    assert remote_run.trials == 16 and len(remote) == len(local) == 16 and remote.keys() == local.keys()
+    assert {p: r.ok for p, r in remote.items()} == {p: r.ok for p, r in local.items()}
+    assert sum(r.ok for r in remote.values()) >= 12
+    assert all(r.rel_error is not None and r.rel_error < 1e-5 for r in remote.values() if r.ok)
+    assert json.dumps(remote_run.best_point, sort_keys=True) in local
 
 
 def _fault_at_second_batch(measurer, fault):

@@ -13,7 +13,7 @@ TESTS = Path(__file__).parent
 
 # A time or a load, by the names an operand reads: a clock, an interval, a latency, a machine's load, or a
 # constant that bounds one of them.
-TIMING = re.compile(r"perf_counter|monotonic|^time$|elapsed|seconds|wall|latenc|median|_ms$|_us$|^load|_load$"
+TIMING = re.compile(r"perf_counter|monotonic|^time$|elapsed|seconds|wall|latenc|median|_ms$|_us$|^loads?$|^load_|_load$"
                     r"|^start$|deadline|^COLD_CALL_SLACK$|^LOAD_WARNING$|^SLOW_CUTOFF$", re.I)
 ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
@@ -42,23 +42,93 @@ def _is_zero(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and not isinstance(node.value, (str, bool)) and node.value == 0
 
 
+def _is_timing(name: str, tainted: set[str]) -> bool:
+    return bool(TIMING.search(name)) or name in tainted
+
+
+def _own_nodes(scope: ast.AST):
+    """The nodes of ``scope``'s body, not those of the functions defined in it (each is a scope of its own)."""
+    for child in ast.iter_child_nodes(scope):
+        yield child
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield from _own_nodes(child)
+
+
+# Calls whose result is a time where an argument is: a value passed to any other call (a command's options,
+# a parser's input) does not make its result one.
+REDUCERS = {"min", "max", "sum", "sorted", "median", "mean", "abs", "float", "round", "list", "tuple"}
+
+
+def _value_names(node: ast.AST):
+    """The names a value is computed from, for :func:`_tainted`: as :func:`_names`, but a call's arguments
+    only where the call is a reducer (``min(times)``), and a function's own name only where it takes no
+    arguments (``perf_counter()``, not ``json.loads(text)``); what it is called on always (``run().median``)."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        if isinstance(func, ast.Attribute):
+            yield from _value_names(func.value)
+        if not node.args and not node.keywords and name:  # a getter reads what it names: perf_counter()
+            yield name
+        if name in REDUCERS:
+            for arg in (*node.args, *(k.value for k in node.keywords)):
+                yield from _value_names(arg)
+        return
+    if isinstance(node, ast.Name):
+        yield node.id
+    elif isinstance(node, ast.Attribute):
+        yield node.attr
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    for child in ast.iter_child_nodes(node):
+        yield from _value_names(child)
+
+
+def _tainted(nodes: list[ast.AST], inherited: set[str]) -> set[str]:
+    """The names a scope assigns from a time or a load (``best = min(t[0] for t in timed)`` where ``timed``
+    holds medians), through any chain of assignments."""
+    tainted = set(inherited)
+    assignments = []
+    for node in nodes:
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            assignments.append(([n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)], node.value))
+        elif isinstance(node, (ast.For, ast.comprehension)):
+            assignments.append(([n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)], node.iter))
+    while True:
+        grown = {name for targets, value in assignments
+                 if any(_is_timing(n, tainted) for n in _value_names(value)) for name in targets} - tainted
+        if not grown:
+            return tainted
+        tainted |= grown
+
+
 def timing_assertions(text: str) -> list[tuple[int, str]]:
-    """The ``assert`` statements of ``text`` that order a time or a load against a threshold: (line, source).
-    A comparison with 0 (a time is positive, a load is not negative) says nothing about speed and passes."""
+    """The ``assert`` statements of ``text`` that order a time or a load against a threshold: (line, source),
+    whether the time is read where it is compared or through names assigned from it. A comparison with 0
+    (a time is positive, a load is not negative) says nothing about speed and passes."""
     found = []
-    for statement in ast.walk(ast.parse(text)):
-        if not isinstance(statement, ast.Assert):
-            continue
-        for compare in ast.walk(statement.test):
-            if not isinstance(compare, ast.Compare):
+
+    def scan(scope: ast.AST, inherited: set[str]) -> None:
+        nodes = list(_own_nodes(scope))
+        tainted = _tainted(nodes, inherited)
+        for statement in nodes:
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                scan(statement, tainted)
+            if not isinstance(statement, ast.Assert):
                 continue
-            operands = [compare.left, *compare.comparators]
-            if any(isinstance(op, ORDERING) and not (_is_zero(a) or _is_zero(b))
-                   and any(TIMING.search(name) for side in (a, b) for name in _names(side))
-                   for op, a, b in zip(compare.ops, operands, operands[1:])):
-                found.append((statement.lineno, ast.get_source_segment(text, statement.test)))
-                break
-    return found
+            for compare in ast.walk(statement.test):
+                if not isinstance(compare, ast.Compare):
+                    continue
+                operands = [compare.left, *compare.comparators]
+                if any(isinstance(op, ORDERING) and not (_is_zero(a) or _is_zero(b))
+                       and any(_is_timing(name, tainted) for side in (a, b) for name in _names(side))
+                       for op, a, b in zip(compare.ops, operands, operands[1:])):
+                    found.append((statement.lineno, ast.get_source_segment(text, statement.test)))
+                    break
+
+    scan(ast.parse(text), set())
+    return sorted(found)
 
 
 def test_the_scanner_finds_timing_assertions():
@@ -73,8 +143,12 @@ def test_the_scanner_finds_timing_assertions():
     assert cut.ok and len(cut.latencies) == 3 and min(cut.latencies) > fast.median / 100
     assert (time.perf_counter()
             - start) < 30
+    def test_two_runs():
+        timed = [[measure(p)[0].median for p in (a, b)] for _ in range(3)]
+        local_best, remote_best = (min(t[i] for t in timed) for i in (0, 1))
+        assert 1 / 1.5 < remote_best / local_best < 1.5
 '''))
-    assert len(flagged) == 10, flagged
+    assert len(flagged) == 11, flagged
     assert not timing_assertions(textwrap.dedent('''    assert res.build_seconds > 0 and res.ok
     assert out["latency_us"] > 0 and out["trials"] == 8
     assert len(latencies) == 5 and all(t > 0 for t in latencies)
@@ -85,6 +159,9 @@ def test_the_scanner_finds_timing_assertions():
     assert len(rows) <= 16 and all(r["trials"] >= 1 and r["latency_us"] for r in rows)
     assert scores[np.isinf(latency)].mean() < scores[np.isfinite(latency)].mean()
     assert len(ok) >= 6 and all(r.result.build_seconds > 0 and r.result.rel_error is not None for r in ok)
+    def test_points():
+        best = min(records, key=lambda r: r.median)
+        assert len(best.point) > 1 and sum(r.ok for r in records) >= 12
 '''))
 
 
