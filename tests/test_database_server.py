@@ -104,7 +104,7 @@ def test_interrupted_run_keeps_its_records_on_the_server(pg_url):
     assert proc.poll() is None, proc.communicate()[1]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "kept" in err
+    assert proc.returncode == 130 and "kept" in err, (proc.returncode, err)
     kept = _count(pg_url)
     assert kept >= 8
     engine = _engine(pg_url)

@@ -164,8 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
     except KeyboardInterrupt:  # a second one, during the first one's cleanup or its message: still exit 130
+        _stop_taking_interrupts(argv)
         print("autosched: interrupted", file=sys.stderr)
         return 130
+
+
+def _stop_taking_interrupts(argv: list[str] | None) -> None:
+    """Once interrupted, the program itself (not a caller of ``main`` in-process) ignores further SIGINT and
+    SIGTERM: one arriving while it reports and exits would escape ``main``, and Python would then die of
+    the signal (exit -2) instead of exiting 130."""
+    if argv is None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _run(argv: list[str] | None) -> int:
@@ -184,6 +194,7 @@ def _run(argv: list[str] | None) -> int:
         print(f"autosched: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        _stop_taking_interrupts(argv)
         tuning = args.command in ("tune", "tune-model")
         print("autosched: interrupted" + ("; every record measured so far is kept in the database" if tuning else ""),
               file=sys.stderr)
