@@ -88,16 +88,18 @@ def check(out, lse, ref_out, ref_lse, dtype: str) -> None:
 # --- the body on the host (nvcc) ----------------------------------------------------------------------------
 
 HOST_CASES = [
-    # (contexts, h, hkv, d, dtype, split, warps, unroll, spread)
-    ([150, 1, 0, 37], 8, 2, 128, "float16", 4, 4, 2, 0),  # GQA 4:1, a sequence without pages, one of one token
-    ([70, 33], 4, 4, 64, "bfloat16", 1, 2, 4, 0),  # MHA, no split
-    ([16, 100, 17], 4, 2, 32, "float16", 8, 2, 1, 0),  # head dim 32, more CTAs than pages
-    ([150, 0, 37], 8, 2, 128, "float16", 4, 4, 2, 1),  # spread: 6 pairs over 2 clusters of 4, 2 CTAs spare
+    # (contexts, h, hkv, d, dtype, split, spread_split, warps, unroll, spread)
+    ([150, 1, 0, 37], 8, 2, 128, "float16", 4, 2, 4, 2, 0),  # GQA 4:1, a sequence without pages, one of one token
+    ([70, 33], 4, 4, 64, "bfloat16", 1, 1, 2, 4, 0),  # MHA, no split
+    ([16, 100, 17], 4, 2, 32, "float16", 8, 2, 2, 1, 0),  # head dim 32, more CTAs than pages
+    ([150, 0, 37], 8, 2, 128, "float16", 4, 4, 4, 2, 1),  # spread: 6 pairs over 2 clusters of 4, 2 CTAs spare
+    ([150, 0, 37, 5, 90], 4, 1, 128, "float16", 8, 2, 4, 2, 1),  # spread in clusters of 2: 5 pairs, 1 CTA spare
 ]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("case", HOST_CASES, ids=["gqa4-d128-split4", "mha-d64-bf16", "d32-split8", "spread"])
+@pytest.mark.parametrize("case", HOST_CASES,
+                         ids=["gqa4-d128-split4", "mha-d64-bf16", "d32-split8", "spread", "spread2-of-split8"])
 def test_kv_cache_decode_body_matches_float64_on_the_host(case, tmp_path):
     """The body, compiled for the host by nvcc and run with one thread per CUDA thread (each cluster's CTAs
     together), against the float64 reference: output and base-2 log-sum-exp; split (the cluster's CTAs share a
@@ -108,10 +110,11 @@ def test_kv_cache_decode_body_matches_float64_on_the_host(case, tmp_path):
 
     from autosched.search_spaces.templates.kv_cache_decode import body_source, smem_floats
 
-    contexts, h, hkv, d, dtype, split, warps, unroll, spread = case
+    contexts, h, hkv, d, dtype, split, spread_split, warps, unroll, spread = case
     q, pages, indptr, indices, last_len, sm_scale = decode_case(contexts, h, hkv, d, dtype)
     config = {"H": h, "HKV": hkv, "G": h // hkv, "D": d, "PAGE": PAGE, "WARPS": warps, "UNROLL": unroll,
-              "SPLIT": split}
+              "SPLIT": split, "SPREAD_SPLIT": spread_split}
+    size = spread_split if spread else split  # the cluster the launch chooses
     body = _host_body(body_source("kv_decode_body", dtype, config)).replace("__ldg(", "*(")
     for name, tensor in (("q", q), ("pages", pages), ("indptr", indptr), ("indices", indices), ("last", last_len)):
         (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
@@ -127,7 +130,7 @@ int main() {{
   auto indptr = load<int>("indptr.bin"); auto indices = load<int>("indices.bin"); auto last = load<int>("last.bin");
   std::vector<{scalar}> out(q.size());
   std::vector<float> lse(q.size() / {d}, 12345.f);
-  const int threads = {warps} * 32, split = {split};
+  const int threads = {warps} * 32, split = {size};
   host_warps_per_cta = {warps};
   const int pairs = {len(contexts) * hkv}, spread = {spread};
   for (int cl = 0; cl < (spread ? (pairs + split - 1) / split : pairs); ++cl) {{  // one cluster at a time
@@ -196,9 +199,8 @@ def test_kv_cache_decode_compiles_for_sm90a_without_spills(h, hkv, d, dtype):
     with hopper:
         lowered = str(tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(mod)))
     assert "rotary_mode == 0" in lowered
-    split = default_split(hkv)
-    if split > 1:
-        assert f'T.launch_thread("clusterCtaIdx.x", {split})' in lowered
+    if default_split(hkv) > 1:
+        assert 'T.launch_thread("clusterCtaIdx.x"' in lowered
     report = nvcc_compile(cuda_source(mod, sm90, {}, CODEGEN), "sm_90a")
     assert report.ok and report.spills == 0, report.log[-2000:]
 
@@ -219,36 +221,30 @@ def test_the_kernel_refuses_what_it_cannot_serve():
 
 # --- the dispatch in a generation build ---------------------------------------------------------------------
 
-def test_the_decode_kernels_knobs_follow_the_largest_static_batch():
+def test_the_decode_kernel_chooses_its_cluster_at_launch():
     """One kernel serves every batch of a cache: at batch 1 a cluster of 8 CTAs splits each (sequence, K/V
-    head) pair; where the largest static decode batch has about four pairs an SM, clusters of 2 each take
-    pairs whole, and without GQA the registers are bounded to fit 4 CTAs an SM. The dispatch reads that
-    batch off the module's ``decode_b<n>`` functions."""
+    head) pair; where a step's pairs fill the GPU, clusters of 2 each take pairs whole. The cluster's size is a
+    launch parameter chosen from the step's pairs; without GQA the registers are bounded for 4 CTAs an SM."""
     import tvm
-    from tvm.script import tirx as T
 
-    from autosched.generation.attention import largest_decode_batch
-    from autosched.search_spaces.templates.kv_cache_decode import default_config
+    from autosched.search_spaces.templates.kv_cache_decode import default_config, kv_cache_decode_kernel
 
-    assert default_config(1, 32, 128, 1) == {"split": 8, "warps": 8, "unroll": 4, "blocks": None}
-    assert default_config(1, 32, 128, 16) == {"split": 2, "warps": 8, "unroll": 4, "blocks": 4}
-    assert default_config(4, 8, 128, 16)["split"] == 8
-    assert default_config(4, 8, 128, 64) == {"split": 2, "warps": 8, "unroll": 2, "blocks": None}
-
-    @T.prim_func
-    def empty():
-        T.evaluate(0)
-
-    named = lambda *names: tvm.IRModule({n: empty.with_attr("global_symbol", n) for n in names})  # noqa: E731
-    assert largest_decode_batch(named("decode_b1", "decode_b16", "verify_b64_k4", "batch_decode")) == 16
-    assert largest_decode_batch(named("batch_decode", "prefill_t512")) == 1
+    assert default_config(1, 32, 128) == {"split": 8, "spread_split": 2, "warps": 8, "unroll": 4, "blocks": 4}
+    assert default_config(4, 8, 128) == {"split": 8, "spread_split": 2, "warps": 8, "unroll": 2, "blocks": None}
+    kernel = kv_cache_decode_kernel(32, 32, 128, "float16")
+    assert str(kernel.attrs["global_symbol"]).endswith("_split8_spread2_warps8_unroll4_blocks4_float16")
+    hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with hopper:
+        lowered = str(tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(
+            tvm.IRModule({"main": kernel}))))
+    # 32 K/V heads: from batch 4 on (128 pairs, nine tenths of 132 SMs or more) clusters of 2, below of 8.
+    assert "T.Select(4 <= B, 2, 8)" in lowered and 'T.launch_thread("clusterCtaIdx.x"' in lowered
 
 
 @needs_nvcc
 @pytest.mark.slow
 def test_the_spread_kernel_fits_four_ctas_an_sm_without_spills():
-    """Without GQA, at a largest static batch of 16 (512 pairs): ``__launch_bounds__(256, 4)``, clusters of
-    2, and nvcc fits the body in 64 registers without spilling."""
+    """Without GQA: ``__launch_bounds__(256, 4)``, and nvcc fits the body in 64 registers without spilling."""
     import tvm
 
     from autosched.cuda_tools import cuda_source
@@ -258,9 +254,9 @@ def test_the_spread_kernel_fits_four_ctas_an_sm_without_spills():
 
     from .nvcc import nvcc_compile
 
-    kernel = kv_cache_decode_kernel(32, 32, 128, "float16", batch=16)
+    kernel = kv_cache_decode_kernel(32, 32, 128, "float16")
     name = str(kernel.attrs["global_symbol"])
-    assert name.endswith("_split2_warps8_unroll4_blocks4_float16")
+    assert name.endswith("_warps8_unroll4_blocks4_float16")
     source = cuda_source(tvm.IRModule({name: kernel}), parse_target("cuda:sm_90", require_device=False), {}, CODEGEN)
     assert "__launch_bounds__(256, 4)" in source
     report = nvcc_compile(source, "sm_90a")

@@ -150,17 +150,7 @@ def _ours(mod: IRModule, role: Role, theirs, target: TargetSpec):
     reason = ours.unsupported(**facts)
     if reason:
         return reason, None
-    if role.name == DECODE_ROLE:  # one kernel serves every batch: its knobs follow the largest static one
-        facts = {**facts, "batch": largest_decode_batch(mod)}
     return None, getattr(ours, f"{role.ours}_kernel")(**facts)
-
-
-def largest_decode_batch(mod: IRModule) -> int:
-    """The most sequences of the module's static decode functions (``decode_b<n>``); 1 where it has none."""
-    import re
-
-    found = (re.fullmatch(r"decode_b(\d+)", gv.name_hint) for gv in mod.functions)
-    return max((int(m.group(1)) for m in found if m), default=1)
 
 
 def _replace_in_cache(mod: IRModule, old: str, new: str) -> IRModule:

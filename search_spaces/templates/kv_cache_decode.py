@@ -44,21 +44,19 @@ def default_split(hkv: int, batch: int = 1) -> int:
     return split
 
 
-# (Sequence, K/V head) pairs of the largest static decode batch from which a build takes the spread kernel:
-# about four pairs an SM (batch 16 of 32 K/V heads, batch 64 of 8).
-SPREAD_PAIRS = 512
+# CTAs a cluster holds where the step's pairs spread (each CTA a pair of its own, whole): clusters of 2 place
+# on the SMs better than clusters of the split's 8 (``benchmarks/decode_attention_benchmark.py``).
+SPREAD_SPLIT = 2
 
 
-def default_config(group: int, hkv: int, d: int, batch: int = 1) -> dict:
-    """The kernel's knobs (split, warps, unroll, blocks) for a cache whose largest static decode step has
-    ``batch`` sequences. One kernel serves every batch, and the cluster size is fixed when it compiles: at
-    batch 1 a cluster of 8 splits each pair's pages, but where the largest batch has pairs enough for each
-    CTA to take one whole, clusters of 2 schedule better, and without GQA the registers are bounded so that
-    those CTAs run at once (``benchmarks/decode_attention_benchmark.py`` measures both)."""
+def default_config(group: int, hkv: int, d: int) -> dict:
+    """The kernel's knobs: ``split``, the CTAs splitting one (sequence, K/V head) pair's pages where a step's
+    pairs are too few to fill the GPU (batch 1), ``spread_split``, the cluster size where they are enough,
+    both chosen at launch from the step's batch; ``warps``, ``unroll``; ``blocks``, the CTAs an SM is compiled
+    to hold (without GQA, so that a batch of 16 runs in one wave)."""
     warps, unroll = default_warps(group, d), default_unroll(group)
-    if batch * hkv >= SPREAD_PAIRS:
-        return {"split": 2, "warps": warps, "unroll": unroll, "blocks": default_blocks(group, d, warps, unroll)}
-    return {"split": default_split(hkv), "warps": warps, "unroll": unroll, "blocks": None}
+    return {"split": default_split(hkv), "spread_split": SPREAD_SPLIT, "warps": warps, "unroll": unroll,
+            "blocks": default_blocks(group, d, warps, unroll)}
 
 
 def default_warps(group: int, d: int) -> int:
@@ -110,9 +108,11 @@ def unsupported(h: int, hkv: int, d: int, dtype: str, page: int) -> str | None:
 
 
 def kernel_name(h: int, hkv: int, d: int, dtype: str, page: int, split: int, warps: int, unroll: int,
-                blocks: int | None = None) -> str:
+                blocks: int | None = None, spread_split: int = SPREAD_SPLIT) -> str:
     fit = f"_blocks{blocks}" if blocks else ""
-    return f"autosched_kv_cache_decode_h{h}_hkv{hkv}_d{d}_page{page}_split{split}_warps{warps}_unroll{unroll}{fit}_{dtype}"
+    spread = f"_spread{spread_split}" if split > 1 else ""
+    return (f"autosched_kv_cache_decode_h{h}_hkv{hkv}_d{d}_page{page}_split{split}{spread}_warps{warps}"
+            f"_unroll{unroll}{fit}_{dtype}")
 
 
 def body_source(name: str, dtype: str, config: dict) -> str:
@@ -122,25 +122,28 @@ def body_source(name: str, dtype: str, config: dict) -> str:
 
 def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16, split: int | None = None,
                            warps: int | None = None, unroll: int | None = None, blocks: int | None = None,
-                           batch: int = 1):
+                           spread_split: int | None = None):
     """The TIRx PrimFunc, with the signature of TVM's ``batch_decode_paged_kv`` (no sliding window).
-    ``split``, ``warps``, ``unroll``, ``blocks`` (CTAs per SM to fit in the registers; 0: the compiler's
-    choice): :func:`default_config`'s for a largest static decode batch ``batch`` unless given."""
+    ``split``, ``spread_split``, ``warps``, ``unroll``, ``blocks`` (CTAs per SM to fit in the registers; 0: the
+    compiler's choice): :func:`default_config`'s unless given."""
     from tvm.script import tirx as T
 
     reason = unsupported(h, hkv, d, dtype, page)
     if reason:
         raise ValueError(f"kv_cache_decode cannot serve {reason}")
     g = h // hkv
-    knobs = default_config(g, hkv, d, batch)
+    knobs = default_config(g, hkv, d)
     split = knobs["split"] if split is None else split
+    spread_split = min(knobs["spread_split"] if spread_split is None else spread_split, split)
     warps = knobs["warps"] if warps is None else warps
     unroll = knobs["unroll"] if unroll is None else unroll
     blocks = (knobs["blocks"] if blocks is None else blocks) or None
-    if split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16) or unroll < 1 or 4 * smem_floats(g, d, warps) > SMEM_LIMIT:
-        raise ValueError(f"split {split}, warps {warps}, unroll {unroll}")
-    name = kernel_name(h, hkv, d, dtype, page, split, warps, unroll, blocks)
-    config = {"H": h, "HKV": hkv, "G": g, "D": d, "PAGE": page, "WARPS": warps, "UNROLL": unroll, "SPLIT": split}
+    if (split not in (1, 2, 4, 8) or spread_split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16) or unroll < 1
+            or 4 * smem_floats(g, d, warps) > SMEM_LIMIT):
+        raise ValueError(f"split {split}, spread_split {spread_split}, warps {warps}, unroll {unroll}")
+    name = kernel_name(h, hkv, d, dtype, page, split, warps, unroll, blocks, spread_split)
+    config = {"H": h, "HKV": hkv, "G": g, "D": d, "PAGE": page, "WARPS": warps, "UNROLL": unroll, "SPLIT": split,
+              "SPREAD_SPLIT": spread_split}
     source = body_source(name, dtype, config)
     threads = 32 * warps
     words = smem_floats(g, d, warps)
@@ -148,9 +151,10 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
     def launch(pairs):  # (cluster, rank in it, whether each CTA takes a pair of its own), for pairs known at run time
         if split == 1:
             return T.cta_id([pairs]), 0, 0
+        # The cluster's size is a launch parameter: ``split`` CTAs share a pair, or ``spread_split`` take one each.
         spread = T.Select(spreads(pairs), 1, 0)
-        cluster = T.cluster_id([T.Select(spreads(pairs), (pairs + split - 1) // split, pairs)])
-        return cluster, T.cta_id_in_cluster([split]), spread
+        cluster = T.cluster_id([T.Select(spreads(pairs), (pairs + spread_split - 1) // spread_split, pairs)])
+        return cluster, T.cta_id_in_cluster([T.Select(spreads(pairs), spread_split, split)]), spread
 
     # fmt: off
     @T.prim_func

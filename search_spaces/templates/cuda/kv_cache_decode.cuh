@@ -8,8 +8,8 @@
 // last page; lse [batch, H], float32, base 2: log2 of the sum of 2^(scores · sm_scale · log2(e)).
 //
 // One cluster of C::SPLIT CTAs per (sequence, K/V head): each CTA takes an equal share of the sequence's
-// pages (with enough (sequence, head) pairs to fill the GPU, `spread`, each CTA of a cluster takes a pair
-// of its own instead); each warp takes tokens in steps of (32 / (D / 8)) tokens, a row of K and of V read by D / 8 lanes,
+// pages (with enough (sequence, head) pairs to fill the GPU, `spread`, clusters of C::SPREAD_SPLIT CTAs,
+// each taking a pair of its own, instead); each warp takes tokens in steps of (32 / (D / 8)) tokens, a row of K and of V read by D / 8 lanes,
 // 16 bytes each, C::UNROLL steps of loads issued before any arithmetic; the GQA group's C::G query heads
 // share every row read. Online softmax in registers, in base 2 with the scale folded into Q. The warps
 // merge in shared memory, the cluster's CTAs in the first CTA through distributed shared memory.
@@ -47,9 +47,10 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
   auto fin_ml = reinterpret_cast<float (*)[2]>(smem + (WARPS + 1) * G * D + WARPS * G * 2);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int sub = lane % TG, gid = warp * TPW + lane / TG;
-  // Split: the cluster's pair, the CTA's share of its pages. Spread: the CTA's own pair, all its pages.
+  // Split: the cluster's pair, the CTA's share of its pages. Spread: the CTA's own pair, all its pages, in
+  // clusters of C::SPREAD_SPLIT (the cluster's size is chosen at launch).
   const bool alone = SPLIT == 1 || spread;
-  const int pair = alone ? cluster * SPLIT + rank : cluster;
+  const int pair = alone ? cluster * (SPLIT == 1 ? 1 : C::SPREAD_SPLIT) + rank : cluster;
   if (pair >= pairs) return;  // the last cluster's spare CTAs (spread only: no cluster barrier then)
   const int parts = alone ? 1 : SPLIT, part = alone ? 0 : rank;
   const int seq = pair / HKV, kvh = pair % HKV;
