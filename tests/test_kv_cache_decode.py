@@ -274,11 +274,11 @@ def _tiny(head_dim: int = 64, **overrides):
 
 @pytest.mark.slow
 def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms():
-    """``cuda:sm_90``: the cache's decode and ragged prefill kernels are ours (the report names them, TVM's
+    """``cuda:sm_90``: the cache's decode and prefill kernels are ours (the report names them, TVM's
     PrimFuncs are gone, the executable's function table holds ours as packed functions linked in from their
-    own TIRx builds), the sliding-window decode variant and the prefill over cached pages stay TVM's.
+    own TIRx builds), the sliding-window variants stay TVM's.
     ``llvm``: every role stays TVM's."""
-    from autosched.generation.attention import DECODE_ROLE, RAGGED_PREFILL_ROLE
+    from autosched.generation.attention import DECODE_ROLE, PAGED_PREFILL_ROLE, RAGGED_PREFILL_ROLE
     from autosched.generation.build import lower_generation, schedule_generation
     from autosched.pipeline.build import build_pipeline, compile_separate
     from autosched.target import compile_module, parse_target
@@ -291,11 +291,14 @@ def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms(
     assert "TVM default for the sliding-window variant (batch_decode_paged_kv_sliding_window)" in ours
     ragged = report.attention[RAGGED_PREFILL_ROLE]
     assert ragged == "autosched kv_cache_prefill (autosched_kv_cache_prefill_h4_hkv2_d64_bm64_bn64_float16)"
-    assert report.attention["prefill over cached pages"].startswith("TVM default (batch_prefill_paged_kv")
-    assert "except ours for decode over cached pages, prefill over new tokens (ragged)" in report.summary()
-    names = [role.split("(")[1].split(")")[0] for role in (ours, ragged)]
+    paged = report.attention[PAGED_PREFILL_ROLE]
+    assert paged == ("autosched kv_cache_prefill (autosched_kv_cache_prefill_paged16_h4_hkv2_d64_bm64_bn64_float16); "
+                     "TVM default for the sliding-window variant (batch_prefill_paged_kv_sliding_window)")
+    assert ("except ours for decode over cached pages, prefill over cached pages, prefill over new tokens (ragged)"
+            in report.summary())
+    names = [role.split("(")[1].split(")")[0] for role in (ours, ragged, paged)]
     functions = [gv.name_hint for gv in scheduled.functions]
-    assert "batch_decode_paged_kv" not in functions and "batch_prefill_ragged_kv" not in functions
+    assert not {"batch_decode_paged_kv", "batch_prefill_ragged_kv", "batch_prefill_paged_kv"} & set(functions)
     executable = compile_module(scheduled, sm90, {}, relax_pipeline=build_pipeline(sm90))
     executable = compile_separate(executable, applied, sm90)
     for name in names:

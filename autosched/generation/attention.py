@@ -14,7 +14,9 @@ Served so far, on sm_90, RoPE applied before caching (or none: ``rotary_mode`` 0
   ``search_spaces/templates/kv_cache_decode.py``: head dims 32-256, pages of 16, GQA groups up to 8;
 * "prefill over new tokens (ragged)" (TVM's ``batch_prefill_ragged_kv``: the runtime's causal attention of a
   prefill's new tokens to themselves, whose log-sum-exp it merges with that over the cached pages) by
-  ``search_spaces/templates/kv_cache_prefill.py``: head dims 64 and 128, any GQA grouping.
+  ``search_spaces/templates/kv_cache_prefill.py``: head dims 64 and 128, any GQA grouping;
+* "prefill over cached pages" (TVM's ``batch_prefill_paged_kv``, without sliding window: a prefill chunk's or
+  a speculative verify step's attention to the tokens cached before it) by the same template's paged kernel.
 
 Each role is a :class:`Role`: TVM's kernel by name, how to read the configuration off its buffers, and the
 template module of ours; :func:`dispatch_attention` runs the same path for every role.
@@ -33,8 +35,10 @@ if TYPE_CHECKING:
 
 DECODE_ROLE = "decode over cached pages"
 RAGGED_PREFILL_ROLE = "prefill over new tokens (ragged)"
+PAGED_PREFILL_ROLE = "prefill over cached pages"
 TVM_DECODE = "batch_decode_paged_kv"  # TVM's kernels' symbols (and global names in our lowered module)
 TVM_RAGGED_PREFILL = "batch_prefill_ragged_kv"
+TVM_PAGED_PREFILL = "batch_prefill_paged_kv"
 ARCHS = ("sm_90", "sm_90a")
 CODEGEN = {"tir_pipeline": "tirx", "arch": "sm_90a"}
 
@@ -44,12 +48,13 @@ class Role:
     """One attention function the cache calls: ``tvm_kernel``, the name of TVM's PrimFunc for it; ``facts``,
     the configuration read off that PrimFunc's buffers (None if it is not the kernel we know); ``ours``, the
     template module of our kernel, whose ``unsupported(**facts)`` says why it cannot serve them (or None) and
-    whose ``<ours>_kernel(**facts)`` makes it."""
+    whose ``<kernel>(**facts)`` makes it (``<ours>_kernel`` unless named)."""
 
     name: str
     tvm_kernel: str
     ours: str
     facts: Callable[[Any], dict[str, Any] | None]
+    kernel: str | None = None
 
     def module(self):
         import importlib
@@ -129,7 +134,27 @@ def _ragged_prefill_facts(func) -> dict[str, Any] | None:
     return facts
 
 
+def _paged_prefill_facts(func) -> dict[str, Any] | None:
+    """Heads, K/V heads, head dim, page size and dtype of TVM's paged prefill kernel, from its buffers (q
+    [total_q, h, d], pages [num_pages, 2, hkv, page, d]); None if it does not look like that kernel."""
+    params = list(func.params)
+    if len(params) != 15:
+        return None
+    q, pages = params[0], params[2]
+    try:
+        _, h, d = q.shape
+        _, two, hkv, page, d2 = pages.shape
+        facts = {"h": int(h), "hkv": int(hkv), "d": int(d), "dtype": str(q.dtype), "page": int(page)}
+    except (AttributeError, ValueError, TypeError):
+        return None
+    if int(two) != 2 or int(d2) != facts["d"] or str(pages.dtype) != facts["dtype"]:
+        return None
+    return facts
+
+
 ROLES = (Role(RAGGED_PREFILL_ROLE, TVM_RAGGED_PREFILL, "kv_cache_prefill", _ragged_prefill_facts),
+         Role(PAGED_PREFILL_ROLE, TVM_PAGED_PREFILL, "kv_cache_prefill", _paged_prefill_facts,
+              "kv_cache_prefill_paged_kernel"),
          Role(DECODE_ROLE, TVM_DECODE, "kv_cache_decode", _decode_facts))
 
 
@@ -150,7 +175,7 @@ def _ours(mod: IRModule, role: Role, theirs, target: TargetSpec):
     reason = ours.unsupported(**facts)
     if reason:
         return reason, None
-    return None, getattr(ours, f"{role.ours}_kernel")(**facts)
+    return None, getattr(ours, role.kernel or f"{role.ours}_kernel")(**facts)
 
 
 def _replace_in_cache(mod: IRModule, old: str, new: str) -> IRModule:

@@ -1,12 +1,15 @@
-// kv_cache_prefill: attention over a prefill's new tokens in the calling convention of TVM's paged KV cache
-// runtime (the function the cache calls for "prefill over new tokens (ragged)", in place of TVM's
-// batch_prefill_ragged_kv), as a device function that runs one thread's share of a CTA
-// (search_spaces/templates/kv_cache_prefill.py generates its config struct and the TIRx launch around it).
+// kv_cache_prefill: prefill attention in the calling convention of TVM's paged KV cache runtime, as device
+// functions that run one thread's share of a CTA (search_spaces/templates/kv_cache_prefill.py generates
+// their config structs and the TIRx launches around them): over a prefill's new tokens (the function the
+// cache calls for "prefill over new tokens (ragged)", in place of TVM's batch_prefill_ragged_kv) and over
+// the cached pages ("prefill over cached pages", in place of batch_prefill_paged_kv).
 //
-// The runtime's buffers: Q and O [total_q, H, D]; K and V [total_kv, HKV, D]; each sequence's tokens in
-// CSR form (q_indptr, kv_indptr [batch + 1]); lse [total_q, H], float32, base 2: log2 of the sum of
-// 2^(scores · sm_scale · log2(e)). Causal: a sequence's queries are the last tokens of its kv range, so its
-// query token i of qlen sees kv token j <= kvlen - qlen + i.
+// The runtime's buffers: Q and O [total_q, H, D]; lse [total_q, H], float32, base 2: log2 of the sum of
+// 2^(scores · sm_scale · log2(e)); the queries of each sequence in CSR form (q_indptr [batch + 1]). The keys
+// and values: ragged, K and V [total_kv, HKV, D] with kv_indptr [batch + 1]; paged, pages [num_pages, 2 (K,
+// V), HKV, PAGE, D] with each sequence's pages in CSR form (page_indptr [batch + 1] into indices) and
+// last_len [batch], the tokens of its last page. Causal: a sequence's queries are the last tokens of its kv
+// range, so its query token i of qlen sees kv token j <= kvlen - qlen + i.
 //
 // FlashAttention-2 on mma.sync: one CTA per (tile of C::BM rows, K/V head, sequence), a row being one
 // (query token, query head of the K/V head's GQA group) pair, token-major as TVM's kernel orders them, so
@@ -30,10 +33,44 @@ template <int D> __device__ __forceinline__ int autosched_kvp_at(int row, int ch
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
-template <typename T, class C>
+// The keys and values of the new tokens: a sequence's token j is row kv_indptr[seq] + j of K and of V.
+template <typename T, int HKV, int D> struct autosched_kvp_ragged {
+  const T* __restrict__ K;
+  const T* __restrict__ V;
+  const int* __restrict__ kv_indptr;
+  __device__ __forceinline__ int first(int seq) const { return kv_indptr[seq]; }
+  __device__ __forceinline__ int length(int seq) const { return kv_indptr[seq + 1] - kv_indptr[seq]; }
+  __device__ __forceinline__ size_t at(int first, int j, int kvh) const {
+    return ((size_t)(first + j) * HKV + kvh) * D;
+  }
+  __device__ __forceinline__ const T* k(size_t at) const { return K + at; }
+  __device__ __forceinline__ const T* v(size_t at) const { return V + at; }
+};
+
+// The keys and values in the cache's pages: a sequence's token j is row j % PAGE of its page j / PAGE
+// (page_indptr[seq] indexes the sequence's page numbers), K of head kvh at (2 page · HKV + kvh) · PAGE · D,
+// V HKV · PAGE · D further.
+template <typename T, int HKV, int D, int PAGE> struct autosched_kvp_paged {
+  const T* __restrict__ pages;
+  const int* __restrict__ page_indptr;
+  const int* __restrict__ indices;
+  const int* __restrict__ last_len;
+  __device__ __forceinline__ int first(int seq) const { return page_indptr[seq]; }
+  __device__ __forceinline__ int length(int seq) const {
+    const int n = page_indptr[seq + 1] - page_indptr[seq];
+    return n > 0 ? (n - 1) * PAGE + last_len[seq] : 0;
+  }
+  __device__ __forceinline__ size_t at(int first, int j, int kvh) const {
+    return ((size_t)__ldg(indices + first + j / PAGE) * 2 * HKV + kvh) * PAGE * D + (j % PAGE) * D;
+  }
+  __device__ __forceinline__ const T* k(size_t at) const { return pages + at; }
+  __device__ __forceinline__ const T* v(size_t at) const { return pages + at + (size_t)HKV * PAGE * D; }
+};
+
+template <typename T, class C, class KV>
 __device__ __forceinline__ void autosched_kv_cache_prefill(const T* __restrict__ Q, const int* __restrict__ q_indptr,
-    const T* __restrict__ K, const T* __restrict__ V, const int* __restrict__ kv_indptr, T* __restrict__ O,
-    float* __restrict__ lse, T* smem, int cta, int batch, int causal, float sm_scale) {
+    const KV& kv, T* __restrict__ O, float* __restrict__ lse, T* smem, int cta, int batch, int causal,
+    float sm_scale) {
   constexpr int H = C::H, HKV = C::HKV, G = C::G, D = C::D, BM = C::BM, BN = C::BN;
   constexpr int WARPS = BM / 16, THREADS = WARPS * 32, CHUNKS = D / 8;
   static_assert(D % 64 == 0 && BN % 16 == 0 && BM % 16 == 0 && BN * CHUNKS % THREADS == 0 && BM * CHUNKS % THREADS == 0,
@@ -51,7 +88,7 @@ __device__ __forceinline__ void autosched_kv_cache_prefill(const T* __restrict__
   if (seq >= batch) return;  // a spare CTA: the launch counts one more tile per sequence than may be needed
   const int first = (tiles - 1 - slot) * BM;  // the tile's first row
   const int q0 = q_indptr[seq], qlen = q_indptr[seq + 1] - q0;
-  const int k0 = kv_indptr[seq], kvlen = kv_indptr[seq + 1] - k0;
+  const int k0 = kv.first(seq), kvlen = kv.length(seq);
   const int shift = kvlen - qlen;  // query token t sees kv tokens j < shift + t + 1
   auto visible = [&](int row) {    // keys a row sees (rows past the sequence: any bound, they are not stored)
     return causal ? max(0, min(kvlen, shift + (first + row) / G + 1)) : kvlen;
@@ -76,9 +113,9 @@ __device__ __forceinline__ void autosched_kv_cache_prefill(const T* __restrict__
     for (int it = 0; it < BN * CHUNKS / THREADS; ++it) {
       const int i = it * THREADS + tid, r = i / CHUNKS, c = i % CHUNKS;
       const bool ok = base + r < kv_end;
-      const size_t at = ((size_t)(k0 + base + r) * HKV + kvh) * D + c * 8;
-      autosched_cp_async(sk + buf * BN * D + autosched_kvp_at<D>(r, c), ok ? K + at : K, ok);
-      autosched_cp_async(sv + buf * BN * D + autosched_kvp_at<D>(r, c), ok ? V + at : V, ok);
+      const size_t at = ok ? kv.at(k0, base + r, kvh) + c * 8 : 0;  // no page lookup past the keys
+      autosched_cp_async(sk + buf * BN * D + autosched_kvp_at<D>(r, c), kv.k(at), ok);
+      autosched_cp_async(sv + buf * BN * D + autosched_kvp_at<D>(r, c), kv.v(at), ok);
     }
   };
   if (kv_tiles > 0) load_kv(0, 0);
@@ -197,13 +234,24 @@ __device__ __forceinline__ void autosched_kv_cache_prefill(const T* __restrict__
 }
 
 // The entry point NAME(Q, q_indptr, K, V, kv_indptr, O, lse, smem, cta, batch, causal, sm_scale) that the
-// TIRx launch calls, for element type T and config C.
+// TIRx launch calls, for element type T and config C: over the new tokens.
 #define AUTOSCHED_KV_CACHE_PREFILL(NAME, T, C)                                                              \
   __device__ __forceinline__ void NAME(const T* __restrict__ Q, const int* __restrict__ q_indptr,            \
       const T* __restrict__ K, const T* __restrict__ V, const int* __restrict__ kv_indptr, T* __restrict__ O, \
       float* __restrict__ lse, T* smem, int cta, int batch, int causal, float sm_scale) {                   \
-    autosched_kv_cache_prefill<T, C>(Q, q_indptr, K, V, kv_indptr, O, lse, smem, cta, batch, causal,       \
-                                     sm_scale);                                                             \
+    const autosched_kvp_ragged<T, C::HKV, C::D> kv{K, V, kv_indptr};                                         \
+    autosched_kv_cache_prefill<T, C>(Q, q_indptr, kv, O, lse, smem, cta, batch, causal, sm_scale);           \
+  }
+
+// The entry point NAME(Q, q_indptr, pages, page_indptr, indices, last_len, O, lse, smem, cta, batch, causal,
+// sm_scale): over the cached pages.
+#define AUTOSCHED_KV_CACHE_PREFILL_PAGED(NAME, T, C)                                                        \
+  __device__ __forceinline__ void NAME(const T* __restrict__ Q, const int* __restrict__ q_indptr,            \
+      const T* __restrict__ pages, const int* __restrict__ page_indptr, const int* __restrict__ indices,    \
+      const int* __restrict__ last_len, T* __restrict__ O, float* __restrict__ lse, T* smem, int cta,        \
+      int batch, int causal, float sm_scale) {                                                               \
+    const autosched_kvp_paged<T, C::HKV, C::D, C::PAGE> kv{pages, page_indptr, indices, last_len};           \
+    autosched_kv_cache_prefill<T, C>(Q, q_indptr, kv, O, lse, smem, cta, batch, causal, sm_scale);           \
   }
 
 #endif  // AUTOSCHED_KV_CACHE_PREFILL_CUH
