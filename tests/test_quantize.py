@@ -1,4 +1,4 @@
-"""Quantised generation builds (``build --generate --quantize q4f16|q8f16``) and ``autosched eval``.
+"""Quantised generation builds (``build --generate --quantize q4f16|q4f16_zp|q8f16|fp8``) and ``autosched eval``.
 
 The weights are quantised at build time as ``dequant_gemm`` reads them; the artifact's logits are those of a
 float64 model holding the same dequantised weights (exact up to fp32 accumulation order), on the dynamic
@@ -98,6 +98,35 @@ def test_q4f16_zp_weights_are_what_dequant_gemm_with_zero_points_reads():
     assert bool((nibbles.amax(-1) - nibbles.amin(-1) >= 14)[[0, 1, 3, 4, 5]].all())  # the levels are used
 
 
+def test_fp8_weights_are_the_nearest_e4m3_values_of_w_over_a_channels_scale():
+    """fp8: uint8 bits of E4M3FN codes [n, k] and one scale per output channel (largest magnitude / 448 in the
+    model's dtype); each code is ml_dtypes' round-to-nearest-even E4M3 of w / s, each row's largest magnitude
+    on 448, and dequant_gemm's fmt=e4m3 reference dequantises them as dequantize_weight does."""
+    import ml_dtypes
+    import torch
+
+    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.workloads import get_operator, make_workload
+
+    n, k = 6, 96
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.05
+    weight[1, :8] = torch.tensor([1e-6, -1e-6, 3e-5, 0, 0, 0, 0, 0], dtype=torch.float64)  # subnormal codes
+    weight[2] = 0.0  # an all-zero row quantises to zeros against a scale of one
+    for dtype in ("float16", "float32"):
+        codes, scales = quantize_weight(weight, "fp8", dtype)
+        assert (codes.dtype, tuple(codes.shape), tuple(scales.shape)) == (torch.uint8, (n, k), (n, 1))
+        assert scales.dtype == getattr(torch, dtype) and float(scales[2, 0]) == 1.0
+        expected = (weight / scales.double()).numpy().astype(ml_dtypes.float8_e4m3fn)
+        assert np.array_equal(codes.numpy(), expected.view(np.uint8))
+        wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, dtype, {"bits": 8, "group": k, "fmt": "e4m3"})
+        ours = get_operator("dequant_gemm").dequantize(wl, codes, scales)
+        assert torch.equal(ours.to(getattr(torch, dtype)).double(), dequantize_weight(codes, scales, "fp8", k, dtype))
+        levels = codes.view(torch.float8_e4m3fn).double()
+        assert bool((levels.abs().amax(1)[[0, 1, 3, 4, 5]] == 448).all()) and bool((ours[2] == 0).all())
+        assert int(((codes & 0x7F) < 8).sum()) > 3  # some subnormal codes (and zeros) are used
+        assert bool(((ours - weight).abs() <= 448 / 16 * scales.double() + 1e-12).all())
+
+
 def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
     from autosched.errors import UsageError
     from autosched.generation.decoder import DecoderConfig
@@ -110,8 +139,9 @@ def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
     moe = DecoderConfig("mixtral", 512, 128, 4, 2, 32, 2, 256, experts=4, top_k=2, expert_mlp=256, sparse_layers=[0, 1])
     with pytest.raises(UsageError, match="mixture-of-experts models"):
         check_quantizable(moe, "q4f16")
-    with pytest.raises(UsageError, match="'fp8' is not a scheme: use q4f16, q4f16_zp or q8f16"):
-        group_size("fp8", 128)
+    with pytest.raises(UsageError, match="'fp4' is not a scheme: use q4f16, q4f16_zp, q8f16 or fp8"):
+        group_size("fp4", 128)
+    assert group_size("fp8", 11008) == 11008
     # dequant_gemm's group: its usual sizes or any other positive one (k: a scale per output channel)
     from autosched.workloads import make_workload
 
@@ -132,6 +162,7 @@ def test_bad_quantize_input_is_one_line_and_exit_2(capsys, tmp_path):
         (["build", "hf-llama", "--generate", "--quantize", "q3", "-o", out], "'q3' is not a scheme"),
         (["tune-model", "hf-llama", "--generate", "--quantize", "int4"], "'int4' is not a scheme"),
         (["build", "hf-llama", "--quantize", "q4f16", "-o", out], "add --generate"),
+        (["build", "hf-llama", "--quantize", "fp8", "-o", out], "--quantize fp8 applies to text generation builds"),
     ):
         code, lines = _run(capsys, *args)
         assert code == 2 and len(lines) == 1 and says in lines[0], (args, lines)
@@ -178,12 +209,13 @@ def _reference_model(hf, artifact):
     import torch
 
     from autosched.artifact import load_generation_artifact
+    from autosched.generation.quantize import scheme
     from autosched.workloads import get_operator, make_workload
 
     _, params, manifest, _ = load_generation_artifact(artifact)
     named = {name: torch.from_numpy(p.numpy()) for name, p in zip(manifest["param_names"], params)}
     cfg = manifest["decoder"]
-    bits = manifest["quantization"]["bits"]
+    bits, fmt = manifest["quantization"]["bits"], scheme(manifest["quantization"]["scheme"]).fmt
     ref = copy.deepcopy(hf).double()
     state = ref.state_dict()
 
@@ -191,7 +223,7 @@ def _reference_model(hf, artifact):
         codes, scales, zeros = named[prefix + ".qweight"], named[prefix + ".scales"], named.get(prefix + ".zeros")
         n, k = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
         group = k // scales.shape[1]
-        attrs = {"bits": bits, "group": group, "zeros": int(zeros is not None)}
+        attrs = {"bits": bits, "group": group, "zeros": int(zeros is not None), "fmt": fmt}
         wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, cfg["dtype"], attrs)
         return get_operator("dequant_gemm").dequantize(wl, codes, scales, zeros)
 
@@ -230,7 +262,7 @@ def assert_functions_match(artifact, ids, expected, chunk: int = 8, relative: fl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["q4f16", "q8f16", "q4f16_zp"])
+@pytest.mark.parametrize("scheme", ["q4f16", "q8f16", "q4f16_zp", "fp8"])
 def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(tiny_llama, scheme):
     """Every position of the dynamic prefill (TVM's schedule of the dequantising TE), a static prefill chunk
     and a static decode step (dequant_gemm kernels) give the float64 reference's logits up to fp32
