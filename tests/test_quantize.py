@@ -829,3 +829,159 @@ def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_th
     model.forward("batch_prefill", [0], [7], ids[:7], prefill=True)
     step = model.forward("decode_b1", [0], [1], ids[7:], prefill=False).numpy().reshape(-1)
     np.testing.assert_allclose(step, untuned[-1], rtol=0, atol=2e-5 * np.abs(untuned).max())
+
+
+# ---- FP8 checkpoints (compressed-tensors) ---------------------------------------------------------------------
+
+
+def _fp8_quantization_config(strategy: str = "channel", **weights) -> dict:
+    """A compressed-tensors ``quantization_config`` as llm-compressor writes an FP8-dynamic model's."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+                            "group_size": None, **weights},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                      "dynamic": True},
+            }
+        },
+    }
+
+
+def _write_fp8_checkpoint(hf, folder, strategy: str = "channel"):
+    """``hf``'s projections quantised as ``--quantize fp8`` quantises them (float32 scales), written as a
+    compressed-tensors FP8 checkpoint in ``folder`` (weights float8_e4m3fn, ``weight_scale`` [N, 1]);
+    ``strategy="tensor"``: one scale per projection (the largest), its codes quantised against it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from autosched.generation.quantize import e4m3_bits, quantize_weight, round_to_e4m3
+
+    tensors = {}
+    for key, value in hf.state_dict().items():
+        if not any(f".{p}.weight" in key for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+            tensors[key] = value.contiguous()
+            continue
+        codes, scales = quantize_weight(value, "fp8", "float32")
+        if strategy == "tensor":
+            scales = scales.max().reshape(1)
+            codes = e4m3_bits(round_to_e4m3(value.double() / scales.double()))
+        prefix = key[: -len("weight")]
+        tensors[prefix + "weight"] = codes.view(torch.float8_e4m3fn)
+        tensors[prefix + "weight_scale"] = scales
+        tensors[prefix + "input_scale"] = torch.ones(1)  # an activation scale, not applied in the weight-only form
+    hf.save_pretrained(folder)
+    for old in folder.glob("*.safetensors"):
+        old.unlink()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = _fp8_quantization_config(strategy)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_fp8_layers_repack_per_channel_or_per_tensor_scales_and_refuse_what_fp8_cannot_hold():
+    """A layer's float8 weight becomes its uint8 bits and its weight_scale one per output channel (a tensor's
+    scale repeated); float8 E5M2 weights, scales per group and scales not exact in the build's dtype are
+    refused with a UsageError that names the problem."""
+    import torch
+
+    from autosched.errors import UsageError
+    from autosched.generation.fp8 import repack
+
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 256, (4, 32), generator=gen, dtype=torch.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0
+    weight = bits.view(torch.float8_e4m3fn)
+    channel = torch.rand(4, 1, generator=gen).to(torch.bfloat16)
+    codes, scales = repack(weight, channel, torch.float32)
+    assert torch.equal(codes, bits) and scales.dtype == torch.float32 and torch.equal(scales, channel.float())
+    codes, scales = repack(weight, torch.tensor([0.5]), torch.float16)
+    assert tuple(scales.shape) == (4, 1) and bool((scales == 0.5).all()) and scales.dtype == torch.float16
+    for call, says in (
+        (lambda: repack(weight.view(torch.uint8).view(torch.float8_e5m2), channel, torch.float32), "is float8_e5m2"),
+        (lambda: repack(weight, torch.rand(4, 2, generator=gen), torch.float32), "has 8 values for 4 output channels"),
+        (lambda: repack(weight, torch.tensor([[0.1]]), torch.float16), "weight_scale (float32) is not exact in float16"),
+    ):
+        with pytest.raises(UsageError, match=re.escape(says)) as raised:
+            call()
+        assert "\n" not in str(raised.value)
+
+
+def test_fp8_checkpoints_fp8_cannot_read_are_refused_in_one_line(capsys, tmp_path):
+    """Block-wise FP8 (transformers' quant_method "fp8"), other compressed-tensors formats and weight schemes, and
+    another --quantize for an FP8 checkpoint: one line each, exit code 2, before any weight is read."""
+    import copy
+
+    block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    group = _fp8_quantization_config("group", group_size=128)
+    packed = {**_fp8_quantization_config(), "format": "pack-quantized"}
+    integers = copy.deepcopy(_fp8_quantization_config())
+    integers["config_groups"]["group_0"]["weights"]["type"] = "int"
+    cases = (
+        (block, (), "block-wise FP8 checkpoints (quant_method \"fp8\", weight_block_size [128, 128]) are not supported"),
+        (group, (), "quantises weights as type=float, num_bits=8, strategy=group: only 8-bit float weights"),
+        (packed, (), "compressed-tensors format 'pack-quantized' is not supported"),
+        (integers, (), "type=int, num_bits=8, strategy=channel"),
+        (_fp8_quantization_config(), ("--quantize", "q8f16"), "is an FP8 checkpoint, which builds as fp8: leave out "
+                                                              "--quantize q8f16"),
+    )
+    for index, (quant, extra, says) in enumerate(cases):
+        folder = tmp_path / str(index)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": quant}))
+        for command in ("build", "tune-model"):
+            args = [command, str(folder), "--generate", *extra] + (["-o", str(tmp_path / "no")] if command == "build" else [])
+            code, lines = _run(capsys, *args)
+            assert code == 2 and len(lines) == 1 and says in lines[0], (args, lines)
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.slow
+def test_an_fp8_checkpoint_builds_as_fp8_of_the_same_weights(tiny_llama, tmp_path, capsys):
+    """A compressed-tensors FP8 folder (per-channel float32 scales, read without its library) gives the
+    parameters and logits of ``--quantize fp8`` of the float weights it was quantised from; a per-tensor one
+    computes a float64 model of its own dequantised weights; --dtype float16 with its float32 scales is refused
+    in one line."""
+    import torch
+
+    from autosched.artifact import load_generation_artifact
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    hf, _ = tiny_llama
+    ours = _quantized(tiny_llama, "fp8")
+    _write_fp8_checkpoint(hf, tmp_path / "fp8")
+    theirs = _build(tmp_path / "fp8", tmp_path / "theirs", "--decode-batches", "1", "--prefill-chunks", "8")
+    manifest = json.loads((theirs / "manifest.json").read_text())
+    assert (manifest["quantization"]["scheme"], manifest["quantization"]["source"]) == ("fp8", "compressed-tensors")
+    assert manifest["decoder"]["dtype"] == "float32"
+    (_, a, m, _), (_, b, n, _) = load_generation_artifact(ours), load_generation_artifact(theirs)
+    assert m["param_names"] == n["param_names"]
+    for name, x, y in zip(m["param_names"], a, b):
+        assert x.dtype == y.dtype and np.array_equal(x.numpy(), y.numpy()), name
+    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3]
+    np.testing.assert_array_equal(all_logits(LoadedModel.load(theirs), ids), all_logits(LoadedModel.load(ours), ids))
+
+    _write_fp8_checkpoint(hf, tmp_path / "tensor", strategy="tensor")
+    built = _build(tmp_path / "tensor", tmp_path / "built", "--decode-batches", "1", "--prefill-chunks", "8")
+    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3, 3, 3, 4, 42, 43, 44, 45, 46, 17, 301]
+    with torch.no_grad():
+        expected = _reference_model(hf, built)(torch.tensor([ids])).logits[0].numpy()
+    assert_functions_match(built, ids, expected)
+    from safetensors.torch import load_file
+
+    written = load_file(str(tmp_path / "tensor" / "model.safetensors"))
+    _, params, manifest, _ = load_generation_artifact(built)
+    named = dict(zip(manifest["param_names"], params))
+    o_proj = "model.layers.0.self_attn.o_proj."
+    assert np.array_equal(named["layers.0.o.qweight"].numpy(), written[o_proj + "weight"].view(torch.uint8).numpy())
+    scales = named["layers.0.o.scales"].numpy()
+    assert scales.shape == (128, 1) and (scales == written[o_proj + "weight_scale"].item()).all()  # repeated per channel
+
+    code, lines = _run(capsys, "build", str(tmp_path / "fp8"), "--generate", "--dtype", "float16", "-o", str(tmp_path / "no"))
+    assert code == 2 and len(lines) == 1 and "weight_scale (float32) is not exact in float16" in lines[0], lines
