@@ -362,8 +362,8 @@ def _sample(chain, rows: int, length: int, seed: int) -> np.ndarray:
 @pytest.mark.slow
 def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(tmp_path):
     """A tiny Llama (hidden 128: q4f16 groups of 128) trained on a Markov chain (entropy 0.78 nats a token) and
-    built fp32, q8f16 and q4f16: ``autosched eval`` perplexity within 5% (q8f16) and 15% (q4f16) of the fp32
-    build's on held-out text, and greedy tokens the fp32 build's for at least 90% of 8 x 64 new tokens."""
+    built fp32, q8f16, fp8 and q4f16: ``autosched eval`` perplexity within 5% (q8f16, fp8) and 15% (q4f16) of the
+    fp32 build's on held-out text, and greedy tokens the fp32 build's for at least 90% of 8 x 64 new tokens."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -400,7 +400,7 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(t
 
     perplexity, tokens = {}, {}
     prompts = [list(map(int, row)) for row in _sample(chain, 8, 6, seed=4)]
-    for scheme in ("fp32", "q8f16", "q4f16"):
+    for scheme in ("fp32", "q8f16", "fp8", "q4f16"):
         extra = ("--quantize", scheme) if scheme != "fp32" else ()
         artifact = tmp_path / scheme
         cli(
@@ -435,8 +435,9 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(t
     entropy = -(LIKELY * math.log(LIKELY) + (1 - LIKELY) * math.log((1 - LIKELY) / 4))  # nats a token
     assert perplexity["fp32"] < 1.5 * math.exp(entropy), perplexity  # trained (uniform guessing: 64)
     assert perplexity["q8f16"] < 1.05 * perplexity["fp32"], perplexity
+    assert perplexity["fp8"] < 1.05 * perplexity["fp32"], perplexity
     assert perplexity["q4f16"] < 1.15 * perplexity["fp32"], perplexity
-    for scheme in ("q8f16", "q4f16"):
+    for scheme in ("q8f16", "fp8", "q4f16"):
         same = sum(a == b for ours, theirs in zip(tokens[scheme], tokens["fp32"]) for a, b in zip(ours, theirs))
         assert same >= 0.9 * 8 * 64, (scheme, same, perplexity)
     assert all(len(t) == 64 for t in tokens["fp32"])
@@ -783,9 +784,11 @@ def test_an_asymmetric_checkpoint_builds_as_q4f16_zp_and_computes_its_own_weight
 
 
 @pytest.mark.slow
-def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_them(tiny_llama, tmp_path):
-    """``tune-model --generate --quantize q4f16``: the decode step's projections are dequant_gemm tasks, tuned and
-    stored; the build with that database runs their records and computes what the untuned build computes."""
+@pytest.mark.parametrize("scheme", ["q4f16", "fp8"])
+def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_them(tiny_llama, tmp_path, scheme):
+    """``tune-model --generate --quantize q4f16`` (or fp8): the decode step's projections are dequant_gemm tasks,
+    tuned and stored; the build with that database runs their records and computes what the untuned build
+    computes."""
     from autosched.generation.evaluate import all_logits
     from autosched.generation.model import LoadedModel
 
@@ -801,7 +804,7 @@ def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_th
             "--max-batch",
             "2",
             "--quantize",
-            "q4f16",
+            scheme,
             "--trials",
             "16",
             "--db",
@@ -812,10 +815,12 @@ def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_th
     )
     assert sum(r["kernel"].startswith("autosched_dequant_gemm") for r in rows) == 4
     artifact = _build(
-        root / "hf", tmp_path / "tuned", "--decode-batches", "1", "--prefill-chunks", "8", "--quantize", "q4f16", "--db", db
+        root / "hf", tmp_path / "tuned", "--decode-batches", "1", "--prefill-chunks", "8", "--quantize", scheme, "--db", db
     )
     kernels = json.loads((artifact / "manifest.json").read_text())["workload_kernels"].values()
     tuned = {w["workload"].split(";")[0] for w in kernels if w["schedule"] == "database"}
+    fp8 = {w["workload"].endswith(";fmt=e4m3") for w in kernels if w["workload"].startswith("dequant_gemm")}
+    assert fp8 == {scheme == "fp8"}
     assert {k for k in tuned if k.startswith("dequant_gemm[m=1,")} == {
         "dequant_gemm[m=1,n=256,k=128]:float32",
         "dequant_gemm[m=1,n=128,k=128]:float32",
@@ -823,7 +828,7 @@ def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_th
         "dequant_gemm[m=1,n=128,k=256]:float32",
     }
     ids = [5, 7, 9, 11, 13, 2, 8, 100]
-    untuned = all_logits(LoadedModel.load(_quantized(tiny_llama, "q4f16")), ids)
+    untuned = all_logits(LoadedModel.load(_quantized(tiny_llama, scheme)), ids)
     model = LoadedModel.load(artifact)
     model.add(0)
     model.forward("batch_prefill", [0], [7], ids[:7], prefill=True)
