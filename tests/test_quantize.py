@@ -489,6 +489,24 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
     assert (out / manifest["library"]).exists()
 
 
+@pytest.mark.slow
+def test_an_fp8_build_for_sm_90_compiles_its_projections_on_the_generic_spaces(tiny_llama, tmp_path):
+    """Built here without a GPU for sm_90a in float16 with --quantize fp8: decode steps' projections on gpu_gemv, a
+    prefill chunk's on gpu_matmul, each decoding the E4M3 codes as the TE does (fmt=e4m3), the library written."""
+    _, root = tiny_llama
+    out = tmp_path / "sm90"
+    cli("build", str(root / "hf"), "--generate", "--target", "cuda:sm_90a", "--dtype", "float16", "-o", str(out),
+        "--max-seq-len", "256", "--max-batch", "4", "--decode-batches", "1", "--prefill-chunks", "128", "--quantize", "fp8")
+    manifest = json.loads((out / "manifest.json").read_text())
+    kernels = [w for w in manifest["workload_kernels"].values() if w["workload"].startswith("dequant_gemm")]
+    assert {(w["workload"].split(",")[0], w["space"]) for w in kernels} == {
+        ("dequant_gemm[m=1", "gpu_gemv"),
+        ("dequant_gemm[m=128", "gpu_matmul"),
+    }
+    assert all(";bits=8;" in w["workload"] and w["workload"].endswith(";fmt=e4m3") for w in kernels)
+    assert (out / manifest["library"]).exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["q4f16", "q8f16"])
 def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny_llama, scheme, tmp_path):
