@@ -5,8 +5,8 @@ A compressed-tensors folder (``config.json`` with ``quantization_config.quant_me
 linear layer as ``weight`` float8_e4m3fn [N, K] and ``weight_scale`` [N, 1] (``strategy`` "channel") or [1]
 ("tensor"): a weight is ``weight_scale · weight``, which is ``fp8``'s layout (``dequant_gemm``'s ``fmt=e4m3``:
 the codes' uint8 bits [N, K], one scale per output channel, a tensor's scale repeated), so a build runs the
-checkpoint's own codes and scales. Its activation scheme (``input_activations``, an ``input_scale``) is not
-applied: activations stay in the model's dtype in this weight-only form.
+checkpoint's own codes and scales. Its activation scheme (``input_activations``, an ``input_scale``) and an FP8
+KV cache scheme are not applied: activations and the KV cache stay in the model's dtype in this weight-only form.
 
 Refused in one line: other compressed-tensors formats and weight schemes (integers, groups, blocks), float8
 E5M2 weights, scales not exact in the build's dtype, and transformers' block-wise FP8 format (``quant_method``
