@@ -40,6 +40,9 @@ CASES = [
     # zero points (asymmetric AWQ/GPTQ): the sm_90 int4 templates decline them, the generic spaces follow the TE
     ("dequant_gemm", "m=2,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
     ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
+    # float8 E4M3 codes (fp8): the int4 templates decline them too, the generic spaces decode them as the TE does
+    ("dequant_gemm", "m=1,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gpu_gemv", "sm_90"),
+    ("dequant_gemm", "m=80,n=264,k=192", "bfloat16", "bits=8,group=192,fmt=e4m3,bias=1", "gpu_matmul", "sm_90"),
     ("moe_gemm", "m=2,e=8,n=512,k=256", "float16", "", "gpu_moe_matmul", "sm_90"),  # decode: 1 token x 2 experts
     ("moe_gemm", "m=64,e=4,n=384,k=448", "bfloat16", "", "gpu_moe_matmul", "sm_90"),
     ("moe_gemm", "m=24,e=3,n=96,k=160", "float32", "", "gpu_moe_matmul", "sm_80"),
@@ -402,8 +405,8 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
 
 def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, the wgmma dequant
-    kernel 17 rows on (one scale per k step); int8 weights, 9-16 rows, groups of 32, zero points (their zero
-    point is 8) and older GPUs keep the TensorIR spaces."""
+    kernel 17 rows on (one scale per k step); int8 and float8 weights, 9-16 rows, groups of 32, zero points
+    (their zero point is 8) and older GPUs keep the TensorIR spaces."""
 
     def space(shape, attrs, target):
         return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
@@ -417,6 +420,8 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=1,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
     assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
     assert space("m=17,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "gpu_matmul"
+    assert space("m=1,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gpu_gemv"  # fp8's E4M3 codes
+    assert space("m=64,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gpu_matmul"
 
 
 def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):

@@ -1,4 +1,4 @@
-"""Quantised generation builds (``build --generate --quantize q4f16|q8f16``) and ``autosched eval``.
+"""Quantised generation builds (``build --generate --quantize q4f16|q4f16_zp|q8f16|fp8``) and ``autosched eval``.
 
 The weights are quantised at build time as ``dequant_gemm`` reads them; the artifact's logits are those of a
 float64 model holding the same dequantised weights (exact up to fp32 accumulation order), on the dynamic
@@ -98,6 +98,35 @@ def test_q4f16_zp_weights_are_what_dequant_gemm_with_zero_points_reads():
     assert bool((nibbles.amax(-1) - nibbles.amin(-1) >= 14)[[0, 1, 3, 4, 5]].all())  # the levels are used
 
 
+def test_fp8_weights_are_the_nearest_e4m3_values_of_w_over_a_channels_scale():
+    """fp8: uint8 bits of E4M3FN codes [n, k] and one scale per output channel (largest magnitude / 448 in the
+    model's dtype); each code is ml_dtypes' round-to-nearest-even E4M3 of w / s, each row's largest magnitude
+    on 448, and dequant_gemm's fmt=e4m3 reference dequantises them as dequantize_weight does."""
+    import ml_dtypes
+    import torch
+
+    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.workloads import get_operator, make_workload
+
+    n, k = 6, 96
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.05
+    weight[1, :8] = torch.tensor([1e-6, -1e-6, 3e-5, 0, 0, 0, 0, 0], dtype=torch.float64)  # subnormal codes
+    weight[2] = 0.0  # an all-zero row quantises to zeros against a scale of one
+    for dtype in ("float16", "float32"):
+        codes, scales = quantize_weight(weight, "fp8", dtype)
+        assert (codes.dtype, tuple(codes.shape), tuple(scales.shape)) == (torch.uint8, (n, k), (n, 1))
+        assert scales.dtype == getattr(torch, dtype) and float(scales[2, 0]) == 1.0
+        expected = (weight / scales.double()).numpy().astype(ml_dtypes.float8_e4m3fn)
+        assert np.array_equal(codes.numpy(), expected.view(np.uint8))
+        wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, dtype, {"bits": 8, "group": k, "fmt": "e4m3"})
+        ours = get_operator("dequant_gemm").dequantize(wl, codes, scales)
+        assert torch.equal(ours.to(getattr(torch, dtype)).double(), dequantize_weight(codes, scales, "fp8", k, dtype))
+        levels = codes.view(torch.float8_e4m3fn).double()
+        assert bool((levels.abs().amax(1)[[0, 1, 3, 4, 5]] == 448).all()) and bool((ours[2] == 0).all())
+        assert int(((codes & 0x7F) < 8).sum()) > 3  # some subnormal codes (and zeros) are used
+        assert bool(((ours - weight).abs() <= 448 / 16 * scales.double() + 1e-12).all())
+
+
 def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
     from autosched.errors import UsageError
     from autosched.generation.decoder import DecoderConfig
@@ -110,8 +139,9 @@ def test_group_sizes_follow_k_and_a_k_the_scheme_cannot_group_is_refused():
     moe = DecoderConfig("mixtral", 512, 128, 4, 2, 32, 2, 256, experts=4, top_k=2, expert_mlp=256, sparse_layers=[0, 1])
     with pytest.raises(UsageError, match="mixture-of-experts models"):
         check_quantizable(moe, "q4f16")
-    with pytest.raises(UsageError, match="'fp8' is not a scheme: use q4f16, q4f16_zp or q8f16"):
-        group_size("fp8", 128)
+    with pytest.raises(UsageError, match="'fp4' is not a scheme: use q4f16, q4f16_zp, q8f16 or fp8"):
+        group_size("fp4", 128)
+    assert group_size("fp8", 11008) == 11008
     # dequant_gemm's group: its usual sizes or any other positive one (k: a scale per output channel)
     from autosched.workloads import make_workload
 
@@ -132,6 +162,7 @@ def test_bad_quantize_input_is_one_line_and_exit_2(capsys, tmp_path):
         (["build", "hf-llama", "--generate", "--quantize", "q3", "-o", out], "'q3' is not a scheme"),
         (["tune-model", "hf-llama", "--generate", "--quantize", "int4"], "'int4' is not a scheme"),
         (["build", "hf-llama", "--quantize", "q4f16", "-o", out], "add --generate"),
+        (["build", "hf-llama", "--quantize", "fp8", "-o", out], "--quantize fp8 applies to text generation builds"),
     ):
         code, lines = _run(capsys, *args)
         assert code == 2 and len(lines) == 1 and says in lines[0], (args, lines)
@@ -178,12 +209,13 @@ def _reference_model(hf, artifact):
     import torch
 
     from autosched.artifact import load_generation_artifact
+    from autosched.generation.quantize import scheme
     from autosched.workloads import get_operator, make_workload
 
     _, params, manifest, _ = load_generation_artifact(artifact)
     named = {name: torch.from_numpy(p.numpy()) for name, p in zip(manifest["param_names"], params)}
     cfg = manifest["decoder"]
-    bits = manifest["quantization"]["bits"]
+    bits, fmt = manifest["quantization"]["bits"], scheme(manifest["quantization"]["scheme"]).fmt
     ref = copy.deepcopy(hf).double()
     state = ref.state_dict()
 
@@ -191,7 +223,7 @@ def _reference_model(hf, artifact):
         codes, scales, zeros = named[prefix + ".qweight"], named[prefix + ".scales"], named.get(prefix + ".zeros")
         n, k = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
         group = k // scales.shape[1]
-        attrs = {"bits": bits, "group": group, "zeros": int(zeros is not None)}
+        attrs = {"bits": bits, "group": group, "zeros": int(zeros is not None), "fmt": fmt}
         wl = make_workload("dequant_gemm", {"m": 1, "n": n, "k": k}, cfg["dtype"], attrs)
         return get_operator("dequant_gemm").dequantize(wl, codes, scales, zeros)
 
@@ -230,7 +262,7 @@ def assert_functions_match(artifact, ids, expected, chunk: int = 8, relative: fl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["q4f16", "q8f16", "q4f16_zp"])
+@pytest.mark.parametrize("scheme", ["q4f16", "q8f16", "q4f16_zp", "fp8"])
 def test_quantized_logits_equal_a_float64_model_of_the_same_dequantised_weights(tiny_llama, scheme):
     """Every position of the dynamic prefill (TVM's schedule of the dequantising TE), a static prefill chunk
     and a static decode step (dequant_gemm kernels) give the float64 reference's logits up to fp32
@@ -330,8 +362,8 @@ def _sample(chain, rows: int, length: int, seed: int) -> np.ndarray:
 @pytest.mark.slow
 def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(tmp_path):
     """A tiny Llama (hidden 128: q4f16 groups of 128) trained on a Markov chain (entropy 0.78 nats a token) and
-    built fp32, q8f16 and q4f16: ``autosched eval`` perplexity within 5% (q8f16) and 15% (q4f16) of the fp32
-    build's on held-out text, and greedy tokens the fp32 build's for at least 90% of 8 x 64 new tokens."""
+    built fp32, q8f16, fp8 and q4f16: ``autosched eval`` perplexity within 5% (q8f16, fp8) and 15% (q4f16) of the
+    fp32 build's on held-out text, and greedy tokens the fp32 build's for at least 90% of 8 x 64 new tokens."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -368,7 +400,7 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(t
 
     perplexity, tokens = {}, {}
     prompts = [list(map(int, row)) for row in _sample(chain, 8, 6, seed=4)]
-    for scheme in ("fp32", "q8f16", "q4f16"):
+    for scheme in ("fp32", "q8f16", "fp8", "q4f16"):
         extra = ("--quantize", scheme) if scheme != "fp32" else ()
         artifact = tmp_path / scheme
         cli(
@@ -403,8 +435,9 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(t
     entropy = -(LIKELY * math.log(LIKELY) + (1 - LIKELY) * math.log((1 - LIKELY) / 4))  # nats a token
     assert perplexity["fp32"] < 1.5 * math.exp(entropy), perplexity  # trained (uniform guessing: 64)
     assert perplexity["q8f16"] < 1.05 * perplexity["fp32"], perplexity
+    assert perplexity["fp8"] < 1.05 * perplexity["fp32"], perplexity
     assert perplexity["q4f16"] < 1.15 * perplexity["fp32"], perplexity
-    for scheme in ("q8f16", "q4f16"):
+    for scheme in ("q8f16", "fp8", "q4f16"):
         same = sum(a == b for ours, theirs in zip(tokens[scheme], tokens["fp32"]) for a, b in zip(ours, theirs))
         assert same >= 0.9 * 8 * 64, (scheme, same, perplexity)
     assert all(len(t) == 64 for t in tokens["fp32"])
@@ -453,6 +486,24 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
         for w in manifest["workload_kernels"].values()
         if w["workload"].startswith("dequant_gemm")
     )
+    assert (out / manifest["library"]).exists()
+
+
+@pytest.mark.slow
+def test_an_fp8_build_for_sm_90_compiles_its_projections_on_the_generic_spaces(tiny_llama, tmp_path):
+    """Built here without a GPU for sm_90a in float16 with --quantize fp8: decode steps' projections on gpu_gemv, a
+    prefill chunk's on gpu_matmul, each decoding the E4M3 codes as the TE does (fmt=e4m3), the library written."""
+    _, root = tiny_llama
+    out = tmp_path / "sm90"
+    cli("build", str(root / "hf"), "--generate", "--target", "cuda:sm_90a", "--dtype", "float16", "-o", str(out),
+        "--max-seq-len", "256", "--max-batch", "4", "--decode-batches", "1", "--prefill-chunks", "128", "--quantize", "fp8")
+    manifest = json.loads((out / "manifest.json").read_text())
+    kernels = [w for w in manifest["workload_kernels"].values() if w["workload"].startswith("dequant_gemm")]
+    assert {(w["workload"].split(",")[0], w["space"]) for w in kernels} == {
+        ("dequant_gemm[m=1", "gpu_gemv"),
+        ("dequant_gemm[m=128", "gpu_matmul"),
+    }
+    assert all(";bits=8;" in w["workload"] and w["workload"].endswith(";fmt=e4m3") for w in kernels)
     assert (out / manifest["library"]).exists()
 
 
@@ -751,9 +802,11 @@ def test_an_asymmetric_checkpoint_builds_as_q4f16_zp_and_computes_its_own_weight
 
 
 @pytest.mark.slow
-def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_them(tiny_llama, tmp_path):
-    """``tune-model --generate --quantize q4f16``: the decode step's projections are dequant_gemm tasks, tuned and
-    stored; the build with that database runs their records and computes what the untuned build computes."""
+@pytest.mark.parametrize("scheme", ["q4f16", "fp8"])
+def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_them(tiny_llama, tmp_path, scheme):
+    """``tune-model --generate --quantize q4f16`` (or fp8): the decode step's projections are dequant_gemm tasks,
+    tuned and stored; the build with that database runs their records and computes what the untuned build
+    computes."""
     from autosched.generation.evaluate import all_logits
     from autosched.generation.model import LoadedModel
 
@@ -769,7 +822,7 @@ def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_th
             "--max-batch",
             "2",
             "--quantize",
-            "q4f16",
+            scheme,
             "--trials",
             "16",
             "--db",
@@ -780,10 +833,12 @@ def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_th
     )
     assert sum(r["kernel"].startswith("autosched_dequant_gemm") for r in rows) == 4
     artifact = _build(
-        root / "hf", tmp_path / "tuned", "--decode-batches", "1", "--prefill-chunks", "8", "--quantize", "q4f16", "--db", db
+        root / "hf", tmp_path / "tuned", "--decode-batches", "1", "--prefill-chunks", "8", "--quantize", scheme, "--db", db
     )
     kernels = json.loads((artifact / "manifest.json").read_text())["workload_kernels"].values()
     tuned = {w["workload"].split(";")[0] for w in kernels if w["schedule"] == "database"}
+    fp8 = {w["workload"].endswith(";fmt=e4m3") for w in kernels if w["workload"].startswith("dequant_gemm")}
+    assert fp8 == {scheme == "fp8"}
     assert {k for k in tuned if k.startswith("dequant_gemm[m=1,")} == {
         "dequant_gemm[m=1,n=256,k=128]:float32",
         "dequant_gemm[m=1,n=128,k=128]:float32",
@@ -791,9 +846,165 @@ def test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_th
         "dequant_gemm[m=1,n=128,k=256]:float32",
     }
     ids = [5, 7, 9, 11, 13, 2, 8, 100]
-    untuned = all_logits(LoadedModel.load(_quantized(tiny_llama, "q4f16")), ids)
+    untuned = all_logits(LoadedModel.load(_quantized(tiny_llama, scheme)), ids)
     model = LoadedModel.load(artifact)
     model.add(0)
     model.forward("batch_prefill", [0], [7], ids[:7], prefill=True)
     step = model.forward("decode_b1", [0], [1], ids[7:], prefill=False).numpy().reshape(-1)
     np.testing.assert_allclose(step, untuned[-1], rtol=0, atol=2e-5 * np.abs(untuned).max())
+
+
+# ---- FP8 checkpoints (compressed-tensors) ---------------------------------------------------------------------
+
+
+def _fp8_quantization_config(strategy: str = "channel", **weights) -> dict:
+    """A compressed-tensors ``quantization_config`` as llm-compressor writes an FP8-dynamic model's."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+                            "group_size": None, **weights},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                      "dynamic": True},
+            }
+        },
+    }
+
+
+def _write_fp8_checkpoint(hf, folder, strategy: str = "channel"):
+    """``hf``'s projections quantised as ``--quantize fp8`` quantises them (float32 scales), written as a
+    compressed-tensors FP8 checkpoint in ``folder`` (weights float8_e4m3fn, ``weight_scale`` [N, 1]);
+    ``strategy="tensor"``: one scale per projection (the largest), its codes quantised against it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from autosched.generation.quantize import e4m3_bits, quantize_weight, round_to_e4m3
+
+    tensors = {}
+    for key, value in hf.state_dict().items():
+        if not any(f".{p}.weight" in key for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+            tensors[key] = value.contiguous()
+            continue
+        codes, scales = quantize_weight(value, "fp8", "float32")
+        if strategy == "tensor":
+            scales = scales.max().reshape(1)
+            codes = e4m3_bits(round_to_e4m3(value.double() / scales.double()))
+        prefix = key[: -len("weight")]
+        tensors[prefix + "weight"] = codes.view(torch.float8_e4m3fn)
+        tensors[prefix + "weight_scale"] = scales
+        tensors[prefix + "input_scale"] = torch.ones(1)  # an activation scale, not applied in the weight-only form
+    hf.save_pretrained(folder)
+    for old in folder.glob("*.safetensors"):
+        old.unlink()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = _fp8_quantization_config(strategy)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_fp8_layers_repack_per_channel_or_per_tensor_scales_and_refuse_what_fp8_cannot_hold():
+    """A layer's float8 weight becomes its uint8 bits and its weight_scale one per output channel (a tensor's
+    scale repeated); float8 E5M2 weights, scales per group and scales not exact in the build's dtype are
+    refused with a UsageError that names the problem."""
+    import torch
+
+    from autosched.errors import UsageError
+    from autosched.generation.fp8 import repack
+
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 256, (4, 32), generator=gen, dtype=torch.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0
+    weight = bits.view(torch.float8_e4m3fn)
+    channel = torch.rand(4, 1, generator=gen).to(torch.bfloat16)
+    codes, scales = repack(weight, channel, torch.float32)
+    assert torch.equal(codes, bits) and scales.dtype == torch.float32 and torch.equal(scales, channel.float())
+    codes, scales = repack(weight, torch.tensor([0.5]), torch.float16)
+    assert tuple(scales.shape) == (4, 1) and bool((scales == 0.5).all()) and scales.dtype == torch.float16
+    for call, says in (
+        (lambda: repack(weight.view(torch.uint8).view(torch.float8_e5m2), channel, torch.float32), "is float8_e5m2"),
+        (lambda: repack(weight, torch.rand(4, 2, generator=gen), torch.float32), "has 8 values for 4 output channels"),
+        (lambda: repack(weight, torch.tensor([[0.1]]), torch.float16), "weight_scale (float32) is not exact in float16"),
+    ):
+        with pytest.raises(UsageError, match=re.escape(says)) as raised:
+            call()
+        assert "\n" not in str(raised.value)
+
+
+def test_fp8_checkpoints_fp8_cannot_read_are_refused_in_one_line(capsys, tmp_path):
+    """Block-wise FP8 (transformers' quant_method "fp8"), other compressed-tensors formats and weight schemes, and
+    another --quantize for an FP8 checkpoint: one line each, exit code 2, before any weight is read."""
+    import copy
+
+    block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    group = _fp8_quantization_config("group", group_size=128)
+    packed = {**_fp8_quantization_config(), "format": "pack-quantized"}
+    integers = copy.deepcopy(_fp8_quantization_config())
+    integers["config_groups"]["group_0"]["weights"]["type"] = "int"
+    cases = (
+        (block, (), "block-wise FP8 checkpoints (quant_method \"fp8\", weight_block_size [128, 128]) are not supported"),
+        (group, (), "quantises weights as type=float, num_bits=8, strategy=group: only 8-bit float weights"),
+        (packed, (), "compressed-tensors format 'pack-quantized' is not supported"),
+        (integers, (), "type=int, num_bits=8, strategy=channel"),
+        (_fp8_quantization_config(), ("--quantize", "q8f16"), "is an FP8 checkpoint, which builds as fp8: leave out "
+                                                              "--quantize q8f16"),
+    )
+    for index, (quant, extra, says) in enumerate(cases):
+        folder = tmp_path / str(index)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": quant}))
+        for command in ("build", "tune-model"):
+            args = [command, str(folder), "--generate", *extra] + (["-o", str(tmp_path / "no")] if command == "build" else [])
+            code, lines = _run(capsys, *args)
+            assert code == 2 and len(lines) == 1 and says in lines[0], (args, lines)
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.slow
+def test_an_fp8_checkpoint_builds_as_fp8_of_the_same_weights(tiny_llama, tmp_path, capsys):
+    """A compressed-tensors FP8 folder (per-channel float32 scales, read without its library) gives the
+    parameters and logits of ``--quantize fp8`` of the float weights it was quantised from; a per-tensor one
+    computes a float64 model of its own dequantised weights; --dtype float16 with its float32 scales is refused
+    in one line."""
+    import torch
+
+    from autosched.artifact import load_generation_artifact
+    from autosched.generation.evaluate import all_logits
+    from autosched.generation.model import LoadedModel
+
+    hf, _ = tiny_llama
+    ours = _quantized(tiny_llama, "fp8")
+    _write_fp8_checkpoint(hf, tmp_path / "fp8")
+    theirs = _build(tmp_path / "fp8", tmp_path / "theirs", "--decode-batches", "1", "--prefill-chunks", "8")
+    manifest = json.loads((theirs / "manifest.json").read_text())
+    assert (manifest["quantization"]["scheme"], manifest["quantization"]["source"]) == ("fp8", "compressed-tensors")
+    assert manifest["decoder"]["dtype"] == "float32"
+    (_, a, m, _), (_, b, n, _) = load_generation_artifact(ours), load_generation_artifact(theirs)
+    assert m["param_names"] == n["param_names"]
+    for name, x, y in zip(m["param_names"], a, b):
+        assert x.dtype == y.dtype and np.array_equal(x.numpy(), y.numpy()), name
+    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3]
+    np.testing.assert_array_equal(all_logits(LoadedModel.load(theirs), ids), all_logits(LoadedModel.load(ours), ids))
+
+    _write_fp8_checkpoint(hf, tmp_path / "tensor", strategy="tensor")
+    built = _build(tmp_path / "tensor", tmp_path / "built", "--decode-batches", "1", "--prefill-chunks", "8")
+    ids = [5, 7, 9, 11, 13, 2, 8, 100, 200, 3, 3, 3, 4, 42, 43, 44, 45, 46, 17, 301]
+    with torch.no_grad():
+        expected = _reference_model(hf, built)(torch.tensor([ids])).logits[0].numpy()
+    assert_functions_match(built, ids, expected)
+    from safetensors.torch import load_file
+
+    written = load_file(str(tmp_path / "tensor" / "model.safetensors"))
+    _, params, manifest, _ = load_generation_artifact(built)
+    named = dict(zip(manifest["param_names"], params))
+    o_proj = "model.layers.0.self_attn.o_proj."
+    assert np.array_equal(named["layers.0.o.qweight"].numpy(), written[o_proj + "weight"].view(torch.uint8).numpy())
+    scales = named["layers.0.o.scales"].numpy()
+    assert scales.shape == (128, 1) and (scales == written[o_proj + "weight_scale"].item()).all()  # repeated per channel
+
+    code, lines = _run(capsys, "build", str(tmp_path / "fp8"), "--generate", "--dtype", "float16", "-o", str(tmp_path / "no"))
+    assert code == 2 and len(lines) == 1 and "weight_scale (float32) is not exact in float16" in lines[0], lines

@@ -33,6 +33,7 @@ CASES = [
     ("moe_gemm", "m=9,e=3,n=40,k=24", "float32", ""),  # a weight gathered per row
     ("add_rmsnorm", "m=5,n=100", "float32", ""),  # two outputs
     ("dequant_gemm", "m=3,n=40,k=96", "float16", "bits=4,group=32,zeros=1"),  # int4 zero points (asymmetric)
+    ("dequant_gemm", "m=2,n=40,k=80", "float16", "bits=8,group=80,fmt=e4m3"),  # float8 E4M3 codes, per channel
 ]
 
 SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,

@@ -20,6 +20,8 @@ SMALL_CASES = [
     ("dequant_gemm", "m=3,n=40,k=100", "float16", "bits=4,group=32"),
     ("dequant_gemm", "m=2,n=24,k=64", "float32", "bits=8,group=32,bias=1"),
     ("dequant_gemm", "m=3,n=40,k=100", "float16", "bits=4,group=32,zeros=1,bias=1"),  # zero points, a short group
+    ("dequant_gemm", "m=2,n=24,k=64", "float16", "bits=8,group=64,fmt=e4m3"),  # float8 E4M3 codes, per channel
+    ("dequant_gemm", "m=3,n=40,k=100", "bfloat16", "bits=8,group=100,fmt=e4m3,bias=1"),
     ("rmsnorm", "m=7,n=100", "float16", ""),
     ("add_rmsnorm", "m=3,n=64", "float16", ""),
     ("softmax", "m=5,n=77", "float32", ""),
@@ -86,6 +88,8 @@ def test_shape_keys_are_the_kernels_dimensions(op, shape, params):
     (lambda: make_workload("attention", "h=6,hkv=4"), "multiple of KV heads"),
     (lambda: make_workload("gemm", preset="nope"), "no preset"),
     (lambda: make_workload("dequant_gemm", attrs="bits=8,zeros=1"), "zeros=1 .* is for bits=4 only"),
+    (lambda: make_workload("dequant_gemm", attrs="bits=4,fmt=e4m3"), "fmt=e4m3 .* is for bits=8 only"),
+    (lambda: make_workload("dequant_gemm", attrs="bits=8,fmt=e5m2"), "fmt=e5m2 is not one of int, e4m3"),
 ])
 def test_bad_input_is_a_usage_error(call, message):
     with pytest.raises(UsageError, match=message):
@@ -110,6 +114,38 @@ def test_dequant_gemm_without_zero_points_keeps_its_key_and_function():
     params = [(tuple(int(x) for x in p.shape), str(p.dtype)) for p in get_operator("dequant_gemm").build(wl).params]
     assert params == [((3, 100), "float16"), ((40, 50), "uint8"), ((40, 4), "float16"), ((40, 4), "uint8"),
                       ((3, 40), "float16")]
+
+
+def test_dequant_gemm_e4m3_keys_fmt_and_reads_uint8_codes():
+    """``fmt`` is unkeyed at "int" (int8 workloads keep their keys and functions); fmt=e4m3 adds the key item and
+    reads Wq as uint8 [n, k]."""
+    old = "dequant_gemm[m=2,n=24,k=64]:float16;bits=8;group=64;bias=False;act=none"
+    assert make_workload("dequant_gemm", "m=2,n=24,k=64", "fp16", "bits=8,group=64,fmt=int").key == old
+    wl = make_workload("dequant_gemm", "m=2,n=24,k=64", "fp16", "bits=8,group=64,fmt=e4m3")
+    assert wl.key == old + ";fmt=e4m3" and type(wl).from_json(wl.to_json()) == wl
+    params = [(tuple(int(x) for x in p.shape), str(p.dtype)) for p in get_operator("dequant_gemm").build(wl).params]
+    assert params == [((2, 64), "float16"), ((24, 64), "uint8"), ((24, 1), "float16"), ((2, 24), "float16")]
+
+
+def test_e4m3_decoding_of_all_256_codes_is_ml_dtypes_and_torchs():
+    """The kernel's integer decoding of E4M3FN (subnormals, -0, 448, the NaN codes 0x7F/0xFF), compiled for the
+    CPU, gives ml_dtypes' float8_e4m3fn values, and so does torch's float8_e4m3fn (the reference's)."""
+    import ml_dtypes
+    import numpy as np
+    import tvm
+    from tvm import te
+
+    from autosched.workloads.dequant import e4m3_value
+
+    codes = te.placeholder((256,), "uint8", name="codes")
+    decode = te.create_prim_func([codes, te.compute((256,), lambda i: e4m3_value(codes[i]), name="value")])
+    out = tvm.runtime.empty((256,), "float32", tvm.cpu())
+    tvm.compile(decode, target={"kind": "llvm"})(tvm.runtime.tensor(np.arange(256, dtype=np.uint8)), out)
+    expected = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    assert np.array_equal(out.numpy().astype(np.float64), expected, equal_nan=True)
+    from_torch = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+    assert np.array_equal(from_torch, expected, equal_nan=True)
+    assert expected[1] == 2.0**-9 and expected[0x7E] == 448 and np.isnan(expected[[0x7F, 0xFF]]).all()
 
 
 def test_paged_decode_reference_masks_by_length():

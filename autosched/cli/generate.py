@@ -44,9 +44,10 @@ def add_build_arguments(p) -> None:
 
 def _add_quantize(p) -> None:
     p.add_argument("--quantize", help="with --generate: quantise the decoder layers' weights, q4f16 (int4, groups of "
-                   "128 along K), q4f16_zp (q4f16 with a zero point per group) or q8f16 (int8, a scale per output "
-                   "channel); scales in the model's dtype; the embeddings and LM head stay unquantised (default: "
-                   "none; an AWQ or GPTQ folder builds as q4f16, or q4f16_zp where its zero points are not all 8)")
+                   "128 along K), q4f16_zp (q4f16 with a zero point per group), q8f16 (int8, a scale per output "
+                   "channel) or fp8 (float8 E4M3, a scale per output channel); scales in the model's dtype; the "
+                   "embeddings and LM head stay unquantised (default: none; an AWQ or GPTQ folder builds as q4f16, "
+                   "or q4f16_zp where its zero points are not all 8; an FP8 compressed-tensors folder as fp8)")
 
 
 def add_tune_arguments(p) -> None:

@@ -45,7 +45,8 @@ class GenerationModel:
     eos_token_ids: list[int] = field(default_factory=list)
     # Projections already quantised by the checkpoint (a GPTQ or AWQ folder), as the decoder's parameters by name.
     prequantized: dict[str, Any] = field(default_factory=dict)
-    # Where the quantised codes come from: "build" (quantised from the float weights), "gptq" or "awq".
+    # Where the quantised codes come from: "build" (quantised from the float weights), "gptq", "awq" or
+    # "compressed-tensors" (FP8).
     quant_source: str = "build"
 
 
@@ -81,13 +82,21 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
         scheme(quantize)  # an unknown scheme is refused before the model loads
 
     from .awq import awq_config, load_awq
+    from .fp8 import COMPRESSED_TENSORS, check_fp8_config, fp8_config, load_fp8
     from .gptq import gptq_config, load_gptq
 
     path = Path(spec)
     prequantized, group, source = {}, None, "build"
     readers = {"gptq": (gptq_config, load_gptq), "awq": (awq_config, load_awq)}
     found = [name for name, (detect, _) in readers.items() if path.is_dir() and detect(path) is not None]
-    if found:
+    if path.is_dir() and fp8_config(path) is not None:
+        source = COMPRESSED_TENSORS
+        check_fp8_config(fp8_config(path))  # what it cannot read is named before --quantize is
+        if quantize not in (None, "fp8"):
+            raise UsageError(f"{spec} is an FP8 checkpoint, which builds as fp8: leave out --quantize {quantize}")
+        hf, prequantized = load_fp8(path, dtype)
+        quantize = "fp8"
+    elif found:
         source = found[0]
         if quantize not in (None, "q4f16", "q4f16_zp"):
             raise UsageError(
@@ -118,8 +127,8 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
     if quantize:
         check_quantizable(config, quantize)
         config = replace(config, quantize=quantize)
-    if group is not None:
-        check_prequantized(config, group, source.upper())
+    if source != "build":
+        check_prequantized(config, group, "FP8" if source == COMPRESSED_TENSORS else source.upper())
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(hf.config, "eos_token_id", None)

@@ -91,7 +91,7 @@ class DecoderConfig:
     renorm_topk: bool = True
     sparse_layers: list[int] = field(default_factory=list)
     dtype: str = "float32"
-    quantize: str = ""  # the projections' weight quantisation (a scheme of .quantize: "q4f16", "q8f16"); "": none
+    quantize: str = ""  # the projections' weight quantisation (a scheme of .quantize: "q4f16", "q8f16", "fp8"); "": none
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -389,15 +389,18 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
         def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: str = dtype):
             self.bits, self.group, self.k = quant_scheme(cfg.quantize).bits, group_size(cfg.quantize, in_features), in_features
+            self.fmt = quant_scheme(cfg.quantize).fmt
             packed = in_features // 2 if self.bits == 4 else in_features
-            self.qweight = nn.Parameter((out_features, packed), "uint8" if self.bits == 4 else "int8")
+            integers = self.bits == 8 and self.fmt == "int"  # int8 codes; int4 pairs and E4M3 bits are uint8
+            self.qweight = nn.Parameter((out_features, packed), "int8" if integers else "uint8")
             self.scales = nn.Parameter((out_features, in_features // self.group), dtype)
             zeros = quant_scheme(cfg.quantize).zeros
             self.zeros = nn.Parameter((out_features, in_features // self.group), "uint8") if zeros else None
             self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
         def forward(self, x: Tensor) -> Tensor:
-            return quant_linear(x, self.qweight, self.scales, self.bias, self.bits, self.group, self.k, self.zeros)
+            return quant_linear(x, self.qweight, self.scales, self.bias, self.bits, self.group, self.k, self.zeros,
+                                self.fmt)
 
     # The decoder layers' projections (the router, the embeddings and the LM head stay in the model's dtype).
     Projection = QuantLinear if cfg.quantize else Linear

@@ -11,7 +11,8 @@ after a residual add, of ``add_rmsnorm`` (both in one kernel). At symbolic shape
 schedules serve. A mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed token-slot by its
 own expert's weight), static or symbolic alike. A quantised projection (``build --generate --quantize``) is a
 call of the ``dequant_gemm`` workload's kernel at static shapes and the same dequantising TE at symbolic ones
-(with ``zeros=1`` and its zero points for a scheme that has them, ``q4f16_zp``).
+(with ``zeros=1`` and its zero points for a scheme that has them, ``q4f16_zp``; ``fmt=e4m3`` for ``fp8``'s
+float8 codes).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, bits: int, group: int,
-                 k: int, zeros: Tensor | None = None) -> Tensor:
-    """``x·dequant(Wq)ᵀ (+ bias)`` of int4/int8 codes and per-group scales (:mod:`.quantize`), with int4's per-group
-    zero points where ``zeros`` is given (else 8): our ``dequant_gemm`` at static shapes; at symbolic ones the
-    same TE, which TVM's default schedules serve."""
+                 k: int, zeros: Tensor | None = None, fmt: str = "int") -> Tensor:
+    """``x·dequant(Wq)ᵀ (+ bias)`` of int4/int8 codes (``fmt`` "e4m3": float8 E4M3 bits) and per-group scales
+    (:mod:`.quantize`), with int4's per-group zero points where ``zeros`` is given (else 8): our ``dequant_gemm``
+    at static shapes; at symbolic ones the same TE, which TVM's default schedules serve."""
     from tvm.relax.frontend.nn import op
 
     from autosched.workloads import make_workload
@@ -73,11 +74,12 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None
         def compute(a, wq, s, *rest):
             z = rest[0] if zeros is not None else None
             b = rest[-1] if bias is not None else None
-            return epilogue(dequant_matmul(a, wq, s, bits, group, k, z), (a.shape[0], n), scales.dtype, b, "none")
+            return epilogue(dequant_matmul(a, wq, s, bits, group, k, z, fmt), (a.shape[0], n), scales.dtype, b, "none")
 
         out = op.tensor_expr_op(compute, "dequant_matmul", [flat, qweight, scales] + tail)
         return op.reshape(out, (*x.shape[:-1], n))
-    attrs = {"bits": bits, "group": group, "bias": bias is not None, "act": "none", "zeros": int(zeros is not None)}
+    attrs = {"bits": bits, "group": group, "bias": bias is not None, "act": "none", "zeros": int(zeros is not None),
+             "fmt": fmt}
     wl = make_workload("dequant_gemm", {"m": rows, "n": n, "k": k}, scales.dtype, attrs)
     args = [op.reshape(x, (rows, k)), qweight, scales] + tail
     return op.reshape(_call(wl, "autosched_dequant_gemm", args, rows, n), (*x.shape[:-1], n))

@@ -1,4 +1,5 @@
-"""Checkpoints quantised already (GPTQ, :mod:`.gptq`; AWQ, :mod:`.awq`), read without their libraries: what both share.
+"""Checkpoints quantised already (GPTQ, :mod:`.gptq`; AWQ, :mod:`.awq`; FP8, :mod:`.fp8`), read without their
+libraries: what they share.
 
 Each format packs eight 4-bit fields per int32 (in its own order) and stores per-group scales and zero points;
 :func:`unpack_int4` reads the fields, :func:`to_q4f16` repacks codes, scales and zero points as ``dequant_gemm``'s
@@ -84,11 +85,21 @@ def check_bits_and_group(quant: dict, what: str) -> int:
     return group
 
 
-def load_prequantized(folder: str | Path, dtype: str | None, what: str, layer: Callable[[dict, str], tuple]):
+def is_projection_tensor(key: str) -> bool:
+    """Whether ``key`` is one of a decoder projection's quantised tensors (its codes, scales, ...; not its bias)."""
+    module, _, name = key.rpartition(".")
+    return (key.startswith("model.layers.") and name != "bias"
+            and any(module.endswith("." + theirs) for names in PROJECTIONS.values() for theirs in names))
+
+
+def load_prequantized(folder: str | Path, dtype: str | None, what: str, layer: Callable[[dict, str], tuple],
+                      required: tuple[str, ...] = ("qweight", "qzeros"), scales: str = "scales",
+                      parameters: tuple[str, ...] = ("qweight", "scales", "zeros"), kind: str = "quantised with zero points"):
     """(transformers model holding the checkpoint's float tensors, the quantised projections as the decoder's
-    parameters ``layers.<i>.<p>.qweight`` / ``.scales`` / ``.zeros``) of a ``what`` folder; ``layer(state, prefix)``
-    gives one projection's (codes, scales, zero points) in ``dequant_gemm``'s layout from the tensors
-    ``<prefix>qweight``, ...."""
+    parameters ``layers.<i>.<p>.<parameters>``) of a ``what`` folder; ``layer(state, prefix)`` gives one
+    projection's parameters (codes, scales, zero points) in ``dequant_gemm``'s layout from its tensors
+    ``<prefix><required>``, ...; without ``dtype`` the model takes the dtype of the tensors named ``scales``.
+    ``kind``: what the format's projections are, for the message naming one that is missing."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -102,9 +113,9 @@ def load_prequantized(folder: str | Path, dtype: str | None, what: str, layer: C
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    torch_dtype = getattr(torch, dtype) if dtype else state[next(k for k in state if k.endswith("scales"))].dtype
+    torch_dtype = getattr(torch, dtype) if dtype else state[next(k for k in state if k.endswith("." + scales))].dtype
     hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
-    floats = {key: value for key, value in state.items() if value.is_floating_point() and not key.endswith(".scales")}
+    floats = {key: value for key, value in state.items() if value.is_floating_point() and not is_projection_tensor(key)}
     # Every float tensor the model has must come from the checkpoint (the quantised projections' come below).
     projections = tuple(f".{name}.weight" for names in PROJECTIONS.values() for name in names)
     missing = sorted(key for key in hf.state_dict() if key not in floats and not key.endswith(projections))
@@ -120,12 +131,12 @@ def load_prequantized(folder: str | Path, dtype: str | None, what: str, layer: C
             parts = []
             for name in theirs:
                 prefix = f"model.layers.{i}.{name}."
-                if prefix + "qweight" not in state or prefix + "qzeros" not in state:
+                if any(prefix + name not in state for name in required):
                     raise UsageError(
-                        f"the {what} checkpoint has no {prefix}qweight and qzeros: only Llama-style projections "
-                        "(q/k/v/o, gate/up/down) quantised with zero points are read"
+                        f"the {what} checkpoint has no {prefix}{' and '.join(required)}: only Llama-style projections "
+                        f"(q/k/v/o, gate/up/down) {kind} are read"
                     )
                 parts.append(layer(state, prefix))
-            for index, param in enumerate(("qweight", "scales", "zeros")):
+            for index, param in enumerate(parameters):
                 quantized[f"layers.{i}.{ours}.{param}"] = torch.cat([part[index] for part in parts])
     return hf, quantized

@@ -11,6 +11,12 @@ Quantised at build time from the float weights, round-to-nearest, in the layout 
   widened to hold 0, s = range / 15, z = round(−min / s)); it is what asymmetric AWQ and GPTQ checkpoints
   (:mod:`.awq`, :mod:`.gptq`) build as, their own zero points kept.
 - ``q8f16``: int8 weights, one scale per output channel (a group of K weights), largest magnitude / 127.
+- ``fp8``: float8 E4M3FN weights (OCP: max 448, subnormals down to 2^-9) stored as their uint8 bits, one scale
+  per output channel, largest magnitude / 448; a weight's code is w / s rounded to the nearest E4M3 value (ties
+  to even, saturating at ±448): ``dequant_gemm``'s ``fmt=e4m3``, w = s·e4m3(q). Per-channel and per-tensor FP8
+  checkpoints (compressed-tensors, :mod:`.fp8`) build as ``fp8`` with their own codes and scales. This is the
+  weight-only form: activations stay in the model's dtype, so a build computes the dequantised weights' product
+  up to accumulation order. Hopper's FP8 ``wgmma`` kernel, with activations quantised per token, is a later step.
 
 Scales are kept in the model's dtype (float16 for an fp16 build: the "f16"), rounded before the weights are
 quantised against them, so that the codes fit the scales the kernel multiplies by. The projections of every
@@ -32,6 +38,7 @@ class Scheme:
     groups: tuple[int, ...]  # group sizes to try along K, largest first; () for one group of all K (per channel)
     doc: str
     zeros: bool = False  # int4 with a zero point per group and output channel (else zero point 8)
+    fmt: str = "int"  # what the codes are: integers, or "e4m3" (the bits of float8 E4M3FN numbers)
 
 
 SCHEMES = {
@@ -44,7 +51,12 @@ SCHEMES = {
         "scales in the model's dtype", zeros=True,
     ),
     "q8f16": Scheme("q8f16", 8, (), "int8 weights, one scale per output channel, scales in the model's dtype"),
+    "fp8": Scheme(
+        "fp8", 8, (), "float8 E4M3FN weights (uint8 bits), one scale per output channel, scales in the model's dtype",
+        fmt="e4m3",
+    ),
 }
+E4M3_MAX = 448.0  # the largest finite float8 E4M3FN value
 # The decoder's projections that are quantised (each layer's ``<name>.weight``).
 QUANTIZED_PROJECTIONS = ("qkv", "o", "up", "down")
 
@@ -55,7 +67,7 @@ def scheme(name: str) -> Scheme:
     if found is None:
         known = list(SCHEMES)
         raise UsageError(
-            f"--quantize {name!r} is not a scheme: use {', '.join(known[:-1])} or {known[-1]} (fp8 is not supported)"
+            f"--quantize {name!r} is not a scheme: use {', '.join(known[:-1])} or {known[-1]}"
         )
     return found
 
@@ -88,10 +100,29 @@ def check_quantizable(cfg, name: str) -> None:
         group_size(name, k)
 
 
+def round_to_e4m3(x):
+    """float64 ``x`` rounded to the nearest float8 E4M3FN value, ties to even, saturating at ±448 (as float64)."""
+    import torch
+
+    x = x.clamp(-E4M3_MAX, E4M3_MAX)
+    _, exponent = torch.frexp(x)  # |x| in [2^(exponent - 1), 2^exponent)
+    # Three mantissa bits: a step of 2^(exponent - 4); below the smallest normal (2^-6) the subnormals' 2^-9.
+    step = torch.ldexp(torch.ones_like(x), (exponent - 4).clamp(min=-9))
+    return torch.round(x / step) * step
+
+
+def e4m3_bits(values):
+    """The uint8 bits of float64 ``values`` that are float8 E4M3FN numbers already (exactly converted)."""
+    import torch
+
+    return values.float().to(torch.float8_e4m3fn).view(torch.uint8)
+
+
 def quantize_weight(weight, name: str, dtype: str) -> tuple:
     """The parameters of a float weight [n, k] (``nn.Linear``'s layout) as scheme ``name`` stores them, as torch
-    tensors: (codes, scales), codes uint8 [n, k / 2] (int4) or int8 [n, k] and scales [n, k / group] in
-    ``dtype``; a scheme with zero points adds them: (codes, scales, zeros uint8 [n, k / group])."""
+    tensors: (codes, scales), codes uint8 [n, k / 2] (int4), int8 [n, k] or uint8 [n, k] (fp8's E4M3 bits) and
+    scales [n, k / group] in ``dtype``; a scheme with zero points adds them: (codes, scales, zeros uint8 [n, k /
+    group])."""
     import torch
 
     s = scheme(name)
@@ -107,10 +138,12 @@ def quantize_weight(weight, name: str, dtype: str) -> tuple:
         codes = torch.clamp(torch.round(w / scales.double()[..., None]) + zeros[..., None], 0, 15).reshape(n, k)
         nibbles = codes.to(torch.uint8)
         return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales, zeros.to(torch.uint8)
-    top = 7 if s.bits == 4 else 127
+    top = E4M3_MAX if s.fmt == "e4m3" else 7 if s.bits == 4 else 127
     scales = (w.abs().amax(-1) / top).to(getattr(torch, dtype))
     # An all-zero group (or a scale below the dtype's range) quantises to zeros against a scale of one.
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    if s.fmt == "e4m3":
+        return e4m3_bits(round_to_e4m3(w / scales.double()[..., None]).reshape(n, k)), scales
     codes = torch.clamp(torch.round(w / scales.double()[..., None]), -top, top).reshape(n, k)
     if s.bits == 8:
         return codes.to(torch.int8), scales
@@ -129,22 +162,25 @@ def dequantize_weight(codes, scales, name: str, k: int, dtype: str, zeros=None):
         c = codes.to(torch.int16)
         values = torch.stack([c & 15, (c >> 4) & 15], dim=-1).reshape(c.shape[0], -1).double()
         values = values - (zeros.double().repeat_interleave(group, dim=1) if zeros is not None else 8.0)
+    elif s.fmt == "e4m3":
+        values = codes.view(torch.float8_e4m3fn).double()
     else:
         values = codes.double()
     w = values * scales.double().repeat_interleave(group, dim=1)
     return w.to(getattr(torch, dtype)).double()
 
 
-def check_prequantized(cfg, group: int, what: str) -> None:
+def check_prequantized(cfg, group: int | None, what: str) -> None:
     """A one-line UsageError where a ``what`` (GPTQ, AWQ) checkpoint's groups are not those ``q4f16`` gives this model's layers,
-    or its family's projections are not Llama's (q/k/v/o, gate/up/down)."""
+    or its family's projections are not Llama's (q/k/v/o, gate/up/down); ``group`` None: one scale per output
+    channel (FP8), whose groups always fit."""
     if cfg.family in ("phi3", "gpt2") or cfg.experts:
         raise UsageError(
             f"{what} checkpoints of {cfg.family} models are not supported: only those with Llama-style "
             "projections (q/k/v/o, gate/up/down) are"
         )
     for k in sorted({cfg.hidden, cfg.heads * cfg.head_dim, cfg.mlp}):
-        if group_size("q4f16", k) != group:
+        if group is not None and group_size("q4f16", k) != group:
             raise UsageError(
                 f"the {what} checkpoint's group_size {group} is not q4f16's for K={k} "
                 f"({group_size('q4f16', k)}): only checkpoints with q4f16's groups are supported"
@@ -179,7 +215,7 @@ def quantize_weights(weights: dict, cfg, name: str, given: dict | None = None) -
 
 def manifest_entry(cfg, source: str = "build") -> dict | None:
     """What the manifest says of a quantised build (None for a float one); ``source``: where the codes come from
-    ("build": quantised from the float weights; "gptq", "awq": a GPTQ or AWQ checkpoint's)."""
+    ("build": quantised from the float weights; "gptq", "awq", "compressed-tensors": a GPTQ, AWQ or FP8 checkpoint's)."""
     if not cfg.quantize:
         return None
     s = scheme(cfg.quantize)
@@ -189,7 +225,8 @@ def manifest_entry(cfg, source: str = "build") -> dict | None:
         "bits": s.bits,
         "about": s.doc,
         "layout": (
-            "int8, symmetric" if s.bits == 8
+            "uint8 bits of float8 E4M3FN (OCP), w = s·e4m3(q)" if s.fmt == "e4m3"
+            else "int8, symmetric" if s.bits == 8
             else "uint8, two int4 per byte, low nibble first; zero points uint8 [n, k / group], w = s·(q − z)"
             if s.zeros else "uint8, two int4 per byte, low nibble first, zero point 8"
         ),

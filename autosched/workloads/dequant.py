@@ -1,4 +1,5 @@
-"""Weight-dequantising GEMM: int4 / int8 weights with per-group scales, dequantised inside the kernel."""
+"""Weight-dequantising GEMM: int4 / int8 weights, or float8 E4M3 ones, with per-group scales, dequantised inside
+the kernel."""
 
 from __future__ import annotations
 
@@ -9,14 +10,32 @@ from ._base import DTYPE_BYTES, Attr, Operator, Preset, ceil_div, randn, registe
 from .gemm import EPILOGUE_ATTRS, epilogue, torch_epilogue
 
 
-def dequant_matmul(A, Wq, S, bits: int, group: int, k: int, Z=None):
+def e4m3_value(code):
+    """The float32 value of a uint8 expression holding the bits of a float8 E4M3FN number (OCP: sign, 4 exponent
+    bits biased by 7, 3 mantissa bits; no infinities, 0x7F and 0xFF NaN), decoded with integer arithmetic: TVM's
+    own cast from float8_e4m3fn decodes subnormals wrongly on the CPU."""
+    from tvm import tirx
+
+    c = code.astype("int32")
+    exponent, mantissa = (c >> 3) & 15, c & 7
+    # The magnitude in units of 2^-10: (8 + m)·2^e for a normal number, 2m for a subnormal one (m/8·2^-6).
+    units = tirx.Select(exponent > 0, (mantissa + 8) << exponent, mantissa << 1)
+    value = tirx.Select(c >= 128, -units, units).astype("float32") * tirx.const(2.0**-10, "float32")  # exact: < 2^24
+    return tirx.Select((c & 127) == 127, tirx.const(float("nan"), "float32"), value)
+
+
+def dequant_matmul(A, Wq, S, bits: int, group: int, k: int, Z=None, fmt: str = "int"):
     """The TE of ``A·dequant(Wq)ᵀ`` in fp32 (the weights dequantised to ``S``'s dtype first); A's rows may be
     symbolic (a generation module's dynamic functions compute it so, on TVM's default schedules). ``Z``: int4's
-    zero points, uint8 [n, groups] (asymmetric checkpoints); None: every zero point 8."""
+    zero points, uint8 [n, groups] (asymmetric checkpoints); None: every zero point 8. ``fmt`` "e4m3": Wq holds
+    the uint8 bits of float8 E4M3FN weights (:func:`e4m3_value`)."""
     from tvm import te, tirx
 
     m, n, dtype = A.shape[0], Wq.shape[0], S.dtype
-    if bits == 4:
+    if fmt == "e4m3":
+        def value(j, r):
+            return e4m3_value(Wq[j, r])
+    elif bits == 4:
         def zero(j, r):
             return Z[j, r // group].astype("float32") if Z is not None else tirx.const(8.0, "float32")
 
@@ -39,7 +58,8 @@ def dequant_matmul(A, Wq, S, bits: int, group: int, k: int, Z=None):
 class DequantGemm(Operator):
     name = "dequant_gemm"
     description = ("C = A·dequant(Wq)ᵀ; Wq int4 (two per uint8, low nibble first, zero point 8, or with zeros=1 "
-                   "uint8 zero points[n, ceil(k/group)]) or int8, scales[n, ceil(k/group)]; fp32 accumulation")
+                   "uint8 zero points[n, ceil(k/group)]), int8, or with fmt=e4m3 the uint8 bits of float8 E4M3FN, "
+                   "scales[n, ceil(k/group)]; fp32 accumulation")
     shape_keys = ("m", "n", "k")
     defaults = {"m": 1, "n": 4096, "k": 4096}
     dtypes = ("float16", "float32", "bfloat16")
@@ -49,7 +69,10 @@ class DequantGemm(Operator):
              # Last and unkeyed at 0, so that the workloads without zero points keep their keys and records.
              Attr("zeros", (0, 1), "int4 only: 1 takes a zero point per group and output channel, uint8 "
                   "[n, ceil(k/group)], w = s·(q − z) (asymmetric AWQ/GPTQ); 0: every zero point 8",
-                  unkeyed_default=True))
+                  unkeyed_default=True),
+             # Unkeyed at "int" for the same reason.
+             Attr("fmt", ("int", "e4m3"), "bits=8 only: e4m3 reads Wq as the uint8 bits of float8 E4M3FN weights "
+                  "(OCP E4M3FN: max 448, no infinities), w = s·e4m3(q); int: integers", unkeyed_default=True))
     family = "matmul"
     presets = (
         Preset("llama2-7b-decode-up", {"m": 1, "n": 11008, "k": 4096}, note="decode GEMV, MLP up"),
@@ -60,6 +83,8 @@ class DequantGemm(Operator):
     def check(self, shape, dtype, attrs):
         if attrs.get("zeros") and attrs["bits"] != 4:
             raise UsageError("dequant_gemm's zeros=1 (zero points) is for bits=4 only: int8 weights are symmetric")
+        if attrs.get("fmt", "int") != "int" and attrs["bits"] != 8:
+            raise UsageError(f"dequant_gemm's fmt={attrs['fmt']} (float8 weights) is for bits=8 only")
 
     def build(self, wl):
         from tvm import te
@@ -68,10 +93,11 @@ class DequantGemm(Operator):
         m, n, k, group = s["m"], s["n"], s["k"], a["group"]
         A = te.placeholder((m, k), wl.dtype, name="A")
         S = te.placeholder((n, ceil_div(k, group)), wl.dtype, name="scale")
-        Wq = te.placeholder((n, ceil_div(k, 2)) if a["bits"] == 4 else (n, k), "uint8" if a["bits"] == 4 else "int8",
-                            name="Wq")
+        fmt = a.get("fmt", "int")
+        Wq = te.placeholder((n, ceil_div(k, 2)) if a["bits"] == 4 else (n, k),
+                            "int8" if a["bits"] == 8 and fmt == "int" else "uint8", name="Wq")
         Z = te.placeholder((n, ceil_div(k, group)), "uint8", name="zero") if a.get("zeros") else None
-        acc = dequant_matmul(A, Wq, S, a["bits"], group, k, Z)
+        acc = dequant_matmul(A, Wq, S, a["bits"], group, k, Z, fmt)
         bias = te.placeholder((n,), wl.dtype, name="bias") if a["bias"] else None
         out = epilogue(acc, (m, n), wl.dtype, bias, a["act"])
         return te.create_prim_func([A, Wq, S] + ([Z] if Z is not None else []) + ([bias] if bias is not None else [])
@@ -85,6 +111,10 @@ class DequantGemm(Operator):
         if a["bits"] == 4:
             wq = torch.randint(0, 256, (n, ceil_div(k, 2)), generator=gen, dtype=torch.uint8)
             scale = 1 / (4 * math.sqrt(k))
+        elif a.get("fmt", "int") == "e4m3":
+            wq = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+            wq[(wq & 127) == 127] = 0  # no NaN codes
+            scale = 1 / (128 * math.sqrt(k))  # codes' magnitudes reach 448
         else:
             wq = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
             scale = 1 / (64 * math.sqrt(k))
@@ -108,6 +138,8 @@ class DequantGemm(Operator):
             w = wq.to(torch.int16)
             w = torch.stack([w & 15, (w >> 4) & 15], dim=-1).reshape(w.shape[0], -1)[:, :k].double()
             w = w - (zeros.double().repeat_interleave(a["group"], dim=1)[:, :k] if zeros is not None else 8.0)
+        elif a.get("fmt", "int") == "e4m3":
+            w = wq.view(torch.float8_e4m3fn).double()
         else:
             w = wq.double()
         return w * scales.double().repeat_interleave(a["group"], dim=1)[:, :k]
