@@ -449,11 +449,13 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
 
 @pytest.mark.slow
 @needs_nvcc
-def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
+@pytest.mark.parametrize("zeros", [False, True], ids=["zero-point-8", "zero-points"])
+def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path, zeros):
     """The kernel's chunk helpers (two nibbles per mask through half2's exponent trick, one scale per
     chunk; products in fp32, or in half2 for fp16), compiled for the host by nvcc and run on 32-weight
-    chunks against the workload's definition: low nibble first, zero point 8. The half2 products are
-    within fp16's rounding of it, and activations of 16000 do not overflow them."""
+    chunks against the workload's definition: low nibble first, zero point 8, or with zero points (zeros=1)
+    the chunk's own, 0 to 16 (AWQ's 0-15, GPTQ v1's 1-16). The half2 products are within fp16's rounding
+    of it, and activations of 16000 do not overflow them."""
     import subprocess
 
     from autosched.search_spaces.templates._hopper import cuda_file
@@ -462,7 +464,7 @@ def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
     cases = (("float16", "__float2half", 2, False, 1.0, 1e-4), ("bfloat16", "__float2bfloat16", 1, False, 1.0, 1e-4),
              ("float16", "__float2half", 3, True, 1.0, 2e-2), ("float16", "__float2half", 1, True, 6000.0, 1e2))
     for case, (dtype, to_type, rows, half, magnitude, bound) in enumerate(cases):
-        name, source = _dot_source(dtype, rows, half)
+        name, source = _dot_source(dtype, rows, half, zeros)
         common = cuda_file("common.cuh")  # of the helper library, only the dtype table: the host's load below
         source = source.replace(common, common[:common.index("// Two floats as one")] + "#endif\n")
         source = source.replace("__forceinline__ void autosched_warp_sum", "inline void autosched_warp_sum")  # device only
@@ -481,7 +483,7 @@ inline __half2 host_hfma2(__half2 a, __half2 b, __half2 c) {{
 }}
 {source}
 int main() {{
-  const int M = {rows}, K = 64;
+  const int M = {rows}, K = {32 * 17 if zeros else 64};  // with zero points: one chunk per zero point 0..16
   alignas(16) uint8_t wq[K / 2];
   alignas(16) decltype({to_type}(0.f)) a[M * K];
   for (int i = 0; i < K / 2; ++i) wq[i] = (uint8_t)(i * 37 + 11);
@@ -489,11 +491,12 @@ int main() {{
   double worst = 0;
   for (int c = 0; c < K / 32; ++c) {{
     float acc[M] = {{0}};
-    {name}({accs}, wq + c * 16, a + c * 32, K * 2, 0.5f);
+    const int zero = {"(c * 7) % 17" if zeros else "8"};
+    {name}({accs}, wq + c * 16, a + c * 32, K * 2, 0.5f{", (float)zero" if zeros else ""});
     for (int i = 0; i < M; ++i) {{
       double ref = 0;
       for (int r = c * 32; r < c * 32 + 32; ++r)
-        ref += (((wq[r / 2] >> ((r % 2) * 4)) & 15) - 8) * (double)(float)a[i * K + r];
+        ref += (((wq[r / 2] >> ((r % 2) * 4)) & 15) - zero) * (double)(float)a[i * K + r];
       worst = fmax(worst, fabs(ref * 0.5 - acc[i]));
     }}
   }}
@@ -506,23 +509,27 @@ int main() {{
         subprocess.run(["nvcc", "-std=c++17", "-o", str(exe), str(tmp_path / f"case{case}.cu")], check=True,
                        capture_output=True)
         worst = float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
-        # A chunk's sum is up to 32 x 8 x |a| (|a| <= 2.5 x magnitude): the half2 bounds are ~1e-4 of it.
-        assert worst < bound, f"{dtype} (half2 products: {half}, |a| up to {2.5 * magnitude}): off by {worst}"
+        # A chunk's sum is up to 32 x 8 x |a| (|a| <= 2.5 x magnitude), with zero points up to 32 x 16 x |a|:
+        # the half2 bounds are ~1e-4 of it.
+        limit = 2 * bound if zeros else bound
+        assert worst < limit, f"{dtype} (half2 products: {half}, |a| up to {2.5 * magnitude}): off by {worst}"
 
 
 @needs_nvcc
 @pytest.mark.slow
-def test_prefill_dequantisation_writes_the_swizzled_tile_tma_would(tmp_path):
+@pytest.mark.parametrize("zeros", [False, True], ids=["zero-point-8", "zero-points"])
+def test_prefill_dequantisation_writes_the_swizzled_tile_tma_would(tmp_path, zeros):
     """hopper_dequant_gemm's 8-weight helper, compiled for the host by nvcc: for every row and chunk of a
-    packed 64-column tile it writes (q - 8) x scale, rounded once to the half type as the workload's
-    definition rounds it, at the 128-byte-swizzled place that TMA would have put the fp16/bf16 tile."""
+    packed 64-column tile it writes (q - 8) x scale, or with zero points (zeros=1) (q - z) x scale for the
+    row's z, 0 to 16, rounded once to the half type as the workload's definition rounds it, at the
+    128-byte-swizzled place that TMA would have put the fp16/bf16 tile."""
     import subprocess
 
     from autosched.search_spaces.templates._hopper import cuda_file
     from autosched.search_spaces.templates.hopper_dequant import _dequant_source
 
     for dtype, scalar in (("float16", "__half"), ("bfloat16", "__nv_bfloat16")):
-        name, source = _dequant_source(dtype)
+        name, source = _dequant_source(dtype, zeros)
         common = cuda_file("common.cuh")  # of the helper library, only the dtype table
         source = source.replace(common, common[:common.index("// Two floats as one")] + "#endif\n")
         source = source.replace("__device__ __forceinline__", "inline").replace("__byte_perm", "host_byte_perm")
@@ -546,10 +553,11 @@ int main() {{
   int wrong = 0;
   for (int r = 0; r < ROWS; ++r) {{
     const float scale = (float)({scalar})(0.01f * (r + 1) + 0.003f);
-    for (int j = 0; j < 8; ++j) {name}(tile, packed, r, j, scale);
+    const int zero = {"r % 17" if zeros else "8"};
+    for (int j = 0; j < 8; ++j) {name}(tile, packed, r, j, scale{", (float)zero" if zeros else ""});
     for (int kk = 0; kk < 64; ++kk) {{
       const int q = (packed[r * 32 + kk / 2] >> (4 * (kk % 2))) & 15;
-      const float want = (float)({scalar})((q - 8) * scale);
+      const float want = (float)({scalar})((q - zero) * scale);
       const int chunk = (kk / 8) ^ (r % 8);
       const float got = (float)tile[r * 64 + chunk * 8 + kk % 8];
       wrong += got != want;
