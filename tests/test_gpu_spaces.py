@@ -37,9 +37,17 @@ CASES = [
     ("dequant_gemm", "m=3,n=1000,k=352", "bfloat16", "bits=4,group=32,bias=1,act=silu", "int4_gemv", "sm_90"),
     ("dequant_gemm", "m=300,n=512,k=256", "float16", "bits=4,group=128", "hopper_dequant_gemm", "sm_90"),
     ("dequant_gemm", "m=100,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu", "hopper_dequant_gemm", "sm_90"),
-    # zero points (asymmetric AWQ/GPTQ): the sm_90 int4 templates decline them, the generic spaces follow the TE
-    ("dequant_gemm", "m=2,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
-    ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
+    # zero points (asymmetric AWQ/GPTQ): the sm_90 int4 templates take them (a 4096x4096 layer's decode steps of
+    # one and eight rows, a prefill chunk of 512)...
+    ("dequant_gemm", "m=1,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1", "int4_gemv", "sm_90"),
+    ("dequant_gemm", "m=8,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1,bias=1,act=silu", "int4_gemv", "sm_90"),
+    ("dequant_gemm", "m=5,n=1000,k=352", "bfloat16", "bits=4,group=32,zeros=1", "int4_gemv", "sm_90"),
+    ("dequant_gemm", "m=512,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1", "hopper_dequant_gemm", "sm_90"),
+    ("dequant_gemm", "m=80,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu", "hopper_dequant_gemm",
+     "sm_90"),
+    # ... and where the templates decline (9-16 rows, two groups per k step), the generic spaces follow the TE
+    ("dequant_gemm", "m=12,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
+    ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=32,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
     ("moe_gemm", "m=2,e=8,n=512,k=256", "float16", "", "gpu_moe_matmul", "sm_90"),  # decode: 1 token x 2 experts
     ("moe_gemm", "m=64,e=4,n=384,k=448", "bfloat16", "", "gpu_moe_matmul", "sm_90"),
     ("moe_gemm", "m=24,e=3,n=96,k=160", "float32", "", "gpu_moe_matmul", "sm_80"),
@@ -402,8 +410,8 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
 
 def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, the wgmma dequant
-    kernel 17 rows on (one scale per k step); int8 weights, 9-16 rows, groups of 32, zero points (their zero
-    point is 8) and older GPUs keep the TensorIR spaces."""
+    kernel 17 rows on (one scale per k step), both with zero points (zeros=1: asymmetric AWQ/GPTQ) or
+    without; int8 weights, 9-16 rows, groups of 32 in prefill and older GPUs keep the TensorIR spaces."""
 
     def space(shape, attrs, target):
         return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
@@ -415,8 +423,30 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=17,n=4096,k=4096", "bits=4", sm90) == "hopper_dequant_gemm"  # prefill: wgmma
     assert space("m=512,n=4096,k=4096", "bits=4,group=32", sm90) == "gpu_matmul"  # two scales per k step
     assert space("m=1,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
-    assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
-    assert space("m=17,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "gpu_matmul"
+    assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm90) == "int4_gemv"
+    assert space("m=8,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "int4_gemv"
+    assert space("m=512,n=4096,k=4096", "bits=4,zeros=1", sm90) == "hopper_dequant_gemm"
+    assert space("m=17,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "hopper_dequant_gemm"
+    assert space("m=12,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
+    assert space("m=512,n=4096,k=4096", "bits=4,group=32,zeros=1", sm90) == "gpu_matmul"
+    assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm80) == "gpu_gemv"
+
+
+@pytest.mark.parametrize("attrs", ["bits=4,group=128", "bits=4,group=128,bias=1", "bits=4,group=128,zeros=1",
+                                   "bits=4,group=128,zeros=1,bias=1"])
+def test_int4_kernels_take_the_workloads_parameters_in_its_order(attrs, sm90):
+    """Each int4 kernel (CUDA cores, tensor cores, the prefill's wgmma) takes the workload function's parameters,
+    dtypes and shapes in its order: A, Wq, scales, [zero points], [bias], C."""
+
+    def signature(func):
+        return [(str(p.dtype), tuple(int(x) for x in p.shape)) for p in func.params]
+
+    for shape, points in (("m=8,n=256,k=512", [{"mma": False}, {"mma": True}]), ("m=100,n=256,k=512", [{}])):
+        task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
+        space = task.space(sm90)
+        for point in points:
+            kernel = space.kernel(space.canonical(space.default() | point))
+            assert signature(kernel) == signature(task.func), (space.name, point)
 
 
 def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
@@ -434,6 +464,7 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     assert has_mma(space("m=8,n=300,k=1024", "bits=4,group=256"))
     assert not has_mma(space("m=1,n=4096,k=4096", "bits=4,group=64"))  # a k-block would span two groups
     assert not has_mma(space("m=1,n=4096,k=4096", "bits=4,group=128", "bfloat16"))
+    assert has_mma(space("m=8,n=4096,k=4096", "bits=4,group=128,zeros=1"))
     s = space("m=1,n=11008,k=4096", "bits=4,group=128")
     point = {"warps": 8, "rows_per_warp": 2, "unroll": True, "half_products": True, "mma": True}
     assert s.canonical(point) == point | {"unroll": False, "half_products": False}

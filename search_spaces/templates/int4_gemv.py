@@ -230,9 +230,7 @@ class Int4Template(HopperTemplate):
     @classmethod
     def suits_target(cls, target, hints) -> bool:
         hints = hints or {}
-        # The kernels' zero point is 8: a workload with zero points (zeros=1) falls back to the TensorIR spaces.
-        return (target.arch in HOPPER_ARCHS and hints.get("op") == "dequant_gemm" and hints.get("bits") == 4
-                and not hints.get("zeros"))
+        return target.arch in HOPPER_ARCHS and hints.get("op") == "dequant_gemm" and hints.get("bits") == 4
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
