@@ -12,8 +12,9 @@ on chip:
   128-byte-swizzled layout that TMA would have written, while the tensor cores work on the other
   buffer: tile ks + 1 is dequantised after wgmma(ks) is issued and before it is waited for;
 * a thread takes 8 weights (4 bytes) at a time: four mask-and-or steps put nibbles under a half's (or
-  bfloat16's) exponent, one subtraction gives q - 8 exactly, one multiplication by the row's group scale
-  rounds once, as the workload's definition does; byte permutes put them back in k order;
+  bfloat16's) exponent, one subtraction gives q - 8 exactly (with zero points, ``zeros=1``: q - z, the row's
+  zero point loaded with its scale, ``cuda/hopper_dequant_zeros.cuh``), one multiplication by the row's group
+  scale rounds once, as the workload's definition does; byte permutes put them back in k order;
 * ``fence.proxy.async`` makes those generic-proxy stores visible to wgmma, and a named barrier over the
   consumer threads orders the two buffers' reuse.
 

@@ -11,6 +11,8 @@ instead:
   1024 + q by one mask-and-or (1024's exponent leaves the mantissa's last four bits to the nibble),
   then q - 8 by one subtraction, exactly; the products and sums are fp32, and each chunk's sum is
   multiplied once by its group's scale (a chunk never straddles two groups: groups are multiples of 32);
+* with zero points (``zeros=1``, w = s·(q − z): asymmetric AWQ/GPTQ) the chunk's zero point comes with its
+  scale and the subtraction is of 1024 + z, q - z as exactly (``cuda/int4_gemv_zeros.cuh``);
 * the activations (``m`` rows, at most 8) are read from L1/L2, where every warp of the block finds them;
 * the lanes' partial sums meet by warp shuffles, and lane 0 applies bias and activation and stores.
 
@@ -23,7 +25,7 @@ For fp16 with groups of 128 or more, ``mma`` selects a second kernel (:func:`_mm
 on ``mma.sync`` with 16 weight rows as M and the activation rows as N, the weights bulk-copied into shared
 memory. There ``warps`` split k and ``rows_per_warp`` counts tiles of 16 rows per block. It takes 8
 activation rows in about the time of one, where the CUDA-core kernel's time grows with the rows; at one
-row the CUDA-core kernel stays ahead (BENCHMARKS.md, GPU kernels).
+row the CUDA-core kernel stays ahead (BENCHMARKS.md, GPU kernels). Zero points: :func:`_mma_source`.
 """
 
 from __future__ import annotations
