@@ -609,6 +609,86 @@ int main() {{
 
 @needs_nvcc
 @pytest.mark.slow
+@pytest.mark.parametrize("shape,attrs,warps,tiles", [
+    ("m=3,n=72,k=640", "bits=4,group=128,bias=1", 2, 2),
+    ("m=3,n=72,k=640", "bits=4,group=128,zeros=1,bias=1", 2, 2),
+    ("m=8,n=48,k=512", "bits=4,group=256,zeros=1", 4, 1),
+], ids=["zero-point-8", "zero-points-bias", "zero-points-8-rows"])
+def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, tmp_path):
+    """int4_gemv's tensor-core kernel, compiled for the host by nvcc and run block by block with one thread per
+    CUDA thread (the mma.sync and bulk copies emulated), against the workload's float64 reference on its own
+    inputs: zero point 8, and zero points (zeros=1) folded in through the k-block's sum of x; a last tile past
+    n, warps splitting the k-blocks unevenly."""
+    import subprocess
+
+    import torch
+
+    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.search_spaces.templates.int4_gemv import _mma_source, mma_smem_bytes
+    from autosched.workloads import get_operator
+
+    wl = make_workload("dequant_gemm", shape, "float16", attrs)
+    op, s, a = get_operator("dequant_gemm"), wl.shape_dict, wl.attrs_dict
+    m, n, k, group = s["m"], s["n"], s["k"], a["group"]
+    ins = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    zeros = bool(a.get("zeros"))  # unkeyed at 0: absent from the attributes
+    names = ["x", "wq", "scales"] + (["zeros"] if zeros else []) + (["bias"] if a["bias"] else [])
+    for name, tensor in zip(names, ins):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    name, source = _mma_source(m, n, k, -(-k // group), group, warps, tiles, a["bias"], "none", zeros)
+    _, store1, epilogue = _epilogue_source("float16", "none")
+    body = _host_body(source.removeprefix(epilogue))
+    body = body.replace('asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));',
+                        "r = (w & mask) | 0x64006400u;")
+    body = body.replace("autosched_bulk_copy(smem", "host_bulk_copy(smem").replace("__syncwarp()", "host_syncwarp()")
+    body = body.replace("autosched_mbarrier_wait(bar, 0);", "host_syncwarp();")  # the copies above are done
+    loads = "".join(f'  auto {v} = load<{"uint8_t" if v in ("wq", "zeros") else "half"}>("{v}.bin");\n' for v in names)
+    program = HOST_SHIM + f"""
+inline void host_syncwarp() {{ host_warp_barriers[host_thread.x / 32]->arrive_and_wait(); }}
+inline void host_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned) {{ std::memcpy(dst, src, bytes); }}
+inline void {store1}(__half* c, float v) {{ *c = __float2half_rn(v); }}
+""" + body + f"""
+template <class T> std::vector<T> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<T> data(n / sizeof(T)); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+{loads}  std::vector<half> c({m * n});
+  const int threads = {warps * 32};
+  host_warps_per_cta = {warps};
+  host_rank = 0;
+  for (int bx = 0; bx < {-(-n // (16 * tiles))}; ++bx) {{
+    std::vector<uint4> smem({mma_smem_bytes(k, tiles, warps)} / 16 + 1);
+    std::barrier<> block(threads);
+    host_block_barriers = {{&block}};
+    host_warp_barriers.clear();
+    for (int w = 0; w < {warps}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {{
+        host_thread.x = t;
+        {name}({", ".join(f"{v}.data()" for v in names)}, c.data(), reinterpret_cast<uint8_t*>(smem.data()), bx, t);
+      }});
+    for (auto& th : pool) th.join();
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("out.bin", "wb"); fwrite(c.data(), sizeof(half), c.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    (tmp_path / "host.cu").write_text(program)
+    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=300)
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float16).reshape(m, n)
+    ref = op.reference(wl, ins)[0]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 4e-3, f"relative error {err}"
+
+
+@needs_nvcc
+@pytest.mark.slow
 def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
     """Few sequences: the pages of one are split between the CTAs of a cluster (the launch carries the
     cluster's size), every split compiles for sm_90a without spills (products on CUDA or tensor cores),
