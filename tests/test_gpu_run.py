@@ -222,6 +222,34 @@ def test_int4_gemv_on_tensor_cores_is_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
 
 
+def test_int4_gemv_with_zero_points_is_correct_on_the_gpu(measurers):
+    """int4 decode GEMVs with a zero point per group and output channel (zeros=1: asymmetric AWQ/GPTQ): a 4096x4096
+    layer's decode steps of one and eight rows, n that no block or 16-row tile divides, groups of 128 and 32, a
+    bias and SiLU, fp16 and bf16; on CUDA cores (products in fp32 and, for fp16, in half2) and on tensor cores:
+    every point matches the float64 reference."""
+    target, measurer = measurers("sm_90")
+    cases = (("m=1,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1"),
+             ("m=8,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1"),
+             ("m=3,n=72,k=640", "float16", "bits=4,group=128,zeros=1,bias=1,act=silu"),
+             ("m=5,n=300,k=352", "bfloat16", "bits=4,group=32,zeros=1,bias=1,act=silu"))
+    for shape, dtype, attrs in cases:
+        task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
+        space = task.space(target)
+        assert space.name == "int4_gemv"
+        knobs = {knob.name for knob in space.knobs}
+        mma = {"mma": False} if "mma" in knobs else {}
+        products = [{"half_products": False}, {"half_products": True}] if "half_products" in knobs else [{}]
+        points = [{"warps": w, "rows_per_warp": r, "unroll": u} | h | mma
+                  for w, r, u in ((4, 2, True), (1, 4, False), (8, 1, False)) for h in products]
+        if mma:
+            points += [{"warps": w, "rows_per_warp": r, "unroll": False, "half_products": False, "mma": True}
+                       for w, r in ((1, 1), (4, 1), (8, 1), (2, 2), (4, 4))]
+        points = [p for p in points if space.validate(p) is None]
+        assert len(points) >= 3, shape
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_moe_gemv_points_are_correct_on_the_gpu(measurers):
     """gpu_moe_matmul at Mixtral's decode and a prefill's shapes (cut in N): each routed row by its own
     expert's weight, with one to four rows per block, X staged in shared memory or read from global memory,
@@ -250,6 +278,30 @@ def test_int4_prefill_dequantised_for_wgmma_is_correct_on_the_gpu(measurers):
     target, measurer = measurers("sm_90")
     cases = (("m=1000,n=1032,k=576", "float16", "bits=4,group=128"),  # a short last group
              ("m=77,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu"))
+    for shape, dtype, attrs in cases:
+        task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
+        space = task.space(target)
+        assert space.name == "hopper_dequant_gemm"
+        points = [space.default(),
+                  {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 2, "group_m": 1, "persistent": False},
+                  {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 3, "group_m": 4, "persistent": False},
+                  {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 4, "persistent": True}]
+        points = [space.canonical(p) for p in points]
+        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        assert len(points) >= 2, shape
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+
+
+def test_int4_prefill_with_zero_points_is_correct_on_the_gpu(measurers):
+    """hopper_dequant_gemm with a zero point per group and output channel (zeros=1: asymmetric AWQ/GPTQ): a
+    4096x4096 layer's prefill chunk of 512 rows, m and n that no tile divides, a short last group, groups of 64
+    and 128, fp16 and bf16, a bias and SiLU, one and two consumers, persistent CTAs: every point matches the
+    float64 reference."""
+    target, measurer = measurers("sm_90")
+    cases = (("m=512,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1"),
+             ("m=1000,n=1032,k=576", "float16", "bits=4,group=128,zeros=1"),  # a short last group
+             ("m=77,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu"))
     for shape, dtype, attrs in cases:
         task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
         space = task.space(target)

@@ -37,9 +37,17 @@ CASES = [
     ("dequant_gemm", "m=3,n=1000,k=352", "bfloat16", "bits=4,group=32,bias=1,act=silu", "int4_gemv", "sm_90"),
     ("dequant_gemm", "m=300,n=512,k=256", "float16", "bits=4,group=128", "hopper_dequant_gemm", "sm_90"),
     ("dequant_gemm", "m=100,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu", "hopper_dequant_gemm", "sm_90"),
-    # zero points (asymmetric AWQ/GPTQ): the sm_90 int4 templates decline them, the generic spaces follow the TE
-    ("dequant_gemm", "m=2,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
-    ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
+    # zero points (asymmetric AWQ/GPTQ): the sm_90 int4 templates take them (a 4096x4096 layer's decode steps of
+    # one and eight rows, a prefill chunk of 512)...
+    ("dequant_gemm", "m=1,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1", "int4_gemv", "sm_90"),
+    ("dequant_gemm", "m=8,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1,bias=1,act=silu", "int4_gemv", "sm_90"),
+    ("dequant_gemm", "m=5,n=1000,k=352", "bfloat16", "bits=4,group=32,zeros=1", "int4_gemv", "sm_90"),
+    ("dequant_gemm", "m=512,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1", "hopper_dequant_gemm", "sm_90"),
+    ("dequant_gemm", "m=80,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu", "hopper_dequant_gemm",
+     "sm_90"),
+    # ... and where the templates decline (9-16 rows, two groups per k step), the generic spaces follow the TE
+    ("dequant_gemm", "m=12,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
+    ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=32,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
     # float8 E4M3 codes (fp8): the int4 templates decline them too, the generic spaces decode them as the TE does
     ("dequant_gemm", "m=1,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gpu_gemv", "sm_90"),
     ("dequant_gemm", "m=80,n=264,k=192", "bfloat16", "bits=8,group=192,fmt=e4m3,bias=1", "gpu_matmul", "sm_90"),
@@ -405,8 +413,8 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
 
 def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, the wgmma dequant
-    kernel 17 rows on (one scale per k step); int8 and float8 weights, 9-16 rows, groups of 32, zero points
-    (their zero point is 8) and older GPUs keep the TensorIR spaces."""
+    kernel 17 rows on (one scale per k step), both with zero points (zeros=1: asymmetric AWQ/GPTQ) or
+    without; int8 and float8 weights, 9-16 rows, groups of 32 in prefill and older GPUs keep the TensorIR spaces."""
 
     def space(shape, attrs, target):
         return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
@@ -418,10 +426,32 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=17,n=4096,k=4096", "bits=4", sm90) == "hopper_dequant_gemm"  # prefill: wgmma
     assert space("m=512,n=4096,k=4096", "bits=4,group=32", sm90) == "gpu_matmul"  # two scales per k step
     assert space("m=1,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
-    assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
-    assert space("m=17,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "gpu_matmul"
+    assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm90) == "int4_gemv"
+    assert space("m=8,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "int4_gemv"
+    assert space("m=512,n=4096,k=4096", "bits=4,zeros=1", sm90) == "hopper_dequant_gemm"
+    assert space("m=17,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "hopper_dequant_gemm"
+    assert space("m=12,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
+    assert space("m=512,n=4096,k=4096", "bits=4,group=32,zeros=1", sm90) == "gpu_matmul"
+    assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm80) == "gpu_gemv"
     assert space("m=1,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gpu_gemv"  # fp8's E4M3 codes
     assert space("m=64,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gpu_matmul"
+
+
+@pytest.mark.parametrize("attrs", ["bits=4,group=128", "bits=4,group=128,bias=1", "bits=4,group=128,zeros=1",
+                                   "bits=4,group=128,zeros=1,bias=1"])
+def test_int4_kernels_take_the_workloads_parameters_in_its_order(attrs, sm90):
+    """Each int4 kernel (CUDA cores, tensor cores, the prefill's wgmma) takes the workload function's parameters,
+    dtypes and shapes in its order: A, Wq, scales, [zero points], [bias], C."""
+
+    def signature(func):
+        return [(str(p.dtype), tuple(int(x) for x in p.shape)) for p in func.params]
+
+    for shape, points in (("m=8,n=256,k=512", [{"mma": False}, {"mma": True}]), ("m=100,n=256,k=512", [{}])):
+        task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
+        space = task.space(sm90)
+        for point in points:
+            kernel = space.kernel(space.canonical(space.default() | point))
+            assert signature(kernel) == signature(task.func), (space.name, point)
 
 
 def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
@@ -439,6 +469,7 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     assert has_mma(space("m=8,n=300,k=1024", "bits=4,group=256"))
     assert not has_mma(space("m=1,n=4096,k=4096", "bits=4,group=64"))  # a k-block would span two groups
     assert not has_mma(space("m=1,n=4096,k=4096", "bits=4,group=128", "bfloat16"))
+    assert has_mma(space("m=8,n=4096,k=4096", "bits=4,group=128,zeros=1"))
     s = space("m=1,n=11008,k=4096", "bits=4,group=128")
     point = {"warps": 8, "rows_per_warp": 2, "unroll": True, "half_products": True, "mma": True}
     assert s.canonical(point) == point | {"unroll": False, "half_products": False}
@@ -454,11 +485,13 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
 
 @pytest.mark.slow
 @needs_nvcc
-def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
+@pytest.mark.parametrize("zeros", [False, True], ids=["zero-point-8", "zero-points"])
+def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path, zeros):
     """The kernel's chunk helpers (two nibbles per mask through half2's exponent trick, one scale per
     chunk; products in fp32, or in half2 for fp16), compiled for the host by nvcc and run on 32-weight
-    chunks against the workload's definition: low nibble first, zero point 8. The half2 products are
-    within fp16's rounding of it, and activations of 16000 do not overflow them."""
+    chunks against the workload's definition: low nibble first, zero point 8, or with zero points (zeros=1)
+    the chunk's own, 0 to 16 (AWQ's 0-15, GPTQ v1's 1-16). The half2 products are within fp16's rounding
+    of it, and activations of 16000 do not overflow them."""
     import subprocess
 
     from autosched.search_spaces.templates._hopper import cuda_file
@@ -467,7 +500,7 @@ def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path):
     cases = (("float16", "__float2half", 2, False, 1.0, 1e-4), ("bfloat16", "__float2bfloat16", 1, False, 1.0, 1e-4),
              ("float16", "__float2half", 3, True, 1.0, 2e-2), ("float16", "__float2half", 1, True, 6000.0, 1e2))
     for case, (dtype, to_type, rows, half, magnitude, bound) in enumerate(cases):
-        name, source = _dot_source(dtype, rows, half)
+        name, source = _dot_source(dtype, rows, half, zeros)
         common = cuda_file("common.cuh")  # of the helper library, only the dtype table: the host's load below
         source = source.replace(common, common[:common.index("// Two floats as one")] + "#endif\n")
         source = source.replace("__forceinline__ void autosched_warp_sum", "inline void autosched_warp_sum")  # device only
@@ -486,7 +519,7 @@ inline __half2 host_hfma2(__half2 a, __half2 b, __half2 c) {{
 }}
 {source}
 int main() {{
-  const int M = {rows}, K = 64;
+  const int M = {rows}, K = {32 * 17 if zeros else 64};  // with zero points: one chunk per zero point 0..16
   alignas(16) uint8_t wq[K / 2];
   alignas(16) decltype({to_type}(0.f)) a[M * K];
   for (int i = 0; i < K / 2; ++i) wq[i] = (uint8_t)(i * 37 + 11);
@@ -494,11 +527,12 @@ int main() {{
   double worst = 0;
   for (int c = 0; c < K / 32; ++c) {{
     float acc[M] = {{0}};
-    {name}({accs}, wq + c * 16, a + c * 32, K * 2, 0.5f);
+    const int zero = {"(c * 7) % 17" if zeros else "8"};
+    {name}({accs}, wq + c * 16, a + c * 32, K * 2, 0.5f{", (float)zero" if zeros else ""});
     for (int i = 0; i < M; ++i) {{
       double ref = 0;
       for (int r = c * 32; r < c * 32 + 32; ++r)
-        ref += (((wq[r / 2] >> ((r % 2) * 4)) & 15) - 8) * (double)(float)a[i * K + r];
+        ref += (((wq[r / 2] >> ((r % 2) * 4)) & 15) - zero) * (double)(float)a[i * K + r];
       worst = fmax(worst, fabs(ref * 0.5 - acc[i]));
     }}
   }}
@@ -511,23 +545,27 @@ int main() {{
         subprocess.run(["nvcc", "-std=c++17", "-o", str(exe), str(tmp_path / f"case{case}.cu")], check=True,
                        capture_output=True)
         worst = float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
-        # A chunk's sum is up to 32 x 8 x |a| (|a| <= 2.5 x magnitude): the half2 bounds are ~1e-4 of it.
-        assert worst < bound, f"{dtype} (half2 products: {half}, |a| up to {2.5 * magnitude}): off by {worst}"
+        # A chunk's sum is up to 32 x 8 x |a| (|a| <= 2.5 x magnitude), with zero points up to 32 x 16 x |a|:
+        # the half2 bounds are ~1e-4 of it.
+        limit = 2 * bound if zeros else bound
+        assert worst < limit, f"{dtype} (half2 products: {half}, |a| up to {2.5 * magnitude}): off by {worst}"
 
 
 @needs_nvcc
 @pytest.mark.slow
-def test_prefill_dequantisation_writes_the_swizzled_tile_tma_would(tmp_path):
+@pytest.mark.parametrize("zeros", [False, True], ids=["zero-point-8", "zero-points"])
+def test_prefill_dequantisation_writes_the_swizzled_tile_tma_would(tmp_path, zeros):
     """hopper_dequant_gemm's 8-weight helper, compiled for the host by nvcc: for every row and chunk of a
-    packed 64-column tile it writes (q - 8) x scale, rounded once to the half type as the workload's
-    definition rounds it, at the 128-byte-swizzled place that TMA would have put the fp16/bf16 tile."""
+    packed 64-column tile it writes (q - 8) x scale, or with zero points (zeros=1) (q - z) x scale for the
+    row's z, 0 to 16, rounded once to the half type as the workload's definition rounds it, at the
+    128-byte-swizzled place that TMA would have put the fp16/bf16 tile."""
     import subprocess
 
     from autosched.search_spaces.templates._hopper import cuda_file
     from autosched.search_spaces.templates.hopper_dequant import _dequant_source
 
     for dtype, scalar in (("float16", "__half"), ("bfloat16", "__nv_bfloat16")):
-        name, source = _dequant_source(dtype)
+        name, source = _dequant_source(dtype, zeros)
         common = cuda_file("common.cuh")  # of the helper library, only the dtype table
         source = source.replace(common, common[:common.index("// Two floats as one")] + "#endif\n")
         source = source.replace("__device__ __forceinline__", "inline").replace("__byte_perm", "host_byte_perm")
@@ -551,10 +589,11 @@ int main() {{
   int wrong = 0;
   for (int r = 0; r < ROWS; ++r) {{
     const float scale = (float)({scalar})(0.01f * (r + 1) + 0.003f);
-    for (int j = 0; j < 8; ++j) {name}(tile, packed, r, j, scale);
+    const int zero = {"r % 17" if zeros else "8"};
+    for (int j = 0; j < 8; ++j) {name}(tile, packed, r, j, scale{", (float)zero" if zeros else ""});
     for (int kk = 0; kk < 64; ++kk) {{
       const int q = (packed[r * 32 + kk / 2] >> (4 * (kk % 2))) & 15;
-      const float want = (float)({scalar})((q - 8) * scale);
+      const float want = (float)({scalar})((q - zero) * scale);
       const int chunk = (kk / 8) ^ (r % 8);
       const float got = (float)tile[r * 64 + chunk * 8 + kk % 8];
       wrong += got != want;
@@ -571,6 +610,86 @@ int main() {{
         assert build.returncode == 0, build.stderr[-3000:]
         wrong = int(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
         assert wrong == 0, f"{dtype}: {wrong} of {24 * 64} weights differ from the definition"
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,attrs,warps,tiles", [
+    ("m=3,n=72,k=640", "bits=4,group=128,bias=1", 2, 2),
+    ("m=3,n=72,k=640", "bits=4,group=128,zeros=1,bias=1", 2, 2),
+    ("m=8,n=48,k=512", "bits=4,group=256,zeros=1", 4, 1),
+], ids=["zero-point-8", "zero-points-bias", "zero-points-8-rows"])
+def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, tmp_path):
+    """int4_gemv's tensor-core kernel, compiled for the host by nvcc and run block by block with one thread per
+    CUDA thread (the mma.sync and bulk copies emulated), against the workload's float64 reference on its own
+    inputs: zero point 8, and zero points (zeros=1) folded in through the k-block's sum of x; a last tile past
+    n, warps splitting the k-blocks unevenly."""
+    import subprocess
+
+    import torch
+
+    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.search_spaces.templates.int4_gemv import _mma_source, mma_smem_bytes
+    from autosched.workloads import get_operator
+
+    wl = make_workload("dequant_gemm", shape, "float16", attrs)
+    op, s, a = get_operator("dequant_gemm"), wl.shape_dict, wl.attrs_dict
+    m, n, k, group = s["m"], s["n"], s["k"], a["group"]
+    ins = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    zeros = bool(a.get("zeros"))  # unkeyed at 0: absent from the attributes
+    names = ["x", "wq", "scales"] + (["zeros"] if zeros else []) + (["bias"] if a["bias"] else [])
+    for name, tensor in zip(names, ins):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    name, source = _mma_source(m, n, k, -(-k // group), group, warps, tiles, a["bias"], "none", zeros)
+    _, store1, epilogue = _epilogue_source("float16", "none")
+    body = _host_body(source.removeprefix(epilogue))
+    body = body.replace('asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));',
+                        "r = (w & mask) | 0x64006400u;")
+    body = body.replace("autosched_bulk_copy(smem", "host_bulk_copy(smem").replace("__syncwarp()", "host_syncwarp()")
+    body = body.replace("autosched_mbarrier_wait(bar, 0);", "host_syncwarp();")  # the copies above are done
+    loads = "".join(f'  auto {v} = load<{"uint8_t" if v in ("wq", "zeros") else "half"}>("{v}.bin");\n' for v in names)
+    program = HOST_SHIM + f"""
+inline void host_syncwarp() {{ host_warp_barriers[host_thread.x / 32]->arrive_and_wait(); }}
+inline void host_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned) {{ std::memcpy(dst, src, bytes); }}
+inline void {store1}(__half* c, float v) {{ *c = __float2half_rn(v); }}
+""" + body + f"""
+template <class T> std::vector<T> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<T> data(n / sizeof(T)); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+{loads}  std::vector<half> c({m * n});
+  const int threads = {warps * 32};
+  host_warps_per_cta = {warps};
+  host_rank = 0;
+  for (int bx = 0; bx < {-(-n // (16 * tiles))}; ++bx) {{
+    std::vector<uint4> smem({mma_smem_bytes(k, tiles, warps)} / 16 + 1);
+    std::barrier<> block(threads);
+    host_block_barriers = {{&block}};
+    host_warp_barriers.clear();
+    for (int w = 0; w < {warps}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {{
+        host_thread.x = t;
+        {name}({", ".join(f"{v}.data()" for v in names)}, c.data(), reinterpret_cast<uint8_t*>(smem.data()), bx, t);
+      }});
+    for (auto& th : pool) th.join();
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("out.bin", "wb"); fwrite(c.data(), sizeof(half), c.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    (tmp_path / "host.cu").write_text(program)
+    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=300)
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float16).reshape(m, n)
+    ref = op.reference(wl, ins)[0]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 4e-3, f"relative error {err}"
 
 
 @needs_nvcc

@@ -444,9 +444,11 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(t
 
 
 @pytest.mark.slow
-def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_llama, tmp_path):
+@pytest.mark.parametrize("scheme", ["q4f16", "q4f16_zp"])
+def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_llama, tmp_path, scheme):
     """Built here without a GPU for sm_90a in float16: decode steps' projections on int4_gemv, a prefill chunk's
-    on hopper_dequant_gemm, the library written (the CUDA compiled when loaded on the GPU)."""
+    on hopper_dequant_gemm, the library written (the CUDA compiled when loaded on the GPU); with zero points
+    (q4f16_zp, zeros=1) too."""
     _, root = tiny_llama
     out = tmp_path / "sm90"
     cli(
@@ -468,7 +470,7 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
         "--prefill-chunks",
         "128",
         "--quantize",
-        "q4f16",
+        scheme,
     )
     manifest = json.loads((out / "manifest.json").read_text())
     spaces = {
@@ -482,7 +484,7 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
         ("dequant_gemm[m=128", "hopper_dequant_gemm"),
     }
     assert all(
-        ";bits=4;group=128;" in w["workload"]
+        ";bits=4;group=128;" in w["workload"] and w["workload"].endswith(";zeros=1") == (scheme == "q4f16_zp")
         for w in manifest["workload_kernels"].values()
         if w["workload"].startswith("dequant_gemm")
     )
@@ -508,11 +510,11 @@ def test_an_fp8_build_for_sm_90_compiles_its_projections_on_the_generic_spaces(t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["q4f16", "q8f16"])
+@pytest.mark.parametrize("scheme", ["q4f16", "q4f16_zp", "q8f16"])
 def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny_llama, scheme, tmp_path):
-    """fp16 on the GPU: the dynamic prefill, a static chunk of 32 tokens (q4f16: hopper_dequant_gemm on sm_90) and
-    a static decode step (q4f16: int4_gemv) give the float64 model's logits of the same dequantised weights, to
-    half precision's tolerance."""
+    """fp16 on the GPU: the dynamic prefill, a static chunk of 32 tokens (q4f16 and q4f16_zp: hopper_dequant_gemm on
+    sm_90) and a static decode step (q4f16 and q4f16_zp: int4_gemv) give the float64 model's logits of the same
+    dequantised weights, to half precision's tolerance."""
     import torch
 
     hf, root = tiny_llama

@@ -7,7 +7,7 @@ int4 layout (codes [N, K / 2], low nibble first; scales and uint8 zero points [N
 :func:`load_prequantized` reads a folder's safetensors: the float tensors into a transformers model, each
 quantised projection into the decoder's ``layers.<i>.<p>.qweight`` / ``.scales`` / ``.zeros`` through the format's
 reader, and :func:`choose_scheme` picks what the checkpoint builds as: ``q4f16`` where every zero point is 8
-(symmetric: the fast int4 kernels), else ``q4f16_zp`` (its zero points kept: ``dequant_gemm``'s ``zeros=1``).
+(symmetric: no zero points to read), else ``q4f16_zp`` (its zero points kept: ``dequant_gemm``'s ``zeros=1``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ on chip:
   128-byte-swizzled layout that TMA would have written, while the tensor cores work on the other
   buffer: tile ks + 1 is dequantised after wgmma(ks) is issued and before it is waited for;
 * a thread takes 8 weights (4 bytes) at a time: four mask-and-or steps put nibbles under a half's (or
-  bfloat16's) exponent, one subtraction gives q - 8 exactly, one multiplication by the row's group scale
-  rounds once, as the workload's definition does; byte permutes put them back in k order;
+  bfloat16's) exponent, one subtraction gives q - 8 exactly (with zero points, ``zeros=1``: q - z, the row's
+  zero point loaded with its scale, ``cuda/hopper_dequant_zeros.cuh``), one multiplication by the row's group
+  scale rounds once, as the workload's definition does; byte permutes put them back in k order;
 * ``fence.proxy.async`` makes those generic-proxy stores visible to wgmma, and a named barrier over the
   consumer threads orders the two buffers' reuse.
 
@@ -42,15 +43,20 @@ from .int4_gemv import Int4Template, _shape, dequant_main
 PACKED_BK = BK // 2  # bytes of packed int4 weights per row and k step
 
 
-def _dequant_source(dtype: str) -> tuple[str, str]:
+def _dequant_source(dtype: str, zeros: bool = False) -> tuple[str, str]:
     """(name, source) of the helper that writes 8 dequantised weights of row r, chunk j into the B tile
-    (``cuda/hopper_dequant.cuh``)."""
+    (``cuda/hopper_dequant.cuh``; with ``zeros`` it takes the row's zero point after its scale,
+    ``cuda/hopper_dequant_zeros.cuh``)."""
+    if zeros:
+        name = f"autosched_dequant8_zeros_{PTX_TYPE[dtype]}"
+        return name, cuda_file("hopper_dequant_zeros.cuh") + f"AUTOSCHED_DEQUANT8_ZEROS({name}, {CUDA_SCALAR[dtype]})\n"
     name = f"autosched_dequant8_{PTX_TYPE[dtype]}"
     return name, cuda_file("hopper_dequant.cuh") + f"AUTOSCHED_DEQUANT8({name}, {CUDA_SCALAR[dtype]})\n"
 
 
-def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point):
-    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · dequant(Wq[n, k / 2])ᵀ + bias[n])."""
+def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point,
+                          zeros: bool = False):
+    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · dequant(Wq[n, k / 2], zeros)ᵀ + bias[n])."""
     from tvm.script import tirx as T
 
     consumers, wg_rows, bn, stages = p["consumers"], p["wg_rows"], p["block_n"], p["stages"]
@@ -74,7 +80,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
     units = bn * 8 // cthreads  # 8-weight chunks per consumer thread per k step
     mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}"
     store2, store1, epi_source = _epilogue_source(dtype, act)
-    dequant8, dequant_source = _dequant_source(dtype)
+    dequant8, dequant_source = _dequant_source(dtype, zeros)
     acc_len = m_frags * acc_n
 
     def accs(acc, f):
@@ -85,9 +91,12 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
 
     tile_m, tile_n = grouped_raster(tiles_m, tiles_n, group_m)
 
+    def zero_point(Z, row, kt):  # the row's zero point in k step kt, where the workload has them
+        return [T.Cast("float32", Z[T.min(row, n - 1), kt * BK // group])] if zeros else []
+
     # fmt: off
     @T.macro
-    def dequantize(smem, S, slot, buf, kt, tn, ct):
+    def dequantize(smem, S, Z, slot, buf, kt, tn, ct):
         # The packed tile of ring slot `slot` into B buffer `buf`: chunk u = (row u / 8, 8 weights u % 8).
         for i in T.unroll(units):
             u = T.meta_var(ct + i * cthreads)
@@ -96,7 +105,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
                                               T.float32(0)))
             T.cuda.func_call(dequant8, smem.access_ptr("w", offset=b_base + buf * (b_tile // elem)),
                              smem.access_ptr("r", offset=slot * (stage_bytes // elem) + a_stage // elem),
-                             u // 8, u % 8, scale, source_code=dequant_source)
+                             u // 8, u % 8, scale, *zero_point(Z, row, kt), source_code=dequant_source)
         T.ptx.fence.proxy.async_.shared__cta()
 
     @T.macro
@@ -114,7 +123,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
                                          source_code=epi_source)
 
     @T.macro
-    def body(A, Wq, S, Bias, C):
+    def body(A, Wq, S, Z, Bias, C):
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.tensormap_encode_tiled(A_map, A.data, k, m, k * elem, BK, bm, 1, 1, descriptor_dtype=dtype, rank=2,
                                  swizzle=3)
@@ -164,7 +173,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
                 # The previous tile's last wgmma in both warpgroups is complete (wait_group 0): buffer 0 is free.
                 T.cuda.func_call(CONSUMERS_SYNC, cthreads, source_code=CONSUMERS_SYNC_SOURCE)
                 T.cuda.mbarrier_wait(T.address_of(full[it % stages]), (it // stages) % 2)
-                dequantize(smem, S, it % stages, 0, 0, tn, ct)
+                dequantize(smem, S, Z, it % stages, 0, 0, tn, ct)
                 T.cuda.func_call(CONSUMERS_SYNC, cthreads, source_code=CONSUMERS_SYNC_SOURCE)
                 for ks in T.serial(k_iters):
                     T.ptx.wgmma.fence.sync.aligned()
@@ -186,7 +195,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
                         # Both warpgroups are past wgmma(ks - 1): its B buffer takes tile ks + 1.
                         T.cuda.func_call(CONSUMERS_SYNC, cthreads, source_code=CONSUMERS_SYNC_SOURCE)
                         T.cuda.mbarrier_wait(T.address_of(full[(it + 1) % stages]), ((it + 1) // stages) % 2)
-                        dequantize(smem, S, (it + 1) % stages, (ks + 1) % 2, ks + 1, tn, ct)
+                        dequantize(smem, S, Z, (it + 1) % stages, (ks + 1) % 2, ks + 1, tn, ct)
                         T.cuda.func_call(CONSUMERS_SYNC, cthreads, source_code=CONSUMERS_SYNC_SOURCE)
                     it = it + 1
                 T.ptx.wgmma.wait_group.sync.aligned(0)
@@ -197,7 +206,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
 
     # fmt: on
     attrs = {"global_symbol": "main", "tirx.noalias": True, "tirx.launch_bounds_min_blocks_per_sm": 1}
-    return dequant_main(body, m, n, k, math.ceil(k / group), dtype, bias, attrs)  # a short last group too
+    return dequant_main(body, m, n, k, math.ceil(k / group), dtype, bias, attrs, zeros)  # a short last group too
 
 
 class HopperDequantGemmSpace(Int4Template):
@@ -270,7 +279,7 @@ class HopperDequantGemmSpace(Int4Template):
 
     def kernel(self, p: Point):
         return hopper_dequant_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act,
-                                     {**p, "sms": self.sms})
+                                     {**p, "sms": self.sms}, self.zeros)
 
     def point_features(self, p: Point) -> list[float]:
         """Knobs, tiles and waves, shared memory, and the dequantisation work per consumer thread."""

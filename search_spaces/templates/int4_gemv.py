@@ -11,6 +11,8 @@ instead:
   1024 + q by one mask-and-or (1024's exponent leaves the mantissa's last four bits to the nibble),
   then q - 8 by one subtraction, exactly; the products and sums are fp32, and each chunk's sum is
   multiplied once by its group's scale (a chunk never straddles two groups: groups are multiples of 32);
+* with zero points (``zeros=1``, w = s·(q − z): asymmetric AWQ/GPTQ) the chunk's zero point comes with its
+  scale and the subtraction is of 1024 + z, q - z as exactly (``cuda/int4_gemv_zeros.cuh``);
 * the activations (``m`` rows, at most 8) are read from L1/L2, where every warp of the block finds them;
 * the lanes' partial sums meet by warp shuffles, and lane 0 applies bias and activation and stores.
 
@@ -23,7 +25,7 @@ For fp16 with groups of 128 or more, ``mma`` selects a second kernel (:func:`_mm
 on ``mma.sync`` with 16 weight rows as M and the activation rows as N, the weights bulk-copied into shared
 memory. There ``warps`` split k and ``rows_per_warp`` counts tiles of 16 rows per block. It takes 8
 activation rows in about the time of one, where the CUDA-core kernel's time grows with the rows; at one
-row the CUDA-core kernel stays ahead (BENCHMARKS.md, GPU kernels).
+row the CUDA-core kernel stays ahead (BENCHMARKS.md, GPU kernels). Zero points: :func:`_mma_source`.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ _WARP_SUM = "autosched_warp_sum"  # cuda/int4_gemv.cuh
 _DTYPES = ("float16", "bfloat16")
 
 
-def _dot_source(dtype: str, m: int, half_products: bool = False) -> tuple[str, str]:
+def _dot_source(dtype: str, m: int, half_products: bool = False, zeros: bool = False) -> tuple[str, str]:
     """(name, source) of the helper that adds one chunk's scaled dot product to each of m rows' accumulators
-    (``cuda/int4_gemv.cuh``: products in fp32, or for fp16 in half2 with ``half_products``)."""
+    (``cuda/int4_gemv.cuh``: products in fp32, or for fp16 in half2 with ``half_products``). With ``zeros`` it
+    takes the chunk's zero point after its scale (``cuda/int4_gemv_zeros.cuh``)."""
     if half_products:
         name, w = f"autosched_q4_chunk_float16_half_m{m}", "__half2 w[4][4]"
         unpack, row = "autosched_q4_unpack_half", "autosched_q4_row_half"
@@ -53,10 +56,14 @@ def _dot_source(dtype: str, m: int, half_products: bool = False) -> tuple[str, s
         name, w = f"autosched_q4_chunk_{dtype}_m{m}", "float w[32]"
         unpack, row = "autosched_q4_unpack", f"autosched_q4_row<{CUDA_SCALAR[dtype]}>"
     accs = ", ".join(f"float& acc{i}" for i in range(m))
+    if zeros:
+        name, unpack = f"{name}_zeros", f"{unpack}_zeros"
+        row = "autosched_q4_row_half_zeros" if half_products else row
     rows = " ".join(f"{row}(acc{i}, w, xp, {i}, row_bytes, scale);" for i in range(m))
-    return name, cuda_file("int4_gemv.cuh") + (
-        f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale) "
-        f"{{ {w}; {unpack}(wp, w); {rows} }}\n")
+    zero_param, zero_arg = (", float zero", ", zero") if zeros else ("", "")
+    return name, cuda_file("int4_gemv_zeros.cuh" if zeros else "int4_gemv.cuh") + (
+        f"__device__ __forceinline__ void {name}({accs}, const void* wp, const void* xp, int row_bytes, float scale"
+        f"{zero_param}) {{ {w}; {unpack}(wp, w{zero_arg}); {rows} }}\n")
 
 
 MMA_K_BLOCK = 128  # weights of one row per k-block of the tensor-core kernel: 4 lanes x 32 nibbles
@@ -75,7 +82,7 @@ def mma_smem_bytes(k: int, tiles: int, warps: int) -> int:
 
 
 def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, tiles: int, bias: bool,
-                act: str) -> tuple[str, str]:
+                act: str, zeros: bool = False) -> tuple[str, str]:
     """(name, source) of the tensor-core int4 GEMV (fp16): one device function that runs a whole block.
 
     Loads: the block's ``tiles`` x 16 weight rows are contiguous in memory. Each of its ``warps`` warps
@@ -92,17 +99,21 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
     are regrouped into the same order once per k-block (high-nibble slots divided by 16), and one more
     product with constant A (-1032, -1152) gives the offsets, 1032 x + 72 x per slot, that turn the sums
     into sums of (q - 8) x. Each k-block lies in one group (groups are multiples of 128), so its fp32 sums
-    are scaled once per row. The warps' partial sums meet in shared memory."""
-    name = f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_{int(bias)}{act}"
+    are scaled once per row. The warps' partial sums meet in shared memory.
+
+    With ``zeros`` (a zero point z per row and group): one more product with constant A (1, 16) gives the
+    k-block's sum of x per activation row, and each row's sums start from the offsets plus (8 - z) times it,
+    sums of (q - z) x."""
+    name = f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_{int(bias)}{act}" + ("_zeros" if zeros else "")
     _, store1, epi_source = _epilogue_source("float16", act)
     config = {"M": m, "N": n, "K": k, "GROUPS": groups, "GROUP": group, "W": warps, "R": tiles,
-              "ROW_BYTES": _slab_row_bytes(k), "BIAS": bias}
-    entry = "AUTOSCHED_Q4_MMA_GEMV_BIAS" if bias else "AUTOSCHED_Q4_MMA_GEMV"
+              "ROW_BYTES": _slab_row_bytes(k), "BIAS": bias, "ZEROS": zeros}
+    entry = "AUTOSCHED_Q4_MMA_GEMV" + ("_ZEROS" if zeros else "") + ("_BIAS" if bias else "")
     return name, (epi_source + cuda_file("int4_mma_gemv.cuh") + config_struct(f"{name}_config", config)
                   + f"{entry}({name}, {name}_config, {store1})\n")
 
 
-def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: str, p: Point):
+def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: str, p: Point, zeros: bool = False):
     """The TIRx kernel of a tensor-core point (``p["mma"]``): a shell around :func:`_mma_source`."""
     from tvm.script import tirx as T
 
@@ -110,28 +121,29 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
     grid = math.ceil(n / (16 * tiles))
     groups = math.ceil(k / group)
     smem_bytes = mma_smem_bytes(k, tiles, warps)
-    fn, source = _mma_source(m, n, k, groups, group, warps, tiles, bias, act)
+    fn, source = _mma_source(m, n, k, groups, group, warps, tiles, bias, act, zeros)
+
+    def inputs(A, Wq, S, Z, Bias):  # in the workload's order, as the entry point takes them
+        return [buf.access_ptr("r") for buf in (A, Wq, S, Z, Bias) if buf is not None]
 
     # fmt: off
     @T.macro
-    def body(A, Wq, S, Bias, C):
+    def body(A, Wq, S, Z, Bias, C):
         T.device_entry()
         bx = T.cta_id([grid])
         tx = T.thread_id([32 * warps])
         smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn", align=128)
-        if bias:
-            T.cuda.func_call(fn, A.access_ptr("r"), Wq.access_ptr("r"), S.access_ptr("r"), Bias.access_ptr("r"),
-                             C.access_ptr("w"), smem.access_ptr("rw"), bx, tx, source_code=source)
-        else:
-            T.cuda.func_call(fn, A.access_ptr("r"), Wq.access_ptr("r"), S.access_ptr("r"), C.access_ptr("w"),
-                             smem.access_ptr("rw"), bx, tx, source_code=source)
+        T.cuda.func_call(fn, *inputs(A, Wq, S, Z, Bias), C.access_ptr("w"), smem.access_ptr("rw"), bx, tx,
+                         source_code=source)
 
     # fmt: on
-    return dequant_main(body, m, n, k, groups, "float16", bias, {"global_symbol": "main", "tirx.noalias": True})
+    return dequant_main(body, m, n, k, groups, "float16", bias, {"global_symbol": "main", "tirx.noalias": True},
+                        zeros)
 
 
-def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point):
-    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · dequant(Wq[n, k / 2])ᵀ + bias[n])."""
+def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point,
+                     zeros: bool = False):
+    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · dequant(Wq[n, k / 2], zeros)ᵀ + bias[n])."""
     from tvm.script import tirx as T
 
     warps, rows_pw, unroll = p["warps"], p["rows_per_warp"], p["unroll"]
@@ -141,16 +153,20 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
     chunks = k // CHUNK  # per weight row
     steps = math.ceil(chunks / 32)  # per lane
     groups = math.ceil(k / group)
-    dot, dot_source = _dot_source(dtype, m, half_products)
+    dot, dot_source = _dot_source(dtype, m, half_products, zeros)
     _, store1, epi_source = _epilogue_source(dtype, act)
     loop = T.unroll if unroll else T.serial
 
     def stored(acc, Bias, i, row):
         return acc[i] + T.Cast("float32", Bias[row]) if bias else acc[i]
 
+    def group_params(S, Z, row, chunk):  # the chunk's scale and, with zero points, its zero point
+        index = chunk * CHUNK // group
+        return [T.Cast("float32", S[row, index])] + ([T.Cast("float32", Z[row, index])] if zeros else [])
+
     # fmt: off
     @T.macro
-    def body(A, Wq, S, Bias, C):
+    def body(A, Wq, S, Z, Bias, C):
         T.device_entry()
         bx = T.cta_id([grid])
         tx = T.thread_id([threads])
@@ -166,7 +182,7 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
                     T.cuda.func_call(dot, *[acc[r * m + i] for i in range(m)],
                                      Wq.access_ptr("r", offset=row * (k // 2) + chunk * (CHUNK // 2)),
                                      A.access_ptr("r", offset=chunk * CHUNK), k * 2,
-                                     T.Cast("float32", S[row, chunk * CHUNK // group]), source_code=dot_source)
+                                     *group_params(S, Z, row, chunk), source_code=dot_source)
         for i in T.unroll(rows_pw * m):
             T.cuda.func_call(_WARP_SUM, acc[i], source_code=cuda_file("int4_gemv.cuh"))
         if lane == 0:
@@ -178,26 +194,29 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
                                          stored(acc, Bias, r * m + i, row), source_code=epi_source)
 
     # fmt: on
-    return dequant_main(body, m, n, k, groups, dtype, bias, {"global_symbol": "main", "tirx.noalias": True})
+    return dequant_main(body, m, n, k, groups, dtype, bias, {"global_symbol": "main", "tirx.noalias": True}, zeros)
 
 
-def dequant_main(body, m: int, n: int, k: int, groups: int, dtype: str, bias: bool, attrs: dict):
-    """The ``dequant_gemm`` workload's signature (A, Wq, scales[, bias], C) around a kernel's body macro."""
+def dequant_main(body, m: int, n: int, k: int, groups: int, dtype: str, bias: bool, attrs: dict,
+                 zeros: bool = False):
+    """The ``dequant_gemm`` workload's signature (A, Wq, scales[, zero points][, bias], C) around a kernel's
+    body macro."""
     from tvm.script import tirx as T
 
     # fmt: off
     @T.prim_func
     def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k // 2), "uint8", align=16),
-             S: T.Buffer((n, groups), dtype), Bias: T.Buffer((n,), dtype), C: T.Buffer((m, n), dtype, align=16)):
+             S: T.Buffer((n, groups), dtype), Z: T.Buffer((n, groups), "uint8"), Bias: T.Buffer((n,), dtype),
+             C: T.Buffer((m, n), dtype, align=16)):
         T.func_attr(attrs)
-        body(A, Wq, S, Bias if bias else None, C)
+        body(A, Wq, S, Z if zeros else None, Bias if bias else None, C)
     # fmt: on
-    if bias:
+    if bias and zeros:
         return main
-    # Without bias the body never names Bias: the same function less that parameter.
+    # The body never names the inputs it was given as None: the same function less those parameters.
     from tvm import tirx
 
-    params = [param for i, param in enumerate(main.params) if i != 3]
+    params = [param for i, param in enumerate(main.params) if (i != 3 or zeros) and (i != 4 or bias)]
     return tirx.PrimFunc(params, main.body, main.ret_type, main.attrs, main.span)
 
 
@@ -213,15 +232,14 @@ class Int4Template(HopperTemplate):
     @classmethod
     def suits_target(cls, target, hints) -> bool:
         hints = hints or {}
-        # The kernels' zero point is 8: a workload with zero points (zeros=1) falls back to the TensorIR spaces.
-        return (target.arch in HOPPER_ARCHS and hints.get("op") == "dequant_gemm" and hints.get("bits") == 4
-                and not hints.get("zeros"))
+        return target.arch in HOPPER_ARCHS and hints.get("op") == "dequant_gemm" and hints.get("bits") == 4
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
         self.m, self.n, self.k, self.dtype = self.taken(_shape(func), "C[m, n] = A[m, k] · dequant(Wq[n, k / 2])ᵀ")
         self.group = int(self.hints.get("group", 128))
         self.bias = bool(self.hints.get("bias", False))
+        self.zeros = bool(self.hints.get("zeros", False))  # a zero point per row and group in place of 8
         self.act = str(self.hints.get("act", "none"))
         self.sms = target.num_cores or 132
 
@@ -300,8 +318,8 @@ class Int4GemvSpace(Int4Template):
 
     def kernel(self, p: Point):
         if p.get("mma"):
-            return int4_mma_gemv_kernel(self.m, self.n, self.k, self.group, self.bias, self.act, p)
-        return int4_gemv_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act, p)
+            return int4_mma_gemv_kernel(self.m, self.n, self.k, self.group, self.bias, self.act, p, self.zeros)
+        return int4_gemv_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act, p, self.zeros)
 
     def point_features(self, p: Point) -> list[float]:
         """Knobs, the bytes each thread has in flight, and how the blocks fill the machine."""
@@ -319,13 +337,19 @@ class Int4GemvSpace(Int4Template):
 
 
 def _shape(func) -> tuple[int, int, int, str] | None:
-    """(m, n, k, dtype) of A[m, k], Wq[n, k / 2] (uint8), scale[n, groups], optional bias[n], C[m, n]."""
-    found = operand_shapes(func, (4, 5))
+    """(m, n, k, dtype) of A[m, k], Wq[n, k / 2] (uint8), scale[n, groups], optional zero points[n, groups]
+    (uint8), optional bias[n], C[m, n]."""
+    found = operand_shapes(func, (4, 5, 6))
     if found is None:
         return None
     (a, wq, _), ((m, k), (n, half_k), (m2, n2)) = found
     if str(wq.dtype) != "uint8" or half_k * 2 != k or m != m2 or n != n2:
         return None
-    if any(str(getattr(p, "dtype", "")) == "uint8" for p in list(func.params)[2:]):
-        return None  # zero points (a uint8 input after the scales): the templates' zero point is fixed at 8
+    scales, *rest = list(func.params)[2:-1]
+    if rest and str(getattr(rest[0], "dtype", "")) == "uint8":  # zero points, shaped as the scales
+        if [int(x) for x in rest[0].shape] != [int(x) for x in scales.shape]:
+            return None
+        rest = rest[1:]
+    if len(rest) > 1 or any(str(getattr(p, "dtype", "")) == "uint8" for p in rest):
+        return None
     return m, n, k, str(a.dtype)

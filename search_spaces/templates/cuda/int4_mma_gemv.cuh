@@ -16,11 +16,12 @@ __device__ __forceinline__ uint32_t autosched_q4_nibbles(uint32_t w, uint32_t ma
   return r;
 }
 // The whole block's work: C holds the sizes (M, N, K, GROUPS, GROUP), the warps W, the 16-row tiles R, the
-// slab's padded ROW_BYTES and BIAS; STORE1 applies the activation and stores one output.
+// slab's padded ROW_BYTES, BIAS and ZEROS (zero points [N, GROUPS] in place of 8); STORE1 applies the
+// activation and stores one output.
 template <class C, void (*STORE1)(__half*, float)>
 __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__ x, const uint8_t* __restrict__ wq,
-    const __half* __restrict__ scales, const __half* __restrict__ bias, __half* __restrict__ c, uint8_t* smem,
-    int bx, int tx) {
+    const __half* __restrict__ scales, const uint8_t* __restrict__ zeros, const __half* __restrict__ bias,
+    __half* __restrict__ c, uint8_t* smem, int bx, int tx) {
   constexpr int M = C::M, N = C::N, K = C::K, GROUPS = C::GROUPS, GROUP = C::GROUP, W = C::W, R = C::R;
   constexpr int K_BLOCK = AUTOSCHED_Q4_K_BLOCK;
   constexpr int BLOCKS = K / K_BLOCK, ROW_BYTES = C::ROW_BYTES, ROWS = 16 * R;
@@ -35,15 +36,19 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
                         wq + (size_t)(row0 + r) * (K / 2) + kb0 * (K_BLOCK / 2), (kb1 - kb0) * (K_BLOCK / 2), bar);
   const __half2 sixteenth = __float2half2_rn(0.0625f);
   const uint32_t lo_offset = 0xE408E408u, hi_offset = 0xE480E480u;  // half2 (-1032, -1032), (-1152, -1152)
+  const uint32_t ones = 0x3C003C00u, sixteens = 0x4C004C00u;  // half2 (1, 1), (16, 16)
   float acc[R][4];
   const __half* row_scales[R][2];
+  const uint8_t* row_zeros[R][2];
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     #pragma unroll
     for (int e = 0; e < 4; ++e) acc[r][e] = 0.f;
     #pragma unroll
-    for (int h = 0; h < 2; ++h)  // rows past N read row N - 1's scales and stale shared memory; never stored
+    for (int h = 0; h < 2; ++h) {  // rows past N read row N - 1's scales and stale shared memory; never stored
       row_scales[r][h] = scales + (size_t)min(row0 + 16 * r + g + 8 * h, N - 1) * GROUPS;
+      if (C::ZEROS) row_zeros[r][h] = zeros + (size_t)min(row0 + 16 * r + g + 8 * h, N - 1) * GROUPS;
+    }
   }
   autosched_mbarrier_wait(bar, 0);  // the barrier's first phase
   for (int kb = kb0; kb < kb1; ++kb) {
@@ -68,12 +73,25 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
     float offset[4] = {0.f, 0.f, 0.f, 0.f};
     #pragma unroll
     for (int j = 0; j < 8; ++j) autosched_mma_m16n8k16<half>(offset, lo_offset, lo_offset, hi_offset, hi_offset, b[j][0], b[j][1]);
+    // Zero points: sum (q - z) x = sum (q - 8) x + (8 - z) sum x, with the k-block's sum of x (one product with
+    // constant A, 16 for the high slots' x / 16) shared by every row; z is one per row in a k-block.
+    float x_sum[4] = {0.f, 0.f, 0.f, 0.f};
+    if (C::ZEROS) {
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) autosched_mma_m16n8k16<half>(x_sum, ones, ones, sixteens, sixteens, b[j][0], b[j][1]);
+    }
+    const int group_index = kb * K_BLOCK / GROUP;
     #pragma unroll
     for (int r = 0; r < R; ++r) {
       const uint8_t* tile = smem + (16 * r + g) * ROW_BYTES + kb * (K_BLOCK / 2) + 16 * t;
       const uint4 qg = *reinterpret_cast<const uint4*>(tile), q8 = *reinterpret_cast<const uint4*>(tile + 8 * ROW_BYTES);
       const uint32_t wg[4] = {qg.x, qg.y, qg.z, qg.w}, w8[4] = {q8.x, q8.y, q8.z, q8.w};
       float d[4] = {offset[0], offset[1], offset[2], offset[3]};
+      if (C::ZEROS) {  // C fragment: d[0], d[1] of row g, d[2], d[3] of row g + 8
+        const float shift0 = 8.f - row_zeros[r][0][group_index], shift1 = 8.f - row_zeros[r][1][group_index];
+        d[0] = fmaf(shift0, x_sum[0], d[0]); d[1] = fmaf(shift0, x_sum[1], d[1]);
+        d[2] = fmaf(shift1, x_sum[2], d[2]); d[3] = fmaf(shift1, x_sum[3], d[3]);
+      }
       #pragma unroll
       for (int w = 0; w < 4; ++w)
         #pragma unroll
@@ -83,7 +101,6 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
                 autosched_q4_nibbles(vg, 0x00F000F0u), autosched_q4_nibbles(v8, 0x00F000F0u), b[2 * w + h][0],
                 b[2 * w + h][1]);
         }
-      const int group_index = kb * K_BLOCK / GROUP;
       const float s0 = __half2float(row_scales[r][0][group_index]), s1 = __half2float(row_scales[r][1][group_index]);
       acc[r][0] += d[0] * s0; acc[r][1] += d[1] * s0; acc[r][2] += d[2] * s1; acc[r][3] += d[3] * s1;
     }
@@ -115,16 +132,29 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
     }
 }
 
+// The entry points take the workload's inputs in its order: x, wq, scales, [zeros], [bias], c.
 #define AUTOSCHED_Q4_MMA_GEMV(NAME, C, STORE1)                                                              \
   __device__ __forceinline__ void NAME(const __half* __restrict__ x, const uint8_t* __restrict__ wq,        \
       const __half* __restrict__ scales, __half* __restrict__ c, uint8_t* smem, int bx, int tx) {           \
-    autosched_q4_mma_gemv<C, STORE1>(x, wq, scales, nullptr, c, smem, bx, tx);                              \
+    autosched_q4_mma_gemv<C, STORE1>(x, wq, scales, nullptr, nullptr, c, smem, bx, tx);                     \
   }
 #define AUTOSCHED_Q4_MMA_GEMV_BIAS(NAME, C, STORE1)                                                         \
   __device__ __forceinline__ void NAME(const __half* __restrict__ x, const uint8_t* __restrict__ wq,        \
       const __half* __restrict__ scales, const __half* __restrict__ bias, __half* __restrict__ c,           \
       uint8_t* smem, int bx, int tx) {                                                                      \
-    autosched_q4_mma_gemv<C, STORE1>(x, wq, scales, bias, c, smem, bx, tx);                                 \
+    autosched_q4_mma_gemv<C, STORE1>(x, wq, scales, nullptr, bias, c, smem, bx, tx);                        \
+  }
+#define AUTOSCHED_Q4_MMA_GEMV_ZEROS(NAME, C, STORE1)                                                        \
+  __device__ __forceinline__ void NAME(const __half* __restrict__ x, const uint8_t* __restrict__ wq,        \
+      const __half* __restrict__ scales, const uint8_t* __restrict__ zeros, __half* __restrict__ c,         \
+      uint8_t* smem, int bx, int tx) {                                                                      \
+    autosched_q4_mma_gemv<C, STORE1>(x, wq, scales, zeros, nullptr, c, smem, bx, tx);                       \
+  }
+#define AUTOSCHED_Q4_MMA_GEMV_ZEROS_BIAS(NAME, C, STORE1)                                                   \
+  __device__ __forceinline__ void NAME(const __half* __restrict__ x, const uint8_t* __restrict__ wq,        \
+      const __half* __restrict__ scales, const uint8_t* __restrict__ zeros,                                 \
+      const __half* __restrict__ bias, __half* __restrict__ c, uint8_t* smem, int bx, int tx) {             \
+    autosched_q4_mma_gemv<C, STORE1>(x, wq, scales, zeros, bias, c, smem, bx, tx);                          \
   }
 
 #endif  // AUTOSCHED_INT4_MMA_GEMV_CUH
