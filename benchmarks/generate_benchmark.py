@@ -379,6 +379,9 @@ def main() -> int:
     parser.add_argument("--dynamic", action="store_true",
                         help="also time our decode step without its static function (no CUDA graphs)")
     parser.add_argument("--db", help="a tuning database whose records the build applies (tune-model --generate)")
+    parser.add_argument("--without-graphs", action="store_true",
+                        help="also time our decode step on the same build without CUDA graphs (each kernel launched "
+                        "by the VM): whether the graphs' joins around each attention call cost more than they save")
     parser.add_argument("--profile", action="store_true",
                         help="also the slowest kernels of a decode step and of the prefill (a build without CUDA "
                         "graphs, per batch)")
@@ -413,7 +416,7 @@ def main() -> int:
     shared = None if args.each_batch_alone else build_for(batches)
     make_dynamic = build_ours(model, batches, max_seq_len, static=False, db_path=args.db)[0] if args.dynamic else None
     make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False,
-                               prefill_chunks=chunks)[0] if args.profile else None
+                               prefill_chunks=chunks)[0] if args.profile or args.without_graphs else None
     if shared is not None:
         print(f"built in {shared[1]:.1f} s", flush=True)
     for batch in batches:
@@ -433,7 +436,9 @@ def main() -> int:
             row["trace"] = trace_steps(make, prompts)
             row["trace"]["host"] = host_split(make, prompts)
             print(json.dumps(row["trace"], indent=1), flush=True)
-        if make_profiled is not None:
+        if args.without_graphs:
+            row["ours_without_graphs_ms_per_step"] = ours(make_profiled, prompts, args.new)[1]
+        if args.profile:
             row["profile"] = profile_steps(make_profiled, prompts, "decode")
             row["prefill_profile"] = profile_steps(make_profiled, prompts, "prefill")
             print(json.dumps({k: row[k] for k in ("profile", "prefill_profile")}, indent=1), flush=True)
