@@ -12,8 +12,10 @@ For each batch size:
 - ``plain_ms_per_step`` and, speculating with each draft, ms per step, tokens per sequence per step, the
   acceptance rate and the speedup in tokens per second: ``replay`` (the plain run's own greedy tokens,
   proposed at no cost: every proposal kept, the ceiling of the mechanism), ``never`` (those tokens shifted
-  by one: every proposal rejected, what verifying costs when a draft never agrees), ``draft`` (the cut model)
-  and ``self`` (the target as its own draft: every proposal kept, with a draft as costly as the model).
+  by one: every proposal rejected: the generator soon decodes plainly, probing the draft now and then;
+  ``never_always`` speculates at every step all the same, what verifying costs when a draft never agrees),
+  ``draft`` (the cut model) and ``self`` (the target as its own draft: every proposal kept, with a draft as
+  costly as the model, which does not pay: the generator decodes plainly).
   Random weights make a real draft's acceptance meaningless; the costs are what this measures. Greedy tokens
   are checked against the plain run's for every prompt.
 
@@ -131,13 +133,14 @@ def call_ms(model, batch: int, k: int, prompt: int, repeats: int = 20) -> tuple[
     return decode, verify
 
 
-def run(make_target, draft, prompts, new: int, k: int) -> tuple[dict, list]:
-    """(timing, tokens) of greedy generation, speculating with ``draft`` (None: plain)."""
+def run(make_target, draft, prompts, new: int, k: int, adaptive: bool = True) -> tuple[dict, list]:
+    """(timing, tokens) of greedy generation, speculating with ``draft`` (None: plain); ``adaptive=False``:
+    every step speculates, whether it pays or not."""
     from autosched.generation.generator import Generator
 
     gen = Generator.from_model(make_target())
     if draft is not None:
-        gen.speculate(draft, k)
+        gen.speculate(draft, k, adaptive)
     gen.generate(prompts, 4)  # warm up: kernels loaded, CUDA graphs captured
     gen.reset_timing()
     results = gen.generate(prompts, new, stop_tokens=[])
@@ -182,9 +185,10 @@ def main() -> int:
         plain, tokens = run(make_target, None, prompts, args.new, k)
         row["plain_ms_per_step"] = plain["ms_per_step"]
         replay, never = replay_drafts({tuple(p): t for p, t in zip(prompts, tokens)}, model.config.vocab_size)
-        drafts = (("replay", replay), ("never", never), ("draft", make_draft()), ("self", make_target()))
-        for name, draft in drafts:
-            timing, theirs = run(make_target, draft, prompts, args.new, k)
+        drafts = (("replay", replay, True), ("never", never, True), ("never_always", never, False),
+                  ("draft", make_draft(), True), ("self", make_target(), True))
+        for name, draft, adaptive in drafts:
+            timing, theirs = run(make_target, draft, prompts, args.new, k, adaptive)
             row[f"{name}_ms_per_step"] = timing["ms_per_step"]
             row[f"{name}_tokens_per_step"] = timing["tokens_per_step"]
             row[f"{name}_acceptance"] = timing["acceptance_rate"]

@@ -105,6 +105,48 @@ def test_the_timing_says_what_speculation_did():
     assert stats.counts["static_decode_steps"] == 1
 
 
+def test_speculation_stops_while_the_draft_is_rejected_and_resumes_when_it_agrees():
+    """The policy of an adaptive speculator (decisions from proposals and acceptances alone): the first step
+    speculates; while the expected tokens of a step (1 + a + ... + a^k at the recent acceptance a) are not
+    more than its cost, plain steps run, every 16th speculating again; kept proposals bring it back."""
+    from autosched.generation.speculative import PROBE_EVERY, Adaptation, expected_tokens
+
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1 and expected_tokens(0.5, 2) == 1.75
+    policy = Adaptation(k=4, cost=1.2)
+    assert policy.speculate_now()
+    policy.observe([(4, 0), (4, 0)])  # both rejected at once: acceptance 0, a step makes 1 token for 1.2
+    decisions = []
+    for _ in range(2 * (PROBE_EVERY + 1) + 1):
+        decisions.append(policy.speculate_now())
+        if decisions[-1]:
+            policy.observe([(4, 0)])
+        else:
+            policy.observe_plain()
+    assert decisions == ([False] * PROBE_EVERY + [True]) * 2 + [False]
+    policy.plain_run = PROBE_EVERY
+    assert policy.speculate_now()
+    policy.observe([(4, 4), (4, 4)])  # the draft agrees again: every proposal kept
+    assert policy.acceptance > 0.5 and policy.speculate_now()
+    cheap = Adaptation(k=4, cost=1.0)  # a step that costs no more than a plain one pays at any acceptance
+    cheap.observe([(4, 1)])
+    assert cheap.speculate_now()
+
+
+def test_a_model_drafts_steps_count_in_the_cost_of_a_speculative_step():
+    from autosched.generation.speculative import VERIFY_COST, ModelDraft, PromptLookupDraft, speculation_cost
+
+    class Weights:  # a model's parameters as speculation_cost reads them
+        def __init__(self, *shapes):
+            import numpy as np
+            import tvm
+
+            self.params = [tvm.runtime.tensor(np.zeros(s, "float16")) for s in shapes]
+
+    target, draft = Weights((64, 64), (64, 192)), Weights((64, 32))  # 16384 and 2048 weights
+    assert speculation_cost(target, PromptLookupDraft(), 4) == VERIFY_COST
+    assert speculation_cost(target, ModelDraft(draft), 4) == pytest.approx(VERIFY_COST + 4 * 2048 / 16384)
+
+
 def test_a_build_refuses_speculation_it_cannot_serve_in_one_line():
     from dataclasses import replace
 
@@ -170,7 +212,7 @@ def test_greedy_speculative_decoding_gives_the_plain_greedy_tokens(artifacts, k)
     assert [r.tokens for r in plain.generate(PROMPTS, NEW)] == reference
     assert plain.speculation is None
     for kind in (draft, "prompt-lookup"):
-        gen = Generator(target, draft=kind, speculate=k)
+        gen = Generator(target, draft=kind, speculate=k, adaptive=False)  # every step speculates
         assert [r.tokens for r in gen.generate(PROMPTS, NEW)] == reference, (kind, k)
         spec = gen.speculation
         assert 0 < spec["accepted_tokens"] < spec["proposed_tokens"], (kind, spec)
@@ -222,6 +264,42 @@ def test_speculation_stops_where_plain_decoding_does(artifacts):
 
 
 @pytest.mark.slow
+def test_an_adaptive_speculator_decodes_plainly_while_its_draft_is_rejected(artifacts):
+    """A draft that proposes what the model does not choose: after its first rejections most steps are plain
+    decode steps (a speculative one every 16th), the tokens the plain greedy ones; a draft that replays the
+    model's own tokens at no cost (every proposal kept) speculates at every step, and the model as its own
+    draft does not pay (its three steps and the verify step cost more than the four tokens they make)."""
+    from autosched.generation import Generator
+
+    model, target, _ = artifacts
+    reference = [transformers_greedy(model, p, NEW) for p in PROMPTS]
+
+    class Contrary(PromptLookupDraft):
+        def lookup(self, context, k):
+            return [0] * k if k > 0 else []
+
+    gen = Generator(target, draft=Contrary(), speculate=3)
+    assert [r.tokens for r in gen.generate(PROMPTS, NEW)] == reference
+    spec = gen.speculation
+    assert spec["plain_steps"] > 4 * spec["speculative_steps"] > 0, spec
+
+    class Replay(PromptLookupDraft):
+        def lookup(self, context, k):
+            for prompt, tokens in zip(PROMPTS, reference):
+                full = prompt + tokens
+                if full[:len(context)] == context:
+                    return full[len(context):len(context) + k]
+            return []
+
+    replay = Generator(target, draft=Replay(), speculate=3)
+    assert [r.tokens for r in replay.generate(PROMPTS, NEW)] == reference
+    assert replay.speculation["plain_steps"] == 0 and replay.speculation["tokens_per_step"] > 3
+    itself = Generator(target, draft=target, speculate=3)
+    assert [r.tokens for r in itself.generate(PROMPTS, NEW)] == reference
+    assert itself.speculation["plain_steps"] > 4 * itself.speculation["speculative_steps"]
+
+
+@pytest.mark.slow
 def test_sampled_speculative_decoding_runs_and_is_reproducible_with_a_seed(artifacts):
     from autosched.generation import Generator
 
@@ -257,11 +335,15 @@ def test_the_command_line_speculates_and_refuses_bad_options_in_one_line(artifac
     assert data["completions"][0]["tokens"] == transformers_greedy(model, [5, 7, 9], 8)
     assert data["timing"]["proposed_tokens"] > 0 and "tokens_per_step" in data["timing"]
     text = cli("generate", str(target), "--prompt-ids", "1,2,1,2", "--speculate", "2", "--prompt-lookup")
-    assert "proposed tokens accepted" in text.stderr
+    assert "proposed tokens accepted" in text.stderr and "steps plain" in text.stderr
+    always = json.loads(cli("generate", str(target), "--prompt-ids", "1,2,1,2", "--max-new-tokens", "8", "--speculate",
+                            "2", "--prompt-lookup", "--always-speculate", "--format", "json").stdout)
+    assert always["timing"]["plain_steps"] == 0 and always["timing"]["speculative_steps"] > 0
     for args, says in (
         (["--speculate", "0", "--prompt-lookup"], "--speculate must be at least 1"),
         (["--speculate", "2"], "--speculate needs a draft"),
         (["--prompt-lookup"], "--prompt-lookup needs --speculate K"),
+        (["--always-speculate"], "--always-speculate needs --speculate K"),
         (["--speculate", "2", "--prompt-lookup", "--draft", str(draft)], "two kinds of draft"),
         (["--speculate", "2", "--draft", str(tmp_path)], "manifest"),
     ):

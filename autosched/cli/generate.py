@@ -190,6 +190,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--prompt-lookup", action="store_true",
                    help="with --speculate: propose what followed the latest earlier occurrence of the last tokens "
                         "(no second model)")
+    p.add_argument("--always-speculate", action="store_true",
+                   help="with --speculate: speculate at every step (default: decode plainly while the draft's "
+                        "recent proposals are mostly rejected, trying it again every 16 steps)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output (default text)")
     p.set_defaults(fn=cmd_generate)
 
@@ -221,6 +224,8 @@ def _draft(args):
     if args.draft and args.prompt_lookup:
         raise UsageError("--draft and --prompt-lookup are two kinds of draft: give one of them")
     if args.speculate is None:
+        if args.always_speculate:
+            raise UsageError("--always-speculate needs --speculate K and a draft (--draft DRAFT_DIR or --prompt-lookup)")
         if args.draft or args.prompt_lookup:
             raise UsageError(f"{'--draft' if args.draft else '--prompt-lookup'} needs --speculate K: the number of "
                              "tokens the draft proposes a step (e.g. --speculate 4)")
@@ -255,7 +260,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
     draft = _draft(args)
-    gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1)
+    gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1, adaptive=not args.always_speculate)
     results = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop_tokens=stop)
     timing = gen.timing()
@@ -279,7 +284,8 @@ def cmd_generate(args) -> int:
         speculation = ""
         if "proposed_tokens" in timing:
             speculation = (f"; speculating: {timing['accepted_tokens']} of {timing['proposed_tokens']} proposed tokens "
-                           f"accepted, {timing['tokens_per_step']:.2f} tokens per sequence per step")
+                           f"accepted, {timing['tokens_per_step']:.2f} tokens per sequence per step, "
+                           f"{timing['plain_steps']} of {timing['decode_steps']} steps plain (the draft did not pay)")
         print(f"prefill {timing['prefill_ms']:.2f} ms ({timing['prefill_tokens']} tokens), {timing['ms_per_step']:.3f} ms "
               f"per decode step over {timing['decode_steps']} steps, {timing['tokens_per_s']:.1f} tokens/s{speculation}",
               file=sys.stderr)

@@ -34,18 +34,21 @@ class Generator:
     ``draft``: decode speculatively (:mod:`.speculative`), the same tokens (greedy) or the same distribution
     (sampled) in fewer target steps: ``"prompt-lookup"`` (proposals copied from earlier in the sequence) or
     the folder of another generation artifact with the same vocabulary (a smaller model); ``speculate``:
-    tokens proposed per step.
+    tokens proposed per step; ``adaptive``: plain steps where speculating does not pay (the draft's recent
+    proposals mostly rejected).
     """
 
     def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, *, draft=None, speculate: int = 4):
+                 clock: Callable[[], float] = time.perf_counter, *, draft=None, speculate: int = 4,
+                 adaptive: bool = True):
         self._start(LoadedModel.load(artifact_dir, kv_pages), clock)
         if draft is not None:
-            self.speculate(draft, speculate)
+            self.speculate(draft, speculate, adaptive)
 
-    def speculate(self, draft, k: int = 4) -> None:
+    def speculate(self, draft, k: int = 4, adaptive: bool = True) -> None:
         """Decode speculatively from now on with ``draft`` (as the constructor's) proposing ``k`` tokens a step;
-        ``draft=None`` stops."""
+        ``draft=None`` stops. ``adaptive``: a step speculates only while the draft's recent acceptance makes it
+        pay (:class:`~.speculative.Adaptation`); False: every step does."""
         from .speculative import Speculator, check_speculation, make_draft
 
         if self._speculator is not None:
@@ -55,7 +58,8 @@ class Generator:
         if draft is None:
             return
         check_speculation(k, self.model)
-        self._speculator = Speculator(self.model, make_draft(draft, self.model), k, self.limits, self._stats)
+        self._speculator = Speculator(self.model, make_draft(draft, self.model), k, self.limits, self._stats,
+                                      adaptive)
 
     @classmethod
     def in_memory(cls, executable, params: list, manifest: dict, device, kv_pages: int | None = None) -> Generator:
@@ -214,10 +218,12 @@ class Generator:
             parts, chunk = scheduler.next_prefill(waiting, self.limits)
             made += self._forward(parts, prefill=True, chunk=chunk)
             waiting = [s for s in waiting if not s.prefilled and not s.completion.finished]
-        if decoding and self._speculator is not None:
+        if decoding and self._speculator is not None and self._speculator.wants_step():
             made += self._speculator.step(decoding)
         elif decoding:
             made += self._forward([(s, 1) for s in decoding], prefill=False)
+            if self._speculator is not None:
+                self._speculator.plain_step(len(decoding))
         for seq in seqs:
             if seq.completion.finished and seq.max_new_tokens > 0:
                 self.model.remove(seq.seq_id)

@@ -118,7 +118,8 @@ class StepStats:
                        "static_decode_steps": 0, "padded_decode_steps": 0, "static_prefill_calls": 0,
                        "decode_tokens": 0, "decode_s": 0.0, "device_greedy_calls": 0,
                        "device_sample_calls": 0, "host_sample_calls": 0, "speculative_steps": 0,
-                       "speculative_rows": 0, "proposed_tokens": 0, "accepted_tokens": 0}
+                       "speculative_rows": 0, "proposed_tokens": 0, "accepted_tokens": 0, "plain_steps": 0,
+                       "plain_rows": 0}
 
     def record(self, prefill: bool, began: float, tokens: int, function: str, padded: bool = False) -> None:
         """A call that began at ``began`` (this clock) and fed ``tokens`` tokens (prefill) or rows (decode)."""
@@ -149,8 +150,9 @@ class StepStats:
 
 
 def speculation_counts(c: dict) -> dict:
-    """What speculation did: tokens proposed and accepted, and the tokens a sequence made per target step
-    (one without speculation)."""
+    """What speculation did: tokens proposed and accepted, the tokens a sequence made per target step (one
+    without speculation), and the decode steps that did not speculate because it did not pay."""
     return {"proposed_tokens": c["proposed_tokens"], "accepted_tokens": c["accepted_tokens"],
             "acceptance_rate": c["accepted_tokens"] / c["proposed_tokens"] if c["proposed_tokens"] else 0.0,
-            "tokens_per_step": c["decode_tokens"] / max(c["speculative_rows"], 1)}
+            "tokens_per_step": c["decode_tokens"] / max(c["speculative_rows"] + c["plain_rows"], 1),
+            "speculative_steps": c["speculative_steps"], "plain_steps": c["plain_steps"]}

@@ -8,6 +8,11 @@ first disagreement is replaced by that choice; sampled, a proposal ``x`` is kept
 all are kept, a bonus token is drawn from ``p`` (Leviathan et al. 2023; Chen et al. 2023). ``p`` and ``q``
 are the target's and the draft's distributions after the request's temperature, top-k and top-p.
 
+A step speculates only while it pays (:class:`Adaptation`): the proposals' recent acceptance gives the
+tokens a speculative step is expected to make, against its cost in plain decode steps (the verify step and
+a model draft's own steps, by weight bytes); where a draft stops agreeing, plain steps follow, with a
+speculative one now and then to notice when it agrees again.
+
 Drafts: :class:`PromptLookupDraft` (the continuation of the latest earlier occurrence of the sequence's last
 n tokens: no second model, ``q`` one-hot) and :class:`ModelDraft` (another generation artifact of the same
 vocabulary, with its own KV cache, rolled back to what the target kept).
@@ -282,14 +287,91 @@ def check_speculation(speculate: int, target) -> None:
         )
 
 
+# While speculation does not pay: plain decode steps between two speculative ones (probes of the draft).
+PROBE_EVERY = 16
+# A verify step's cost in plain decode steps: it reads the same weights as a decode step, and its few more
+# tokens add attention and tensor-core work.
+VERIFY_COST = 1.2
+# How much of the acceptance seen so far a new speculative step keeps (the rest is the new step's).
+DECAY = 0.7
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """The tokens a sequence makes in a speculative step of ``k`` proposals, each kept with probability
+    ``acceptance`` until the first rejection, the target's own token included: 1 + a + ... + a^k."""
+    return float(k + 1) if acceptance >= 1.0 else (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class Adaptation:
+    """Whether the next decode step speculates: while the tokens a speculative step is expected to make
+    (:func:`expected_tokens` at the recent acceptance) are more than its ``cost`` in plain decode steps, it
+    does; otherwise plain steps run, every ``probe_every``-th speculating again to measure the draft anew.
+    Acceptance starts at 1 (a draft is trusted until it is rejected) and follows the recent steps (:data:`DECAY`). The
+    decisions read proposals and acceptances only, never the clock: a seeded sampled run repeats exactly."""
+
+    def __init__(self, k: int, cost: float = VERIFY_COST, probe_every: int = PROBE_EVERY, decay: float = DECAY):
+        self.k, self.cost, self.probe_every, self.decay = k, cost, probe_every, decay
+        self.kept = self.tried = 0.0  # proposals kept, and proposals judged (up to the first rejection), decayed
+        self.plain_run = 0  # plain steps since the last speculative one
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / self.tried if self.tried else 1.0
+
+    def pays(self) -> bool:
+        return expected_tokens(self.acceptance, self.k) > self.cost
+
+    def speculate_now(self) -> bool:
+        return self.pays() or self.plain_run >= self.probe_every
+
+    def observe_plain(self) -> None:
+        self.plain_run += 1
+
+    def observe(self, outcomes: list[tuple[int, int]]) -> None:
+        """A speculative step's (proposed, accepted) per sequence."""
+        self.plain_run = 0
+        self.kept *= self.decay
+        self.tried *= self.decay
+        for proposed, accepted in outcomes:
+            self.kept += accepted
+            self.tried += accepted + (accepted < proposed)  # the judged ones: every kept one and a rejected one
+
+
+def speculation_cost(target, draft, k: int) -> float:
+    """A speculative step's cost in the target's plain decode steps: the verify step, and for a model draft its
+    k decode steps, each costing its weights' bytes over the target's (decode reads every weight once)."""
+    if not isinstance(draft, ModelDraft):
+        return VERIFY_COST
+    return VERIFY_COST + k * _weight_bytes(draft.model) / max(_weight_bytes(target), 1)
+
+
+def _weight_bytes(model) -> int:
+    import math
+
+    return sum(math.prod(int(d) for d in p.shape) * p.dtype.itemsize for p in model.params)
+
+
 class Speculator:
     """The decode step of a generator that speculates: each decoding sequence gets up to ``k`` proposals from
     ``draft``, the target verifies every sequence's last token and proposals in one call (``batch_prefill``
     with the logits of every position), and each sequence keeps what the acceptance rule keeps; the rest
     leaves the target's cache (``kv_state_popn``). Sequences accept different numbers of tokens."""
 
-    def __init__(self, model, draft, k: int, limits: scheduler.Limits, stats: scheduler.StepStats):
+    def __init__(self, model, draft, k: int, limits: scheduler.Limits, stats: scheduler.StepStats,
+                 adaptive: bool = True):
         self.model, self.draft, self.k, self.limits, self.stats = model, draft, k, limits, stats
+        self.adaptation = Adaptation(k, speculation_cost(model, draft, k)) if adaptive else None
+
+    def wants_step(self) -> bool:
+        """Whether the next decode step speculates (always, unless adaptive and it does not pay now)."""
+        return self.adaptation is None or self.adaptation.speculate_now()
+
+    def plain_step(self, rows: int) -> None:
+        """A plain decode step of ``rows`` sequences ran instead of a speculative one."""
+        self.stats.counts["plain_steps"] += 1
+        self.stats.counts["plain_rows"] += rows
+        if self.adaptation is not None:
+            self.adaptation.observe_plain()
 
     def forget(self, seq_id: int) -> None:
         self.draft.forget(seq_id)
@@ -347,7 +429,7 @@ class Speculator:
         else:
             counts["host_sample_calls"] += 1
             host = logits.numpy().reshape(len(ids), -1)
-        made = []
+        made, outcomes = [], []
         for seq, start, length in zip(seqs, starts, lengths):
             proposal = proposal_of[seq.seq_id]
             if seq.sampling.greedy:
@@ -363,6 +445,7 @@ class Speculator:
             full = seq.length >= self.limits.max_seq_len  # no room to feed a last token: a plain step makes none
             counts["proposed_tokens"] += len(proposal.tokens)
             counts["accepted_tokens"] += accepted
+            outcomes.append((len(proposal.tokens), accepted))
             for token in tokens[:-1] if full else tokens:
                 seq.accept(token)
                 made.append((seq.seq_id, token))
@@ -372,5 +455,7 @@ class Speculator:
                 seq.completion.finish_reason = "max_seq_len"
         counts["speculative_steps"] += 1
         counts["speculative_rows"] += len(seqs)
+        if self.adaptation is not None:
+            self.adaptation.observe(outcomes)
         self.stats.record(False, began, len(made), function)
         return made
