@@ -37,6 +37,12 @@ CASES = {
     "prefill512-up": ("gemm", "m=512,n=11008,k=4096", "float16", "", "compute"),
     "prefill512-down": ("gemm", "m=512,n=4096,k=11008", "float16", "", "compute"),
     "gemm-awkward": ("gemm", "m=1000,n=4000,k=3000", "float16", "", "compute"),
+    # FP8 (fp8_gemm: E4M3 activations and weights, per-token and per-channel scales) at the fp16 cases' shapes, and a
+    # batch of 16 prompts of 512 tokens; FP8_TWINS pairs each with its fp16 case for the ratio under the table.
+    "prefill512-o-fp8": ("fp8_gemm", "m=512,n=4096,k=4096", "float16", "", "compute"),
+    "prefill512-up-fp8": ("fp8_gemm", "m=512,n=11008,k=4096", "float16", "", "compute"),
+    "prefill16x512-up": ("gemm", "m=8192,n=11008,k=4096", "float16", "", "compute"),
+    "prefill16x512-up-fp8": ("fp8_gemm", "m=8192,n=11008,k=4096", "float16", "", "compute"),
     "batch16-gemm-fp16": ("gemm", "m=16,n=4096,k=4096", "float16", "", "memory"),
     "gemv-4096": ("gemm", "m=1,n=4096,k=4096", "float16", "", "memory"),
     "gemv-11008": ("gemm", "m=1,n=11008,k=4096", "float16", "", "memory"),
@@ -55,6 +61,8 @@ CASES = {
     "paged-decode-gqa4-llama3": ("paged_decode_attention", "b=16,h=32,hkv=8,d=128,ctx=4096,page=16", "float16", "",
                                  "memory"),
 }
+FP8_TWINS = {"prefill512-o-fp8": "prefill512-o", "prefill512-up-fp8": "prefill512-up",
+             "prefill16x512-up-fp8": "prefill16x512-up"}
 
 
 def torch_fn(op: str, wl, ins):
@@ -65,6 +73,12 @@ def torch_fn(op: str, wl, ins):
         return lambda: F.linear(ins[0], ins[1], bias)
     if op == "batch_matmul":
         return lambda: torch.bmm(ins[0], ins[1])
+    if op == "fp8_gemm":  # cuBLAS's FP8 GEMM with row-wise scales (torch may take only bf16 output for those)
+        a8, w8 = ins[0].view(torch.float8_e4m3fn), ins[1].view(torch.float8_e4m3fn)
+        bias = ins[4] if a.get("bias") else None
+        out_dtype = getattr(torch, wl.dtype)
+        return lambda: torch._scaled_mm(a8, w8.t(), scale_a=ins[2].view(-1, 1), scale_b=ins[3].view(1, -1), bias=bias,
+                                        out_dtype=out_dtype)
     if op == "dequant_gemm":
         from autosched.workloads import get_operator
 
@@ -450,6 +464,11 @@ def markdown(machine, rows) -> str:
                      f"{r.get('trials', '-')} | {r.get('tuning_s', 0):.0f} | {'-' if to90 is None else f'{to90:.0f}'} |")
     lines += ["", "Ratios are speed-ups of autosched (above 1: autosched faster). Memory-bound rates count each "
               "input read once and each output written once."]
+    by_case = {r["case"]: r for r in rows}
+    for fp8, fp16 in FP8_TWINS.items():
+        a, b = by_case.get(fp8, {}).get("autosched_s"), by_case.get(fp16, {}).get("autosched_s")
+        if a and b:
+            lines.append(f"FP8 `{fp8}`: {b / a:.2f}x the speed of our fp16 `{fp16}` ({us(a)} vs {us(b)}).")
     return "\n".join(lines) + "\n"
 
 

@@ -747,6 +747,10 @@ class HopperFp8GemmSpace(HopperGemmSpace):
                 return point
         return base
 
+    def point_features(self, p: Point) -> list[float]:
+        """hopper_gemm's, and whether the stages' sums are promoted (a wait per stage, CUDA-core adds)."""
+        return super().point_features(p) + [float(p.get("promote", False))]
+
 
 def wave_efficiency(tiles: int, sms: int) -> float:
     """The share of the multiprocessors' rounds that do work: tiles over whole waves of ``sms`` tiles."""
