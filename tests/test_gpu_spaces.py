@@ -330,6 +330,21 @@ def test_fp8_kernels_take_the_workloads_parameters_and_fp16_keeps_its_space(sm90
     assert {k.name for k in space.knobs} == {k.name for k in gemm.knobs} | {"promote"}
 
 
+def test_the_fp8_default_promotes_its_sums_in_tiles_that_fill_the_waves(sm90):
+    """hopper_fp8_gemm's default promotes (fp32 sums per stage) in hopper_gemm's tiles where the partial sums fit
+    beside them, else in the widest narrower tiles (from 64 columns) whose waves are within 5% of the fullest: a
+    512-token chunk of a 4096-wide layer in 128 tiles of 128x128 (97% of 132 multiprocessors), not 88 of 128x192;
+    16 prompts of 512 tokens in 128x192 tiles; a decode step swapped, split across a cluster, promoted."""
+    def default(shape):
+        return Task.from_workload(make_workload("fp8_gemm", shape, "float16")).space(sm90).default()
+
+    assert {k: default("m=512,n=4096,k=4096")[k] for k in ("consumers", "wg_rows", "block_n", "promote")} == {
+        "consumers": 2, "wg_rows": 64, "block_n": 128, "promote": True}
+    assert default("m=8192,n=11008,k=4096")["block_n"] == 192 and default("m=8192,n=11008,k=4096")["promote"]
+    decode = default("m=16,n=4096,k=4096")
+    assert decode["swap_ab"] and decode["block_n"] == 16 and decode["split_k"] == 2 and decode["promote"]
+
+
 @needs_nvcc
 def test_fp8_gemm_points_compile_for_sm90a_without_spills(sm90):
     """hopper_fp8_gemm's kernels: wgmma m64nNk32.f32.e4m3.e4m3, four per 128-code stage row, with promotion (each
