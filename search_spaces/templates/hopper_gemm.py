@@ -33,7 +33,12 @@ kernels, DeepGEMM, FlashAttention-3):
 * for the same few rows, swapped operands (``swap_ab``): Cᵀ = B · Aᵀ puts the weights on wgmma's
   64-row side and the tokens on its N side (from 16), so a decode step's 16 tokens are not padded to 64
   rows in every stage; the stages shrink and the ring can be deeper. Its epilogue stores transposed,
-  one element at a time.
+  one element at a time;
+* float8 E4M3 operands (``fp8``, the ``fp8_gemm`` workload, space ``hopper_fp8_gemm``): the same stages of
+  128-byte rows, now of 128 codes (TMA boxes of uint8), ``wgmma m64nNk32.f32.e4m3.e4m3`` four times per row,
+  the epilogue multiplying by the row's (token's) and the column's (output channel's) float32 scales; with
+  ``promote`` each stage's products go to fresh accumulators that are added to the tile's in fp32 on the CUDA
+  cores, as cuBLAS and CUTLASS do by default (the tensor cores' fp8 accumulation keeps about 14 bits).
 
 Operands are C[m, n] = A[m, k] · B[n, k]ᵀ (the ``gemm`` workload: torch.nn.Linear's layout, both
 operands K-major, which wgmma reads without transposition). Shapes no tile divides need no padding:
