@@ -350,12 +350,17 @@ def test_fp8_gemm_points_compile_for_sm90a_without_spills(sm90):
     """hopper_fp8_gemm's kernels: wgmma m64nNk32.f32.e4m3.e4m3, four per 128-code stage row, with promotion (each
     stage's sums into fresh accumulators, the first wgmma with scale-d false, then added in fp32) and without,
     cooperative, ping-pong, multicast and swapped with split-K: each compiles for sm_90a without spills.
-    Promotion is refused where the partial sums would not fit beside the tile's."""
-    space = Task.from_workload(make_workload("fp8_gemm", "m=2000,n=2056,k=4096", "float16", "bias=1")).space(sm90)
+    Promotion is refused where the partial sums would not fit beside the tile's, and its absence where the tensor
+    cores' own accumulation over a long K would exceed an fp16 output's tolerance (not bf16's)."""
+    space = Task.from_workload(make_workload("fp8_gemm", "m=2000,n=2056,k=4096", "bfloat16", "bias=1")).space(sm90)
     default = space.default()
     assert default["promote"] and space.validate(default) is None
     assert "promote" in space.validate({**default, "block_n": 256, "promote": True})
     assert space.validate({**default, "block_n": 256, "promote": False}) is None
+    fp16 = Task.from_workload(make_workload("fp8_gemm", "m=2000,n=2056,k=4096", "float16", "bias=1")).space(sm90)
+    assert "tolerance" in fp16.validate({**default, "promote": False})
+    short = Task.from_workload(make_workload("fp8_gemm", "m=2000,n=2056,k=1024", "float16", "bias=1")).space(sm90)
+    assert short.validate({**default, "promote": False}) is None
     base = {**default, "group_m": 4}
     points = [{**base, "block_n": 192, "persistent": True, "pingpong": True},
               {**base, "block_n": 256, "promote": False, "multicast": "b", "persistent": True},

@@ -699,8 +699,9 @@ class HopperFp8GemmSpace(HopperGemmSpace):
     ``promote``: the tensor cores accumulate fp8 products in about 14 bits (DeepSeek-V3's measurement: up to 2%
     relative error at K = 4096), so each stage's four wgmma go to fresh accumulators (the first with scale-d
     false) that the consumer adds to the tile's fp32 sums once they are complete (wait_group 0): cuBLAS's and
-    CUTLASS's default for fp8 (CUTLASS's "FastAccum" kernels skip it, as ``promote`` False does). It costs a
-    second set of accumulator registers and the overlap of one stage's wgmma with the next one's issue."""
+    CUTLASS's default for fp8 (CUTLASS's "FastAccum" kernels skip it, as ``promote`` False does; that is refused
+    for an fp16 output past ``FAST_ACCUM_MAX_K``). It costs a second set of accumulator registers and the overlap
+    of one stage's wgmma with the next one's issue."""
 
     name = "hopper_fp8_gemm"
     version = 1
@@ -725,6 +726,11 @@ class HopperFp8GemmSpace(HopperGemmSpace):
         return dtype in PTX_TYPE and m >= cls.MIN_M and k % 16 == 0
 
     MAX_PROMOTED_ACC = 96  # accumulator registers per thread with promotion (twice as many in all)
+    # The longest K whose sums the tensor cores may accumulate alone (promote False) into an fp16 output: their
+    # truncated ~14-bit accumulation loses about 2^-14 of the sum per wgmma, some 5e-3 relative over 128 of them
+    # (K = 4096), past fp16's tolerance (4e-3) and within bf16's (3e-2). An estimate, not yet measured: the GPU
+    # benchmark's --hand-points fp8 reports each point's error.
+    FAST_ACCUM_MAX_K = {"float16": 1024}
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
@@ -738,6 +744,11 @@ class HopperFp8GemmSpace(HopperGemmSpace):
         if p.get("promote", False) and acc > self.MAX_PROMOTED_ACC:
             return (f"{acc} accumulator registers per thread and as many partial sums (promote: at most "
                     f"{self.MAX_PROMOTED_ACC} each)")
+        longest = self.FAST_ACCUM_MAX_K.get(self.dtype)
+        # (hopper_gemm's default() weighs tiles without the knob: their promotion is chosen after)
+        if p.get("promote", True) is False and longest is not None and self.k > longest:
+            return (f"k={self.k} summed by the tensor cores alone (about 14 bits) exceeds {self.dtype}'s tolerance "
+                    f"past k={longest}: promote")
         return super().check(p)
 
     def default(self) -> Point:
@@ -752,7 +763,7 @@ class HopperFp8GemmSpace(HopperGemmSpace):
         candidates = [p for p in candidates if self.check(p) is None]
         if not candidates:
             point = self.canonical({**base, "promote": False})
-            return point if self.check(point) is None else base
+            return point if self.check(point) is None else super(HopperGemmSpace, self).default()
 
         def fill(p: Point) -> float:
             units_m, units_n = self.unit_tiles(p)
