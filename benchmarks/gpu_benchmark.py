@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/gpu_benchmark.py [--cases NAME ...] [--trials N] [--time-budget S] [--out DIR]
        python benchmarks/gpu_benchmark.py --hand-points gemm --shape 1000,4000,3000 --points all --out DIR
+       python benchmarks/gpu_benchmark.py --hand-points fp8 --shape 8192,11008,4096 --points all --out DIR
        python benchmarks/gpu_benchmark.py --hand-points attention --case 1,32,32,2048,128,full --out DIR
 
 For each case, in one run on the GPU: autosched tunes the workload (the database is written to --out),
@@ -37,6 +38,12 @@ CASES = {
     "prefill512-up": ("gemm", "m=512,n=11008,k=4096", "float16", "", "compute"),
     "prefill512-down": ("gemm", "m=512,n=4096,k=11008", "float16", "", "compute"),
     "gemm-awkward": ("gemm", "m=1000,n=4000,k=3000", "float16", "", "compute"),
+    # FP8 (fp8_gemm: E4M3 activations and weights, per-token and per-channel scales) at the fp16 cases' shapes, and a
+    # batch of 16 prompts of 512 tokens; FP8_TWINS pairs each with its fp16 case for the ratio under the table.
+    "prefill512-o-fp8": ("fp8_gemm", "m=512,n=4096,k=4096", "float16", "", "compute"),
+    "prefill512-up-fp8": ("fp8_gemm", "m=512,n=11008,k=4096", "float16", "", "compute"),
+    "prefill16x512-up": ("gemm", "m=8192,n=11008,k=4096", "float16", "", "compute"),
+    "prefill16x512-up-fp8": ("fp8_gemm", "m=8192,n=11008,k=4096", "float16", "", "compute"),
     "batch16-gemm-fp16": ("gemm", "m=16,n=4096,k=4096", "float16", "", "memory"),
     "gemv-4096": ("gemm", "m=1,n=4096,k=4096", "float16", "", "memory"),
     "gemv-11008": ("gemm", "m=1,n=11008,k=4096", "float16", "", "memory"),
@@ -55,6 +62,8 @@ CASES = {
     "paged-decode-gqa4-llama3": ("paged_decode_attention", "b=16,h=32,hkv=8,d=128,ctx=4096,page=16", "float16", "",
                                  "memory"),
 }
+FP8_TWINS = {"prefill512-o-fp8": "prefill512-o", "prefill512-up-fp8": "prefill512-up",
+             "prefill16x512-up-fp8": "prefill16x512-up"}
 
 
 def torch_fn(op: str, wl, ins):
@@ -65,6 +74,12 @@ def torch_fn(op: str, wl, ins):
         return lambda: F.linear(ins[0], ins[1], bias)
     if op == "batch_matmul":
         return lambda: torch.bmm(ins[0], ins[1])
+    if op == "fp8_gemm":  # cuBLAS's FP8 GEMM with row-wise scales (torch may take only bf16 output for those)
+        a8, w8 = ins[0].view(torch.float8_e4m3fn), ins[1].view(torch.float8_e4m3fn)
+        bias = ins[4] if a.get("bias") else None
+        out_dtype = getattr(torch, wl.dtype)
+        return lambda: torch._scaled_mm(a8, w8.t(), scale_a=ins[2].view(-1, 1), scale_b=ins[3].view(1, -1), bias=bias,
+                                        out_dtype=out_dtype)
     if op == "dequant_gemm":
         from autosched.workloads import get_operator
 
@@ -237,6 +252,74 @@ def _gemm_point(m, n, k, dtype, bias, act, point, queue):
         queue.put({"point": point, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
 
 
+FP8_BASE = {"consumers": 2, "wg_rows": 64, "block_n": 192, "stages": 4, "group_m": 8, "persistent": False,
+            "promote": True}
+
+
+def fp8_probe_points() -> list[dict]:
+    """hopper_fp8_gemm points: promoted sums (each 128-code stage added in fp32) or the tensor cores' own
+    accumulation, tile widths, ring depths, persistence, ping-pong and multicast."""
+    pts = [dict(FP8_BASE)]
+    for change in ({"promote": False}, {"promote": False, "block_n": 256}, {"block_n": 128}, {"block_n": 128, "stages": 6},
+                   {"stages": 5}, {"persistent": True}, {"persistent": True, "pingpong": True},
+                   {"persistent": True, "pingpong": True, "promote": False, "block_n": 256},
+                   {"persistent": True, "multicast": "b", "block_n": 128}, {"consumers": 1, "wg_rows": 128, "block_n": 64},
+                   {"group_m": 1}, {"group_m": 16}):
+        pts.append({**FP8_BASE, **change})
+    return pts
+
+
+def _fp8_point(m, n, k, dtype, bias, act, point, queue):
+    """One hopper_fp8_gemm point against the float64 reference, timed beside cuBLAS's FP8 GEMM (torch._scaled_mm,
+    row-wise scales) and cuBLAS's fp16/bf16 GEMM of the same shape."""
+    try:
+        import torch
+        import tvm
+
+        from autosched.measure.timing import time_cuda
+        from autosched.search_spaces.templates.hopper_gemm import hopper_gemm_kernel
+        from autosched.workloads.fp8 import quantize_e4m3
+
+        point = {**point, "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+        t0 = time.perf_counter()
+        func = hopper_gemm_kernel(m, n, k, dtype, bias, act, point, fp8=True)
+        ex = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}),
+                         tir_pipeline="tirx")
+        build_s = time.perf_counter() - t0
+        tdt = getattr(torch, dtype)
+        a, sa = quantize_e4m3(torch.randn(m, k, device="cuda"))
+        w, sw = quantize_e4m3(torch.randn(n, k, device="cuda") / k ** 0.5)
+        bias_t = torch.randn(n, device="cuda", dtype=tdt) if bias else None
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
+        targs = [tvm.runtime.from_dlpack(t) for t in [a, w, sa, sw] + ([bias_t] if bias else []) + [c]]
+        ex(*targs)
+        torch.cuda.synchronize()
+        a8, w8 = a.view(torch.float8_e4m3fn), w.view(torch.float8_e4m3fn)
+        ref = (a8.double() @ w8.double().T) * sa.double()[:, None] * sw.double()[None, :]
+        if bias:
+            ref = ref + bias_t.double()
+        if act == "silu":
+            ref = torch.nn.functional.silu(ref)
+        err = float((c.double() - ref).norm() / ref.norm()) if torch.isfinite(c).all() else float("inf")
+        flush = 256 << 20
+        mine = statistics.median(time_cuda(lambda: ex(*targs), 30, flush))
+        tf = 2 * m * n * k / 1e12
+        row = {"point": point, "rel_err": err, "build_s": round(build_s, 2), "ms": mine * 1e3, "tflops": tf / mine}
+        try:
+            def scaled_mm():
+                return torch._scaled_mm(a8, w8.t(), scale_a=sa.view(-1, 1), scale_b=sw.view(1, -1), out_dtype=tdt)
+            cublas8 = statistics.median(time_cuda(scaled_mm, 30, flush))
+            row.update(cublas_fp8_tflops=tf / cublas8, ratio_cublas_fp8=cublas8 / mine)
+        except Exception as exc:  # noqa: BLE001 - torch may not take this output dtype with row-wise scales
+            row["cublas_fp8_error"] = str(exc)[:200]
+        a16, b16 = torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt)
+        cublas16 = statistics.median(time_cuda(lambda: torch.matmul(a16, b16.T), 30, flush))
+        row.update(cublas_16bit_tflops=tf / cublas16, ratio_cublas_16bit=cublas16 / mine)
+        queue.put(row)
+    except Exception as exc:  # noqa: BLE001 - a failing point is reported, not fatal
+        queue.put({"point": point, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
+
+
 ATTENTION_POINTS = [{"consumers": c, "block_kv": kv, "stages": st, "overlap": ov, "pingpong": False}
           for c in (2, 1) for kv in (128, 64) for st in (2, 3) for ov in (False, True)]
 ATTENTION_POINTS += [{"consumers": 2, "block_kv": kv, "stages": st, "overlap": False, "pingpong": True}
@@ -295,14 +378,16 @@ def hand_points(args) -> int:
     from _isolated import run_isolated
 
     rows = []
-    if args.hand_points == "gemm":
+    if args.hand_points in ("gemm", "fp8"):
         presets = {"base": lambda: [GEMM_BASE], "all": gemm_probe_points, "small": gemm_small_m_points}
+        if args.hand_points == "fp8":
+            presets = {"base": lambda: [FP8_BASE], "all": fp8_probe_points}
         points = presets[args.points]() if args.points in presets else json.loads(args.points)
         for shape in args.shape or ["4096,4096,4096"]:
             m, n, k = (int(x) for x in shape.split(","))
             for point in points:
-                row = run_isolated(_gemm_point, (m, n, k, args.dtype, args.bias, args.act, point), args.timeout,
-                                   {"point": point})
+                row = run_isolated(_fp8_point if args.hand_points == "fp8" else _gemm_point,
+                                   (m, n, k, args.dtype, args.bias, args.act, point), args.timeout, {"point": point})
                 rows.append({**row, "shape": [m, n, k]})
                 print(json.dumps(rows[-1]), flush=True)
     else:
@@ -330,11 +415,13 @@ def main() -> int:
                         help="how the L2 is flushed before each timed run (write: zeroing, leaving dirty lines)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/gpu"))
     hand = parser.add_argument_group("hand-picked template points (no search)")
-    hand.add_argument("--hand-points", choices=("gemm", "attention"),
-                      help="time chosen points of hopper_gemm or hopper_attention beside torch instead of the cases")
+    hand.add_argument("--hand-points", choices=("gemm", "fp8", "attention"),
+                      help="time chosen points of hopper_gemm, hopper_fp8_gemm (fp8_gemm) or hopper_attention beside "
+                      "torch instead of the cases")
     hand.add_argument("--shape", action="append", default=[], help="gemm: m,n,k (repeatable)")
     hand.add_argument("--case", action="append", default=[], help="attention: b,h,hkv,s,d,causal|full (repeatable)")
-    hand.add_argument("--points", default="all", help="gemm: base | all | small; attention: all; or a JSON list")
+    hand.add_argument("--points", default="all",
+                      help="gemm: base | all | small; fp8: base | all; attention: all; or a JSON list")
     hand.add_argument("--dtype", default="float16")
     hand.add_argument("--bias", action="store_true")
     hand.add_argument("--act", default="none")
@@ -450,6 +537,11 @@ def markdown(machine, rows) -> str:
                      f"{r.get('trials', '-')} | {r.get('tuning_s', 0):.0f} | {'-' if to90 is None else f'{to90:.0f}'} |")
     lines += ["", "Ratios are speed-ups of autosched (above 1: autosched faster). Memory-bound rates count each "
               "input read once and each output written once."]
+    by_case = {r["case"]: r for r in rows}
+    for fp8, fp16 in FP8_TWINS.items():
+        a, b = by_case.get(fp8, {}).get("autosched_s"), by_case.get(fp16, {}).get("autosched_s")
+        if a and b:
+            lines.append(f"FP8 `{fp8}`: {b / a:.2f}x the speed of our fp16 `{fp16}` ({us(a)} vs {us(b)}).")
     return "\n".join(lines) + "\n"
 
 

@@ -19,9 +19,9 @@ moe_matmul a contraction whose weight is picked per row by an index input  moe_g
 matmul spaces tile B as shared by every row of a tile, which a weight gathered per row is not.
 
 A space may also decline a function for a target (``Space.suits``): ``hopper_gemm``,
-``hopper_dequant_gemm`` and ``hopper_attention``, the TIRx wgmma kernels, serve ``gemm``, int4
-``dequant_gemm`` past eight rows and prefill ``attention`` on sm_90 only; older GPUs get the WMMA and
-``flash_attention`` spaces.
+``hopper_fp8_gemm``, ``hopper_dequant_gemm`` and ``hopper_attention``, the TIRx wgmma kernels, serve ``gemm``,
+``fp8_gemm``, int4 ``dequant_gemm`` past eight rows and prefill ``attention`` on sm_90 only; older GPUs get the WMMA
+and ``flash_attention`` spaces.
 """
 
 from __future__ import annotations
@@ -61,12 +61,13 @@ def space_classes() -> dict[str, type[Space]]:
     from .templates.gpu_attention import FlashAttentionSpace
     from .templates.hopper_attention import HopperAttentionSpace
     from .templates.hopper_dequant import HopperDequantGemmSpace
-    from .templates.hopper_gemm import HopperGemmSpace
+    from .templates.hopper_gemm import HopperFp8GemmSpace, HopperGemmSpace
     from .templates.int4_gemv import Int4GemvSpace
     from .templates.paged_decode import PagedDecodeSpace
 
     ordered = (MatmulSpace, MoeMatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
-               HopperGemmSpace, HopperAttentionSpace, Int4GemvSpace, HopperDequantGemmSpace, PagedDecodeSpace,
+               HopperGemmSpace, HopperFp8GemmSpace, HopperAttentionSpace, Int4GemvSpace, HopperDequantGemmSpace,
+               PagedDecodeSpace,
                # (CUDA, sm_90: each declines other targets)
                FlashAttentionSpace, GpuMoeMatmulSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}

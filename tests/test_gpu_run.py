@@ -317,6 +317,38 @@ def test_int4_prefill_with_zero_points_is_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
 
 
+def test_fp8_gemm_on_fp8_tensor_cores_is_correct_on_the_gpu(measurers):
+    """hopper_fp8_gemm (wgmma's e4m3 form, per-token and per-channel scales in the epilogue) against the float64
+    reference, A's and W's first rows holding every finite E4M3FN code: a 512-token prefill chunk of a 4096x4096
+    layer with promotion (each 128-code stage's sums added in fp32), cooperative, ping-pong, persistent, multicast;
+    m, n and k that no tile divides with bias and SiLU in bf16, promoted or not; a decode step's few rows with
+    swapped operands and split-K. Every point matches."""
+    target, measurer = measurers("sm_90")
+    prefill = {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 4, "group_m": 4, "persistent": False,
+               "split_k": 1, "swap_ab": False, "pingpong": False, "multicast": "none", "promote": True}
+    cases = {
+        ("m=512,n=4096,k=4096", "float16", ""): [
+            None, prefill, {**prefill, "block_n": 192, "stages": 5, "persistent": True, "pingpong": True},
+            {**prefill, "multicast": "b", "persistent": True, "block_n": 64, "stages": 8},
+            {**prefill, "consumers": 1, "wg_rows": 128, "block_n": 64, "stages": 6}],
+        ("m=1000,n=1001,k=336", "bfloat16", "bias=1,act=silu"): [
+            None, {**prefill, "promote": False, "block_n": 256}, {**prefill, "multicast": "a"},
+            {**prefill, "persistent": True, "pingpong": True, "block_n": 64, "promote": False}],
+        ("m=5,n=1001,k=272", "float16", "bias=1"): [
+            None, {**prefill, "consumers": 1, "block_n": 16, "group_m": 1, "swap_ab": True, "stages": 6},
+            {**prefill, "consumers": 1, "block_n": 16, "group_m": 1, "swap_ab": True, "split_k": 2, "promote": False},
+            {**prefill, "consumers": 1, "block_n": 64, "group_m": 1, "split_k": 2}],
+    }
+    for (shape, dtype, attrs), points in cases.items():
+        task = Task.from_workload(make_workload("fp8_gemm", shape, dtype, attrs))
+        space = task.space(target)
+        assert space.name == "hopper_fp8_gemm"
+        points = [space.canonical(space.default() if p is None else p) for p in points]
+        assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+
+
 @pytest.mark.parametrize("op,shape,dtype,causal", [
     ("attention", "b=1,h=4,hkv=2,s=1000,d=128", "float16", 1), ("attention", "b=2,h=2,s=700,d=128", "bfloat16", 0),
     ("attention", "b=1,h=2,hkv=1,s=300,d=64", "float16", 1), ("attention", "b=1,h=2,s=260,d=256", "bfloat16", 0),

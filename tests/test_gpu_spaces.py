@@ -51,6 +51,12 @@ CASES = [
     # float8 E4M3 codes (fp8): the int4 templates decline them too, the generic spaces decode them as the TE does
     ("dequant_gemm", "m=1,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gpu_gemv", "sm_90"),
     ("dequant_gemm", "m=80,n=264,k=192", "bfloat16", "bits=8,group=192,fmt=e4m3,bias=1", "gpu_matmul", "sm_90"),
+    # float8 E4M3 activations and weights (fp8_gemm): wgmma's e4m3 form on sm_90 (a prefill chunk of 512 tokens,
+    # shapes no tile divides with bias and SiLU, a decode step's swapped operands), the generic spaces elsewhere
+    ("fp8_gemm", "m=512,n=4096,k=4096", "float16", "", "hopper_fp8_gemm", "sm_90"),
+    ("fp8_gemm", "m=300,n=1001,k=336", "bfloat16", "bias=1,act=silu", "hopper_fp8_gemm", "sm_90"),
+    ("fp8_gemm", "m=16,n=520,k=272", "float16", "bias=1", "hopper_fp8_gemm", "sm_90"),
+    ("fp8_gemm", "m=64,n=96,k=128", "float16", "bias=1", "gpu_matmul", "sm_80"),
     ("moe_gemm", "m=2,e=8,n=512,k=256", "float16", "", "gpu_moe_matmul", "sm_90"),  # decode: 1 token x 2 experts
     ("moe_gemm", "m=64,e=4,n=384,k=448", "bfloat16", "", "gpu_moe_matmul", "sm_90"),
     ("moe_gemm", "m=24,e=3,n=96,k=160", "float32", "", "gpu_moe_matmul", "sm_80"),
@@ -283,6 +289,94 @@ def test_swapped_operands_put_a_decode_steps_tokens_on_wgmmas_n_side(sm90):
     assert "block_n 16 is for swapped operands" in space.validate({**base, "swap_ab": False, "split_k": 1})
     prefill = Task.from_workload(make_workload("gemm", "m=512,n=4096,k=4096", "float16")).space(sm90)
     assert "for few rows" in prefill.validate({**base, "block_n": 64, "split_k": 1})
+
+
+@pytest.mark.parametrize("arch,shape,dtype,space_name", [
+    ("sm_90", "m=512,n=4096,k=4096", "float16", "hopper_fp8_gemm"),
+    ("sm_90a", "m=16,n=4096,k=4096", "bfloat16", "hopper_fp8_gemm"),
+    ("sm_80", "m=512,n=4096,k=4096", "float16", "gpu_matmul"),  # no wgmma before Hopper
+    ("sm_90", "m=1,n=4096,k=4096", "float16", "gpu_gemv"),  # one row: a GEMV
+    ("sm_90", "m=64,n=128,k=40", "float16", "gpu_matmul"),  # rows of 40 bytes: TMA needs 16-byte strides
+])
+def test_the_architecture_and_shape_choose_the_fp8_gemm_space(arch, shape, dtype, space_name):
+    target = parse_target(f"cuda:{arch}", require_device=False)
+    assert Task.from_workload(make_workload("fp8_gemm", shape, dtype)).space(target).name == space_name
+
+
+def test_fp8_kernels_take_the_workloads_parameters_and_fp16_keeps_its_space(sm90):
+    """The fp8 kernel takes the workload function's parameters in its order (A, W uint8; scale_a, scale_w float32;
+    [bias]; C), with TMA maps of uint8 codes in 128-code boxes; hopper_gemm neither claims fp8_gemm nor gains
+    fp8's knob, and hopper_fp8_gemm takes no fp16 gemm."""
+    import dataclasses
+
+    import tvm
+
+    def signature(func):
+        return [(str(p.dtype), tuple(int(x) for x in p.shape)) for p in func.params]
+
+    for attrs in ("", "bias=1"):
+        task = Task.from_workload(make_workload("fp8_gemm", "m=300,n=1000,k=336", "float16", attrs))
+        space = task.space(sm90)
+        for point in (space.default(), {**space.default(), "promote": False}):
+            assert space.validate(point) is None
+            assert signature(space.kernel(point)) == signature(task.func)
+    hopper = dataclasses.replace(sm90, arch="sm_90a").tvm_target()
+    with hopper:
+        lowered = tvm.tirx.get_tir_pipeline("tirx")[0](tvm.tirx.transform.BindTarget(hopper)(space.apply(space.default())))
+    text = str(lowered["main"])
+    assert 'T.tensormap_encode_tiled(A_map, A_1.data, 336, 300, 336, 128, 128, 1, 1, descriptor_dtype="uint8"' in text
+    gemm = Task.from_workload(make_workload("gemm", "m=300,n=1000,k=336", "float16")).space(sm90)
+    assert gemm.name == "hopper_gemm" and "promote" not in {k.name for k in gemm.knobs}
+    assert {k.name for k in space.knobs} == {k.name for k in gemm.knobs} | {"promote"}
+
+
+def test_the_fp8_default_promotes_its_sums_in_tiles_that_fill_the_waves(sm90):
+    """hopper_fp8_gemm's default promotes (fp32 sums per stage) in hopper_gemm's tiles where the partial sums fit
+    beside them, else in the widest narrower tiles (from 64 columns) whose waves are within 5% of the fullest: a
+    512-token chunk of a 4096-wide layer in 128 tiles of 128x128 (97% of 132 multiprocessors), not 88 of 128x192;
+    16 prompts of 512 tokens in 128x192 tiles; a decode step swapped, split across a cluster, promoted."""
+    def default(shape):
+        return Task.from_workload(make_workload("fp8_gemm", shape, "float16")).space(sm90).default()
+
+    assert {k: default("m=512,n=4096,k=4096")[k] for k in ("consumers", "wg_rows", "block_n", "promote")} == {
+        "consumers": 2, "wg_rows": 64, "block_n": 128, "promote": True}
+    assert default("m=8192,n=11008,k=4096")["block_n"] == 192 and default("m=8192,n=11008,k=4096")["promote"]
+    decode = default("m=16,n=4096,k=4096")
+    assert decode["swap_ab"] and decode["block_n"] == 16 and decode["split_k"] == 2 and decode["promote"]
+
+
+@needs_nvcc
+def test_fp8_gemm_points_compile_for_sm90a_without_spills(sm90):
+    """hopper_fp8_gemm's kernels: wgmma m64nNk32.f32.e4m3.e4m3, four per 128-code stage row, with promotion (each
+    stage's sums into fresh accumulators, the first wgmma with scale-d false, then added in fp32) and without,
+    cooperative, ping-pong, multicast and swapped with split-K: each compiles for sm_90a without spills.
+    Promotion is refused where the partial sums would not fit beside the tile's, and its absence where the tensor
+    cores' own accumulation over a long K would exceed an fp16 output's tolerance (not bf16's)."""
+    space = Task.from_workload(make_workload("fp8_gemm", "m=2000,n=2056,k=4096", "bfloat16", "bias=1")).space(sm90)
+    default = space.default()
+    assert default["promote"] and space.validate(default) is None
+    assert "promote" in space.validate({**default, "block_n": 256, "promote": True})
+    assert space.validate({**default, "block_n": 256, "promote": False}) is None
+    fp16 = Task.from_workload(make_workload("fp8_gemm", "m=2000,n=2056,k=4096", "float16", "bias=1")).space(sm90)
+    assert "tolerance" in fp16.validate({**default, "promote": False})
+    short = Task.from_workload(make_workload("fp8_gemm", "m=2000,n=2056,k=1024", "float16", "bias=1")).space(sm90)
+    assert short.validate({**default, "promote": False}) is None
+    base = {**default, "group_m": 4}
+    points = [{**base, "block_n": 192, "persistent": True, "pingpong": True},
+              {**base, "block_n": 256, "promote": False, "multicast": "b", "persistent": True},
+              {**base, "consumers": 1, "wg_rows": 128, "block_n": 64, "stages": 8}]
+    for point in points:
+        point = space.canonical(point)
+        assert space.validate(point) is None, (point, space.validate(point))
+        source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+        assert f"wgmma.mma_async.sync.aligned.m64n{point['block_n']}k32.f32.e4m3.e4m3" in source
+        report = nvcc_compile(source, "sm_90a")
+        assert report.ok and report.spills == 0, (point, report.log[-2000:])
+    decode = Task.from_workload(make_workload("fp8_gemm", "m=16,n=4096,k=4096", "bfloat16", "bias=1")).space(sm90)
+    point = decode.default()
+    assert point["swap_ab"] and point["split_k"] > 1 and point["promote"], point
+    report = nvcc_compile(cuda_source(decode.apply(point), sm90, {}, decode.codegen), "sm_90a")
+    assert report.ok and report.spills == 0, report.log[-2000:]
 
 
 def test_moe_gemm_gets_the_gpu_moe_space_whose_tiles_divide_the_loops(sm90):
@@ -1007,6 +1101,7 @@ def test_overlapped_softmax_compiles_and_leaves_the_serial_kernel_as_it_was(sm90
 # Workloads of each template space on which, together, it offers every knob it has a valid choice for.
 TEMPLATE_CASES = {
     "hopper_gemm": [("gemm", "m=16,n=4096,k=4096", "float16", ""), ("gemm", "m=2048,n=4096,k=1024", "float16", "")],
+    "hopper_fp8_gemm": [("fp8_gemm", "m=16,n=4096,k=4096", "float16", ""), ("fp8_gemm", "m=2048,n=4096,k=1024", "float16", "")],
     "int4_gemv": [("dequant_gemm", "m=8,n=2048,k=1024", "float16", "bits=4,group=128")],
     "hopper_dequant_gemm": [("dequant_gemm", "m=2048,n=4096,k=256", "float16", "bits=4,group=128")],
     "paged_decode": [("paged_decode_attention", "b=2,h=16,hkv=2,d=128,ctx=600,page=16", "float16", "")],

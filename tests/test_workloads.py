@@ -30,6 +30,9 @@ SMALL_CASES = [
     ("attention", "b=2,h=2,s=8,d=8", "float32", "causal=0"),
     ("attention_bshd", "b=2,h=4,s=19,d=16,hkv=2", "float16", "causal=1"),
     ("swiglu_gemm", "m=5,n=24,k=40", "float16", ""),
+    # float8 E4M3 activations and weights, per-token and per-channel scales (every code in row 0 of A and W)
+    ("fp8_gemm", "m=3,n=40,k=300", "float16", ""),
+    ("fp8_gemm", "m=5,n=7,k=33", "bfloat16", "bias=1,act=silu"),
     ("moe_gemm", "m=7,e=3,n=24,k=40", "float16", ""),
     ("paged_decode_attention", "b=3,h=4,hkv=2,d=16,ctx=37,page=8", "float16", ""),
 ]
@@ -90,6 +93,7 @@ def test_shape_keys_are_the_kernels_dimensions(op, shape, params):
     (lambda: make_workload("dequant_gemm", attrs="bits=8,zeros=1"), "zeros=1 .* is for bits=4 only"),
     (lambda: make_workload("dequant_gemm", attrs="bits=4,fmt=e4m3"), "fmt=e4m3 .* is for bits=8 only"),
     (lambda: make_workload("dequant_gemm", attrs="bits=8,fmt=e5m2"), "fmt=e5m2 is not one of int, e4m3"),
+    (lambda: make_workload("fp8_gemm", "m=2,n=8,k=16", "float32"), "fp8_gemm does not support dtype float32"),
 ])
 def test_bad_input_is_a_usage_error(call, message):
     with pytest.raises(UsageError, match=message):
@@ -146,6 +150,58 @@ def test_e4m3_decoding_of_all_256_codes_is_ml_dtypes_and_torchs():
     from_torch = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
     assert np.array_equal(from_torch, expected, equal_nan=True)
     assert expected[1] == 2.0**-9 and expected[0x7E] == 448 and np.isnan(expected[[0x7F, 0xFF]]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_gemm_definition_decodes_every_code_exactly_on_the_cpu(dtype, cpu_target):
+    """fp8_gemm's TE definition, compiled for the CPU as written, against its float64 reference (A and W decoded
+    through torch.float8_e4m3fn) element by element: products of codes that include every finite E4M3FN code
+    (subnormals from 2^-9, ±0, ±448) are exact in fp32, so each output is the reference rounded to the output
+    dtype, within a unit or so of its last place. A single code at a time (one-hot rows) checks each code's
+    value on its own, where a wrong subnormal could hide in a sum."""
+    import numpy as np
+    import tvm
+
+    from autosched.workloads.fp8 import FINITE_CODES
+
+    op = get_operator("fp8_gemm")
+    wl = make_workload("fp8_gemm", "m=4,n=6,k=254", dtype, "bias=1")
+    inputs = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    assert inputs[0][0].tolist() == FINITE_CODES and inputs[1][0].tolist() == FINITE_CODES[::-1]
+    assert {0x01, 0x07, 0x7E, 0x80, 0x81, 0xFE} <= set(inputs[0][0].tolist())  # subnormals, -0, ±448
+    executable = tvm.compile(Task.from_workload(wl).func, target=cpu_target.tvm_target())
+
+    def run(ins):
+        out = torch.full((4, 6), float("nan"), dtype=getattr(torch, dtype))
+        executable(*[tvm.runtime.from_dlpack(t.contiguous()) for t in (*ins, out)])
+        return out.double()
+
+    ulp = 2.0 ** (-10 if dtype == "float16" else -7)
+    ref = op.reference(wl, inputs)[0]
+    assert torch.allclose(run(inputs), ref, rtol=ulp, atol=1e-6), (run(inputs) - ref).abs().max()
+    # One-hot: A[0] = code c at column j, W[0] = 1.0 (0x38) at column j, unit scales, no bias: C[0, 0] = e4m3(c).
+    codes = torch.tensor(FINITE_CODES, dtype=torch.uint8)
+    one = torch.zeros(4, 254, dtype=torch.uint8)
+    values = []
+    for c in codes.tolist():
+        a = one.clone()
+        a[0, 7] = c
+        w = torch.zeros(6, 254, dtype=torch.uint8)
+        w[0, 7] = 0x38
+        out = run([a, w, torch.ones(4), torch.ones(6), torch.zeros(6, dtype=getattr(torch, dtype))])
+        values.append(float(out[0, 0]))
+    expected = codes.view(torch.float8_e4m3fn).to(getattr(torch, dtype)).double().tolist()
+    assert np.array_equal(values, expected)
+
+
+def test_fp8_gemm_reads_uint8_codes_and_float32_scales():
+    """The kernel's parameters: A[m, k] and W[n, k] uint8, scale_a[m] and scale_w[n] float32, optional bias[n]
+    and C[m, n] of the workload's dtype; C = (A·Wᵀ)·scale_a·scale_w in the reference."""
+    wl = make_workload("fp8_gemm", "m=3,n=5,k=32", "bf16", "bias=1")
+    params = [(tuple(int(x) for x in p.shape), str(p.dtype)) for p in get_operator("fp8_gemm").build(wl).params]
+    assert params == [((3, 32), "uint8"), ((5, 32), "uint8"), ((3,), "float32"), ((5,), "float32"), ((5,), "bfloat16"),
+                      ((3, 5), "bfloat16")]
+    assert wl.key == "fp8_gemm[m=3,n=5,k=32]:bfloat16;bias=True;act=none"
 
 
 def test_paged_decode_reference_masks_by_length():

@@ -204,7 +204,7 @@ def list_operators() -> list[Operator]:
 
 def _load_all() -> None:
     # Every module, whichever registered first (importing one module directly registers its operators only).
-    from . import attention, dequant, gemm, moe, norm, rope  # noqa: F401  (registration side effects)
+    from . import attention, dequant, fp8, gemm, moe, norm, rope  # noqa: F401  (registration side effects)
 
 
 # ---- parsing user input -------------------------------------------------------------------------

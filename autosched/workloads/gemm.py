@@ -12,18 +12,22 @@ if TYPE_CHECKING:
     from tvm import te
 
 
-def epilogue(acc: te.Tensor, shape: tuple[int, ...], dtype: str, bias: te.Tensor | None, act: str) -> te.Tensor:
-    """The elementwise tail of a matmul: + bias, activation, cast to the output dtype.
+def epilogue(acc: te.Tensor, shape: tuple[int, ...], dtype: str, bias: te.Tensor | None, act: str,
+             scale=None) -> te.Tensor:
+    """The elementwise tail of a matmul: × scale (``scale(x, *idx)``, e.g. fp8's per-row and per-column
+    scales), + bias, activation, cast to the output dtype.
 
     Returns ``acc`` itself when there is nothing to do, so a plain fp32 GEMM has a single block.
     """
     from tvm import te, tirx
 
-    if bias is None and act == "none" and dtype == "float32":
+    if bias is None and act == "none" and dtype == "float32" and scale is None:
         return acc
 
     def body(*idx):
         x = acc(*idx)
+        if scale is not None:
+            x = scale(x, *idx)
         if bias is not None:
             x = x + bias[idx[-1]].astype("float32")
         if act == "gelu":

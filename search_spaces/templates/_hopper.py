@@ -11,6 +11,7 @@ from .._knobs import Point, Space
 
 HOPPER_ARCHS = ("sm_90", "sm_90a")
 BK = 64  # K elements per stage: one 128-byte swizzle row of fp16/bf16
+FP8_BK = 128  # the same row of float8 elements
 SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 # The element type of each dtype in CUDA; the rest of the table (pairs, conversions) is autosched_dtype<T>

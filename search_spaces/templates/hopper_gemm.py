@@ -33,7 +33,12 @@ kernels, DeepGEMM, FlashAttention-3):
 * for the same few rows, swapped operands (``swap_ab``): Cᵀ = B · Aᵀ puts the weights on wgmma's
   64-row side and the tokens on its N side (from 16), so a decode step's 16 tokens are not padded to 64
   rows in every stage; the stages shrink and the ring can be deeper. Its epilogue stores transposed,
-  one element at a time.
+  one element at a time;
+* float8 E4M3 operands (``fp8``, the ``fp8_gemm`` workload, space ``hopper_fp8_gemm``): the same stages of
+  128-byte rows, now of 128 codes (TMA boxes of uint8), ``wgmma m64nNk32.f32.e4m3.e4m3`` four times per row,
+  the epilogue multiplying by the row's (token's) and the column's (output channel's) float32 scales; with
+  ``promote`` each stage's products go to fresh accumulators that are added to the tile's in fp32 on the CUDA
+  cores, as cuBLAS and CUTLASS do by default (the tensor cores' fp8 accumulation keeps about 14 bits).
 
 Operands are C[m, n] = A[m, k] · B[n, k]ᵀ (the ``gemm`` workload: torch.nn.Linear's layout, both
 operands K-major, which wgmma reads without transposition). Shapes no tile divides need no padding:
@@ -49,6 +54,7 @@ from .._knobs import Knob, Point
 from ._hopper import (
     BK,
     CUDA_SCALAR,
+    FP8_BK,
     HOPPER_ARCHS,
     PTX_TYPE,
     SMEM_LIMIT,
@@ -57,6 +63,8 @@ from ._hopper import (
     grouped_raster,
 )
 from ._pipeline import (
+    FENCE_NAME,
+    FENCE_SOURCE,
     HOPPER_HELPERS,
     TURN_HANDOVER,
     TURN_HANDOVER_SOURCE,
@@ -107,9 +115,12 @@ MULTICAST_LOAD = ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::comp
                   ".multicast::cluster")
 
 
-def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str, p: Point, gated: bool = False):
+def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str, p: Point, gated: bool = False,
+                       fp8: bool = False):
     """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · B[n, k]ᵀ + bias[n]); ``gated``: for
-    C = SiLU(A · B[:n]ᵀ) ⊙ (A · B[n:]ᵀ), B[2n, k] (``swiglu_gemm``)."""
+    C = SiLU(A · B[:n]ᵀ) ⊙ (A · B[n:]ᵀ), B[2n, k] (``swiglu_gemm``); ``fp8``: for A and B the uint8 bits of
+    float8 E4M3FN numbers and C = act((A · Bᵀ) · scale_a[m] · scale_w[n] + bias[n]) of ``dtype`` (``fp8_gemm``:
+    the same stages of 128-byte rows, each of 128 elements, and ``wgmma ... k32.f32.e4m3.e4m3``)."""
     from tvm.script import tirx as T
 
     consumers, wg_rows, bn, stages = p["consumers"], p["wg_rows"], p["block_n"], p["stages"]
@@ -131,12 +142,15 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     # B's 2n rows were one operand.
     rows, cols = (n, m) if swap else (m, 2 * n if gated else n)
     assert not (gated and (swap or bias or act != "none")), "gated tiles are prefill tiles with no epilogue of their own"
+    assert not (gated and fp8), "fp8 operands are not gated"
     bm = wg_rows if pingpong else consumers * wg_rows
     m_frags = wg_rows // 64  # wgmma m64 instructions per consumer per k step
     acc_n = bn // 2  # fp32 accumulator registers per thread per m64 fragment
     threads = 128 * (consumers + 1)
-    elem = 2
-    a_stage, b_stage = bm * BK * elem, bn * BK * elem
+    # Bytes per operand element, elements per 128-byte stage row (one swizzle row), and K per wgmma (32 bytes).
+    elem, bk, k_mma = (1, FP8_BK, 32) if fp8 else (2, BK, 16)
+    operand = "uint8" if fp8 else dtype  # A's and B's dtype; C's (and the bias's) is dtype
+    a_stage, b_stage = bm * bk * elem, bn * bk * elem
     stage_bytes = a_stage + b_stage
     tiles_m, tiles_n = math.ceil(rows / bm), math.ceil(cols / bn)
     # Units of work: tiles, or with multicast the pairs of tiles of one cluster (an odd last row or column
@@ -144,7 +158,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     units_m = math.ceil(tiles_m / 2) if multicast == "b" else tiles_m
     units_n = math.ceil(tiles_n / 2) if multicast == "a" else tiles_n
     tiles = units_m * units_n
-    k_iters = math.ceil(k / BK)
+    k_iters = math.ceil(k / bk)
     grid = min(tiles, p["sms"] // (2 if paired else 1)) if persistent else tiles  # CTAs, or clusters
     assert split_k == 1 or (not persistent and k_iters >= split_k), "split-K needs one tile per cluster"
     assert not (paired and (split_k > 1 or swap or pingpong)), "multicast is for cooperative prefill tiles"
@@ -152,7 +166,13 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     # Rows of the A box and the B box: a shared operand's box is half its tile.
     a_box = (bm // 2 if multicast == "a" else bm)
     b_box = (bn // 2 if multicast == "b" or gated else bn)
-    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}"
+    # fp8: each stage's four wgmma (K = 128) into fresh accumulators, added into the tile's fp32 sums on the CUDA
+    # cores (the tensor cores' own fp8 accumulation keeps about 14 bits: CUTLASS's and DeepGEMM's promotion).
+    promote = fp8 and p.get("promote", False)
+    if fp8:  # K-major operands only: no transpose immediates
+        mma, mma_imms = f"wgmma.mma_async.sync.aligned.m64n{bn}k32.f32.e4m3.e4m3", (1, 1)
+    else:
+        mma, mma_imms = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}", (1, 1, 0, 0)
     store2, store1, epi_source = _epilogue_source(dtype, act)
     # The shared buffer: [stage][A tile | B tile], each tile 1024-byte aligned (swizzle atoms).
     smem_elems = stages * stage_bytes // elem
@@ -162,11 +182,12 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
     # consumer warp of either CTA.
     empty_count = 2 * consumers * 4 if paired else 128 if pingpong else consumers * 128
 
-    def accs(acc, f):
-        return [acc[f * acc_n + i] for i in range(acc_n)]
+    def accs(acc, f, base=0):  # fragment f's accumulators; with promotion, base acc_len: the stage's partial sums
+        return [acc[base + f * acc_n + i] for i in range(acc_n)]
 
-    def stored(acc, Bias, i, col):  # accumulator i, plus the bias of output column col
-        return acc[i] + T.Cast("float32", Bias[col]) if bias else acc[i]
+    def stored(acc, Bias, S, i, row, col):  # accumulator i of output (row, col): fp8's scales (S), the bias
+        x = acc[i] * S[0][row] * S[1][col] if fp8 else acc[i]
+        return x + T.Cast("float32", Bias[col]) if bias else x
 
     unit_m, unit_n = grouped_raster(units_m, units_n, group_m)
 
@@ -220,7 +241,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                                                  swiglu(acc, i + 1), source_code=epi_source)
 
     @T.macro
-    def plain_epilogue(acc, Bias, C, tm, tn, wg, tx):
+    def plain_epilogue(acc, Bias, S, C, tm, tn, wg, tx):
         for f in T.unroll(m_frags):
             for j in T.unroll(bn // 8):
                 for h in T.unroll(2):
@@ -231,28 +252,28 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                     if swap:  # (row, col) of Cᵀ: output column row, output rows col and col + 1
                         if row < n and col < m:
                             T.cuda.func_call(store1, C.access_ptr("w", offset=col * n + row),
-                                             stored(acc, Bias, i, row), source_code=epi_source)
+                                             stored(acc, Bias, S, i, col, row), source_code=epi_source)
                             if col + 1 < m:
                                 T.cuda.func_call(store1, C.access_ptr("w", offset=(col + 1) * n + row),
-                                                 stored(acc, Bias, i + 1, row), source_code=epi_source)
+                                                 stored(acc, Bias, S, i + 1, col + 1, row), source_code=epi_source)
                     elif row < m and col < n:
                         if n % 2 == 0:
                             T.cuda.func_call(store2, C.access_ptr("w", offset=row * n + col),
-                                             stored(acc, Bias, i, col), stored(acc, Bias, i + 1, col + 1),
+                                             stored(acc, Bias, S, i, row, col), stored(acc, Bias, S, i + 1, row, col + 1),
                                              source_code=epi_source)
                         else:  # odd rows start at odd addresses: one column per store
                             T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col),
-                                             stored(acc, Bias, i, col), source_code=epi_source)
+                                             stored(acc, Bias, S, i, row, col), source_code=epi_source)
                             if col + 1 < n:
                                 T.cuda.func_call(store1, C.access_ptr("w", offset=row * n + col + 1),
-                                                 stored(acc, Bias, i + 1, col + 1), source_code=epi_source)
+                                                 stored(acc, Bias, S, i + 1, row, col + 1), source_code=epi_source)
 
     @T.macro
-    def epilogue(acc, Bias, C, tm, tn, wg, tx):
+    def epilogue(acc, Bias, S, C, tm, tn, wg, tx):
         if gated:
             gated_epilogue(acc, C, tm, tn, wg, tx)
         else:
-            plain_epilogue(acc, Bias, C, tm, tn, wg, tx)
+            plain_epilogue(acc, Bias, S, C, tm, tn, wg, tx)
 
     @T.macro
     def load(smem, full, stage, tmap, kt, row, offset, box, shared, rank, half_rows=None):
@@ -261,12 +282,12 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         # ``half_rows``: the operand's rows from the tile's first half to its second (else box).
         if shared:
             T.ptx[MULTICAST_LOAD](
-                smem.access_ptr("w", offset=stage * (stage_bytes // elem) + offset + rank * box * BK),
-                T.address_of(tmap), kt * BK, row + rank * (box if half_rows is None else half_rows),
+                smem.access_ptr("w", offset=stage * (stage_bytes // elem) + offset + rank * box * bk),
+                T.address_of(tmap), kt * bk, row + rank * (box if half_rows is None else half_rows),
                 T.address_of(full[stage]), T.uint16(3))
         else:
             T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
-                smem.access_ptr("w", offset=stage * (stage_bytes // elem) + offset), T.address_of(tmap), kt * BK,
+                smem.access_ptr("w", offset=stage * (stage_bytes // elem) + offset), T.address_of(tmap), kt * bk,
                 row, T.address_of(full[stage]))
 
     @T.macro
@@ -278,17 +299,18 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
             T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[stage]))
 
     @T.macro
-    def body(A, B, Bias, C):
+    def body(A, B, S, Bias, C):  # S: fp8's (scale_a, scale_w), else None
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(A_map, A.data, k, m, k * elem, BK, bn if swap else a_box, 1, 1,
-                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        T.tensormap_encode_tiled(A_map, A.data, k, m, k * elem, bk, bn if swap else a_box, 1, 1,
+                                 descriptor_dtype=operand, rank=2, swizzle=3)
         B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.tensormap_encode_tiled(B_map, B.data, k, 2 * n if gated else n, k * elem, BK, bm if swap else b_box, 1, 1,
-                                 descriptor_dtype=dtype, rank=2, swizzle=3)
+        T.tensormap_encode_tiled(B_map, B.data, k, 2 * n if gated else n, k * elem, bk, bm if swap else b_box, 1, 1,
+                                 descriptor_dtype=operand, rank=2, swizzle=3)
         T.device_entry()
         bx, rank = launch_ids()
         tx = T.thread_id([threads])
-        smem, full, empty, acc = pipeline_buffers(smem_elems, dtype, stages, acc_len)
+        # With promotion the accumulators are the tile's sums, then a stage's partial sums.
+        smem, full, empty, acc = pipeline_buffers(smem_elems, operand, stages, 2 * acc_len if promote else acc_len)
         desc_a, desc_b, it, tile, tm, tn = tile_walk_scalars()
         phase: T.int32
         turn: T.int32  # ping-pong: the CTA's tiles so far (whose turn the next is)
@@ -327,7 +349,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                             else:
                                 for half in T.unroll(2):
                                     load(smem, full, it % stages, B_map, kt, tn * b_box + half * n,
-                                         b_off + half * b_box * BK, b_box, False, rank)
+                                         b_off + half * b_box * bk, b_box, False, rank)
                         else:
                             load(smem, full, it % stages, A_map if swap else B_map, kt, tn * bn, b_off, b_box,
                                  multicast == "b", rank)
@@ -353,29 +375,40 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                         phase = (it // stages) % 2
                         T.cuda.mbarrier_wait(T.address_of(full[it % stages]), phase)
                         T.ptx.wgmma.fence.sync.aligned()
-                        for kk in T.unroll(BK // 16):
+                        for kk in T.unroll(bk // k_mma):  # four wgmma k steps of 32 bytes per 128-byte row
                             for f in T.unroll(m_frags):
                                 T.cuda.wgmma.encode_matrix_descriptor(
                                     T.address_of(desc_a),
                                     smem.access_ptr("r", offset=(it % stages) * (stage_bytes // elem) + a_off
-                                                    + (first_row(wg) + f * 64) * BK + kk * 16), 1, 64, 3)
+                                                    + (first_row(wg) + f * 64) * bk + kk * k_mma), 1, 64, 3)
                                 T.cuda.wgmma.encode_matrix_descriptor(
                                     T.address_of(desc_b),
-                                    smem.access_ptr("r", offset=(it % stages) * (stage_bytes // elem) + b_off + kk * 16),
-                                    1, 64, 3)
-                                T.ptx[mma](*accs(acc, f), desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
+                                    smem.access_ptr("r", offset=(it % stages) * (stage_bytes // elem) + b_off
+                                                    + kk * k_mma), 1, 64, 3)
+                                if promote:  # the stage's first wgmma overwrites the partial sums
+                                    T.ptx[mma](*accs(acc, f, acc_len), desc_a, desc_b, kk > 0, *mma_imms)
+                                else:
+                                    T.ptx[mma](*accs(acc, f), desc_a, desc_b, T.bool(True), *mma_imms)
                         T.ptx.wgmma.commit_group.sync.aligned()
-                        T.ptx.wgmma.wait_group.sync.aligned(1)
-                        if ks > 0:
-                            release(empty, (it + stages - 1) % stages, tx)
+                        if promote:  # the stage's sums into the tile's, in fp32
+                            T.ptx.wgmma.wait_group.sync.aligned(0)
+                            release(empty, it % stages, tx)
+                            for i in T.unroll(acc_len):
+                                T.cuda.func_call(FENCE_NAME, acc[acc_len + i], source_code=FENCE_SOURCE)
+                                acc[i] = acc[i] + acc[acc_len + i]
+                        else:
+                            T.ptx.wgmma.wait_group.sync.aligned(1)
+                            if ks > 0:
+                                release(empty, (it + stages - 1) % stages, tx)
                         it = it + 1
                     if pingpong and tile + grid < tiles:  # the other's next tile follows: its turn
                         T.cuda.func_call(TURN_HANDOVER, 3 - wg, source_code=TURN_HANDOVER_SOURCE)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    release(empty, (it + stages - 1) % stages, tx)
-                    fence_accumulators(acc, acc_len)
+                    if not promote:
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        release(empty, (it + stages - 1) % stages, tx)
+                        fence_accumulators(acc, acc_len)
                     if split_k == 1:
-                        epilogue(acc, Bias, C, tm, tn, wg, tx)
+                        epilogue(acc, Bias, S, C, tm, tn, wg, tx)
                 tile = tile + grid
                 turn = turn + 1
         if split_k > 1:
@@ -393,26 +426,49 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
                     for i in T.unroll(acc_len):
                         T.cuda.func_call(PART_ADD, acc[i], smem.access_ptr("r"), i * (consumers * 128) + tx - 128,
                                          T.uint32(r), source_code=PART_ADD_SOURCE)
-                epilogue(acc, Bias, C, tm, tn, wg, tx)
+                epilogue(acc, Bias, S, C, tm, tn, wg, tx)
             T.cuda.func_call(CLUSTER_SYNC, source_code=CLUSTER_SYNC_SOURCE)
         if paired:  # the other CTA may still release stages of this one: its shared memory stays until then
             T.cuda.func_call(CLUSTER_SYNC, source_code=CLUSTER_SYNC_SOURCE)
 
     attrs = {"global_symbol": "main", "tirx.noalias": True, "tirx.launch_bounds_min_blocks_per_sm": 1}
+    if fp8:
+        return _fp8_main(body, m, n, k, dtype, bias, attrs)
     if bias:
         @T.prim_func
         def main(A: T.Buffer((m, k), dtype, align=16), B: T.Buffer((n, k), dtype, align=16),
                  Bias: T.Buffer((n,), dtype, align=16), C: T.Buffer((m, n), dtype, align=16)):
             T.func_attr(attrs)
-            body(A, B, Bias, C)
+            body(A, B, None, Bias, C)
     else:
         @T.prim_func
         def main(A: T.Buffer((m, k), dtype, align=16), B: T.Buffer((2 * n if gated else n, k), dtype, align=16),
                  C: T.Buffer((m, n), dtype, align=16)):
             T.func_attr(attrs)
-            body(A, B, None, C)
+            body(A, B, None, None, C)
     # fmt: on
     return main
+
+
+def _fp8_main(body, m: int, n: int, k: int, dtype: str, bias: bool, attrs: dict):
+    """The ``fp8_gemm`` workload's signature (A, W, scale_a, scale_w[, bias], C) around the kernel's body."""
+    from tvm.script import tirx as T
+
+    # fmt: off
+    @T.prim_func
+    def main(A: T.Buffer((m, k), "uint8", align=16), W: T.Buffer((n, k), "uint8", align=16),
+             Sa: T.Buffer((m,), "float32"), Sw: T.Buffer((n,), "float32"), Bias: T.Buffer((n,), dtype),
+             C: T.Buffer((m, n), dtype, align=16)):
+        T.func_attr(attrs)
+        body(A, W, (Sa, Sw), Bias if bias else None, C)
+    # fmt: on
+    if bias:
+        return main
+    # The body never names the bias it was given as None: the same function less that parameter.
+    from tvm import tirx
+
+    return tirx.PrimFunc([p for i, p in enumerate(main.params) if i != 4], main.body, main.ret_type, main.attrs,
+                         main.span)
 
 
 class HopperGemmSpace(HopperTemplate):
@@ -449,12 +505,13 @@ class HopperGemmSpace(HopperTemplate):
         (k); any n (an odd n, e.g. GPT-2's 50257-token LM head, stores one column at a time)."""
         return dtype in PTX_TYPE and m >= cls.MIN_M and k % 8 == 0
 
+    FP8 = False  # operands of float8 E4M3 codes (HopperFp8GemmSpace)
+    BK = BK  # K elements per stage: one 128-byte row
+
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
         self.gated = self.hints.get("op") == "swiglu_gemm"
-        self.m, self.n, self.k, self.dtype = self.taken(
-            _gemm_shape(func, self.gated),
-            "C[m, n] = A[m, k] · B[n, k]ᵀ (+ bias) (for swiglu_gemm: C[m, n] from A[m, k], W[2n, k])")
+        self.m, self.n, self.k, self.dtype = self.taken(*self._shape(func))
         self.bias = bool(self.hints.get("bias", False))
         self.act = str(self.hints.get("act", "none"))
         self.sms = target.num_cores or 132
@@ -470,6 +527,11 @@ class HopperGemmSpace(HopperTemplate):
             Knob("pingpong", (False, True), ordered=False),
             Knob("multicast", ("none", "a", "b"), ordered=False),
         ]
+
+    def _shape(self, func):
+        """((m, n, k, dtype) or None, what the space takes) for ``taken``."""
+        return (_gemm_shape(func, self.gated),
+                "C[m, n] = A[m, k] · B[n, k]ᵀ (+ bias) (for swiglu_gemm: C[m, n] from A[m, k], W[2n, k])")
 
     @staticmethod
     def block_m(p: Point) -> int:
@@ -541,8 +603,8 @@ class HopperGemmSpace(HopperTemplate):
                 return f"split-K with {acc} accumulator registers per thread (at most 64)"
             if tiles >= self.sms:
                 return f"split-K is for grids smaller than the multiprocessors ({tiles} tiles for {self.sms})"
-            if math.ceil(self.k / BK) < split:
-                return f"split-K {split} needs at least {split} K steps of {BK} (k={self.k})"
+            if math.ceil(self.k / self.BK) < split:
+                return f"split-K {split} needs at least {split} K steps of {self.BK} (k={self.k})"
             if bm * bn * 4 > p["stages"] * (bm + bn) * BK * 2:
                 return f"the {bm}x{bn} fp32 partial tile does not fit in the {p['stages']}-stage ring"
         return None
@@ -598,7 +660,7 @@ class HopperGemmSpace(HopperTemplate):
 
     def kernel(self, p: Point):
         return hopper_gemm_kernel(self.m, self.n, self.k, self.dtype, self.bias, self.act, {**p, "sms": self.sms},
-                                  self.gated)
+                                  self.gated, self.FP8)
 
     def point_features(self, p: Point) -> list[float]:
         """The knobs and what they imply for the hardware: the cost model's view of a TIRx kernel, whose
@@ -612,8 +674,8 @@ class HopperGemmSpace(HopperTemplate):
         useful = rows * cols / (tiles * bm * bn)
         return [p["consumers"], p["wg_rows"], bn, p["stages"], p["group_m"], float(p["persistent"]), bm, bm * bn,
                 math.log2(tiles), waves, waves / max(1, math.ceil(waves)), ctas / self.sms, smem / SMEM_LIMIT,
-                useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / BK) / p["stages"],
-                p["split_k"], math.ceil(self.k / BK) / p["split_k"], float(p.get("swap_ab", False)),
+                useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / self.BK) / p["stages"],
+                p["split_k"], math.ceil(self.k / self.BK) / p["split_k"], float(p.get("swap_ab", False)),
                 float(p.get("pingpong", False)), float(p.get("multicast", "none") == "a"),
                 float(p.get("multicast", "none") == "b"), self._l2_bytes_per_flop(p)]
 
@@ -624,6 +686,95 @@ class HopperGemmSpace(HopperTemplate):
         a_rows = bm / 2 if p.get("multicast", "none") == "a" else bm
         b_rows = bn / 2 if p.get("multicast", "none") == "b" else bn
         return (a_rows + b_rows) / (bm * bn)
+
+
+class HopperFp8GemmSpace(HopperGemmSpace):
+    """The ``fp8_gemm`` workload on sm_90: ``hopper_gemm``'s kernel and knobs on float8 E4M3 operands (``fp8``).
+
+    A stage's rows are the same 128 bytes, of 128 elements, so tiles, rings, shared memory, persistence, ping-pong,
+    multicast, split-K and swapped operands are those of fp16 over half as many K steps; wgmma is
+    ``m64nNk32.f32.e4m3.e4m3`` (four per stage row), and the epilogue multiplies each accumulator by its row's and
+    its column's scale (the token's and the output channel's) before the bias, activation and cast.
+
+    ``promote``: the tensor cores accumulate fp8 products in about 14 bits (DeepSeek-V3's measurement: up to 2%
+    relative error at K = 4096), so each stage's four wgmma go to fresh accumulators (the first with scale-d
+    false) that the consumer adds to the tile's fp32 sums once they are complete (wait_group 0): cuBLAS's and
+    CUTLASS's default for fp8 (CUTLASS's "FastAccum" kernels skip it, as ``promote`` False does; that is refused
+    for an fp16 output past ``FAST_ACCUM_MAX_K``). It costs a second set of accumulator registers and the overlap
+    of one stage's wgmma with the next one's issue."""
+
+    name = "hopper_fp8_gemm"
+    version = 1
+    families = ("matmul",)
+    FP8 = True
+    BK = FP8_BK
+
+    @classmethod
+    def matches(cls, func) -> bool:
+        return _fp8_shape(func) is not None
+
+    @classmethod
+    def suits(cls, func, target, hints) -> bool:
+        if target.arch not in HOPPER_ARCHS or (hints or {}).get("op") != "fp8_gemm":
+            return False
+        shape = _fp8_shape(func)
+        return shape is not None and cls.serves(shape[0], shape[2], shape[3])
+
+    @classmethod
+    def serves(cls, m: int, k: int, dtype: str) -> bool:
+        """TMA needs 16-byte row strides: k a multiple of 16 codes; the output fp16 or bf16."""
+        return dtype in PTX_TYPE and m >= cls.MIN_M and k % 16 == 0
+
+    MAX_PROMOTED_ACC = 96  # accumulator registers per thread with promotion (twice as many in all)
+    # The longest K whose sums the tensor cores may accumulate alone (promote False) into an fp16 output: their
+    # truncated ~14-bit accumulation loses about 2^-14 of the sum per wgmma, some 5e-3 relative over 128 of them
+    # (K = 4096), past fp16's tolerance (4e-3) and within bf16's (3e-2). An estimate, not yet measured: the GPU
+    # benchmark's --hand-points fp8 reports each point's error.
+    FAST_ACCUM_MAX_K = {"float16": 1024}
+
+    def __init__(self, func, target, hints=None):
+        super().__init__(func, target, hints)
+        self.knobs.append(Knob("promote", (True, False), ordered=False))
+
+    def _shape(self, func):
+        return _fp8_shape(func), "C[m, n] = (A[m, k] · W[n, k]ᵀ) · scale_a[m] · scale_w[n] (+ bias), A and W float8 codes"
+
+    def check(self, p: Point) -> str | None:
+        acc = p["wg_rows"] // 64 * p["block_n"] // 2
+        if p.get("promote", False) and acc > self.MAX_PROMOTED_ACC:
+            return (f"{acc} accumulator registers per thread and as many partial sums (promote: at most "
+                    f"{self.MAX_PROMOTED_ACC} each)")
+        longest = self.FAST_ACCUM_MAX_K.get(self.dtype)
+        # (hopper_gemm's default() weighs tiles without the knob: their promotion is chosen after)
+        if p.get("promote", True) is False and longest is not None and self.k > longest:
+            return (f"k={self.k} summed by the tensor cores alone (about 14 bits) exceeds {self.dtype}'s tolerance "
+                    f"past k={longest}: promote")
+        return super().check(p)
+
+    def default(self) -> Point:
+        """hopper_gemm's choice with promotion, or where its tiles leave no room for the partial sums, a narrower
+        block_n (64 or more) that does: of those whose waves are nearly as full as the fullest (within 5%), the widest (a
+        512-token chunk of a 4096-wide layer: 128 tiles of 128 columns fill 97% of 132 multiprocessors, 88 of
+        192 columns 67%). hopper_gemm's choice without promotion where none is valid."""
+        base = super().default()
+        widths = next(knob.choices for knob in self.knobs if knob.name == "block_n")
+        candidates = [self.canonical({**base, "block_n": bn, "promote": True})  # from 64 (decode: its own width)
+                      for bn in sorted(widths, reverse=True) if min(64, base["block_n"]) <= bn <= base["block_n"]]
+        candidates = [p for p in candidates if self.check(p) is None]
+        if not candidates:
+            point = self.canonical({**base, "promote": False})
+            return point if self.check(point) is None else super(HopperGemmSpace, self).default()
+
+        def fill(p: Point) -> float:
+            units_m, units_n = self.unit_tiles(p)
+            return wave_efficiency(units_m * units_n, self.sms)
+
+        best = max(fill(p) for p in candidates)
+        return next(p for p in candidates if fill(p) >= best - 0.05)
+
+    def point_features(self, p: Point) -> list[float]:
+        """hopper_gemm's, and whether the stages' sums are promoted (a wait per stage, CUDA-core adds)."""
+        return super().point_features(p) + [float(p.get("promote", False))]
 
 
 def wave_efficiency(tiles: int, sms: int) -> float:
@@ -670,3 +821,21 @@ def _gemm_shape(func, gated: bool = False) -> tuple[int, int, int, str] | None:
     if len(params) == 4 and [int(x) for x in params[2].shape] != [n]:
         return None
     return m, n, k, str(a.dtype)
+
+
+def _fp8_shape(func) -> tuple[int, int, int, str] | None:
+    """(m, n, k, output dtype) of a function whose parameters are A[m, k] and W[n, k] of uint8, scale_a[m] and
+    scale_w[n] of float32, optional bias[n], C[m, n] (``fp8_gemm``)."""
+    found = operand_shapes(func, (5, 6))
+    if found is None:
+        return None
+    params = list(func.params)
+    (a, b, c), ((m, k), (n, k2), (m2, n2)) = found
+    if k != k2 or m != m2 or n != n2 or str(a.dtype) != "uint8" or str(b.dtype) != "uint8":
+        return None
+    scales = [(str(p.dtype), [int(x) for x in p.shape]) for p in params[2:4]]
+    if scales != [("float32", [m]), ("float32", [n])]:
+        return None
+    if len(params) == 6 and [int(x) for x in params[4].shape] != [n]:
+        return None
+    return m, n, k, str(c.dtype)
