@@ -552,6 +552,123 @@ int main() {{
 
 
 @needs_nvcc
+def test_8bit_codes_convert_exactly_and_gemv8_chunks_match_float64_on_the_host(tmp_path):
+    """gemv8's conversions (``cuda/gemv8.cuh``), compiled for the host by nvcc and run on every code at every
+    position of a 16-byte chunk: an int8 code becomes exactly its integer, an E4M3FN code exactly its value over
+    256 (torch's float8_e4m3fn, and the format's definition in float64: normal and subnormal codes, signed zeros,
+    NaN for 0x7F and 0xFF). The chunk helpers (1 to 8 activation rows, fp16 and bf16) add each row's product with
+    the chunk to its accumulator, within fp32's rounding of float64, a NaN code making every row's sum NaN."""
+    import struct
+    import subprocess
+
+    import torch
+
+    from autosched.search_spaces.templates._hopper import cuda_file
+    from autosched.search_spaces.templates.gemv8 import _dot_source
+
+    cases = [(dtype, rows, fmt) for dtype, rows in (("float16", 1), ("bfloat16", 3), ("float16", 8))
+             for fmt in ("int", "e4m3")]
+    common = cuda_file("common.cuh")  # of the helper library, only the dtype table: the host's load below
+    sources, calls = [], []
+    for case, (dtype, rows, fmt) in enumerate(cases):
+        name, source = _dot_source(dtype, rows, fmt)
+        sources.append(source.replace(common, common[:common.index("// Two floats as one")] + "#endif\n"))
+        scalar, to_type = ("half", "__float2half") if dtype == "float16" else ("nv_bfloat16", "__float2bfloat16")
+        accs = ", ".join(f"acc[{i}]" for i in range(rows))
+        calls.append(f"""  {{  // case {case}: {dtype}, {rows} rows, {fmt}
+    const int M = {rows};
+    std::vector<{scalar}> a(M * K);
+    for (int i = 0; i < M * K; ++i) a[i] = {to_type}(((i * 29) % 41 - 20) / 8.f);
+    for (int c = 0; c < K / 16; ++c) {{
+      float acc[M] = {{0}};
+      {name}({accs}, wq + c * 16, a.data() + c * 16, K * 2);
+      for (int i = 0; i < M; ++i) {{
+        double sum = 0, size = 0;
+        for (int r = c * 16; r < c * 16 + 16; ++r) {{
+          const double w = {"(int8_t)wq[r]" if fmt == "int" else "e4m3[wq[r]]"};
+          sum += w * (double)(float)a[i * K + r]; size += std::fabs(w * (double)(float)a[i * K + r]);
+        }}
+        printf("dot {case} %d %d %08x %.17g %.17g\\n", c, i, host_bits(acc[i]), sum, size);
+      }}
+    }}
+  }}
+""")
+    source = "".join(sources).replace("__device__ __forceinline__", "__host__ __device__ inline")
+    source = source.replace("__uint_as_float(", "host_uint_as_float(")
+    program = f"""#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+inline uint4 autosched_ld_stream_v4(const void* p) {{ return *reinterpret_cast<const uint4*>(p); }}
+inline float host_uint_as_float(uint32_t bits) {{ float f; std::memcpy(&f, &bits, 4); return f; }}
+inline uint32_t host_bits(float f) {{ uint32_t b; std::memcpy(&b, &f, 4); return b; }}
+{source}
+int main() {{
+  // every code at every position: chunk c holds the codes c, c + 1, ..., c + 15 (mod 256)
+  alignas(16) uint8_t codes[256 * 16];
+  for (int c = 0; c < 256; ++c)
+    for (int i = 0; i < 16; ++i) codes[16 * c + i] = (uint8_t)(c + i);
+  for (int c = 0; c < 256; ++c) {{
+    float q8[16], e4m3[16];
+    autosched_q8_unpack(codes + 16 * c, q8);
+    autosched_e4m3_unpack(codes + 16 * c, e4m3);
+    for (int i = 0; i < 16; ++i) printf("code %d %08x %08x\\n", codes[16 * c + i], host_bits(q8[i]), host_bits(e4m3[i]));
+  }}
+  // E4M3FN by its definition, for the rows' float64 sums; the last chunk holds a NaN code (0xFF)
+  double e4m3[256];
+  for (int b = 0; b < 256; ++b) {{
+    const int e = (b >> 3) & 15, m = b & 7;
+    e4m3[b] = (b & 128 ? -1 : 1) * (e ? std::ldexp(1 + m / 8.0, e - 7) : std::ldexp(m / 8.0, -6));
+  }}
+  const int K = 17 * 16;
+  alignas(16) uint8_t wq[K];
+  for (int r = 0; r < K; ++r) {{ wq[r] = (uint8_t)(r * 37 + 11); if ((wq[r] & 127) == 127) wq[r] ^= 1; }}
+  wq[K - 5] = 0xFF;
+{"".join(calls)}  return 0;
+}}
+"""
+    (tmp_path / "host.cu").write_text(program)
+    build = subprocess.run(["nvcc", "-std=c++17", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    lines = subprocess.run(["./host"], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.splitlines()
+
+    def value(bits: str) -> float:
+        return struct.unpack("<f", bytes.fromhex(bits)[::-1])[0]
+
+    converted = [line.split()[1:] for line in lines if line.startswith("code ")]
+    assert len(converted) == 256 * 16 and {int(c) for c, _, _ in converted} == set(range(256))
+    codes = torch.tensor([int(c) for c, _, _ in converted], dtype=torch.uint8)
+    want_int = codes.view(torch.int8).double()
+    want_e4m3 = codes.view(torch.float8_e4m3fn).double() / 256
+    sign, exponent, mantissa = (codes >> 7).double(), ((codes >> 3) & 15).double(), (codes & 7).double()
+    defined = (1 - 2 * sign) * torch.where(exponent > 0, (1 + mantissa / 8) * 2 ** (exponent - 7),
+                                           mantissa / 8 * 2.0**-6) / 256
+    defined[(codes & 127) == 127] = float("nan")
+    got_int = torch.tensor([value(q) for _, q, _ in converted], dtype=torch.float64)
+    got_e4m3 = torch.tensor([value(e) for _, _, e in converted], dtype=torch.float64)
+    assert torch.equal(got_int, want_int), "int8 codes"
+    assert torch.equal(got_e4m3.isnan(), (codes & 127) == 127) and torch.equal(want_e4m3.isnan(), defined.isnan())
+    finite = ~got_e4m3.isnan()
+    assert torch.equal(got_e4m3[finite], want_e4m3[finite]) and torch.equal(got_e4m3[finite], defined[finite])
+    assert torch.equal(got_e4m3[finite].sign(), defined[finite].sign())
+    assert torch.equal(torch.signbit(got_e4m3[finite]), torch.signbit(defined[finite]))  # -0 from 0x80
+
+    dots = [line.split()[1:] for line in lines if line.startswith("dot ")]
+    assert len(dots) == 17 * sum(rows for _, rows, _ in cases)
+    for case, chunk, row, bits, want, size in dots:
+        dtype, rows, fmt = cases[int(case)]
+        got = value(bits) * (256 if fmt == "e4m3" else 1)  # the kernel scales E4M3's sums by 256 with the scale
+        if fmt == "e4m3" and int(chunk) == 16:  # the chunk with the NaN code
+            assert math.isnan(got), (dtype, rows, fmt, chunk, row)
+        else:
+            assert abs(got - float(want)) <= 1e-6 * float(size), (dtype, rows, fmt, chunk, row, got, want)
+
+
+@needs_nvcc
 @pytest.mark.slow
 @pytest.mark.parametrize("zeros", [False, True], ids=["zero-point-8", "zero-points"])
 def test_prefill_dequantisation_writes_the_swizzled_tile_tma_would(tmp_path, zeros):
