@@ -30,6 +30,7 @@ def _has_cuda() -> bool:
 FAST_CASES = {
     "test_sampled_cuda_kernels_compile": {
         "gemm-float16-m=256,n=256,k=128-sm_90", "dequant_gemm-float16-m=1,n=256,k=512-sm_90",
+        "dequant_gemm-float16-m=1,n=384,k=512-sm_90",  # gemv8 (float8 E4M3 codes)
         "rmsnorm-float16-m=8,n=1000-sm_90",
         "moe_gemm-float16-m=2,e=8,n=512,k=256-sm_90", "paged_decode_attention-float16-b=2,h=4,hkv=2,d=64,ctx=200,page=16-sm_90",
     },

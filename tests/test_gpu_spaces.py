@@ -48,8 +48,20 @@ CASES = [
     # ... and where the templates decline (9-16 rows, two groups per k step), the generic spaces follow the TE
     ("dequant_gemm", "m=12,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
     ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=32,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
-    # float8 E4M3 codes (fp8): the int4 templates decline them too, the generic spaces decode them as the TE does
-    ("dequant_gemm", "m=1,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gpu_gemv", "sm_90"),
+    # 8-bit weights with a scale per output channel, int8 (q8f16) and float8 E4M3 codes (fp8): decode steps of up to
+    # eight rows stream on sm_90 (gemv8: a 4096x4096 layer, an up and a down projection, odd n, a last partial step
+    # per lane)...
+    ("dequant_gemm", "m=1,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=1,n=4096,k=4096", "bfloat16", "bits=8,group=4096", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=1,n=4096,k=11008", "float16", "bits=8,group=11008", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=1,n=11008,k=4096", "float16", "bits=8,group=4096,fmt=e4m3", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=8,n=4096,k=4096", "bfloat16", "bits=8,group=4096,fmt=e4m3,bias=1,act=silu", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=8,n=11008,k=4096", "float16", "bits=8,group=4096,bias=1,act=silu", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=5,n=1001,k=352", "float16", "bits=8,group=352,fmt=e4m3,bias=1,act=gelu", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=3,n=1001,k=4112", "bfloat16", "bits=8,group=4112", "gemv8", "sm_90"),
+    # ... and past eight rows, and on older GPUs, the generic spaces decode them as the TE does
+    ("dequant_gemm", "m=12,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gpu_gemv", "sm_90"),
+    ("dequant_gemm", "m=1,n=4096,k=4096", "float16", "bits=8,group=4096", "gpu_gemv", "sm_80"),
     ("dequant_gemm", "m=80,n=264,k=192", "bfloat16", "bits=8,group=192,fmt=e4m3,bias=1", "gpu_matmul", "sm_90"),
     ("moe_gemm", "m=2,e=8,n=512,k=256", "float16", "", "gpu_moe_matmul", "sm_90"),  # decode: 1 token x 2 experts
     ("moe_gemm", "m=64,e=4,n=384,k=448", "bfloat16", "", "gpu_moe_matmul", "sm_90"),
@@ -104,7 +116,8 @@ def test_sampled_cuda_kernels_compile(op, shape, dtype, attrs, space_name, arch)
         report = nvcc_compile(source, space.codegen.get("arch", arch))
         assert report.ok, f"{point}:\n{report.log[-2000:]}"
         assert report.registers is not None
-        if space.name.startswith("hopper_"):  # their checks promise accumulators that fit in registers
+        # their checks promise accumulators that fit in registers (gemv8: at most 32, and 16 loads in flight)
+        if space.name.startswith("hopper_") or space.name == "gemv8":
             assert report.spills == 0, f"{point}: {report.spills} bytes spilled"
 
 
@@ -414,14 +427,17 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
 def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, the wgmma dequant
     kernel 17 rows on (one scale per k step), both with zero points (zeros=1: asymmetric AWQ/GPTQ) or
-    without; int8 and float8 weights, 9-16 rows, groups of 32 in prefill and older GPUs keep the TensorIR spaces."""
+    without; int8 and float8 weights with a scale per output channel and up to eight rows go to the streaming
+    8-bit kernel (gemv8); 9-16 rows, groups of 32 in prefill, 8-bit weights in groups or past eight rows and
+    older GPUs keep the TensorIR spaces."""
 
     def space(shape, attrs, target):
         return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
 
     assert space("m=1,n=4096,k=4096", "bits=4", sm90) == "int4_gemv"
     assert space("m=8,n=4096,k=4096", "bits=4,group=64", sm90) == "int4_gemv"
-    assert space("m=1,n=4096,k=4096", "bits=8", sm90) == "gpu_gemv"
+    assert space("m=1,n=4096,k=4096", "bits=8,group=4096", sm90) == "gemv8"  # q8f16: int8, a scale per channel
+    assert space("m=1,n=4096,k=4096", "bits=8", sm90) == "gpu_gemv"  # int8 in groups of 128
     assert space("m=16,n=4096,k=4096", "bits=4", sm90) == "gpu_gemv"
     assert space("m=17,n=4096,k=4096", "bits=4", sm90) == "hopper_dequant_gemm"  # prefill: wgmma
     assert space("m=512,n=4096,k=4096", "bits=4,group=32", sm90) == "gpu_matmul"  # two scales per k step
@@ -433,8 +449,66 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=12,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
     assert space("m=512,n=4096,k=4096", "bits=4,group=32,zeros=1", sm90) == "gpu_matmul"
     assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm80) == "gpu_gemv"
-    assert space("m=1,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gpu_gemv"  # fp8's E4M3 codes
+    assert space("m=1,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gemv8"  # fp8's E4M3 codes
     assert space("m=64,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gpu_matmul"
+    for fmt in ("", ",fmt=e4m3"):
+        for m in range(1, 9):
+            assert space(f"m={m},n=4096,k=11008", f"bits=8,group=11008{fmt}", sm90) == "gemv8", (m, fmt)
+            assert space(f"m={m},n=4096,k=4096", f"bits=8,group=4096,bias=1,act=silu{fmt}", sm90) == "gemv8"
+        assert space("m=9,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm90) == "gpu_gemv"
+        assert space("m=16,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm90) == "gpu_gemv"
+        assert space("m=17,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm90) == "gpu_matmul"
+        assert space("m=1,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm80) == "gpu_gemv"
+        assert space("m=8,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm80) == "gpu_gemv"
+        assert space("m=1,n=4096,k=4104", f"bits=8,group=4104{fmt}", sm90) == "gpu_gemv"  # no 16-byte chunks
+    for dtype in ("float16", "bfloat16"):
+        for fmt in ("", ",fmt=e4m3"):
+            task = Task.from_workload(make_workload("dequant_gemm", "m=4,n=4096,k=4096", dtype, f"bits=8,group=4096{fmt}"))
+            assert task.space(sm90).name == "gemv8"
+    fp32 = Task.from_workload(make_workload("dequant_gemm", "m=1,n=256,k=512", "float32", "bits=8,group=512"))
+    assert fp32.space(sm90).name == "gpu_gemv"
+
+
+@pytest.mark.parametrize("attrs", ["bits=8,group=512", "bits=8,group=512,bias=1", "bits=8,group=512,fmt=e4m3",
+                                   "bits=8,group=512,fmt=e4m3,bias=1,act=silu"])
+def test_gemv8_kernels_take_the_workloads_parameters_in_its_order(attrs, sm90):
+    """The 8-bit kernel takes the workload function's parameters, dtypes and shapes in its order: A, Wq (int8 codes,
+    or uint8 E4M3 bits), scales [n, 1], [bias], C; for every point of its space."""
+
+    def signature(func):
+        return [(str(p.dtype), tuple(int(x) for x in p.shape)) for p in func.params]
+
+    for shape, dtype in (("m=8,n=256,k=512", "float16"), ("m=1,n=300,k=512", "bfloat16")):
+        task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
+        space = task.space(sm90)
+        assert space.name == "gemv8"
+        points = [space.default(), {"warps": 1, "rows_per_warp": 4, "unroll": False}]
+        for point in points:
+            assert space.validate(point) is None
+            assert signature(space.kernel(point)) == signature(task.func), point
+
+
+def test_gemv8_unrolls_long_rows_in_equal_parts(sm90):
+    """``unroll`` issues a lane's loads together: the most steps that divide its full steps (those in which every
+    lane has a chunk) and issue at most 16 loads (a 4096 x 11008 down projection: 21 full steps a lane, unrolled 7
+    at a time, then a last step for half of the lanes); where only one step would be, ``unroll`` is canonically
+    off; points with more rows per block than the weights have are refused with the reason."""
+    from autosched.search_spaces.templates.gemv8 import unroll_factor
+
+    assert [unroll_factor(steps, 1) for steps in (0, 1, 8, 16, 17, 21, 28, 32)] == [1, 1, 8, 16, 1, 7, 14, 16]
+    assert [unroll_factor(21, rows) for rows in (2, 4)] == [7, 3]
+    down = Task.from_workload(make_workload("dequant_gemm", "m=1,n=4096,k=11008", "float16", "bits=8,group=11008"))
+    space = down.space(sm90)
+    assert (space.steps(), space.full_steps()) == (22, 21)
+    assert space.unrolled({"warps": 4, "rows_per_warp": 1, "unroll": True}) == 7
+    assert space.default() == {"warps": 4, "rows_per_warp": 2, "unroll": True}
+    odd = Task.from_workload(make_workload("dequant_gemm", "m=1,n=64,k=8704", "float16", "bits=8,group=8704"))
+    assert odd.space(sm90).canonical({"warps": 1, "rows_per_warp": 1, "unroll": True})["unroll"] is False  # 17
+    short = Task.from_workload(make_workload("dequant_gemm", "m=8,n=8,k=256", "float16", "bits=8,group=256"))
+    space = short.space(sm90)
+    assert space.steps() == 1 and space.canonical({"warps": 1, "rows_per_warp": 1, "unroll": True})["unroll"] is False
+    assert space.validate({"warps": 1, "rows_per_warp": 4, "unroll": False}) is None  # 32 accumulators
+    assert "more rows per block" in space.validate({"warps": 8, "rows_per_warp": 4, "unroll": False})
 
 
 @pytest.mark.parametrize("attrs", ["bits=4,group=128", "bits=4,group=128,bias=1", "bits=4,group=128,zeros=1",
@@ -1125,6 +1199,7 @@ def test_overlapped_softmax_compiles_and_leaves_the_serial_kernel_as_it_was(sm90
 TEMPLATE_CASES = {
     "hopper_gemm": [("gemm", "m=16,n=4096,k=4096", "float16", ""), ("gemm", "m=2048,n=4096,k=1024", "float16", "")],
     "int4_gemv": [("dequant_gemm", "m=8,n=2048,k=1024", "float16", "bits=4,group=128")],
+    "gemv8": [("dequant_gemm", "m=4,n=2048,k=4096", "bfloat16", "bits=8,group=4096,fmt=e4m3")],
     "hopper_dequant_gemm": [("dequant_gemm", "m=2048,n=4096,k=256", "float16", "bits=4,group=128")],
     "paged_decode": [("paged_decode_attention", "b=2,h=16,hkv=2,d=128,ctx=600,page=16", "float16", "")],
     "hopper_attention": [("attention", "b=1,h=4,hkv=2,s=300,d=64", "float16", "causal=1")],

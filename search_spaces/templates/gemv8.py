@@ -50,35 +50,45 @@ def _dot_source(dtype: str, m: int, fmt: str) -> tuple[str, str]:
         f"{{ float w[16]; {unpack}(wp, w); {rows} }}\n")
 
 
-def unroll_factor(steps: int, rows_per_warp: int) -> int:
-    """Steps of a lane's loop unrolled together: all of them where that issues at most 16 loads, else the loop
-    cut into the fewest equal parts that each issue at most 16."""
+def unroll_factor(full_steps: int, rows_per_warp: int) -> int:
+    """Steps of a lane's loop unrolled together: the most that divide its ``full_steps`` (the steps in which every
+    lane has a chunk) and issue at most 16 loads."""
     most = max(1, MAX_UNROLLED_STEPS // rows_per_warp)
-    return math.ceil(steps / math.ceil(steps / most))
+    return max(d for d in range(1, min(full_steps, most) + 1) if full_steps % d == 0) if full_steps else 1
 
 
 def gemv8_kernel(m: int, n: int, k: int, dtype: str, fmt: str, bias: bool, act: str, p: Point):
-    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · (s[n] · w(Wq[n, k]))ᵀ + bias[n])."""
+    """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · (s[n] · w(Wq[n, k]))ᵀ + bias[n]).
+
+    A lane's loop runs over the steps in which every lane has a chunk, ``unrolled`` at a time, then a last step for
+    the lanes of a row's remaining chunks. Its loads are unconditional (a warp past the last weight row reads the last
+    row again, and stores nothing), so that nvcc may issue an unrolled part's loads before its arithmetic."""
     from tvm.script import tirx as T
 
     warps, rows_pw = p["warps"], p["rows_per_warp"]
     threads, rows_pb = 32 * warps, warps * rows_pw
     grid = math.ceil(n / rows_pb)
     chunks = k // CHUNK  # per weight row
-    steps = math.ceil(chunks / 32)  # per lane
-    unrolled = unroll_factor(steps, rows_pw) if p["unroll"] else 1
-    rounds = math.ceil(steps / unrolled)
+    full, tail = divmod(chunks, 32)  # steps in which every lane has a chunk; the lanes of the last one
+    unrolled = unroll_factor(full, rows_pw) if p["unroll"] else 1
     dot, dot_source = _dot_source(dtype, m, fmt)
     _, store1, epi_source = _epilogue_source(dtype, act)
-    factor = E4M3_SCALE if fmt == "e4m3" else 1.0
 
     def scale(S, row):  # the channel's scale, with E4M3's 2^8
         s = T.Cast("float32", S[row, 0])
-        return s * T.float32(factor) if fmt == "e4m3" else s
+        return s * T.float32(E4M3_SCALE) if fmt == "e4m3" else s
 
     def stored(acc, S, Bias, i, row):
         value = acc[i] * scale(S, row)
         return value + T.Cast("float32", Bias[row]) if bias else value
+
+    def read_row(row):  # the weight row a warp reads: past the last one (n that no block divides), the last
+        return T.min(row, n - 1) if n % rows_pb else row
+
+    def add_chunk(acc, A, Wq, r, row, chunk):
+        return T.cuda.func_call(dot, *[acc[r * m + i] for i in range(m)],
+                         Wq.access_ptr("r", offset=read_row(row) * k + chunk * CHUNK),
+                         A.access_ptr("r", offset=chunk * CHUNK), k * 2, source_code=dot_source)
 
     # fmt: off
     @T.macro
@@ -88,26 +98,25 @@ def gemv8_kernel(m: int, n: int, k: int, dtype: str, fmt: str, bias: bool, act: 
         tx = T.thread_id([threads])
         acc = T.alloc_local((rows_pw * m,), "float32")
         lane = T.meta_var(tx % 32)
+        first = T.meta_var(bx * rows_pb + (tx // 32) * rows_pw)  # the warp's first weight row
         for i in T.unroll(rows_pw * m):
             acc[i] = T.float32(0)
-        for outer in T.serial(rounds):
+        for outer in T.serial(full // unrolled):
             for inner in T.unroll(unrolled):
                 for r in T.unroll(rows_pw):
-                    row = T.meta_var(bx * rows_pb + (tx // 32) * rows_pw + r)
-                    chunk = T.meta_var((outer * unrolled + inner) * 32 + lane)
-                    if row < n and chunk < chunks:
-                        T.cuda.func_call(dot, *[acc[r * m + i] for i in range(m)],
-                                         Wq.access_ptr("r", offset=row * k + chunk * CHUNK),
-                                         A.access_ptr("r", offset=chunk * CHUNK), k * 2, source_code=dot_source)
+                    add_chunk(acc, A, Wq, r, first + r, (outer * unrolled + inner) * 32 + lane)
+        if tail > 0:
+            if lane < tail:
+                for r in T.unroll(rows_pw):
+                    add_chunk(acc, A, Wq, r, first + r, full * 32 + lane)
         for i in T.unroll(rows_pw * m):
             T.cuda.func_call(_WARP_SUM, acc[i], source_code=cuda_file("int4_gemv.cuh"))
         if lane == 0:
             for r in T.unroll(rows_pw):
-                row = T.meta_var(bx * rows_pb + (tx // 32) * rows_pw + r)
-                if row < n:
+                if first + r < n:
                     for i in T.unroll(m):
-                        T.cuda.func_call(store1, C.access_ptr("w", offset=i * n + row),
-                                         stored(acc, S, Bias, r * m + i, row), source_code=epi_source)
+                        T.cuda.func_call(store1, C.access_ptr("w", offset=i * n + first + r),
+                                         stored(acc, S, Bias, r * m + i, first + r), source_code=epi_source)
 
     @T.prim_func
     def main(A: T.Buffer((m, k), dtype, align=16), Wq: T.Buffer((n, k), _CODES[fmt], align=16),
@@ -161,11 +170,16 @@ class Gemv8Space(HopperTemplate):
         ]
 
     def steps(self) -> int:
+        """Steps of a lane's loop, the last one for part of the lanes where 32 do not divide a row's chunks."""
         return math.ceil(self.k // CHUNK / 32)
+
+    def full_steps(self) -> int:
+        """Steps in which every lane has a chunk."""
+        return self.k // CHUNK // 32
 
     def unrolled(self, p: Point) -> int:
         """Steps of a lane's loop whose loads are issued together."""
-        return unroll_factor(self.steps(), p["rows_per_warp"]) if p["unroll"] else 1
+        return unroll_factor(self.full_steps(), p["rows_per_warp"]) if p["unroll"] else 1
 
     def check(self, p: Point) -> str | None:
         if p["rows_per_warp"] * self.m > 32:
@@ -175,8 +189,8 @@ class Gemv8Space(HopperTemplate):
         return None
 
     def canonical(self, p: Point) -> Point:
-        # a lane of one step has nothing to unroll
-        return p | {"unroll": False} if self.steps() == 1 else p
+        # nothing to unroll where no more than one step divides the full steps
+        return p | {"unroll": False} if unroll_factor(self.full_steps(), p["rows_per_warp"]) == 1 else p
 
     def default(self) -> Point:
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},

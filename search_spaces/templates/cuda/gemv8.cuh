@@ -59,7 +59,8 @@ __device__ __forceinline__ void autosched_q8_row(float& acc, const float (&w)[16
     #pragma unroll
     for (int t = 0; t < 4; ++t) {
       float2 f = autosched_dtype<T>::to_float2(*reinterpret_cast<const typename autosched_dtype<T>::pair*>(&aw[t]));
-      s += f.x * w[v * 8 + 2 * t] + f.y * w[v * 8 + 2 * t + 1];
+      s += f.x * w[v * 8 + 2 * t];  // one FMA per weight
+      s += f.y * w[v * 8 + 2 * t + 1];
     }
   }
   acc += s;
