@@ -1039,6 +1039,103 @@ def _host_body(source: str) -> str:
     return re.sub(r"asm volatile\(.*?\);", ";", source, flags=re.S)
 
 
+CUDA_SCALAR_HOST = {"float16": "half", "bfloat16": "nv_bfloat16"}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("shape,dtype,attrs,point", [
+    ("m=3,n=37,k=3152", "float16", "bits=8,group=3152,fmt=e4m3,bias=1,act=silu",
+     {"warps": 2, "rows_per_warp": 4, "unroll": True}),
+    ("m=8,n=21,k=1040", "bfloat16", "bits=8,group=1040,bias=1,act=gelu", {"warps": 1, "rows_per_warp": 2, "unroll": False}),
+    ("m=1,n=50,k=512", "float16", "bits=8,group=512", {"warps": 4, "rows_per_warp": 2, "unroll": True}),
+    ("m=5,n=24,k=8192", "bfloat16", "bits=8,group=8192,fmt=e4m3", {"warps": 8, "rows_per_warp": 1, "unroll": True}),
+], ids=["e4m3-fp16-silu-tail-odd-n", "int8-bf16-gelu-8-rows", "int8-fp16-one-step", "e4m3-bf16-unrolled-16"])
+def test_gemv8_kernel_matches_float64_on_the_host(shape, dtype, attrs, point, tmp_path):
+    """gemv8's whole kernel as TVM generates it (its indexing, the loop's unrolled parts and last partial step, the
+    last block's rows past n read again and not stored, the scale, E4M3's 256, bias and activation), compiled for
+    the host by nvcc and run block by block with one thread per CUDA thread (warp shuffles emulated), against the
+    workload's float64 reference on its own inputs."""
+    import subprocess
+
+    import torch
+
+    from autosched.search_spaces.templates._hopper import cuda_file
+    from autosched.search_spaces.templates.gemv8 import _dot_source
+    from autosched.workloads import get_operator
+
+    sm90 = parse_target("cuda:sm_90", require_device=False)
+    wl = make_workload("dequant_gemm", shape, dtype, attrs)
+    op, s, a = get_operator("dequant_gemm"), wl.shape_dict, wl.attrs_dict
+    m, n = s["m"], s["n"]
+    task = Task.from_workload(wl)
+    space = task.space(sm90)
+    assert space.name == "gemv8" and space.validate(point) is None
+    source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+    params, body = re.search(r"main_kernel\(([^)]*)\) \{\n(.*)\}\n\s*$", source, flags=re.S).groups()
+    names = [p.split()[-1].removesuffix("_ptr") for p in params.split(",")]
+    assert set(names) == {"A", "Wq", "S", "C"} | ({"Bias"} if a["bias"] else set()), names
+    ins = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    for name, tensor in zip(["A", "Wq", "S"] + (["Bias"] if a["bias"] else []), ins):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    fmt = a.get("fmt", "int")
+    dot, dot_helper = _dot_source(dtype, m, fmt)
+    common = cuda_file("common.cuh")  # of the helper library, only the dtype table: the host's load below
+    dot_helper = dot_helper.replace(common, common[:common.index("// Two floats as one")] + "#endif\n")
+    dot_helper = dot_helper.replace("__device__ __forceinline__", "inline").replace("__uint_as_float(", "host_uint_as_float(")
+    scalar = CUDA_SCALAR_HOST[dtype]
+    act = {"none": "x", "silu": "x / (1.0f + std::exp(-x))",
+           "gelu": "0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f))"}[a["act"]]
+    tag = f"{'f16' if dtype == 'float16' else 'bf16'}_{a['act']}"
+    body = _host_body(body).replace("blockIdx", "host_block").replace("__shfl_sync(", "host_shfl_idx(")
+    types = {"A": scalar, "Wq": "int8_t" if fmt == "int" else "uint8_t", "S": scalar, "Bias": scalar, "C": scalar}
+    program = HOST_SHIM + f"""
+typedef unsigned char uchar;
+thread_local HostDim host_block;
+inline int host_shfl_idx(unsigned, int v, int, int) {{ return v; }}  // the warp's own index: the same in every lane
+inline float host_uint_as_float(uint32_t bits) {{ float f; std::memcpy(&f, &bits, 4); return f; }}
+inline uint4 autosched_ld_stream_v4(const void* p) {{ return *reinterpret_cast<const uint4*>(p); }}
+inline void autosched_warp_sum(float& x) {{ for (int o = 16; o > 0; o >>= 1) x += host_shfl_xor(0xffffffffu, x, o); }}
+inline void autosched_store1_{tag}({scalar}* c, float x) {{ *c = ({scalar})({act}); }}
+{dot_helper}
+void main_kernel({params}) {{
+{body}}}
+template <class T> std::vector<T> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<T> data(n / sizeof(T)); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+{"".join(f'  auto {v} = load<{types[v]}>("{v}.bin");' + chr(10) for v in names if v != "C")}  std::vector<{scalar}> C({m * n});
+  const int threads = {point["warps"] * 32};
+  host_warps_per_cta = {point["warps"]};
+  host_rank = 0;
+  for (int bx = 0; bx < {-(-n // (point["warps"] * point["rows_per_warp"]))}; ++bx) {{
+    host_warp_barriers.clear();
+    for (int w = 0; w < {point["warps"]}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {{
+        host_thread.x = t;
+        host_block.x = bx;
+        main_kernel({", ".join(f"({types[v]}*){v}.data()" for v in names)});
+      }});
+    for (auto& th : pool) th.join();
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("out.bin", "wb"); fwrite(C.data(), sizeof({scalar}), C.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    (tmp_path / "host.cu").write_text(program)
+    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=300)
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=ins[0].dtype).reshape(m, n)
+    ref = op.reference(wl, ins)[0]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < op.tolerance(wl), f"relative error {err}"
+
+
 
 @needs_nvcc
 def test_paged_decode_tma_loop_is_the_gqa_default_and_compiles(sm90):
