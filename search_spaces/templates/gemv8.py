@@ -18,8 +18,13 @@ streaming kernel (:mod:`.int4_gemv`) for bytes:
 * the lanes' partial sums meet by warp shuffles (int4_gemv's), and lane 0 applies bias and activation and stores.
 
 Knobs: int4_gemv's warps per block, weight rows per warp and ``unroll``. Rows of 8-bit weights take twice the
-chunks of int4 ones, so where a lane's whole loop would issue more than 16 loads, ``unroll`` unrolls it in
-equal parts of at most that many (a 4096 x 11008 down projection's 22 steps as two of 11).
+chunks of int4 ones, so rather than unrolling a lane's whole loop (which int4_gemv refuses past 16 loads),
+``unroll`` unrolls it in equal parts: the most steps that divide its full steps (those in which every lane has a
+chunk) and issue at most 16 loads; a last step serves the lanes of a row's remaining chunks (a 4096 x 11008 down
+projection: 21 full steps in parts of 7, then a step for half of the lanes). The loads are unconditional, so
+that nvcc may issue a part's loads before its arithmetic: warps past the last weight row read it again and store
+nothing. Kept apart from int4_gemv (whose generated code stays as it was), it shares that template's warp sum,
+limits and epilogue.
 """
 
 from __future__ import annotations
