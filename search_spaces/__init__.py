@@ -21,7 +21,8 @@ matmul spaces tile B as shared by every row of a tile, which a weight gathered p
 A space may also decline a function for a target (``Space.suits``): ``hopper_gemm``,
 ``hopper_fp8_gemm``, ``hopper_dequant_gemm`` and ``hopper_attention``, the TIRx wgmma kernels, serve ``gemm``,
 ``fp8_gemm``, int4 ``dequant_gemm`` past eight rows and prefill ``attention`` on sm_90 only; older GPUs get the WMMA
-and ``flash_attention`` spaces.
+and ``flash_attention`` spaces. The streaming decode GEMVs ``int4_gemv`` and ``gemv8`` (8-bit weights, int8 or
+float8 E4M3, one scale per output channel) serve ``dequant_gemm``'s steps of up to eight rows on sm_90.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def space_classes() -> dict[str, type[Space]]:
     from .generated.matmul import MatmulSpace
     from .generated.moe_matmul import MoeMatmulSpace
     from .generated.rows import RowsSpace
+    from .templates.gemv8 import Gemv8Space
     from .templates.gpu_attention import FlashAttentionSpace
     from .templates.hopper_attention import HopperAttentionSpace
     from .templates.hopper_dequant import HopperDequantGemmSpace
@@ -66,8 +68,8 @@ def space_classes() -> dict[str, type[Space]]:
     from .templates.paged_decode import PagedDecodeSpace
 
     ordered = (MatmulSpace, MoeMatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
-               HopperGemmSpace, HopperFp8GemmSpace, HopperAttentionSpace, Int4GemvSpace, HopperDequantGemmSpace,
-               PagedDecodeSpace,
+               HopperGemmSpace, HopperFp8GemmSpace, HopperAttentionSpace, Int4GemvSpace, Gemv8Space,
+               HopperDequantGemmSpace, PagedDecodeSpace,
                # (CUDA, sm_90: each declines other targets)
                FlashAttentionSpace, GpuMoeMatmulSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}

@@ -250,6 +250,32 @@ def test_int4_gemv_with_zero_points_is_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
 
 
+def test_gemv8_is_correct_on_the_gpu(measurers):
+    """8-bit decode GEMVs with a scale per output channel, int8 codes (q8f16) and float8 E4M3 codes (fp8): a 4096x4096
+    layer's decode steps of one and eight rows, a down projection (k = 11008: unrolled parts, then a last step for
+    half of the lanes), n that no block divides, a bias with SiLU and GELU, fp16 and bf16; blocks of 1 to 8 warps and
+    1 to 4 rows per warp, unrolled or not: every point matches the float64 reference."""
+    target, measurer = measurers("sm_90")
+    cases = (("m=1,n=4096,k=4096", "float16", "bits=8,group=4096"),
+             ("m=1,n=4096,k=4096", "bfloat16", "bits=8,group=4096,fmt=e4m3"),
+             ("m=8,n=4096,k=4096", "float16", "bits=8,group=4096,fmt=e4m3"),
+             ("m=8,n=4096,k=4096", "bfloat16", "bits=8,group=4096,bias=1,act=silu"),
+             ("m=1,n=4096,k=11008", "float16", "bits=8,group=11008,fmt=e4m3"),
+             ("m=4,n=4096,k=11008", "float16", "bits=8,group=11008"),
+             ("m=5,n=1001,k=352", "float16", "bits=8,group=352,fmt=e4m3,bias=1,act=silu"),
+             ("m=3,n=300,k=4112", "bfloat16", "bits=8,group=4112,bias=1,act=gelu"))
+    for shape, dtype, attrs in cases:
+        task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
+        space = task.space(target)
+        assert space.name == "gemv8"
+        points = [space.canonical({"warps": w, "rows_per_warp": r, "unroll": u})
+                  for w, r, u in ((4, 2, True), (1, 4, False), (8, 1, True), (2, 4, True), (4, 1, False))]
+        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        assert len(points) >= 4, shape
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {dtype} {attrs} {point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_moe_gemv_points_are_correct_on_the_gpu(measurers):
     """gpu_moe_matmul at Mixtral's decode and a prefill's shapes (cut in N): each routed row by its own
     expert's weight, with one to four rows per block, X staged in shared memory or read from global memory,

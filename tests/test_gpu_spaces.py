@@ -48,8 +48,20 @@ CASES = [
     # ... and where the templates decline (9-16 rows, two groups per k step), the generic spaces follow the TE
     ("dequant_gemm", "m=12,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
     ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=32,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
-    # float8 E4M3 codes (fp8): the int4 templates decline them too, the generic spaces decode them as the TE does
-    ("dequant_gemm", "m=1,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gpu_gemv", "sm_90"),
+    # 8-bit weights with a scale per output channel, int8 (q8f16) and float8 E4M3 codes (fp8): decode steps of up to
+    # eight rows stream on sm_90 (gemv8: a 4096x4096 layer, an up and a down projection, odd n, a last partial step
+    # per lane)...
+    ("dequant_gemm", "m=1,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=1,n=4096,k=4096", "bfloat16", "bits=8,group=4096", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=1,n=4096,k=11008", "float16", "bits=8,group=11008", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=1,n=11008,k=4096", "float16", "bits=8,group=4096,fmt=e4m3", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=8,n=4096,k=4096", "bfloat16", "bits=8,group=4096,fmt=e4m3,bias=1,act=silu", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=8,n=11008,k=4096", "float16", "bits=8,group=4096,bias=1,act=silu", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=5,n=1001,k=352", "float16", "bits=8,group=352,fmt=e4m3,bias=1,act=gelu", "gemv8", "sm_90"),
+    ("dequant_gemm", "m=3,n=1001,k=4112", "bfloat16", "bits=8,group=4112", "gemv8", "sm_90"),
+    # ... and past eight rows, and on older GPUs, the generic spaces decode them as the TE does
+    ("dequant_gemm", "m=12,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gpu_gemv", "sm_90"),
+    ("dequant_gemm", "m=1,n=4096,k=4096", "float16", "bits=8,group=4096", "gpu_gemv", "sm_80"),
     ("dequant_gemm", "m=80,n=264,k=192", "bfloat16", "bits=8,group=192,fmt=e4m3,bias=1", "gpu_matmul", "sm_90"),
     # float8 E4M3 activations and weights (fp8_gemm): wgmma's e4m3 form on sm_90 (a prefill chunk of 512 tokens,
     # shapes no tile divides with bias and SiLU, a decode step's swapped operands), the generic spaces elsewhere
@@ -110,7 +122,8 @@ def test_sampled_cuda_kernels_compile(op, shape, dtype, attrs, space_name, arch)
         report = nvcc_compile(source, space.codegen.get("arch", arch))
         assert report.ok, f"{point}:\n{report.log[-2000:]}"
         assert report.registers is not None
-        if space.name.startswith("hopper_"):  # their checks promise accumulators that fit in registers
+        # their checks promise accumulators that fit in registers (gemv8: at most 32, and 16 loads in flight)
+        if space.name.startswith("hopper_") or space.name == "gemv8":
             assert report.spills == 0, f"{point}: {report.spills} bytes spilled"
 
 
@@ -508,14 +521,17 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
 def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, the wgmma dequant
     kernel 17 rows on (one scale per k step), both with zero points (zeros=1: asymmetric AWQ/GPTQ) or
-    without; int8 and float8 weights, 9-16 rows, groups of 32 in prefill and older GPUs keep the TensorIR spaces."""
+    without; int8 and float8 weights with a scale per output channel and up to eight rows go to the streaming
+    8-bit kernel (gemv8); 9-16 rows, groups of 32 in prefill, 8-bit weights in groups or past eight rows and
+    older GPUs keep the TensorIR spaces."""
 
     def space(shape, attrs, target):
         return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
 
     assert space("m=1,n=4096,k=4096", "bits=4", sm90) == "int4_gemv"
     assert space("m=8,n=4096,k=4096", "bits=4,group=64", sm90) == "int4_gemv"
-    assert space("m=1,n=4096,k=4096", "bits=8", sm90) == "gpu_gemv"
+    assert space("m=1,n=4096,k=4096", "bits=8,group=4096", sm90) == "gemv8"  # q8f16: int8, a scale per channel
+    assert space("m=1,n=4096,k=4096", "bits=8", sm90) == "gpu_gemv"  # int8 in groups of 128
     assert space("m=16,n=4096,k=4096", "bits=4", sm90) == "gpu_gemv"
     assert space("m=17,n=4096,k=4096", "bits=4", sm90) == "hopper_dequant_gemm"  # prefill: wgmma
     assert space("m=512,n=4096,k=4096", "bits=4,group=32", sm90) == "gpu_matmul"  # two scales per k step
@@ -527,8 +543,66 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=12,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
     assert space("m=512,n=4096,k=4096", "bits=4,group=32,zeros=1", sm90) == "gpu_matmul"
     assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm80) == "gpu_gemv"
-    assert space("m=1,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gpu_gemv"  # fp8's E4M3 codes
+    assert space("m=1,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gemv8"  # fp8's E4M3 codes
     assert space("m=64,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gpu_matmul"
+    for fmt in ("", ",fmt=e4m3"):
+        for m in range(1, 9):
+            assert space(f"m={m},n=4096,k=11008", f"bits=8,group=11008{fmt}", sm90) == "gemv8", (m, fmt)
+            assert space(f"m={m},n=4096,k=4096", f"bits=8,group=4096,bias=1,act=silu{fmt}", sm90) == "gemv8"
+        assert space("m=9,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm90) == "gpu_gemv"
+        assert space("m=16,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm90) == "gpu_gemv"
+        assert space("m=17,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm90) == "gpu_matmul"
+        assert space("m=1,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm80) == "gpu_gemv"
+        assert space("m=8,n=4096,k=4096", f"bits=8,group=4096{fmt}", sm80) == "gpu_gemv"
+        assert space("m=1,n=4096,k=4104", f"bits=8,group=4104{fmt}", sm90) == "gpu_gemv"  # no 16-byte chunks
+    for dtype in ("float16", "bfloat16"):
+        for fmt in ("", ",fmt=e4m3"):
+            task = Task.from_workload(make_workload("dequant_gemm", "m=4,n=4096,k=4096", dtype, f"bits=8,group=4096{fmt}"))
+            assert task.space(sm90).name == "gemv8"
+    fp32 = Task.from_workload(make_workload("dequant_gemm", "m=1,n=256,k=512", "float32", "bits=8,group=512"))
+    assert fp32.space(sm90).name == "gpu_gemv"
+
+
+@pytest.mark.parametrize("attrs", ["bits=8,group=512", "bits=8,group=512,bias=1", "bits=8,group=512,fmt=e4m3",
+                                   "bits=8,group=512,fmt=e4m3,bias=1,act=silu"])
+def test_gemv8_kernels_take_the_workloads_parameters_in_its_order(attrs, sm90):
+    """The 8-bit kernel takes the workload function's parameters, dtypes and shapes in its order: A, Wq (int8 codes,
+    or uint8 E4M3 bits), scales [n, 1], [bias], C; for every point of its space."""
+
+    def signature(func):
+        return [(str(p.dtype), tuple(int(x) for x in p.shape)) for p in func.params]
+
+    for shape, dtype in (("m=8,n=256,k=512", "float16"), ("m=1,n=300,k=512", "bfloat16")):
+        task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
+        space = task.space(sm90)
+        assert space.name == "gemv8"
+        points = [space.default(), {"warps": 1, "rows_per_warp": 4, "unroll": False}]
+        for point in points:
+            assert space.validate(point) is None
+            assert signature(space.kernel(point)) == signature(task.func), point
+
+
+def test_gemv8_unrolls_long_rows_in_equal_parts(sm90):
+    """``unroll`` issues a lane's loads together: the most steps that divide its full steps (those in which every
+    lane has a chunk) and issue at most 16 loads (a 4096 x 11008 down projection: 21 full steps a lane, unrolled 7
+    at a time, then a last step for half of the lanes); where only one step would be, ``unroll`` is canonically
+    off; points with more rows per block than the weights have are refused with the reason."""
+    from autosched.search_spaces.templates.gemv8 import unroll_factor
+
+    assert [unroll_factor(steps, 1) for steps in (0, 1, 8, 16, 17, 21, 28, 32)] == [1, 1, 8, 16, 1, 7, 14, 16]
+    assert [unroll_factor(21, rows) for rows in (2, 4)] == [7, 3]
+    down = Task.from_workload(make_workload("dequant_gemm", "m=1,n=4096,k=11008", "float16", "bits=8,group=11008"))
+    space = down.space(sm90)
+    assert (space.steps(), space.full_steps()) == (22, 21)
+    assert space.unrolled({"warps": 4, "rows_per_warp": 1, "unroll": True}) == 7
+    assert space.default() == {"warps": 4, "rows_per_warp": 2, "unroll": True}
+    odd = Task.from_workload(make_workload("dequant_gemm", "m=1,n=64,k=8704", "float16", "bits=8,group=8704"))
+    assert odd.space(sm90).canonical({"warps": 1, "rows_per_warp": 1, "unroll": True})["unroll"] is False  # 17
+    short = Task.from_workload(make_workload("dequant_gemm", "m=8,n=8,k=256", "float16", "bits=8,group=256"))
+    space = short.space(sm90)
+    assert space.steps() == 1 and space.canonical({"warps": 1, "rows_per_warp": 1, "unroll": True})["unroll"] is False
+    assert space.validate({"warps": 1, "rows_per_warp": 4, "unroll": False}) is None  # 32 accumulators
+    assert "more rows per block" in space.validate({"warps": 8, "rows_per_warp": 4, "unroll": False})
 
 
 @pytest.mark.parametrize("attrs", ["bits=4,group=128", "bits=4,group=128,bias=1", "bits=4,group=128,zeros=1",
@@ -643,6 +717,123 @@ int main() {{
         # the half2 bounds are ~1e-4 of it.
         limit = 2 * bound if zeros else bound
         assert worst < limit, f"{dtype} (half2 products: {half}, |a| up to {2.5 * magnitude}): off by {worst}"
+
+
+@needs_nvcc
+def test_8bit_codes_convert_exactly_and_gemv8_chunks_match_float64_on_the_host(tmp_path):
+    """gemv8's conversions (``cuda/gemv8.cuh``), compiled for the host by nvcc and run on every code at every
+    position of a 16-byte chunk: an int8 code becomes exactly its integer, an E4M3FN code exactly its value over
+    256 (torch's float8_e4m3fn, and the format's definition in float64: normal and subnormal codes, signed zeros,
+    NaN for 0x7F and 0xFF). The chunk helpers (1 to 8 activation rows, fp16 and bf16) add each row's product with
+    the chunk to its accumulator, within fp32's rounding of float64, a NaN code making every row's sum NaN."""
+    import struct
+    import subprocess
+
+    import torch
+
+    from autosched.search_spaces.templates._hopper import cuda_file
+    from autosched.search_spaces.templates.gemv8 import _dot_source
+
+    cases = [(dtype, rows, fmt) for dtype, rows in (("float16", 1), ("bfloat16", 3), ("float16", 8))
+             for fmt in ("int", "e4m3")]
+    common = cuda_file("common.cuh")  # of the helper library, only the dtype table: the host's load below
+    sources, calls = [], []
+    for case, (dtype, rows, fmt) in enumerate(cases):
+        name, source = _dot_source(dtype, rows, fmt)
+        sources.append(source.replace(common, common[:common.index("// Two floats as one")] + "#endif\n"))
+        scalar, to_type = ("half", "__float2half") if dtype == "float16" else ("nv_bfloat16", "__float2bfloat16")
+        accs = ", ".join(f"acc[{i}]" for i in range(rows))
+        calls.append(f"""  {{  // case {case}: {dtype}, {rows} rows, {fmt}
+    const int M = {rows};
+    std::vector<{scalar}> a(M * K);
+    for (int i = 0; i < M * K; ++i) a[i] = {to_type}(((i * 29) % 41 - 20) / 8.f);
+    for (int c = 0; c < K / 16; ++c) {{
+      float acc[M] = {{0}};
+      {name}({accs}, wq + c * 16, a.data() + c * 16, K * 2);
+      for (int i = 0; i < M; ++i) {{
+        double sum = 0, size = 0;
+        for (int r = c * 16; r < c * 16 + 16; ++r) {{
+          const double w = {"(int8_t)wq[r]" if fmt == "int" else "e4m3[wq[r]]"};
+          sum += w * (double)(float)a[i * K + r]; size += std::fabs(w * (double)(float)a[i * K + r]);
+        }}
+        printf("dot {case} %d %d %08x %.17g %.17g\\n", c, i, host_bits(acc[i]), sum, size);
+      }}
+    }}
+  }}
+""")
+    source = "".join(sources).replace("__device__ __forceinline__", "__host__ __device__ inline")
+    source = source.replace("__uint_as_float(", "host_uint_as_float(")
+    program = f"""#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+inline uint4 autosched_ld_stream_v4(const void* p) {{ return *reinterpret_cast<const uint4*>(p); }}
+inline float host_uint_as_float(uint32_t bits) {{ float f; std::memcpy(&f, &bits, 4); return f; }}
+inline uint32_t host_bits(float f) {{ uint32_t b; std::memcpy(&b, &f, 4); return b; }}
+{source}
+int main() {{
+  // every code at every position: chunk c holds the codes c, c + 1, ..., c + 15 (mod 256)
+  alignas(16) uint8_t codes[256 * 16];
+  for (int c = 0; c < 256; ++c)
+    for (int i = 0; i < 16; ++i) codes[16 * c + i] = (uint8_t)(c + i);
+  for (int c = 0; c < 256; ++c) {{
+    float q8[16], e4m3[16];
+    autosched_q8_unpack(codes + 16 * c, q8);
+    autosched_e4m3_unpack(codes + 16 * c, e4m3);
+    for (int i = 0; i < 16; ++i) printf("code %d %08x %08x\\n", codes[16 * c + i], host_bits(q8[i]), host_bits(e4m3[i]));
+  }}
+  // E4M3FN by its definition, for the rows' float64 sums; the last chunk holds a NaN code (0xFF)
+  double e4m3[256];
+  for (int b = 0; b < 256; ++b) {{
+    const int e = (b >> 3) & 15, m = b & 7;
+    e4m3[b] = (b & 128 ? -1 : 1) * (e ? std::ldexp(1 + m / 8.0, e - 7) : std::ldexp(m / 8.0, -6));
+  }}
+  const int K = 17 * 16;
+  alignas(16) uint8_t wq[K];
+  for (int r = 0; r < K; ++r) {{ wq[r] = (uint8_t)(r * 37 + 11); if ((wq[r] & 127) == 127) wq[r] ^= 1; }}
+  wq[K - 5] = 0xFF;
+{"".join(calls)}  return 0;
+}}
+"""
+    (tmp_path / "host.cu").write_text(program)
+    build = subprocess.run(["nvcc", "-std=c++17", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    lines = subprocess.run(["./host"], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.splitlines()
+
+    def value(bits: str) -> float:
+        return struct.unpack("<f", bytes.fromhex(bits)[::-1])[0]
+
+    converted = [line.split()[1:] for line in lines if line.startswith("code ")]
+    assert len(converted) == 256 * 16 and {int(c) for c, _, _ in converted} == set(range(256))
+    codes = torch.tensor([int(c) for c, _, _ in converted], dtype=torch.uint8)
+    want_int = codes.view(torch.int8).double()
+    want_e4m3 = codes.view(torch.float8_e4m3fn).double() / 256
+    sign, exponent, mantissa = (codes >> 7).double(), ((codes >> 3) & 15).double(), (codes & 7).double()
+    defined = (1 - 2 * sign) * torch.where(exponent > 0, (1 + mantissa / 8) * 2 ** (exponent - 7),
+                                           mantissa / 8 * 2.0**-6) / 256
+    defined[(codes & 127) == 127] = float("nan")
+    got_int = torch.tensor([value(q) for _, q, _ in converted], dtype=torch.float64)
+    got_e4m3 = torch.tensor([value(e) for _, _, e in converted], dtype=torch.float64)
+    assert torch.equal(got_int, want_int), "int8 codes"
+    assert torch.equal(got_e4m3.isnan(), (codes & 127) == 127) and torch.equal(want_e4m3.isnan(), defined.isnan())
+    finite = ~got_e4m3.isnan()
+    assert torch.equal(got_e4m3[finite], want_e4m3[finite]) and torch.equal(got_e4m3[finite], defined[finite])
+    assert torch.equal(got_e4m3[finite].sign(), defined[finite].sign())
+    assert torch.equal(torch.signbit(got_e4m3[finite]), torch.signbit(defined[finite]))  # -0 from 0x80
+
+    dots = [line.split()[1:] for line in lines if line.startswith("dot ")]
+    assert len(dots) == 17 * sum(rows for _, rows, _ in cases)
+    for case, chunk, row, bits, want, size in dots:
+        dtype, rows, fmt = cases[int(case)]
+        got = value(bits) * (256 if fmt == "e4m3" else 1)  # the kernel scales E4M3's sums by 256 with the scale
+        if fmt == "e4m3" and int(chunk) == 16:  # the chunk with the NaN code
+            assert math.isnan(got), (dtype, rows, fmt, chunk, row)
+        else:
+            assert abs(got - float(want)) <= 1e-6 * float(size), (dtype, rows, fmt, chunk, row, got, want)
 
 
 @needs_nvcc
@@ -942,6 +1133,103 @@ def _host_body(source: str) -> str:
     return re.sub(r"asm volatile\(.*?\);", ";", source, flags=re.S)
 
 
+CUDA_SCALAR_HOST = {"float16": "half", "bfloat16": "nv_bfloat16"}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("shape,dtype,attrs,point", [
+    ("m=3,n=37,k=3152", "float16", "bits=8,group=3152,fmt=e4m3,bias=1,act=silu",
+     {"warps": 2, "rows_per_warp": 4, "unroll": True}),
+    ("m=8,n=21,k=1040", "bfloat16", "bits=8,group=1040,bias=1,act=gelu", {"warps": 1, "rows_per_warp": 2, "unroll": False}),
+    ("m=1,n=50,k=512", "float16", "bits=8,group=512", {"warps": 4, "rows_per_warp": 2, "unroll": True}),
+    ("m=5,n=24,k=8192", "bfloat16", "bits=8,group=8192,fmt=e4m3", {"warps": 8, "rows_per_warp": 1, "unroll": True}),
+], ids=["e4m3-fp16-silu-tail-odd-n", "int8-bf16-gelu-8-rows", "int8-fp16-one-step", "e4m3-bf16-unrolled-16"])
+def test_gemv8_kernel_matches_float64_on_the_host(shape, dtype, attrs, point, tmp_path):
+    """gemv8's whole kernel as TVM generates it (its indexing, the loop's unrolled parts and last partial step, the
+    last block's rows past n read again and not stored, the scale, E4M3's 256, bias and activation), compiled for
+    the host by nvcc and run block by block with one thread per CUDA thread (warp shuffles emulated), against the
+    workload's float64 reference on its own inputs."""
+    import subprocess
+
+    import torch
+
+    from autosched.search_spaces.templates._hopper import cuda_file
+    from autosched.search_spaces.templates.gemv8 import _dot_source
+    from autosched.workloads import get_operator
+
+    sm90 = parse_target("cuda:sm_90", require_device=False)
+    wl = make_workload("dequant_gemm", shape, dtype, attrs)
+    op, s, a = get_operator("dequant_gemm"), wl.shape_dict, wl.attrs_dict
+    m, n = s["m"], s["n"]
+    task = Task.from_workload(wl)
+    space = task.space(sm90)
+    assert space.name == "gemv8" and space.validate(point) is None
+    source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+    params, body = re.search(r"main_kernel\(([^)]*)\) \{\n(.*)\}\n\s*$", source, flags=re.S).groups()
+    names = [p.split()[-1].removesuffix("_ptr") for p in params.split(",")]
+    assert set(names) == {"A", "Wq", "S", "C"} | ({"Bias"} if a["bias"] else set()), names
+    ins = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    for name, tensor in zip(["A", "Wq", "S"] + (["Bias"] if a["bias"] else []), ins):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    fmt = a.get("fmt", "int")
+    dot, dot_helper = _dot_source(dtype, m, fmt)
+    common = cuda_file("common.cuh")  # of the helper library, only the dtype table: the host's load below
+    dot_helper = dot_helper.replace(common, common[:common.index("// Two floats as one")] + "#endif\n")
+    dot_helper = dot_helper.replace("__device__ __forceinline__", "inline").replace("__uint_as_float(", "host_uint_as_float(")
+    scalar = CUDA_SCALAR_HOST[dtype]
+    act = {"none": "x", "silu": "x / (1.0f + std::exp(-x))",
+           "gelu": "0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f))"}[a["act"]]
+    tag = f"{'f16' if dtype == 'float16' else 'bf16'}_{a['act']}"
+    body = _host_body(body).replace("blockIdx", "host_block").replace("__shfl_sync(", "host_shfl_idx(")
+    types = {"A": scalar, "Wq": "int8_t" if fmt == "int" else "uint8_t", "S": scalar, "Bias": scalar, "C": scalar}
+    program = HOST_SHIM + f"""
+typedef unsigned char uchar;
+thread_local HostDim host_block;
+inline int host_shfl_idx(unsigned, int v, int, int) {{ return v; }}  // the warp's own index: the same in every lane
+inline float host_uint_as_float(uint32_t bits) {{ float f; std::memcpy(&f, &bits, 4); return f; }}
+inline uint4 autosched_ld_stream_v4(const void* p) {{ return *reinterpret_cast<const uint4*>(p); }}
+inline void autosched_warp_sum(float& x) {{ for (int o = 16; o > 0; o >>= 1) x += host_shfl_xor(0xffffffffu, x, o); }}
+inline void autosched_store1_{tag}({scalar}* c, float x) {{ *c = ({scalar})({act}); }}
+{dot_helper}
+void main_kernel({params}) {{
+{body}}}
+template <class T> std::vector<T> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<T> data(n / sizeof(T)); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+{"".join(f'  auto {v} = load<{types[v]}>("{v}.bin");' + chr(10) for v in names if v != "C")}  std::vector<{scalar}> C({m * n});
+  const int threads = {point["warps"] * 32};
+  host_warps_per_cta = {point["warps"]};
+  host_rank = 0;
+  for (int bx = 0; bx < {-(-n // (point["warps"] * point["rows_per_warp"]))}; ++bx) {{
+    host_warp_barriers.clear();
+    for (int w = 0; w < {point["warps"]}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {{
+        host_thread.x = t;
+        host_block.x = bx;
+        main_kernel({", ".join(f"({types[v]}*){v}.data()" for v in names)});
+      }});
+    for (auto& th : pool) th.join();
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("out.bin", "wb"); fwrite(C.data(), sizeof({scalar}), C.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    (tmp_path / "host.cu").write_text(program)
+    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=300)
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=ins[0].dtype).reshape(m, n)
+    ref = op.reference(wl, ins)[0]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < op.tolerance(wl), f"relative error {err}"
+
+
 
 @needs_nvcc
 def test_paged_decode_tma_loop_is_the_gqa_default_and_compiles(sm90):
@@ -1103,6 +1391,7 @@ TEMPLATE_CASES = {
     "hopper_gemm": [("gemm", "m=16,n=4096,k=4096", "float16", ""), ("gemm", "m=2048,n=4096,k=1024", "float16", "")],
     "hopper_fp8_gemm": [("fp8_gemm", "m=16,n=4096,k=4096", "float16", ""), ("fp8_gemm", "m=2048,n=4096,k=1024", "float16", "")],
     "int4_gemv": [("dequant_gemm", "m=8,n=2048,k=1024", "float16", "bits=4,group=128")],
+    "gemv8": [("dequant_gemm", "m=4,n=2048,k=4096", "bfloat16", "bits=8,group=4096,fmt=e4m3")],
     "hopper_dequant_gemm": [("dequant_gemm", "m=2048,n=4096,k=256", "float16", "bits=4,group=128")],
     "paged_decode": [("paged_decode_attention", "b=2,h=16,hkv=2,d=128,ctx=600,page=16", "float16", "")],
     "hopper_attention": [("attention", "b=1,h=4,hkv=2,s=300,d=64", "float16", "causal=1")],

@@ -492,29 +492,34 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
 
 
 @pytest.mark.slow
-def test_an_fp8_build_for_sm_90_compiles_its_projections_on_the_generic_spaces(tiny_llama, tmp_path):
-    """Built here without a GPU for sm_90a in float16 with --quantize fp8: decode steps' projections on gpu_gemv, a
-    prefill chunk's on gpu_matmul, each decoding the E4M3 codes as the TE does (fmt=e4m3), the library written."""
+@pytest.mark.parametrize("scheme", ["fp8", "q8f16"])
+def test_an_8bit_build_for_sm_90_compiles_its_decode_projections_as_gemv8_kernels(tiny_llama, tmp_path, scheme):
+    """Built here without a GPU for sm_90a in float16 with --quantize fp8 (E4M3 codes, fmt=e4m3) or q8f16 (int8
+    codes), a scale per output channel: decode steps' projections on gemv8, a prefill chunk's on gpu_matmul
+    (decoding the codes as the TE does), the library written."""
     _, root = tiny_llama
     out = tmp_path / "sm90"
     cli("build", str(root / "hf"), "--generate", "--target", "cuda:sm_90a", "--dtype", "float16", "-o", str(out),
-        "--max-seq-len", "256", "--max-batch", "4", "--decode-batches", "1", "--prefill-chunks", "128", "--quantize", "fp8")
+        "--max-seq-len", "256", "--max-batch", "4", "--decode-batches", "1,4", "--prefill-chunks", "128",
+        "--quantize", scheme)
     manifest = json.loads((out / "manifest.json").read_text())
     kernels = [w for w in manifest["workload_kernels"].values() if w["workload"].startswith("dequant_gemm")]
     assert {(w["workload"].split(",")[0], w["space"]) for w in kernels} == {
-        ("dequant_gemm[m=1", "gpu_gemv"),
+        ("dequant_gemm[m=1", "gemv8"),
+        ("dequant_gemm[m=4", "gemv8"),
         ("dequant_gemm[m=128", "gpu_matmul"),
     }
-    assert all(";bits=8;" in w["workload"] and w["workload"].endswith(";fmt=e4m3") for w in kernels)
+    assert all(";bits=8;" in w["workload"] and w["workload"].endswith(";fmt=e4m3") == (scheme == "fp8")
+               for w in kernels)
     assert (out / manifest["library"]).exists()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["q4f16", "q4f16_zp", "q8f16"])
+@pytest.mark.parametrize("scheme", ["q4f16", "q4f16_zp", "q8f16", "fp8"])
 def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny_llama, scheme, tmp_path):
     """fp16 on the GPU: the dynamic prefill, a static chunk of 32 tokens (q4f16 and q4f16_zp: hopper_dequant_gemm on
-    sm_90) and a static decode step (q4f16 and q4f16_zp: int4_gemv) give the float64 model's logits of the same
-    dequantised weights, to half precision's tolerance."""
+    sm_90) and a static decode step (q4f16 and q4f16_zp: int4_gemv; q8f16 and fp8: gemv8) give the float64 model's
+    logits of the same dequantised weights, to half precision's tolerance."""
     import torch
 
     hf, root = tiny_llama
