@@ -370,15 +370,17 @@ def test_the_paged_reference_is_tvms_convention_by_its_cpu_kernel():
 
 # --- on the GPU -----------------------------------------------------------------------------------------------
 
-def _gpu_kernel(func, codegen: dict | None):
-    """A kernel of the runtime's ragged prefill signature compiled for this machine's GPU: call(inputs,
-    causal) -> (output, lse) as torch tensors on the CPU."""
+def _gpu_kernel(func, codegen: dict | None, paged: bool = False):
+    """A kernel of the runtime's ragged (or ``paged``) prefill signature compiled for this machine's GPU:
+    call(inputs, causal) -> (output, lse) as torch tensors on the CPU."""
     import tvm
 
     from autosched.target import compile_module, parse_target
 
     name = str(func.attrs["global_symbol"])
     executable = compile_module(tvm.IRModule({name: func}), parse_target("cuda"), {}, codegen)
+    if paged:  # the cache calls it without the causal mask (the cached tokens precede every query)
+        return lambda inputs, causal=0: _run_paged(executable, name, inputs, causal, tvm.cuda())
     return lambda inputs, causal=1: _run_ragged(executable, name, inputs, causal, tvm.cuda())
 
 
@@ -430,18 +432,6 @@ def test_kv_cache_prefill_agrees_with_tvms_kernel_on_the_gpu(h, hkv, dtype):
         assert (mine[1] - tvms[1]).abs().max().item() < 2e-3
 
 
-def _gpu_paged_kernel(func, codegen: dict | None):
-    """A kernel of the runtime's paged prefill signature compiled for this machine's GPU: call(inputs, causal)
-    -> (output, lse) as torch tensors on the CPU."""
-    import tvm
-
-    from autosched.target import compile_module, parse_target
-
-    name = str(func.attrs["global_symbol"])
-    executable = compile_module(tvm.IRModule({name: func}), parse_target("cuda"), {}, codegen)
-    return lambda inputs, causal=0: _run_paged(executable, name, inputs, causal, tvm.cuda())
-
-
 # (q_lens, kv_lens) over cached pages: verify steps (5 tokens over a prompt's cache, batch 1 and 16, one
 # sequence without a cache), a chunked prefill (512 over 512) and lengths no tile or page divides.
 GPU_PAGED_BATCHES = [([5], [544]), ([5] * 16, [544 + 7 * i for i in range(16)]), ([5, 5, 1], [100, 0, 33]),
@@ -457,7 +447,7 @@ def test_kv_cache_prefill_paged_matches_float64_on_the_gpu(h, hkv, d, dtype):
     from autosched.generation.attention import CODEGEN
     from autosched.search_spaces.templates.kv_cache_prefill import kv_cache_prefill_paged_kernel
 
-    kernel = _gpu_paged_kernel(kv_cache_prefill_paged_kernel(h, hkv, d, dtype), CODEGEN)
+    kernel = _gpu_kernel(kv_cache_prefill_paged_kernel(h, hkv, d, dtype), CODEGEN, paged=True)
     for seed, (q_lens, kv_lens) in enumerate(GPU_PAGED_BATCHES):
         inputs, ragged = paged_case(q_lens, kv_lens, h, hkv, d, dtype, seed=seed)
         for causal in (0, 1):
@@ -478,9 +468,9 @@ def test_kv_cache_prefill_paged_agrees_with_tvms_kernel_on_the_gpu(h, hkv, dtype
     from autosched.target import parse_target
 
     d = 128
-    ours = _gpu_paged_kernel(kv_cache_prefill_paged_kernel(h, hkv, d, dtype), CODEGEN)
-    theirs = _gpu_paged_kernel(_attention_prefill(hkv, h, d, dtype, False, {}, parse_target("cuda").tvm_target()),
-                               None)
+    ours = _gpu_kernel(kv_cache_prefill_paged_kernel(h, hkv, d, dtype), CODEGEN, paged=True)
+    theirs = _gpu_kernel(_attention_prefill(hkv, h, d, dtype, False, {}, parse_target("cuda").tvm_target()), None,
+                         paged=True)
     for seed, (q_lens, kv_lens) in enumerate([([5], [544]), ([5] * 4, [40, 333, 17, 100]), ([64, 7], [512, 130])]):
         inputs, ragged = paged_case(q_lens, kv_lens, h, hkv, d, dtype, seed=seed)
         ref_out, ref_lse = reference(inputs[0], inputs[1], *ragged, inputs[-1], causal=False)

@@ -18,24 +18,44 @@ TIMING = re.compile(r"perf_counter|monotonic|^time$|elapsed|seconds|wall|latenc|
 ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
 
-def _names(node: ast.AST):
+# Calls whose result is a time where an argument is: a value passed to any other call (a command's options,
+# a parser's input) does not make its result one.
+REDUCERS = {"min", "max", "sum", "sorted", "median", "mean", "abs", "float", "round", "list", "tuple"}
+
+
+def _names(node: ast.AST, value: bool = False):
     """The names an expression reads (variables, attributes, string keys); not inside ``len(...)`` (a count)
-    nor in a computed index (``scores[np.isinf(latency)]`` reads scores)."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len":
-        return
+    nor in a computed index (``scores[np.isinf(latency)]`` reads scores). With ``value``, what a value is
+    computed from, for :func:`_tainted`: a call's arguments only where the call is a reducer (``min(times)``),
+    and a function's own name only where it takes no arguments (``perf_counter()``, not ``json.loads(text)``);
+    what it is called on always (``run().median``)."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        if name == "len" and isinstance(func, ast.Name):
+            return
+        if value:
+            if isinstance(func, ast.Attribute):
+                yield from _names(func.value, value)
+            if not node.args and not node.keywords and name:  # a getter reads what it names: perf_counter()
+                yield name
+            if name in REDUCERS:
+                for arg in (*node.args, *(k.value for k in node.keywords)):
+                    yield from _names(arg, value)
+            return
     if isinstance(node, ast.Name):
         yield node.id
     elif isinstance(node, ast.Attribute):
         yield node.attr
     elif isinstance(node, ast.Constant) and isinstance(node.value, str):
         yield node.value
-    if isinstance(node, ast.Subscript):
+    if isinstance(node, ast.Subscript) and not value:
         yield from _names(node.value)
         if isinstance(node.slice, ast.Constant):
             yield from _names(node.slice)
         return
     for child in ast.iter_child_nodes(node):
-        yield from _names(child)
+        yield from _names(child, value)
 
 
 def _is_zero(node: ast.AST) -> bool:
@@ -54,36 +74,6 @@ def _own_nodes(scope: ast.AST):
             yield from _own_nodes(child)
 
 
-# Calls whose result is a time where an argument is: a value passed to any other call (a command's options,
-# a parser's input) does not make its result one.
-REDUCERS = {"min", "max", "sum", "sorted", "median", "mean", "abs", "float", "round", "list", "tuple"}
-
-
-def _value_names(node: ast.AST):
-    """The names a value is computed from, for :func:`_tainted`: as :func:`_names`, but a call's arguments
-    only where the call is a reducer (``min(times)``), and a function's own name only where it takes no
-    arguments (``perf_counter()``, not ``json.loads(text)``); what it is called on always (``run().median``)."""
-    if isinstance(node, ast.Call):
-        func = node.func
-        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
-        if isinstance(func, ast.Attribute):
-            yield from _value_names(func.value)
-        if not node.args and not node.keywords and name:  # a getter reads what it names: perf_counter()
-            yield name
-        if name in REDUCERS:
-            for arg in (*node.args, *(k.value for k in node.keywords)):
-                yield from _value_names(arg)
-        return
-    if isinstance(node, ast.Name):
-        yield node.id
-    elif isinstance(node, ast.Attribute):
-        yield node.attr
-    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-        yield node.value
-    for child in ast.iter_child_nodes(node):
-        yield from _value_names(child)
-
-
 def _tainted(nodes: list[ast.AST], inherited: set[str]) -> set[str]:
     """The names a scope assigns from a time or a load (``best = min(t[0] for t in timed)`` where ``timed``
     holds medians), through any chain of assignments."""
@@ -97,7 +87,7 @@ def _tainted(nodes: list[ast.AST], inherited: set[str]) -> set[str]:
             assignments.append(([n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)], node.iter))
     while True:
         grown = {name for targets, value in assignments
-                 if any(_is_timing(n, tainted) for n in _value_names(value)) for name in targets} - tainted
+                 if any(_is_timing(n, tainted) for n in _names(value, value=True)) for name in targets} - tainted
         if not grown:
             return tainted
         tainted |= grown

@@ -95,13 +95,13 @@ def _function(mod: IRModule, name: str):
     return None
 
 
-def _decode_facts(func) -> dict[str, Any] | None:
-    """Heads, K/V heads, head dim, page size and dtype of TVM's decode kernel, from its buffers (q
-    [batch, h, d], pages [num_pages, 2, hkv, page, d]); None if it does not look like that kernel."""
-    params = list(func.params)
-    if len(params) != 13:
+def _paged_facts(func, params: int, q_at: int, pages_at: int) -> dict[str, Any] | None:
+    """Heads, K/V heads, head dim, page size and dtype of a TVM kernel over the cache's pages, from its buffers
+    (q [tokens, h, d] the ``q_at``-th of ``params`` parameters, pages [num_pages, 2, hkv, page, d] the
+    ``pages_at``-th); None if it does not look like that kernel."""
+    if len(func.params) != params:
         return None
-    q, pages = params[0], params[1]  # buffer parameters: their shapes and dtypes
+    q, pages = func.params[q_at], func.params[pages_at]  # buffer parameters: their shapes and dtypes
     try:
         _, h, d = q.shape
         _, two, hkv, page, d2 = pages.shape
@@ -111,6 +111,11 @@ def _decode_facts(func) -> dict[str, Any] | None:
     if int(two) != 2 or int(d2) != facts["d"] or str(pages.dtype) != facts["dtype"]:
         return None
     return facts
+
+
+def _decode_facts(func) -> dict[str, Any] | None:
+    """TVM's decode kernel: (q [batch, h, d], pages, ...), 13 parameters."""
+    return _paged_facts(func, 13, 0, 1)
 
 
 def _ragged_prefill_facts(func) -> dict[str, Any] | None:
@@ -135,21 +140,8 @@ def _ragged_prefill_facts(func) -> dict[str, Any] | None:
 
 
 def _paged_prefill_facts(func) -> dict[str, Any] | None:
-    """Heads, K/V heads, head dim, page size and dtype of TVM's paged prefill kernel, from its buffers (q
-    [total_q, h, d], pages [num_pages, 2, hkv, page, d]); None if it does not look like that kernel."""
-    params = list(func.params)
-    if len(params) != 15:
-        return None
-    q, pages = params[0], params[2]
-    try:
-        _, h, d = q.shape
-        _, two, hkv, page, d2 = pages.shape
-        facts = {"h": int(h), "hkv": int(hkv), "d": int(d), "dtype": str(q.dtype), "page": int(page)}
-    except (AttributeError, ValueError, TypeError):
-        return None
-    if int(two) != 2 or int(d2) != facts["d"] or str(pages.dtype) != facts["dtype"]:
-        return None
-    return facts
+    """TVM's paged prefill kernel: (q [total_q, h, d], q_indptr, pages, ...), 15 parameters."""
+    return _paged_facts(func, 15, 0, 2)
 
 
 ROLES = (Role(RAGGED_PREFILL_ROLE, TVM_RAGGED_PREFILL, "kv_cache_prefill", _ragged_prefill_facts),
