@@ -289,19 +289,21 @@ def test_the_prefill_kernel_refuses_what_it_cannot_serve():
     assert "page size 32" in unsupported(32, 8, 128, "float16", page=32)
 
 
-def _run_ragged(executable, name: str, inputs, causal: int, device):
-    """Calls a kernel of the runtime's ragged prefill signature on ``device`` (inputs as torch tensors):
-    (output, lse) as torch tensors on the CPU."""
+def _run(executable, name: str, inputs, causal: int, device):
+    """Calls a kernel of the runtime's ragged prefill signature (inputs as :func:`prefill_case` gives them) or
+    of its paged one (as :func:`paged_case` does) on ``device``: (output, lse) as torch tensors on the CPU."""
     import torch
     import tvm
 
-    q, q_indptr, k, v, kv_indptr, sm_scale = inputs
+    *tensors, sm_scale = inputs
+    q, q_indptr = tensors[:2]
     on = "cuda" if device.dlpack_device_type() == 2 else "cpu"
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=on)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=on)
     q_rope_position = torch.zeros(q.shape[0], dtype=torch.int32)  # unread at rotary_mode 0
     k_rope_pos_offset = torch.zeros(len(q_indptr) - 1, dtype=torch.int32)
-    tensors = [q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset]
+    ragged = len(tensors) == 5  # q, q_indptr, k, v, kv_indptr (paged: q, q_indptr, pages, indptr, indices, last)
+    tensors += [q_rope_position, k_rope_pos_offset] if ragged else [k_rope_pos_offset, q_rope_position]
     args = [tvm.runtime.from_dlpack(t.to(on).contiguous()) for t in tensors]
     args += [tvm.runtime.from_dlpack(out), tvm.runtime.from_dlpack(lse)]
     executable[name](*args, causal, 0, 1.0, 10000.0, sm_scale)
@@ -325,30 +327,9 @@ def test_the_reference_is_tvms_convention_by_its_cpu_kernel():
         kernel = _attention_prefill_ragged_cpu(hkv, h, d, d, dtype, {})
         executable = tvm.compile(tvm.IRModule({"main": kernel}), target={"kind": "llvm"})
         inputs = prefill_case(q_lens, kv_lens, h, hkv, d, dtype, spare_kv=0)
-        out, lse = _run_ragged(executable, "main", inputs, causal, tvm.cpu())
+        out, lse = _run(executable, "main", inputs, causal, tvm.cpu())
         ref_out, ref_lse = reference(*inputs, causal=bool(causal))
         check(out, lse, ref_out, ref_lse, dtype)
-
-
-def _run_paged(executable, name: str, inputs, causal: int, device):
-    """Calls a kernel of the runtime's paged prefill signature on ``device`` (inputs as ``paged_case`` gives
-    them): (output, lse) as torch tensors on the CPU."""
-    import torch
-    import tvm
-
-    q, q_indptr, pages, page_indptr, indices, last_len, sm_scale = inputs
-    on = "cuda" if device.dlpack_device_type() == 2 else "cpu"
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=on)
-    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=on)
-    k_rope_pos_offset = torch.zeros(len(q_indptr) - 1, dtype=torch.int32)  # unread at rotary_mode 0
-    q_rope_position = torch.zeros(q.shape[0], dtype=torch.int32)
-    tensors = [q, q_indptr, pages, page_indptr, indices, last_len, k_rope_pos_offset, q_rope_position]
-    args = [tvm.runtime.from_dlpack(t.to(on).contiguous()) for t in tensors]
-    args += [tvm.runtime.from_dlpack(out), tvm.runtime.from_dlpack(lse)]
-    executable[name](*args, causal, 0, 1.0, 10000.0, sm_scale)
-    if on == "cuda":
-        torch.cuda.synchronize()
-    return out.cpu(), lse.cpu()
 
 
 @pytest.mark.slow
@@ -363,7 +344,7 @@ def test_the_paged_reference_is_tvms_convention_by_its_cpu_kernel():
         kernel = _attention_prefill_cpu(hkv, h, d, "float16", False, {})
         executable = tvm.compile(tvm.IRModule({"main": kernel}), target={"kind": "llvm"})
         inputs, ragged = paged_case(q_lens, kv_lens, h, hkv, d, "float16")
-        out, lse = _run_paged(executable, "main", inputs, causal, tvm.cpu())
+        out, lse = _run(executable, "main", inputs, causal, tvm.cpu())
         ref_out, ref_lse = reference(inputs[0], inputs[1], *ragged, inputs[-1], causal=bool(causal))
         check(out, lse, ref_out, ref_lse, "float16")
 
@@ -380,8 +361,8 @@ def _gpu_kernel(func, codegen: dict | None, paged: bool = False):
     name = str(func.attrs["global_symbol"])
     executable = compile_module(tvm.IRModule({name: func}), parse_target("cuda"), {}, codegen)
     if paged:  # the cache calls it without the causal mask (the cached tokens precede every query)
-        return lambda inputs, causal=0: _run_paged(executable, name, inputs, causal, tvm.cuda())
-    return lambda inputs, causal=1: _run_ragged(executable, name, inputs, causal, tvm.cuda())
+        return lambda inputs, causal=0: _run(executable, name, inputs, causal, tvm.cuda())
+    return lambda inputs, causal=1: _run(executable, name, inputs, causal, tvm.cuda())
 
 
 # (q_lens, kv_lens): the runtime's own (keys are the queries), a single token, lengths no tile divides, one
