@@ -104,7 +104,8 @@ def test_interrupted_run_keeps_its_records_on_the_server(pg_url):
     assert proc.poll() is None, proc.communicate()[1]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "kept" in err, (proc.returncode, err)
+    # 130, or killed by SIGINT itself after saying so: see test_cli.py's test_interrupted_run_keeps_its_records.
+    assert proc.returncode in (130, -signal.SIGINT) and "kept" in err, (proc.returncode, err)
     kept = _count(pg_url)
     assert kept >= 8
     engine = _engine(pg_url)

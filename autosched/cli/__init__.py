@@ -160,13 +160,19 @@ def _attach_list_values(argv: list[str]) -> list[str]:
     return out
 
 
+INTERRUPTED = 130  # the exit code of an interrupted command
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _run(argv)
+        code = _run(argv)
     except KeyboardInterrupt:  # a second one, during the first one's cleanup or its message: still exit 130
         _stop_taking_interrupts(argv)
         print("autosched: interrupted", file=sys.stderr)
-        return 130
+        code = INTERRUPTED
+    if code == INTERRUPTED and argv is None:
+        _leave_interrupted()
+    return code
 
 
 def _stop_taking_interrupts(argv: list[str] | None) -> None:
@@ -176,6 +182,18 @@ def _stop_taking_interrupts(argv: list[str] | None) -> None:
     if argv is None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _leave_interrupted() -> None:
+    """Exit 130 now, the interruption handled (the records committed, the workers stopped). Where the
+    KeyboardInterrupt passed through code a library runs as embedded Python (``PyRun_String``, as Cython's
+    ``exec`` does), the interpreter remembers it as unhandled and, at its normal exit, kills itself with
+    SIGINT (exit -2) whatever ``main`` returned (seen: an interrupted tune that had printed its message)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
 
 
 def _run(argv: list[str] | None) -> int:
@@ -198,7 +216,7 @@ def _run(argv: list[str] | None) -> int:
         tuning = args.command in ("tune", "tune-model")
         print("autosched: interrupted" + ("; every record measured so far is kept in the database" if tuning else ""),
               file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - one line for users, the traceback with --debug
         if args.debug:
             raise
