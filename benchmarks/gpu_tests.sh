@@ -2,6 +2,8 @@
 # Every GPU test (`python -m pytest -m gpu`) on the GPU machine, each result written to $OUT/gpu_tests.log as
 # it comes (a call cut off by its time limit still brings back what ran). Usage there:
 #   bash benchmarks/gpu_tests.sh [more pytest arguments]
+#   GPU_TEST_SHARD=1/2 bash benchmarks/gpu_tests.sh, then GPU_TEST_SHARD=2/2 ...: half of the tests a call
+#   (every other test, benchmarks/_gpu_shard.sh), where all of them take longer than one call.
 # The tests run in GPU_TEST_WORKERS processes (pytest-xdist, in the test extra): they check results, not
 # speed, and one at a time they take longer than one 10-minute call. Tests that fail run once more, two at a
 # time, into gpu_tests_rerun.log: many processes at once can run the GPU out of memory while preparing
@@ -12,6 +14,12 @@ NEED="xdist=pytest-xdist pytest_timeout=pytest-timeout" source "$(dirname "$0")/
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
 # The files themselves are named (the GPU machine's .git can be older than the files it was sent).
 echo "code digest: $(bash benchmarks/code_digest.sh)" | tee -a "$OUT/gpu.txt"
+if [[ -n ${GPU_TEST_SHARD:-} ]]; then
+  mapfile -t shard < <(bash benchmarks/_gpu_shard.sh "$GPU_TEST_SHARD" "$@")
+  [[ ${#shard[@]} -gt 0 ]] || { echo "no GPU tests in shard $GPU_TEST_SHARD" >&2; exit 2; }
+  echo "shard $GPU_TEST_SHARD: ${#shard[@]} tests" | tee -a "$OUT/gpu.txt"
+  set -- "${shard[@]}"
+fi
 timeout "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short --durations 20 \
   -n "${GPU_TEST_WORKERS:-8}" --dist load "$@" 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error|^E |s call|s setup" | cut -c1-400 | tail -100

@@ -197,3 +197,22 @@ def test_a_fast_case_its_test_no_longer_has_stops_the_run():
     _check_fast_cases({name: set(kept) | {"another-case"}})  # every kept case present: fine
     with pytest.raises(pytest.UsageError, match=name):
         _check_fast_cases({name: set(sorted(kept)[1:]) | {"another-case"}})
+
+
+@pytest.mark.slow
+def test_the_gpu_test_shards_split_the_gpu_tests_between_them():
+    """benchmarks/_gpu_shard.sh I/N: every GPU test in exactly one of N shards, the shards within one test of
+    each other's size, and a bad I/N refused in one line."""
+    import subprocess
+
+    script = str(TESTS.parent / "benchmarks" / "_gpu_shard.sh")
+
+    def shard(spec: str) -> list[str]:
+        return subprocess.run(["bash", script, spec], capture_output=True, text=True, check=True,
+                              cwd=TESTS.parent).stdout.split()
+
+    whole, halves = shard("1/1"), [shard("1/2"), shard("2/2")]
+    assert len(whole) > 50 and sorted(halves[0] + halves[1]) == sorted(whole)
+    assert abs(len(halves[0]) - len(halves[1])) <= 1 and not set(halves[0]) & set(halves[1])
+    bad = subprocess.run(["bash", script, "3/2"], capture_output=True, text=True, cwd=TESTS.parent)
+    assert bad.returncode == 2 and "1 <= I <= N" in bad.stderr and not bad.stdout
