@@ -1,5 +1,6 @@
 """nvcc's verdict on CUDA source, for the tests that check without a GPU that every GPU space and template
-produces code the CUDA compiler accepts for its architecture, and how many registers it takes."""
+produces code the CUDA compiler accepts for its architecture, and how many registers it takes; and nvcc as the
+host compiler of the tests that run a kernel's body on the CPU (one thread per CUDA thread)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -40,3 +42,20 @@ def nvcc_compile(source: str, arch: str = "sm_90") -> NvccReport:
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
     smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
     return NvccReport(proc.returncode == 0, log, max(regs) if regs else None, spills, max(smem) if smem else None)
+
+
+def run_on_host(folder: Path, program: str, timeout: int = 300) -> None:
+    """Build ``program`` (a kernel's body with a host shim and a ``main`` that reads its inputs from files in
+    ``folder`` and writes its outputs there) with nvcc for the CPU, and run it in ``folder``."""
+    (folder / "host.cu").write_text(program)
+    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=folder, capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    subprocess.run(["./host"], cwd=folder, check=True, timeout=timeout)
+
+
+def host_output(folder: Path, name: str, dtype, shape):
+    """The output ``name`` (``<name>.bin`` in ``folder``, as the program wrote it) as a torch tensor."""
+    import torch
+
+    return torch.frombuffer(bytearray((folder / f"{name}.bin").read_bytes()), dtype=dtype).reshape(shape)

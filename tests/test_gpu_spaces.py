@@ -17,7 +17,7 @@ from autosched.target import parse_target
 from autosched.task import Task
 from autosched.workloads import make_workload
 
-from .nvcc import nvcc_compile
+from .nvcc import host_output, nvcc_compile, run_on_host
 
 # (op, shape, dtype, attrs, the space the target's architecture gets, architecture)
 CASES = [
@@ -909,8 +909,6 @@ def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, t
     CUDA thread (the mma.sync and bulk copies emulated), against the workload's float64 reference on its own
     inputs: zero point 8, and zero points (zeros=1) folded in through the k-block's sum of x; a last tile past
     n, warps splitting the k-blocks unevenly."""
-    import subprocess
-
     import torch
 
     from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
@@ -966,12 +964,8 @@ int main() {{
   return 0;
 }}
 """
-    (tmp_path / "host.cu").write_text(program)
-    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
-                           text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=300)
-    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float16).reshape(m, n)
+    run_on_host(tmp_path, program)
+    out = host_output(tmp_path, "out", torch.float16, (m, n))
     ref = op.reference(wl, ins)[0]
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     assert err < 4e-3, f"relative error {err}"
@@ -1149,8 +1143,6 @@ def test_gemv8_kernel_matches_float64_on_the_host(shape, dtype, attrs, point, tm
     last block's rows past n read again and not stored, the scale, E4M3's 256, bias and activation), compiled for
     the host by nvcc and run block by block with one thread per CUDA thread (warp shuffles emulated), against the
     workload's float64 reference on its own inputs."""
-    import subprocess
-
     import torch
 
     from autosched.search_spaces.templates._hopper import cuda_file
@@ -1219,12 +1211,8 @@ int main() {{
   return 0;
 }}
 """
-    (tmp_path / "host.cu").write_text(program)
-    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
-                           text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=300)
-    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=ins[0].dtype).reshape(m, n)
+    run_on_host(tmp_path, program)
+    out = host_output(tmp_path, "out", ins[0].dtype, (m, n))
     ref = op.reference(wl, ins)[0]
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     assert err < op.tolerance(wl), f"relative error {err}"
@@ -1273,8 +1261,6 @@ def test_paged_decode_body_matches_the_reference_on_the_host(shape, dtype, point
     """The paged-decode kernel's body, compiled for the host by nvcc and run CTA by CTA with one thread
     per CUDA thread, against the workload's float64 reference on its own inputs (a shorter last
     sequence, shuffled pages)."""
-    import subprocess
-
     import torch
 
     from autosched.search_spaces.templates.paged_decode import body_config, body_source, ring_stages, smem_floats
@@ -1328,12 +1314,8 @@ int main() {{
   return 0;
 }}
 """
-    (tmp_path / "host.cu").write_text(program)
-    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
-                           text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=300)
-    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=ins[0].dtype).reshape(ins[0].shape)
+    run_on_host(tmp_path, program)
+    out = host_output(tmp_path, "out", ins[0].dtype, ins[0].shape)
     ref = op.reference(wl, ins)[0]
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     assert err < 1e-2, f"relative error {err}"

@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 
+from .nvcc import host_output, run_on_host
 from .test_gpu_spaces import HOST_SHIM, _host_body
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
@@ -104,8 +105,6 @@ def test_kv_cache_decode_body_matches_float64_on_the_host(case, tmp_path):
     """The body, compiled for the host by nvcc and run with one thread per CUDA thread (each cluster's CTAs
     together), against the float64 reference: output and base-2 log-sum-exp; split (the cluster's CTAs share a
     pair's pages) and spread (each CTA takes a pair of its own)."""
-    import subprocess
-
     import torch
 
     from autosched.search_spaces.templates.kv_cache_decode import body_source, smem_floats
@@ -160,13 +159,9 @@ int main() {{
   return 0;
 }}
 """
-    (tmp_path / "host.cu").write_text(program)
-    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
-                           text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=300)
-    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=q.dtype).reshape(q.shape)
-    lse = torch.frombuffer(bytearray((tmp_path / "lse.bin").read_bytes()), dtype=torch.float32).reshape(q.shape[:2])
+    run_on_host(tmp_path, program)
+    out = host_output(tmp_path, "out", q.dtype, q.shape)
+    lse = host_output(tmp_path, "lse", torch.float32, q.shape[:2])
     ref_out, ref_lse = reference(q, pages, indptr, indices, last_len, sm_scale)
     check(out, lse, ref_out, ref_lse, dtype)
     empty = [i for i, c in enumerate(contexts) if c == 0]

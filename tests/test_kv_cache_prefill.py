@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 
+from .nvcc import host_output, run_on_host
 from .test_gpu_spaces import HOST_SHIM, _host_body
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
@@ -115,8 +116,6 @@ def _run_body_on_the_host(tmp_path, body: str, dtype: str, d: int, ctas: int, in
     """Runs ``body`` (a device function of ``body_source``) on the host with one thread per CUDA thread, one
     CTA at a time, every CTA of the launch: ``inputs`` (name: torch tensor, its C++ type's vector named so in
     ``call``), ``call`` the body's call with ``out``, ``lse``, ``smem`` and ``cta`` in scope. (output, lse)."""
-    import subprocess
-
     import torch
 
     from autosched.search_spaces.templates.kv_cache_prefill import BLOCK_M, smem_elements
@@ -161,13 +160,9 @@ int main() {{
   return 0;
 }}
 """
-    (tmp_path / "host.cu").write_text(program)
-    build = subprocess.run(["nvcc", "-std=c++20", "-O1", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
-                           text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    subprocess.run(["./host"], cwd=tmp_path, check=True, timeout=600)
-    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=q.dtype).reshape(q.shape)
-    lse = torch.frombuffer(bytearray((tmp_path / "lse.bin").read_bytes()), dtype=torch.float32).reshape(q.shape[:2])
+    run_on_host(tmp_path, program, timeout=600)
+    out = host_output(tmp_path, "out", q.dtype, q.shape)
+    lse = host_output(tmp_path, "lse", torch.float32, q.shape[:2])
     return out, lse
 
 
