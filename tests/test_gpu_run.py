@@ -301,22 +301,9 @@ def test_int4_prefill_dequantised_for_wgmma_is_correct_on_the_gpu(measurers):
     """hopper_dequant_gemm: int4 weights dequantised in shared memory for wgmma, fp16 and bf16, a bias and
     SiLU, m and n that no tile divides, groups of 64 and 128, one and two consumers, persistent CTAs: every
     point matches the float64 reference."""
-    target, measurer = measurers("sm_90")
-    cases = (("m=1000,n=1032,k=576", "float16", "bits=4,group=128"),  # a short last group
-             ("m=77,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu"))
-    for shape, dtype, attrs in cases:
-        task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
-        space = task.space(target)
-        assert space.name == "hopper_dequant_gemm"
-        points = [space.default(),
-                  {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 2, "group_m": 1, "persistent": False},
-                  {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 3, "group_m": 4, "persistent": False},
-                  {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 4, "persistent": True}]
-        points = [space.canonical(p) for p in points]
-        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
-        assert len(points) >= 2, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+    _check_dequant_wgmma_points(*measurers("sm_90"), (
+        ("m=1000,n=1032,k=576", "float16", "bits=4,group=128"),  # a short last group
+        ("m=77,n=264,k=192", "bfloat16", "bits=4,group=64,bias=1,act=silu")))
 
 
 def test_int4_prefill_with_zero_points_is_correct_on_the_gpu(measurers):
@@ -324,10 +311,15 @@ def test_int4_prefill_with_zero_points_is_correct_on_the_gpu(measurers):
     4096x4096 layer's prefill chunk of 512 rows, m and n that no tile divides, a short last group, groups of 64
     and 128, fp16 and bf16, a bias and SiLU, one and two consumers, persistent CTAs: every point matches the
     float64 reference."""
-    target, measurer = measurers("sm_90")
-    cases = (("m=512,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1"),
-             ("m=1000,n=1032,k=576", "float16", "bits=4,group=128,zeros=1"),  # a short last group
-             ("m=77,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu"))
+    _check_dequant_wgmma_points(*measurers("sm_90"), (
+        ("m=512,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1"),
+        ("m=1000,n=1032,k=576", "float16", "bits=4,group=128,zeros=1"),  # a short last group
+        ("m=77,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu")))
+
+
+def _check_dequant_wgmma_points(target, measurer, cases) -> None:
+    """hopper_dequant_gemm serves each (shape, dtype, attrs) of ``cases``, and its default point and three
+    others (one and two consumers, persistent CTAs), those valid there, match the float64 reference."""
     for shape, dtype, attrs in cases:
         task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
         space = task.space(target)
