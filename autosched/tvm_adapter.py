@@ -7,6 +7,7 @@ behaviour of each, so a TVM upgrade that changes one fails there first, and is a
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ def tir_paged_kv_cache(*, layers: int, heads: int, kv_heads: int, head_dim: int,
     max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window = sizes
     kinds = ["mha_sliding"] * layers + ["mha"] if window else "mha"
     layers += 1 if window else 0
-    return TIRPagedKVCache(
+    cache = TIRPagedKVCache(
         attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
         prefill_chunk_size=prefill_chunk_size, page_size=page_size, support_sliding_window=support_sliding_window,
         layer_partition=rx.ShapeExpr([0, layers]), num_hidden_layers=layers, num_attention_heads=heads,
@@ -147,29 +148,64 @@ def tir_paged_kv_cache(*, layers: int, heads: int, kv_heads: int, head_dim: int,
         rope_scale=rope_scale, rope_theta=rope_theta, rope_scaling=rope_scaling, rope_ext_factors=rx.prim_value(0),
         rotary_dim=rotary_dim, enable_disaggregation=False, dtype=dtype, target=target,
         **({"layer_sliding_window_size": window} if window else {}))
+    # What TVM bakes into its merge and split-and-rotate kernels (the merge's buffers leave heads and head dim
+    # symbolic), on those kernels: what a kernel of ours in their place needs (``attention.dispatch_attention``).
+    builder = rx.BlockBuilder.current()
+    create = builder.lookup_binding(cache._expr)  # the creation call
+    merge, split_rotary = create.args[MERGE_ARG].fields[0], create.args[SPLIT_ROTARY_ARG]
+    for func, facts in ((merge, {"h": heads, "d": head_dim}),
+                        (split_rotary, {"theta": float(rope_theta), "scale": float(rope_scale),
+                                        "rotary_dim": int(rotary_dim), "scaling": dict(rope_scaling)})):
+        builder.update_func(func, builder.get()[func].with_attr(FACTS_ATTR, json.dumps(facts)))
+    return cache
 
 
 KV_CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"  # the call TIRPagedKVCache emits
 ROPE_MODE_ARG = 9  # where the RopeMode is among that call's arguments (0: the builtin's name)
+MERGE_ARG = 24  # where its merge kernels are (a tuple; the runtime's ``args[23]``, ``f_merge_inplace``)
+SPLIT_ROTARY_ARG = 25  # where its q/k/v split with RoPE is (the runtime's ``args[24]``, ``f_split_rotary``)
+FACTS_ATTR = "autosched.facts"  # what those two PrimFuncs compute for (JSON)
+
+
+def _kv_cache_creations(mod: Any) -> list:
+    """Every paged-KV-cache creation call in ``mod``'s Relax functions."""
+    from tvm import relax
+
+    calls = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and len(expr.args) > ROPE_MODE_ARG and \
+                isinstance(expr.args[0], relax.ExternFunc) and expr.args[0].global_symbol == KV_CACHE_CREATE:
+            calls.append(expr)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return calls
 
 
 def kv_cache_rope_modes(mod: Any) -> set[int]:
     """The RopeMode (0 none, 1 normal, 2 inline) of every paged-KV-cache creation call in ``mod``'s Relax
     functions, read from the call's arguments by position; -1 for one that is not a constant."""
-    from tvm import relax
-
     modes = set()
-
-    def visit(expr):
-        if isinstance(expr, relax.Call) and len(expr.args) > ROPE_MODE_ARG and \
-                isinstance(expr.args[0], relax.ExternFunc) and expr.args[0].global_symbol == KV_CACHE_CREATE:
-            value = getattr(expr.args[ROPE_MODE_ARG], "value", None)  # an integer immediate
-            modes.add(value if isinstance(value, int) else -1)
-
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
+    for call in _kv_cache_creations(mod):
+        value = getattr(call.args[ROPE_MODE_ARG], "value", None)  # an integer immediate
+        modes.add(value if isinstance(value, int) else -1)
     return modes
+
+
+def kv_cache_kernels(mod: Any, arg: int) -> list[str]:
+    """The global names of the PrimFuncs every paged-KV-cache creation call in ``mod`` passes as argument
+    ``arg`` (``MERGE_ARG``'s tuple: its fields), in the order of the calls, each name once."""
+    import tvm
+
+    names: list[str] = []
+    for call in _kv_cache_creations(mod):
+        value = call.args[arg]
+        for field in getattr(value, "fields", [value]):
+            if isinstance(field, tvm.ir.GlobalVar) and field.name_hint not in names:
+                names.append(field.name_hint)
+    return names
 
 
 # The runtime functions that drive a paged KV cache, by the names the VM registers them under.

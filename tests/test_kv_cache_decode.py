@@ -268,12 +268,13 @@ def _tiny(head_dim: int = 64, **overrides):
 
 
 @pytest.mark.slow
-def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms():
+def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms_attention():
     """``cuda:sm_90``: the cache's decode and prefill kernels are ours (the report names them, TVM's
     PrimFuncs are gone, the executable's function table holds ours as packed functions linked in from their
-    own TIRx builds), the sliding-window variants stay TVM's.
-    ``llvm``: every role stays TVM's."""
-    from autosched.generation.attention import DECODE_ROLE, PAGED_PREFILL_ROLE, RAGGED_PREFILL_ROLE
+    own TIRx builds), the sliding-window variants stay TVM's; so are its merge and rotary kernels (in the
+    module), which the report does not count as default-scheduled kernels.
+    ``llvm``: the attention roles stay TVM's, the merge and rotary kernels are ours."""
+    from autosched.generation.attention import DECODE_ROLE, MERGE_ROLE, PAGED_PREFILL_ROLE, RAGGED_PREFILL_ROLE, ROPE_ROLE
     from autosched.generation.build import lower_generation, schedule_generation
     from autosched.pipeline.build import build_pipeline, compile_separate
     from autosched.target import compile_module, parse_target
@@ -289,8 +290,13 @@ def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms(
     paged = report.attention[PAGED_PREFILL_ROLE]
     assert paged == ("autosched kv_cache_prefill (autosched_kv_cache_prefill_paged16_h4_hkv2_d64_bm64_bn64_float16); "
                      "TVM default for the sliding-window variant (batch_prefill_paged_kv_sliding_window)")
-    assert ("except ours for decode over cached pages, prefill over cached pages, prefill over new tokens (ragged)"
-            in report.summary())
+    merge, rope = report.attention[MERGE_ROLE], report.attention[ROPE_ROLE]
+    assert merge == "autosched kv_cache_merge (autosched_kv_cache_merge_h4_d64_float16)"
+    assert rope == "autosched kv_cache_rope (autosched_kv_cache_rope_h4_hkv2_d64_r64_float16)"
+    assert ("except ours for decode over cached pages, merge of partial attention, prefill over cached pages, "
+            "prefill over new tokens (ragged), rotary embedding and q/k/v split" in report.summary())
+    assert not {"autosched_kv_cache_merge_h4_d64_float16", "autosched_kv_cache_rope_h4_hkv2_d64_r64_float16"} & set(
+        report.default)
     names = [role.split("(")[1].split(")")[0] for role in (ours, ragged, paged)]
     functions = [gv.name_hint for gv in scheduled.functions]
     assert not {"batch_decode_paged_kv", "batch_prefill_ragged_kv", "batch_prefill_paged_kv"} & set(functions)
@@ -307,13 +313,13 @@ def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms(
     lowered, _ = lower_generation(_tiny(), cpu, (1,))
     from autosched.generation.attention import dispatch_attention
 
-    same, served, kernels = dispatch_attention(lowered, cpu)
-    assert same is lowered and served == {} and kernels == {}
+    _, served, kernels = dispatch_attention(lowered, cpu)
+    assert set(served) == {MERGE_ROLE, ROPE_ROLE} and kernels == {}  # the attention kernels stay TVM's
 
 
 @pytest.mark.slow
 def test_the_dispatch_names_tvms_kernel_as_the_fallback_with_the_reason():
-    from autosched.generation.attention import DECODE_ROLE, RAGGED_PREFILL_ROLE, dispatch_attention
+    from autosched.generation.attention import DECODE_ROLE, MERGE_ROLE, RAGGED_PREFILL_ROLE, ROPE_ROLE, dispatch_attention
     from autosched.generation.build import lower_generation
     from autosched.target import parse_target
 
@@ -322,12 +328,15 @@ def test_the_dispatch_names_tvms_kernel_as_the_fallback_with_the_reason():
     mod, served, kernels = dispatch_attention(lowered, sm90)
     assert served[DECODE_ROLE] == "TVM default (batch_decode_paged_kv): ours does not serve head dim 16 (one of 32, 64, 128, 256)"
     assert served[RAGGED_PREFILL_ROLE] == "TVM default (batch_prefill_ragged_kv): ours does not serve head dim 16 (64 or 128)"
-    assert not kernels and mod is lowered
+    assert not kernels and "batch_decode_paged_kv" in {gv.name_hint for gv in mod.functions}
+    # the merge and rotary kernels are plain TIR for any head dim and any CUDA architecture
+    assert served[MERGE_ROLE].startswith("autosched kv_cache_merge (autosched_kv_cache_merge_h4_d16_")
     sm80 = parse_target("cuda:sm_80", require_device=False)
     lowered, _ = lower_generation(_tiny(), sm80, ())
     mod, served, kernels = dispatch_attention(lowered, sm80)
     assert "target cuda:sm_80 (sm_90 only)" in served[DECODE_ROLE] and not kernels
     assert "target cuda:sm_80 (sm_90 only)" in served[RAGGED_PREFILL_ROLE]
+    assert served[ROPE_ROLE].startswith("autosched kv_cache_rope (")
 
 
 # --- on the GPU -----------------------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
     for gv, func in lowered.functions.items():
         name = gv.name_hint
         if (isinstance(func, tirx.PrimFunc) and name not in report.tuned and name not in report.transferred
-                and not name.startswith(tuple(attention_kernels))):
+                and not name.startswith(tuple(attention_kernels)) and KERNEL_ATTR not in (func.attrs or {})):
             report.default.append(name)
     report.workloads = workload_kernels(lowered, applied, target)
     present = {gv.name_hint: func for gv, func in lowered.functions.items()}
