@@ -495,8 +495,9 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
 @pytest.mark.parametrize("scheme", ["fp8", "q8f16"])
 def test_an_8bit_build_for_sm_90_compiles_its_decode_projections_as_gemv8_kernels(tiny_llama, tmp_path, scheme):
     """Built here without a GPU for sm_90a in float16 with --quantize fp8 (E4M3 codes, fmt=e4m3) or q8f16 (int8
-    codes), a scale per output channel: decode steps' projections on gemv8, a prefill chunk's on gpu_matmul
-    (decoding the codes as the TE does), the library written."""
+    codes), a scale per output channel: decode steps' projections on gemv8 (weight-only), a prefill chunk's on
+    gpu_matmul (q8f16: decoding the codes as the TE does) or, for fp8, W8A8 (its activations quantised per token
+    by fp8_quant_rows, the GEMM on hopper_fp8_gemm), the library written."""
     _, root = tiny_llama
     out = tmp_path / "sm90"
     cli("build", str(root / "hf"), "--generate", "--target", "cuda:sm_90a", "--dtype", "float16", "-o", str(out),
@@ -504,14 +505,66 @@ def test_an_8bit_build_for_sm_90_compiles_its_decode_projections_as_gemv8_kernel
         "--quantize", scheme)
     manifest = json.loads((out / "manifest.json").read_text())
     kernels = [w for w in manifest["workload_kernels"].values() if w["workload"].startswith("dequant_gemm")]
-    assert {(w["workload"].split(",")[0], w["space"]) for w in kernels} == {
+    chunk = {("fp8_gemm[m=128", "hopper_fp8_gemm"), ("fp8_quant_rows[m=128", "gpu_rows")} if scheme == "fp8" \
+        else {("dequant_gemm[m=128", "gpu_matmul")}
+    assert {(w["workload"].split(",")[0], w["space"]) for w in manifest["workload_kernels"].values()
+            if w["workload"].startswith(("dequant_gemm", "fp8_"))} == {
         ("dequant_gemm[m=1", "gemv8"),
         ("dequant_gemm[m=4", "gemv8"),
-        ("dequant_gemm[m=128", "gpu_matmul"),
+        *chunk,
     }
+    assert manifest["quantization"]["activations"].startswith("float8 E4M3 per token" if scheme == "fp8" else "float16")
     assert all(";bits=8;" in w["workload"] and w["workload"].endswith(";fmt=e4m3") == (scheme == "fp8")
                for w in kernels)
     assert (out / manifest["library"]).exists()
+
+
+@pytest.mark.slow
+def test_an_fp8_build_for_sm_90_runs_its_prefill_chunks_w8a8_on_fp8_wgmma_and_its_cuda_compiles():
+    """--quantize fp8 on cuda:sm_90 (a tiny Llama, float16, hidden 256, MLP 128): each projection of a prefill
+    chunk of 128 tokens is fp8_quant_rows (gpu_rows) then fp8_gemm (hopper_fp8_gemm), tasks that tune-model lists;
+    a chunk of one token (which hopper_fp8_gemm does not take) and the decode steps stay weight-only
+    (dequant_gemm on gemv8). The compiled module's CUDA, the quantisation kernels and the wgmma e4m3 GEMMs,
+    compiles with nvcc for sm_90a. On the CPU the same model keeps every projection weight-only."""
+    from autosched.generation.build import generation_tasks, lower_generation, schedule_generation
+    from autosched.generation.quantize import manifest_entry
+    from autosched.pipeline import split_tunable
+    from autosched.pipeline.build import build_pipeline, compile_separate
+    from autosched.target import compile_module, parse_target
+
+    from .nvcc import nvcc_compile
+    from .test_kv_cache_decode import _tiny
+
+    cfg = _tiny(quantize="fp8")
+    sm90 = parse_target("cuda:sm_90", require_device=False)
+    lowered, _ = lower_generation(cfg, sm90, (1, 4), (1, 128))
+    tasks, _ = split_tunable(generation_tasks(lowered), sm90)
+    spaces = {t.key.split(";")[0]: t.space(sm90).name for t in tasks if t.key.startswith(("fp8", "dequant"))}
+    assert spaces == {
+        "fp8_quant_rows[m=128,k=256]:float16": "gpu_rows",  # the input of q/k/v, gate/up and o
+        "fp8_quant_rows[m=128,k=128]:float16": "gpu_rows",  # down's
+        "fp8_gemm[m=128,n=512,k=256]:float16": "hopper_fp8_gemm",  # q/k/v
+        "fp8_gemm[m=128,n=256,k=256]:float16": "hopper_fp8_gemm",  # o, gate/up
+        "fp8_gemm[m=128,n=256,k=128]:float16": "hopper_fp8_gemm",  # down
+        **{f"dequant_gemm[m={m},n={n},k={k}]:float16": "gemv8" for m in (1, 4)
+           for n, k in ((512, 256), (256, 256), (256, 128))},
+    }
+    weights = {t.key.split(";")[0]: t.weight for t in tasks}
+    assert weights["fp8_quant_rows[m=128,k=256]:float16"] == 3 and weights["fp8_gemm[m=128,n=256,k=256]:float16"] == 2
+    scheduled, report, applied = schedule_generation(lowered, None, sm90)
+    w8a8 = any(w["workload"].startswith("fp8_gemm[") for w in report.workloads.values())
+    assert manifest_entry(cfg, w8a8=w8a8)["activations"].startswith("float8 E4M3 per token (fp8_quant_rows")
+    executable = compile_separate(compile_module(scheduled, sm90, {}, relax_pipeline=build_pipeline(sm90)), applied, sm90)
+    sources = [m.inspect_source() for lib in executable.mod.imports for m in [lib, *lib.imports] if m.kind == "cuda"]
+    fp8 = [src for src in sources if "autosched_fp8_quant_rows" in src or "e4m3.e4m3" in src]
+    assert any("autosched_fp8_quant_rows" in src for src in fp8) and sum("e4m3.e4m3" in src for src in fp8) == 3
+    for src in fp8:
+        report = nvcc_compile(src, "sm_90a")
+        assert report.ok, report.log[-3000:]
+
+    cpu, _ = lower_generation(cfg, parse_target("llvm"), (1,), (128,))
+    assert not any(t.key.startswith("fp8") for t in generation_tasks(cpu))
+    assert manifest_entry(cfg)["activations"] == "float16 (weight-only)"
 
 
 @pytest.mark.gpu
