@@ -241,10 +241,10 @@ def _reference_model(hf, artifact):
     return ref
 
 
-def assert_functions_match(artifact, ids, expected, chunk: int = 8, relative: float = 2e-5):
+def assert_functions_match(artifact, ids, expected, chunk: int = 8, relative: float = 2e-5, chunk_expected=None):
     """The artifact's dynamic prefill (every position), its ``prefill_t<chunk>`` chunk over the first ``chunk``
-    ids and its ``decode_b1`` step give ``expected`` (float64 logits of ``ids``) within ``relative`` of its
-    largest; returns that tolerance."""
+    ids and its ``decode_b1`` step give ``expected`` (float64 logits of ``ids``; the chunk ``chunk_expected``
+    where given: W8A8's) within ``relative`` of its largest; returns that tolerance."""
     from autosched.generation.evaluate import all_logits
     from autosched.generation.model import LoadedModel
 
@@ -254,7 +254,8 @@ def assert_functions_match(artifact, ids, expected, chunk: int = 8, relative: fl
     model.add(0)
     logits = model.forward(f"prefill_t{chunk}", [0], [chunk], ids[:chunk], prefill=True,
                            logit_positions=np.arange(chunk))
-    np.testing.assert_allclose(logits.numpy().reshape(chunk, -1), expected[:chunk], rtol=0, atol=tolerance)
+    chunk_expected = expected if chunk_expected is None else chunk_expected
+    np.testing.assert_allclose(logits.numpy().reshape(chunk, -1), chunk_expected[:chunk], rtol=0, atol=tolerance)
     model.forward("batch_prefill", [0], [len(ids) - chunk - 1], ids[chunk:-1], prefill=True)
     step = model.forward("decode_b1", [0], [1], ids[-1:], prefill=False)
     np.testing.assert_allclose(step.numpy().reshape(-1), expected[-1], rtol=0, atol=tolerance)
@@ -651,8 +652,10 @@ def test_an_fp8_build_for_sm_90_runs_its_prefill_chunks_w8a8_on_fp8_wgmma_and_it
 @pytest.mark.parametrize("scheme", ["q4f16", "q4f16_zp", "q8f16", "fp8"])
 def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny_llama, scheme, tmp_path):
     """fp16 on the GPU: the dynamic prefill, a static chunk of 32 tokens (q4f16 and q4f16_zp: hopper_dequant_gemm on
-    sm_90) and a static decode step (q4f16 and q4f16_zp: int4_gemv; q8f16 and fp8: gemv8) give the float64 model's
-    logits of the same dequantised weights, to half precision's tolerance."""
+    sm_90; fp8: W8A8 on sm_90, fp8_quant_rows and fp8_gemm on FP8 wgmma) and a static decode step (q4f16 and
+    q4f16_zp: int4_gemv; q8f16 and fp8: gemv8) give the float64 model's logits of the same dequantised weights (for
+    fp8's W8A8 chunk, with each projection's input quantised per token as fp8_quant_rows does), to half
+    precision's tolerance."""
     import torch
 
     hf, root = tiny_llama
@@ -679,9 +682,31 @@ def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny
         scheme,
     )
     ids = list(range(3, 3 + 7 * 40, 7))
+    manifest = json.loads((out / "manifest.json").read_text())
+    w8a8 = any(w["workload"].startswith("fp8_gemm[") for w in manifest["workload_kernels"].values())
+    assert w8a8 == (scheme == "fp8"), manifest["workload_kernels"]  # the H200 is sm_90
     with torch.no_grad():
-        ref = _reference_model(hf, out)(torch.tensor([ids])).logits[0].numpy()
-    assert_functions_match(out, ids, ref, chunk=32, relative=2e-2)
+        model = _reference_model(hf, out)
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+        with _w8a8_projections(model):
+            chunk = model(torch.tensor([ids])).logits[0].numpy() if w8a8 else None
+    assert_functions_match(out, ids, ref, chunk=32, relative=2e-2, chunk_expected=chunk)
+
+
+@pytest.mark.gpu
+def test_tune_model_fp8_on_the_gpu_tunes_the_w8a8_prefill_kernels(tiny_llama, tmp_path):
+    """``tune-model --generate --quantize fp8 --prefill-chunks 32`` on the H200 (sm_90, float16): the chunk's
+    per-token quantisation (fp8_quant_rows on gpu_rows) and its FP8 GEMMs (fp8_gemm on hopper_fp8_gemm) are tasks
+    beside the decode step's gemv8 ones, each measured without a wrong result."""
+    _, root = tiny_llama
+    rows = json.loads(cli("tune-model", str(root / "hf"), "--generate", "--target", "cuda", "--dtype", "float16",
+                          "--decode-batches", "1", "--max-batch", "2", "--prefill-chunks", "32", "--quantize", "fp8",
+                          "--trials", "16", "--db", str(tmp_path / "tune.db"), "--format", "json").stdout)
+    spaces = {r["kernel"].rstrip("0123456789"): r["space"] for r in rows}
+    assert spaces["autosched_fp8_quant_rows"] == "gpu_rows" and spaces["autosched_fp8_gemm"] == "hopper_fp8_gemm"
+    assert spaces["autosched_dequant_gemm"] == "gemv8"
+    assert sum(r["kernel"].startswith("autosched_fp8_gemm") for r in rows) == 4  # q/k/v, o, gate/up, down
+    assert all(r["latency_us"] is not None for r in rows if r["kernel"].startswith("autosched_fp8")), rows
 
 
 def _pack_along(fields, axis: int):
