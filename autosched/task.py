@@ -220,6 +220,12 @@ class Checker:
         """Arguments in the function's parameter order."""
         return list(inputs) + list(outputs)
 
+    def errors(self, inputs: list, outs: list, refs: list) -> list[float]:
+        """Each output's error against its reference (compared with :attr:`tolerance`): relative L2 errors."""
+        from autosched.measure.timing import relative_error
+
+        return [relative_error(o, r) for o, r in zip(outs, refs)]
+
     def inputs_and_reference(self, gen: torch.Generator, device: str) -> tuple[list, list]:
         """Seeded random inputs on ``device`` and the float64 reference outputs for them."""
         inputs = self.make_inputs(gen, device)
@@ -239,6 +245,9 @@ class OperatorChecker(Checker):
 
     def reference(self, inputs):
         return self.op.reference(self.wl, inputs)
+
+    def errors(self, inputs, outs, refs):
+        return self.op.errors(self.wl, inputs, outs, refs)
 
 
 class SelfChecker(Checker):

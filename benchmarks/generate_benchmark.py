@@ -93,9 +93,12 @@ def floor_ms(model, batch: int, context: float, bandwidth: float) -> float:
 
 
 def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True, db_path: str | None = None,
-               cuda_graphs: bool = True, prefill_chunks: tuple[int, ...] = ()):
+               cuda_graphs: bool = True, prefill_chunks: tuple[int, ...] = (), quantize: str | None = None):
     """(make a generator, build seconds, attention kernels) of our generation build for ``model`` on the GPU;
-    ``static``: each batch size's decode step as a static function (CUDA graphs), else one function for all."""
+    ``static``: each batch size's decode step as a static function (CUDA graphs), else one function for all;
+    ``quantize``: a --quantize scheme (fp8 on sm_90: W8A8 prefill chunks)."""
+    from dataclasses import replace
+
     import torch
     import tvm
 
@@ -106,7 +109,13 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
 
     target = parse_target("cuda" if DEVICE == "cuda" else "llvm")
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    gm = GenerationModel("benchmark", model, config_from_hf(model.config, dtype), [])
+    config = config_from_hf(model.config, dtype)
+    if quantize:
+        from autosched.generation.quantize import check_quantizable
+
+        check_quantizable(config, quantize)
+        config = replace(config, quantize=quantize)
+    gm = GenerationModel("benchmark", model, config, [])
     decode_batches = tuple(batches) if static else ()
     db = None
     if db_path:
@@ -120,6 +129,10 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
         db.close()
     built = time.perf_counter() - began
     weights = weights_from_hf(model.state_dict(), gm.config)
+    if quantize:
+        from autosched.generation.quantize import quantize_weights
+
+        weights = quantize_weights(weights, gm.config, quantize)
     # On the CPU (a smoke test) the weights are shared with the model rather than copied: an 8B model's
     # embedding and head alone are 5 GB in fp32.
     own = (lambda t: t.clone(memory_format=torch.contiguous_format)) if DEVICE == "cuda" else (lambda t: t.contiguous())
@@ -391,6 +404,8 @@ def main() -> int:
     parser.add_argument("--trace", action="store_true",
                         help="also the GPU's trace of decode steps of the real build (CUDA graphs included): span, "
                         "busy time, kernels per step and the costliest kernels (CUDA only)")
+    parser.add_argument("--quantize", help="our build's --quantize scheme (e.g. fp8: on sm_90 its prefill chunks are "
+                        "W8A8 on FP8 wgmma); transformers stays in fp16, so its tokens may differ")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
@@ -411,18 +426,20 @@ def main() -> int:
 
     def build_for(these):  # our build with static decode functions and prefill chunks for the batches ``these``
         return build_ours(model, these, max_seq_len, db_path=args.db,
-                          prefill_chunks=tuple(sorted({args.prompt * b for b in these})))
+                          prefill_chunks=tuple(sorted({args.prompt * b for b in these})), quantize=args.quantize)
 
     shared = None if args.each_batch_alone else build_for(batches)
-    make_dynamic = build_ours(model, batches, max_seq_len, static=False, db_path=args.db)[0] if args.dynamic else None
-    make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False,
-                               prefill_chunks=chunks)[0] if args.profile or args.without_graphs else None
+    make_dynamic = build_ours(model, batches, max_seq_len, static=False, db_path=args.db,
+                              quantize=args.quantize)[0] if args.dynamic else None
+    make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False, prefill_chunks=chunks,
+                               quantize=args.quantize)[0] if args.profile or args.without_graphs else None
     if shared is not None:
         print(f"built in {shared[1]:.1f} s", flush=True)
     for batch in batches:
         make, built, attention = shared or build_for([batch])
         prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt), generator=generator).tolist()
-        row = {"model": args.model, "layers": args.layers, "batch": batch, "prompt": args.prompt, "new": args.new}
+        row = {"model": args.model, "layers": args.layers, "batch": batch, "prompt": args.prompt, "new": args.new,
+               "quantize": args.quantize}
         rows.append(row)
 
         def save():  # after every measurement: a run cut off by a time limit keeps what it measured

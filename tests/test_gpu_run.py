@@ -367,6 +367,79 @@ def test_fp8_gemm_on_fp8_tensor_cores_is_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
 
 
+def test_fp8_quant_rows_is_correct_on_the_gpu(measurers):
+    """fp8_quant_rows on gpu_rows (its default and points across warps, vectors, unrolling and a staged input)
+    against the float64 reference, whose first rows are a zero row, one past 448 reaching E4M3's subnormals and
+    one of exact ties: every code the reference's (one step off only within float32's rounding of a tie), every
+    scale within float32's rounding. A 512-token chunk of a 4096-wide layer, an 11008-wide one in bf16, a short
+    row no vector divides."""
+    target, measurer = measurers("sm_90")
+    for shape, dtype in (("m=512,k=4096", "float16"), ("m=64,k=11008", "bfloat16"), ("m=9,k=1001", "float16")):
+        task = Task.from_workload(make_workload("fp8_quant_rows", shape, dtype))
+        space = task.space(target)
+        assert space.name == "gpu_rows"
+        points = [space.default(), {"warps": 4, "vector": 1, "unroll": 0, "stage_input": False},
+                  {"warps": 16, "vector": 2, "unroll": 64, "stage_input": True},
+                  {"warps": 32, "vector": 4, "unroll": 256, "stage_input": False}]
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+
+
+def test_a_w8a8_projection_of_a_prefill_chunk_is_correct_on_the_gpu(gpu_target, tmp_path):
+    """What an fp8 build's prefill chunk runs for one projection, on the GPU at the spaces' default points: a
+    512-token chunk of float16 activations (a zero row, an outlier row) quantised per token by fp8_quant_rows,
+    then fp8_gemm on those codes and the layer's E4M3 weight codes (--quantize fp8's, float16 scales per output
+    channel cast to float32). Against the float64 product of the same per-token quantisation: within float16's
+    tolerance; against weight-only fp8 (the activations unquantised): within 5% (E4M3's rounding of the
+    activations, about 2^-4/√3 of each)."""
+    import torch
+    import tvm
+
+    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.target import compile_module
+    from autosched.workloads import get_operator
+
+    from .test_quantize import _quantize_rows
+
+    target = dataclasses.replace(gpu_target, arch="sm_90")
+    m, n, k = 512, 4096, 4096
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn((m, k), generator=gen).half()
+    x[0] = 0
+    x[1, ::7] *= 300
+    codes_w, scales_w = quantize_weight(torch.randn((n, k), generator=gen) / k**0.5, "fp8", "float16")
+
+    def kernel(op, shape, name):
+        task = Task.from_workload(make_workload(op, shape, "float16"))
+        space = task.space(target)
+        assert space.name == name
+        point = space.default()
+        path = str(tmp_path / f"{op}.so")
+        compile_module(space.apply(point), target, space.build_config(point), space.codegen).export_library(path)
+        return tvm.runtime.load_module(path)["main"]
+
+    quant = kernel("fp8_quant_rows", f"m={m},k={k}", "gpu_rows")
+    gemm = kernel("fp8_gemm", f"m={m},n={n},k={k}", "hopper_fp8_gemm")
+    dev = torch.device("cuda")
+    codes_a = torch.full((m, k), 0xFF, dtype=torch.uint8, device=dev)
+    scale_a = torch.full((m,), float("nan"), device=dev)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
+    args = [x.to(dev), codes_a, scale_a]
+    quant(*[tvm.runtime.from_dlpack(t) for t in args])
+    args = [codes_a, codes_w.to(dev), scale_a, scales_w.float().reshape(n).to(dev), out]
+    gemm(*[tvm.runtime.from_dlpack(t) for t in args])
+    torch.cuda.synchronize()
+    wl = make_workload("fp8_quant_rows", f"m={m},k={k}", "float16")
+    refs = get_operator("fp8_quant_rows").reference(wl, [x])
+    assert get_operator("fp8_quant_rows").errors(wl, [x], [codes_a.cpu(), scale_a.cpu()], refs)[0] == 0
+    w = dequantize_weight(codes_w, scales_w, "fp8", k, "float16")
+    w8a8, weight_only = _quantize_rows(x.double()) @ w.T, x.double() @ w.T
+    got = out.double().cpu()
+    assert not got.isnan().any() and not got[0].any()
+    assert float((got - w8a8).norm() / w8a8.norm()) < 4e-3
+    assert float((got - weight_only).norm() / weight_only.norm()) < 0.05
+
+
 @pytest.mark.parametrize("op,shape,dtype,causal", [
     ("attention", "b=1,h=4,hkv=2,s=1000,d=128", "float16", 1), ("attention", "b=2,h=2,s=700,d=128", "bfloat16", 0),
     ("attention", "b=1,h=2,hkv=1,s=300,d=64", "float16", 1), ("attention", "b=1,h=2,s=260,d=256", "bfloat16", 0),

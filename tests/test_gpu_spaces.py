@@ -69,6 +69,10 @@ CASES = [
     ("fp8_gemm", "m=300,n=1001,k=336", "bfloat16", "bias=1,act=silu", "hopper_fp8_gemm", "sm_90"),
     ("fp8_gemm", "m=16,n=520,k=272", "float16", "bias=1", "hopper_fp8_gemm", "sm_90"),
     ("fp8_gemm", "m=64,n=96,k=128", "float16", "bias=1", "gpu_matmul", "sm_80"),
+    # ... and the per-token quantisation of its activations (fp8_quant_rows: amax, then the E4M3 encoding of
+    # each element; a zero row, one past 448 into the subnormals, one of ties): a 512-token chunk, a short row
+    ("fp8_quant_rows", "m=512,k=4096", "float16", "", "gpu_rows", "sm_90"),
+    ("fp8_quant_rows", "m=7,k=1000", "bfloat16", "", "gpu_rows", "sm_90"),
     ("moe_gemm", "m=2,e=8,n=512,k=256", "float16", "", "gpu_moe_matmul", "sm_90"),  # decode: 1 token x 2 experts
     ("moe_gemm", "m=64,e=4,n=384,k=448", "bfloat16", "", "gpu_moe_matmul", "sm_90"),
     ("moe_gemm", "m=24,e=3,n=96,k=160", "float32", "", "gpu_moe_matmul", "sm_80"),

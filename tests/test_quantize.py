@@ -241,10 +241,10 @@ def _reference_model(hf, artifact):
     return ref
 
 
-def assert_functions_match(artifact, ids, expected, chunk: int = 8, relative: float = 2e-5):
+def assert_functions_match(artifact, ids, expected, chunk: int = 8, relative: float = 2e-5, chunk_expected=None):
     """The artifact's dynamic prefill (every position), its ``prefill_t<chunk>`` chunk over the first ``chunk``
-    ids and its ``decode_b1`` step give ``expected`` (float64 logits of ``ids``) within ``relative`` of its
-    largest; returns that tolerance."""
+    ids and its ``decode_b1`` step give ``expected`` (float64 logits of ``ids``; the chunk ``chunk_expected``
+    where given: W8A8's) within ``relative`` of its largest; returns that tolerance."""
     from autosched.generation.evaluate import all_logits
     from autosched.generation.model import LoadedModel
 
@@ -254,7 +254,8 @@ def assert_functions_match(artifact, ids, expected, chunk: int = 8, relative: fl
     model.add(0)
     logits = model.forward(f"prefill_t{chunk}", [0], [chunk], ids[:chunk], prefill=True,
                            logit_positions=np.arange(chunk))
-    np.testing.assert_allclose(logits.numpy().reshape(chunk, -1), expected[:chunk], rtol=0, atol=tolerance)
+    chunk_expected = expected if chunk_expected is None else chunk_expected
+    np.testing.assert_allclose(logits.numpy().reshape(chunk, -1), chunk_expected[:chunk], rtol=0, atol=tolerance)
     model.forward("batch_prefill", [0], [len(ids) - chunk - 1], ids[chunk:-1], prefill=True)
     step = model.forward("decode_b1", [0], [1], ids[-1:], prefill=False)
     np.testing.assert_allclose(step.numpy().reshape(-1), expected[-1], rtol=0, atol=tolerance)
@@ -359,15 +360,11 @@ def _sample(chain, rows: int, length: int, seed: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.slow
-def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(tmp_path):
-    """A tiny Llama (hidden 128: q4f16 groups of 128) trained on a Markov chain (entropy 0.78 nats a token) and
-    built fp32, q8f16, fp8 and q4f16: ``autosched eval`` perplexity within 5% (q8f16, fp8) and 15% (q4f16) of the
-    fp32 build's on held-out text, and greedy tokens the fp32 build's for at least 90% of 8 x 64 new tokens."""
+def _trained_llama(folder):
+    """A tiny Llama (hidden 128: q4f16 groups of 128, 2 layers) trained on a Markov chain over 64 tokens (entropy
+    0.78 nats a token), saved to ``folder``; returns the chain."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from autosched.generation import Generator
 
     vocab = 64
     chain = _markov_chain(vocab)
@@ -394,7 +391,18 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(t
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    model.eval().save_pretrained(tmp_path / "hf")
+    model.eval().save_pretrained(folder)
+    return chain
+
+
+@pytest.mark.slow
+def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(tmp_path):
+    """A tiny Llama (hidden 128: q4f16 groups of 128) trained on a Markov chain (entropy 0.78 nats a token) and
+    built fp32, q8f16, fp8 and q4f16: ``autosched eval`` perplexity within 5% (q8f16, fp8) and 15% (q4f16) of the
+    fp32 build's on held-out text, and greedy tokens the fp32 build's for at least 90% of 8 x 64 new tokens."""
+    from autosched.generation import Generator
+
+    chain = _trained_llama(tmp_path / "hf")
     held_out = _sample(chain, 1, 8 * MAX_SEQ_LEN, seed=3)[0]
     (tmp_path / "ids.txt").write_text(" ".join(map(str, held_out)))
 
@@ -441,6 +449,79 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(t
         same = sum(a == b for ours, theirs in zip(tokens[scheme], tokens["fp32"]) for a, b in zip(ours, theirs))
         assert same >= 0.9 * 8 * 64, (scheme, same, perplexity)
     assert all(len(t) == 64 for t in tokens["fp32"])
+
+
+# A transformers Llama's projections: what --quantize quantises (q/k/v, o, gate/up, down).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _quantize_rows(x):
+    """``x`` (float64) as W8A8's activations: per token, scale = amax / 448 rounded to float32 (fp8_quant_rows'),
+    each value rounded to E4M3 against it (a zero row stays zero)."""
+    import torch
+
+    from autosched.generation.quantize import round_to_e4m3
+
+    scale = (x.abs().amax(-1, keepdim=True) / 448).float().double()
+    return round_to_e4m3(x / torch.where(scale > 0, scale, torch.ones_like(scale))) * scale
+
+
+class _w8a8_projections:
+    """While inside, ``model``'s projections read their input quantised per token (:func:`_quantize_rows`): a float64
+    simulation of fp8_quant_rows -> fp8_gemm (q, k and v read the same rows, so quantising each one's input is
+    quantising the fused q/k/v's once; gate and up likewise)."""
+
+    def __init__(self, model):
+        self.modules = [m for name, m in model.named_modules() if name.split(".")[-1] in PROJECTIONS]
+
+    def __enter__(self):
+        self.hooks = [m.register_forward_pre_hook(lambda _, args: (_quantize_rows(args[0]), *args[1:]))
+                      for m in self.modules]
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+
+
+@pytest.mark.slow
+def test_w8a8_logits_of_a_trained_model_stay_close_to_weight_only_fp8s(tmp_path):
+    """A float64 simulation, on the tiny Llama trained on a Markov chain, of what an fp8 build's prefill chunks on
+    sm_90 compute (W8A8: every projection's input quantised per token to E4M3) against weight-only fp8 (the same
+    E4M3 weights, float activations), over 8 held-out sequences of 64 tokens: logits within 5% (relative L2),
+    perplexity within 1%, the same greedy token at 99% of positions or more.
+
+    The bound: E4M3 keeps 3 mantissa bits, so rounding moves a value by at most 2^-4 of it and by about 2^-4/√3
+    (3.6%) RMS where values spread over the binade; a projection's output is a sum over K of such independent
+    errors, about as large relative to the output, and the norms keep the logits' share of it there (measured:
+    1.7%, weight-only's own distance from the float model 0.9%). A wrong scale, sign or code is off by O(1)."""
+    import copy
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from autosched.generation.quantize import dequantize_weight, quantize_weight
+
+    chain = _trained_llama(tmp_path / "hf")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval().double()
+    weight_only = copy.deepcopy(model)
+    for name, module in weight_only.named_modules():
+        if name.split(".")[-1] in PROJECTIONS:  # as an fp16 build quantises them (float16 scales)
+            codes, scales = quantize_weight(module.weight.data, "fp8", "float16")
+            module.weight.data = dequantize_weight(codes, scales, "fp8", module.weight.shape[1], "float16")
+    ids = torch.from_numpy(_sample(chain, 8, MAX_SEQ_LEN, seed=3))
+    with torch.no_grad():
+        floats, ours = model(ids).logits, weight_only(ids).logits
+        with _w8a8_projections(weight_only):
+            w8a8 = weight_only(ids).logits
+
+    def perplexity(logits):
+        return float(torch.exp(-torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).mean()))
+
+    distance = float((w8a8 - ours).norm() / ours.norm())
+    assert 1e-3 < distance < 0.05, distance  # the activations were quantised, and closely
+    assert float((ours - floats).norm() / floats.norm()) < distance  # their rounding costs more than the weights'
+    assert abs(perplexity(w8a8) / perplexity(ours) - 1) < 0.01, (perplexity(w8a8), perplexity(ours))
+    assert float((w8a8.argmax(-1) == ours.argmax(-1)).double().mean()) >= 0.99
 
 
 @pytest.mark.slow
@@ -495,8 +576,9 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
 @pytest.mark.parametrize("scheme", ["fp8", "q8f16"])
 def test_an_8bit_build_for_sm_90_compiles_its_decode_projections_as_gemv8_kernels(tiny_llama, tmp_path, scheme):
     """Built here without a GPU for sm_90a in float16 with --quantize fp8 (E4M3 codes, fmt=e4m3) or q8f16 (int8
-    codes), a scale per output channel: decode steps' projections on gemv8, a prefill chunk's on gpu_matmul
-    (decoding the codes as the TE does), the library written."""
+    codes), a scale per output channel: decode steps' projections on gemv8 (weight-only), a prefill chunk's on
+    gpu_matmul (q8f16: decoding the codes as the TE does) or, for fp8, W8A8 (its activations quantised per token
+    by fp8_quant_rows, the GEMM on hopper_fp8_gemm), the library written."""
     _, root = tiny_llama
     out = tmp_path / "sm90"
     cli("build", str(root / "hf"), "--generate", "--target", "cuda:sm_90a", "--dtype", "float16", "-o", str(out),
@@ -504,22 +586,76 @@ def test_an_8bit_build_for_sm_90_compiles_its_decode_projections_as_gemv8_kernel
         "--quantize", scheme)
     manifest = json.loads((out / "manifest.json").read_text())
     kernels = [w for w in manifest["workload_kernels"].values() if w["workload"].startswith("dequant_gemm")]
-    assert {(w["workload"].split(",")[0], w["space"]) for w in kernels} == {
+    chunk = {("fp8_gemm[m=128", "hopper_fp8_gemm"), ("fp8_quant_rows[m=128", "gpu_rows")} if scheme == "fp8" \
+        else {("dequant_gemm[m=128", "gpu_matmul")}
+    assert {(w["workload"].split(",")[0], w["space"]) for w in manifest["workload_kernels"].values()
+            if w["workload"].startswith(("dequant_gemm", "fp8_"))} == {
         ("dequant_gemm[m=1", "gemv8"),
         ("dequant_gemm[m=4", "gemv8"),
-        ("dequant_gemm[m=128", "gpu_matmul"),
+        *chunk,
     }
+    assert manifest["quantization"]["activations"].startswith("float8 E4M3 per token" if scheme == "fp8" else "float16")
     assert all(";bits=8;" in w["workload"] and w["workload"].endswith(";fmt=e4m3") == (scheme == "fp8")
                for w in kernels)
     assert (out / manifest["library"]).exists()
+
+
+@pytest.mark.slow
+def test_an_fp8_build_for_sm_90_runs_its_prefill_chunks_w8a8_on_fp8_wgmma_and_its_cuda_compiles():
+    """--quantize fp8 on cuda:sm_90 (a tiny Llama, float16, hidden 256, MLP 128): each projection of a prefill
+    chunk of 128 tokens is fp8_quant_rows (gpu_rows) then fp8_gemm (hopper_fp8_gemm), tasks that tune-model lists;
+    a chunk of one token (which hopper_fp8_gemm does not take) and the decode steps stay weight-only
+    (dequant_gemm on gemv8). The compiled module's CUDA, the quantisation kernels and the wgmma e4m3 GEMMs,
+    compiles with nvcc for sm_90a. On the CPU the same model keeps every projection weight-only."""
+    from autosched.generation.build import generation_tasks, lower_generation, schedule_generation
+    from autosched.generation.quantize import manifest_entry
+    from autosched.pipeline import split_tunable
+    from autosched.pipeline.build import build_pipeline, compile_separate
+    from autosched.target import compile_module, parse_target
+
+    from .nvcc import nvcc_compile
+    from .test_kv_cache_decode import _tiny
+
+    cfg = _tiny(quantize="fp8")
+    sm90 = parse_target("cuda:sm_90", require_device=False)
+    lowered, _ = lower_generation(cfg, sm90, (1, 4), (1, 128))
+    tasks, _ = split_tunable(generation_tasks(lowered), sm90)
+    spaces = {t.key.split(";")[0]: t.space(sm90).name for t in tasks if t.key.startswith(("fp8", "dequant"))}
+    assert spaces == {
+        "fp8_quant_rows[m=128,k=256]:float16": "gpu_rows",  # the input of q/k/v, gate/up and o
+        "fp8_quant_rows[m=128,k=128]:float16": "gpu_rows",  # down's
+        "fp8_gemm[m=128,n=512,k=256]:float16": "hopper_fp8_gemm",  # q/k/v
+        "fp8_gemm[m=128,n=256,k=256]:float16": "hopper_fp8_gemm",  # o, gate/up
+        "fp8_gemm[m=128,n=256,k=128]:float16": "hopper_fp8_gemm",  # down
+        **{f"dequant_gemm[m={m},n={n},k={k}]:float16": "gemv8" for m in (1, 4)
+           for n, k in ((512, 256), (256, 256), (256, 128))},
+    }
+    weights = {t.key.split(";")[0]: t.weight for t in tasks}
+    assert weights["fp8_quant_rows[m=128,k=256]:float16"] == 3 and weights["fp8_gemm[m=128,n=256,k=256]:float16"] == 2
+    scheduled, report, applied = schedule_generation(lowered, None, sm90)
+    w8a8 = any(w["workload"].startswith("fp8_gemm[") for w in report.workloads.values())
+    assert manifest_entry(cfg, w8a8=w8a8)["activations"].startswith("float8 E4M3 per token (fp8_quant_rows")
+    executable = compile_separate(compile_module(scheduled, sm90, {}, relax_pipeline=build_pipeline(sm90)), applied, sm90)
+    sources = [m.inspect_source() for lib in executable.mod.imports for m in [lib, *lib.imports] if m.kind == "cuda"]
+    fp8 = [src for src in sources if "autosched_fp8_quant_rows" in src or "e4m3.e4m3" in src]
+    assert any("autosched_fp8_quant_rows" in src for src in fp8) and sum("e4m3.e4m3" in src for src in fp8) == 3
+    for src in fp8:
+        report = nvcc_compile(src, "sm_90a")
+        assert report.ok, report.log[-3000:]
+
+    cpu, _ = lower_generation(cfg, parse_target("llvm"), (1,), (128,))
+    assert not any(t.key.startswith("fp8") for t in generation_tasks(cpu))
+    assert manifest_entry(cfg)["activations"] == "float16 (weight-only)"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["q4f16", "q4f16_zp", "q8f16", "fp8"])
 def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny_llama, scheme, tmp_path):
     """fp16 on the GPU: the dynamic prefill, a static chunk of 32 tokens (q4f16 and q4f16_zp: hopper_dequant_gemm on
-    sm_90) and a static decode step (q4f16 and q4f16_zp: int4_gemv; q8f16 and fp8: gemv8) give the float64 model's
-    logits of the same dequantised weights, to half precision's tolerance."""
+    sm_90; fp8: W8A8 on sm_90, fp8_quant_rows and fp8_gemm on FP8 wgmma) and a static decode step (q4f16 and
+    q4f16_zp: int4_gemv; q8f16 and fp8: gemv8) give the float64 model's logits of the same dequantised weights (for
+    fp8's W8A8 chunk, with each projection's input quantised per token as fp8_quant_rows does), to half
+    precision's tolerance."""
     import torch
 
     hf, root = tiny_llama
@@ -546,9 +682,31 @@ def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny
         scheme,
     )
     ids = list(range(3, 3 + 7 * 40, 7))
+    manifest = json.loads((out / "manifest.json").read_text())
+    w8a8 = any(w["workload"].startswith("fp8_gemm[") for w in manifest["workload_kernels"].values())
+    assert w8a8 == (scheme == "fp8"), manifest["workload_kernels"]  # the H200 is sm_90
     with torch.no_grad():
-        ref = _reference_model(hf, out)(torch.tensor([ids])).logits[0].numpy()
-    assert_functions_match(out, ids, ref, chunk=32, relative=2e-2)
+        model = _reference_model(hf, out)
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+        with _w8a8_projections(model):
+            chunk = model(torch.tensor([ids])).logits[0].numpy() if w8a8 else None
+    assert_functions_match(out, ids, ref, chunk=32, relative=2e-2, chunk_expected=chunk)
+
+
+@pytest.mark.gpu
+def test_tune_model_fp8_on_the_gpu_tunes_the_w8a8_prefill_kernels(tiny_llama, tmp_path):
+    """``tune-model --generate --quantize fp8 --prefill-chunks 32`` on the H200 (sm_90, float16): the chunk's
+    per-token quantisation (fp8_quant_rows on gpu_rows) and its FP8 GEMMs (fp8_gemm on hopper_fp8_gemm) are tasks
+    beside the decode step's gemv8 ones, each measured without a wrong result."""
+    _, root = tiny_llama
+    rows = json.loads(cli("tune-model", str(root / "hf"), "--generate", "--target", "cuda", "--dtype", "float16",
+                          "--decode-batches", "1", "--max-batch", "2", "--prefill-chunks", "32", "--quantize", "fp8",
+                          "--trials", "16", "--db", str(tmp_path / "tune.db"), "--format", "json").stdout)
+    spaces = {r["kernel"].rstrip("0123456789"): r["space"] for r in rows}
+    assert spaces["autosched_fp8_quant_rows"] == "gpu_rows" and spaces["autosched_fp8_gemm"] == "hopper_fp8_gemm"
+    assert spaces["autosched_dequant_gemm"] == "gemv8"
+    assert sum(r["kernel"].startswith("autosched_fp8_gemm") for r in rows) == 4  # q/k/v, o, gate/up, down
+    assert all(r["latency_us"] is not None for r in rows if r["kernel"].startswith("autosched_fp8")), rows
 
 
 def _pack_along(fields, axis: int):

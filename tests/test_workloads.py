@@ -33,6 +33,9 @@ SMALL_CASES = [
     # float8 E4M3 activations and weights, per-token and per-channel scales (every code in row 0 of A and W)
     ("fp8_gemm", "m=3,n=40,k=300", "float16", ""),
     ("fp8_gemm", "m=5,n=7,k=33", "bfloat16", "bias=1,act=silu"),
+    # per-token E4M3 quantisation: a zero row, a row past 448 into the subnormals, a row of ties (rows 0-2)
+    ("fp8_quant_rows", "m=5,k=97", "float16", ""),
+    ("fp8_quant_rows", "m=4,k=40", "bfloat16", ""),
     ("moe_gemm", "m=7,e=3,n=24,k=40", "float16", ""),
     ("paged_decode_attention", "b=3,h=4,hkv=2,d=16,ctx=37,page=8", "float16", ""),
 ]
@@ -217,3 +220,69 @@ def test_paged_decode_reference_masks_by_length():
     k[last_page] += 100.0
     ref2 = op.reference(wl, [ins[0], k] + ins[2:])[0]
     assert torch.allclose(ref[1], ref2[1])
+
+
+def test_e4m3_encoding_of_every_half_and_of_float32_values_is_ml_dtypes():
+    """e4m3_code (integer arithmetic on float32 bits), compiled for the CPU, on every finite float16 value and on
+    random float32 ones from 2^-20 to 2^12: ml_dtypes' float8_e4m3fn of the value clamped to ±448 (nearest, ties
+    to even, subnormals from 2^-9, -0 kept), bit for bit."""
+    import ml_dtypes
+    import numpy as np
+    import tvm
+    from tvm import te
+
+    from autosched.workloads.fp8 import e4m3_code
+
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)].astype(np.float32)
+    rng = np.random.default_rng(0)
+    floats = (rng.choice([-1, 1], 50000) * np.exp2(rng.uniform(-20, 12, 50000))).astype(np.float32)
+    ties = np.array([17, -19, 2.5 * 2**-9, 464, -464, 449, 2**-10, 3 * 2**-11, 0.0, -0.0], np.float32)
+    values = np.concatenate([halves, floats, ties])
+    x = te.placeholder((len(values),), "float32", name="x")
+    encode = te.create_prim_func([x, te.compute(x.shape, lambda i: e4m3_code(x[i]), name="code")])
+    out = tvm.runtime.empty((len(values),), "uint8", tvm.cpu())
+    tvm.compile(encode, target={"kind": "llvm"})(tvm.runtime.tensor(values), out)
+    expected = np.clip(values, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    expected[np.signbit(values) & (expected == 0)] = 0x80  # ml_dtypes keeps -0's sign; a clip of -0 too
+    bad = np.flatnonzero(out.numpy() != expected)
+    assert bad.size == 0, [(float(values[i]), int(out.numpy()[i]), int(expected[i])) for i in bad[:8]]
+    assert out.numpy()[-10:].tolist() == [0x58, 0xDA, 0x02, 0x7E, 0xFE, 0x7E, 0x00, 0x01, 0x00, 0x80]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_quant_rows_on_the_rows_space_gives_the_float64_codes_and_scales(dtype, cpu_target):
+    """fp8_quant_rows scheduled by the CPU's rows space (its default and a scalar point) on rows with a zero row
+    (scale 0, codes ±0, no NaN), values past 448 with others in E4M3's subnormal range, and exact ties: each of
+    those rows' codes is the float64 reference's, bit for bit, the scales within float32's rounding; the checker
+    accepts a code one step off only at a tie (random rows may hold one: bfloat16's 0.2519 / 0.005997 lies
+    within float32's rounding of 42, halfway between E4M3's 40 and 44)."""
+    import tvm
+
+    op = get_operator("fp8_quant_rows")
+    wl = make_workload("fp8_quant_rows", "m=6,k=200", dtype)
+    task = Task.from_workload(wl)
+    space = task.space(cpu_target)
+    assert space.name == "rows"
+    inputs = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    codes, scale = op.reference(wl, inputs)
+    assert scale[0] == 0 and not (codes[0] & 0x7F).any() and (codes[0, 1::2] == 0x80).all()  # ±0 row: ±0 codes
+    assert codes[1, :2].tolist() == [0x7E, 0xFE]  # 1000 and -999 -> ±448
+    assert ((codes[1] & 0x7F) < 8).sum() > 10  # subnormal codes
+    for point in (space.default(), {**space.default(), "vector": 1, "rfactor": False}):
+        out = [torch.full((6, 200), 0xFF, dtype=torch.uint8), torch.full((6,), float("nan"))]
+        executable = tvm.compile(space.apply(space.canonical(point)), target=cpu_target.tvm_target())
+        executable(*[tvm.runtime.from_dlpack(t) for t in (*inputs, *out)])
+        assert torch.equal(out[0][:3], codes[:3])  # the zero, wide and tie rows: bit for bit
+        # Random rows: the same codes, but where X / scale lies within float32's rounding of a tie between two
+        # E4M3 values (float64's quotient and the kernel's float32 one round apart): one step, which errors allows.
+        assert (out[0] != codes).sum() <= 2
+        assert torch.allclose(out[1].double(), scale, rtol=2**-23, atol=0) and not out[1].isnan().any()
+        assert op.errors(wl, inputs, out, [codes, scale])[0] == 0
+    # One step off: accepted at row 2's ties (17 -> 16 or 18), refused elsewhere; NaN codes: infinite.
+    tie, off = codes.clone(), codes.clone()
+    tie[2, 0] = 0x59  # 18 for 17 (16: 0x58)
+    off[3, 5] = off[3, 5] + 1 if off[3, 5] & 0x7F < 0x7E else off[3, 5] - 1
+    assert op.errors(wl, inputs, [tie, scale.float()], [codes, scale])[0] == 0
+    assert op.errors(wl, inputs, [off, scale.float()], [codes, scale])[0] == 1
+    assert op.errors(wl, inputs, [torch.full_like(codes, 0xFF), scale.float()], [codes, scale])[0] == float("inf")

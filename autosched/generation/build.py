@@ -326,7 +326,8 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "database": db_path,
         **kernel_sources(report), "attention": report.attention,
         "workload_kernels": report.workloads,
-        "quantization": manifest_entry(model.config, model.quant_source),
+        "quantization": manifest_entry(model.config, model.quant_source,
+                                       w8a8=any(w["workload"].startswith("fp8_gemm[") for w in report.workloads.values())),
     }
 
 

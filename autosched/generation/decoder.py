@@ -775,11 +775,29 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             setattr(module, verify_function(n, k), module.batch_prefill)
             spec[verify_function(n, k)] = {"input_ids": nn.spec.Tensor([tokens], "int32"),
                                            "logit_positions": nn.spec.Tensor([tokens], "int32"), **caches, "$": packed}
+    chunk = module.batch_prefill
+    if hopper and cfg.quantize and quant_scheme(cfg.quantize).fmt == "e4m3":
+        chunk = _w8a8(chunk)  # an fp8 build's prefill chunks on FP8 tensor cores: W8A8 (.linear.fp8_linear)
     for t in prefill_chunks:
-        setattr(module, f"prefill_t{t}", module.batch_prefill)
+        setattr(module, f"prefill_t{t}", chunk)
         spec[f"prefill_t{t}"] = {"input_ids": nn.spec.Tensor([t], "int32"),
                                  "logit_positions": nn.spec.Tensor(["batch_size"], "int32"), **caches, "$": packed}
     return module, spec
+
+
+def _w8a8(method):
+    """``method`` traced with its fp8 projections as W8A8 (:class:`.linear.w8a8_prefill`); its signature kept
+    (the exporter reads the parameter names)."""
+    import functools
+
+    from .linear import w8a8_prefill
+
+    @functools.wraps(method)
+    def traced(*args, **kwargs):
+        with w8a8_prefill():
+            return method(*args, **kwargs)
+
+    return traced
 
 
 def verify_function(rows: int, proposals: int) -> str:

@@ -12,7 +12,10 @@ schedules serve. A mixture-of-experts layer's experts are ``moe_gemm`` calls (ea
 own expert's weight), static or symbolic alike. A quantised projection (``build --generate --quantize``) is a
 call of the ``dequant_gemm`` workload's kernel at static shapes and the same dequantising TE at symbolic ones
 (with ``zeros=1`` and its zero points for a scheme that has them, ``q4f16_zp``; ``fmt=e4m3`` for ``fp8``'s
-float8 codes).
+float8 codes). In the static prefill chunks of an ``fp8`` build for sm_90 (:func:`w8a8_prefill`), a projection
+that Hopper's FP8 space serves runs on FP8 tensor cores instead: its activations quantised per token on the fly
+(``fp8_quant_rows``) and the GEMM on both operands' E4M3 codes (``fp8_gemm``, :func:`fp8_linear`); decode steps
+and every other build stay weight-only.
 """
 
 from __future__ import annotations
@@ -28,6 +31,23 @@ def static_rows(x: Tensor) -> int | None:
     """The rows of ``x`` flattened to [rows, features] if its shape is static, else None."""
     dims = x.shape[:-1]
     return math.prod(dims) if all(isinstance(d, int) for d in dims) else None
+
+
+# While a static prefill chunk of an fp8 build for sm_90 is traced: [True] (see :func:`w8a8_prefill`).
+_W8A8: list[bool] = []
+
+
+class w8a8_prefill:
+    """While the function made inside runs, an fp8 projection (``fmt`` "e4m3") of static shape that
+    ``hopper_fp8_gemm`` serves quantises its activations per token and runs ``fp8_gemm`` (W8A8,
+    :func:`fp8_linear`) instead of ``dequant_gemm`` (weight-only). :func:`.decoder.build_module` wraps its
+    ``prefill_t<T>`` functions in it on sm_90."""
+
+    def __enter__(self):
+        _W8A8.append(True)
+
+    def __exit__(self, *exc):
+        _W8A8.pop()
 
 
 def _call(wl, name: str, args: list, rows: int, cols: int):
@@ -78,11 +98,43 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None
 
         out = op.tensor_expr_op(compute, "dequant_matmul", [flat, qweight, scales] + tail)
         return op.reshape(out, (*x.shape[:-1], n))
+    if fmt == "e4m3" and _W8A8 and group == k and zeros is None and w8a8_serves(rows, k, scales.dtype):
+        return fp8_linear(x, qweight, scales, bias, k)
     attrs = {"bits": bits, "group": group, "bias": bias is not None, "act": "none", "zeros": int(zeros is not None),
              "fmt": fmt}
     wl = make_workload("dequant_gemm", {"m": rows, "n": n, "k": k}, scales.dtype, attrs)
     args = [op.reshape(x, (rows, k)), qweight, scales] + tail
     return op.reshape(_call(wl, "autosched_dequant_gemm", args, rows, n), (*x.shape[:-1], n))
+
+
+def w8a8_serves(rows: int, k: int, dtype: str) -> bool:
+    """Whether a W8A8 projection of ``rows`` tokens over ``k`` features with a ``dtype`` output has Hopper's FP8
+    GEMM space (``hopper_fp8_gemm``) to run on: elsewhere it stays weight-only."""
+    from autosched.search_spaces.templates.hopper_gemm import HopperFp8GemmSpace
+    from autosched.workloads import get_operator
+
+    return dtype in get_operator("fp8_gemm").dtypes and HopperFp8GemmSpace.serves(rows, k, dtype)
+
+
+def fp8_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, k: int) -> Tensor:
+    """``x·Wᵀ (+ bias)`` on FP8 tensor cores (W8A8) for E4M3 weight codes ``qweight`` [n, k] with one scale per
+    output channel ``scales`` [n, 1] (fp8's layout, :mod:`.quantize`): x quantised per token by our
+    ``fp8_quant_rows`` (codes and float32 scales), then our ``fp8_gemm`` on both operands' codes, scaled by the
+    token's and the channel's scale (the weight scales cast to float32, exactly). Static shapes only."""
+    from tvm.relax.frontend.nn import Tensor as NNTensor
+    from tvm.relax.frontend.nn import op
+
+    from autosched.pipeline.substitute import workload_func
+    from autosched.workloads import make_workload
+
+    n, rows, dtype = qweight.shape[0], static_rows(x), scales.dtype
+    quant = make_workload("fp8_quant_rows", {"m": rows, "k": k}, x.dtype)
+    codes, scale_a = op.tensor_ir_op(workload_func(quant), "autosched_fp8_quant_rows", [op.reshape(x, (rows, k))],
+                                     [NNTensor.placeholder((rows, k), "uint8"), NNTensor.placeholder((rows,), "float32")])
+    scale_w = op.reshape(scales.astype("float32"), (n,))
+    wl = make_workload("fp8_gemm", {"m": rows, "n": n, "k": k}, dtype, {"bias": bias is not None, "act": "none"})
+    args = [codes, qweight, scale_a, scale_w] + ([bias] if bias is not None else [])
+    return op.reshape(_call(wl, "autosched_fp8_gemm", args, rows, n), (*x.shape[:-1], n))
 
 
 def swiglu(x: Tensor, weight: Tensor, hopper: bool) -> Tensor | None:

@@ -16,7 +16,10 @@ Quantised at build time from the float weights, round-to-nearest, in the layout 
   to even, saturating at ±448): ``dequant_gemm``'s ``fmt=e4m3``, w = s·e4m3(q). Per-channel and per-tensor FP8
   checkpoints (compressed-tensors, :mod:`.fp8`) build as ``fp8`` with their own codes and scales. This is the
   weight-only form: activations stay in the model's dtype, so a build computes the dequantised weights' product
-  up to accumulation order. Hopper's FP8 ``wgmma`` kernel, with activations quantised per token, is a later step.
+  up to accumulation order, except in the static prefill chunks (``prefill_t<T>``) of a build for sm_90: there
+  each projection that Hopper's FP8 GEMM space serves is W8A8, its activations quantised per token on the fly
+  (``fp8_quant_rows``: scale amax / 448 in float32, codes rounded to E4M3) and the product on FP8 ``wgmma``
+  (``fp8_gemm``, space ``hopper_fp8_gemm``), from the same weight codes and scales (cast to float32 exactly).
 
 Scales are kept in the model's dtype (float16 for an fp16 build: the "f16"), rounded before the weights are
 quantised against them, so that the codes fit the scales the kernel multiplies by. The projections of every
@@ -213,9 +216,10 @@ def quantize_weights(weights: dict, cfg, name: str, given: dict | None = None) -
     return out
 
 
-def manifest_entry(cfg, source: str = "build") -> dict | None:
+def manifest_entry(cfg, source: str = "build", w8a8: bool = False) -> dict | None:
     """What the manifest says of a quantised build (None for a float one); ``source``: where the codes come from
-    ("build": quantised from the float weights; "gptq", "awq", "compressed-tensors": a GPTQ, AWQ or FP8 checkpoint's)."""
+    ("build": quantised from the float weights; "gptq", "awq", "compressed-tensors": a GPTQ, AWQ or FP8 checkpoint's);
+    ``w8a8``: the build's prefill chunks run fp8_gemm (activations quantised per token)."""
     if not cfg.quantize:
         return None
     s = scheme(cfg.quantize)
@@ -235,4 +239,9 @@ def manifest_entry(cfg, source: str = "build") -> dict | None:
         "group_size": {what: group_size(s.name, k) for what, k in ks.items()},
         "projections": list(QUANTIZED_PROJECTIONS),
         "source": source,
+        "activations": (
+            "float8 E4M3 per token (fp8_quant_rows: scale amax/448 in float32, fp8_gemm on FP8 wgmma) in the static "
+            "prefill chunks' projections on sm_90; the model's dtype in decode steps and dynamic functions"
+            if w8a8 else f"{cfg.dtype} (weight-only)"
+        ),
     }

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from autosched.measure.timing import relative_error, time_cuda
+from autosched.measure.timing import time_cuda
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
 
 _CACHE: dict[str, Any] = {}
@@ -149,7 +149,7 @@ def run_candidate(spec, target, path: str, config: dict) -> MeasureResult:
         check_seconds = time.perf_counter() - check_start
     except Exception as exc:  # noqa: BLE001
         return MeasureResult.failed("run", _short(exc), run_seconds=time.perf_counter() - start)
-    errors = [relative_error(o, r) for o, r in zip(state["outs"], state["refs"])]
+    errors = state["checker"].errors(state["inputs"], state["outs"], state["refs"])
     worst = max(errors) if errors else 0.0
     tol = state["checker"].tolerance
     if not worst <= tol:

@@ -177,6 +177,15 @@ class Operator:
     def tolerance(self, wl: Workload) -> float:
         return TOLERANCE[wl.dtype]
 
+    def errors(self, wl: Workload, inputs: list[torch.Tensor], outs: list[torch.Tensor],
+               refs: list[torch.Tensor]) -> list[float]:
+        """Each output's error against its reference, which a correct kernel keeps within :meth:`tolerance`: the
+        relative L2 error (infinite where an output has NaN/inf). An operator whose outputs are not numbers to
+        compare so (``fp8_quant_rows``' float8 codes) says what its errors are."""
+        from autosched.measure.timing import relative_error
+
+        return [relative_error(o, r) for o, r in zip(outs, refs)]
+
 
 _REGISTRY: dict[str, Operator] = {}
 
