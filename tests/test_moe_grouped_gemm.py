@@ -1,0 +1,224 @@
+"""The mixture-of-experts grouped GEMM (``moe_grouped_gemm``: a prefill's routed rows sorted by expert) and its
+sm_90 space, and the decoder's use of it in a CUDA build's prefill chunks.
+
+Without a GPU: the workload's reference against float64 numpy; the CPU ``moe_matmul`` space computes it and
+``autosched tune`` tunes it on the CPU; the body of ``cuda/moe_grouped_gemm.cuh``, compiled for the host and
+run CTA by CTA with one thread per CUDA thread (``test_gpu_spaces``' shim, ldmatrix as ``test_kv_cache_prefill``
+emulates it), against float64 (experts with no rows, rows and columns no tile divides, k past the last full
+step, one expert with every row); every point compiles for sm_90a without spills; the decoder's sorted path
+(gather, grouped products, scatter back) gives transformers' tokens on the CPU; a ``cuda:sm_90`` build of a tiny
+Mixtral puts the grouped GEMM, served by this space, in its prefill chunks. On the GPU (``-m gpu``): the kernel
+against float64 at Mixtral's and Qwen3-MoE's prefill shapes."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shutil
+
+import pytest
+
+from .helpers import cli
+from .nvcc import host_output, run_on_host
+from .test_gpu_spaces import HOST_SHIM, _host_body
+from .test_kv_cache_prefill import HOST_LDMATRIX
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+
+
+def grouped_case(counts: list[int], n: int, k: int, dtype: str, seed: int = 0):
+    """(x [m, k], indptr [e + 1] int32, w [e, n, k]) with ``counts[j]`` rows for expert j."""
+    import torch
+
+    from autosched.workloads import torch_dtype
+
+    g = torch.Generator().manual_seed(seed)
+    m, e = sum(counts), len(counts)
+    indptr = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32)
+    x = torch.randn(m, k, generator=g).to(torch_dtype(dtype))
+    w = (torch.randn(e, n, k, generator=g) / k ** 0.5).to(torch_dtype(dtype))
+    return x, indptr, w
+
+
+def test_the_reference_is_each_sorted_rows_expert_product():
+    """The float64 reference is, row by row, the row times the weight of the expert whose range holds it (numpy),
+    with experts of no rows among them; flops and presets as ``moe_gemm``'s prefill ones."""
+    import numpy as np
+
+    from autosched.workloads import get_operator, make_workload
+
+    op = get_operator("moe_grouped_gemm")
+    wl = make_workload("moe_grouped_gemm", "m=7,e=4,n=5,k=3")
+    x, indptr, w = grouped_case([0, 4, 0, 3], 5, 3, "float32")
+    expert = np.repeat(np.arange(4), np.diff(indptr.numpy()))
+    want = np.stack([x[i].double().numpy() @ w[expert[i]].double().numpy().T for i in range(7)])
+    np.testing.assert_allclose(op.reference(wl, [x, indptr, w])[0].numpy(), want, rtol=1e-12)
+    import torch
+
+    ins = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    assert ins[1].dtype == torch.int32 and int(ins[1][0]) == 0 and int(ins[1][-1]) == 7
+    assert (ins[1][1:] >= ins[1][:-1]).all()
+    assert op.flops(wl) == 2 * 7 * 5 * 3
+    assert op.preset("mixtral-8x7b-gate-up-prefill").shape == {"m": 1024, "e": 8, "n": 28672, "k": 4096}
+
+
+def test_the_cpu_space_computes_the_grouped_gemm():
+    """``moe_matmul`` serves the workload on the CPU (the expert of each row found from the offsets): its default
+    point against the reference, fp32 and fp16, one expert too."""
+    from autosched.target import parse_target
+    from autosched.task import Task
+    from autosched.workloads import make_workload
+
+    from .helpers import check_point
+
+    target = parse_target("llvm")
+    for shape, dtype in (("m=37,e=5,n=48,k=40", "float32"), ("m=20,e=3,n=32,k=16", "float16"),
+                         ("m=9,e=1,n=16,k=8", "float32")):
+        task = Task.from_workload(make_workload("moe_grouped_gemm", shape, dtype))
+        space = task.space(target)
+        assert space.name == "moe_matmul"
+        assert check_point(task, space, space.default(), target) < (1e-5 if dtype == "float32" else 4e-3)
+
+
+@pytest.mark.slow
+def test_autosched_tunes_the_grouped_gemm_on_the_cpu(tmp_path):
+    """``autosched tune moe_grouped_gemm`` on the CPU measures correct candidates and keeps a best record."""
+    import json
+
+    db = tmp_path / "t.db"
+    out = cli("tune", "moe_grouped_gemm", "--shape", "m=48,e=4,n=64,k=64", "--trials", "6", "--db", str(db), "--json")
+    text = out.stdout
+    assert "moe_matmul" in text
+    report = json.loads(text[text.index("{"):])
+    assert report  # a result
+
+
+# --- the body on the host (nvcc) ----------------------------------------------------------------------------
+
+HOST_CASES = [
+    # (rows per expert, n, k, dtype, point)
+    ([0, 37, 0, 70, 5], 96, 136, "float16", {"block_m": 32, "block_n": 64, "stages": 3}),  # empty experts, k tail
+    ([0, 0, 150], 40, 64, "bfloat16", {"block_m": 64, "block_n": 32, "stages": 2}),  # one expert has every row
+    ([3, 129, 1, 0], 130, 200, "float16", {"block_m": 128, "block_n": 128, "stages": 4}),  # columns past n
+]
+
+
+def run_body_on_the_host(tmp_path, x, indptr, w, point: dict):
+    """The body of ``point`` for these inputs, compiled for the host by nvcc and run with one thread per CUDA
+    thread, every CTA of the launch (spare ones included) one after the other: Y [m, n] (NaN where not written)."""
+    import torch
+
+    from autosched.search_spaces.templates.moe_grouped_gemm import THREADS, body_source, slots, smem_elements
+
+    m, k = x.shape
+    e, n, _ = w.shape
+    dtype = "float16" if x.dtype == torch.float16 else "bfloat16"
+    scalar = "half" if dtype == "float16" else "nv_bfloat16"
+    body = body_source("gg_body", m, e, n, k, dtype, point)
+    body = re.sub(r"__device__ __forceinline__ void autosched_gg_ldmatrix_x4\(.*?\n}\n", "", body, flags=re.S)
+    body = _host_body(body).replace("autosched_gg_ldmatrix_x4(", "host_gg_ldmatrix_x4(")
+    for name, tensor in (("x", x), ("indptr", indptr), ("w", w)):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    ctas = slots(m, e, point["block_m"]) * -(-n // point["block_n"])
+    warps = THREADS // 32
+    program = HOST_SHIM + HOST_LDMATRIX + """
+inline void host_gg_ldmatrix_x4(uint32_t* r, const void* row) { host_ldmatrix_x4(r, row, false); }
+""" + body + f"""
+template <class T> std::vector<T> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<T> data(n / sizeof(T)); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+  auto x = load<{scalar}>("x.bin");
+  auto indptr = load<int>("indptr.bin");
+  auto w = load<{scalar}>("w.bin");
+  std::vector<{scalar}> y({m * n}, {scalar}(NAN));
+  host_warps_per_cta = {warps};
+  for (int cta = 0; cta < {ctas}; ++cta) {{
+    std::vector<{scalar}> smem({smem_elements(point["block_m"], point["block_n"], point["stages"])});
+    host_block_barriers.assign(1, new std::barrier<>({THREADS}));
+    host_warp_barriers.clear();
+    for (int i = 0; i < {warps}; ++i) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < {THREADS}; ++t)
+      pool.emplace_back([&, t] {{
+        host_rank = 0;
+        host_thread.x = t;
+        gg_body(x.data(), indptr.data(), w.data(), y.data(), smem.data(), cta);
+      }});
+    for (auto& th : pool) th.join();
+    delete host_block_barriers[0];
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("y.bin", "wb"); fwrite(y.data(), sizeof({scalar}), y.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    run_on_host(tmp_path, program, timeout=600)
+    return host_output(tmp_path, "y", x.dtype, (m, n))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("case", HOST_CASES, ids=["empty-experts-k-tail", "one-expert-bf16", "wide-tiles-n-tail"])
+def test_grouped_gemm_body_matches_float64_on_the_host(case, tmp_path):
+    """Every row of Y written (no NaN left), each equal to its float64 product to the dtype's rounding."""
+    from autosched.workloads import get_operator, make_workload
+
+    counts, n, k, dtype, point = case
+    x, indptr, w = grouped_case(counts, n, k, dtype)
+    y = run_body_on_the_host(tmp_path, x, indptr, w, point)
+    assert not y.isnan().any()
+    wl = make_workload("moe_grouped_gemm", {"m": sum(counts), "e": len(counts), "n": n, "k": k}, dtype)
+    ref = get_operator("moe_grouped_gemm").reference(wl, [x, indptr, w])[0]
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < (4e-3 if dtype == "float16" else 3e-2), err
+
+
+# --- the TIRx kernel, compiled for sm_90a ---------------------------------------------------------------------
+
+@needs_nvcc
+@pytest.mark.parametrize("shape,dtype", [("m=1024,e=8,n=28672,k=4096", "float16"),
+                                         ("m=4096,e=128,n=1536,k=2048", "bfloat16"),
+                                         ("m=70,e=4,n=130,k=200", "float16")],
+                         ids=["mixtral-gate-up", "qwen3-moe-gate-up", "odd"])
+def test_grouped_gemm_compiles_for_sm90a_without_spills(shape, dtype):
+    """The space serves the workload on sm_90 (its default for Mixtral's ~128 rows per expert: tiles of 128
+    rows; for Qwen3-MoE's ~32: of 32), and its default and largest-tile points compile without spills."""
+    from autosched.cuda_tools import cuda_source
+    from autosched.target import parse_target
+    from autosched.task import Task
+    from autosched.workloads import make_workload
+
+    from .nvcc import nvcc_compile
+
+    sm90 = parse_target("cuda:sm_90", require_device=False)
+    space = Task.from_workload(make_workload("moe_grouped_gemm", shape, dtype)).space(sm90)
+    assert space.name == "moe_grouped_gemm"
+    points = [space.default()] + [p for p in ({"block_m": 128, "block_n": 128, "stages": 4},
+                                              {"block_m": 32, "block_n": 32, "stages": 2})
+                                  if space.validate(p) is None]
+    for point in points:
+        report = nvcc_compile(cuda_source(space.apply(point), sm90, space.build_config(point), space.codegen),
+                              "sm_90a")
+        assert report.ok and report.spills == 0, (point, report.log[-2000:])
+
+
+def test_the_grouped_space_declines_what_it_cannot_serve():
+    """fp32, odd k, older GPUs: no grouped GEMM space (the decoder keeps ``moe_gemm`` there); the CPU space
+    serves every one."""
+    from autosched.errors import SpaceError
+    from autosched.target import parse_target
+    from autosched.task import Task
+    from autosched.workloads import make_workload
+
+    sm90 = parse_target("cuda:sm_90", require_device=False)
+    sm80 = parse_target("cuda:sm_80", require_device=False)
+    space = Task.from_workload(make_workload("moe_grouped_gemm", "m=256,e=8,n=512,k=512", "float16")).space(sm90)
+    assert space.default() == {"block_m": 32, "block_n": 64, "stages": 3}
+    assert space.validate({"block_m": 128, "block_n": 128, "stages": 4}) is None
+    for shape, dtype, target in (("m=64,e=4,n=64,k=64", "float32", sm90), ("m=64,e=4,n=64,k=60", "float16", sm90),
+                                 ("m=64,e=4,n=64,k=64", "float16", sm80)):
+        task = Task.from_workload(make_workload("moe_grouped_gemm", shape, dtype))
+        with pytest.raises(SpaceError):
+            task.space(target)
+        assert task.space(parse_target("llvm")).name == "moe_matmul"
