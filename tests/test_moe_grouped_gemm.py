@@ -221,3 +221,67 @@ def test_the_grouped_space_declines_what_it_cannot_serve():
         with pytest.raises(SpaceError):
             task.space(target)
         assert task.space(parse_target("llvm")).name == "moe_matmul"
+
+
+# --- the decoder: a prefill chunk's experts as grouped GEMMs ---------------------------------------------------
+
+def _tiny_mixtral(dtype: str):
+    from autosched.generation.decoder import config_from_hf
+
+    from .test_moe import _config
+
+    return config_from_hf(_config("mixtral")[0], dtype)
+
+
+@pytest.mark.slow
+def test_a_build_for_sm_90_runs_a_prefill_chunks_experts_as_grouped_gemms():
+    """Built here without a GPU (scheduled, not compiled), a tiny Mixtral (4 experts, top 2) for ``cuda:sm_90``:
+    the 64-token prefill chunk's 128 routed rows go through ``moe_grouped_gemm`` (gate/up and down), served by its
+    sm_90 space, and no ``moe_gemm``; the decode steps' few rows keep ``moe_gemm`` on ``gpu_moe_matmul``; the
+    grouped GEMM's kernel itself compiles in test_grouped_gemm_compiles_for_sm90a_without_spills."""
+    from autosched.generation.build import lower_generation, schedule_generation
+    from autosched.pipeline.tasks import kernel_calls
+    from autosched.target import parse_target
+
+    target = parse_target("cuda:sm_90", require_device=False)
+    lowered, _ = lower_generation(_tiny_mixtral("float16"), target, decode_batches=(1, 4), prefill_chunks=(64,))
+    _, report, _ = schedule_generation(lowered, None, target)
+
+    def ours(function):
+        called = kernel_calls(lowered, lambda name: name == function)
+        return {(report.workloads[k]["workload"], report.workloads[k]["space"], report.workloads[k]["schedule"])
+                for k in called if k in report.workloads}
+
+    chunk = ours("prefill_t64")
+    assert ("moe_grouped_gemm[m=128,e=4,n=192,k=64]:float16", "moe_grouped_gemm", "default point") in chunk
+    assert ("moe_grouped_gemm[m=128,e=4,n=64,k=96]:float16", "moe_grouped_gemm", "default point") in chunk
+    assert not [w for w, _, _ in chunk if w.startswith("moe_gemm[")]
+    for function, rows in (("decode_b1", 2), ("decode_b4", 8)):
+        moe = {(w.split(",")[0], space) for w, space, _ in ours(function) if w.startswith("moe")}
+        assert moe == {(f"moe_gemm[m={rows}", "gpu_moe_matmul")}, (function, moe)
+
+
+@pytest.mark.slow
+def test_the_sorted_experts_path_gives_transformers_tokens_on_the_cpu(tmp_path, monkeypatch):
+    """The grouped path forced on the CPU (sorting, offsets, gathering X, ``moe_grouped_gemm`` on the CPU's
+    ``moe_matmul`` space, scattering Y back) in a build with a prefill chunk of 16 tokens (32 routed rows, under
+    the threshold forced too): the greedy tokens of prompts longer than a chunk are transformers'."""
+    import autosched.generation.linear as linear
+    from autosched.generation import Generator
+
+    from .helpers import transformers_greedy
+    from .test_moe import MAX_SEQ_LEN, NEW, PROMPTS, _saved
+
+    monkeypatch.setattr(linear, "FORCE_GROUPED_MOE", True)
+    monkeypatch.setattr(linear, "GROUPED_MOE_MIN_ROWS", 2)
+    model = _saved("mixtral", tmp_path / "hf")
+    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
+        "--max-batch", "2", "--prefill-chunks", "16")
+    import json
+
+    kernels = json.loads((tmp_path / "art" / "manifest.json").read_text())["workload_kernels"]
+    assert {k["space"] for k in kernels.values() if k["workload"].startswith("moe_grouped_gemm[")} == {"moe_matmul"}
+    results = Generator(tmp_path / "art").generate(PROMPTS, NEW)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.error is None
+        assert result.tokens == transformers_greedy(model, prompt, NEW), len(prompt)
