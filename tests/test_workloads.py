@@ -34,6 +34,7 @@ SMALL_CASES = [
     ("fp8_gemm", "m=3,n=40,k=300", "float16", ""),
     ("fp8_gemm", "m=5,n=7,k=33", "bfloat16", "bias=1,act=silu"),
     ("moe_gemm", "m=7,e=3,n=24,k=40", "float16", ""),
+    ("moe_grouped_gemm", "m=11,e=4,n=24,k=40", "float16", ""),  # rows sorted by expert, some experts without rows
     ("paged_decode_attention", "b=3,h=4,hkv=2,d=16,ctx=37,page=8", "float16", ""),
 ]
 
