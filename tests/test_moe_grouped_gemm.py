@@ -262,10 +262,13 @@ def test_a_build_for_sm_90_runs_a_prefill_chunks_experts_as_grouped_gemms():
 
 
 @pytest.mark.slow
-def test_the_sorted_experts_path_gives_transformers_tokens_on_the_cpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_the_sorted_experts_path_gives_transformers_tokens_on_the_cpu(name, tmp_path, monkeypatch):
     """The grouped path forced on the CPU (sorting, offsets, gathering X, ``moe_grouped_gemm`` on the CPU's
-    ``moe_matmul`` space, scattering Y back) in a build with a prefill chunk of 16 tokens (32 routed rows, under
-    the threshold forced too): the greedy tokens of prompts longer than a chunk are transformers'."""
+    ``moe_matmul`` space, scattering Y back) in a build with a prefill chunk of 16 tokens (32 or 48 routed rows,
+    under the threshold forced too): the greedy tokens of every prompt are transformers' (Mixtral: top 2 of 4;
+    Qwen3-MoE: top 3 of 6, not renormalised, a dense layer after the sparse one). The 40-token prompt goes through
+    the chunk: un-permuting the rows with the sort's order instead of its inverse fails it."""
     import autosched.generation.linear as linear
     from autosched.generation import Generator
 
@@ -274,7 +277,7 @@ def test_the_sorted_experts_path_gives_transformers_tokens_on_the_cpu(tmp_path, 
 
     monkeypatch.setattr(linear, "FORCE_GROUPED_MOE", True)
     monkeypatch.setattr(linear, "GROUPED_MOE_MIN_ROWS", 2)
-    model = _saved("mixtral", tmp_path / "hf")
+    model = _saved(name, tmp_path / "hf")
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
         "--max-batch", "2", "--prefill-chunks", "16")
     import json
@@ -284,7 +287,7 @@ def test_the_sorted_experts_path_gives_transformers_tokens_on_the_cpu(tmp_path, 
     results = Generator(tmp_path / "art").generate(PROMPTS, NEW)
     for prompt, result in zip(PROMPTS, results):
         assert result.error is None
-        assert result.tokens == transformers_greedy(model, prompt, NEW), len(prompt)
+        assert result.tokens == transformers_greedy(model, prompt, NEW), (name, len(prompt))
 
 
 # --- on the GPU ------------------------------------------------------------------------------------------------
