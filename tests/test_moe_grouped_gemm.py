@@ -96,9 +96,9 @@ def test_autosched_tunes_the_grouped_gemm_on_the_cpu(tmp_path):
 
 HOST_CASES = [
     # (rows per expert, n, k, dtype, point)
-    ([0, 37, 0, 70, 5], 96, 136, "float16", {"block_m": 32, "block_n": 64, "stages": 3}),  # empty experts, k tail
-    ([0, 0, 150], 40, 64, "bfloat16", {"block_m": 64, "block_n": 32, "stages": 2}),  # one expert has every row
-    ([3, 129, 1, 0], 130, 200, "float16", {"block_m": 128, "block_n": 128, "stages": 4}),  # columns past n
+    ([0, 37, 0, 70, 5], 96, 136, "float16", {"block_m": 32, "block_n": 64, "stages": 3, "warps": 4}),  # empty experts
+    ([0, 0, 150], 40, 64, "bfloat16", {"block_m": 64, "block_n": 32, "stages": 2, "warps": 8}),  # one expert, all rows
+    ([3, 129, 1, 0], 130, 200, "float16", {"block_m": 128, "block_n": 128, "stages": 4, "warps": 4}),  # columns past n
 ]
 
 
@@ -107,7 +107,7 @@ def run_body_on_the_host(tmp_path, x, indptr, w, point: dict):
     thread, every CTA of the launch (spare ones included) one after the other: Y [m, n] (NaN where not written)."""
     import torch
 
-    from autosched.search_spaces.templates.moe_grouped_gemm import THREADS, body_source, slots, smem_elements
+    from autosched.search_spaces.templates.moe_grouped_gemm import body_source, slots, smem_elements
 
     m, k = x.shape
     e, n, _ = w.shape
@@ -119,7 +119,8 @@ def run_body_on_the_host(tmp_path, x, indptr, w, point: dict):
     for name, tensor in (("x", x), ("indptr", indptr), ("w", w)):
         (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     ctas = slots(m, e, point["block_m"]) * -(-n // point["block_n"])
-    warps = THREADS // 32
+    warps = point["warps"]
+    threads = 32 * warps
     program = HOST_SHIM + HOST_LDMATRIX + """
 inline void host_gg_ldmatrix_x4(uint32_t* r, const void* row) { host_ldmatrix_x4(r, row, false); }
 """ + body + f"""
@@ -135,11 +136,11 @@ int main() {{
   host_warps_per_cta = {warps};
   for (int cta = 0; cta < {ctas}; ++cta) {{
     std::vector<{scalar}> smem({smem_elements(point["block_m"], point["block_n"], point["stages"])});
-    host_block_barriers.assign(1, new std::barrier<>({THREADS}));
+    host_block_barriers.assign(1, new std::barrier<>({threads}));
     host_warp_barriers.clear();
     for (int i = 0; i < {warps}; ++i) host_warp_barriers.push_back(new std::barrier<>(32));
     std::vector<std::thread> pool;
-    for (int t = 0; t < {THREADS}; ++t)
+    for (int t = 0; t < {threads}; ++t)
       pool.emplace_back([&, t] {{
         host_rank = 0;
         host_thread.x = t;
@@ -193,8 +194,9 @@ def test_grouped_gemm_compiles_for_sm90a_without_spills(shape, dtype):
     sm90 = parse_target("cuda:sm_90", require_device=False)
     space = Task.from_workload(make_workload("moe_grouped_gemm", shape, dtype)).space(sm90)
     assert space.name == "moe_grouped_gemm"
-    points = [space.default()] + [p for p in ({"block_m": 128, "block_n": 128, "stages": 4},
-                                              {"block_m": 32, "block_n": 32, "stages": 2})
+    points = [space.default()] + [p for p in ({"block_m": 128, "block_n": 128, "stages": 4, "warps": 4},
+                                              {"block_m": 128, "block_n": 128, "stages": 3, "warps": 8},
+                                              {"block_m": 32, "block_n": 32, "stages": 2, "warps": 4})
                                   if space.validate(p) is None]
     for point in points:
         report = nvcc_compile(cuda_source(space.apply(point), sm90, space.build_config(point), space.codegen),
@@ -213,8 +215,9 @@ def test_the_grouped_space_declines_what_it_cannot_serve():
     sm90 = parse_target("cuda:sm_90", require_device=False)
     sm80 = parse_target("cuda:sm_80", require_device=False)
     space = Task.from_workload(make_workload("moe_grouped_gemm", "m=256,e=8,n=512,k=512", "float16")).space(sm90)
-    assert space.default() == {"block_m": 32, "block_n": 64, "stages": 3}
-    assert space.validate({"block_m": 128, "block_n": 128, "stages": 4}) is None
+    assert space.default() == {"block_m": 32, "block_n": 64, "stages": 3, "warps": 4}
+    assert space.validate({"block_m": 128, "block_n": 128, "stages": 4, "warps": 8}) is None
+    assert "an mma tile is 16" in space.validate({"block_m": 32, "block_n": 64, "stages": 3, "warps": 8})
     for shape, dtype, target in (("m=64,e=4,n=64,k=64", "float32", sm90), ("m=64,e=4,n=64,k=60", "float16", sm90),
                                  ("m=64,e=4,n=64,k=64", "float16", sm80)):
         task = Task.from_workload(make_workload("moe_grouped_gemm", shape, dtype))

@@ -14,10 +14,11 @@ each CTA owns an (expert, row tile, column tile); here the row tiles are counted
 (no per-tile table to build), the launch holding ``m / block_m + e`` slots per column tile, the spare ones
 returning at once.
 
-The body is ``cuda/moe_grouped_gemm.cuh``: mma.sync m16n8k16 (fp16 or bf16 in, fp32 accumulation), four
-warps of a quarter tile each, ldmatrix from XOR-swizzled shared memory fed by a ring of cp.async stages of 64
-k. Knobs: the row tile (``block_m``: 32 suits Qwen3-MoE's ~32 rows per expert, 64 or 128 Mixtral's ~256), the
-column tile (``block_n``) and the ring's depth (``stages``). The CPU serves the workload with ``moe_matmul``.
+The body is ``cuda/moe_grouped_gemm.cuh``: mma.sync m16n8k16 (fp16 or bf16 in, fp32 accumulation), four or
+eight warps (2 or 4 along the rows x 2 along the columns), ldmatrix from XOR-swizzled shared memory fed by a ring
+of cp.async stages of 64 k. Knobs: the row tile (``block_m``: 32 suits Qwen3-MoE's ~32 rows per expert, 128
+Mixtral's ~128), the column tile (``block_n``), the ring's depth (``stages``) and the warps (``warps``: eight
+halve each warp's accumulators). The CPU serves the workload with ``moe_matmul``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, device_function
 
 BK = 64  # k per stage
-THREADS = 128  # four warps, 2 x 2 over the tile
-MAX_ACCUMULATORS = 128  # fp32 accumulators per thread: (block_m / 32) x (block_n / 16) x 4
+WARPS_N = 2  # warps along the columns; the rest (warps / 2) along the rows
+MAX_ACCUMULATORS = 128  # fp32 accumulators per thread: (block_m / (warps / 2) / 16) x (block_n / 16) x 4
 
 
 def smem_elements(block_m: int, block_n: int, stages: int) -> int:
@@ -54,11 +55,13 @@ def unsupported(n: int, k: int, dtype: str) -> str | None:
 
 
 def kernel_name(m: int, e: int, n: int, k: int, dtype: str, p: Point) -> str:
-    return f"autosched_moe_grouped_gemm_m{m}_e{e}_n{n}_k{k}_bm{p['block_m']}_bn{p['block_n']}_s{p['stages']}_{dtype}"
+    return (f"autosched_moe_grouped_gemm_m{m}_e{e}_n{n}_k{k}_bm{p['block_m']}_bn{p['block_n']}_s{p['stages']}"
+            f"_w{p['warps']}_{dtype}")
 
 
 def body_source(name: str, m: int, e: int, n: int, k: int, dtype: str, p: Point) -> str:
-    config = {"M": m, "E": e, "N": n, "K": k, "BM": p["block_m"], "BN": p["block_n"], "STAGES": p["stages"]}
+    config = {"M": m, "E": e, "N": n, "K": k, "BM": p["block_m"], "BN": p["block_n"], "STAGES": p["stages"],
+              "WARPS": p["warps"]}
     return device_function("moe_grouped_gemm.cuh", "AUTOSCHED_MOE_GROUPED_GEMM", name, dtype, config)
 
 
@@ -73,6 +76,7 @@ def moe_grouped_gemm_kernel(m: int, e: int, n: int, k: int, dtype: str, p: Point
     source = body_source(name, m, e, n, k, dtype, p)
     grid = slots(m, e, p["block_m"]) * math.ceil(n / p["block_n"])
     elements = smem_elements(p["block_m"], p["block_n"], p["stages"])
+    threads = 32 * p["warps"]
 
     # fmt: off
     @T.prim_func
@@ -81,7 +85,7 @@ def moe_grouped_gemm_kernel(m: int, e: int, n: int, k: int, dtype: str, p: Point
         T.func_attr({"global_symbol": "main", "tirx.noalias": True})
         T.device_entry()
         cta = T.cta_id([grid])
-        tx = T.thread_id([THREADS])  # noqa: F841 (declares the block's threads)
+        tx = T.thread_id([threads])  # noqa: F841 (declares the block's threads)
         smem = T.alloc_buffer((elements,), dtype, scope="shared.dyn", align=128)
         T.cuda.func_call(name, X.access_ptr("r"), indptr.access_ptr("r"), W.access_ptr("r"), Y.access_ptr("w"),
                          smem.access_ptr("rw"), cta, source_code=source)
@@ -129,11 +133,15 @@ class MoeGroupedGemmSpace(HopperTemplate):
             Knob("block_m", (32, 64, 128)),
             Knob("block_n", (32, 64, 128)),
             Knob("stages", (2, 3, 4)),
+            Knob("warps", (4, 8)),
         ]
 
     def check(self, p: Point) -> str | None:
-        bm, bn, stages = p["block_m"], p["block_n"], p["stages"]
-        accumulators = bm // 32 * (bn // 16) * 4
+        bm, bn, stages, warps = p["block_m"], p["block_n"], p["stages"], p["warps"]
+        warp_rows = bm // (warps // WARPS_N)
+        if warp_rows < 16:
+            return f"{warps} warps over {bm} rows leave a warp {warp_rows} (an mma tile is 16)"
+        accumulators = warp_rows // 16 * (bn // 16) * 4
         if accumulators > MAX_ACCUMULATORS:
             return f"{accumulators} fp32 accumulators per thread for a {bm} x {bn} tile (at most {MAX_ACCUMULATORS})"
         smem = 2 * smem_elements(bm, bn, stages)
@@ -150,7 +158,7 @@ class MoeGroupedGemmSpace(HopperTemplate):
         bm = next((b for b in (32, 64) if rows <= b), 128)
         bn = 128 if self.shape["n"] >= 1024 else 64
         for stages in (3, 2):
-            point = {"block_m": bm, "block_n": bn, "stages": stages}
+            point = {"block_m": bm, "block_n": bn, "stages": stages, "warps": 4}
             if self.check(point) is None:
                 return point
         return super().default()
@@ -165,5 +173,5 @@ class MoeGroupedGemmSpace(HopperTemplate):
         bm, bn = p["block_m"], p["block_n"]
         rows = s["m"] / s["e"]
         tiles = s["e"] * max(1, math.ceil(rows / bm)) * math.ceil(s["n"] / bn)
-        return [bm, bn, p["stages"], tiles / self.sms, math.log2(tiles), rows / (max(1, math.ceil(rows / bm)) * bm),
-                s["k"] / BK]
+        return [bm, bn, p["stages"], p["warps"], tiles / self.sms, math.log2(tiles),
+                rows / (max(1, math.ceil(rows / bm)) * bm), s["k"] / BK]

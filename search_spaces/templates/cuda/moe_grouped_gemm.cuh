@@ -9,7 +9,8 @@
 // on the device from indptr (a tile never straddles two experts: an expert's last tile is masked at its end),
 // so the launch holds M / BM + E tile slots per column tile, more than the rows can need; the spare CTAs return
 // at once. Slots run fastest, so the CTAs that read one expert's weight tile run side by side and the weight is
-// read from DRAM about once. Four warps (2 x 2) each own a (BM / 2) x (BN / 2) quarter of the tile: X's rows are
+// read from DRAM about once. C::WARPS warps (4: 2 x 2, or 8: 4 x 2) each own a (BM / (WARPS / 2)) x (BN / 2) part
+// of the tile: X's rows are
 // mma.sync m16n8k16's A (row-major), W's rows its B columns (K contiguous: "col"), both by ldmatrix from
 // XOR-swizzled shared memory, fp32 accumulators in registers. K runs in steps of 64 through a ring of C::STAGES
 // cp.async stages; rows past the expert's end, columns past N and K past its end are zeros in shared memory.
@@ -31,11 +32,11 @@ template <typename T, class C>
 __device__ __forceinline__ void autosched_moe_grouped_gemm(const T* __restrict__ X, const int* __restrict__ indptr,
     const T* __restrict__ W, T* __restrict__ Y, T* smem, int cta) {
   constexpr int M = C::M, E = C::E, N = C::N, K = C::K, BM = C::BM, BN = C::BN, STAGES = C::STAGES;
-  constexpr int BK = 64, CHUNKS = BK / 8, WARPS_N = 2, THREADS = 128;
-  constexpr int WM = BM / 2, WN = BN / WARPS_N, MI = WM / 16, NI = WN / 8;
+  constexpr int BK = 64, CHUNKS = BK / 8, WARPS_N = 2, WARPS_M = C::WARPS / WARPS_N, THREADS = 32 * C::WARPS;
+  constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MI = WM / 16, NI = WN / 8;
   constexpr int SLOTS = (M + BM - 1) / BM + E, KT = (K + BK - 1) / BK;
-  static_assert(BM % 32 == 0 && BN % 32 == 0 && BM * CHUNKS % THREADS == 0 && BN * CHUNKS % THREADS == 0,
-                "tiles of 32s");
+  static_assert(WM % 16 == 0 && BN % 32 == 0 && BM * CHUNKS % THREADS == 0 && BN * CHUNKS % THREADS == 0,
+                "warp tiles of 16 rows, tiles of 32 columns");
   static_assert(K % 8 == 0 && N % 2 == 0 && STAGES >= 2, "rows of 16-byte chunks, columns in pairs");
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wm = warp / WARPS_N, wn = warp % WARPS_N;
