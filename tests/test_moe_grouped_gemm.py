@@ -7,7 +7,7 @@ run CTA by CTA with one thread per CUDA thread (``test_gpu_spaces``' shim, ldmat
 emulates it), against float64 (experts with no rows, rows and columns no tile divides, k past the last full
 step, one expert with every row); every point compiles for sm_90a without spills; the decoder's sorted path
 (gather, grouped products, scatter back) gives transformers' tokens on the CPU; a ``cuda:sm_90`` build of a tiny
-Mixtral puts the grouped GEMM, served by this space, in its prefill chunks. On the GPU (``-m gpu``): the kernel
+Mixtral puts the grouped GEMM, served by this space, in its prefill chunks, and compiles. On the GPU (``-m gpu``): the kernel
 against float64 at Mixtral's and Qwen3-MoE's prefill shapes."""
 
 from __future__ import annotations
@@ -262,6 +262,41 @@ def test_a_build_for_sm_90_runs_a_prefill_chunks_experts_as_grouped_gemms():
     for function, rows in (("decode_b1", 2), ("decode_b4", 8)):
         moe = {(w.split(",")[0], space) for w, space, _ in ours(function) if w.startswith("moe")}
         assert moe == {(f"moe_gemm[m={rows}", "gpu_moe_matmul")}, (function, moe)
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_a_cuda_build_with_grouped_gemms_compiles():
+    """The same tiny Mixtral compiled whole for ``cuda:sm_90`` without a GPU (the sort, the offsets, the gathers and
+    the grouped GEMMs through TVM's CUDA code generation): the modules of our grouped GEMM compile with nvcc for
+    sm_90a without spills."""
+    import torch
+
+    from autosched.generation.build import GenerationModel, compile_generation
+    from autosched.target import parse_target
+
+    from .nvcc import nvcc_compile
+    from .test_moe import _config
+
+    config, cls = _config("mixtral")
+    model = cls(config).to(torch.float16).eval()
+    target = parse_target("cuda:sm_90", require_device=False)
+    gm = GenerationModel("mixtral-tiny", model, _tiny_mixtral("float16"), [])
+    executable, _, report = compile_generation(gm, target, None, decode_batches=(2,), prefill_chunks=(64,))
+    assert {k["space"] for k in report.workloads.values() if k["workload"].startswith("moe_grouped_gemm[")} == {
+        "moe_grouped_gemm"}
+
+    def cuda_sources(module):
+        for imported in module.imports:
+            if imported.kind == "cuda":
+                yield imported.inspect_source()
+            yield from cuda_sources(imported)
+
+    ours = [source for source in cuda_sources(executable.mod) if "autosched_moe_grouped_gemm" in source]
+    assert len(ours) == 2  # gate/up and down
+    for source in ours:
+        report = nvcc_compile(source, "sm_90a")
+        assert report.ok and report.spills == 0, report.log[-2000:]
 
 
 @pytest.mark.slow

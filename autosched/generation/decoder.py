@@ -364,16 +364,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
 
-    from .linear import (
-        add_rms_norm,
-        grouped_moe,
-        grouped_moe_serves,
-        linear,
-        moe_linear,
-        quant_linear,
-        rms_norm,
-        swiglu,
-    )
+    from .linear import add_rms_norm, grouped_moe, grouped_moe_serves, linear, moe_linear, quant_linear, rms_norm, swiglu
     from .quantize import group_size
     from .quantize import scheme as quant_scheme
 
@@ -586,13 +577,13 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if cfg.renorm_topk:
                 weights = weights / op.sum(weights, axis=-1, keepdims=True)
             rows = tokens * k
-            replicated = op.reshape(op.broadcast_to(op.reshape(flat, (tokens, 1, hidden)), (tokens, k, hidden)),
-                                    (rows, hidden))
             expert = op.reshape(chosen, (rows,))
             if grouped_moe_serves(rows, s, self.experts_up, self.experts_down, hopper):
                 # a prefill chunk on sm_90: the rows sorted by expert, the products grouped GEMMs on tensor cores
-                out = grouped_moe(replicated, expert, self.experts_up, self.experts_down, activation)
+                out = grouped_moe(flat, expert, k, self.experts_up, self.experts_down, activation)
             else:
+                replicated = op.reshape(op.broadcast_to(op.reshape(flat, (tokens, 1, hidden)), (tokens, k, hidden)),
+                                        (rows, hidden))
                 gate, up = op.split(moe_linear(replicated, expert, self.experts_up), 2, axis=-1)
                 out = moe_linear(activation(gate) * up, expert, self.experts_down)
             out = op.reshape(out, (tokens, k, hidden)) * op.reshape(weights.astype(dtype), (tokens, k, 1))

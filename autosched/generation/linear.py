@@ -195,12 +195,13 @@ def grouped_linear(x: Tensor, indptr: Tensor, weight: Tensor) -> Tensor:
     return _call(wl, "autosched_moe_grouped_gemm", [x, indptr, weight], m, n)
 
 
-def grouped_moe(x: Tensor, expert: Tensor, up: Tensor, down: Tensor, activation) -> Tensor:
-    """A layer's experts over routed rows x [rows, hidden] (expert [rows] int32: each row's expert) as grouped
-    GEMMs: the rows sorted by expert (``argsort``; any order among one expert's rows will do, each row's product
-    being its own), the experts' row offsets counted (indptr[j]: the rows of experts before j), X gathered into
-    that order, ``activation(gate) ⊙ up`` and the down projection on the sorted rows, and the output rows put
-    back in the routed order. Returns [rows, hidden]."""
+def grouped_moe(x: Tensor, expert: Tensor, top_k: int, up: Tensor, down: Tensor, activation) -> Tensor:
+    """A layer's experts over tokens x [tokens, hidden], each routed to ``top_k`` experts (expert [tokens x top_k]
+    int32, token t's choices at rows t·top_k ...), as grouped GEMMs: the routed rows sorted by expert (``argsort``;
+    any order among one expert's rows will do, each row's product being its own), the experts' row offsets counted
+    (indptr[j]: the routed rows of experts before j), each sorted row's token gathered from x (no replicated copy of
+    x), ``activation(gate) ⊙ up`` and the down projection on the sorted rows, and the output rows put back in the
+    routed order. Returns [tokens x top_k, hidden]."""
     from tvm import relax as rx
     from tvm.relax.frontend.nn import op
 
@@ -209,11 +210,12 @@ def grouped_moe(x: Tensor, expert: Tensor, up: Tensor, down: Tensor, activation)
     def take(t: Tensor, ids: Tensor, name: str) -> Tensor:  # rows of t (ids are in range by construction)
         return nn_tensor(rx.op.take(relax_expr(t), relax_expr(ids), axis=0, mode="clip"), name)
 
-    rows = x.shape[0]
+    rows = expert.shape[0]
     e = up.shape[0]
     order = op.argsort(expert, dtype="int32")  # sorted position -> routed row
     bounds = op.reshape(op.arange(0, e + 1, dtype="int32"), (e + 1, 1))
     indptr = op.sum(op.less(op.reshape(expert, (1, rows)), bounds).astype("int32"), axis=1)
-    gate, projected = op.split(grouped_linear(take(x, order, "moe_sorted_x"), indptr, up), 2, axis=-1)
+    token = nn_tensor(rx.op.floor_divide(relax_expr(order), rx.const(top_k, "int32")), "moe_sorted_token")
+    gate, projected = op.split(grouped_linear(take(x, token, "moe_sorted_x"), indptr, up), 2, axis=-1)
     out = grouped_linear(activation(gate) * projected, indptr, down)
     return take(out, op.argsort(order, dtype="int32"), "moe_unsorted")
