@@ -7,8 +7,9 @@ run CTA by CTA with one thread per CUDA thread (``test_gpu_spaces``' shim, ldmat
 emulates it), against float64 (experts with no rows, rows and columns no tile divides, k past the last full
 step, one expert with every row); every point compiles for sm_90a without spills; the decoder's sorted path
 (gather, grouped products, scatter back) gives transformers' tokens on the CPU; a ``cuda:sm_90`` build of a tiny
-Mixtral puts the grouped GEMM, served by this space, in its prefill chunks, and compiles. On the GPU (``-m gpu``): the kernel
-against float64 at Mixtral's and Qwen3-MoE's prefill shapes."""
+Mixtral puts the grouped GEMM, served by this space, in its prefill chunks, and compiles. On the GPU (``-m gpu``): a
+Mixtral whose prefill chunk runs on grouped GEMMs gives transformers' tokens; ``test_gpu_run.py`` checks the kernel's
+points against float64 at Mixtral's and Qwen3-MoE's prefill shapes."""
 
 from __future__ import annotations
 
