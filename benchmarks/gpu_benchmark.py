@@ -63,6 +63,13 @@ CASES = {
     "paged-decode-gqa8": ("paged_decode_attention", "b=16,h=32,hkv=4,d=128,ctx=4096,page=16", "float16", "", "memory"),
     "paged-decode-gqa4-llama3": ("paged_decode_attention", "b=16,h=32,hkv=8,d=128,ctx=4096,page=16", "float16", "",
                                  "memory"),
+    # Mixture-of-experts prefill (512 tokens x 2 experts: Mixtral's gate/up and down; Qwen3-MoE's 4096 routed rows over
+    # 128 experts): the grouped GEMM on the rows sorted by expert (moe_grouped_gemm) against torch's per-expert
+    # matmuls and against the GEMV per routed row that served prefill before (moe_gemm, same shape, rows unsorted).
+    "moe-prefill-mixtral-up": ("moe_grouped_gemm", "m=1024,e=8,n=28672,k=4096", "float16", "", "compute"),
+    "moe-prefill-mixtral-down": ("moe_grouped_gemm", "m=1024,e=8,n=4096,k=14336", "float16", "", "compute"),
+    "moe-prefill-qwen3-up": ("moe_grouped_gemm", "m=4096,e=128,n=1536,k=2048", "bfloat16", "", "compute"),
+    "moe-prefill-mixtral-up-gemv": ("moe_gemm", "m=1024,e=8,n=28672,k=4096", "float16", "", "compute"),
 }
 FP8_TWINS = {"prefill512-o-fp8": "prefill512-o", "prefill512-up-fp8": "prefill512-up",
              "prefill16x512-up-fp8": "prefill16x512-up"}
@@ -90,6 +97,30 @@ def torch_fn(op: str, wl, ins):
         def run():  # dequantise, then matmul: two kernels, as torch does without a fused int4 kernel
             w = deq.dequantize(wl, ins[1], ins[2]).to(ins[0].dtype)
             return F.linear(ins[0], w)
+
+        return run
+    if op == "moe_grouped_gemm":  # one matmul per expert over its contiguous rows
+        x, indptr, w = ins
+        bounds = indptr.tolist()
+
+        def run():
+            out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+            for j in range(w.shape[0]):
+                if bounds[j + 1] > bounds[j]:
+                    torch.mm(x[bounds[j]:bounds[j + 1]], w[j].t(), out=out[bounds[j]:bounds[j + 1]])
+            return out
+
+        return run
+    if op == "moe_gemm":  # each expert's rows gathered, one matmul per expert, scattered back
+        x, expert, w = ins
+        rows = [torch.nonzero(expert == j).flatten() for j in range(w.shape[0])]
+
+        def run():
+            out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+            for j, idx in enumerate(rows):
+                if len(idx):
+                    out[idx] = x[idx] @ w[j].t()
+            return out
 
         return run
     if op == "rmsnorm":

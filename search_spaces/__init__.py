@@ -3,20 +3,23 @@
 Spaces are chosen by the structure of the TensorIR function, not by operator name, so that a kernel
 fused by Relax finds the same space as the workload it resembles:
 
-========== =============================================================== =======================
-family     structure                                                       examples
-========== =============================================================== =======================
-matmul     one contraction block; other blocks elementwise                 gemm, dequant_gemm
-rows       blocks share leading row loops and reduce within a row          rmsnorm, softmax,
-                                                                           attention (CPU, b > 1)
-attention  rows whose first stage reads Q and K (``cpu_attention``:       prefill attention
-           blocks of query rows, K transposed)                             (CPU, b = 1)
-injective  no reduction                                                    rope, casts, adds
-moe_matmul a contraction whose weight is picked per row by an index input  moe_gemm
-========== =============================================================== =======================
+=========== =============================================================== =======================
+family      structure                                                       examples
+=========== =============================================================== =======================
+matmul      one contraction block; other blocks elementwise                 gemm, dequant_gemm
+rows        blocks share leading row loops and reduce within a row          rmsnorm, softmax,
+                                                                            attention (CPU, b > 1)
+attention   rows whose first stage reads Q and K (``cpu_attention``:       prefill attention
+            blocks of query rows, K transposed)                             (CPU, b = 1)
+injective   no reduction                                                    rope, casts, adds
+moe_matmul  a contraction whose weight is picked per row by an index input  moe_gemm
+moe_grouped the same, rows sorted by expert, each expert's row range given  moe_grouped_gemm
+=========== =============================================================== =======================
 
 ``moe_gemm`` has spaces of its own (``moe_matmul`` on the CPU, ``gpu_moe_matmul`` on CUDA): the generic
-matmul spaces tile B as shared by every row of a tile, which a weight gathered per row is not.
+matmul spaces tile B as shared by every row of a tile, which a weight gathered per row is not. ``moe_grouped_gemm``
+(a prefill's routed rows sorted by expert) has ``moe_matmul`` on the CPU and on sm_90 ``moe_grouped_gemm``, a
+grouped GEMM on tensor cores whose row tiles each share one expert's weight tiles.
 
 A space may also decline a function for a target (``Space.suits``): ``hopper_gemm``,
 ``hopper_fp8_gemm``, ``hopper_dequant_gemm`` and ``hopper_attention``, the TIRx wgmma kernels, serve ``gemm``,
@@ -65,11 +68,12 @@ def space_classes() -> dict[str, type[Space]]:
     from .templates.hopper_dequant import HopperDequantGemmSpace
     from .templates.hopper_gemm import HopperFp8GemmSpace, HopperGemmSpace
     from .templates.int4_gemv import Int4GemvSpace
+    from .templates.moe_grouped_gemm import MoeGroupedGemmSpace
     from .templates.paged_decode import PagedDecodeSpace
 
     ordered = (MatmulSpace, MoeMatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
                HopperGemmSpace, HopperFp8GemmSpace, HopperAttentionSpace, Int4GemvSpace, Gemv8Space,
-               HopperDequantGemmSpace, PagedDecodeSpace,
+               HopperDequantGemmSpace, PagedDecodeSpace, MoeGroupedGemmSpace,
                # (CUDA, sm_90: each declines other targets)
                FlashAttentionSpace, GpuMoeMatmulSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA
     return {cls.name: cls for cls in ordered}

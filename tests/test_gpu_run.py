@@ -297,6 +297,26 @@ def test_moe_gemv_points_are_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
 
 
+@pytest.mark.parametrize("shape,dtype", [("m=1024,e=8,n=2048,k=4096", "float16"),  # Mixtral's prefill, cut in n
+                                         ("m=4096,e=128,n=1536,k=2048", "bfloat16"),  # Qwen3-MoE's gate and up
+                                         ("m=77,e=5,n=130,k=200", "float16")])  # nothing divides
+def test_moe_grouped_gemm_points_are_correct_on_the_gpu(shape, dtype, measurers):
+    """moe_grouped_gemm (a prefill's routed rows sorted by expert, on mma.sync): the default point and others of
+    every row tile, column tile, stage count and warp count match the float64 reference (the workload's random routing:
+    experts of many rows, of few, of none)."""
+    target, measurer = measurers("sm_90")
+    task = Task.from_workload(make_workload("moe_grouped_gemm", shape, dtype))
+    space = task.space(target)
+    assert space.name == "moe_grouped_gemm"
+    points = [space.default()] + [{"block_m": bm, "block_n": bn, "stages": s, "warps": w}
+                                  for bm, bn, s, w in ((32, 64, 2, 4), (64, 128, 3, 8), (128, 128, 4, 4),
+                                                       (128, 128, 3, 8), (128, 32, 4, 4))]
+    points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+    assert len(points) >= 4, shape
+    for point, res in zip(points, measurer.measure(task.spec, points)):
+        assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_int4_prefill_dequantised_for_wgmma_is_correct_on_the_gpu(measurers):
     """hopper_dequant_gemm: int4 weights dequantised in shared memory for wgmma, fp16 and bf16, a bias and
     SiLU, m and n that no tile divides, groups of 64 and 128, one and two consumers, persistent CTAs: every

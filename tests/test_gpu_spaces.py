@@ -76,6 +76,7 @@ CASES = [
     ("moe_gemm", "m=2,e=8,n=512,k=256", "float16", "", "gpu_moe_matmul", "sm_90"),  # decode: 1 token x 2 experts
     ("moe_gemm", "m=64,e=4,n=384,k=448", "bfloat16", "", "gpu_moe_matmul", "sm_90"),
     ("moe_gemm", "m=24,e=3,n=96,k=160", "float32", "", "gpu_moe_matmul", "sm_80"),
+    ("moe_grouped_gemm", "m=1024,e=8,n=4096,k=14336", "bfloat16", "", "moe_grouped_gemm", "sm_90"),  # Mixtral's down
     ("rmsnorm", "m=8,n=1000", "float16", "", "gpu_rows", "sm_90"),
     ("add_rmsnorm", "m=16,n=4096", "float16", "", "gpu_rows", "sm_90"),  # a second output in global memory
     ("softmax", "m=8,n=4096", "float32", "", "gpu_rows", "sm_90"),
@@ -1381,6 +1382,7 @@ TEMPLATE_CASES = {
     "hopper_dequant_gemm": [("dequant_gemm", "m=2048,n=4096,k=256", "float16", "bits=4,group=128")],
     "paged_decode": [("paged_decode_attention", "b=2,h=16,hkv=2,d=128,ctx=600,page=16", "float16", "")],
     "hopper_attention": [("attention", "b=1,h=4,hkv=2,s=300,d=64", "float16", "causal=1")],
+    "moe_grouped_gemm": [("moe_grouped_gemm", "m=1024,e=8,n=4096,k=4096", "float16", "")],
 }
 
 

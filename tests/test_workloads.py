@@ -37,6 +37,7 @@ SMALL_CASES = [
     ("fp8_quant_rows", "m=5,k=97", "float16", ""),
     ("fp8_quant_rows", "m=4,k=40", "bfloat16", ""),
     ("moe_gemm", "m=7,e=3,n=24,k=40", "float16", ""),
+    ("moe_grouped_gemm", "m=11,e=4,n=24,k=40", "float16", ""),  # rows sorted by expert, some experts without rows
     ("paged_decode_attention", "b=3,h=4,hkv=2,d=16,ctx=37,page=8", "float16", ""),
 ]
 

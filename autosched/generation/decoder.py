@@ -364,7 +364,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
 
-    from .linear import add_rms_norm, linear, moe_linear, quant_linear, rms_norm, swiglu
+    from .linear import add_rms_norm, grouped_moe, grouped_moe_serves, linear, moe_linear, quant_linear, rms_norm, swiglu
     from .quantize import group_size
     from .quantize import scheme as quant_scheme
 
@@ -566,7 +566,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             """The mixture of experts: router logits, softmax over the experts (in float32), the top k, their
             probabilities renormalised to sum to one where the model does (Mixtral always; Qwen3-MoE with
             norm_topk_prob). Each token is replicated k times, each row multiplied by its own expert's gate/up
-            and down weights (``moe_gemm``), SwiGLU between, and the k rows summed with their weights."""
+            and down weights (``moe_gemm``; in a prefill chunk on sm_90, with the rows sorted by expert, grouped GEMMs:
+            :func:`.linear.grouped_moe`), SwiGLU between, and the k rows summed with their weights."""
             b, s, hidden = x.shape
             tokens, k = b * s, cfg.top_k
             flat = op.reshape(x, (tokens, hidden))
@@ -576,11 +577,15 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if cfg.renorm_topk:
                 weights = weights / op.sum(weights, axis=-1, keepdims=True)
             rows = tokens * k
-            replicated = op.reshape(op.broadcast_to(op.reshape(flat, (tokens, 1, hidden)), (tokens, k, hidden)),
-                                    (rows, hidden))
             expert = op.reshape(chosen, (rows,))
-            gate, up = op.split(moe_linear(replicated, expert, self.experts_up), 2, axis=-1)
-            out = moe_linear(activation(gate) * up, expert, self.experts_down)
+            if grouped_moe_serves(rows, s, self.experts_up, self.experts_down, hopper):
+                # a prefill chunk on sm_90: the rows sorted by expert, the products grouped GEMMs on tensor cores
+                out = grouped_moe(flat, expert, k, self.experts_up, self.experts_down, activation)
+            else:
+                replicated = op.reshape(op.broadcast_to(op.reshape(flat, (tokens, 1, hidden)), (tokens, k, hidden)),
+                                        (rows, hidden))
+                gate, up = op.split(moe_linear(replicated, expert, self.experts_up), 2, axis=-1)
+                out = moe_linear(activation(gate) * up, expert, self.experts_down)
             out = op.reshape(out, (tokens, k, hidden)) * op.reshape(weights.astype(dtype), (tokens, k, 1))
             return op.reshape(op.sum(out, axis=1), (b, s, hidden))
 

@@ -9,13 +9,15 @@ a call of the ``rmsnorm`` workload's kernel on the rows, keyed as ``autosched tu
 after a residual add, of ``add_rmsnorm`` (both in one kernel). At symbolic shapes (``batch_prefill``,
 ``batch_decode``) the product stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default
 schedules serve. A mixture-of-experts layer's experts are ``moe_gemm`` calls (each routed token-slot by its
-own expert's weight), static or symbolic alike. A quantised projection (``build --generate --quantize``) is a
-call of the ``dequant_gemm`` workload's kernel at static shapes and the same dequantising TE at symbolic ones
-(with ``zeros=1`` and its zero points for a scheme that has them, ``q4f16_zp``; ``fmt=e4m3`` for ``fp8``'s
-float8 codes). In the static prefill chunks of an ``fp8`` build for sm_90 (:func:`w8a8_prefill`), a projection
-that Hopper's FP8 space serves runs on FP8 tensor cores instead: its activations quantised per token on the fly
-(``fp8_quant_rows``) and the GEMM on both operands' E4M3 codes (``fp8_gemm``, :func:`fp8_linear`); decode steps
-and every other build stay weight-only.
+own expert's weight), static or symbolic alike; in a static prefill chunk of a CUDA sm_90 build with many routed
+rows (:data:`GROUPED_MOE_MIN_ROWS`) the rows are sorted by expert and the experts' products are
+``moe_grouped_gemm`` calls instead, a grouped GEMM on tensor cores (:func:`grouped_moe`). A quantised
+projection (``build --generate --quantize``) is a call of the ``dequant_gemm`` workload's kernel at static
+shapes and the same dequantising TE at symbolic ones (with ``zeros=1`` and its zero points for a scheme that has
+them, ``q4f16_zp``; ``fmt=e4m3`` for ``fp8``'s float8 codes). In the static prefill chunks of an ``fp8`` build
+for sm_90 (:func:`w8a8_prefill`), a projection that Hopper's FP8 space serves runs on FP8 tensor cores instead:
+its activations quantised per token on the fly (``fp8_quant_rows``) and the GEMM on both operands' E4M3 codes
+(``fp8_gemm``, :func:`fp8_linear`); decode steps and every other build stay weight-only.
 """
 
 from __future__ import annotations
@@ -208,3 +210,64 @@ def moe_linear(x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
         return op.tensor_expr_op(lambda a, b, c: moe_compute(a, b, c, weight.dtype), "moe_matmul", [x, expert, weight])
     wl = make_workload("moe_gemm", {"m": m, "e": e, "n": n, "k": k}, weight.dtype)
     return _call(wl, "autosched_moe_gemm", [x, expert, weight], m, n)
+
+
+# Routed rows (tokens x experts per token) from which a prefill chunk's experts run as a grouped GEMM on sm_90:
+# a row tile of the grouped GEMM is 32 to 128 rows of one expert, so below a few rows per expert its tiles are
+# mostly masked off, where the GEMV per row (``gpu_moe_matmul``) wastes nothing. Decode steps (one token per
+# sequence) keep ``moe_gemm`` at any batch.
+GROUPED_MOE_MIN_ROWS = 64
+# Tests: the sorted path on any target (the CPU's moe_matmul space serves moe_grouped_gemm), to check its
+# gather, offsets and scatter against transformers without a GPU.
+FORCE_GROUPED_MOE = False
+
+
+def grouped_moe_serves(rows, seq, up: Tensor, down: Tensor, hopper: bool) -> bool:
+    """Whether a layer's experts run as :func:`grouped_moe`: a static prefill chunk (``seq`` tokens per sequence,
+    more than one) of at least :data:`GROUPED_MOE_MIN_ROWS` routed ``rows``, on sm_90 where the grouped GEMM
+    serves both projections' shapes and dtype."""
+    from autosched.search_spaces.templates.moe_grouped_gemm import unsupported
+
+    if not isinstance(rows, int) or not isinstance(seq, int) or seq == 1 or rows < GROUPED_MOE_MIN_ROWS:
+        return False
+    if FORCE_GROUPED_MOE:
+        return True
+    return hopper and all(isinstance(w.shape[1], int) and unsupported(w.shape[1], w.shape[2], w.dtype) is None
+                          for w in (up, down))
+
+
+def grouped_linear(x: Tensor, indptr: Tensor, weight: Tensor) -> Tensor:
+    """``Y[i] = x[i]·W[e(i)]ᵀ`` for x [m, k] sorted by expert, the experts' row offsets indptr [e + 1] and
+    W [e, n, k]: our ``moe_grouped_gemm``."""
+    from autosched.workloads import make_workload
+
+    m, k = x.shape
+    e, n, _ = weight.shape
+    wl = make_workload("moe_grouped_gemm", {"m": m, "e": e, "n": n, "k": k}, weight.dtype)
+    return _call(wl, "autosched_moe_grouped_gemm", [x, indptr, weight], m, n)
+
+
+def grouped_moe(x: Tensor, expert: Tensor, top_k: int, up: Tensor, down: Tensor, activation) -> Tensor:
+    """A layer's experts over tokens x [tokens, hidden], each routed to ``top_k`` experts (expert [tokens x top_k]
+    int32, token t's choices at rows t·top_k ...), as grouped GEMMs: the routed rows sorted by expert (``argsort``;
+    any order among one expert's rows will do, each row's product being its own), the experts' row offsets counted
+    (indptr[j]: the routed rows of experts before j), each sorted row's token gathered from x (no replicated copy of
+    x), ``activation(gate) ⊙ up`` and the down projection on the sorted rows, and the output rows put back in the
+    routed order. Returns [tokens x top_k, hidden]."""
+    from tvm import relax as rx
+    from tvm.relax.frontend.nn import op
+
+    from autosched.tvm_adapter import nn_tensor, relax_expr
+
+    def take(t: Tensor, ids: Tensor, name: str) -> Tensor:  # rows of t (ids are in range by construction)
+        return nn_tensor(rx.op.take(relax_expr(t), relax_expr(ids), axis=0, mode="clip"), name)
+
+    rows = expert.shape[0]
+    e = up.shape[0]
+    order = op.argsort(expert, dtype="int32")  # sorted position -> routed row
+    bounds = op.reshape(op.arange(0, e + 1, dtype="int32"), (e + 1, 1))
+    indptr = op.sum(op.less(op.reshape(expert, (1, rows)), bounds).astype("int32"), axis=1)
+    token = nn_tensor(rx.op.floor_divide(relax_expr(order), rx.const(top_k, "int32")), "moe_sorted_token")
+    gate, projected = op.split(grouped_linear(take(x, token, "moe_sorted_x"), indptr, up), 2, axis=-1)
+    out = grouped_linear(activation(gate) * projected, indptr, down)
+    return take(out, op.argsort(order, dtype="int32"), "moe_unsorted")

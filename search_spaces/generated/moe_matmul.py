@@ -4,6 +4,10 @@ Each row reads its own expert's weight through the gathered index, so the contra
 matmul family's (B is indexed by data): no packing of B, no row tiles sharing a B tile. The schedule
 tiles the output columns and the reduction, runs the rows and column blocks in parallel and vectorises
 an inner column tile. CUDA's space is ``gpu_moe_matmul``.
+
+It serves ``moe_grouped_gemm`` (rows sorted by expert, the experts' row offsets as input) as well: the same
+product block, its expert index computed per row from the offsets by a small block before it, which stays
+as built. On sm_90 that workload has the tensor-core grouped GEMM (``templates/moe_grouped_gemm.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class MoeMatmulSpace(Space):
     name = "moe_matmul"
     version = 1
     targets = ("llvm",)
-    families = ("moe_matmul",)
+    families = ("moe_matmul", "moe_grouped")
 
     @classmethod
     def matches(cls, func) -> bool:
