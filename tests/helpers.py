@@ -119,6 +119,55 @@ def transformers_greedy(model, prompt, new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def random_mixtral_on_gpu(hidden: int, intermediate: int, heads: int, kv_heads: int):
+    """A transformers Mixtral of 2 layers, 8 experts (top 2) and a vocabulary of 8000, in fp16 on the GPU, its
+    random weights scaled so that activations stay near 1 and the head's logits and the router's spread over a
+    few units (greedy choices and routing rarely near-ties)."""
+    import math
+
+    import transformers
+
+    config = transformers.MixtralConfig(hidden_size=hidden, intermediate_size=intermediate, num_local_experts=8,
+                                        num_experts_per_tok=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                        num_hidden_layers=2, vocab_size=8000, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.MixtralForCausalLM(config).to(torch.float16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif "lm_head" in name or name.endswith("gate.weight"):  # logits and router logits of spread ~3
+                p.normal_(0.0, 3.0 / math.sqrt(config.hidden_size))
+            else:  # each product keeps the scale of its input
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    return model
+
+
+def gpu_generator(model, name: str, max_seq_len: int, decode_batches: tuple[int, ...],
+                  prefill_chunks: tuple[int, ...] = ()):
+    """(a Generator on the GPU, the build report) for a transformers causal LM in fp16, built through the Python
+    API (no folder), with no database."""
+    import tvm
+
+    from autosched.generation import Generator
+    from autosched.generation.build import GenerationModel, compile_generation, generation_manifest
+    from autosched.generation.decoder import config_from_hf, weights_from_hf
+    from autosched.target import parse_target
+
+    target = parse_target("cuda")
+    gm = GenerationModel(name, model, config_from_hf(model.config, "float16"), [])
+    executable, names, report = compile_generation(gm, target, None, decode_batches=decode_batches,
+                                                   prefill_chunks=prefill_chunks)
+    weights = weights_from_hf(model.state_dict(), gm.config)
+    params = [tvm.runtime.from_dlpack(weights[n].contiguous()) for n in names]
+    manifest = generation_manifest(gm, names, target, report, max_seq_len, max(decode_batches),
+                                   decode_batches=decode_batches, prefill_chunks=prefill_chunks)
+    return Generator.in_memory(executable, params, manifest, tvm.cuda(0)), report
+
+
 def assert_gpu_greedy_matches(model, prompts, results, new: int, max_margin: float) -> None:
     """Our greedy tokens of ``prompts`` equal transformers' (``model``, in half precision on the GPU) for ``new``
     tokens, or the first difference is a near-tie in transformers' logits (top-two margin under ``max_margin``,

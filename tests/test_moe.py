@@ -214,42 +214,13 @@ def test_mixtral_dimensions_in_half_precision_match_transformers_on_the_gpu():
     few units (greedy choices rarely near-ties), fp16 on the GPU, built through the Python API (no folder: the
     experts alone are 5.6 GB): the 8 greedy tokens of each prompt are transformers' (fp16, same GPU), or the first
     difference is a near-tie of transformers' logits (its margin in the message)."""
-    import math
+    from .helpers import gpu_generator, random_mixtral_on_gpu
 
-    import torch
-    import transformers
-    import tvm
-
-    from autosched.generation import Generator
-    from autosched.generation.build import GenerationModel, compile_generation, generation_manifest
-    from autosched.generation.decoder import config_from_hf, weights_from_hf
-    from autosched.target import parse_target
-
-    config = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_local_experts=8,
-                                        num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
-                                        num_hidden_layers=2, vocab_size=8000, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.MixtralForCausalLM(config).to(torch.float16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif "lm_head" in name or name.endswith("gate.weight"):  # logits and router logits of spread ~3
-                p.normal_(0.0, 3.0 / math.sqrt(config.hidden_size))
-            else:  # each product keeps the scale of its input
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-    target = parse_target("cuda")
-    gm = GenerationModel("mixtral-2-layers", model, config_from_hf(model.config, "float16"), [])
-    executable, names, report = compile_generation(gm, target, None, decode_batches=(2,))
-    weights = weights_from_hf(model.state_dict(), gm.config)
-    params = [tvm.runtime.from_dlpack(weights[n].contiguous()) for n in names]
-    manifest = generation_manifest(gm, names, target, report, 128, 2, decode_batches=(2,))
+    model = random_mixtral_on_gpu(4096, 14336, 32, 8)
+    generator, report = gpu_generator(model, "mixtral-2-layers", 128, (2,))
     # The static decode step's expert products are moe_gemm kernels, which the CUDA space serves.
     experts = [kernel for kernel in report.workloads.values() if kernel["workload"].startswith("moe_gemm")]
     assert experts and all(kernel["space"] == "gpu_moe_matmul" for kernel in experts), report.workloads
     prompts = [[(37 * i + 11) % 8000 for i in range(7)], [(101 * i + 5) % 8000 for i in range(40)]]
-    results = Generator.in_memory(executable, params, manifest, tvm.cuda(0)).generate(prompts, 8)
+    results = generator.generate(prompts, 8)
     assert_gpu_greedy_matches(model, prompts, results, 8, max_margin=0.1)

@@ -336,44 +336,13 @@ def test_a_mixtral_prefill_chunk_on_grouped_gemms_matches_transformers_on_the_gp
     """A Mixtral of hidden 1024 (8 experts of 2048, top 2, 2 layers) in fp16 on the GPU with a prefill chunk of
     64 tokens (128 routed rows: grouped GEMMs) and a decode batch of 2 (moe_gemm): the greedy tokens of prompts
     that fill a chunk and more are transformers' (fp16, same GPU), or the first difference is a near-tie."""
-    import math
+    from .helpers import assert_gpu_greedy_matches, gpu_generator, random_mixtral_on_gpu
 
-    import torch
-    import transformers
-    import tvm
-
-    from autosched.generation import Generator
-    from autosched.generation.build import GenerationModel, compile_generation, generation_manifest
-    from autosched.generation.decoder import config_from_hf, weights_from_hf
-    from autosched.target import parse_target
-
-    from .helpers import assert_gpu_greedy_matches
-
-    config = transformers.MixtralConfig(hidden_size=1024, intermediate_size=2048, num_local_experts=8,
-                                        num_experts_per_tok=2, num_attention_heads=8, num_key_value_heads=2,
-                                        num_hidden_layers=2, vocab_size=8000, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.MixtralForCausalLM(config).to(torch.float16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif "lm_head" in name or name.endswith("gate.weight"):
-                p.normal_(0.0, 3.0 / math.sqrt(config.hidden_size))
-            else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-    target = parse_target("cuda")
-    gm = GenerationModel("mixtral-grouped", model, config_from_hf(model.config, "float16"), [])
-    executable, names, report = compile_generation(gm, target, None, decode_batches=(2,), prefill_chunks=(64,))
+    model = random_mixtral_on_gpu(1024, 2048, 8, 2)
+    generator, report = gpu_generator(model, "mixtral-grouped", 256, (2,), prefill_chunks=(64,))
     grouped = [k for k in report.workloads.values() if k["workload"].startswith("moe_grouped_gemm[m=128,")]
     assert len({k["workload"] for k in grouped}) == 2, report.workloads  # gate/up and down
     assert all(k["space"] == "moe_grouped_gemm" for k in grouped), report.workloads
-    weights = weights_from_hf(model.state_dict(), gm.config)
-    params = [tvm.runtime.from_dlpack(weights[n].contiguous()) for n in names]
-    manifest = generation_manifest(gm, names, target, report, 256, 2, decode_batches=(2,), prefill_chunks=(64,))
     prompts = [[(37 * i + 11) % 8000 for i in range(70)], [(101 * i + 5) % 8000 for i in range(130)]]
-    results = Generator.in_memory(executable, params, manifest, tvm.cuda(0)).generate(prompts, 8)
+    results = generator.generate(prompts, 8)
     assert_gpu_greedy_matches(model, prompts, results, 8, max_margin=0.1)
