@@ -493,3 +493,41 @@ def _applicable_point(space):
         except InvalidPoint:
             continue
     raise AssertionError(f"no applicable point found in {space.id}")
+
+
+@pytest.mark.slow
+def test_a_generation_step_reads_each_parameter_just_before_its_first_use():
+    """After the build's passes (CUDA graphs on, ``cuda:sm_90``), each read of a packed parameter sits right
+    before the first instruction that uses it, so that the first kernel of a step does not wait for the host
+    to read every parameter: reads come in groups, each group used whole by the instruction after it, and the
+    last layer's weights are read after the first CUDA graph has run."""
+    import tvm
+    from tvm import relax
+
+    from autosched.generation.build import lower_generation, schedule_generation
+    from autosched.pipeline.build import build_pipeline
+    from autosched.target import parse_target
+
+    from .test_kv_cache_decode import _tiny
+
+    sm90 = parse_target("cuda:sm_90", require_device=False)
+    lowered, _ = lower_generation(_tiny(layers=2), sm90, (1,))
+    scheduled, _, _ = schedule_generation(lowered, None, sm90)
+    with tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": True}), sm90.tvm_target():
+        func = build_pipeline(sm90)(scheduled)["decode_b1"]
+    packed = func.params[-1]
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    reads, pending, first_graph = [], set(), None
+    for i, binding in enumerate(bindings):
+        value = binding.value
+        if isinstance(value, relax.TupleGetItem) and value.tuple_value.same_as(packed):
+            reads.append(i)
+            pending.add(binding.var)
+            continue
+        used = set(relax.analysis.free_vars(value))
+        assert pending <= used, f"binding {i} does not use the parameters read just before it"
+        pending.clear()
+        if first_graph is None and "run_or_capture" in str(value):
+            first_graph = i
+    assert len(reads) == len(func.params[-1].ty.fields) and first_graph is not None
+    assert reads[-1] > first_graph and reads[0] > 0

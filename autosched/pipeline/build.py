@@ -286,9 +286,51 @@ def compile_separate(executable, report: ApplyReport, target: TargetSpec):
     return executable
 
 
+def defer_parameter_reads():
+    """A Relax pass (run last, on the VM-ready functions): each read of a packed parameter (``v =
+    packed_params[i]``, one VM instruction) moves to just before the first instruction that uses ``v``.
+
+    Lowered as written, a generation step's function reads all of its ~300 parameters before its first kernel
+    (the embedding lookup), so the GPU waits ~80 µs for the host each step; read where used, the reads of
+    later layers run on the host while the GPU works on earlier ones. A read the function does not use
+    within its block stays where it was."""
+    import tvm
+    from tvm import relax
+
+    def reorder(block, params: set) -> relax.BindingBlock:
+        deferred: dict = {}  # var -> its read, not yet placed
+        out = []
+        for binding in block.bindings:
+            value = binding.value
+            if (isinstance(binding, relax.VarBinding) and isinstance(value, relax.TupleGetItem)
+                    and isinstance(value.tuple_value, relax.Var) and value.tuple_value in params):
+                deferred[binding.var] = binding
+                continue
+            for var in relax.analysis.free_vars(value):
+                if var in deferred:
+                    out.append(deferred.pop(var))
+            out.append(binding)
+        out += deferred.values()  # unused in this block: at its end, in their order
+        return relax.BindingBlock(out)
+
+    @tvm.transform.module_pass(opt_level=0, name="DeferParameterReads")
+    def defer(mod, _ctx):
+        for gv, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+                continue
+            params = {p for p in func.params if isinstance(p.ty, tvm.ir.TupleType)}
+            if not params or any(isinstance(b, relax.DataflowBlock) for b in func.body.blocks):
+                continue
+            body = relax.SeqExpr([reorder(b, params) for b in func.body.blocks], func.body.body)
+            mod[gv] = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
+        return mod
+
+    return defer
+
+
 def build_pipeline(target: TargetSpec):
     """The Relax passes that compile a module :func:`apply_database` scheduled: TVM's default for the
-    target without its fusion.
+    target without its fusion, then :func:`defer_parameter_reads`.
 
     On CUDA, ``tvm.compile``'s default pipeline legalises, re-annotates and fuses again (``FuseOps`` and
     ``FuseTIR``) before dlight. Our lowering has fused already, and a second fusion over scheduled kernels
@@ -297,9 +339,11 @@ def build_pipeline(target: TargetSpec):
     the scheduled GEMM's buffers ("Inconsistent buffers epilogue and lv58 mapped to the same relax var"),
     and where it did not fail, the merged kernel was no longer the schedule the database chose. The CPU's
     default pipeline does not fuse."""
-    if not target.is_gpu:
-        return None
     import tvm
+
+    if not target.is_gpu:
+        return tvm.transform.Sequential([tvm.relax.pipeline.get_default_pipeline(target.tvm_target()),
+                                         defer_parameter_reads()])
     from tvm.relax.backend.cuda import pipeline as cuda
 
     tvm_target = target.tvm_target()
@@ -313,7 +357,7 @@ def build_pipeline(target: TargetSpec):
         with tvm_target:
             return tvm.transform.Sequential(cuda.library_dispatch_passes(tvm_target) + legalize
                                             + cuda.dataflow_lower_passes(tvm_target)
-                                            + cuda.finalize_passes(tvm_target))(mod)
+                                            + cuda.finalize_passes(tvm_target) + [defer_parameter_reads()])(mod)
 
     return passes
 
