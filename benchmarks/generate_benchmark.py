@@ -82,11 +82,12 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times[2:])
 
 
-def floor_ms(model, batch: int, context: float, bandwidth: float) -> float:
-    """The bytes one decode step must read at ``bandwidth``: weights less the embedding table, plus K and V of
-    ``context`` tokens for each sequence."""
+def floor_ms(model, batch: int, context: float, bandwidth: float, weight_bytes: int | None = None) -> float:
+    """The bytes one decode step must read at ``bandwidth``: weights less the embedding table (``weight_bytes``
+    where given: a quantized build's own), plus K and V of ``context`` tokens for each sequence."""
     cfg = model.config
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    weights = weight_bytes or sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                                  if "embed_tokens" not in n)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2
     return 1e3 * (weights + kv) / bandwidth
@@ -94,7 +95,8 @@ def floor_ms(model, batch: int, context: float, bandwidth: float) -> float:
 
 def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True, db_path: str | None = None,
                cuda_graphs: bool = True, prefill_chunks: tuple[int, ...] = (), quantize: str | None = None):
-    """(make a generator, build seconds, attention kernels) of our generation build for ``model`` on the GPU;
+    """(make a generator, build seconds, attention kernels, bytes of its weights less the embedding table) of our
+    generation build for ``model`` on the GPU;
     ``static``: each batch size's decode step as a static function (CUDA graphs), else one function for all;
     ``quantize``: a --quantize scheme (fp8 on sm_90: W8A8 prefill chunks)."""
     from dataclasses import replace
@@ -141,7 +143,8 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
                                    prefill_chunks=chunks)
     device = tvm.cuda(0) if DEVICE == "cuda" else tvm.cpu(0)
     attention = dict(report.attention, tuned_kernels=len(report.tuned), default_kernels=len(report.default))
-    return (lambda: Generator.in_memory(executable, params, manifest, device)), built, attention
+    weight_bytes = sum(weights[n].numel() * weights[n].element_size() for n in names if n != "embed.weight")
+    return (lambda: Generator.in_memory(executable, params, manifest, device)), built, attention, weight_bytes
 
 
 def profile_steps(make_generator, prompts, phase: str, steps: int = 4, top: int = 12) -> list[dict]:
@@ -357,8 +360,8 @@ def torch_best_run(model, prompts, new: int):
         return prefilled - began, time.perf_counter() - prefilled, torch.cat(tokens, 1).tolist()
 
     with torch.no_grad():
-        run(8)
-        run(8)  # warm-up: compilation, then the graphs' recording
+        run(min(8, new))
+        run(min(8, new))  # warm-up: compilation, then the graphs' recording (within the cache's length)
         prefill, decode, tokens = run(new)
     return 1e3 * prefill, 1e3 * decode / (new - 1), tokens
 
@@ -406,6 +409,9 @@ def main() -> int:
                         "busy time, kernels per step and the costliest kernels (CUDA only)")
     parser.add_argument("--quantize", help="our build's --quantize scheme (e.g. fp8: on sm_90 its prefill chunks are "
                         "W8A8 on FP8 wgmma); transformers stays in fp16, so its tokens may differ")
+    parser.add_argument("--torch-int4", action="store_true",
+                        help="also torch's best recipe on int4 weights (PyTorch's int4 GEMM, torchao's int4 "
+                        "weight-only kernel; groups of 128, bfloat16), next to a --quantize q4f16 build")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
@@ -435,8 +441,13 @@ def main() -> int:
                                quantize=args.quantize)[0] if args.profile or args.without_graphs else None
     if shared is not None:
         print(f"built in {shared[1]:.1f} s", flush=True)
+    int4_model = None
+    if args.torch_int4:
+        from _torch_int4 import int4_weight_only
+
+        int4_model = int4_weight_only(model)
     for batch in batches:
-        make, built, attention = shared or build_for([batch])
+        make, built, attention, weight_bytes = shared or build_for([batch])
         prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt), generator=generator).tolist()
         row = {"model": args.model, "layers": args.layers, "batch": batch, "prompt": args.prompt, "new": args.new,
                "quantize": args.quantize}
@@ -459,7 +470,7 @@ def main() -> int:
             row["profile"] = profile_steps(make_profiled, prompts, "decode")
             row["prefill_profile"] = profile_steps(make_profiled, prompts, "prefill")
             print(json.dumps({k: row[k] for k in ("profile", "prefill_profile")}, indent=1), flush=True)
-        floor = floor_ms(model, batch, args.prompt + args.new / 2, bandwidth)
+        floor = floor_ms(model, batch, args.prompt + args.new / 2, bandwidth, weight_bytes)
         row.update(ours_prefill_ms=prefill, ours_ms_per_step=step, ours_tokens_per_s=1e3 * batch / step,
                    floor_ms=floor, share_of_floor=floor / step, build_s=built, attention=attention)
         save()
@@ -475,6 +486,13 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - a recipe that fails on this machine is reported, not fatal
                 row["best_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             save()
+            if int4_model is not None:
+                try:
+                    int4 = torch_best_run(int4_model, prompts, args.new)
+                    row.update(int4_best_prefill_ms=int4[0], int4_best_ms_per_step=int4[1], vs_int4_best=int4[1] / step)
+                except Exception as exc:  # noqa: BLE001 - a recipe that fails on this machine is reported, not fatal
+                    row["int4_best_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                save()
             torch._dynamo.reset()
             model.forward = torch.compile(model.forward, fullgraph=True)
             try:
