@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import tvm
@@ -192,6 +194,13 @@ def test_a_paged_kv_cache_is_made_with_the_arguments_we_give(rope_mode, code):
     text = mod["create"].script()
     assert "vm.builtin.paged_attention_kv_cache_create" in text and "12345" in text and "float16" in text
     assert tvm_adapter.kv_cache_rope_modes(mod) == {code}
+    # The merge and split-and-rotate kernels where MERGE_ARG and SPLIT_ROTARY_ARG say, with the facts we attach.
+    (merge,) = tvm_adapter.kv_cache_kernels(mod, tvm_adapter.MERGE_ARG)
+    (rope,) = tvm_adapter.kv_cache_kernels(mod, tvm_adapter.SPLIT_ROTARY_ARG)
+    assert "merge" in merge and "rope" in rope
+    assert json.loads(str(mod[merge].attrs[tvm_adapter.FACTS_ATTR])) == {"h": 4, "d": 64}
+    assert json.loads(str(mod[rope].attrs[tvm_adapter.FACTS_ATTR])) == {"theta": 12345.0, "scale": 1.0,
+                                                                        "rotary_dim": 64, "scaling": {}}
 
 
 def test_a_windowed_paged_kv_cache_has_sliding_layers_of_our_window():
