@@ -320,10 +320,16 @@ def _first_measurements(tuners: list[TaskTuner], measurer: Measurer, options: Tu
 def _floors(tuners: list[TaskTuner]) -> dict[int, float]:
     """Each task's floor in seconds: its FLOPs at the highest FLOP rate, and its bytes at the highest byte
     rate, that any task has reached so far (whichever takes longer). Measured rates, not the device's
-    datasheet: the best kernels of the run stand for what the device gives, on any device."""
+    datasheet: the best kernels of the run stand for what the device gives, on any device.
+
+    The rates come from our workloads' kernels, whose FLOP and byte counts model what they must compute and
+    move; a raw function's counts are its buffers' sizes, which a gather or a slice does not read whole (on
+    the H200 such kernels "moved" 18-69 TB/s, every other floor fell near zero, and the search spent its
+    rounds by time alone). Only without any workload do raw functions set them."""
     done = [t for t in tuners if math.isfinite(t.best) and t.best > 0]
-    flop_rate = max((t.task.flops / t.best for t in done), default=0.0)
-    byte_rate = max((t.task.min_bytes / t.best for t in done), default=0.0)
+    rated = [t for t in done if t.task.workload is not None] or done
+    flop_rate = max((t.task.flops / t.best for t in rated), default=0.0)
+    byte_rate = max((t.task.min_bytes / t.best for t in rated), default=0.0)
     return {id(t): max(t.task.flops / flop_rate if flop_rate > 0 else 0.0,
                        t.task.min_bytes / byte_rate if byte_rate > 0 else 0.0) for t in tuners}
 

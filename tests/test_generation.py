@@ -466,6 +466,36 @@ def test_a_build_for_sm_90_runs_every_linear_layer_of_its_static_functions_on_ou
     assert any("matmul" in k.lower() for k in dynamic)
 
 
+def test_tuning_weighs_a_decode_steps_kernels_by_the_decode_steps_per_prefill(tmp_path):
+    """A prompt is prefilled once and decoded token by token: a kernel of the decode step weighs its calls
+    times ``decode_steps``, one of the prefill chunk its calls, one in both the sum. A bad count is refused
+    in one line before the model loads."""
+    from autosched.examples.hf import TINY, _config
+    from autosched.generation.build import DEFAULT_DECODE_STEPS, generation_tasks, lower_generation
+    from autosched.generation.decoder import config_from_hf
+    from autosched.pipeline.tasks import kernel_calls
+    from autosched.target import parse_target
+
+    from .helpers import cli
+
+    cfg = config_from_hf(_config("llama", TINY)[0], "float32")
+    lowered, _ = lower_generation(cfg, parse_target("llvm"), decode_batches=(1,), prefill_chunks=(8,))
+    decode = kernel_calls(lowered, lambda name: name == "decode_b1")
+    prefill = kernel_calls(lowered, lambda name: name == "prefill_t8")
+    for steps in (1, 5, DEFAULT_DECODE_STEPS):
+        tasks = generation_tasks(lowered, steps) if steps != DEFAULT_DECODE_STEPS else generation_tasks(lowered)
+        for task in tasks:
+            names = [task.name, *task.meta.get("aliases", [])]
+            assert task.weight == sum(steps * decode[n] + prefill[n] for n in names), task.name
+        assert any(decode[t.name] and not prefill[t.name] for t in tasks)
+        assert any(prefill[t.name] and not decode[t.name] for t in tasks)
+    for bad in ("0", "-3"):
+        proc = cli("tune-model", "hf-llama", "--generate", "--decode-steps", bad, "--trials", "1",
+                   "--db", str(tmp_path / "t.db"), check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+        assert "--decode-steps must be a whole number of steps, at least 1" in proc.stderr
+
+
 def test_the_command_line_refuses_bad_numbers_and_options_in_one_line(built, tmp_path):
     """Ids that are negative, empty between commas, fractional or not numbers; a negative seed; --top-k or
     --top-p without a temperature (they would be silently greedy): one line each, exit 2."""

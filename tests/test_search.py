@@ -165,3 +165,34 @@ def test_the_task_scheduler_feeds_the_kernel_farthest_from_its_floor():
     rope.best = floors[id(rope)]
     rope.history = [rope.best] * 3
     assert _next_task(tuners, "gradient") is gemms[0]  # 8 calls x 22 us above its floor
+
+
+def test_a_raw_functions_byte_count_does_not_set_the_floors():
+    """A raw function's bytes are its buffers' sizes: a gather that reads a few rows of a large table "moves"
+    far more than the device can. Its rate must not become every kernel's floor (on the H200 such kernels gave
+    18-69 TB/s, and every decode GEMV looked far from its floor); the workloads' rates set the floors, and
+    only where there is no workload do raw functions."""
+    from types import SimpleNamespace
+
+    from tvm import te
+
+    from autosched.tuner import _floors
+
+    table = te.placeholder((32000, 4096), "float16", name="table")
+    rows = te.compute((4, 4096), lambda i, j: table[i * 7, j], name="rows")
+    gather = Task.from_func("gather", te.create_prim_func([table, rows]), weight=1)
+
+    def tuner(task, best_us):
+        best = best_us * 1e-6
+        return SimpleNamespace(task=task, rounds=3, best=best, history=[best] * 3, done_reason=None)
+
+    gemv = tuner(Task.from_workload(make_workload("gemm", "m=1,n=4096,k=4096", "float16")), 13.5)
+    norm = tuner(Task.from_workload(make_workload("rmsnorm", "m=8192,n=4096", "float16")), 32.8)
+    raw = tuner(gather, 3.8)
+    assert raw.task.min_bytes / raw.best > 50e12  # the table counted whole
+    floors = _floors([gemv, norm, raw])
+    rate = norm.task.min_bytes / norm.best  # the fastest workload: ~4.1 TB/s
+    assert floors[id(gemv)] == pytest.approx(gemv.task.min_bytes / rate)
+    assert floors[id(gemv)] > 0.5 * gemv.best
+    alone = _floors([tuner(gather, 3.8)])
+    assert len(alone) == 1 and next(iter(alone.values())) == pytest.approx(3.8e-6)

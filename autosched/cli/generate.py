@@ -60,6 +60,9 @@ def add_tune_arguments(p) -> None:
                    "(default: none)")
     p.add_argument("--speculate", help="with --generate: numbers of proposed tokens k whose static verify functions "
                    "(at each decode batch) to tune, e.g. 4 (default: none)")
+    p.add_argument("--decode-steps", type=int,
+                   help="with --generate: decode steps per prefill, how the trials weigh a decode step's kernels "
+                   "against a prefill chunk's (default 128: replies of 128 tokens)")
     _add_quantize(p)
 
 
@@ -102,6 +105,8 @@ def cmd_tune_generate(args) -> int:
     import math
 
     from ..generation.build import (
+        DEFAULT_DECODE_STEPS,
+        check_decode_steps,
         default_decode_batches,
         generation_tasks,
         is_static_function,
@@ -114,6 +119,8 @@ def cmd_tune_generate(args) -> int:
     from ..target import parse_target
 
     trials = tuning_budget(args, TUNE_MODEL_TRIALS)
+    steps = DEFAULT_DECODE_STEPS if args.decode_steps is None else args.decode_steps
+    check_decode_steps(steps)
     target = parse_target(args.target, require_device=args.runner == "local")
     model = load_generation_model(args.model, args.dtype, args.quantize)
     if args.decode_batches is not None:
@@ -124,7 +131,7 @@ def cmd_tune_generate(args) -> int:
     speculate = tuple(sorted(set(parse_ids(args.speculate, "--speculate", "numbers of proposed tokens")))) \
         if args.speculate else ()
     lowered, _ = lower_generation(model.config, target, batches, chunks, speculate)
-    tasks, untunable = split_tunable(generation_tasks(lowered), target)
+    tasks, untunable = split_tunable(generation_tasks(lowered, steps), target)
     log = console(stderr=True)
     log.log(f"{args.model}: decode steps at batch {', '.join(map(str, batches))}"
             + (f", prefill chunks of {', '.join(map(str, chunks))} tokens" if chunks else "")
@@ -135,7 +142,8 @@ def cmd_tune_generate(args) -> int:
              "searched": searched_cell(r),
              "latency_us": round(r.best_latency * 1e6, 3) if math.isfinite(r.best_latency) else None,
              "failures": sum(r.failures.values())} for t, r in zip(tasks, results)]
-    emit(rows, args.format, [("kernel", "kernel"), ("weight", "calls"), ("space", "space"), ("trials", "trials"),
+    emit(rows, args.format, [("kernel", "kernel"), ("weight", f"calls (a prefill, {steps} decode steps)"), ("space", "space"),
+                             ("trials", "trials"),
                              ("searched", "searched"), ("latency_us", "best (us)"), ("failures", "failed")],
          title=f"{args.model}: kernels of the static functions")
     # Each static function's kernels alone, as tuned: what one decode step (or prefill chunk) costs in them.

@@ -270,13 +270,30 @@ def decode_calls(lowered):
     return kernel_calls(lowered, is_static_function)
 
 
-def generation_tasks(lowered) -> list:
-    """The tunable kernels of a lowered generation module: those of its static functions (decode steps and
-    prefill chunks), each distinct kernel once, weighted by its calls over one run of each. Kernels of
-    symbolic shape (``batch_prefill``, ``batch_decode``) run on default schedules."""
+# Decode steps per run of a prefill chunk that tuning assumes: a reply of 128 tokens.
+DEFAULT_DECODE_STEPS = 128
+
+
+def check_decode_steps(steps) -> None:
+    """``steps``: decode steps per prefill, a whole number, at least 1."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise UsageError(f"--decode-steps must be a whole number of steps, at least 1 (got {steps!r}); leave it out "
+                         f"for {DEFAULT_DECODE_STEPS}")
+
+
+def generation_tasks(lowered, decode_steps: int = DEFAULT_DECODE_STEPS) -> list:
+    """The tunable kernels of a lowered generation module: those of its static functions (decode steps,
+    verify steps and prefill chunks), each distinct kernel once, weighted by its calls over ``decode_steps``
+    runs of each decode (and verify) function per run of each prefill chunk: a prompt is prefilled once and
+    then decoded token by token, so a decode step's microsecond counts that many times a chunk's (weighed one
+    run each, the 8192-token chunk's GEMMs, already near the peak, took most of the trials while a decode
+    GEMV at 60% of the copy rate got a handful). Kernels of symbolic shape (``batch_prefill``,
+    ``batch_decode``) run on default schedules."""
     from autosched.pipeline.tasks import extract_tasks
 
-    return extract_tasks(lowered, is_static_function)
+    check_decode_steps(decode_steps)
+    return extract_tasks(lowered, is_static_function,
+                         lambda name: 1 if name.startswith("prefill_t") else decode_steps)
 
 
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,

@@ -28,32 +28,35 @@ def task_of(name: str, func, weight: float = 1.0) -> Task:
     return Task.from_func(name, func, weight=weight)
 
 
-def kernel_calls(mod: IRModule, entry=lambda name: name == "main") -> collections.Counter[str]:
+def kernel_calls(mod: IRModule, entry=lambda name: name == "main", runs=lambda name: 1) -> collections.Counter[str]:
     """How many times the Relax functions whose names ``entry`` accepts (``main``: the others run once, or
-    are ``main_transform_params``) call each TensorIR kernel (by global name)."""
+    are ``main_transform_params``) call each TensorIR kernel (by global name), each function run ``runs(name)``
+    times."""
     import tvm
     from tvm import relax
 
     call_tir = tvm.ir.Op.get("relax.call_tir")
     counts: collections.Counter[str] = collections.Counter()
 
-    def visit(expr):
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.same_as(call_tir):
-            counts[expr.args[0].name_hint] += 1
-
     # Only `main` runs per forward pass; `main_transform_params` runs once, so its kernels need no tuning.
     for gv, func in mod.functions.items():
         if isinstance(func, relax.Function) and entry(gv.name_hint):
+            times = runs(gv.name_hint)
+
+            def visit(expr, times=times):
+                if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.same_as(call_tir):
+                    counts[expr.args[0].name_hint] += times
+
             relax.analysis.post_order_visit(func.body, visit)
     return counts
 
 
-def extract_tasks(mod: IRModule, entry=lambda name: name == "main") -> list[Task]:
+def extract_tasks(mod: IRModule, entry=lambda name: name == "main", runs=lambda name: 1) -> list[Task]:
     """Every distinct kernel of the lowered module as a task, weighted by its number of calls (from the
-    functions ``entry`` accepts, as :func:`kernel_calls`)."""
+    functions ``entry`` accepts, each run ``runs(name)`` times, as :func:`kernel_calls`)."""
     from tvm import tirx
 
-    calls = kernel_calls(mod, entry)
+    calls = kernel_calls(mod, entry, runs)
     by_key: dict[str, Task] = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or calls.get(gv.name_hint, 0) == 0:
