@@ -323,9 +323,9 @@ def _floors(tuners: list[TaskTuner]) -> dict[int, float]:
     datasheet: the best kernels of the run stand for what the device gives, on any device.
 
     The rates come from our workloads' kernels, whose FLOP and byte counts model what they must compute and
-    move; a raw function's counts are its buffers' sizes, which a gather or a slice does not read whole (on
-    the H200 such kernels "moved" 18-69 TB/s, every other floor fell near zero, and the search spent its
-    rounds by time alone). Only without any workload do raw functions set them."""
+    move; a raw function's counts are its buffers' sizes, which a gather or a slice does not read whole (such
+    a kernel seems to move bytes many times faster than the device can, every other floor falls near zero,
+    and the search spends its rounds by time alone). Only without any workload do raw functions set them."""
     done = [t for t in tuners if math.isfinite(t.best) and t.best > 0]
     rated = [t for t in done if t.task.workload is not None] or done
     flop_rate = max((t.task.flops / t.best for t in rated), default=0.0)

@@ -286,9 +286,9 @@ def generation_tasks(lowered, decode_steps: int = DEFAULT_DECODE_STEPS) -> list:
     verify steps and prefill chunks), each distinct kernel once, weighted by its calls over ``decode_steps``
     runs of each decode (and verify) function per run of each prefill chunk: a prompt is prefilled once and
     then decoded token by token, so a decode step's microsecond counts that many times a chunk's (weighed one
-    run each, the 8192-token chunk's GEMMs, already near the peak, took most of the trials while a decode
-    GEMV at 60% of the copy rate got a handful). Kernels of symbolic shape (``batch_prefill``,
-    ``batch_decode``) run on default schedules."""
+    run each, a long chunk's GEMMs, already near the peak, took most of the trials while the decode GEMVs
+    far from the copy rate got few). Kernels of symbolic shape (``batch_prefill``, ``batch_decode``) run on
+    default schedules."""
     from autosched.pipeline.tasks import extract_tasks
 
     check_decode_steps(decode_steps)
