@@ -52,6 +52,10 @@ CASES = {
     "dequant-int4-decode": ("dequant_gemm", "m=1,n=11008,k=4096", "float16", "bits=4,group=128", "memory"),
     "dequant-int4-decode-b8": ("dequant_gemm", "m=8,n=11008,k=4096", "float16", "bits=4,group=128", "memory"),
     "dequant-int4-prefill": ("dequant_gemm", "m=2048,n=11008,k=4096", "float16", "bits=4,group=128", "compute"),
+    # A decode step's SwiGLU (Llama-2-7B's gate and up projections, SiLU·up) in one kernel (swiglu_gemv), against torch's
+    # GEMM over the stacked weight and its SiLU and product after it
+    "swiglu-decode": ("swiglu_gemm", "m=1,n=11008,k=4096", "float16", "", "memory"),
+    "swiglu-decode-b8": ("swiglu_gemm", "m=8,n=11008,k=4096", "bfloat16", "", "memory"),
     "rmsnorm-4096": ("rmsnorm", "m=4096,n=4096", "float16", "", "memory"),
     "softmax-4096": ("softmax", "m=4096,n=4096", "float16", "", "memory"),
     "rope-llama": ("rope", "b=1,s=2048,h=32,d=128", "float16", "", "memory"),
@@ -81,6 +85,14 @@ def torch_fn(op: str, wl, ins):
     if op == "gemm":
         bias = ins[2] if a.get("bias") else None
         return lambda: F.linear(ins[0], ins[1], bias)
+    if op == "swiglu_gemm":  # one GEMM over the stacked weight, then SiLU(gate) · up
+        n = wl.shape_dict["n"]
+
+        def swiglu():
+            y = F.linear(ins[0], ins[1])
+            return F.silu(y[:, :n]) * y[:, n:]
+
+        return swiglu
     if op == "batch_matmul":
         return lambda: torch.bmm(ins[0], ins[1])
     if op == "fp8_gemm":  # cuBLAS's FP8 GEMM with row-wise scales (torch may take only bf16 output for those)

@@ -25,7 +25,8 @@ A space may also decline a function for a target (``Space.suits``): ``hopper_gem
 ``hopper_fp8_gemm``, ``hopper_dequant_gemm`` and ``hopper_attention``, the TIRx wgmma kernels, serve ``gemm``,
 ``fp8_gemm``, int4 ``dequant_gemm`` past eight rows and prefill ``attention`` on sm_90 only; older GPUs get the WMMA
 and ``flash_attention`` spaces. The streaming decode GEMVs ``int4_gemv`` and ``gemv8`` (8-bit weights, int8 or
-float8 E4M3, one scale per output channel) serve ``dequant_gemm``'s steps of up to eight rows on sm_90.
+float8 E4M3, one scale per output channel) serve ``dequant_gemm``'s steps of up to eight rows on sm_90, and
+``swiglu_gemv`` (gate, up and SiLU·up in one streaming GEMV) ``swiglu_gemm``'s.
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ def space_classes() -> dict[str, type[Space]]:
     from .templates.int4_gemv import Int4GemvSpace
     from .templates.moe_grouped_gemm import MoeGroupedGemmSpace
     from .templates.paged_decode import PagedDecodeSpace
+    from .templates.swiglu_gemv import SwigluGemvSpace
 
     ordered = (MatmulSpace, MoeMatmulSpace, BlockedAttentionSpace, RowsSpace, InjectiveSpace,  # CPU
-               HopperGemmSpace, HopperFp8GemmSpace, HopperAttentionSpace, Int4GemvSpace, Gemv8Space,
+               SwigluGemvSpace, HopperGemmSpace, HopperFp8GemmSpace, HopperAttentionSpace, Int4GemvSpace, Gemv8Space,
                HopperDequantGemmSpace, PagedDecodeSpace, MoeGroupedGemmSpace,
                # (CUDA, sm_90: each declines other targets)
                FlashAttentionSpace, GpuMoeMatmulSpace, GpuGemvSpace, GpuMatmulSpace, GpuRowsSpace, GpuInjectiveSpace)  # CUDA

@@ -32,6 +32,7 @@ FAST_CASES = {
         "gemm-float16-m=256,n=256,k=128-sm_90", "dequant_gemm-float16-m=1,n=256,k=512-sm_90",
         "fp8_gemm-bfloat16-m=300,n=1001,k=336-sm_90",
         "dequant_gemm-float16-m=1,n=384,k=512-sm_90",  # gemv8 (float8 E4M3 codes)
+        "swiglu_gemm-float16-m=3,n=1001,k=1048-sm_90",  # swiglu_gemv
         "rmsnorm-float16-m=8,n=1000-sm_90",
         "moe_gemm-float16-m=2,e=8,n=512,k=256-sm_90", "paged_decode_attention-float16-b=2,h=4,hkv=2,d=64,ctx=200,page=16-sm_90",
     },
@@ -44,6 +45,7 @@ FAST_CASES = {
     "test_kv_cache_prefill_compiles_for_sm90a_without_spills": {"32-8-128-float16"},
     "test_kv_cache_prefill_paged_body_matches_float64_on_the_host": {"mha-bf16-causal"},
     "test_gemv8_kernel_matches_float64_on_the_host": {"e4m3-fp16-silu-tail-odd-n"},
+    "test_swiglu_gemv_kernel_matches_float64_on_the_host": {"m8-bf16-tail-unrolled"},
     "test_grouped_gemm_body_matches_float64_on_the_host": {"empty-experts-k-tail"},
     "test_grouped_gemm_compiles_for_sm90a_without_spills": {"mixtral-gate-up"},
     "test_explicit_gpu_test_points_are_valid_and_build": {

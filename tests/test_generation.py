@@ -434,7 +434,8 @@ def test_a_build_for_sm_90_runs_every_linear_layer_of_its_static_functions_on_ou
     """Built here without a GPU (scheduled, not compiled): in the decode steps and the prefill chunk every
     product with a weight and every RMSNorm (with the residual add before it) is one of our workloads (a
     decode step's rows on hopper_gemm's swapped kernel,
-    one row left to the GEMV space, the chunk's gate and up projections one swiglu_gemm); the dynamic
+    one row left to the GEMV space, the gate and up projections one swiglu_gemm: the chunk's on hopper_gemm, a
+    decode step's on the streaming swiglu_gemv, with no kernel of their own for SiLU·up); the dynamic
     functions keep TVM's matmul kernels, and so does the chunk's LM head, over the last token of each of a
     symbolic number of prompts."""
     from autosched.examples.hf import TINY, _config
@@ -453,13 +454,16 @@ def test_a_build_for_sm_90_runs_every_linear_layer_of_its_static_functions_on_ou
         assert len(left) == (1 if function == "prefill_t128" else 0), (function, left)
         ours = {report.workloads[k]["workload"].split("[")[0] for k in called if k in report.workloads}
         norms = {"rmsnorm", "add_rmsnorm"}  # the first layer's norm; each residual add with the norm after it
-        assert ours == ({"gemm", "swiglu_gemm"} | norms if function == "prefill_t128" else {"gemm"} | norms), function
+        assert ours == {"gemm", "swiglu_gemm"} | norms, function
         assert not [k for k in called if k.startswith("rms_norm")], function  # TVM's RMSNorm kernels
+        assert not [k for k in called if "silu" in k or "split" in k or "multiply" in k], function  # SiLU·up
         assert not [k for k in called if "add" in k and not k.startswith("autosched_add_rmsnorm")], function
     spaces = {(w["workload"].split(",")[0], w["space"], w["schedule"]) for w in report.workloads.values()}
     assert ("gemm[m=4", "hopper_gemm", "default point") in spaces
     assert ("gemm[m=1", "gpu_gemv", "TVM default (dlight)") in spaces
     assert ("swiglu_gemm[m=128", "hopper_gemm", "default point") in spaces
+    assert ("swiglu_gemm[m=1", "swiglu_gemv", "default point") in spaces
+    assert ("swiglu_gemm[m=4", "swiglu_gemv", "default point") in spaces
     assert ("rmsnorm[m=4", "gpu_rows", "TVM default (dlight)") in spaces  # tunable, dlight's until tuned
     assert ("add_rmsnorm[m=4", "gpu_rows", "TVM default (dlight)") in spaces
     dynamic = kernel_calls(lowered, lambda name: name == "batch_decode")
@@ -494,6 +498,38 @@ def test_tuning_weighs_a_decode_steps_kernels_by_the_decode_steps_per_prefill(tm
                    "--db", str(tmp_path / "t.db"), check=False)
         assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
         assert "--decode-steps must be a whole number of steps, at least 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_decode_step_for_sm_90_runs_gate_up_and_silu_as_one_streaming_kernel():
+    """A ``cuda:sm_90`` build without a GPU: decode_b1's gate and up projections and SiLU·up are one swiglu_gemm task
+    (the two weights stacked, [2n, k]) that swiglu_gemv serves, with no kernel of their own for SiLU·up, and its
+    default point compiles for sm_90a without spills; a CPU build of the same model keeps them unfused (a gemm of
+    the stacked weight, then split, SiLU and multiply), as before."""
+    from autosched.cuda_tools import cuda_source
+    from autosched.examples.hf import TINY, _config
+    from autosched.generation.build import generation_tasks, lower_generation
+    from autosched.generation.decoder import config_from_hf
+    from autosched.pipeline.tasks import kernel_calls
+    from autosched.target import parse_target
+
+    from .nvcc import nvcc_compile
+
+    cfg = config_from_hf(_config("llama", TINY)[0], "float16")
+    target = parse_target("cuda:sm_90", require_device=False)
+    lowered, _ = lower_generation(cfg, target, decode_batches=(1,))
+    called = kernel_calls(lowered, lambda name: name == "decode_b1")
+    assert not [k for k in called if "silu" in k or "split" in k or "multiply" in k], called
+    fused = [t for t in generation_tasks(lowered) if t.workload is not None and t.workload.op == "swiglu_gemm"]
+    assert [t.workload.shape_dict for t in fused] == [{"m": 1, "n": cfg.mlp, "k": cfg.hidden}]
+    space = fused[0].space(target)
+    assert space.name == "swiglu_gemv"
+    point = space.default()
+    report = nvcc_compile(cuda_source(space.apply(point), target, {}, space.codegen), "sm_90a")
+    assert report.ok and report.spills == 0, report.log[-2000:]
+    cpu, _ = lower_generation(cfg, parse_target("llvm"), decode_batches=(1,))
+    called = kernel_calls(cpu, lambda name: name == "decode_b1")
+    assert not [k for k in called if "swiglu" in k] and [k for k in called if "silu" in k and "multiply" in k], called
 
 
 def test_the_command_line_refuses_bad_numbers_and_options_in_one_line(built, tmp_path):

@@ -276,6 +276,27 @@ def test_gemv8_is_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {dtype} {attrs} {point}: {res.error_kind}: {res.error_msg}"
 
 
+def test_swiglu_gemv_is_correct_on_the_gpu(measurers):
+    """A decode step's SwiGLU in one streaming kernel (swiglu_gemm on swiglu_gemv): Llama-2-7B's gate and up projections
+    at one and eight rows, a down-sized layer whose k leaves a last step for part of the lanes (k = 1048), n that no
+    block divides, fp16 and bf16; blocks of 1 to 8 warps and 1 to 4 columns per warp, unrolled or not: every point
+    matches the float64 reference (SiLU(gate) · up)."""
+    target, measurer = measurers("sm_90")
+    cases = (("m=1,n=11008,k=4096", "float16"), ("m=1,n=11008,k=4096", "bfloat16"),
+             ("m=8,n=11008,k=4096", "bfloat16"), ("m=4,n=14336,k=4096", "float16"),
+             ("m=3,n=1001,k=1048", "float16"), ("m=8,n=300,k=4112", "bfloat16"))
+    for shape, dtype in cases:
+        task = Task.from_workload(make_workload("swiglu_gemm", shape, dtype))
+        space = task.space(target)
+        assert space.name == "swiglu_gemv"
+        points = [space.canonical({"warps": w, "cols_per_warp": c, "unroll": u})
+                  for w, c, u in ((4, 1, True), (1, 2, False), (8, 1, True), (2, 4, True), (4, 2, False))]
+        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        assert len(points) >= 3, shape
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_moe_gemv_points_are_correct_on_the_gpu(measurers):
     """gpu_moe_matmul at Mixtral's decode and a prefill's shapes (cut in N): each routed row by its own
     expert's weight, with one to four rows per block, X staged in shared memory or read from global memory,

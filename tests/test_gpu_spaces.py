@@ -59,6 +59,11 @@ CASES = [
     ("dequant_gemm", "m=8,n=11008,k=4096", "float16", "bits=8,group=4096,bias=1,act=silu", "gemv8", "sm_90"),
     ("dequant_gemm", "m=5,n=1001,k=352", "float16", "bits=8,group=352,fmt=e4m3,bias=1,act=gelu", "gemv8", "sm_90"),
     ("dequant_gemm", "m=3,n=1001,k=4112", "bfloat16", "bits=8,group=4112", "gemv8", "sm_90"),
+    # a decode step's SwiGLU (gate and up projections, SiLU·up) of up to eight rows streams on sm_90 (swiglu_gemv:
+    # Llama-2-7B's and a 4096x4096 layer's, n and k that no block or step divides)
+    ("swiglu_gemm", "m=1,n=11008,k=4096", "float16", "", "swiglu_gemv", "sm_90"),
+    ("swiglu_gemm", "m=8,n=4096,k=4096", "bfloat16", "", "swiglu_gemv", "sm_90"),
+    ("swiglu_gemm", "m=3,n=1001,k=1048", "float16", "", "swiglu_gemv", "sm_90"),
     # ... and past eight rows, and on older GPUs, the generic spaces decode them as the TE does
     ("dequant_gemm", "m=12,n=384,k=512", "float16", "bits=8,group=512,fmt=e4m3", "gpu_gemv", "sm_90"),
     ("dequant_gemm", "m=1,n=4096,k=4096", "float16", "bits=8,group=4096", "gpu_gemv", "sm_80"),
@@ -127,8 +132,9 @@ def test_sampled_cuda_kernels_compile(op, shape, dtype, attrs, space_name, arch)
         report = nvcc_compile(source, space.codegen.get("arch", arch))
         assert report.ok, f"{point}:\n{report.log[-2000:]}"
         assert report.registers is not None
-        # their checks promise accumulators that fit in registers (gemv8: at most 32, and 16 loads in flight)
-        if space.name.startswith("hopper_") or space.name == "gemv8":
+        # their checks promise accumulators that fit in registers (gemv8, swiglu_gemv: at most 32, and 16 loads in
+        # flight)
+        if space.name.startswith("hopper_") or space.name in ("gemv8", "swiglu_gemv"):
             assert report.spills == 0, f"{point}: {report.spills} bytes spilled"
 
 
@@ -1224,6 +1230,110 @@ int main() {{
 
 
 
+def test_swiglu_gemv_serves_decode_steps_of_swiglu_gemm_on_sm90_only(sm90):
+    """The streaming SwiGLU kernel takes swiglu_gemm's one to eight rows of fp16 or bf16 on sm_90 where k is whole
+    16-byte chunks; nine rows on stay hopper_gemm's. Its checks bound the accumulators (two per row and column, at
+    most 32) and the columns per block, and ``unroll`` is canonically off where one step would be unrolled."""
+
+    def space(shape, dtype="float16"):
+        return Task.from_workload(make_workload("swiglu_gemm", shape, dtype)).space(sm90)
+
+    for m in range(1, 9):
+        for dtype in ("float16", "bfloat16"):
+            assert space(f"m={m},n=11008,k=4096", dtype).name == "swiglu_gemv", (m, dtype)
+    assert space("m=9,n=11008,k=4096").name == "hopper_gemm"
+    assert space("m=128,n=11008,k=4096").name == "hopper_gemm"
+    decode = space("m=8,n=4096,k=4096")
+    assert (decode.steps(), decode.full_steps()) == (16, 16)
+    assert decode.default() == {"warps": 4, "cols_per_warp": 1, "unroll": True}
+    assert decode.unrolled(decode.default()) == 8 and decode.unrolled({"warps": 1, "cols_per_warp": 2, "unroll": True}) == 4
+    assert decode.validate({"warps": 1, "cols_per_warp": 2, "unroll": True}) is None  # 32 accumulators
+    assert "40 accumulators" in space("m=5,n=4096,k=4096").validate({"warps": 1, "cols_per_warp": 4, "unroll": True})
+    assert "more columns per block" in space("m=1,n=8,k=256").validate({"warps": 8, "cols_per_warp": 4, "unroll": False})
+    assert space("m=1,n=64,k=200").canonical({"warps": 1, "cols_per_warp": 1, "unroll": True})["unroll"] is False
+
+
+@needs_nvcc
+@pytest.mark.parametrize("shape,dtype,point", [
+    ("m=1,n=37,k=1048", "float16", {"warps": 2, "cols_per_warp": 4, "unroll": True}),
+    ("m=8,n=21,k=3144", "bfloat16", {"warps": 1, "cols_per_warp": 2, "unroll": True}),
+    ("m=8,n=50,k=200", "float16", {"warps": 4, "cols_per_warp": 1, "unroll": False}),
+    ("m=1,n=24,k=4096", "bfloat16", {"warps": 8, "cols_per_warp": 1, "unroll": True}),
+], ids=["m1-fp16-tail-odd-n", "m8-bf16-tail-unrolled", "m8-fp16-one-step", "m1-bf16-unrolled-8"])
+def test_swiglu_gemv_kernel_matches_float64_on_the_host(shape, dtype, point, tmp_path):
+    """swiglu_gemv's whole kernel as TVM generates it (its indexing of the gate and up rows, the loop's unrolled parts
+    and last partial step, the last block's columns past n read again and not stored, SiLU(gate) · up), compiled
+    for the host by nvcc and run block by block with one thread per CUDA thread (warp shuffles emulated), against
+    the workload's float64 reference on its own inputs."""
+    import torch
+
+    from autosched.search_spaces.templates._hopper import cuda_file
+    from autosched.search_spaces.templates.swiglu_gemv import _dot_source
+    from autosched.workloads import get_operator
+
+    sm90 = parse_target("cuda:sm_90", require_device=False)
+    wl = make_workload("swiglu_gemm", shape, dtype)
+    op, s = get_operator("swiglu_gemm"), wl.shape_dict
+    m, n = s["m"], s["n"]
+    space = Task.from_workload(wl).space(sm90)
+    assert space.name == "swiglu_gemv" and space.validate(point) is None and space.canonical(point) == point
+    source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+    params, body = re.search(r"main_kernel\(([^)]*)\) \{\n(.*)\}\n\s*$", source, flags=re.S).groups()
+    names = [p.split()[-1].removesuffix("_ptr") for p in params.split(",")]
+    assert set(names) == {"A", "W", "C"}, names
+    ins = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    for name, tensor in zip(["A", "W"], ins):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    _, dot_helper = _dot_source(dtype, m)
+    common = cuda_file("common.cuh")  # of the helper library, the dtype table and unpack8: the host's load below
+    dot_helper = dot_helper.replace(common, common[:common.index("// Loads 16 bytes that are read once")] + "#endif\n")
+    dot_helper = dot_helper.replace("__device__ __forceinline__", "inline")
+    scalar = CUDA_SCALAR_HOST[dtype]
+    tag = f"{'f16' if dtype == 'float16' else 'bf16'}_none"
+    body = _host_body(body).replace("blockIdx", "host_block").replace("__shfl_sync(", "host_shfl_idx(")
+    program = HOST_SHIM + f"""
+thread_local HostDim host_block;
+inline int host_shfl_idx(unsigned, int v, int, int) {{ return v; }}  // the warp's own index: the same in every lane
+inline uint4 autosched_ld_stream_v4(const void* p) {{ return *reinterpret_cast<const uint4*>(p); }}
+inline void autosched_warp_sum(float& x) {{ for (int o = 16; o > 0; o >>= 1) x += host_shfl_xor(0xffffffffu, x, o); }}
+inline void autosched_store1_{tag}({scalar}* c, float x) {{ *c = ({scalar})x; }}
+{dot_helper}
+void main_kernel({params}) {{
+{body}}}
+std::vector<{scalar}> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<{scalar}> data(n / sizeof({scalar})); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+  auto A = load("A.bin");
+  auto W = load("W.bin");
+  std::vector<{scalar}> C({m * n});
+  host_warps_per_cta = {point["warps"]};
+  host_rank = 0;
+  for (int bx = 0; bx < {-(-n // (point["warps"] * point["cols_per_warp"]))}; ++bx) {{
+    host_warp_barriers.clear();
+    for (int w = 0; w < {point["warps"]}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < {point["warps"] * 32}; ++t)
+      pool.emplace_back([&, t] {{
+        host_thread.x = t;
+        host_block.x = bx;
+        main_kernel({", ".join(f"{v}.data()" for v in names)});
+      }});
+    for (auto& th : pool) th.join();
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("out.bin", "wb"); fwrite(C.data(), sizeof({scalar}), C.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    run_on_host(tmp_path, program)
+    out = host_output(tmp_path, "out", ins[0].dtype, (m, n))
+    ref = op.reference(wl, ins)[0]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < op.tolerance(wl), f"relative error {err}"
+
+
 @needs_nvcc
 def test_paged_decode_tma_loop_is_the_gqa_default_and_compiles(sm90):
     """GQA 8:1 decode defaults to the TMA-fed loop in one wave (split 2 for 64 pairs on 132 SMs, a ring of 16
@@ -1379,6 +1489,7 @@ TEMPLATE_CASES = {
     "hopper_fp8_gemm": [("fp8_gemm", "m=16,n=4096,k=4096", "float16", ""), ("fp8_gemm", "m=2048,n=4096,k=1024", "float16", "")],
     "int4_gemv": [("dequant_gemm", "m=8,n=2048,k=1024", "float16", "bits=4,group=128")],
     "gemv8": [("dequant_gemm", "m=4,n=2048,k=4096", "bfloat16", "bits=8,group=4096,fmt=e4m3")],
+    "swiglu_gemv": [("swiglu_gemm", "m=4,n=2048,k=4096", "bfloat16", "")],
     "hopper_dequant_gemm": [("dequant_gemm", "m=2048,n=4096,k=256", "float16", "bits=4,group=128")],
     "paged_decode": [("paged_decode_attention", "b=2,h=16,hkv=2,d=128,ctx=600,page=16", "float16", "")],
     "hopper_attention": [("attention", "b=1,h=4,hkv=2,s=300,d=64", "float16", "causal=1")],

@@ -593,7 +593,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if self.sparse:
                 return self.moe(x)
             if cfg.gated_mlp and cfg.activation == "silu" and self.up.bias is None and not cfg.quantize:
-                fused = swiglu(x, self.up.weight, hopper)  # on sm_90, a prefill chunk's gate and up as one GEMM
+                fused = swiglu(x, self.up.weight, hopper)  # on sm_90, gate, up and SiLU·up as one kernel
                 if fused is not None:
                     return self.down(fused)
             up = self.up(x)

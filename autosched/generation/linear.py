@@ -4,7 +4,8 @@ In a function of static shapes (a decode step at a fixed batch, a prefill chunk)
 call of the ``gemm`` workload's kernel on W as stored, keyed, searched and stored exactly as ``autosched tune
 gemm`` keys them, so a record of either serves both, and on sm_90 the Hopper spaces serve it (swapped operands
 and split-K for a decode step's few rows, wgmma tiles for a prefill chunk). A SwiGLU MLP's gate and up
-projections become one ``swiglu_gemm`` where its sm_90 space serves the shape. An RMSNorm at static shapes is
+projections become one ``swiglu_gemm`` where an sm_90 space serves the shape (a prefill chunk's tiles, a decode
+step's streaming GEMV of up to eight rows). An RMSNorm at static shapes is
 a call of the ``rmsnorm`` workload's kernel on the rows, keyed as ``autosched tune rmsnorm`` keys it, or,
 after a residual add, of ``add_rmsnorm`` (both in one kernel). At symbolic shapes (``batch_prefill``,
 ``batch_decode``) the product stays TVM's ``matmul`` and the norm TVM's ``rms_norm``, which their default
@@ -141,21 +142,32 @@ def fp8_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, 
 
 def swiglu(x: Tensor, weight: Tensor, hopper: bool) -> Tensor | None:
     """``SiLU(x·W[:n]ᵀ) ⊙ (x·W[n:]ᵀ)`` as one ``swiglu_gemm`` (W: the gate's rows over the up projection's),
-    where its sm_90 space serves the shape; None elsewhere (the caller computes it unfused)."""
+    where an sm_90 space serves the shape (:func:`swiglu_serves`); None elsewhere (the caller computes it unfused)."""
     from tvm.relax.frontend.nn import op
 
-    from autosched.search_spaces.templates.hopper_gemm import HopperGemmSpace
     from autosched.workloads import get_operator, make_workload
 
     rows = static_rows(x)
     two_n, k = weight.shape
-    if not hopper or rows is None or rows <= HopperGemmSpace.SWAP_MAX_M or x.dtype != weight.dtype \
-            or weight.dtype not in get_operator("swiglu_gemm").dtypes or not HopperGemmSpace.serves(rows, k, x.dtype):
+    if not hopper or rows is None or x.dtype != weight.dtype or weight.dtype not in get_operator("swiglu_gemm").dtypes \
+            or not swiglu_serves(rows, k, x.dtype):
         return None
     n = two_n // 2
     wl = make_workload("swiglu_gemm", {"m": rows, "n": n, "k": k}, weight.dtype)
     out = _call(wl, "autosched_swiglu_gemm", [op.reshape(x, (rows, k)), weight], rows, n)
     return op.reshape(out, (*x.shape[:-1], n))
+
+
+def swiglu_serves(rows: int, k: int, dtype: str) -> bool:
+    """Whether a fused ``swiglu_gemm`` of ``rows`` tokens over ``k`` features in ``dtype`` has an sm_90 space to run
+    on: a decode step's one to eight rows on the streaming GEMV (``swiglu_gemv``), a prefill chunk's more than 64 on
+    hopper_gemm's tiles. Between them (a decode step's 9 to 64 rows, which hopper_gemm's GEMMs serve with swapped
+    operands, and a gated tile cannot swap) the projections stay unfused."""
+    from autosched.search_spaces.templates.hopper_gemm import HopperGemmSpace
+    from autosched.search_spaces.templates.swiglu_gemv import SwigluGemvSpace
+
+    return SwigluGemvSpace.serves(rows, k, dtype) or (rows > HopperGemmSpace.SWAP_MAX_M
+                                                      and HopperGemmSpace.serves(rows, k, dtype))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
