@@ -1141,6 +1141,38 @@ def _host_body(source: str) -> str:
 CUDA_SCALAR_HOST = {"float16": "half", "bfloat16": "nv_bfloat16"}
 
 
+def _run_streaming_gemv(tmp_path, program: str, args: str, blocks: int, warps: int, scalar: str, op, wl, ins):
+    """Run a streaming GEMV's host ``program`` (the shim, the kernel as ``main_kernel`` and a ``main`` that has
+    loaded its inputs and made ``C``, left open here): each CTA of ``blocks`` as ``warps`` warps of threads that
+    meet at their warp's barrier, ``main_kernel(args)`` in each; then C against the workload's float64
+    reference within its tolerance."""
+    program += f"""  host_warps_per_cta = {warps};
+  host_rank = 0;
+  for (int bx = 0; bx < {blocks}; ++bx) {{
+    host_warp_barriers.clear();
+    for (int w = 0; w < {warps}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < {warps * 32}; ++t)
+      pool.emplace_back([&, t] {{
+        host_thread.x = t;
+        host_block.x = bx;
+        main_kernel({args});
+      }});
+    for (auto& th : pool) th.join();
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("out.bin", "wb"); fwrite(C.data(), sizeof({scalar}), C.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    run_on_host(tmp_path, program)
+    m, n = wl.shape_dict["m"], wl.shape_dict["n"]
+    out = host_output(tmp_path, "out", ins[0].dtype, (m, n))
+    ref = op.reference(wl, ins)[0]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < op.tolerance(wl), f"relative error {err}"
+
+
 @needs_nvcc
 @pytest.mark.parametrize("shape,dtype,attrs,point", [
     ("m=3,n=37,k=3152", "float16", "bits=8,group=3152,fmt=e4m3,bias=1,act=silu",
@@ -1202,31 +1234,9 @@ template <class T> std::vector<T> load(const char* name) {{
 }}
 int main() {{
 {"".join(f'  auto {v} = load<{types[v]}>("{v}.bin");' + chr(10) for v in names if v != "C")}  std::vector<{scalar}> C({m * n});
-  const int threads = {point["warps"] * 32};
-  host_warps_per_cta = {point["warps"]};
-  host_rank = 0;
-  for (int bx = 0; bx < {-(-n // (point["warps"] * point["rows_per_warp"]))}; ++bx) {{
-    host_warp_barriers.clear();
-    for (int w = 0; w < {point["warps"]}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {{
-        host_thread.x = t;
-        host_block.x = bx;
-        main_kernel({", ".join(f"({types[v]}*){v}.data()" for v in names)});
-      }});
-    for (auto& th : pool) th.join();
-    for (auto* b : host_warp_barriers) delete b;
-  }}
-  FILE* f = fopen("out.bin", "wb"); fwrite(C.data(), sizeof({scalar}), C.size(), f); fclose(f);
-  return 0;
-}}
 """
-    run_on_host(tmp_path, program)
-    out = host_output(tmp_path, "out", ins[0].dtype, (m, n))
-    ref = op.reference(wl, ins)[0]
-    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
-    assert err < op.tolerance(wl), f"relative error {err}"
+    _run_streaming_gemv(tmp_path, program, f'{", ".join(f"({types[v]}*){v}.data()" for v in names)}',
+                        -(-n // (point["warps"] * point["rows_per_warp"])), point["warps"], scalar, op, wl, ins)
 
 
 
@@ -1308,30 +1318,9 @@ int main() {{
   auto A = load("A.bin");
   auto W = load("W.bin");
   std::vector<{scalar}> C({m * n});
-  host_warps_per_cta = {point["warps"]};
-  host_rank = 0;
-  for (int bx = 0; bx < {-(-n // (point["warps"] * point["cols_per_warp"]))}; ++bx) {{
-    host_warp_barriers.clear();
-    for (int w = 0; w < {point["warps"]}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
-    std::vector<std::thread> pool;
-    for (int t = 0; t < {point["warps"] * 32}; ++t)
-      pool.emplace_back([&, t] {{
-        host_thread.x = t;
-        host_block.x = bx;
-        main_kernel({", ".join(f"{v}.data()" for v in names)});
-      }});
-    for (auto& th : pool) th.join();
-    for (auto* b : host_warp_barriers) delete b;
-  }}
-  FILE* f = fopen("out.bin", "wb"); fwrite(C.data(), sizeof({scalar}), C.size(), f); fclose(f);
-  return 0;
-}}
 """
-    run_on_host(tmp_path, program)
-    out = host_output(tmp_path, "out", ins[0].dtype, (m, n))
-    ref = op.reference(wl, ins)[0]
-    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
-    assert err < op.tolerance(wl), f"relative error {err}"
+    _run_streaming_gemv(tmp_path, program, ", ".join(f"{v}.data()" for v in names),
+                        -(-n // (point["warps"] * point["cols_per_warp"])), point["warps"], scalar, op, wl, ins)
 
 
 @needs_nvcc

@@ -138,7 +138,31 @@ def gemv8_kernel(m: int, n: int, k: int, dtype: str, fmt: str, bias: bool, act: 
     return tirx.PrimFunc(params, main.body, main.ret_type, main.attrs, main.span)
 
 
-class Gemv8Space(HopperTemplate):
+class StreamingSteps:
+    """A streaming GEMV space's steps over K (a lane's 16-byte chunks of a weight row, 32 lanes a step) and
+    their unrolling; ``chunk``: weights a lane loads at once; ``loads_per_step(p)``: the weight rows a lane
+    loads a chunk of in each step."""
+
+    chunk = CHUNK
+
+    def steps(self) -> int:
+        """Steps of a lane's loop, the last one for part of the lanes where 32 do not divide a row's chunks."""
+        return math.ceil(self.k // self.chunk / 32)
+
+    def full_steps(self) -> int:
+        """Steps in which every lane has a chunk."""
+        return self.k // self.chunk // 32
+
+    def unrolled(self, p: Point) -> int:
+        """Steps of a lane's loop whose loads are issued together."""
+        return unroll_factor(self.full_steps(), self.loads_per_step(p)) if p["unroll"] else 1
+
+    def canonical(self, p: Point) -> Point:
+        # nothing to unroll where no more than one step divides the full steps
+        return p | {"unroll": False} if unroll_factor(self.full_steps(), self.loads_per_step(p)) == 1 else p
+
+
+class Gemv8Space(StreamingSteps, HopperTemplate):
     """``dequant_gemm`` with 8-bit weights (int8 or E4M3), one scale per output channel and at most eight rows on
     sm_90: the streaming kernel above."""
 
@@ -174,17 +198,8 @@ class Gemv8Space(HopperTemplate):
             Knob("unroll", (False, True), ordered=False),
         ]
 
-    def steps(self) -> int:
-        """Steps of a lane's loop, the last one for part of the lanes where 32 do not divide a row's chunks."""
-        return math.ceil(self.k // CHUNK / 32)
-
-    def full_steps(self) -> int:
-        """Steps in which every lane has a chunk."""
-        return self.k // CHUNK // 32
-
-    def unrolled(self, p: Point) -> int:
-        """Steps of a lane's loop whose loads are issued together."""
-        return unroll_factor(self.full_steps(), p["rows_per_warp"]) if p["unroll"] else 1
+    def loads_per_step(self, p: Point) -> int:
+        return p["rows_per_warp"]
 
     def check(self, p: Point) -> str | None:
         if p["rows_per_warp"] * self.m > 32:
@@ -193,9 +208,6 @@ class Gemv8Space(HopperTemplate):
             return "more rows per block than the weights have"
         return None
 
-    def canonical(self, p: Point) -> Point:
-        # nothing to unroll where no more than one step divides the full steps
-        return p | {"unroll": False} if unroll_factor(self.full_steps(), p["rows_per_warp"]) == 1 else p
 
     def default(self) -> Point:
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},

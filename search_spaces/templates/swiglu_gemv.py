@@ -24,7 +24,7 @@ import math
 
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file
-from .gemv8 import unroll_factor
+from .gemv8 import StreamingSteps, unroll_factor
 from .hopper_gemm import _epilogue_source, _gemm_shape
 from .int4_gemv import _WARP_SUM, MAX_M
 
@@ -108,10 +108,11 @@ def swiglu_gemv_kernel(m: int, n: int, k: int, dtype: str, p: Point):
     return main
 
 
-class SwigluGemvSpace(HopperTemplate):
+class SwigluGemvSpace(StreamingSteps, HopperTemplate):
     """``swiglu_gemm`` with at most eight rows of fp16/bf16 on sm_90 (a decode step's gate and up projections and
     SiLU·up): the streaming kernel above."""
 
+    chunk = CHUNK
     name = "swiglu_gemv"
     version = 1
     families = ("swiglu_gemm",)
@@ -144,17 +145,8 @@ class SwigluGemvSpace(HopperTemplate):
             Knob("unroll", (False, True), ordered=False),
         ]
 
-    def steps(self) -> int:
-        """Steps of a lane's loop, the last one for part of the lanes where 32 do not divide a row's chunks."""
-        return math.ceil(self.k // CHUNK / 32)
-
-    def full_steps(self) -> int:
-        """Steps in which every lane has a chunk."""
-        return self.k // CHUNK // 32
-
-    def unrolled(self, p: Point) -> int:
-        """Steps of a lane's loop whose loads are issued together."""
-        return unroll_factor(self.full_steps(), 2 * p["cols_per_warp"]) if p["unroll"] else 1
+    def loads_per_step(self, p: Point) -> int:
+        return 2 * p["cols_per_warp"]  # a gate row and an up row per column
 
     def check(self, p: Point) -> str | None:
         if 2 * p["cols_per_warp"] * self.m > 32:
@@ -162,10 +154,6 @@ class SwigluGemvSpace(HopperTemplate):
         if p["cols_per_warp"] * p["warps"] > 2 * self.n:
             return "more columns per block than the output has"
         return None
-
-    def canonical(self, p: Point) -> Point:
-        # nothing to unroll where no more than one step divides the full steps
-        return p | {"unroll": False} if unroll_factor(self.full_steps(), 2 * p["cols_per_warp"]) == 1 else p
 
     def default(self) -> Point:
         for point in ({"warps": 4, "cols_per_warp": 1, "unroll": True}, {"warps": 1, "cols_per_warp": 1, "unroll": True}):
