@@ -702,7 +702,7 @@ def test_tune_model_fp8_on_the_gpu_tunes_the_w8a8_prefill_kernels(tiny_llama, tm
     rows = json.loads(cli("tune-model", str(root / "hf"), "--generate", "--target", "cuda", "--dtype", "float16",
                           "--decode-batches", "1", "--max-batch", "2", "--prefill-chunks", "32", "--quantize", "fp8",
                           "--trials", "16", "--db", str(tmp_path / "tune.db"), "--format", "json").stdout)
-    spaces = {r["kernel"].rstrip("0123456789"): r["space"] for r in rows}
+    spaces = {r["kernel"].rstrip("0123456789"): r["space"].split("@")[0] for r in rows}  # ids are name@version
     assert spaces["autosched_fp8_quant_rows"] == "gpu_rows" and spaces["autosched_fp8_gemm"] == "hopper_fp8_gemm"
     assert spaces["autosched_dequant_gemm"] == "gemv8"
     assert sum(r["kernel"].startswith("autosched_fp8_gemm") for r in rows) == 4  # q/k/v, o, gate/up, down
