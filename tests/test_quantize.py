@@ -655,33 +655,27 @@ def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny
     sm_90; fp8: W8A8 on sm_90, fp8_quant_rows and fp8_gemm on FP8 wgmma) and a static decode step (q4f16 and
     q4f16_zp: int4_gemv; q8f16 and fp8: gemv8) give the float64 model's logits of the same dequantised weights (for
     fp8's W8A8 chunk, with each projection's input quantised per token as fp8_quant_rows does), to half
-    precision's tolerance."""
+    precision's tolerance.
+
+    fp8 runs on the Llama trained on a Markov chain, over a sample of the chain: on random weights, rounding the
+    activations to fp16 before E4M3 already moves the float64 W8A8 logits by more than that tolerance (codes
+    flip at E4M3 ties and the untrained layers amplify it), while on the trained model it stays within it and
+    the W8A8 chunk stays distinguishable from a weight-only one."""
     import torch
 
-    hf, root = tiny_llama
+    if scheme == "fp8":
+        from transformers import LlamaForCausalLM
+
+        folder = tmp_path / "trained"
+        ids = _sample(_trained_llama(folder), 1, 40, seed=3)[0].tolist()
+        hf = LlamaForCausalLM.from_pretrained(folder).eval()
+    else:
+        hf, root = tiny_llama
+        folder, ids = root / "hf", list(range(3, 3 + 7 * 40, 7))
     out = tmp_path / "gpu"
-    cli(
-        "build",
-        str(root / "hf"),
-        "--generate",
-        "--target",
-        "cuda",
-        "--dtype",
-        "float16",
-        "-o",
-        str(out),
-        "--max-seq-len",
-        str(MAX_SEQ_LEN),
-        "--max-batch",
-        "2",
-        "--decode-batches",
-        "1",
-        "--prefill-chunks",
-        "32",
-        "--quantize",
-        scheme,
-    )
-    ids = list(range(3, 3 + 7 * 40, 7))
+    cli("build", str(folder), "--generate", "--target", "cuda", "--dtype", "float16", "-o", str(out),
+        "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2", "--decode-batches", "1", "--prefill-chunks", "32",
+        "--quantize", scheme)
     manifest = json.loads((out / "manifest.json").read_text())
     w8a8 = any(w["workload"].startswith("fp8_gemm[") for w in manifest["workload_kernels"].values())
     assert w8a8 == (scheme == "fp8"), manifest["workload_kernels"]  # the H200 is sm_90
@@ -690,7 +684,9 @@ def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny
         ref = model(torch.tensor([ids])).logits[0].numpy()
         with _w8a8_projections(model):
             chunk = model(torch.tensor([ids])).logits[0].numpy() if w8a8 else None
-    assert_functions_match(out, ids, ref, chunk=32, relative=2e-2, chunk_expected=chunk)
+    tolerance = assert_functions_match(out, ids, ref, chunk=32, relative=2e-2, chunk_expected=chunk)
+    if w8a8:  # the chunk's activations were quantised: weight-only logits are beyond the tolerance
+        assert np.abs(chunk[:32] - ref[:32]).max() > tolerance
 
 
 @pytest.mark.gpu
