@@ -160,14 +160,15 @@ def swiglu(x: Tensor, weight: Tensor, hopper: bool) -> Tensor | None:
 
 def swiglu_serves(rows: int, k: int, dtype: str) -> bool:
     """Whether a fused ``swiglu_gemm`` of ``rows`` tokens over ``k`` features in ``dtype`` has an sm_90 space to run
-    on: a decode step's one to eight rows on the streaming GEMV (``swiglu_gemv``), a prefill chunk's more than 64 on
-    hopper_gemm's tiles. Between them (a decode step's 9 to 64 rows, which hopper_gemm's GEMMs serve with swapped
-    operands, and a gated tile cannot swap) the projections stay unfused."""
+    on: a decode step's two to eight rows on the streaming GEMV (``swiglu_gemv``), a prefill chunk's more than 64 on
+    hopper_gemm's tiles. Elsewhere the projections stay unfused: a single row, where the tuned ``gpu_gemv`` over the
+    stacked weight plus the SiLU·up kernel outran ``swiglu_gemv`` on the H200 (BENCHMARKS.md, generation), and a
+    decode step's 9 to 64 rows, which hopper_gemm's GEMMs serve with swapped operands (a gated tile cannot swap)."""
     from autosched.search_spaces.templates.hopper_gemm import HopperGemmSpace
     from autosched.search_spaces.templates.swiglu_gemv import SwigluGemvSpace
 
-    return SwigluGemvSpace.serves(rows, k, dtype) or (rows > HopperGemmSpace.SWAP_MAX_M
-                                                      and HopperGemmSpace.serves(rows, k, dtype))
+    return (rows > 1 and SwigluGemvSpace.serves(rows, k, dtype)) or (rows > HopperGemmSpace.SWAP_MAX_M
+                                                                    and HopperGemmSpace.serves(rows, k, dtype))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
