@@ -94,11 +94,13 @@ def floor_ms(model, batch: int, context: float, bandwidth: float, weight_bytes: 
 
 
 def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True, db_path: str | None = None,
-               cuda_graphs: bool = True, prefill_chunks: tuple[int, ...] = (), quantize: str | None = None):
+               cuda_graphs: bool = True, prefill_chunks: tuple[int, ...] = (), quantize: str | None = None,
+               programmatic_launch: bool = False):
     """(make a generator, build seconds, attention kernels, bytes of its weights less the embedding table) of our
     generation build for ``model`` on the GPU;
     ``static``: each batch size's decode step as a static function (CUDA graphs), else one function for all;
-    ``quantize``: a --quantize scheme (fp8 on sm_90: W8A8 prefill chunks)."""
+    ``quantize``: a --quantize scheme (fp8 on sm_90: W8A8 prefill chunks); ``programmatic_launch``: kernels
+    launched while the one before them finishes (:mod:`autosched.pipeline.launch`)."""
     from dataclasses import replace
 
     import torch
@@ -126,7 +128,8 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
         db = Database(db_path)
     began = time.perf_counter()
     chunks = prefill_chunks if static else ()
-    executable, names, report = compile_generation(gm, target, db, decode_batches, cuda_graphs, chunks)
+    executable, names, report = compile_generation(gm, target, db, decode_batches, cuda_graphs, chunks,
+                                                   programmatic_launch=programmatic_launch)
     if db is not None:
         db.close()
     built = time.perf_counter() - began
@@ -412,6 +415,9 @@ def main() -> int:
     parser.add_argument("--torch-int4", action="store_true",
                         help="also torch's best recipe on int4 weights (PyTorch's int4 GEMM, torchao's int4 "
                         "weight-only kernel; groups of 128, bfloat16), next to a --quantize q4f16 build")
+    parser.add_argument("--programmatic-launch", action="store_true",
+                        help="also our build with programmatic dependent launch (sm_90: each kernel launched while "
+                        "the one before it finishes), timed against the same build without it")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
@@ -439,6 +445,8 @@ def main() -> int:
                               quantize=args.quantize)[0] if args.dynamic else None
     make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False, prefill_chunks=chunks,
                                quantize=args.quantize)[0] if args.profile or args.without_graphs else None
+    make_overlapped = build_ours(model, batches, max_seq_len, db_path=args.db, prefill_chunks=chunks,
+                                 quantize=args.quantize, programmatic_launch=True)[0] if args.programmatic_launch else None
     if shared is not None:
         print(f"built in {shared[1]:.1f} s", flush=True)
     int4_model = None
@@ -460,6 +468,11 @@ def main() -> int:
         prefill, step, tokens = ours(make, prompts, args.new)
         if make_dynamic is not None:
             row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
+        if make_overlapped is not None:
+            overlapped = ours(make_overlapped, prompts, args.new)
+            row.update(programmatic_prefill_ms=overlapped[0], programmatic_ms_per_step=overlapped[1],
+                       programmatic_same_tokens=overlapped[2] == tokens)
+            print({k: row[k] for k in ("batch", "programmatic_ms_per_step", "programmatic_same_tokens")}, flush=True)
         if args.trace and DEVICE == "cuda":
             row["trace"] = trace_steps(make, prompts)
             row["trace"]["host"] = host_split(make, prompts)

@@ -121,18 +121,26 @@ def transformers_greedy(model, prompt, new: int) -> list[int]:
 
 def random_mixtral_on_gpu(hidden: int, intermediate: int, heads: int, kv_heads: int):
     """A transformers Mixtral of 2 layers, 8 experts (top 2) and a vocabulary of 8000, in fp16 on the GPU, its
-    random weights scaled so that activations stay near 1 and the head's logits and the router's spread over a
-    few units (greedy choices and routing rarely near-ties)."""
+    random weights scaled as :func:`random_on_gpu` scales them."""
+    import transformers
+
+    return random_on_gpu(transformers.MixtralConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_local_experts=8, num_experts_per_tok=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=2, vocab_size=8000,
+        max_position_embeddings=4096))
+
+
+def random_on_gpu(config):
+    """A transformers causal LM of ``config`` in fp16 on the GPU, its random weights scaled so that activations
+    stay near 1 and the head's logits (and a router's) spread over a few units (greedy choices and routing rarely
+    near-ties)."""
     import math
 
     import transformers
 
-    config = transformers.MixtralConfig(hidden_size=hidden, intermediate_size=intermediate, num_local_experts=8,
-                                        num_experts_per_tok=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                        num_hidden_layers=2, vocab_size=8000, max_position_embeddings=4096)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.MixtralForCausalLM(config).to(torch.float16).eval()
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float16).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -147,9 +155,9 @@ def random_mixtral_on_gpu(hidden: int, intermediate: int, heads: int, kv_heads: 
 
 
 def gpu_generator(model, name: str, max_seq_len: int, decode_batches: tuple[int, ...],
-                  prefill_chunks: tuple[int, ...] = ()):
+                  prefill_chunks: tuple[int, ...] = (), programmatic_launch: bool = False):
     """(a Generator on the GPU, the build report) for a transformers causal LM in fp16, built through the Python
-    API (no folder), with no database."""
+    API (no folder), with no database (``programmatic_launch``: as compile_generation takes it)."""
     import tvm
 
     from autosched.generation import Generator
@@ -160,7 +168,8 @@ def gpu_generator(model, name: str, max_seq_len: int, decode_batches: tuple[int,
     target = parse_target("cuda")
     gm = GenerationModel(name, model, config_from_hf(model.config, "float16"), [])
     executable, names, report = compile_generation(gm, target, None, decode_batches=decode_batches,
-                                                   prefill_chunks=prefill_chunks)
+                                                   prefill_chunks=prefill_chunks,
+                                                   programmatic_launch=programmatic_launch)
     weights = weights_from_hf(model.state_dict(), gm.config)
     params = [tvm.runtime.from_dlpack(weights[n].contiguous()) for n in names]
     manifest = generation_manifest(gm, names, target, report, max_seq_len, max(decode_batches),

@@ -298,12 +298,15 @@ def generation_tasks(lowered, decode_steps: int = DEFAULT_DECODE_STEPS) -> list:
 
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,
                        decode_batches: tuple[int, ...] = (), cuda_graphs: bool = True,
-                       prefill_chunks: tuple[int, ...] = (), speculate: tuple[int, ...] = ()):
+                       prefill_chunks: tuple[int, ...] = (), speculate: tuple[int, ...] = (),
+                       programmatic_launch: bool = False):
     """(executable, the parameter names its functions take in order, report): the decoder lowered, scheduled
     and compiled, without writing anything (``build_generator`` writes it; benchmarks run it in memory).
     On a GPU, the kernels between two attention calls of a static decode function (``decode_batches``) run
     as one captured CUDA graph (TVM's ``RewriteCUDAGraph``): a 32-layer step launches 33 graphs, not 300
-    kernels one by one (``cuda_graphs=False`` launches them one by one, to profile each)."""
+    kernels one by one (``cuda_graphs=False`` launches them one by one, to profile each).
+    ``programmatic_launch`` (sm_90): the kernels of the main module overlap their launch with the end of the
+    kernel before them (:mod:`autosched.pipeline.launch`)."""
     from autosched.pipeline.build import build_pipeline, compile_separate
     from autosched.target import compile_module
 
@@ -313,7 +316,8 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
     scheduled, report, applied = schedule_generation(lowered, db, target)
     scheduled_at = time.perf_counter()
     config = {"relax.backend.use_cuda_graph": True} if target.is_gpu and cuda_graphs else {}
-    executable = compile_module(scheduled, target, config, relax_pipeline=build_pipeline(target))
+    executable = compile_module(scheduled, target, config,
+                                relax_pipeline=build_pipeline(target, programmatic_launch))
     executable = compile_separate(executable, applied, target)
     report.seconds = {"export": exported - began, "database": scheduled_at - exported,
                       "compile": time.perf_counter() - scheduled_at}

@@ -328,9 +328,11 @@ def defer_parameter_reads():
     return defer
 
 
-def build_pipeline(target: TargetSpec):
+def build_pipeline(target: TargetSpec, programmatic_launch: bool = False):
     """The Relax passes that compile a module :func:`apply_database` scheduled: TVM's default for the
-    target without its fusion, then :func:`defer_parameter_reads`.
+    target without its fusion, then :func:`defer_parameter_reads`; with ``programmatic_launch`` (Hopper), the
+    kernels TVM's TIR pipeline compiles launch while the kernel before them finishes
+    (:mod:`autosched.pipeline.launch`).
 
     On CUDA, ``tvm.compile``'s default pipeline legalises, re-annotates and fuses again (``FuseOps`` and
     ``FuseTIR``) before dlight. Our lowering has fused already, and a second fusion over scheduled kernels
@@ -341,10 +343,17 @@ def build_pipeline(target: TargetSpec):
     default pipeline does not fuse."""
     import tvm
 
+    from autosched.errors import UsageError
+    from autosched.search_spaces.templates._hopper import HOPPER_ARCHS
+
+    if programmatic_launch and not (target.is_gpu and target.arch in HOPPER_ARCHS):
+        raise UsageError(f"programmatic dependent launch needs a Hopper GPU (cuda:sm_90); the target is {target.label}")
     if not target.is_gpu:
         return tvm.transform.Sequential([tvm.relax.pipeline.get_default_pipeline(target.tvm_target()),
                                          defer_parameter_reads()])
     from tvm.relax.backend.cuda import pipeline as cuda
+
+    from . import launch
 
     tvm_target = target.tvm_target()
     refusion = {"AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR"}
@@ -355,8 +364,9 @@ def build_pipeline(target: TargetSpec):
         # LegalizeOps and dlight stay: anything still unlowered gets TVM's default kernel; dlight leaves
         # scheduled kernels as they are.
         with tvm_target:
+            overlap = [launch.programmatic_launch()] if programmatic_launch else []
             return tvm.transform.Sequential(cuda.library_dispatch_passes(tvm_target) + legalize
-                                            + cuda.dataflow_lower_passes(tvm_target)
+                                            + cuda.dataflow_lower_passes(tvm_target) + overlap
                                             + cuda.finalize_passes(tvm_target) + [defer_parameter_reads()])(mod)
 
     return passes
