@@ -318,7 +318,7 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
     config = {"relax.backend.use_cuda_graph": True} if target.is_gpu and cuda_graphs else {}
     executable = compile_module(scheduled, target, config,
                                 relax_pipeline=build_pipeline(target, programmatic_launch))
-    executable = compile_separate(executable, applied, target)
+    executable = compile_separate(executable, applied, target, programmatic_launch)
     report.seconds = {"export": exported - began, "database": scheduled_at - exported,
                       "compile": time.perf_counter() - scheduled_at}
     return executable, names, report

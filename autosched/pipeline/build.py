@@ -262,10 +262,11 @@ def _call_separately(mod: IRModule, names: set[str]) -> IRModule:
     return out
 
 
-def compile_separate(executable, report: ApplyReport, target: TargetSpec):
+def compile_separate(executable, report: ApplyReport, target: TargetSpec, programmatic_launch: bool = False):
     """Compile the kernels that ``apply_database`` set apart and link them into the model's executable.
     They compile side by side in threads: TVM's compiler (and NVRTC) release the GIL, and a GPU model
-    sets apart one kernel per tuned TIRx GEMM and attention, each a second or so to compile."""
+    sets apart one kernel per tuned TIRx GEMM and attention, each a second or so to compile.
+    ``programmatic_launch``: as :func:`build_pipeline` gives the others (:mod:`.launch`)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -273,8 +274,12 @@ def compile_separate(executable, report: ApplyReport, target: TargetSpec):
 
     from autosched.target import compile_module
 
+    from .launch import with_programmatic_launch
+
     def compile_one(item):
         name, (kernel, config, codegen) = item
+        if programmatic_launch:
+            kernel = with_programmatic_launch(kernel)
         return compile_module(tvm.IRModule({name: kernel.with_attr("global_symbol", name)}), target, config, codegen)
 
     if not report.separate:

@@ -8,8 +8,9 @@ every CTA of the running one has triggered (``griddepcontrol.launch_dependents``
 waits at ``griddepcontrol.wait`` until the previous grid has completed and its writes are visible.
 
 :func:`programmatic_launch` gives that to the GPU kernels of a module that TVM's default TIR pipeline
-compiles: every kernel (each outermost thread-bound loop nest) first waits, then triggers, so its reads and
-writes are ordered exactly as without the attribute, and only the launch overlaps. A kernel the rewrite
+compiles, and to our TIRx kernels: every kernel (each outermost thread-bound loop nest; a TIRx kernel's body
+after its CTA and thread ids) first waits, then triggers, so its reads and writes are ordered exactly as
+without the attribute, and only the launch overlaps. A kernel the rewrite
 cannot reach with certainty (a statement kind it does not know encloses it) leaves its function untouched:
 the attribute without the wait would let it read its inputs before they are written.
 """
@@ -18,6 +19,15 @@ from __future__ import annotations
 
 PDL_TAG = "tirx.use_programtic_dependent_launch"  # TVM's spelling
 LAUNCH_PARAMS_ATTR = "tirx.kernel_launch_params"
+
+
+DEVICE_ENTRY = "tirx.device_entry"  # a TIRx kernel's body (T.device_entry())
+
+
+def _preamble_kinds():
+    from tvm import tirx
+
+    return (tirx.ScopeIdDefStmt, tirx.AllocBuffer, tirx.DeclBuffer)
 
 
 class _Unreachable(Exception):
@@ -63,6 +73,12 @@ def _with_grid_sync(stmt, kernels: list):
     if isinstance(stmt, tirx.AttrStmt):
         if stmt.attr_key == "thread_extent":  # a launch written without a loop: not walked into
             raise _Unreachable(stmt.attr_key)
+        if stmt.attr_key == DEVICE_ENTRY:  # a TIRx kernel: after its CTA/thread ids and buffers
+            kernels.append(DEVICE_ENTRY)
+            body = stmt.body.seq if isinstance(stmt.body, tirx.SeqStmt) else [stmt.body]
+            first = next((i for i, s in enumerate(body) if not isinstance(s, _preamble_kinds())), len(body))
+            body = tirx.SeqStmt([*body[:first], *_grid_sync(), *body[first:]])
+            return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body, stmt.span)
         return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, walk(stmt.body), stmt.span)
     if isinstance(stmt, tirx.While):
         return tirx.While(stmt.condition, walk(stmt.body), stmt.span)
