@@ -73,6 +73,8 @@ def _dot_source(dtype: str, m: int, half_products: bool = False, zeros: bool = F
 
 
 MMA_K_BLOCK = 128  # weights of one row per k-block of the tensor-core kernel: 4 lanes x 32 nibbles
+SM_SHARED = 228 * 1024  # shared memory per SM on sm_90
+SM_REGISTERS = 65536  # 32-bit registers per SM
 
 
 def _slab_row_bytes(k: int) -> int:
@@ -135,6 +137,11 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
     groups = math.ceil(k / group)
     smem_bytes = mma_smem_bytes(k, tiles, warps, m)
     fn, source = _mma_source(m, n, k, groups, group, warps, tiles, bias, act, zeros)
+    # Two n8 tiles hold twice the activations and sums in registers. Where shared memory alone bounds the blocks
+    # per SM so that no register count could, ptxas is told one block per SM suffices (else its occupancy
+    # heuristic may cap the registers and spill); up to 8 rows the kernels stay as they were.
+    resident = SM_SHARED // (smem_bytes + 1024)  # 1 KB per block reserved
+    free_registers = m > MAX_M and resident * 32 * warps * 255 <= SM_REGISTERS
 
     def inputs(A, Wq, S, Z, Bias):  # in the workload's order, as the entry point takes them
         return [buf.access_ptr("r") for buf in (A, Wq, S, Z, Bias) if buf is not None]
@@ -143,6 +150,8 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
     @T.macro
     def body(A, Wq, S, Z, Bias, C):
         T.device_entry()
+        if free_registers:
+            T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
         bx = T.cta_id([grid])
         tx = T.thread_id([32 * warps])
         smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn", align=128)

@@ -84,7 +84,7 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
     }
     if (NT > 1) {  // the second tile: activation rows 8 + g
       if (8 + g < M) {
-        autosched_q4_mma_activations(b[NT - 1], x + (8 + g) * K + kb * K_BLOCK + 32 * t, sixteenth);
+        autosched_q4_mma_activations(b[NT - 1], x + g * K + kb * K_BLOCK + 32 * t + 8 * K, sixteenth);
       } else {
         #pragma unroll
         for (int j = 0; j < 8; ++j) b[NT - 1][j][0] = b[NT - 1][j][1] = 0u;
