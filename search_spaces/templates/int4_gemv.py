@@ -110,11 +110,11 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
     order of k is free as long as both operands agree, so a lane's A registers come straight from its own 16
     packed bytes of the slab: lane (g, t) reads bytes 16t..16t+15 of the k-block in rows g and g + 8, and one
     mask-and-or per register turns a word's nibble pairs into half2 1024 + q (low nibbles) or 1024 + 16 q
-    (high nibbles), with no arithmetic per weight. The activations
-    are regrouped into the same order once per k-block (high-nibble slots divided by 16), and one more
-    product with constant A (-1032, -1152) gives the offsets, 1032 x + 72 x per slot, that turn the sums
-    into sums of (q - 8) x. Each k-block lies in one group (groups are multiples of 128), so its fp32 sums
-    are scaled once per row. The warps' partial sums meet in shared memory.
+    (high nibbles), with no arithmetic per weight. The activations are regrouped into the same order once per
+    k-block (high-nibble slots divided by 16), and one more product with constant A (-1032, -1152) gives the
+    offsets, 1032 x + 72 x per slot, that turn the sums into sums of (q - 8) x. Each k-block lies in one group
+    (groups are multiples of 128), so its fp32 sums are scaled once per row. The warps' partial sums meet in
+    shared memory.
 
     With ``zeros`` (a zero point z per row and group): one more product with constant A (1, 16) gives the
     k-block's sum of x per activation row, and each row's sums start from the offsets plus (8 - z) times it,
