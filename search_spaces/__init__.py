@@ -23,10 +23,11 @@ grouped GEMM on tensor cores whose row tiles each share one expert's weight tile
 
 A space may also decline a function for a target (``Space.suits``): ``hopper_gemm``,
 ``hopper_fp8_gemm``, ``hopper_dequant_gemm`` and ``hopper_attention``, the TIRx wgmma kernels, serve ``gemm``,
-``fp8_gemm``, int4 ``dequant_gemm`` past eight rows and prefill ``attention`` on sm_90 only; older GPUs get the WMMA
-and ``flash_attention`` spaces. The streaming decode GEMVs ``int4_gemv`` and ``gemv8`` (8-bit weights, int8 or
-float8 E4M3, one scale per output channel) serve ``dequant_gemm``'s steps of up to eight rows on sm_90, and
-``swiglu_gemv`` (gate, up and SiLU·up in one streaming GEMV) ``swiglu_gemm``'s.
+``fp8_gemm``, int4 ``dequant_gemm`` past sixteen rows and prefill ``attention`` on sm_90 only; older GPUs get the
+WMMA and ``flash_attention`` spaces. The streaming decode GEMVs ``int4_gemv`` and ``gemv8`` (8-bit weights, int8 or
+float8 E4M3, one scale per output channel) serve ``dequant_gemm``'s steps of up to eight rows on sm_90 (``int4_gemv``
+up to sixteen on tensor cores, for fp16 in groups of 128 or more), and ``swiglu_gemv`` (gate, up and SiLU·up in one
+streaming GEMV) ``swiglu_gemm``'s.
 """
 
 from __future__ import annotations

@@ -222,6 +222,30 @@ def test_int4_gemv_on_tensor_cores_is_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
 
 
+@pytest.mark.gpu
+def test_int4_gemv_of_16_rows_on_tensor_cores_is_correct_on_the_gpu(measurers):
+    """A decode step of 9 to 16 rows (a batch of 16) on the tensor-core kernel, two n8 tiles of activation rows: a
+    Llama-2-7B layer's projections at 16 rows (4096x4096, the up projection's 22016 rows, the down projection's k =
+    11008), 11 and 9 rows (a partial second tile), zero points, groups of 256, n that no 16-row tile divides, a bias
+    and SiLU; warps splitting k from 1 to 8, 1 to 4 tiles per block, and the default: every point matches the float64
+    reference, and the CUDA-core points are refused."""
+    target, measurer = measurers("sm_90")
+    cases = (("m=16,n=4096,k=4096", "bits=4,group=128"), ("m=16,n=22016,k=4096", "bits=4,group=128"),
+             ("m=16,n=4096,k=11008", "bits=4,group=128,zeros=1"), ("m=11,n=300,k=1024", "bits=4,group=256,bias=1,act=silu"),
+             ("m=9,n=72,k=640", "bits=4,group=128,zeros=1,bias=1,act=silu"))
+    for shape, attrs in cases:
+        task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
+        space = task.space(target)
+        assert space.name == "int4_gemv"
+        assert space.validate({"warps": 4, "rows_per_warp": 1, "unroll": True, "half_products": False, "mma": False})
+        points = [space.default()] + [{"warps": w, "rows_per_warp": r, "unroll": False, "half_products": False,
+                                        "mma": True} for w, r in ((1, 1), (8, 1), (2, 2), (4, 4), (1, 4))]
+        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        assert len(points) >= 4, shape
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {attrs} {point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_int4_gemv_with_zero_points_is_correct_on_the_gpu(measurers):
     """int4 decode GEMVs with a zero point per group and output channel (zeros=1: asymmetric AWQ/GPTQ): a 4096x4096
     layer's decode steps of one and eight rows, n that no block or 16-row tile divides, groups of 128 and 32, a

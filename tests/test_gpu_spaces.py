@@ -42,11 +42,15 @@ CASES = [
     ("dequant_gemm", "m=1,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1", "int4_gemv", "sm_90"),
     ("dequant_gemm", "m=8,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1,bias=1,act=silu", "int4_gemv", "sm_90"),
     ("dequant_gemm", "m=5,n=1000,k=352", "bfloat16", "bits=4,group=32,zeros=1", "int4_gemv", "sm_90"),
+    # a decode step of 9-16 rows (a batch of 16) in fp16, groups of 128 or more: int4_gemv on tensor cores alone
+    ("dequant_gemm", "m=16,n=4096,k=4096", "float16", "bits=4,group=128", "int4_gemv", "sm_90"),
+    ("dequant_gemm", "m=11,n=1000,k=640", "float16", "bits=4,group=128,zeros=1,bias=1,act=silu", "int4_gemv", "sm_90"),
     ("dequant_gemm", "m=512,n=4096,k=4096", "float16", "bits=4,group=128,zeros=1", "hopper_dequant_gemm", "sm_90"),
     ("dequant_gemm", "m=80,n=264,k=192", "bfloat16", "bits=4,group=64,zeros=1,bias=1,act=silu", "hopper_dequant_gemm",
      "sm_90"),
-    # ... and where the templates decline (9-16 rows, two groups per k step), the generic spaces follow the TE
-    ("dequant_gemm", "m=12,n=256,k=512", "float16", "bits=4,group=128,zeros=1", "gpu_gemv", "sm_90"),
+    # ... and where the templates decline (9-16 rows in groups of 64, two groups per k step), the generic spaces
+    # follow the TE
+    ("dequant_gemm", "m=12,n=256,k=512", "float16", "bits=4,group=64,zeros=1", "gpu_gemv", "sm_90"),
     ("dequant_gemm", "m=96,n=264,k=192", "bfloat16", "bits=4,group=32,zeros=1,bias=1,act=silu", "gpu_matmul", "sm_90"),
     # 8-bit weights with a scale per output channel, int8 (q8f16) and float8 E4M3 codes (fp8): decode steps of up to
     # eight rows stream on sm_90 (gemv8: a 4096x4096 layer, an up and a down projection, odd n, a last partial step
@@ -530,11 +534,12 @@ def test_a_scheduled_module_survives_the_trip_to_the_builder(arch, dtype, space_
 
 
 def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
-    """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, the wgmma dequant
-    kernel 17 rows on (one scale per k step), both with zero points (zeros=1: asymmetric AWQ/GPTQ) or
-    without; int8 and float8 weights with a scale per output channel and up to eight rows go to the streaming
-    8-bit kernel (gemv8); 9-16 rows, groups of 32 in prefill, 8-bit weights in groups or past eight rows and
-    older GPUs keep the TensorIR spaces."""
+    """The streaming int4 kernel takes 4-bit weights and up to eight rows on sm_90, and 9-16 rows (a decode batch
+    of 16) on tensor cores where they apply (fp16, groups of 128 or more), the wgmma dequant kernel 17 rows on (one
+    scale per k step), both with zero points (zeros=1: asymmetric AWQ/GPTQ) or without; int8 and float8 weights
+    with a scale per output channel and up to eight rows go to the streaming 8-bit kernel (gemv8); 9-16 rows of
+    bf16 or in groups under 128, groups of 32 in prefill, 8-bit weights in groups or past eight rows and older GPUs
+    keep the TensorIR spaces."""
 
     def space(shape, attrs, target):
         return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(target).name
@@ -543,7 +548,13 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=8,n=4096,k=4096", "bits=4,group=64", sm90) == "int4_gemv"
     assert space("m=1,n=4096,k=4096", "bits=8,group=4096", sm90) == "gemv8"  # q8f16: int8, a scale per channel
     assert space("m=1,n=4096,k=4096", "bits=8", sm90) == "gpu_gemv"  # int8 in groups of 128
-    assert space("m=16,n=4096,k=4096", "bits=4", sm90) == "gpu_gemv"
+    for m in range(9, 17):  # a decode step of 9 to 16 rows: tensor cores, groups of 128 and 256
+        assert space(f"m={m},n=4096,k=4096", "bits=4", sm90) == "int4_gemv", m
+        assert space(f"m={m},n=11008,k=4096", "bits=4,group=256,zeros=1", sm90) == "int4_gemv", m
+    assert space("m=16,n=4096,k=4096", "bits=4,group=64", sm90) == "gpu_gemv"  # a k-block would span two groups
+    assert space("m=16,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
+    bf16 = Task.from_workload(make_workload("dequant_gemm", "m=16,n=4096,k=4096", "bfloat16", "bits=4"))
+    assert bf16.space(sm90).name == "gpu_gemv"  # no tensor-core kernel for bf16
     assert space("m=17,n=4096,k=4096", "bits=4", sm90) == "hopper_dequant_gemm"  # prefill: wgmma
     assert space("m=512,n=4096,k=4096", "bits=4,group=32", sm90) == "gpu_matmul"  # two scales per k step
     assert space("m=1,n=4096,k=4096", "bits=4", sm80) == "gpu_gemv"
@@ -551,7 +562,8 @@ def test_int4_gemv_serves_int4_decode_steps_on_sm90_only(sm90, sm80):
     assert space("m=8,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "int4_gemv"
     assert space("m=512,n=4096,k=4096", "bits=4,zeros=1", sm90) == "hopper_dequant_gemm"
     assert space("m=17,n=4096,k=4096", "bits=4,zeros=1,bias=1", sm90) == "hopper_dequant_gemm"
-    assert space("m=12,n=4096,k=4096", "bits=4,zeros=1", sm90) == "gpu_gemv"
+    assert space("m=12,n=4096,k=4096", "bits=4,zeros=1", sm90) == "int4_gemv"
+    assert space("m=12,n=4096,k=4096", "bits=4,group=64,zeros=1", sm90) == "gpu_gemv"
     assert space("m=512,n=4096,k=4096", "bits=4,group=32,zeros=1", sm90) == "gpu_matmul"
     assert space("m=1,n=4096,k=4096", "bits=4,zeros=1", sm80) == "gpu_gemv"
     assert space("m=1,n=4096,k=4096", "bits=8,group=4096,fmt=e4m3", sm90) == "gemv8"  # fp8's E4M3 codes
@@ -625,7 +637,8 @@ def test_int4_kernels_take_the_workloads_parameters_in_its_order(attrs, sm90):
     def signature(func):
         return [(str(p.dtype), tuple(int(x) for x in p.shape)) for p in func.params]
 
-    for shape, points in (("m=8,n=256,k=512", [{"mma": False}, {"mma": True}]), ("m=100,n=256,k=512", [{}])):
+    for shape, points in (("m=8,n=256,k=512", [{"mma": False}, {"mma": True}]), ("m=16,n=256,k=512", [{"mma": True}]),
+                          ("m=100,n=256,k=512", [{}])):
         task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
         space = task.space(sm90)
         for point in points:
@@ -660,6 +673,67 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     wide = space("m=1,n=4096,k=11008", "bits=4,group=128")  # 88 KB of slab per 16 rows
     assert "shared memory" in wide.validate(point | {"rows_per_warp": 4})
     assert wide.validate(point | {"rows_per_warp": 2}) is None
+
+
+def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
+    """A decode step of 9 to 16 rows (a batch of 16): the CUDA-core points are refused (at most 8 rows), the default
+    and the search's first point are on tensor cores, sampled points are too, and the warps' partial sums in shared
+    memory count both n8 tiles of activation rows; up to 8 rows the default and first points are as before."""
+    from autosched.search_spaces.templates.int4_gemv import mma_n_tiles, mma_smem_bytes
+
+    def space(shape, attrs="bits=4,group=128"):
+        return Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(sm90)
+
+    assert [mma_n_tiles(m) for m in (1, 8, 9, 11, 16)] == [1, 1, 2, 2, 2]
+    assert mma_smem_bytes(4096, 2, 4, 16) - mma_smem_bytes(4096, 2, 4, 8) == 4 * 2 * 4 * 32 * 4
+    assert mma_smem_bytes(4096, 2, 1, 16) == mma_smem_bytes(4096, 2, 1, 8)  # one warp: no partial sums
+    cuda_core = {"warps": 4, "rows_per_warp": 1, "unroll": False, "half_products": False, "mma": False}
+    for m in (9, 11, 16):
+        s = space(f"m={m},n=4096,k=4096")
+        assert s.name == "int4_gemv"
+        assert "at most 8" in s.validate(cuda_core)
+        assert "at most 8" in s.validate(cuda_core | {"half_products": True, "unroll": True})
+        default = s.default()
+        assert default["mma"] and s.validate(default) is None and s.canonical(default) == default
+        assert s.first_points() == [default]
+        rng = np.random.default_rng(m)
+        assert all(s.sample(rng)["mma"] for _ in range(20))
+    zeros = space("m=16,n=11008,k=4096", "bits=4,group=256,zeros=1,bias=1")
+    assert zeros.default()["mma"] and zeros.validate(zeros.default()) is None
+    small = space("m=16,n=64,k=128")  # one k-block: one warp
+    assert small.default() == {"warps": 1, "rows_per_warp": 1, "unroll": False, "half_products": False, "mma": True}
+    eight = space("m=8,n=4096,k=4096")  # unchanged up to 8 rows: CUDA cores first, then tensor cores
+    assert eight.default() == {"warps": 4, "rows_per_warp": 2, "unroll": True, "half_products": False, "mma": False}
+    assert [p["mma"] for p in eight.first_points()] == [False, True]
+    assert eight.validate(cuda_core) is None
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_int4_mma_gemv_of_16_rows_compiles_for_sm90a_without_spills(sm90):
+    """The tensor-core kernel with two n8 tiles of activation rows (16 rows, and 11: a partial second tile), with
+    and without zero points, bias and SiLU: every point of one to eight warps and one to four 16-row tiles per block
+    compiles for sm_90a without spills (where shared memory alone bounds the blocks per SM, the launch bounds let
+    ptxas take the registers it needs)."""
+    from autosched.cuda_tools import cuda_source
+
+    cases = (("m=16,n=4096,k=4096", "bits=4,group=128"), ("m=11,n=11008,k=4096", "bits=4,group=128,zeros=1,bias=1,act=silu"),
+             ("m=16,n=4096,k=11008", "bits=4,group=256,zeros=1"))
+    compiled = 0
+    for shape, attrs in cases:
+        space = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(sm90)
+        assert space.name == "int4_gemv" and space.codegen.get("arch") == "sm_90a"
+        for warps in (1, 2, 4, 8):
+            for tiles in (1, 2, 4):
+                point = space.canonical(space.default() | {"warps": warps, "rows_per_warp": tiles})
+                if space.validate(point) is not None:  # 4 tiles of k = 11008: too much shared memory
+                    continue
+                source = cuda_source(space.apply(point), sm90, space.build_config(point), space.codegen)
+                assert "mma.sync.aligned.m16n8k16" in source
+                report = nvcc_compile(source, "sm_90a")
+                assert report.ok and report.spills == 0, (shape, point, report.log[-2000:])
+                compiled += 1
+    assert compiled >= 30
 
 
 @pytest.mark.slow
@@ -914,12 +988,18 @@ int main() {{
     ("m=3,n=72,k=640", "bits=4,group=128,bias=1", 2, 2),
     ("m=3,n=72,k=640", "bits=4,group=128,zeros=1,bias=1", 2, 2),
     ("m=8,n=48,k=512", "bits=4,group=256,zeros=1", 4, 1),
-], ids=["zero-point-8", "zero-points-bias", "zero-points-8-rows"])
+    ("m=16,n=72,k=640", "bits=4,group=128,bias=1", 2, 2),
+    ("m=16,n=48,k=512", "bits=4,group=256,zeros=1", 4, 1),
+    ("m=11,n=72,k=640", "bits=4,group=128", 4, 2),
+    ("m=11,n=40,k=384", "bits=4,group=128,zeros=1,bias=1", 1, 4),
+], ids=["zero-point-8", "zero-points-bias", "zero-points-8-rows", "16-rows-bias", "16-rows-zero-points",
+        "11-rows", "11-rows-zero-points-bias"])
 def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, tmp_path):
     """int4_gemv's tensor-core kernel, compiled for the host by nvcc and run block by block with one thread per
     CUDA thread (the mma.sync and bulk copies emulated), against the workload's float64 reference on its own
     inputs: zero point 8, and zero points (zeros=1) folded in through the k-block's sum of x; a last tile past
-    n, warps splitting the k-blocks unevenly."""
+    n, warps splitting the k-blocks unevenly; 16 activation rows (two n8 tiles of mma's N) and 11 (a partial
+    second tile), with and without zero points and bias, one warp and several."""
     import torch
 
     from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
@@ -957,7 +1037,7 @@ int main() {{
   host_warps_per_cta = {warps};
   host_rank = 0;
   for (int bx = 0; bx < {-(-n // (16 * tiles))}; ++bx) {{
-    std::vector<uint4> smem({mma_smem_bytes(k, tiles, warps)} / 16 + 1);
+    std::vector<uint4> smem({mma_smem_bytes(k, tiles, warps, m)} / 16 + 1);
     std::barrier<> block(threads);
     host_block_barriers = {{&block}};
     host_warp_barriers.clear();

@@ -527,9 +527,9 @@ def test_w8a8_logits_of_a_trained_model_stay_close_to_weight_only_fp8s(tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["q4f16", "q4f16_zp"])
 def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_llama, tmp_path, scheme):
-    """Built here without a GPU for sm_90a in float16: decode steps' projections on int4_gemv, a prefill chunk's
-    on hopper_dequant_gemm, the library written (the CUDA compiled when loaded on the GPU); with zero points
-    (q4f16_zp, zeros=1) too."""
+    """Built here without a GPU for sm_90a in float16: decode steps' projections on int4_gemv (a batch of 16 too,
+    on its tensor-core kernel), a prefill chunk's on hopper_dequant_gemm, the library written (the CUDA compiled
+    when loaded on the GPU); with zero points (q4f16_zp, zeros=1) too."""
     _, root = tiny_llama
     out = tmp_path / "sm90"
     cli(
@@ -545,9 +545,9 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
         "--max-seq-len",
         "256",
         "--max-batch",
-        "4",
+        "16",
         "--decode-batches",
-        "1,4",
+        "1,4,16",
         "--prefill-chunks",
         "128",
         "--quantize",
@@ -562,6 +562,7 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
     assert spaces == {
         ("dequant_gemm[m=1", "int4_gemv"),
         ("dequant_gemm[m=4", "int4_gemv"),
+        ("dequant_gemm[m=16", "int4_gemv"),
         ("dequant_gemm[m=128", "hopper_dequant_gemm"),
     }
     assert all(
@@ -570,6 +571,29 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
         if w["workload"].startswith("dequant_gemm")
     )
     assert (out / manifest["library"]).exists()
+
+
+@pytest.mark.parametrize("scheme", ["q4f16", "q4f16_zp"])
+def test_a_q4f16_decode_step_at_batch_16_for_sm_90_is_int4_gemv_on_tensor_cores(scheme):
+    """What ``tune-model --generate --quantize q4f16 --decode-batches 16`` tunes for sm_90, lowered here without a
+    GPU: the decode step's four projections are dequant_gemm tasks of 16 rows whose space is int4_gemv, its default
+    point on the tensor-core kernel (its CUDA-core points take at most 8 rows); at batch 1, int4_gemv's CUDA cores."""
+    from autosched.generation.build import generation_tasks, load_generation_model, lower_generation
+    from autosched.pipeline import split_tunable
+    from autosched.target import parse_target
+
+    target = parse_target("cuda:sm_90", require_device=False)
+    model = load_generation_model("hf-llama", "float16", scheme)
+    lowered, _ = lower_generation(model.config, target, (1, 16), ())
+    tasks, _ = split_tunable(generation_tasks(lowered), target)
+    projections = [t for t in tasks if t.workload is not None and t.workload.op == "dequant_gemm"]
+    rows = sorted(t.workload.shape_dict["m"] for t in projections)
+    assert rows == [1] * 4 + [16] * 4, rows
+    for task in projections:
+        space = task.space(target)
+        assert space.name == "int4_gemv", task.workload
+        assert space.default()["mma"] == (task.workload.shape_dict["m"] == 16), task.workload
+        assert task.workload.attrs_dict.get("zeros", 0) == (scheme == "q4f16_zp")
 
 
 @pytest.mark.slow

@@ -214,7 +214,8 @@ class HopperDequantGemmSpace(Int4Template):
 
     name = "hopper_dequant_gemm"
     version = 1
-    MIN_M = 17  # up to 16 rows the GEMV spaces stream the weights at bandwidth (int4_gemv to 8, gpu_gemv to 16)
+    MIN_M = 17  # up to 16 rows the GEMV spaces stream the weights (int4_gemv; past 8 rows of bf16 or small groups,
+    # gpu_gemv)
 
     @classmethod
     def suits(cls, func, target, hints) -> bool:

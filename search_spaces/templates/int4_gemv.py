@@ -13,7 +13,7 @@ instead:
   multiplied once by its group's scale (a chunk never straddles two groups: groups are multiples of 32);
 * with zero points (``zeros=1``, w = s·(q − z): asymmetric AWQ/GPTQ) the chunk's zero point comes with its
   scale and the subtraction is of 1024 + z, q - z as exactly (``cuda/int4_gemv_zeros.cuh``);
-* the activations (``m`` rows, at most 8) are read from L1/L2, where every warp of the block finds them;
+* the activations (``m`` rows, at most 8 here) are read from L1/L2, where every warp of the block finds them;
 * the lanes' partial sums meet by warp shuffles, and lane 0 applies bias and activation and stores.
 
 Knobs: warps per block, weight rows per warp, whether the lane's loop over its chunks is unrolled
@@ -26,6 +26,11 @@ on ``mma.sync`` with 16 weight rows as M and the activation rows as N, the weigh
 memory. There ``warps`` split k and ``rows_per_warp`` counts tiles of 16 rows per block. It takes 8
 activation rows in about the time of one, where the CUDA-core kernel's time grows with the rows; at one
 row the CUDA-core kernel stays ahead (BENCHMARKS.md, GPU kernels). Zero points: :func:`_mma_source`.
+
+A decode step of 9 to 16 rows (a batch of 16 sequences) is the tensor-core kernel's alone: its activation rows
+are two n8 tiles of mma's N, each A fragment (16 weight rows, unpacked once) taken by two ``mma.sync``, one per
+tile. There the CUDA-core points are refused (at most 8 rows, ``MAX_M``) and the default is on tensor cores;
+bf16 and groups under 128 keep the TensorIR GEMV space past 8 rows. Up to 8 rows the kernels are as before.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, conf
 from .hopper_gemm import _epilogue_source
 
 CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
-MAX_M = 8  # activation rows: a decode step of a few sequences
+MAX_M = 8  # activation rows of the CUDA-core kernel: a decode step of a few sequences
+MMA_MAX_M = 16  # activation rows of the tensor-core kernel: two n8 tiles of mma.sync's N
 MAX_UNROLLED_STEPS = 16
 
 _WARP_SUM = "autosched_warp_sum"  # cuda/int4_gemv.cuh
@@ -67,6 +73,8 @@ def _dot_source(dtype: str, m: int, half_products: bool = False, zeros: bool = F
 
 
 MMA_K_BLOCK = 128  # weights of one row per k-block of the tensor-core kernel: 4 lanes x 32 nibbles
+SM_SHARED = 228 * 1024  # shared memory per SM on sm_90
+SM_REGISTERS = 65536  # 32-bit registers per SM
 
 
 def _slab_row_bytes(k: int) -> int:
@@ -75,10 +83,16 @@ def _slab_row_bytes(k: int) -> int:
     return k // 2 + (64 if (k // 2) % 128 == 0 else 0)
 
 
-def mma_smem_bytes(k: int, tiles: int, warps: int) -> int:
-    """Shared memory of a tensor-core point: its tiles' weight slab, an mbarrier per warp, and the warps'
-    partial sums."""
-    return 16 * tiles * _slab_row_bytes(k) + 8 * warps + (warps * tiles * 4 * 32 * 4 if warps > 1 else 0)
+def mma_n_tiles(m: int) -> int:
+    """n8 tiles of activation rows of the tensor-core kernel (mma.sync's N is 8): one to 8 rows, two to 16."""
+    return math.ceil(m / 8)
+
+
+def mma_smem_bytes(k: int, tiles: int, warps: int, m: int) -> int:
+    """Shared memory of a tensor-core point for m activation rows: its tiles' weight slab, an mbarrier per warp,
+    and the warps' partial sums (four per lane, 16-row tile and n8 tile of activation rows)."""
+    partial = warps * tiles * mma_n_tiles(m) * 4 * 32 * 4 if warps > 1 else 0
+    return 16 * tiles * _slab_row_bytes(k) + 8 * warps + partial
 
 
 def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, tiles: int, bias: bool,
@@ -91,15 +105,16 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
     mbarrier). So the whole slab is in flight at once without a register or an instruction per byte, and
     each warp starts on its share as soon as that share has landed.
 
-    The product is ``mma.sync`` m16n8k16 with 16 weight rows as M and the (at most 8) activation rows as
-    N. Inside a k-block the order of k is free as long as both operands agree, so a lane's A registers
-    come straight from its own 16 packed bytes of the slab: lane (g, t) reads bytes 16t..16t+15 of the
-    k-block in rows g and g + 8, and one mask-and-or per register turns a word's nibble pairs into half2
-    1024 + q (low nibbles) or 1024 + 16 q (high nibbles), with no arithmetic per weight. The activations
-    are regrouped into the same order once per k-block (high-nibble slots divided by 16), and one more
-    product with constant A (-1032, -1152) gives the offsets, 1032 x + 72 x per slot, that turn the sums
-    into sums of (q - 8) x. Each k-block lies in one group (groups are multiples of 128), so its fp32 sums
-    are scaled once per row. The warps' partial sums meet in shared memory.
+    The product is ``mma.sync`` m16n8k16 with 16 weight rows as M and the activation rows as N: up to 8
+    rows one n8 tile, 9 to 16 two, each A fragment then taken by one product per tile. Inside a k-block the
+    order of k is free as long as both operands agree, so a lane's A registers come straight from its own 16
+    packed bytes of the slab: lane (g, t) reads bytes 16t..16t+15 of the k-block in rows g and g + 8, and one
+    mask-and-or per register turns a word's nibble pairs into half2 1024 + q (low nibbles) or 1024 + 16 q
+    (high nibbles), with no arithmetic per weight. The activations are regrouped into the same order once per
+    k-block (high-nibble slots divided by 16), and one more product with constant A (-1032, -1152) gives the
+    offsets, 1032 x + 72 x per slot, that turn the sums into sums of (q - 8) x. Each k-block lies in one group
+    (groups are multiples of 128), so its fp32 sums are scaled once per row. The warps' partial sums meet in
+    shared memory.
 
     With ``zeros`` (a zero point z per row and group): one more product with constant A (1, 16) gives the
     k-block's sum of x per activation row, and each row's sums start from the offsets plus (8 - z) times it,
@@ -120,8 +135,13 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
     warps, tiles = p["warps"], p["rows_per_warp"]
     grid = math.ceil(n / (16 * tiles))
     groups = math.ceil(k / group)
-    smem_bytes = mma_smem_bytes(k, tiles, warps)
+    smem_bytes = mma_smem_bytes(k, tiles, warps, m)
     fn, source = _mma_source(m, n, k, groups, group, warps, tiles, bias, act, zeros)
+    # Two n8 tiles hold twice the activations and sums in registers. Where shared memory alone bounds the blocks
+    # per SM so that no register count could, ptxas is told one block per SM suffices (else its occupancy
+    # heuristic may cap the registers and spill); up to 8 rows the kernels stay as they were.
+    resident = SM_SHARED // (smem_bytes + 1024)  # 1 KB per block reserved
+    free_registers = m > MAX_M and resident * 32 * warps * 255 <= SM_REGISTERS
 
     def inputs(A, Wq, S, Z, Bias):  # in the workload's order, as the entry point takes them
         return [buf.access_ptr("r") for buf in (A, Wq, S, Z, Bias) if buf is not None]
@@ -130,6 +150,8 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
     @T.macro
     def body(A, Wq, S, Z, Bias, C):
         T.device_entry()
+        if free_registers:
+            T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
         bx = T.cta_id([grid])
         tx = T.thread_id([32 * warps])
         smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn", align=128)
@@ -244,8 +266,14 @@ class Int4Template(HopperTemplate):
         self.sms = target.num_cores or 132
 
 
+def tensor_cores_apply(dtype: str, k: int, group: int) -> bool:
+    """Whether the tensor-core kernel takes the shape: fp16, and every k-block of 128 in one group."""
+    return dtype == "float16" and k % MMA_K_BLOCK == 0 and group % MMA_K_BLOCK == 0
+
+
 class Int4GemvSpace(Int4Template):
-    """``dequant_gemm`` with int4 weights and at most eight rows on sm_90: the streaming kernel above."""
+    """``dequant_gemm`` with int4 weights and a decode step's rows on sm_90: the streaming kernels above, up to
+    eight rows on CUDA or tensor cores, 9 to 16 rows on tensor cores only (fp16, groups of 128 or more)."""
 
     name = "int4_gemv"
     version = 3
@@ -255,8 +283,13 @@ class Int4GemvSpace(Int4Template):
         if not cls.suits_target(target, hints):
             return False
         shape = _shape(func)
+        if shape is None:
+            return False
+        m, _, k, dtype = shape
         # 16-byte chunks of whole rows: k a multiple of 32 (the groups, 32 to 256, are too).
-        return shape is not None and shape[0] <= MAX_M and shape[2] % CHUNK == 0 and shape[3] in _DTYPES
+        if k % CHUNK or dtype not in _DTYPES:
+            return False
+        return m <= MAX_M or (m <= MMA_MAX_M and tensor_cores_apply(dtype, k, int((hints or {}).get("group", 128))))
 
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
@@ -268,7 +301,7 @@ class Int4GemvSpace(Int4Template):
         if self.dtype == "float16":  # bf16's 8-bit mantissa is too coarse for half2 sums
             self.knobs.append(Knob("half_products", (False, True), ordered=False))
         # the tensor-core kernel: fp16, and every k-block in one group
-        self.tensor_cores = self.dtype == "float16" and self.k % MMA_K_BLOCK == 0 and self.group % MMA_K_BLOCK == 0
+        self.tensor_cores = tensor_cores_apply(self.dtype, self.k, self.group)
         if self.tensor_cores:
             self.knobs.append(Knob("mma", (False, True), ordered=False))
 
@@ -277,14 +310,18 @@ class Int4GemvSpace(Int4Template):
 
     def check(self, p: Point) -> str | None:
         if p.get("mma"):
+            if self.m > MMA_MAX_M:
+                return f"{self.m} activation rows (the tensor-core kernel takes at most {MMA_MAX_M})"
             if 16 * p["rows_per_warp"] > 2 * self.n:
                 return "more 16-row tiles per block than the weights have rows"
             if self.k // MMA_K_BLOCK < p["warps"]:
                 return f"{p['warps']} warps split {self.k // MMA_K_BLOCK} k-blocks"
-            smem = mma_smem_bytes(self.k, p["rows_per_warp"], p["warps"])
+            smem = mma_smem_bytes(self.k, p["rows_per_warp"], p["warps"], self.m)
             if smem > SMEM_LIMIT:
                 return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
             return None
+        if self.m > MAX_M:
+            return f"{self.m} activation rows on CUDA cores (at most {MAX_M}; more take the tensor-core kernel)"
         if p["rows_per_warp"] * self.m > 32:
             return f"{p['rows_per_warp'] * self.m} accumulators per thread (at most 32)"
         if p["unroll"] and self.steps() * p["rows_per_warp"] > MAX_UNROLLED_STEPS:
@@ -298,9 +335,10 @@ class Int4GemvSpace(Int4Template):
         return p | {"half_products": False, "unroll": False} if p.get("mma") else p
 
     def first_points(self) -> list[Point]:
-        """The default, then the tensor-core kernel's default where it applies."""
+        """The default, then (up to eight rows, where the default is on CUDA cores) the tensor-core kernel's
+        default where it applies."""
         first = super().first_points()
-        if self.tensor_cores:
+        if self.tensor_cores and self.m <= MAX_M:
             point = self.canonical(first[0] | {"warps": 4, "rows_per_warp": 1, "mma": True})
             if self.check(point) is None:
                 first.append(point)
@@ -308,6 +346,12 @@ class Int4GemvSpace(Int4Template):
 
     def default(self) -> Point:
         extra = {"half_products": False} if self.dtype == "float16" else {}
+        if self.m > MAX_M:  # 9 to 16 rows: tensor cores only (suits takes them only where these apply)
+            for warps in (4, 2, 1):
+                point = self.canonical({"warps": warps, "rows_per_warp": 1, "unroll": False, "mma": True} | extra)
+                if self.check(point) is None:
+                    return point
+            return super().default()
         if self.tensor_cores:
             extra["mma"] = False
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},

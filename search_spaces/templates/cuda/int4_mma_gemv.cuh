@@ -1,8 +1,9 @@
 // int4_gemv's tensor-core kernel (fp16): one device function that runs a whole block, the products on
-// mma.sync m16n8k16 with 16 weight rows as M and the (at most 8) activation rows as N, the weights
-// bulk-copied into shared memory (search_spaces/templates/int4_gemv.py, _mma_source, explains the loads and
-// the nibble order). Its compile-time parameters come in a config struct that int4_gemv.py generates per
-// point; AUTOSCHED_Q4_MMA_GEMV(_BIAS) below makes the entry point with the point's own name.
+// mma.sync m16n8k16 with 16 weight rows as M and the activation rows as N (at most 16: one or two n8 tiles,
+// each A fragment taken by one mma.sync per tile), the weights bulk-copied into shared memory
+// (search_spaces/templates/int4_gemv.py, _mma_source, explains the loads and the nibble order). Its
+// compile-time parameters come in a config struct that int4_gemv.py generates per point;
+// AUTOSCHED_Q4_MMA_GEMV(_BIAS) below makes the entry point with the point's own name.
 #ifndef AUTOSCHED_INT4_MMA_GEMV_CUH
 #define AUTOSCHED_INT4_MMA_GEMV_CUH
 
@@ -15,6 +16,23 @@ __device__ __forceinline__ uint32_t autosched_q4_nibbles(uint32_t w, uint32_t ma
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
   return r;
 }
+// One lane's activations of a k-block (its 32 x at xp, row g of an n8 tile) in the nibbles' order: the B
+// fragments of the k-block's eight products, the high-nibble slots' x divided by 16.
+__device__ __forceinline__ void autosched_q4_mma_activations(uint32_t (&b)[8][2], const __half* xp_half,
+                                                            __half2 sixteenth) {
+  const uint4* xp = reinterpret_cast<const uint4*>(xp_half);
+  #pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint4 v = xp[w];  // k = 8w .. 8w + 7 of the lane's 32
+    b[2 * w][0] = __byte_perm(v.x, v.z, 0x5410);
+    b[2 * w + 1][0] = __byte_perm(v.y, v.w, 0x5410);
+    uint32_t hi0 = __byte_perm(v.x, v.z, 0x7632), hi1 = __byte_perm(v.y, v.w, 0x7632);
+    __half2 h0 = __hmul2(*reinterpret_cast<__half2*>(&hi0), sixteenth);
+    __half2 h1 = __hmul2(*reinterpret_cast<__half2*>(&hi1), sixteenth);
+    b[2 * w][1] = *reinterpret_cast<uint32_t*>(&h0);
+    b[2 * w + 1][1] = *reinterpret_cast<uint32_t*>(&h1);
+  }
+}
 // The whole block's work: C holds the sizes (M, N, K, GROUPS, GROUP), the warps W, the 16-row tiles R, the
 // slab's padded ROW_BYTES, BIAS and ZEROS (zero points [N, GROUPS] in place of 8); STORE1 applies the
 // activation and stores one output.
@@ -25,6 +43,8 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
   constexpr int M = C::M, N = C::N, K = C::K, GROUPS = C::GROUPS, GROUP = C::GROUP, W = C::W, R = C::R;
   constexpr int K_BLOCK = AUTOSCHED_Q4_K_BLOCK;
   constexpr int BLOCKS = K / K_BLOCK, ROW_BYTES = C::ROW_BYTES, ROWS = 16 * R;
+  constexpr int NT = (M + 7) / 8;  // n8 tiles of activation rows: mma's N
+  static_assert(NT >= 1 && NT <= 2, "one or two n8 tiles of activation rows");
   const int warp = tx >> 5, lane = tx & 31, g = lane >> 2, t = lane & 3;
   const int row0 = bx * ROWS, valid_rows = min(ROWS, N - row0);
   const int kb0 = warp * BLOCKS / W, kb1 = (warp + 1) * BLOCKS / W;  // this warp's share of the k-blocks
@@ -37,13 +57,15 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
   const __half2 sixteenth = __float2half2_rn(0.0625f);
   const uint32_t lo_offset = 0xE408E408u, hi_offset = 0xE480E480u;  // half2 (-1032, -1032), (-1152, -1152)
   const uint32_t ones = 0x3C003C00u, sixteens = 0x4C004C00u;  // half2 (1, 1), (16, 16)
-  float acc[R][4];
+  float acc[R][NT][4];
   const __half* row_scales[R][2];
   const uint8_t* row_zeros[R][2];
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[r][e] = 0.f;
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][nt][e] = 0.f;
     #pragma unroll
     for (int h = 0; h < 2; ++h) {  // rows past N read row N - 1's scales and stale shared memory; never stored
       row_scales[r][h] = scales + (size_t)min(row0 + 16 * r + g + 8 * h, N - 1) * GROUPS;
@@ -52,33 +74,37 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
   }
   autosched_mbarrier_wait(bar, 0);  // the barrier's first phase
   for (int kb = kb0; kb < kb1; ++kb) {
-    uint32_t b[8][2];  // this k-block's activations in the nibbles' order; zeros past row M
+    // This k-block's activations in the nibbles' order, per n8 tile of activation rows; zeros past row M.
+    uint32_t b[NT][8][2];
     if (g < M) {
-      const uint4* xp = reinterpret_cast<const uint4*>(x + g * K + kb * K_BLOCK + 32 * t);
-      #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const uint4 v = xp[w];  // k = 8w .. 8w + 7 of the lane's 32
-        b[2 * w][0] = __byte_perm(v.x, v.z, 0x5410);
-        b[2 * w + 1][0] = __byte_perm(v.y, v.w, 0x5410);
-        uint32_t hi0 = __byte_perm(v.x, v.z, 0x7632), hi1 = __byte_perm(v.y, v.w, 0x7632);
-        __half2 h0 = __hmul2(*reinterpret_cast<__half2*>(&hi0), sixteenth);
-        __half2 h1 = __hmul2(*reinterpret_cast<__half2*>(&hi1), sixteenth);
-        b[2 * w][1] = *reinterpret_cast<uint32_t*>(&h0);
-        b[2 * w + 1][1] = *reinterpret_cast<uint32_t*>(&h1);
-      }
+      autosched_q4_mma_activations(b[0], x + g * K + kb * K_BLOCK + 32 * t, sixteenth);
     } else {
       #pragma unroll
-      for (int j = 0; j < 8; ++j) b[j][0] = b[j][1] = 0u;
+      for (int j = 0; j < 8; ++j) b[0][j][0] = b[0][j][1] = 0u;
     }
-    float offset[4] = {0.f, 0.f, 0.f, 0.f};
+    if (NT > 1) {  // the second tile: activation rows 8 + g
+      if (8 + g < M) {
+        autosched_q4_mma_activations(b[NT - 1], x + g * K + kb * K_BLOCK + 32 * t + 8 * K, sixteenth);
+      } else {
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) b[NT - 1][j][0] = b[NT - 1][j][1] = 0u;
+      }
+    }
+    float offset[NT][4] = {};
     #pragma unroll
-    for (int j = 0; j < 8; ++j) autosched_mma_m16n8k16<half>(offset, lo_offset, lo_offset, hi_offset, hi_offset, b[j][0], b[j][1]);
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int j = 0; j < 8; ++j)
+        autosched_mma_m16n8k16<half>(offset[nt], lo_offset, lo_offset, hi_offset, hi_offset, b[nt][j][0], b[nt][j][1]);
     // Zero points: sum (q - z) x = sum (q - 8) x + (8 - z) sum x, with the k-block's sum of x (one product with
     // constant A, 16 for the high slots' x / 16) shared by every row; z is one per row in a k-block.
-    float x_sum[4] = {0.f, 0.f, 0.f, 0.f};
+    float x_sum[NT][4] = {};
     if (C::ZEROS) {
       #pragma unroll
-      for (int j = 0; j < 8; ++j) autosched_mma_m16n8k16<half>(x_sum, ones, ones, sixteens, sixteens, b[j][0], b[j][1]);
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+          autosched_mma_m16n8k16<half>(x_sum[nt], ones, ones, sixteens, sixteens, b[nt][j][0], b[nt][j][1]);
     }
     const int group_index = kb * K_BLOCK / GROUP;
     #pragma unroll
@@ -86,50 +112,67 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
       const uint8_t* tile = smem + (16 * r + g) * ROW_BYTES + kb * (K_BLOCK / 2) + 16 * t;
       const uint4 qg = *reinterpret_cast<const uint4*>(tile), q8 = *reinterpret_cast<const uint4*>(tile + 8 * ROW_BYTES);
       const uint32_t wg[4] = {qg.x, qg.y, qg.z, qg.w}, w8[4] = {q8.x, q8.y, q8.z, q8.w};
-      float d[4] = {offset[0], offset[1], offset[2], offset[3]};
-      if (C::ZEROS) {  // C fragment: d[0], d[1] of row g, d[2], d[3] of row g + 8
-        const float shift0 = 8.f - row_zeros[r][0][group_index], shift1 = 8.f - row_zeros[r][1][group_index];
-        d[0] = fmaf(shift0, x_sum[0], d[0]); d[1] = fmaf(shift0, x_sum[1], d[1]);
-        d[2] = fmaf(shift1, x_sum[2], d[2]); d[3] = fmaf(shift1, x_sum[3], d[3]);
+      float d[NT][4];
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        d[nt][0] = offset[nt][0]; d[nt][1] = offset[nt][1]; d[nt][2] = offset[nt][2]; d[nt][3] = offset[nt][3];
+        if (C::ZEROS) {  // C fragment: d[0], d[1] of row g, d[2], d[3] of row g + 8
+          const float shift0 = 8.f - row_zeros[r][0][group_index], shift1 = 8.f - row_zeros[r][1][group_index];
+          d[nt][0] = fmaf(shift0, x_sum[nt][0], d[nt][0]); d[nt][1] = fmaf(shift0, x_sum[nt][1], d[nt][1]);
+          d[nt][2] = fmaf(shift1, x_sum[nt][2], d[nt][2]); d[nt][3] = fmaf(shift1, x_sum[nt][3], d[nt][3]);
+        }
       }
       #pragma unroll
       for (int w = 0; w < 4; ++w)
         #pragma unroll
         for (int h = 0; h < 2; ++h) {  // bytes 0 and 2 of the word, then 1 and 3
           const uint32_t vg = wg[w] >> (8 * h), v8 = w8[w] >> (8 * h);
-          autosched_mma_m16n8k16<half>(d, autosched_q4_nibbles(vg, 0x000F000Fu), autosched_q4_nibbles(v8, 0x000F000Fu),
-                autosched_q4_nibbles(vg, 0x00F000F0u), autosched_q4_nibbles(v8, 0x00F000F0u), b[2 * w + h][0],
-                b[2 * w + h][1]);
+          const uint32_t a0 = autosched_q4_nibbles(vg, 0x000F000Fu), a1 = autosched_q4_nibbles(v8, 0x000F000Fu);
+          const uint32_t a2 = autosched_q4_nibbles(vg, 0x00F000F0u), a3 = autosched_q4_nibbles(v8, 0x00F000F0u);
+          #pragma unroll
+          for (int nt = 0; nt < NT; ++nt)  // one A fragment, one product per n8 tile of activation rows
+            autosched_mma_m16n8k16<half>(d[nt], a0, a1, a2, a3, b[nt][2 * w + h][0], b[nt][2 * w + h][1]);
         }
       const float s0 = __half2float(row_scales[r][0][group_index]), s1 = __half2float(row_scales[r][1][group_index]);
-      acc[r][0] += d[0] * s0; acc[r][1] += d[1] * s0; acc[r][2] += d[2] * s1; acc[r][3] += d[3] * s1;
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        acc[r][nt][0] += d[nt][0] * s0; acc[r][nt][1] += d[nt][1] * s0;
+        acc[r][nt][2] += d[nt][2] * s1; acc[r][nt][3] += d[nt][3] * s1;
+      }
     }
   }
   if (W > 1) {  // the warps' partial sums meet in shared memory after the slab, laid out [warp][register][lane]
-    auto partial = reinterpret_cast<float (*)[R * 4][32]>(smem + ROWS * ROW_BYTES + 8 * W);
+    auto partial = reinterpret_cast<float (*)[R * NT * 4][32]>(smem + ROWS * ROW_BYTES + 8 * W);
     #pragma unroll
     for (int r = 0; r < R; ++r)
       #pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][4 * r + e][lane] = acc[r][e];
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) partial[warp][4 * (NT * r + nt) + e][lane] = acc[r][nt][e];
     __syncthreads();
     if (warp != 0) return;
     #pragma unroll
     for (int r = 0; r < R; ++r)
       #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float sum = 0.f;
+      for (int nt = 0; nt < NT; ++nt)
         #pragma unroll
-        for (int v = 0; v < W; ++v) sum += partial[v][4 * r + e][lane];
-        acc[r][e] = sum;
-      }
+        for (int e = 0; e < 4; ++e) {
+          float sum = 0.f;
+          #pragma unroll
+          for (int v = 0; v < W; ++v) sum += partial[v][4 * (NT * r + nt) + e][lane];
+          acc[r][nt][e] = sum;
+        }
   }
   #pragma unroll
   for (int r = 0; r < R; ++r)
     #pragma unroll
-    for (int e = 0; e < 4; ++e) {  // C fragment: rows g, g + 8 (weights) x columns 2t, 2t + 1 (activations)
-      const int row = row0 + 16 * r + g + 8 * (e >> 1), i = 2 * t + (e & 1);
-      if (i < M && row < N) STORE1(c + i * N + row, C::BIAS ? acc[r][e] + __half2float(bias[row]) : acc[r][e]);
-    }
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {  // C fragment: rows g, g + 8 (weights) x columns 8 nt + 2t, + 1 (activations)
+        const int row = row0 + 16 * r + g + 8 * (e >> 1), i = 8 * nt + 2 * t + (e & 1);
+        if (i < M && row < N)
+          STORE1(c + i * N + row, C::BIAS ? acc[r][nt][e] + __half2float(bias[row]) : acc[r][nt][e]);
+      }
 }
 
 // The entry points take the workload's inputs in its order: x, wq, scales, [zeros], [bias], c.
