@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The generation goals on the GPU machine, one step after another, each under its own time limit so that a call
+# cut short keeps what the earlier steps measured. Usage there (after `bash .gpu/tvm/stage.sh` in the call
+# before, with .gpu/deps and the tuning database's folder carried):
+#   DB=.bench/tune.db bash benchmarks/generation_gpu.sh fp16 q4f16 spec
+# Steps:
+#   topup   tune-model of Llama-2-7B's decode steps (batches 1, 16), prefill chunks (512, 8192) and verify steps
+#           (k = 4) for TOPUP seconds (default 140), records added to $DB
+#   fp16    generate_benchmark.py at batches 1 and 16 with --trace and --programmatic-launch (the A/B)
+#   q4f16   tune-model --quantize q4f16 for Q4_BUDGET seconds (default 110), then the q4f16 benchmark with
+#           torch's int4 recipe (--torch-int4 --compile)
+#   fp8     the fp8 build's prefill of 512 tokens at batch 16 (W8A8 chunks on sm_90)
+#   spec    speculative_benchmark.py at batch 1, k = 4
+#   models  Llama-3.1-8B and Qwen3-8B at batch 1 (share of the floor, against Llama-2-7B's)
+#   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
+#           launch, fp8, int4)
+# $DB is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
+set -uo pipefail
+NEED="transformers=transformers" source "$(dirname "$0")/_gpu_env.sh"
+db=$OUT/tune.db
+[[ -f $db ]] || cp "${DB:?DB: the tuning database to start from}" "$db"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/gpu.txt"
+llama=hf-llama-7b-layers
+gen() {  # generate_benchmark.py ARGS..., its rows in $OUT/$name.json
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 benchmarks/generate_benchmark.py --db "$db" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $?"
+}
+for step in "$@"; do
+  case $step in
+    topup) timeout $(( ${TOPUP:-140} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
+             --generate --decode-batches 1,16 --prefill-chunks 512,8192 --speculate 4 --time-budget "${TOPUP:-140}" \
+             --db "$db" > "$OUT/topup.log" 2>&1; echo "topup: exit $?" ;;
+    fp16) gen fp16 340 --model llama2-7b --batches 1,16 --new 64 --trace --programmatic-launch ;;
+    q4f16) timeout $(( ${Q4_BUDGET:-110} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
+             --generate --decode-batches 1,16 --prefill-chunks 512 --quantize q4f16 --time-budget "${Q4_BUDGET:-110}" \
+             --db "$db" > "$OUT/tune_q4f16.log" 2>&1; echo "q4f16 tuning: exit $?"
+           gen q4f16 380 --model llama2-7b --batches 1,16 --new 64 --quantize q4f16 --torch-int4 --compile ;;
+    fp8) gen fp8 200 --model llama2-7b --batches 16 --new 8 --quantize fp8 ;;
+    spec) timeout 220 python3 benchmarks/speculative_benchmark.py --model llama2-7b --batches 1 --speculate 4 --new 32 \
+            --db "$db" --out "$OUT/spec.json" > "$OUT/spec.log" 2>&1; echo "spec: exit $?" ;;
+    models) for model in llama3.1-8b qwen3-8b; do gen "$model" 200 --model "$model" --batches 1 --new 64; done ;;
+    tests) read -r -a files <<< "${TESTS:-tests/test_programmatic_launch.py tests/test_quantize.py tests/test_gpu_run.py}"
+           timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 -k "${TEST_FILTER:-programmatic or fp8 or int4}" \
+             "${files[@]}" > "$OUT/tests.log" 2>&1
+           echo "tests: exit $?"; tail -3 "$OUT/tests.log" ;;
+    *) echo "unknown step '$step': topup, fp16, q4f16, fp8, spec, models or tests" >&2; exit 2 ;;
+  esac
+done
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+keys = ("batch", "quantize", "ours_ms_per_step", "floor_ms", "share_of_floor", "ours_prefill_ms",
+        "programmatic_ms_per_step", "programmatic_same_tokens", "best_ms_per_step", "int4_best_ms_per_step")
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    for row in json.loads(path.read_text()).get("rows", []):
+        print(path.stem, {k: row[k] for k in keys if k in row})
+PY
