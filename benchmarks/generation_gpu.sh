@@ -12,6 +12,7 @@
 #   fp8     the fp8 build's prefill of 512 tokens at batch 16 (W8A8 chunks on sm_90)
 #   spec    speculative_benchmark.py at batch 1, k = 4
 #   models  Llama-3.1-8B and Qwen3-8B at batch 1 (share of the floor, against Llama-2-7B's)
+#   b64     Llama-3-8B at batch 64 (a decode step of 64 sequences of 512 + 32 tokens)
 #   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
 #           launch, fp8, int4)
 # $DB is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
@@ -41,11 +42,12 @@ for step in "$@"; do
     spec) timeout 220 python3 benchmarks/speculative_benchmark.py --model llama2-7b --batches 1 --speculate 4 --new 32 \
             --db "$db" --out "$OUT/spec.json" > "$OUT/spec.log" 2>&1; echo "spec: exit $?" ;;
     models) for model in llama3.1-8b qwen3-8b; do gen "$model" 200 --model "$model" --batches 1 --new 64; done ;;
+    b64) gen llama3-8b-b64 300 --model llama3-8b --batches 64 --new 32 ;;
     tests) read -r -a files <<< "${TESTS:-tests/test_programmatic_launch.py tests/test_quantize.py tests/test_gpu_run.py}"
            timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 -k "${TEST_FILTER:-programmatic or fp8 or int4}" \
              "${files[@]}" > "$OUT/tests.log" 2>&1
            echo "tests: exit $?"; tail -3 "$OUT/tests.log" ;;
-    *) echo "unknown step '$step': topup, fp16, q4f16, fp8, spec, models or tests" >&2; exit 2 ;;
+    *) echo "unknown step '$step': topup, fp16, q4f16, fp8, spec, models, b64 or tests" >&2; exit 2 ;;
   esac
 done
 python3 - "$OUT" <<'PY'
