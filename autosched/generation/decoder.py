@@ -791,7 +791,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
 
 def _w8a8(method):
-    """``method`` traced with its fp8 projections as W8A8 (:class:`.linear.w8a8_prefill`); its signature kept
+    """``method`` traced with its fp8 projections as W8A8 (:func:`.linear.w8a8_prefill`); its signature kept
     (the exporter reads the parameter names)."""
     import functools
 

@@ -23,6 +23,8 @@ its activations quantised per token on the fly (``fp8_quant_rows``) and the GEMM
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import TYPE_CHECKING
 
@@ -36,21 +38,21 @@ def static_rows(x: Tensor) -> int | None:
     return math.prod(dims) if all(isinstance(d, int) for d in dims) else None
 
 
-# While a static prefill chunk of an fp8 build for sm_90 is traced: [True] (see :func:`w8a8_prefill`).
-_W8A8: list[bool] = []
+# True while a static prefill chunk of an fp8 build for sm_90 is traced (see :func:`w8a8_prefill`).
+_W8A8 = contextvars.ContextVar("autosched_w8a8_prefill", default=False)
 
 
-class w8a8_prefill:
-    """While the function made inside runs, an fp8 projection (``fmt`` "e4m3") of static shape that
-    ``hopper_fp8_gemm`` serves quantises its activations per token and runs ``fp8_gemm`` (W8A8,
-    :func:`fp8_linear`) instead of ``dequant_gemm`` (weight-only). :func:`.decoder.build_module` wraps its
-    ``prefill_t<T>`` functions in it on sm_90."""
-
-    def __enter__(self):
-        _W8A8.append(True)
-
-    def __exit__(self, *exc):
-        _W8A8.pop()
+@contextlib.contextmanager
+def w8a8_prefill():
+    """While inside, an fp8 projection (``fmt`` "e4m3") of static shape that ``hopper_fp8_gemm`` serves quantises
+    its activations per token and runs ``fp8_gemm`` (W8A8, :func:`fp8_linear`) instead of ``dequant_gemm``
+    (weight-only). :func:`.decoder.build_module` traces its ``prefill_t<T>`` functions inside it on sm_90: the
+    projections are reached through the model's modules, which take no build options."""
+    token = _W8A8.set(True)
+    try:
+        yield
+    finally:
+        _W8A8.reset(token)
 
 
 def _call(wl, name: str, args: list, rows: int, cols: int):
@@ -101,7 +103,7 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None
 
         out = op.tensor_expr_op(compute, "dequant_matmul", [flat, qweight, scales] + tail)
         return op.reshape(out, (*x.shape[:-1], n))
-    if fmt == "e4m3" and _W8A8 and group == k and zeros is None and w8a8_serves(rows, k, scales.dtype):
+    if fmt == "e4m3" and _W8A8.get() and group == k and zeros is None and w8a8_serves(rows, k, scales.dtype):
         return fp8_linear(x, qweight, scales, bias, k)
     attrs = {"bits": bits, "group": group, "bias": bias is not None, "act": "none", "zeros": int(zeros is not None),
              "fmt": fmt}
