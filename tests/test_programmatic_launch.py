@@ -83,8 +83,9 @@ def test_every_kernel_of_a_generation_build_for_sm_90_waits_first():
             source for child in module.imports for source in cuda_sources(child)]
 
     sources = cuda_sources(executable.mod)
-    kernels = [k for source in sources for k in re.findall(
-        r'extern "C" __global__ void (?:__launch_bounds__\(\d+(?:, \d+)?\) )?(\w+)\([^;{]*\)\s*\{\n(.*?)\n\}\n', source, flags=re.S)]
+    kernel = (r'extern "C" __global__ void (?:__launch_bounds__\(\d+(?:, \d+)?\) )?(\w+)\([^;{]*\)\s*\{\n'
+              r'(.*?)\n\}\n')  # (name, body) of each kernel's definition
+    kernels = [k for source in sources for k in re.findall(kernel, source, flags=re.S)]
     names = {name for name, _ in kernels}
     assert len(kernels) > 20 and any("kv_cache_decode" in n for n in names), names
     for name, body in kernels:
