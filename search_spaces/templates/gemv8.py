@@ -62,6 +62,31 @@ def unroll_factor(full_steps: int, rows_per_warp: int) -> int:
     return max(d for d in range(1, min(full_steps, most) + 1) if full_steps % d == 0) if full_steps else 1
 
 
+def streamed_sums(accumulators: int, rows: int, full: int, unrolled: int, tail: int, add_chunk):
+    """The TVMScript macro ``(acc, A, W, first, lane)`` of a streaming GEMV warp (gemv8, swiglu_gemv): its
+    ``accumulators`` zeroed, ``add_chunk(acc, A, W, r, first + r, chunk)`` for each of its ``rows`` over the
+    ``full`` steps in which every lane has a chunk (``unrolled`` at a time), then the last step's ``tail``
+    lanes, and each accumulator summed over the warp."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def loop(acc, A, W, first, lane):
+        for i in T.unroll(accumulators):
+            acc[i] = T.float32(0)
+        for outer in T.serial(full // unrolled):
+            for inner in T.unroll(unrolled):
+                for r in T.unroll(rows):
+                    add_chunk(acc, A, W, r, first + r, (outer * unrolled + inner) * 32 + lane)
+        if tail > 0:
+            if lane < tail:
+                for r in T.unroll(rows):
+                    add_chunk(acc, A, W, r, first + r, full * 32 + lane)
+        for i in T.unroll(accumulators):
+            T.cuda.func_call(_WARP_SUM, acc[i], source_code=cuda_file("int4_gemv.cuh"))
+
+    return loop
+
+
 def gemv8_kernel(m: int, n: int, k: int, dtype: str, fmt: str, bias: bool, act: str, p: Point):
     """The TIRx kernel of point ``p`` for C[m, n] = act(A[m, k] · (s[n] · w(Wq[n, k]))ᵀ + bias[n]).
 
@@ -95,6 +120,8 @@ def gemv8_kernel(m: int, n: int, k: int, dtype: str, fmt: str, bias: bool, act: 
                          Wq.access_ptr("r", offset=read_row(row) * k + chunk * CHUNK),
                          A.access_ptr("r", offset=chunk * CHUNK), k * 2, source_code=dot_source)
 
+    stream = streamed_sums(rows_pw * m, rows_pw, full, unrolled, tail, add_chunk)
+
     # fmt: off
     @T.macro
     def body(A, Wq, S, Bias, C):
@@ -104,18 +131,7 @@ def gemv8_kernel(m: int, n: int, k: int, dtype: str, fmt: str, bias: bool, act: 
         acc = T.alloc_local((rows_pw * m,), "float32")
         lane = T.meta_var(tx % 32)
         first = T.meta_var(bx * rows_pb + (tx // 32) * rows_pw)  # the warp's first weight row
-        for i in T.unroll(rows_pw * m):
-            acc[i] = T.float32(0)
-        for outer in T.serial(full // unrolled):
-            for inner in T.unroll(unrolled):
-                for r in T.unroll(rows_pw):
-                    add_chunk(acc, A, Wq, r, first + r, (outer * unrolled + inner) * 32 + lane)
-        if tail > 0:
-            if lane < tail:
-                for r in T.unroll(rows_pw):
-                    add_chunk(acc, A, Wq, r, first + r, full * 32 + lane)
-        for i in T.unroll(rows_pw * m):
-            T.cuda.func_call(_WARP_SUM, acc[i], source_code=cuda_file("int4_gemv.cuh"))
+        stream(acc, A, Wq, first, lane)
         if lane == 0:
             for r in T.unroll(rows_pw):
                 if first + r < n:

@@ -24,9 +24,9 @@ import math
 
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file
-from .gemv8 import StreamingSteps, unroll_factor
+from .gemv8 import StreamingSteps, streamed_sums, unroll_factor
 from .hopper_gemm import _epilogue_source, _gemm_shape
-from .int4_gemv import _WARP_SUM, MAX_M
+from .int4_gemv import MAX_M
 
 CHUNK = 8  # weights per lane per load: 16 bytes of fp16/bf16
 _DTYPES = ("float16", "bfloat16")
@@ -75,6 +75,8 @@ def swiglu_gemv_kernel(m: int, n: int, k: int, dtype: str, p: Point):
         gate, up = acc[r * 2 * m + i], acc[r * 2 * m + m + i]
         return gate / (T.float32(1) + T.exp(-gate)) * up
 
+    stream = streamed_sums(cols_pw * 2 * m, cols_pw, full, unrolled, tail, add_chunk)
+
     # fmt: off
     @T.prim_func
     def main(A: T.Buffer((m, k), dtype, align=16), W: T.Buffer((2 * n, k), dtype, align=16),
@@ -86,18 +88,7 @@ def swiglu_gemv_kernel(m: int, n: int, k: int, dtype: str, p: Point):
         acc = T.alloc_local((cols_pw * 2 * m,), "float32")
         lane = T.meta_var(tx % 32)
         first = T.meta_var(bx * cols_pb + (tx // 32) * cols_pw)  # the warp's first column
-        for i in T.unroll(cols_pw * 2 * m):
-            acc[i] = T.float32(0)
-        for outer in T.serial(full // unrolled):
-            for inner in T.unroll(unrolled):
-                for r in T.unroll(cols_pw):
-                    add_chunk(acc, A, W, r, first + r, (outer * unrolled + inner) * 32 + lane)
-        if tail > 0:
-            if lane < tail:
-                for r in T.unroll(cols_pw):
-                    add_chunk(acc, A, W, r, first + r, full * 32 + lane)
-        for i in T.unroll(cols_pw * 2 * m):
-            T.cuda.func_call(_WARP_SUM, acc[i], source_code=cuda_file("int4_gemv.cuh"))
+        stream(acc, A, W, first, lane)
         if lane == 0:
             for r in T.unroll(cols_pw):
                 if first + r < n:
