@@ -305,8 +305,8 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
     On a GPU, the kernels between two attention calls of a static decode function (``decode_batches``) run
     as one captured CUDA graph (TVM's ``RewriteCUDAGraph``): a 32-layer step launches 33 graphs, not 300
     kernels one by one (``cuda_graphs=False`` launches them one by one, to profile each).
-    ``programmatic_launch`` (sm_90): the kernels of the main module overlap their launch with the end of the
-    kernel before them (:mod:`autosched.pipeline.launch`)."""
+    ``programmatic_launch`` (sm_90): every kernel overlaps its launch with the end of the kernel before it
+    (:mod:`autosched.pipeline.launch`)."""
     from autosched.pipeline.build import build_pipeline, compile_separate
     from autosched.target import compile_module
 

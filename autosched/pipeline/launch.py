@@ -10,24 +10,16 @@ waits at ``griddepcontrol.wait`` until the previous grid has completed and its w
 :func:`programmatic_launch` gives that to the GPU kernels of a module that TVM's default TIR pipeline
 compiles, and to our TIRx kernels: every kernel (each outermost thread-bound loop nest; a TIRx kernel's body
 after its CTA and thread ids) first waits, then triggers, so its reads and writes are ordered exactly as
-without the attribute, and only the launch overlaps. A kernel the rewrite
-cannot reach with certainty (a statement kind it does not know encloses it) leaves its function untouched:
-the attribute without the wait would let it read its inputs before they are written.
+without the attribute, and only the launch overlaps. A kernel the rewrite cannot reach with certainty (a
+statement kind it does not know encloses it) leaves its function untouched: the attribute without the wait
+would let it read its inputs before they are written.
 """
 
 from __future__ import annotations
 
 PDL_TAG = "tirx.use_programtic_dependent_launch"  # TVM's spelling
 LAUNCH_PARAMS_ATTR = "tirx.kernel_launch_params"
-
-
 DEVICE_ENTRY = "tirx.device_entry"  # a TIRx kernel's body (T.device_entry())
-
-
-def _preamble_kinds():
-    from tvm import tirx
-
-    return (tirx.ScopeIdDefStmt, tirx.AllocBuffer, tirx.DeclBuffer)
 
 
 class _Unreachable(Exception):
@@ -44,8 +36,8 @@ def _grid_sync():
 
 
 def _with_grid_sync(stmt, kernels: list):
-    """``stmt`` with the grid sync first in every kernel it holds (each counted in ``kernels``); raises
-    _Unreachable where unsure."""
+    """``stmt`` with the grid sync first in every kernel it holds (each one's launch axis or TIRx entry appended
+    to ``kernels``); raises _Unreachable where unsure."""
     from tvm import s_tir, tirx
 
     def walk(s):
@@ -76,7 +68,8 @@ def _with_grid_sync(stmt, kernels: list):
         if stmt.attr_key == DEVICE_ENTRY:  # a TIRx kernel: after its CTA/thread ids and buffers
             kernels.append(DEVICE_ENTRY)
             body = stmt.body.seq if isinstance(stmt.body, tirx.SeqStmt) else [stmt.body]
-            first = next((i for i, s in enumerate(body) if not isinstance(s, _preamble_kinds())), len(body))
+            preamble = (tirx.ScopeIdDefStmt, tirx.AllocBuffer, tirx.DeclBuffer)
+            first = next((i for i, s in enumerate(body) if not isinstance(s, preamble)), len(body))
             body = tirx.SeqStmt([*body[:first], *_grid_sync(), *body[first:]])
             return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body, stmt.span)
         return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, walk(stmt.body), stmt.span)
