@@ -96,6 +96,7 @@ class EvolutionarySearch:
     def observe_known(self, points: list[Point], latencies: list[float]) -> None:
         """Seed the search with points measured earlier (e.g. records in the database)."""
         for point, latency in zip(points, latencies):
+            point = self.space.complete(point)
             if self.space.validate(point) is None:
                 self.measured[point_key(point)] = (point, latency)
         self._refit()

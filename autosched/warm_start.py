@@ -108,6 +108,7 @@ def adapt_point(space: Space, point: Point) -> Point | None:
     from autosched.search_spaces._knobs import TileKnob
 
     adapted = {}
+    point = space.complete(point)
     for knob in space.knobs:
         value = point.get(knob.name)
         if value is None:

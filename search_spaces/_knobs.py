@@ -187,6 +187,9 @@ class Space:
         self.target = target
         self.hints = hints or {}
         self.knobs: list[Knob] = []
+        # Knobs added to the space after points of its version were stored, with the values that give those
+        # points' kernels: a stored point without them means these (see complete).
+        self.added: dict[str, Any] = {}
 
     def taken(self, shape, takes: str):
         """``shape``, a template's reading of the function it was given; where it found nothing, a ValueError
@@ -235,6 +238,11 @@ class Space:
         return self._draw(np.random.default_rng(0))
 
     # ---- provided -------------------------------------------------------------------------------
+    def complete(self, point: Point) -> Point:
+        """``point`` with the knobs it predates (``added``) at the values that keep its kernel."""
+        missing = {name: value for name, value in self.added.items() if name not in point}
+        return {**point, **missing} if missing else point
+
     def apply(self, point: Point) -> IRModule:
         """The scheduled module for ``point``.
 
@@ -246,6 +254,7 @@ class Space:
         """
         from tvm import s_tir
 
+        point = self.complete(point)
         reason = self.validate(point)
         if reason:
             raise InvalidPoint(reason)
@@ -259,6 +268,7 @@ class Space:
         return sch.mod
 
     def validate(self, point: Point) -> str | None:
+        point = self.complete(point)
         names = {k.name for k in self.knobs}
         if set(point) != names:
             missing, extra = sorted(names - set(point)), sorted(set(point) - names)
@@ -298,6 +308,7 @@ class Space:
         mutable = [k for k in self.knobs if len(k.choices) > 1]
         if not mutable:
             return None
+        point = self.complete(point)
         for _ in range(tries):
             child = dict(point)
             for _ in range(1 if rng.random() < 0.7 else 2):
@@ -309,6 +320,7 @@ class Space:
         return None
 
     def crossover(self, a: Point, b: Point, rng: np.random.Generator) -> Point | None:
+        a, b = self.complete(a), self.complete(b)
         child = self.canonical({k.name: (a if rng.random() < 0.5 else b)[k.name] for k in self.knobs})
         return child if self.check(child) is None else None
 

@@ -155,14 +155,16 @@ def test_a_small_gemm_samples_valid_hopper_points(sm90):
 
 def test_the_search_starts_from_the_default_and_its_multicast_pairs(sm90):
     """hopper_gemm's first candidates: the default, then the same tiles with B and with A multicast across
-    a cluster of two, all valid; where the tiles leave nothing to pair (a decode GEMM) the default alone."""
+    a cluster of two, all valid; where the tiles leave nothing to pair (a decode GEMM) the default alone, and
+    then the streaming kernel's default."""
     space = Task.from_workload(make_workload("gemm", "m=1000,n=4000,k=3000", "float16")).space(sm90)
     first = space.first_points()
     assert first[0] == space.default() and [p["multicast"] for p in first] == ["none", "b", "a"]
     assert all(space.validate(p) is None for p in first)
     assert all({**p, "multicast": "none"} == {**first[0], "group_m": p["group_m"]} for p in first)
     small = Task.from_workload(make_workload("gemm", "m=16,n=64,k=128", "float16")).space(sm90)
-    assert small.first_points() == [small.default()]
+    assert small.first_points() == [small.default(), small.canonical({**small.default(), "stream": True,
+                                                                       "stream_warps": 1, "stream_unroll": 2})]
 
 
 @needs_nvcc
@@ -1062,6 +1064,140 @@ int main() {{
     assert err < 4e-3, f"relative error {err}"
 
 
+def test_hopper_gemm_streams_decode_steps_on_mma_sync_as_a_second_kernel(sm90):
+    """A decode step's 2 to 16 rows of fp16 or bf16 over whole 128-byte lines of k: hopper_gemm also offers its
+    streaming tensor-core kernel (the ``stream`` knobs); one row, more rows, fp8 and k off the lines do not. The
+    default stays the wgmma kernel and the stream default is among the first points; a point stored before the
+    stream knobs (the wgmma kernel) is still valid and builds the same kernel; each kernel's canonical point fixes
+    the other's knobs; the checks bound the warps by the steps of k and the registers of the loads in flight."""
+    def space(shape, op="gemm", dtype="float16"):
+        return Task.from_workload(make_workload(op, shape, dtype)).space(sm90)
+
+    for shape, dtype in (("m=2,n=4096,k=4096", "float16"), ("m=16,n=11008,k=4096", "bfloat16"),
+                         ("m=9,n=4096,k=11008", "float16")):
+        streams = space(shape, dtype=dtype)
+        assert "stream" in {k.name for k in streams.knobs}, shape
+    for shape, op in (("m=1,n=4096,k=4096", "gemm"), ("m=17,n=4096,k=4096", "gemm"), ("m=16,n=4096,k=4104", "gemm"),
+                      ("m=16,n=4096,k=4096", "fp8_gemm")):
+        assert "stream" not in {k.name for k in space(shape, op).knobs}, (shape, op)
+    decode = space("m=16,n=4096,k=4096")
+    default = decode.default()
+    assert default["stream"] is False and default["swap_ab"] is True
+    first = decode.first_points()
+    assert first[0] == default and first[-1]["stream"] is True and decode.validate(first[-1]) is None
+    stored = {k: v for k, v in default.items() if not k.startswith("stream")}  # a record from before the knobs
+    assert decode.validate(stored) is None and decode.complete(stored) == default
+    assert str(decode.apply(stored)) == str(decode.apply(default))
+    assert "mma_gemv" not in str(decode.apply(default)) and "autosched_mma_gemv" in str(decode.apply(first[-1]))
+    assert decode.mutate(stored, np.random.default_rng(0)) is not None
+    streamed = decode.canonical({**default, "stream": True, "stream_warps": 4, "split_k": 4, "stages": 12})
+    assert streamed["split_k"] == 1 and streamed["stages"] == 2 and streamed["stream_warps"] == 4
+    assert decode.canonical({**streamed, "stream": False})["stream_warps"] == 1
+    assert "8 warps split 2 steps" in space("m=16,n=64,k=128").validate({**streamed, "stream_warps": 8})
+    gated = space("m=16,n=11008,k=4096", "swiglu_gemm")
+    assert "208 registers" in gated.validate({**gated.first_points()[-1], "stream_unroll": 4})
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_mma_gemv_points_compile_without_spills_and_keep_their_loads_together(sm90):
+    """The streaming kernel's points with the most registers its check lets through compile for sm_90a without
+    spills, with one block per SM in their launch bounds (else ptxas interleaves the loads with the products to
+    save registers, and few loads are in flight)."""
+    cases = [("gemm", "m=16,n=4096,k=4096", "float16", "bias=1", (4, 1, 4)), ("gemm", "m=16,n=4096,k=11008",
+             "bfloat16", "", (8, 2, 2)), ("gemm", "m=12,n=12288,k=4096", "float16", "", (1, 4, 1)),
+             ("swiglu_gemm", "m=16,n=11008,k=4096", "float16", "", (2, 1, 2)),
+             ("swiglu_gemm", "m=16,n=11008,k=4096", "bfloat16", "", (8, 2, 1))]
+    for op, shape, dtype, attrs, (warps, tiles, unroll) in cases:
+        space = Task.from_workload(make_workload(op, shape, dtype, attrs)).space(sm90)
+        point = space.canonical({**space.default(), "stream": True, "stream_warps": warps, "stream_tiles": tiles,
+                                 "stream_unroll": unroll})
+        assert space.validate(point) is None, (shape, point)
+        source = cuda_source(space.apply(point), sm90, {}, space.codegen)
+        assert f"__launch_bounds__({32 * warps}, 1)" in source
+        report = nvcc_compile(source, "sm_90a")
+        assert report.ok and report.spills == 0, (shape, point, report.log[-2000:])
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("op,shape,dtype,attrs,point", [
+    ("gemm", "m=16,n=40,k=640", "float16", "bias=1,act=silu", (4, 1, 2)),
+    ("gemm", "m=9,n=72,k=576", "bfloat16", "", (2, 2, 2)),
+    ("gemm", "m=2,n=48,k=1024", "float16", "act=gelu", (1, 1, 4)),
+    ("gemm", "m=5,n=24,k=512", "bfloat16", "bias=1", (8, 2, 1)),
+    ("swiglu_gemm", "m=16,n=40,k=640", "float16", "", (4, 1, 1)),
+    ("swiglu_gemm", "m=3,n=24,k=448", "bfloat16", "", (2, 2, 2)),
+], ids=["16-rows-bias-silu-last-tile", "9-rows-bf16-tiles-unrolled-tail", "2-rows-one-warp-gelu",
+        "5-rows-8-warps-tile-past-n", "gated-16-rows", "gated-3-rows-bf16-tiles"])
+def test_mma_gemv_matches_float64_on_the_host(op, shape, dtype, attrs, point, tmp_path):
+    """hopper_gemm's streaming tensor-core kernel, compiled for the host by nvcc and run block by block with one
+    thread per CUDA thread (mma.sync emulated), against the workload's float64 reference on its own inputs: one
+    and two n8 tiles of activation rows (a partial second one), a last tile past n, warps splitting the steps of k
+    unevenly, the unrolled groups and the steps after them, bias and activations, and swiglu_gemm's gate and up
+    tiles."""
+    import torch
+
+    from autosched.search_spaces.templates import mma_gemv
+    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.workloads import get_operator
+
+    wl = make_workload(op, shape, dtype, attrs)
+    op_, s, a = get_operator(op), wl.shape_dict, wl.attrs_dict
+    m, n, k = s["m"], s["n"], s["k"]
+    gated, bias, act = op == "swiglu_gemm", bool(a.get("bias")), a.get("act", "none")
+    warps, tiles, unroll = point
+    p = {"stream": True, "stream_warps": warps, "stream_tiles": tiles, "stream_unroll": unroll}
+    assert mma_gemv.check(m, n, k, gated, p) is None
+    ins = op_.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    names = ["x", "w"] + (["bias"] if bias else [])
+    for name, tensor in zip(names, ins):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    name, source = mma_gemv.source(m, n, k, dtype, p, bias, act, gated)
+    _, store1, epilogue = _epilogue_source(dtype, act)
+    body = _host_body(source.removeprefix(epilogue))
+    scalar = CUDA_SCALAR_HOST[dtype]
+    activation = {"none": "v", "silu": "v / (1.0f + std::exp(-v))",
+                  "gelu": "0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f))"}[act]
+    program = HOST_SHIM + f"""
+inline float host_expf(float v) {{ return std::exp(v); }}
+inline void {store1}({scalar}* c, float v) {{ *c = ({scalar})({activation}); }}
+""" + body.replace("__expf(", "host_expf(") + f"""
+std::vector<{scalar}> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<{scalar}> data(n / sizeof({scalar})); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+{"".join(f'  auto {v} = load("{v}.bin");' + chr(10) for v in names)}  std::vector<{scalar}> c({m * n});
+  const int threads = {warps * 32};
+  host_warps_per_cta = {warps};
+  host_rank = 0;
+  for (int bx = 0; bx < {-(-n // (16 * tiles))}; ++bx) {{
+    std::vector<float> smem({mma_gemv.smem_bytes(m, tiles, warps, gated)} / 4 + 1);
+    std::barrier<> block(threads);
+    host_block_barriers = {{&block}};
+    host_warp_barriers.clear();
+    for (int w = 0; w < {warps}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {{
+        host_thread.x = t;
+        {name}({", ".join(f"{v}.data()" for v in names)}, c.data(), smem.data(), bx, t);
+      }});
+    for (auto& th : pool) th.join();
+    for (auto* b : host_warp_barriers) delete b;
+  }}
+  FILE* f = fopen("out.bin", "wb"); fwrite(c.data(), sizeof({scalar}), c.size(), f); fclose(f);
+  return 0;
+}}
+"""
+    run_on_host(tmp_path, program)
+    out = host_output(tmp_path, "out", ins[0].dtype, (m, n))
+    ref = op_.reference(wl, ins)[0]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < op_.tolerance(wl), f"relative error {err}"
+
+
 @needs_nvcc
 @pytest.mark.slow
 def test_paged_decode_splits_a_sequence_across_a_cluster(sm90):
@@ -1554,7 +1690,8 @@ def test_overlapped_softmax_compiles_and_leaves_the_serial_kernel_as_it_was(sm90
 
 # Workloads of each template space on which, together, it offers every knob it has a valid choice for.
 TEMPLATE_CASES = {
-    "hopper_gemm": [("gemm", "m=16,n=4096,k=4096", "float16", ""), ("gemm", "m=2048,n=4096,k=1024", "float16", "")],
+    "hopper_gemm": [("gemm", "m=16,n=4096,k=4096", "float16", ""), ("gemm", "m=64,n=4096,k=4096", "float16", ""),
+                    ("gemm", "m=2048,n=4096,k=1024", "float16", "")],
     "hopper_fp8_gemm": [("fp8_gemm", "m=16,n=4096,k=4096", "float16", ""), ("fp8_gemm", "m=2048,n=4096,k=1024", "float16", "")],
     "int4_gemv": [("dequant_gemm", "m=8,n=2048,k=1024", "float16", "bits=4,group=128")],
     "gemv8": [("dequant_gemm", "m=4,n=2048,k=4096", "bfloat16", "bits=8,group=4096,fmt=e4m3")],

@@ -58,6 +58,7 @@ class HopperTemplate(Space):
 
         from .._knobs import InvalidPoint
 
+        point = self.complete(point)
         reason = self.validate(point)
         if reason:
             raise InvalidPoint(reason)

@@ -38,7 +38,10 @@ kernels, DeepGEMM, FlashAttention-3):
   128-byte rows, now of 128 codes (TMA boxes of uint8), ``wgmma m64nNk32.f32.e4m3.e4m3`` four times per row,
   the epilogue multiplying by the row's (token's) and the column's (output channel's) float32 scales; with
   ``promote`` each stage's products go to fresh accumulators that are added to the tile's in fp32 on the CUDA
-  cores, as cuBLAS and CUTLASS do by default (the tensor cores' fp8 accumulation keeps about 14 bits).
+  cores, as cuBLAS and CUTLASS do by default (the tensor cores' fp8 accumulation keeps about 14 bits);
+* for a decode step's 2 to 16 rows of fp16 or bf16, a second kernel (``stream`` and its knobs,
+  :mod:`.mma_gemv`): the weights streamed from global memory straight into ``mma.sync`` fragments, with
+  no TMA ring, barriers or cluster, the warps of a block splitting k.
 
 Operands are C[m, n] = A[m, k] · B[n, k]ᵀ (the ``gemm`` workload: torch.nn.Linear's layout, both
 operands K-major, which wgmma reads without transposition). Shapes no tile divides need no padding:
@@ -51,6 +54,7 @@ import math
 
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
+from . import mma_gemv
 from ._hopper import (
     BK,
     CUDA_SCALAR,
@@ -527,6 +531,12 @@ class HopperGemmSpace(HopperTemplate):
             Knob("pingpong", (False, True), ordered=False),
             Knob("multicast", ("none", "a", "b"), ordered=False),
         ]
+        # A decode step's 2 to 16 rows: the streaming tensor-core kernel too (mma_gemv.py). Its knobs came after
+        # points of this version were stored; those points are of the wgmma kernel (``added``).
+        self.streams = not self.FP8 and mma_gemv.serves(self.m, self.k, self.dtype)
+        if self.streams:
+            self.knobs.extend(mma_gemv.KNOBS)
+            self.added = dict(mma_gemv.OFF)
 
     def _shape(self, func):
         """((m, n, k, dtype) or None, what the space takes) for ``taken``."""
@@ -556,6 +566,8 @@ class HopperGemmSpace(HopperTemplate):
         return 2 * self.n if self.gated else self.n
 
     def check(self, p: Point) -> str | None:
+        if p.get("stream", False):
+            return mma_gemv.check(self.m, self.n, self.k, self.gated, p)
         bm, bn = self.block_m(p), p["block_n"]
         rows, cols = self.extents(p)
         if self.gated and (p.get("swap_ab", False) or bn % 16):
@@ -610,6 +622,10 @@ class HopperGemmSpace(HopperTemplate):
         return None
 
     def canonical(self, p: Point) -> Point:
+        if self.streams:  # the other kernel's knobs at fixed values
+            if p["stream"]:
+                return {**p, **{k.name: k.choices[0] for k in self.knobs if k.name not in mma_gemv.OFF}}
+            p = {**p, **mma_gemv.OFF}
         return canonical_group_m(p, self.unit_tiles(p)[0])
 
     def default(self) -> Point:
@@ -623,7 +639,7 @@ class HopperGemmSpace(HopperTemplate):
                        "split_k": 1},
                       {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 7, "group_m": 1, "persistent": False,
                        "split_k": 1}):
-            point = {**point, "swap_ab": False, "pingpong": False, "multicast": "none"}
+            point = self.complete({**point, "swap_ab": False, "pingpong": False, "multicast": "none"})
             point = self.canonical(point)
             if self.check(point) is None:
                 return point
@@ -640,8 +656,9 @@ class HopperGemmSpace(HopperTemplate):
         for split in (4, 2, 1):
             if split > 1 and tiles * split > self.sms:
                 continue
-            point = {"consumers": 1, "wg_rows": 64, "block_n": block_n, "stages": 8, "group_m": 1,
-                     "persistent": False, "split_k": split, "swap_ab": True, "pingpong": False, "multicast": "none"}
+            point = self.complete({"consumers": 1, "wg_rows": 64, "block_n": block_n, "stages": 8, "group_m": 1,
+                                   "persistent": False, "split_k": split, "swap_ab": True, "pingpong": False,
+                                   "multicast": "none"})
             point = self.canonical(point)
             if self.check(point) is None:
                 return point
@@ -656,9 +673,15 @@ class HopperGemmSpace(HopperTemplate):
             point = self.canonical({**first[0], "multicast": multicast})
             if self.check(point) is None:
                 first.append(point)
+        if self.streams:  # and the streaming kernel's default, so that a short search weighs the two kernels
+            point = self.canonical({**first[0], **mma_gemv.default(self.m, self.n, self.k, self.gated, self.sms)})
+            if self.check(point) is None:
+                first.append(point)
         return first
 
     def kernel(self, p: Point):
+        if p.get("stream", False):
+            return mma_gemv.mma_gemv_kernel(self.m, self.n, self.k, self.dtype, self.bias, self.act, p, self.gated)
         return hopper_gemm_kernel(self.m, self.n, self.k, self.dtype, self.bias, self.act, {**p, "sms": self.sms},
                                   self.gated, self.FP8)
 
@@ -677,7 +700,8 @@ class HopperGemmSpace(HopperTemplate):
                 useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / self.BK) / p["stages"],
                 p["split_k"], math.ceil(self.k / self.BK) / p["split_k"], float(p.get("swap_ab", False)),
                 float(p.get("pingpong", False)), float(p.get("multicast", "none") == "a"),
-                float(p.get("multicast", "none") == "b"), self._l2_bytes_per_flop(p)]
+                float(p.get("multicast", "none") == "b"), self._l2_bytes_per_flop(p),
+                *mma_gemv.features(self.m, self.n, self.k, self.gated, self.sms, p)]
 
     def _l2_bytes_per_flop(self, p: Point) -> float:
         """Bytes the CTAs read from L2 per FLOP: each tile reads its A and B tiles for every k step, and a
