@@ -13,6 +13,8 @@
 #   spec    speculative_benchmark.py at batch 1, k = 4
 #   models  Llama-3.1-8B and Qwen3-8B at batch 1 (share of the floor, against Llama-2-7B's)
 #   b64     Llama-3-8B at batch 64 (a decode step of 64 sequences of 512 + 32 tokens)
+#   decode-gemm  Llama-2-7B's four batch-16 GEMMs: hopper_gemm's wgmma default against its streaming mma.sync
+#           kernel's points (gpu_benchmark.py --hand-points gemm --points decode), GB/s beside cuBLAS
 #   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
 #           launch, fp8, int4)
 # $DB is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
@@ -43,11 +45,14 @@ for step in "$@"; do
             --db "$db" --out "$OUT/spec.json" > "$OUT/spec.log" 2>&1; echo "spec: exit $?" ;;
     models) for model in llama3.1-8b qwen3-8b; do gen "$model" 200 --model "$model" --batches 1 --new 64; done ;;
     b64) gen llama3-8b-b64 300 --model llama3-8b --batches 64 --new 32 ;;
+    decode-gemm) shapes=(); for s in 16,12288,4096 16,4096,4096 16,22016,4096 16,4096,11008; do shapes+=(--shape "$s"); done
+           timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points gemm --points decode "${shapes[@]}" --timeout 60 \
+             --out "$OUT/decode_gemm" > "$OUT/decode_gemm.log" 2>&1; echo "decode-gemm: exit $?" ;;
     tests) read -r -a files <<< "${TESTS:-tests/test_programmatic_launch.py tests/test_quantize.py tests/test_gpu_run.py}"
            timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 -k "${TEST_FILTER:-programmatic or fp8 or int4}" \
              "${files[@]}" > "$OUT/tests.log" 2>&1
            echo "tests: exit $?"; tail -3 "$OUT/tests.log" ;;
-    *) echo "unknown step '$step': topup, fp16, q4f16, fp8, spec, models, b64 or tests" >&2; exit 2 ;;
+    *) echo "unknown step '$step': topup, fp16, q4f16, fp8, spec, models, b64, decode-gemm or tests" >&2; exit 2 ;;
   esac
 done
 python3 - "$OUT" <<'PY'

@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/gpu_benchmark.py [--cases NAME ...] [--trials N] [--time-budget S] [--out DIR]
        python benchmarks/gpu_benchmark.py --hand-points gemm --shape 1000,4000,3000 --points all --out DIR
+       python benchmarks/gpu_benchmark.py --hand-points gemm --shape 16,4096,11008 --points decode --out DIR
        python benchmarks/gpu_benchmark.py --hand-points fp8 --shape 8192,11008,4096 --points all --out DIR
        python benchmarks/gpu_benchmark.py --hand-points attention --case 1,32,32,2048,128,full --out DIR
 
@@ -259,6 +260,20 @@ def gemm_small_m_points() -> list[dict]:
     return plain + swapped
 
 
+def gemm_decode_points(m: int, n: int, k: int, dtype: str) -> list[dict]:
+    """A decode GEMM's (m of 2-16) wgmma default beside the streaming mma.sync kernel's valid points."""
+    from autosched.search_spaces.templates import mma_gemv
+    from autosched.target import parse_target
+    from autosched.task import Task
+    from autosched.workloads import make_workload
+
+    space = Task.from_workload(make_workload("gemm", f"m={m},n={n},k={k}", dtype)).space(
+        parse_target("cuda:sm_90", require_device=False))
+    streams = [{"stream": True, "stream_warps": w, "stream_tiles": t, "stream_unroll": u}
+               for w in (4, 8) for t in (1, 2) for u in (1, 2)]
+    return [space.default()] + [p for p in streams if mma_gemv.check(m, n, k, False, p) is None]
+
+
 def _gemm_point(m, n, k, dtype, bias, act, point, queue):
     try:
         import torch
@@ -266,10 +281,12 @@ def _gemm_point(m, n, k, dtype, bias, act, point, queue):
 
         from autosched.measure.timing import time_cuda
         from autosched.search_spaces.templates.hopper_gemm import hopper_gemm_kernel
+        from autosched.search_spaces.templates.mma_gemv import mma_gemv_kernel
 
         point = {**point, "sms": torch.cuda.get_device_properties(0).multi_processor_count}
         t0 = time.perf_counter()
-        func = hopper_gemm_kernel(m, n, k, dtype, bias, act, point)
+        kernel = mma_gemv_kernel if point.get("stream") else hopper_gemm_kernel
+        func = kernel(m, n, k, dtype, bias, act, point)
         ex = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}),
                          tir_pipeline="tirx")
         build_s = time.perf_counter() - t0
@@ -292,8 +309,10 @@ def _gemm_point(m, n, k, dtype, bias, act, point, queue):
         mine = statistics.median(time_cuda(lambda: ex(*targs), 30, flush))
         cublas = statistics.median(time_cuda(lambda: torch.matmul(a, b.T), 30, flush))
         tf = 2 * m * n * k / 1e12
+        read_gb = (m * k + n * k) * a.element_size() / 1e9  # what a decode GEMM's time is: its operands' bytes
         queue.put({"point": point, "rel_err": err, "build_s": round(build_s, 2), "ms": mine * 1e3,
-                   "tflops": tf / mine, "cublas_tflops": tf / cublas, "ratio": cublas / mine})
+                   "tflops": tf / mine, "cublas_tflops": tf / cublas, "ratio": cublas / mine,
+                   "read_gbs": read_gb / mine, "cublas_read_gbs": read_gb / cublas})
     except Exception as exc:  # noqa: BLE001 - a failing point is reported, not fatal
         queue.put({"point": point, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
 
@@ -428,10 +447,11 @@ def hand_points(args) -> int:
         presets = {"base": lambda: [GEMM_BASE], "all": gemm_probe_points, "small": gemm_small_m_points}
         if args.hand_points == "fp8":
             presets = {"base": lambda: [FP8_BASE], "all": fp8_probe_points}
-        points = presets[args.points]() if args.points in presets else json.loads(args.points)
+        decode = args.points == "decode"  # per shape: gemm_decode_points
+        points = [] if decode else presets[args.points]() if args.points in presets else json.loads(args.points)
         for shape in args.shape or ["4096,4096,4096"]:
             m, n, k = (int(x) for x in shape.split(","))
-            for point in points:
+            for point in gemm_decode_points(m, n, k, args.dtype) if decode else points:
                 row = run_isolated(_fp8_point if args.hand_points == "fp8" else _gemm_point,
                                    (m, n, k, args.dtype, args.bias, args.act, point), args.timeout, {"point": point})
                 rows.append({**row, "shape": [m, n, k]})
@@ -467,7 +487,8 @@ def main() -> int:
     hand.add_argument("--shape", action="append", default=[], help="gemm: m,n,k (repeatable)")
     hand.add_argument("--case", action="append", default=[], help="attention: b,h,hkv,s,d,causal|full (repeatable)")
     hand.add_argument("--points", default="all",
-                      help="gemm: base | all | small; fp8: base | all; attention: all; or a JSON list")
+                      help="gemm: base | all | small | decode (m of 2-16: the default and the streaming kernel's "
+                           "points); fp8: base | all; attention: all; or a JSON list")
     hand.add_argument("--dtype", default="float16")
     hand.add_argument("--bias", action="store_true")
     hand.add_argument("--act", default="none")

@@ -113,6 +113,29 @@ def test_swapped_operands_are_correct_at_shapes_no_tile_divides(measurers):
 
 
 
+def test_streaming_mma_gemv_is_correct_on_the_gpu(measurers):
+    """hopper_gemm's streaming mma.sync kernel for decode steps: Llama-2-7B's batch-16 projections (QKV, and the
+    down projection's k = 11008, whose warps' shares of the steps are uneven), 2 and 9 rows (a partial n8 tile),
+    n that no block of 16-row tiles divides, bias and SiLU, bf16, and swiglu_gemm's gate and up tiles (9 to 16 rows:
+    fewer are swiglu_gemv's); blocks of 1 to 8 warps, 1 to 4 tiles, 1 to 4 steps in flight: every point matches the
+    float64 reference."""
+    target, measurer = measurers("sm_90")
+    cases = (("gemm", "m=16,n=12288,k=4096", "float16", ""), ("gemm", "m=16,n=4096,k=11008", "float16", ""),
+             ("gemm", "m=2,n=1000,k=1024", "bfloat16", "bias=1,act=silu"), ("gemm", "m=9,n=4104,k=4096", "float16", ""),
+             ("swiglu_gemm", "m=16,n=11008,k=4096", "float16", ""), ("swiglu_gemm", "m=12,n=1000,k=1088", "bfloat16", ""))
+    for op, shape, dtype, attrs in cases:
+        task = Task.from_workload(make_workload(op, shape, dtype, attrs))
+        space = task.space(target)
+        assert space.name == "hopper_gemm" and space.first_points()[-1]["stream"]
+        points = [space.first_points()[-1]] + [
+            space.canonical({**space.default(), "stream": True, "stream_warps": w, "stream_tiles": t, "stream_unroll": u})
+            for w, t, u in ((8, 1, 4), (1, 4, 1), (4, 2, 2), (2, 1, 1), (8, 1, 1), (2, 2, 1), (4, 1, 2))]
+        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        assert len(points) >= 4, shape
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{op} {shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_pingpong_consumers_are_correct_on_the_gpu(measurers):
     """Ping-pong: the two consumer warpgroups of a persistent CTA take every other tile (an odd number of
     tiles per CTA included, m and n that no tile divides, bias and GELU): every point checks out."""
