@@ -269,6 +269,27 @@ def test_int4_gemv_of_16_rows_on_tensor_cores_is_correct_on_the_gpu(measurers):
             assert res.ok, f"{shape} {attrs} {point}: {res.error_kind}: {res.error_msg}"
 
 
+def test_int4_gemv_streamed_into_tensor_cores_is_correct_on_the_gpu(measurers):
+    """The int4 tensor-core kernel with its weights streamed from global memory into registers (``stream``): one row
+    (Llama-2-7B's up projection), 16 (its down projection's k = 11008, with zero points) and 9 (a partial second n8
+    tile), n that no 16-row tile divides, a bias and SiLU; warps splitting k from 1 to 8, 1 to 4 tiles per block,
+    four k-blocks' loads in flight or one: every point matches the float64 reference."""
+    target, measurer = measurers("sm_90")
+    cases = (("m=1,n=11008,k=4096", "bits=4,group=128"), ("m=16,n=4096,k=11008", "bits=4,group=128,zeros=1"),
+             ("m=9,n=300,k=1024", "bits=4,group=256,bias=1,act=silu"), ("m=3,n=72,k=1152", "bits=4,group=128"))
+    for shape, attrs in cases:
+        task = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs))
+        space = task.space(target)
+        assert space.name == "int4_gemv" and space.first_points()[-1]["stream"]
+        points = [space.first_points()[-1]] + [
+            space.canonical(space.default() | {"warps": w, "rows_per_warp": r, "unroll": u, "mma": True, "stream": True})
+            for w, r, u in ((1, 1, True), (8, 1, False), (2, 2, True), (4, 4, False), (1, 2, False))]
+        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        assert len(points) >= 4, shape
+        for point, res in zip(points, measurer.measure(task.spec, points)):
+            assert res.ok, f"{shape} {attrs} {point}: {res.error_kind}: {res.error_msg}"
+
+
 def test_int4_gemv_with_zero_points_is_correct_on_the_gpu(measurers):
     """int4 decode GEMVs with a zero point per group and output channel (zeros=1: asymmetric AWQ/GPTQ): a 4096x4096
     layer's decode steps of one and eight rows, n that no block or 16-row tile divides, groups of 128 and 32, a

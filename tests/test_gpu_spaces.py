@@ -651,7 +651,9 @@ def test_int4_kernels_take_the_workloads_parameters_in_its_order(attrs, sm90):
 def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     """The ``mma`` knob exists where a k-block of 128 lies in one group and the dtype is fp16; its points
     drop the CUDA-core kernel's knobs, split k among at most as many warps as there are k-blocks, fit in
-    shared memory, and come second among the search's first points."""
+    shared memory, and come second among the search's first points, then the same kernel with its weights
+    streamed into registers (``stream``: no slab, ``unroll`` k-blocks' loads in flight). A point stored before
+    the ``stream`` knob bulk-copies."""
 
     def space(shape, attrs, dtype="float16"):
         return Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs)).space(sm90)
@@ -666,15 +668,21 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     assert has_mma(space("m=8,n=4096,k=4096", "bits=4,group=128,zeros=1"))
     s = space("m=1,n=11008,k=4096", "bits=4,group=128")
     point = {"warps": 8, "rows_per_warp": 2, "unroll": True, "half_products": True, "mma": True}
-    assert s.canonical(point) == point | {"unroll": False, "half_products": False}
-    assert s.validate(point) is None
+    assert s.canonical(point) == point | {"unroll": False, "half_products": False, "stream": False}
+    assert s.validate(point) is None and s.complete(point)["stream"] is False
     first = s.first_points()
-    assert first[0] == s.default() and not first[0]["mma"] and first[1]["mma"]
+    assert first[0] == s.default() and not first[0]["mma"] and first[1]["mma"] and not first[1]["stream"]
+    assert first[2] == {**first[1], "unroll": True, "stream": True}
+    assert s.canonical({**point, "stream": True}) == point | {"half_products": False, "stream": True}
+    assert s.canonical({**point, "mma": False, "stream": True})["stream"] is False
+    assert "autosched_q4_mma" in str(s.apply(first[2])) and "_stream4" in str(s.apply(first[2]))
     k_split = space("m=1,n=256,k=256", "bits=4,group=128")  # two k-blocks
     assert "warps split 2 k-blocks" in k_split.validate(point | {"warps": 4, "rows_per_warp": 1})
     wide = space("m=1,n=4096,k=11008", "bits=4,group=128")  # 88 KB of slab per 16 rows
     assert "shared memory" in wide.validate(point | {"rows_per_warp": 4})
     assert wide.validate(point | {"rows_per_warp": 2}) is None
+    assert wide.validate(point | {"rows_per_warp": 4, "stream": True, "unroll": False}) is None  # no slab
+    assert "registers" in wide.validate(point | {"rows_per_warp": 4, "stream": True})
 
 
 def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
@@ -697,16 +705,18 @@ def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
         assert "at most 8" in s.validate(cuda_core | {"half_products": True, "unroll": True})
         default = s.default()
         assert default["mma"] and s.validate(default) is None and s.canonical(default) == default
-        assert s.first_points() == [default]
+        assert s.first_points() == [default, {**default, "unroll": True, "stream": True}]
         rng = np.random.default_rng(m)
         assert all(s.sample(rng)["mma"] for _ in range(20))
     zeros = space("m=16,n=11008,k=4096", "bits=4,group=256,zeros=1,bias=1")
     assert zeros.default()["mma"] and zeros.validate(zeros.default()) is None
     small = space("m=16,n=64,k=128")  # one k-block: one warp
-    assert small.default() == {"warps": 1, "rows_per_warp": 1, "unroll": False, "half_products": False, "mma": True}
+    assert small.default() == {"warps": 1, "rows_per_warp": 1, "unroll": False, "half_products": False, "mma": True,
+                               "stream": False}
     eight = space("m=8,n=4096,k=4096")  # unchanged up to 8 rows: CUDA cores first, then tensor cores
-    assert eight.default() == {"warps": 4, "rows_per_warp": 2, "unroll": True, "half_products": False, "mma": False}
-    assert [p["mma"] for p in eight.first_points()] == [False, True]
+    assert eight.default() == {"warps": 4, "rows_per_warp": 2, "unroll": True, "half_products": False, "mma": False,
+                               "stream": False}
+    assert [(p["mma"], p["stream"]) for p in eight.first_points()] == [(False, False), (True, False), (True, True)]
     assert eight.validate(cuda_core) is None
 
 
@@ -736,6 +746,16 @@ def test_int4_mma_gemv_of_16_rows_compiles_for_sm90a_without_spills(sm90):
                 assert report.ok and report.spills == 0, (shape, point, report.log[-2000:])
                 compiled += 1
     assert compiled >= 30
+    # The weights streamed into registers, two tiles' worth of four k-blocks in flight, at one row and at 16 (with
+    # zero points): no spills either.
+    for shape, attrs, tiles in (("m=16,n=4096,k=11008", "bits=4,group=128,zeros=1", 2),
+                                ("m=1,n=11008,k=4096", "bits=4,group=128", 2)):
+        space = Task.from_workload(make_workload("dequant_gemm", shape, "float16", attrs)).space(sm90)
+        point = space.canonical(space.default() | {"mma": True, "stream": True, "unroll": True, "rows_per_warp": tiles})
+        assert space.validate(point) is None, point
+        source = cuda_source(space.apply(point), sm90, space.build_config(point), space.codegen)
+        report = nvcc_compile(source, "sm_90a")
+        assert report.ok and report.spills == 0, (shape, point, report.log[-2000:])
 
 
 @pytest.mark.slow
@@ -986,22 +1006,27 @@ int main() {{
 
 @needs_nvcc
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,attrs,warps,tiles", [
-    ("m=3,n=72,k=640", "bits=4,group=128,bias=1", 2, 2),
-    ("m=3,n=72,k=640", "bits=4,group=128,zeros=1,bias=1", 2, 2),
-    ("m=8,n=48,k=512", "bits=4,group=256,zeros=1", 4, 1),
-    ("m=16,n=72,k=640", "bits=4,group=128,bias=1", 2, 2),
-    ("m=16,n=48,k=512", "bits=4,group=256,zeros=1", 4, 1),
-    ("m=11,n=72,k=640", "bits=4,group=128", 4, 2),
-    ("m=11,n=40,k=384", "bits=4,group=128,zeros=1,bias=1", 1, 4),
+@pytest.mark.parametrize("shape,attrs,warps,tiles,unroll", [
+    ("m=3,n=72,k=640", "bits=4,group=128,bias=1", 2, 2, 0),
+    ("m=3,n=72,k=640", "bits=4,group=128,zeros=1,bias=1", 2, 2, 0),
+    ("m=8,n=48,k=512", "bits=4,group=256,zeros=1", 4, 1, 0),
+    ("m=16,n=72,k=640", "bits=4,group=128,bias=1", 2, 2, 0),
+    ("m=16,n=48,k=512", "bits=4,group=256,zeros=1", 4, 1, 0),
+    ("m=11,n=72,k=640", "bits=4,group=128", 4, 2, 0),
+    ("m=11,n=40,k=384", "bits=4,group=128,zeros=1,bias=1", 1, 4, 0),
+    ("m=1,n=72,k=1152", "bits=4,group=128,bias=1", 2, 2, 4),
+    ("m=16,n=40,k=1408", "bits=4,group=128,zeros=1", 1, 1, 4),
+    ("m=5,n=48,k=640", "bits=4,group=128", 4, 1, 1),
 ], ids=["zero-point-8", "zero-points-bias", "zero-points-8-rows", "16-rows-bias", "16-rows-zero-points",
-        "11-rows", "11-rows-zero-points-bias"])
-def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, tmp_path):
+        "11-rows", "11-rows-zero-points-bias", "stream-1-row-unrolled-tail", "stream-16-rows-zero-points-unrolled",
+        "stream-5-rows"])
+def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, unroll, tmp_path):
     """int4_gemv's tensor-core kernel, compiled for the host by nvcc and run block by block with one thread per
     CUDA thread (the mma.sync and bulk copies emulated), against the workload's float64 reference on its own
     inputs: zero point 8, and zero points (zeros=1) folded in through the k-block's sum of x; a last tile past
     n, warps splitting the k-blocks unevenly; 16 activation rows (two n8 tiles of mma's N) and 11 (a partial
-    second tile), with and without zero points and bias, one warp and several."""
+    second tile), with and without zero points and bias, one warp and several; and with the weights streamed into
+    registers (``unroll`` k-blocks' loads together, then the k-blocks after the last whole group one at a time)."""
     import torch
 
     from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
@@ -1016,7 +1041,9 @@ def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, t
     names = ["x", "wq", "scales"] + (["zeros"] if zeros else []) + (["bias"] if a["bias"] else [])
     for name, tensor in zip(names, ins):
         (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    name, source = _mma_source(m, n, k, -(-k // group), group, warps, tiles, a["bias"], "none", zeros)
+    stream = unroll > 0
+    name, source = _mma_source(m, n, k, -(-k // group), group, warps, tiles, a["bias"], "none", zeros, stream,
+                               max(unroll, 1))
     _, store1, epilogue = _epilogue_source("float16", "none")
     body = _host_body(source.removeprefix(epilogue))
     body = body.replace('asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));',
@@ -1039,7 +1066,7 @@ int main() {{
   host_warps_per_cta = {warps};
   host_rank = 0;
   for (int bx = 0; bx < {-(-n // (16 * tiles))}; ++bx) {{
-    std::vector<uint4> smem({mma_smem_bytes(k, tiles, warps, m)} / 16 + 1);
+    std::vector<uint4> smem({mma_smem_bytes(k, tiles, warps, m, stream)} / 16 + 1);
     std::barrier<> block(threads);
     host_block_barriers = {{&block}};
     host_warp_barriers.clear();

@@ -25,7 +25,10 @@ For fp16 with groups of 128 or more, ``mma`` selects a second kernel (:func:`_mm
 on ``mma.sync`` with 16 weight rows as M and the activation rows as N, the weights bulk-copied into shared
 memory. There ``warps`` split k and ``rows_per_warp`` counts tiles of 16 rows per block. It takes 8
 activation rows in about the time of one, where the CUDA-core kernel's time grows with the rows; at one
-row the CUDA-core kernel stays ahead (BENCHMARKS.md, GPU kernels). Zero points: :func:`_mma_source`.
+row the CUDA-core kernel stays ahead (BENCHMARKS.md, GPU kernels). Zero points: :func:`_mma_source`. With
+``stream`` the tensor-core kernel has no slab: each lane loads its weights straight into registers, ``unroll``
+issuing four k-blocks' loads before their products (a knob newer than this version's first records, whose points
+bulk-copy).
 
 A decode step of 9 to 16 rows (a batch of 16 sequences) is the tensor-core kernel's alone: its activation rows
 are two n8 tiles of mma's N, each A fragment (16 weight rows, unpacked once) taken by two ``mma.sync``, one per
@@ -88,22 +91,35 @@ def mma_n_tiles(m: int) -> int:
     return math.ceil(m / 8)
 
 
-def mma_smem_bytes(k: int, tiles: int, warps: int, m: int) -> int:
-    """Shared memory of a tensor-core point for m activation rows: its tiles' weight slab, an mbarrier per warp,
-    and the warps' partial sums (four per lane, 16-row tile and n8 tile of activation rows)."""
+def mma_smem_bytes(k: int, tiles: int, warps: int, m: int, stream: bool = False) -> int:
+    """Shared memory of a tensor-core point for m activation rows: its tiles' weight slab and an mbarrier per warp
+    (none where the weights stream into registers), and the warps' partial sums (four per lane, 16-row tile and
+    n8 tile of activation rows)."""
     partial = warps * tiles * mma_n_tiles(m) * 4 * 32 * 4 if warps > 1 else 0
-    return 16 * tiles * _slab_row_bytes(k) + 8 * warps + partial
+    return (0 if stream else 16 * tiles * _slab_row_bytes(k) + 8 * warps) + partial
+
+
+MMA_STREAM_UNROLL = 4  # k-blocks whose loads a streaming point with ``unroll`` issues together
+
+
+def mma_stream_registers(m: int, tiles: int, unroll: bool) -> int:
+    """32-bit registers of a streaming tensor-core thread's weights in flight, activation fragments, offsets and
+    accumulators."""
+    nt = mma_n_tiles(m)
+    return (MMA_STREAM_UNROLL if unroll else 1) * tiles * 8 + 24 * nt + 4 * tiles * nt
 
 
 def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, tiles: int, bias: bool,
-                act: str, zeros: bool = False) -> tuple[str, str]:
+                act: str, zeros: bool = False, stream: bool = False, unroll: int = 1) -> tuple[str, str]:
     """(name, source) of the tensor-core int4 GEMV (fp16): one device function that runs a whole block.
 
     Loads: the block's ``tiles`` x 16 weight rows are contiguous in memory. Each of its ``warps`` warps
     takes one contiguous share of the k-blocks (128 weights of a row) and, at the start, asks the copy
     engine for that share of every row (``cp.async.bulk``, one per row, completing on the warp's
     mbarrier). So the whole slab is in flight at once without a register or an instruction per byte, and
-    each warp starts on its share as soon as that share has landed.
+    each warp starts on its share as soon as that share has landed. With ``stream`` there is no slab: each lane
+    loads its 16 bytes of rows g and g + 8 (below) straight from global memory, ``unroll`` k-blocks' loads
+    issued before their products, so the weights of a block never wait for the whole of its share.
 
     The product is ``mma.sync`` m16n8k16 with 16 weight rows as M and the activation rows as N: up to 8
     rows one n8 tile, 9 to 16 two, each A fragment then taken by one product per tile. Inside a k-block the
@@ -119,10 +135,12 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
     With ``zeros`` (a zero point z per row and group): one more product with constant A (1, 16) gives the
     k-block's sum of x per activation row, and each row's sums start from the offsets plus (8 - z) times it,
     sums of (q - z) x."""
-    name = f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_{int(bias)}{act}" + ("_zeros" if zeros else "")
+    name = (f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_{int(bias)}{act}" + ("_zeros" if zeros else "")
+            + (f"_stream{unroll}" if stream else ""))
     _, store1, epi_source = _epilogue_source("float16", act)
     config = {"M": m, "N": n, "K": k, "GROUPS": groups, "GROUP": group, "W": warps, "R": tiles,
-              "ROW_BYTES": _slab_row_bytes(k), "BIAS": bias, "ZEROS": zeros}
+              "ROW_BYTES": 0 if stream else _slab_row_bytes(k), "BIAS": bias, "ZEROS": zeros, "STREAM": stream,
+              "U": unroll}
     entry = "AUTOSCHED_Q4_MMA_GEMV" + ("_ZEROS" if zeros else "") + ("_BIAS" if bias else "")
     return name, (epi_source + cuda_file("int4_mma_gemv.cuh") + config_struct(f"{name}_config", config)
                   + f"{entry}({name}, {name}_config, {store1})\n")
@@ -132,16 +150,19 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
     """The TIRx kernel of a tensor-core point (``p["mma"]``): a shell around :func:`_mma_source`."""
     from tvm.script import tirx as T
 
-    warps, tiles = p["warps"], p["rows_per_warp"]
+    warps, tiles, stream = p["warps"], p["rows_per_warp"], p.get("stream", False)
     grid = math.ceil(n / (16 * tiles))
     groups = math.ceil(k / group)
-    smem_bytes = mma_smem_bytes(k, tiles, warps, m)
-    fn, source = _mma_source(m, n, k, groups, group, warps, tiles, bias, act, zeros)
+    smem_bytes = max(mma_smem_bytes(k, tiles, warps, m, stream), 16)
+    unroll = MMA_STREAM_UNROLL if stream and p["unroll"] else 1
+    fn, source = _mma_source(m, n, k, groups, group, warps, tiles, bias, act, zeros, stream, unroll)
     # Two n8 tiles hold twice the activations and sums in registers. Where shared memory alone bounds the blocks
     # per SM so that no register count could, ptxas is told one block per SM suffices (else its occupancy
-    # heuristic may cap the registers and spill); up to 8 rows the kernels stay as they were.
+    # heuristic may cap the registers and spill); up to 8 rows the kernels stay as they were. Streaming points
+    # are told so too: else ptxas may interleave the loads with the products to save registers, leaving few
+    # loads in flight.
     resident = SM_SHARED // (smem_bytes + 1024)  # 1 KB per block reserved
-    free_registers = m > MAX_M and resident * 32 * warps * 255 <= SM_REGISTERS
+    free_registers = stream or (m > MAX_M and resident * 32 * warps * 255 <= SM_REGISTERS)
 
     def inputs(A, Wq, S, Z, Bias):  # in the workload's order, as the entry point takes them
         return [buf.access_ptr("r") for buf in (A, Wq, S, Z, Bias) if buf is not None]
@@ -304,6 +325,10 @@ class Int4GemvSpace(Int4Template):
         self.tensor_cores = tensor_cores_apply(self.dtype, self.k, self.group)
         if self.tensor_cores:
             self.knobs.append(Knob("mma", (False, True), ordered=False))
+            # its weights streamed into registers rather than bulk-copied into shared memory: a knob that came
+            # after points of this version were stored (theirs bulk-copy)
+            self.knobs.append(Knob("stream", (False, True), ordered=False))
+            self.added = {"stream": False}
 
     def steps(self) -> int:
         return math.ceil(self.k // CHUNK / 32)
@@ -316,7 +341,13 @@ class Int4GemvSpace(Int4Template):
                 return "more 16-row tiles per block than the weights have rows"
             if self.k // MMA_K_BLOCK < p["warps"]:
                 return f"{p['warps']} warps split {self.k // MMA_K_BLOCK} k-blocks"
-            smem = mma_smem_bytes(self.k, p["rows_per_warp"], p["warps"], self.m)
+            if p.get("stream"):
+                regs = mma_stream_registers(self.m, p["rows_per_warp"], p["unroll"])
+                if regs > 160:
+                    return f"{regs} registers of weights in flight, fragments and sums per thread (at most 160)"
+                if p["unroll"] and self.k // MMA_K_BLOCK // p["warps"] < MMA_STREAM_UNROLL:
+                    return f"unrolling {MMA_STREAM_UNROLL} k-blocks of a warp's {self.k // MMA_K_BLOCK // p['warps']}"
+            smem = mma_smem_bytes(self.k, p["rows_per_warp"], p["warps"], self.m, p.get("stream", False))
             if smem > SMEM_LIMIT:
                 return f"{smem} bytes of shared memory (limit {SMEM_LIMIT})"
             return None
@@ -331,8 +362,12 @@ class Int4GemvSpace(Int4Template):
         return None
 
     def canonical(self, p: Point) -> Point:
-        # the tensor-core kernel has no such choices: its loads are bulk copies, its products fp32
-        return p | {"half_products": False, "unroll": False} if p.get("mma") else p
+        # The tensor-core kernel's products are fp32, and bulk copies leave nothing to unroll; the CUDA-core kernel
+        # has no loads to choose.
+        p = self.complete(p)
+        if p.get("mma"):
+            return p | {"half_products": False} | ({} if p.get("stream") else {"unroll": False})
+        return p | {"stream": False} if self.tensor_cores else p
 
     def first_points(self) -> list[Point]:
         """The default, then (up to eight rows, where the default is on CUDA cores) the tensor-core kernel's
@@ -342,6 +377,13 @@ class Int4GemvSpace(Int4Template):
             point = self.canonical(first[0] | {"warps": 4, "rows_per_warp": 1, "mma": True})
             if self.check(point) is None:
                 first.append(point)
+        if self.tensor_cores:  # and with the weights streamed into registers
+            for warps in (4, 2, 1):
+                point = self.canonical(first[0] | {"warps": warps, "rows_per_warp": 1, "unroll": True, "mma": True,
+                                                   "stream": True})
+                if self.check(point) is None:
+                    first.append(point)
+                    break
         return first
 
     def default(self) -> Point:
@@ -353,7 +395,7 @@ class Int4GemvSpace(Int4Template):
                     return point
             return super().default()
         if self.tensor_cores:
-            extra["mma"] = False
+            extra |= {"mma": False, "stream": False}
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},
                       {"warps": 4, "rows_per_warp": 1, "unroll": False}):
             if self.check(point | extra) is None:
@@ -367,7 +409,10 @@ class Int4GemvSpace(Int4Template):
 
     def point_features(self, p: Point) -> list[float]:
         """Knobs, the bytes each thread has in flight, and how the blocks fill the machine."""
-        if p.get("mma"):  # warps split k over tiles of 16 rows; the whole slab is in flight at once
+        if p.get("stream"):  # warps split k over tiles of 16 rows; a lane has its unrolled k-blocks in flight
+            rows_pb = 16 * p["rows_per_warp"]
+            in_flight = 32 * p["rows_per_warp"] * (MMA_STREAM_UNROLL if p["unroll"] else 1)
+        elif p.get("mma"):  # warps split k over tiles of 16 rows; the whole slab is in flight at once
             rows_pb = 16 * p["rows_per_warp"]
             in_flight = rows_pb * self.k // 2 / (32 * p["warps"])
         else:
@@ -375,7 +420,7 @@ class Int4GemvSpace(Int4Template):
             in_flight = 16 * p["rows_per_warp"] * (self.steps() if p["unroll"] else 1)
         blocks = math.ceil(self.n / rows_pb)
         return [p["warps"], p["rows_per_warp"], float(p["unroll"]), float(p.get("half_products", False)),
-                float(p.get("mma", False)), rows_pb,
+                float(p.get("mma", False)), float(p.get("stream", False)), rows_pb,
                 math.log2(blocks), blocks / self.sms,
                 in_flight, in_flight * 32 * p["warps"], self.steps(), self.m]
 

@@ -1,7 +1,7 @@
 // int4_gemv's tensor-core kernel (fp16): one device function that runs a whole block, the products on
 // mma.sync m16n8k16 with 16 weight rows as M and the activation rows as N (at most 16: one or two n8 tiles,
-// each A fragment taken by one mma.sync per tile), the weights bulk-copied into shared memory
-// (search_spaces/templates/int4_gemv.py, _mma_source, explains the loads and the nibble order). Its
+// each A fragment taken by one mma.sync per tile), the weights bulk-copied into shared memory or streamed into
+// registers (search_spaces/templates/int4_gemv.py, _mma_source, explains the loads and the nibble order). Its
 // compile-time parameters come in a config struct that int4_gemv.py generates per point;
 // AUTOSCHED_Q4_MMA_GEMV(_BIAS) below makes the entry point with the point's own name.
 #ifndef AUTOSCHED_INT4_MMA_GEMV_CUH
@@ -33,33 +33,38 @@ __device__ __forceinline__ void autosched_q4_mma_activations(uint32_t (&b)[8][2]
     b[2 * w + 1][1] = *reinterpret_cast<uint32_t*>(&h1);
   }
 }
-// The whole block's work: C holds the sizes (M, N, K, GROUPS, GROUP), the warps W, the 16-row tiles R, the
-// slab's padded ROW_BYTES, BIAS and ZEROS (zero points [N, GROUPS] in place of 8); STORE1 applies the
-// activation and stores one output.
+// The whole block's work: C holds the sizes (M, N, K, GROUPS, GROUP), the warps W, the 16-row tiles R, BIAS and
+// ZEROS (zero points [N, GROUPS] in place of 8), and how the weights come in: with STREAM, straight from global
+// memory into registers, the loads of U k-blocks issued before their products; else bulk-copied into a shared slab
+// of rows ROW_BYTES apart. STORE1 applies the activation and stores one output.
 template <class C, void (*STORE1)(__half*, float)>
 __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__ x, const uint8_t* __restrict__ wq,
     const __half* __restrict__ scales, const uint8_t* __restrict__ zeros, const __half* __restrict__ bias,
     __half* __restrict__ c, uint8_t* smem, int bx, int tx) {
   constexpr int M = C::M, N = C::N, K = C::K, GROUPS = C::GROUPS, GROUP = C::GROUP, W = C::W, R = C::R;
   constexpr int K_BLOCK = AUTOSCHED_Q4_K_BLOCK;
-  constexpr int BLOCKS = K / K_BLOCK, ROW_BYTES = C::ROW_BYTES, ROWS = 16 * R;
+  constexpr int BLOCKS = K / K_BLOCK, ROWS = 16 * R;
+  constexpr int SLAB = C::STREAM ? 0 : ROWS * C::ROW_BYTES + 8 * W;  // the slab and its warps' mbarriers
   constexpr int NT = (M + 7) / 8;  // n8 tiles of activation rows: mma's N
   static_assert(NT >= 1 && NT <= 2, "one or two n8 tiles of activation rows");
   const int warp = tx >> 5, lane = tx & 31, g = lane >> 2, t = lane & 3;
   const int row0 = bx * ROWS, valid_rows = min(ROWS, N - row0);
   const int kb0 = warp * BLOCKS / W, kb1 = (warp + 1) * BLOCKS / W;  // this warp's share of the k-blocks
-  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(smem + ROWS * ROW_BYTES)) + 8 * warp;
-  if (lane == 0) autosched_bulk_expect(bar, valid_rows * (kb1 - kb0) * (K_BLOCK / 2));
-  __syncwarp();
-  for (int r = lane; r < valid_rows; r += 32)
-    autosched_bulk_copy(smem + r * ROW_BYTES + kb0 * (K_BLOCK / 2),
-                        wq + (size_t)(row0 + r) * (K / 2) + kb0 * (K_BLOCK / 2), (kb1 - kb0) * (K_BLOCK / 2), bar);
+  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(smem + ROWS * C::ROW_BYTES)) + 8 * warp;
+  if (!C::STREAM) {
+    if (lane == 0) autosched_bulk_expect(bar, valid_rows * (kb1 - kb0) * (K_BLOCK / 2));
+    __syncwarp();
+    for (int r = lane; r < valid_rows; r += 32)
+      autosched_bulk_copy(smem + r * C::ROW_BYTES + kb0 * (K_BLOCK / 2),
+                          wq + (size_t)(row0 + r) * (K / 2) + kb0 * (K_BLOCK / 2), (kb1 - kb0) * (K_BLOCK / 2), bar);
+  }
   const __half2 sixteenth = __float2half2_rn(0.0625f);
   const uint32_t lo_offset = 0xE408E408u, hi_offset = 0xE480E480u;  // half2 (-1032, -1032), (-1152, -1152)
   const uint32_t ones = 0x3C003C00u, sixteens = 0x4C004C00u;  // half2 (1, 1), (16, 16)
   float acc[R][NT][4];
   const __half* row_scales[R][2];
   const uint8_t* row_zeros[R][2];
+  const uint8_t* row_weights[R][2];  // STREAM: lane t's 16 bytes of the first k-block, rows g and g + 8
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     #pragma unroll
@@ -67,13 +72,15 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
       #pragma unroll
       for (int e = 0; e < 4; ++e) acc[r][nt][e] = 0.f;
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // rows past N read row N - 1's scales and stale shared memory; never stored
-      row_scales[r][h] = scales + (size_t)min(row0 + 16 * r + g + 8 * h, N - 1) * GROUPS;
-      if (C::ZEROS) row_zeros[r][h] = zeros + (size_t)min(row0 + 16 * r + g + 8 * h, N - 1) * GROUPS;
+    for (int h = 0; h < 2; ++h) {  // rows past N read row N - 1's weights, scales (and, in the slab, stale bytes)
+      const int row = min(row0 + 16 * r + g + 8 * h, N - 1);  // and are never stored
+      row_scales[r][h] = scales + (size_t)row * GROUPS;
+      if (C::ZEROS) row_zeros[r][h] = zeros + (size_t)row * GROUPS;
+      row_weights[r][h] = wq + (size_t)row * (K / 2) + 16 * t;
     }
   }
-  autosched_mbarrier_wait(bar, 0);  // the barrier's first phase
-  for (int kb = kb0; kb < kb1; ++kb) {
+  // One k-block's products: the tiles' packed weights q[r][h] (rows g and g + 8), scaled by their groups' scales.
+  auto k_block = [&](int kb, const uint4 (&q)[R][2]) {
     // This k-block's activations in the nibbles' order, per n8 tile of activation rows; zeros past row M.
     uint32_t b[NT][8][2];
     if (g < M) {
@@ -109,9 +116,8 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
     const int group_index = kb * K_BLOCK / GROUP;
     #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const uint8_t* tile = smem + (16 * r + g) * ROW_BYTES + kb * (K_BLOCK / 2) + 16 * t;
-      const uint4 qg = *reinterpret_cast<const uint4*>(tile), q8 = *reinterpret_cast<const uint4*>(tile + 8 * ROW_BYTES);
-      const uint32_t wg[4] = {qg.x, qg.y, qg.z, qg.w}, w8[4] = {q8.x, q8.y, q8.z, q8.w};
+      const uint32_t wg[4] = {q[r][0].x, q[r][0].y, q[r][0].z, q[r][0].w};
+      const uint32_t w8[4] = {q[r][1].x, q[r][1].y, q[r][1].z, q[r][1].w};
       float d[NT][4];
       #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -140,9 +146,43 @@ __device__ __forceinline__ void autosched_q4_mma_gemv(const __half* __restrict__
         acc[r][nt][2] += d[nt][2] * s1; acc[r][nt][3] += d[nt][3] * s1;
       }
     }
+  };
+  if (C::STREAM) {  // the loads of U k-blocks in flight before their products; then the last k-blocks one at a time
+    int kb = kb0;
+    for (; kb + C::U <= kb1; kb += C::U) {
+      uint4 q[C::U][R][2];
+      #pragma unroll
+      for (int u = 0; u < C::U; ++u)
+        #pragma unroll
+        for (int r = 0; r < R; ++r)
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) q[u][r][h] = autosched_ld_stream_v4(row_weights[r][h] + (kb + u) * (K_BLOCK / 2));
+      #pragma unroll
+      for (int u = 0; u < C::U; ++u) k_block(kb + u, q[u]);
+    }
+    for (; kb < kb1; ++kb) {
+      uint4 q[R][2];
+      #pragma unroll
+      for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) q[r][h] = autosched_ld_stream_v4(row_weights[r][h] + kb * (K_BLOCK / 2));
+      k_block(kb, q);
+    }
+  } else {
+    autosched_mbarrier_wait(bar, 0);  // the barrier's first phase
+    for (int kb = kb0; kb < kb1; ++kb) {
+      uint4 q[R][2];
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* tile = smem + (16 * r + g) * C::ROW_BYTES + kb * (K_BLOCK / 2) + 16 * t;
+        q[r][0] = *reinterpret_cast<const uint4*>(tile);
+        q[r][1] = *reinterpret_cast<const uint4*>(tile + 8 * C::ROW_BYTES);
+      }
+      k_block(kb, q);
+    }
   }
   if (W > 1) {  // the warps' partial sums meet in shared memory after the slab, laid out [warp][register][lane]
-    auto partial = reinterpret_cast<float (*)[R * NT * 4][32]>(smem + ROWS * ROW_BYTES + 8 * W);
+    auto partial = reinterpret_cast<float (*)[R * NT * 4][32]>(smem + SLAB);
     #pragma unroll
     for (int r = 0; r < R; ++r)
       #pragma unroll
