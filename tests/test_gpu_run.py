@@ -33,6 +33,17 @@ def measurers(gpu_target):
         m.close()
 
 
+def valid_points(space, candidates: list[dict]) -> list[dict]:
+    """The candidates that ``space`` accepts, each once, in order."""
+    return [p for i, p in enumerate(candidates) if space.validate(p) is None and p not in candidates[:i]]
+
+
+def assert_correct(measurer, task, points: list[dict], label: str = "") -> None:
+    """Every point of ``task`` built and run on the GPU, each matching its float64 reference."""
+    for point, res in zip(points, measurer.measure(task.spec, points)):
+        assert res.ok, f"{label} {point}: {res.error_kind}: {res.error_msg}".lstrip()
+
+
 @pytest.mark.parametrize("op,shape,dtype,attrs,space_name,arch", CASES, ids=CASE_IDS)
 def test_sampled_kernels_are_correct_on_the_gpu(op, shape, dtype, attrs, space_name, arch, measurers):
     target, measurer = measurers(arch)
@@ -76,8 +87,7 @@ def test_whole_wave_block_n_is_correct_on_the_gpu(measurers):
             "swap_ab": False, "multicast": "none"}
     points = [{**base, "stages": 5, "pingpong": False}, {**base, "stages": 4, "pingpong": True}]
     assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
-    for point, res in zip(points, measurer.measure(task.spec, points)):
-        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+    assert_correct(measurer, task, points)
 
 
 def test_multicast_pairs_are_correct_on_the_gpu(measurers):
@@ -93,8 +103,7 @@ def test_multicast_pairs_are_correct_on_the_gpu(measurers):
               for mc in ("b", "a") for persistent in (False, True)]
     points.append(space.canonical({**base, "multicast": "b", "persistent": True, "block_n": 256, "group_m": 1}))
     assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
-    for point, res in zip(points, measurer.measure(task.spec, points)):
-        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+    assert_correct(measurer, task, points)
 
 
 def test_swapped_operands_are_correct_at_shapes_no_tile_divides(measurers):
@@ -108,8 +117,7 @@ def test_swapped_operands_are_correct_at_shapes_no_tile_divides(measurers):
     points = [{**base, "block_n": 16, "split_k": 1}, {**base, "block_n": 16, "split_k": 2},
               {**base, "wg_rows": 128, "block_n": 32, "split_k": 1}]
     assert all(space.validate(p) is None for p in points)
-    for point, res in zip(points, measurer.measure(task.spec, points)):
-        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+    assert_correct(measurer, task, points)
 
 
 
@@ -130,10 +138,9 @@ def test_streaming_mma_gemv_is_correct_on_the_gpu(measurers):
         points = [space.first_points()[-1]] + [
             space.canonical({**space.default(), "stream": True, "stream_warps": w, "stream_tiles": t, "stream_unroll": u})
             for w, t, u in ((8, 1, 4), (1, 4, 1), (4, 2, 2), (2, 1, 1), (8, 1, 1), (2, 2, 1), (4, 1, 2))]
-        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        points = valid_points(space, points)
         assert len(points) >= 4, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{op} {shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, f"{op} {shape} {dtype}")
 
 
 def test_pingpong_consumers_are_correct_on_the_gpu(measurers):
@@ -151,8 +158,7 @@ def test_pingpong_consumers_are_correct_on_the_gpu(measurers):
         task = Task.from_workload(make_workload("gemm", shape, "float16", "bias=1,act=gelu"))
         space = task.space(target)
         assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, shape)
 
 
 def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
@@ -184,8 +190,7 @@ def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
                                                           for w, split, st, ctas in ((4, 1, 4, 1), (2, 2, 8, 1),
                                                                                      (8, 4, 16, 1), (4, 8, 4, 2))]
     assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
-    for point, res in zip(points, measurer.measure(task.spec, points)):
-        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+    assert_correct(measurer, task, points)
     # bf16, head dim 64, eight query heads per K/V head, on tensor cores; pages of 32 tokens.
     task = Task.from_workload(make_workload("paged_decode_attention", "b=2,h=32,hkv=4,d=64,ctx=300,page=16",
                                             "bfloat16"))
@@ -193,14 +198,12 @@ def test_paged_decode_is_correct_for_every_split_on_the_gpu(measurers):
                "tma_stages": 0} for u, split, pf, ctas in ((2, 1, 0, 1), (1, 4, 0, 1), (1, 2, 1, 1), (1, 4, 1, 4))]
     points += [tma_point(w, split, st, 1) for w, split, st in ((4, 1, 4), (2, 4, 8), (8, 2, 16))]
     assert all(task.space(target).validate(p) is None for p in points)
-    for point, res in zip(points, measurer.measure(task.spec, points)):
-        assert res.ok, f"bf16 d=64 {point}: {res.error_kind}: {res.error_msg}"
+    assert_correct(measurer, task, points, "bf16 d=64")
     task = Task.from_workload(make_workload("paged_decode_attention", "b=3,h=8,hkv=2,d=128,ctx=520,page=32",
                                             "float16"))
     points = [tma_point(4, 2, 4, 1), tma_point(2, 1, 8, 1)]
     assert all(task.space(target).validate(p) is None for p in points)
-    for point, res in zip(points, measurer.measure(task.spec, points)):
-        assert res.ok, f"page 32 {point}: {res.error_kind}: {res.error_msg}"
+    assert_correct(measurer, task, points, "page 32")
 
 
 def tma_point(warps: int, split: int, stages: int, ctas_per_sm: int) -> dict:
@@ -220,10 +223,9 @@ def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):
         mma = {"mma": False} if any(knob.name == "mma" for knob in space.knobs) else {}
         points = [{"warps": w, "rows_per_warp": r, "unroll": u, "half_products": True} | mma
                   for w in (1, 4) for r in (1, 2, 4) for u in (False, True)]
-        points = [p for p in points if space.validate(p) is None]
+        points = valid_points(space, points)
         assert len(points) >= 6
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, shape)
 
 
 def test_int4_gemv_on_tensor_cores_is_correct_on_the_gpu(measurers):
@@ -239,10 +241,9 @@ def test_int4_gemv_on_tensor_cores_is_correct_on_the_gpu(measurers):
         assert space.name == "int4_gemv"
         points = [{"warps": w, "rows_per_warp": r, "unroll": False, "half_products": False, "mma": True}
                   for w, r in ((1, 1), (4, 1), (8, 1), (2, 2), (4, 4), (1, 4))]
-        points = [p for p in points if space.validate(p) is None]
+        points = valid_points(space, points)
         assert len(points) >= 5, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, shape)
 
 
 @pytest.mark.gpu
@@ -263,10 +264,9 @@ def test_int4_gemv_of_16_rows_on_tensor_cores_is_correct_on_the_gpu(measurers):
         assert space.validate({"warps": 4, "rows_per_warp": 1, "unroll": True, "half_products": False, "mma": False})
         points = [space.default()] + [{"warps": w, "rows_per_warp": r, "unroll": False, "half_products": False,
                                         "mma": True} for w, r in ((1, 1), (8, 1), (2, 2), (4, 4), (1, 4))]
-        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        points = valid_points(space, points)
         assert len(points) >= 4, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {attrs} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, f"{shape} {attrs}")
 
 
 def test_int4_gemv_streamed_into_tensor_cores_is_correct_on_the_gpu(measurers):
@@ -284,10 +284,9 @@ def test_int4_gemv_streamed_into_tensor_cores_is_correct_on_the_gpu(measurers):
         points = [space.first_points()[-1]] + [
             space.canonical(space.default() | {"warps": w, "rows_per_warp": r, "unroll": u, "mma": True, "stream": True})
             for w, r, u in ((1, 1, True), (8, 1, False), (2, 2, True), (4, 4, False), (1, 2, False))]
-        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        points = valid_points(space, points)
         assert len(points) >= 4, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {attrs} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, f"{shape} {attrs}")
 
 
 def test_int4_gemv_with_zero_points_is_correct_on_the_gpu(measurers):
@@ -312,10 +311,9 @@ def test_int4_gemv_with_zero_points_is_correct_on_the_gpu(measurers):
         if mma:
             points += [{"warps": w, "rows_per_warp": r, "unroll": False, "half_products": False, "mma": True}
                        for w, r in ((1, 1), (4, 1), (8, 1), (2, 2), (4, 4))]
-        points = [p for p in points if space.validate(p) is None]
+        points = valid_points(space, points)
         assert len(points) >= 3, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, f"{shape} {dtype}")
 
 
 def test_gemv8_is_correct_on_the_gpu(measurers):
@@ -338,10 +336,9 @@ def test_gemv8_is_correct_on_the_gpu(measurers):
         assert space.name == "gemv8"
         points = [space.canonical({"warps": w, "rows_per_warp": r, "unroll": u})
                   for w, r, u in ((4, 2, True), (1, 4, False), (8, 1, True), (2, 4, True), (4, 1, False))]
-        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        points = valid_points(space, points)
         assert len(points) >= 4, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {dtype} {attrs} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, f"{shape} {dtype} {attrs}")
 
 
 def test_swiglu_gemv_is_correct_on_the_gpu(measurers):
@@ -359,10 +356,9 @@ def test_swiglu_gemv_is_correct_on_the_gpu(measurers):
         assert space.name == "swiglu_gemv"
         points = [space.canonical({"warps": w, "cols_per_warp": c, "unroll": u})
                   for w, c, u in ((4, 1, True), (1, 2, False), (8, 1, True), (2, 4, True), (4, 2, False))]
-        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        points = valid_points(space, points)
         assert len(points) >= 3, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, f"{shape} {dtype}")
 
 
 def test_moe_gemv_points_are_correct_on_the_gpu(measurers):
@@ -380,10 +376,9 @@ def test_moe_gemv_points_are_correct_on_the_gpu(measurers):
              "unroll": 16}
             for outs, rows, lanes, vec, staged in ((1, 1, 32, 1, False), (4, 2, 64, 4, True), (8, 4, 128, 2, True),
                                                    (2, 1, 256, 4, False), (16, 2, 32, 2, True), (2, 4, 32, 1, True))]
-        points = [p for p in points if space.validate(p) is None]
+        points = valid_points(space, points)
         assert len(points) >= 3, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, shape)
 
 
 @pytest.mark.parametrize("shape,dtype", [("m=1024,e=8,n=2048,k=4096", "float16"),  # Mixtral's prefill, cut in n
@@ -400,10 +395,9 @@ def test_moe_grouped_gemm_points_are_correct_on_the_gpu(shape, dtype, measurers)
     points = [space.default()] + [{"block_m": bm, "block_n": bn, "stages": s, "warps": w}
                                   for bm, bn, s, w in ((32, 64, 2, 4), (64, 128, 3, 8), (128, 128, 4, 4),
                                                        (128, 128, 3, 8), (128, 32, 4, 4))]
-    points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+    points = valid_points(space, points)
     assert len(points) >= 4, shape
-    for point, res in zip(points, measurer.measure(task.spec, points)):
-        assert res.ok, f"{shape} {point}: {res.error_kind}: {res.error_msg}"
+    assert_correct(measurer, task, points, shape)
 
 
 def test_int4_prefill_dequantised_for_wgmma_is_correct_on_the_gpu(measurers):
@@ -438,10 +432,9 @@ def _check_dequant_wgmma_points(target, measurer, cases) -> None:
                   {"consumers": 2, "wg_rows": 64, "block_n": 128, "stages": 3, "group_m": 4, "persistent": False},
                   {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 4, "group_m": 4, "persistent": True}]
         points = [space.canonical(p) for p in points]
-        points = [p for i, p in enumerate(points) if space.validate(p) is None and p not in points[:i]]
+        points = valid_points(space, points)
         assert len(points) >= 2, shape
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, f"{shape} {dtype}")
 
 
 def test_fp8_gemm_on_fp8_tensor_cores_is_correct_on_the_gpu(measurers):
@@ -472,8 +465,7 @@ def test_fp8_gemm_on_fp8_tensor_cores_is_correct_on_the_gpu(measurers):
         assert space.name == "hopper_fp8_gemm"
         points = [space.canonical(space.default() if p is None else p) for p in points]
         assert all(space.validate(p) is None for p in points), [space.validate(p) for p in points]
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, f"{shape} {dtype}")
 
 
 def test_fp8_quant_rows_is_correct_on_the_gpu(measurers):
@@ -490,8 +482,7 @@ def test_fp8_quant_rows_is_correct_on_the_gpu(measurers):
         points = [space.default(), {"warps": 4, "vector": 1, "unroll": 0, "stage_input": False},
                   {"warps": 16, "vector": 2, "unroll": 64, "stage_input": True},
                   {"warps": 32, "vector": 4, "unroll": 256, "stage_input": False}]
-        for point, res in zip(points, measurer.measure(task.spec, points)):
-            assert res.ok, f"{shape} {dtype} {point}: {res.error_kind}: {res.error_msg}"
+        assert_correct(measurer, task, points, f"{shape} {dtype}")
 
 
 def test_a_w8a8_projection_of_a_prefill_chunk_is_correct_on_the_gpu(gpu_target, tmp_path):
@@ -565,10 +556,9 @@ def test_overlapped_softmax_attention_is_correct_on_the_gpu(op, shape, dtype, ca
     space = task.space(target)
     points = [{**space.default(), "overlap": True},
               {"consumers": 1, "block_kv": 64, "stages": 3, "overlap": True, "pingpong": False}]
-    points = [p for p in points if space.validate(p) is None]
+    points = valid_points(space, points)
     assert points
-    for point, res in zip(points, measurer.measure(task.spec, points)):
-        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+    assert_correct(measurer, task, points)
 
 @pytest.mark.parametrize("shape,dtype,causal", [
     ("b=1,h=4,hkv=2,s=1000,d=128", "float16", 1), ("b=2,h=2,s=700,d=128", "bfloat16", 0),
@@ -584,10 +574,9 @@ def test_pingpong_attention_is_correct_on_the_gpu(shape, dtype, causal, measurer
     space = task.space(target)
     points = [{"consumers": 2, "block_kv": kv, "stages": 2, "overlap": overlap, "pingpong": True}
               for kv, overlap in ((128, False), (64, False), (128, True), (176, True), (160, False))]
-    points = [p for p in points if space.validate(p) is None]
+    points = valid_points(space, points)
     assert points
-    for point, res in zip(points, measurer.measure(task.spec, points)):
-        assert res.ok, f"{point}: {res.error_kind}: {res.error_msg}"
+    assert_correct(measurer, task, points)
 
 
 def test_tuning_on_the_gpu_records_the_device(gpu_target, db_path):
