@@ -1062,27 +1062,11 @@ template <class T> std::vector<T> load(const char* name) {{
 }}
 int main() {{
 {loads}  std::vector<half> c({m * n});
-  const int threads = {warps * 32};
-  host_warps_per_cta = {warps};
-  host_rank = 0;
-  for (int bx = 0; bx < {-(-n // (16 * tiles))}; ++bx) {{
-    std::vector<uint4> smem({mma_smem_bytes(k, tiles, warps, m, stream)} / 16 + 1);
-    std::barrier<> block(threads);
-    host_block_barriers = {{&block}};
-    host_warp_barriers.clear();
-    for (int w = 0; w < {warps}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {{
-        host_thread.x = t;
-        {name}({", ".join(f"{v}.data()" for v in names)}, c.data(), reinterpret_cast<uint8_t*>(smem.data()), bx, t);
-      }});
-    for (auto& th : pool) th.join();
-    for (auto* b : host_warp_barriers) delete b;
-  }}
+""" + _host_blocks(-(-n // (16 * tiles)), warps, mma_smem_bytes(k, tiles, warps, m, stream),
+                   f'{name}({", ".join(f"{v}.data()" for v in names)}, c.data(), (uint8_t*)smem.data(), bx, t)') + """
   FILE* f = fopen("out.bin", "wb"); fwrite(c.data(), sizeof(half), c.size(), f); fclose(f);
   return 0;
-}}
+}
 """
     run_on_host(tmp_path, program)
     out = host_output(tmp_path, "out", torch.float16, (m, n))
@@ -1196,24 +1180,8 @@ std::vector<{scalar}> load(const char* name) {{
 }}
 int main() {{
 {"".join(f'  auto {v} = load("{v}.bin");' + chr(10) for v in names)}  std::vector<{scalar}> c({m * n});
-  const int threads = {warps * 32};
-  host_warps_per_cta = {warps};
-  host_rank = 0;
-  for (int bx = 0; bx < {-(-n // (16 * tiles))}; ++bx) {{
-    std::vector<float> smem({mma_gemv.smem_bytes(m, tiles, warps, gated)} / 4 + 1);
-    std::barrier<> block(threads);
-    host_block_barriers = {{&block}};
-    host_warp_barriers.clear();
-    for (int w = 0; w < {warps}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {{
-        host_thread.x = t;
-        {name}({", ".join(f"{v}.data()" for v in names)}, c.data(), smem.data(), bx, t);
-      }});
-    for (auto& th : pool) th.join();
-    for (auto* b : host_warp_barriers) delete b;
-  }}
+""" + _host_blocks(-(-n // (16 * tiles)), warps, mma_gemv.smem_bytes(m, tiles, warps, gated),
+                   f'{name}({", ".join(f"{v}.data()" for v in names)}, c.data(), (float*)smem.data(), bx, t)') + f"""
   FILE* f = fopen("out.bin", "wb"); fwrite(c.data(), sizeof({scalar}), c.size(), f); fclose(f);
   return 0;
 }}
@@ -1382,6 +1350,30 @@ def _host_body(source: str) -> str:
 
 
 CUDA_SCALAR_HOST = {"float16": "half", "bfloat16": "nv_bfloat16"}
+
+
+def _host_blocks(blocks: int, warps: int, smem_bytes: int, call: str) -> str:
+    """C++ that runs ``call`` (a CUDA thread's call of a device function that runs a whole block; it sees ``smem``,
+    the block's ``smem_bytes`` of shared memory as a uint4 vector, ``bx`` and ``t``) in ``blocks`` blocks of ``warps``
+    warps, one host thread per CUDA thread, each block's threads meeting at its block and warp barriers."""
+    return f"""  const int threads = {warps * 32};
+  host_warps_per_cta = {warps};
+  host_rank = 0;
+  for (int bx = 0; bx < {blocks}; ++bx) {{
+    std::vector<uint4> smem({smem_bytes} / 16 + 1);
+    std::barrier<> block(threads);
+    host_block_barriers = {{&block}};
+    host_warp_barriers.clear();
+    for (int w = 0; w < {warps}; ++w) host_warp_barriers.push_back(new std::barrier<>(32));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {{
+        host_thread.x = t;
+        {call};
+      }});
+    for (auto& th : pool) th.join();
+    for (auto* b : host_warp_barriers) delete b;
+  }}"""
 
 
 def _run_streaming_gemv(tmp_path, program: str, args: str, blocks: int, warps: int, scalar: str, op, wl, ins):
