@@ -173,9 +173,9 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec,
             from autosched.search_spaces import point_key
 
             # Whether the search found it, or the record is the space's default point measured first.
+            searched = point_key(space.complete(best.point)) != point_key(space.default())
             report.tuned[gv.name_hint] = {"key": task.key, "record_id": best.record_id,
-                                          "latency_us": best.median * 1e6, "space": best.space,
-                                          "searched": point_key(best.point) != point_key(space.default())}
+                                          "latency_us": best.median * 1e6, "space": best.space, "searched": searched}
         elif scheduled is not None and transferred is not None:
             report.transferred[gv.name_hint] = source
         else:
