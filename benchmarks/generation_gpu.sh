@@ -16,7 +16,7 @@
 #   decode-gemm  Llama-2-7B's four batch-16 GEMMs: hopper_gemm's wgmma default against its streaming mma.sync
 #           kernel's points (gpu_benchmark.py --hand-points gemm --points decode), GB/s beside cuBLAS
 #   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
-#           launch, fp8, int4, the streaming decode GEMMs)
+#           launch, fp8, int4, the streaming decode GEMMs), in TEST_WORKERS processes (default 4)
 # $DB is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
 set -uo pipefail
 NEED="transformers=transformers" source "$(dirname "$0")/_gpu_env.sh"
@@ -49,7 +49,8 @@ for step in "$@"; do
            timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points gemm --points decode "${shapes[@]}" --timeout 60 \
              --out "$OUT/decode_gemm" > "$OUT/decode_gemm.log" 2>&1; echo "decode-gemm: exit $?" ;;
     tests) read -r -a files <<< "${TESTS:-tests/test_programmatic_launch.py tests/test_quantize.py tests/test_gpu_run.py}"
-           timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 -k "${TEST_FILTER:-programmatic or fp8 or int4 or streaming}" \
+           timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" --dist load \
+             -k "${TEST_FILTER:-programmatic or fp8 or int4 or streaming}" \
              "${files[@]}" > "$OUT/tests.log" 2>&1
            echo "tests: exit $?"; tail -3 "$OUT/tests.log" ;;
     *) echo "unknown step '$step': topup, fp16, q4f16, fp8, spec, models, b64, decode-gemm or tests" >&2; exit 2 ;;
