@@ -700,8 +700,9 @@ class HopperGemmSpace(HopperTemplate):
                 useful, (bm + bn) / (bm * bn), p["wg_rows"] // 64 * bn // 2, math.ceil(self.k / self.BK) / p["stages"],
                 p["split_k"], math.ceil(self.k / self.BK) / p["split_k"], float(p.get("swap_ab", False)),
                 float(p.get("pingpong", False)), float(p.get("multicast", "none") == "a"),
-                float(p.get("multicast", "none") == "b"), self._l2_bytes_per_flop(p),
-                *mma_gemv.features(self.m, self.n, self.k, self.gated, self.sms, p)]
+                float(p.get("multicast", "none") == "b"), *mma_gemv.features(self.m, self.n, self.k, self.gated,
+                                                                              self.sms, p),
+                self._l2_bytes_per_flop(p)]
 
     def _l2_bytes_per_flop(self, p: Point) -> float:
         """Bytes the CTAs read from L2 per FLOP: each tile reads its A and B tiles for every k step, and a
