@@ -15,6 +15,8 @@
 #   b64     Llama-3-8B at batch 64 (a decode step of 64 sequences of 512 + 32 tokens)
 #   decode-gemm  Llama-2-7B's four batch-16 GEMMs: hopper_gemm's wgmma default against its streaming mma.sync
 #           kernel's points (gpu_benchmark.py --hand-points gemm --points decode), GB/s beside cuBLAS
+#   decode-int4  Llama-2-7B's four int4 projections (q4f16, groups of 128) at 1 and 16 rows: int4_gemv's first
+#           points (CUDA cores, tensor cores bulk-copied, tensor cores streamed), GB/s (--hand-points space)
 #   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
 #           launch, fp8, int4, the streaming decode GEMMs), in TEST_WORKERS processes (default 4)
 # $DB is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
@@ -48,12 +50,18 @@ for step in "$@"; do
     decode-gemm) shapes=(); for s in 16,12288,4096 16,4096,4096 16,22016,4096 16,4096,11008; do shapes+=(--shape "$s"); done
            timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points gemm --points decode "${shapes[@]}" --timeout 60 \
              --out "$OUT/decode_gemm" > "$OUT/decode_gemm.log" 2>&1; echo "decode-gemm: exit $?" ;;
+    decode-int4) shapes=(); for m in 1 16; do for nk in n=12288,k=4096 n=4096,k=4096 n=22016,k=4096 n=4096,k=11008; do
+             shapes+=(--shape "m=$m,$nk"); done; done
+           timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points space --workload dequant_gemm \
+             --attrs bits=4,group=128 --points first "${shapes[@]}" --timeout 60 --out "$OUT/decode_int4" \
+             > "$OUT/decode_int4.log" 2>&1; echo "decode-int4: exit $?" ;;
     tests) read -r -a files <<< "${TESTS:-tests/test_programmatic_launch.py tests/test_quantize.py tests/test_gpu_run.py}"
            timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" --dist load \
              -k "${TEST_FILTER:-programmatic or fp8 or int4 or streaming}" \
              "${files[@]}" > "$OUT/tests.log" 2>&1
            echo "tests: exit $?"; tail -3 "$OUT/tests.log" ;;
-    *) echo "unknown step '$step': topup, fp16, q4f16, fp8, spec, models, b64, decode-gemm or tests" >&2; exit 2 ;;
+    *) echo "unknown step '$step': topup, fp16, q4f16, fp8, spec, models, b64, decode-gemm, decode-int4 or tests" >&2
+       exit 2 ;;
   esac
 done
 python3 - "$OUT" <<'PY'

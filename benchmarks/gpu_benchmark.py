@@ -5,6 +5,8 @@ Usage: python benchmarks/gpu_benchmark.py [--cases NAME ...] [--trials N] [--tim
        python benchmarks/gpu_benchmark.py --hand-points gemm --shape 16,4096,11008 --points decode --out DIR
        python benchmarks/gpu_benchmark.py --hand-points fp8 --shape 8192,11008,4096 --points all --out DIR
        python benchmarks/gpu_benchmark.py --hand-points attention --case 1,32,32,2048,128,full --out DIR
+       python benchmarks/gpu_benchmark.py --hand-points space --workload dequant_gemm --attrs bits=4,group=128 \
+           --shape m=1,n=11008,k=4096 --points first --out DIR      (any workload's space: its first points)
 
 For each case, in one run on the GPU: autosched tunes the workload (the database is written to --out),
 then the best kernel, the dlight-scheduled kernel and the torch equivalent are each checked against
@@ -317,6 +319,53 @@ def _gemm_point(m, n, k, dtype, bias, act, point, queue):
         queue.put({"point": point, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
 
 
+def _space_point(op, shape, dtype, attrs, point, repeat, queue):
+    """Any workload's space at one point (``--hand-points space``): built as the search builds it, checked against the
+    float64 reference, timed with the L2 flushed; GB/s of the workload's least bytes."""
+    try:
+        from autosched.measure.timing import time_cuda
+        from autosched.target import parse_target
+        from autosched.task import Task
+        from autosched.workloads import make_workload
+
+        target = parse_target("cuda")
+        task = Task.from_workload(make_workload(op, shape, dtype, attrs))
+        space = task.space(target)
+        checker = task.spec.checker(task.func)
+        inputs = checker.make_inputs(torch.Generator().manual_seed(0), "cuda")
+        t0 = time.perf_counter()
+        fn, err = run_tvm_module(space.apply(point), target, checker, inputs, checker.reference(inputs),
+                                 space.build_config(point), space.codegen)
+        build_s = time.perf_counter() - t0
+        seconds = statistics.median(time_cuda(fn, repeat, 256 << 20))
+        queue.put({"point": space.complete(point), "space": space.name, "rel_err": err, "ok": err <= checker.tolerance,
+                   "build_s": round(build_s, 2), "us": seconds * 1e6, "gbs": task.min_bytes / seconds / 1e9})
+    except Exception as exc:  # noqa: BLE001 - a failing point is reported, not fatal
+        queue.put({"point": point, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
+
+
+def space_points(op: str, shape: str, dtype: str, attrs: str, which: str) -> list[dict]:
+    """``first``: the space's first points (its default, then what the search measures right after it); ``all``: those
+    and every valid point of the space's knobs, canonical, each once (small spaces only); else a JSON list."""
+    from autosched.target import parse_target
+    from autosched.task import Task
+    from autosched.workloads import make_workload
+
+    if which not in ("first", "all"):
+        return json.loads(which)
+    space = Task.from_workload(make_workload(op, shape, dtype, attrs)).space(parse_target("cuda:sm_90",
+                                                                                           require_device=False))
+    points = space.first_points()
+    if which == "all":
+        import itertools
+
+        for values in itertools.product(*(knob.choices for knob in space.knobs)):
+            point = space.canonical(dict(zip((knob.name for knob in space.knobs), values)))
+            if space.validate(point) is None:
+                points.append(point)
+    return [p for i, p in enumerate(points) if p not in points[:i]]
+
+
 FP8_BASE = {"consumers": 2, "wg_rows": 64, "block_n": 192, "stages": 4, "group_m": 8, "persistent": False,
             "promote": True}
 
@@ -439,7 +488,7 @@ def _attention_point(case, dtype, point, queue):
 
 
 def hand_points(args) -> int:
-    """`--hand-points gemm|attention`: the points of --points (a preset or a JSON list), no search."""
+    """`--hand-points gemm|fp8|attention|space`: the points of --points (a preset or a JSON list), no search."""
     from _isolated import run_isolated
 
     rows = []
@@ -455,6 +504,13 @@ def hand_points(args) -> int:
                 row = run_isolated(_fp8_point if args.hand_points == "fp8" else _gemm_point,
                                    (m, n, k, args.dtype, args.bias, args.act, point), args.timeout, {"point": point})
                 rows.append({**row, "shape": [m, n, k]})
+                print(json.dumps(rows[-1]), flush=True)
+    elif args.hand_points == "space":
+        for shape in args.shape:
+            for point in space_points(args.workload, shape, args.dtype, args.attrs, args.points):
+                row = run_isolated(_space_point, (args.workload, shape, args.dtype, args.attrs, point, 30), args.timeout,
+                                   {"point": point})
+                rows.append({**row, "workload": args.workload, "shape": shape, "attrs": args.attrs})
                 print(json.dumps(rows[-1]), flush=True)
     else:
         points = ATTENTION_POINTS if args.points in ("all", "base") else json.loads(args.points)
@@ -481,15 +537,17 @@ def main() -> int:
                         help="how the L2 is flushed before each timed run (write: zeroing, leaving dirty lines)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/gpu"))
     hand = parser.add_argument_group("hand-picked template points (no search)")
-    hand.add_argument("--hand-points", choices=("gemm", "fp8", "attention"),
+    hand.add_argument("--hand-points", choices=("gemm", "fp8", "attention", "space"),
                       help="time chosen points of hopper_gemm, hopper_fp8_gemm (fp8_gemm) or hopper_attention beside "
                       "torch instead of the cases")
-    hand.add_argument("--shape", action="append", default=[], help="gemm: m,n,k (repeatable)")
+    hand.add_argument("--shape", action="append", default=[], help="gemm: m,n,k; space: m=1,n=11008,k=4096 (repeatable)")
     hand.add_argument("--case", action="append", default=[], help="attention: b,h,hkv,s,d,causal|full (repeatable)")
     hand.add_argument("--points", default="all",
                       help="gemm: base | all | small | decode (m of 2-16: the default and the streaming kernel's "
-                           "points); fp8: base | all; attention: all; or a JSON list")
+                           "points); fp8: base | all; attention: all; space: first | all; or a JSON list")
     hand.add_argument("--dtype", default="float16")
+    hand.add_argument("--workload", default="dequant_gemm", help="space: the operator")
+    hand.add_argument("--attrs", default="", help="space: the workload's attributes (bits=4,group=128)")
     hand.add_argument("--bias", action="store_true")
     hand.add_argument("--act", default="none")
     hand.add_argument("--timeout", type=float, default=120, help="seconds per point")
