@@ -103,8 +103,8 @@ def features(m: int, n: int, k: int, gated: bool, sms: int, p: Point) -> list[fl
         return [0.0] * 7
     warps, tiles, unroll = p["stream_warps"], p["stream_tiles"], p["stream_unroll"]
     blocks = math.ceil(n / (16 * tiles))
-    in_flight = 32 * warps * unroll * 32 * a_tiles(tiles, gated)  # bytes of weights a block has requested
-    return [1.0, warps, tiles, unroll, blocks / sms, in_flight * min(blocks / sms, 8), k / STEP / warps]
+    in_flight = unroll * 32 * warps * 32 * a_tiles(tiles, gated)  # bytes of weights a block's loads request at once
+    return [1.0, warps, tiles, unroll, blocks / sms, in_flight / 1024, k / STEP / warps]
 
 
 def source(m: int, n: int, k: int, dtype: str, p: Point, bias: bool, act: str, gated: bool) -> tuple[str, str]:
