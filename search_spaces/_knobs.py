@@ -159,7 +159,8 @@ class Space:
     """Base class of the schedule spaces: the knobs of one workload on one target, and how to apply them.
 
     Subclasses set ``name`` and ``version`` (bump the version when the meaning of a point changes, so
-    stored points are not replayed onto a different schedule), build ``self.knobs`` in ``__init__``
+    stored points are not replayed onto a different schedule; a knob added later, at a value that gives the
+    stored points' kernels, goes in ``self.added`` instead), build ``self.knobs`` in ``__init__``
     after calling ``super().__init__``, and implement :meth:`schedule`. :meth:`check` holds the cheap
     constraints that sampling and mutation respect.
     """

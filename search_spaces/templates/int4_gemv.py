@@ -371,7 +371,7 @@ class Int4GemvSpace(Int4Template):
 
     def first_points(self) -> list[Point]:
         """The default, then (up to eight rows, where the default is on CUDA cores) the tensor-core kernel's
-        default where it applies."""
+        default where it applies, then that kernel with its weights streamed into registers."""
         first = super().first_points()
         if self.tensor_cores and self.m <= MAX_M:
             point = self.canonical(first[0] | {"warps": 4, "rows_per_warp": 1, "mma": True})
