@@ -13,6 +13,9 @@ HOPPER_ARCHS = ("sm_90", "sm_90a")
 BK = 64  # K elements per stage: one 128-byte swizzle row of fp16/bf16
 FP8_BK = 128  # the same row of float8 elements
 SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
+# 32-bit registers a thread of a streaming decode kernel (weights loaded straight into mma.sync fragments) may give
+# to its loads in flight, fragments and sums; nvcc adds addresses and indices.
+STREAM_REGISTERS = 160
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 # The element type of each dtype in CUDA; the rest of the table (pairs, conversions) is autosched_dtype<T>
 # in cuda/common.cuh.

@@ -623,6 +623,7 @@ class HopperGemmSpace(HopperTemplate):
 
     def canonical(self, p: Point) -> Point:
         if self.streams:  # the other kernel's knobs at fixed values
+            p = self.complete(p)
             if p["stream"]:
                 return {**p, **{k.name: k.choices[0] for k in self.knobs if k.name not in mma_gemv.OFF}}
             p = {**p, **mma_gemv.OFF}
@@ -639,8 +640,7 @@ class HopperGemmSpace(HopperTemplate):
                        "split_k": 1},
                       {"consumers": 1, "wg_rows": 64, "block_n": 64, "stages": 7, "group_m": 1, "persistent": False,
                        "split_k": 1}):
-            point = self.complete({**point, "swap_ab": False, "pingpong": False, "multicast": "none"})
-            point = self.canonical(point)
+            point = self.canonical({**point, "swap_ab": False, "pingpong": False, "multicast": "none"})
             if self.check(point) is None:
                 return point
         return super().default()
@@ -656,9 +656,8 @@ class HopperGemmSpace(HopperTemplate):
         for split in (4, 2, 1):
             if split > 1 and tiles * split > self.sms:
                 continue
-            point = self.complete({"consumers": 1, "wg_rows": 64, "block_n": block_n, "stages": 8, "group_m": 1,
-                                   "persistent": False, "split_k": split, "swap_ab": True, "pingpong": False,
-                                   "multicast": "none"})
+            point = {"consumers": 1, "wg_rows": 64, "block_n": block_n, "stages": 8, "group_m": 1,
+                     "persistent": False, "split_k": split, "swap_ab": True, "pingpong": False, "multicast": "none"}
             point = self.canonical(point)
             if self.check(point) is None:
                 return point

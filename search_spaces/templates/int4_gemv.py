@@ -42,7 +42,7 @@ import math
 
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, config_struct, cuda_file
+from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, STREAM_REGISTERS, HopperTemplate, config_struct, cuda_file
 from .hopper_gemm import _epilogue_source
 
 CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
@@ -343,8 +343,9 @@ class Int4GemvSpace(Int4Template):
                 return f"{p['warps']} warps split {self.k // MMA_K_BLOCK} k-blocks"
             if p.get("stream"):
                 regs = mma_stream_registers(self.m, p["rows_per_warp"], p["unroll"])
-                if regs > 160:
-                    return f"{regs} registers of weights in flight, fragments and sums per thread (at most 160)"
+                if regs > STREAM_REGISTERS:
+                    return (f"{regs} registers of weights in flight, fragments and sums per thread "
+                            f"(at most {STREAM_REGISTERS})")
                 if p["unroll"] and self.k // MMA_K_BLOCK // p["warps"] < MMA_STREAM_UNROLL:
                     return f"unrolling {MMA_STREAM_UNROLL} k-blocks of a warp's {self.k // MMA_K_BLOCK // p['warps']}"
             smem = mma_smem_bytes(self.k, p["rows_per_warp"], p["warps"], self.m, p.get("stream", False))

@@ -26,11 +26,10 @@ from __future__ import annotations
 import math
 
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, PTX_TYPE, config_struct, cuda_file
+from ._hopper import CUDA_SCALAR, PTX_TYPE, STREAM_REGISTERS, config_struct, cuda_file
 
 STEP = 64  # k per step: a 128-byte line of each weight row
 MIN_M, MAX_M = 2, 16  # activation rows: one or two n8 tiles of mma's N (one row stays a GEMV)
-MAX_REGISTERS = 160  # the loads, fragments and accumulators one thread may hold (nvcc adds addresses and indices)
 
 KNOBS = (
     Knob("stream", (False, True), ordered=False),
@@ -78,8 +77,8 @@ def check(m: int, n: int, k: int, gated: bool, p: Point) -> str | None:
     if unroll > 1 and unroll > k // STEP // warps:
         return f"unrolling {unroll} steps of a warp's {k // STEP // warps}"
     regs = registers(m, tiles, unroll, gated)
-    if regs > MAX_REGISTERS:
-        return f"{regs} registers of loads and accumulators per thread (at most {MAX_REGISTERS})"
+    if regs > STREAM_REGISTERS:
+        return f"{regs} registers of loads and accumulators per thread (at most {STREAM_REGISTERS})"
     return None
 
 
