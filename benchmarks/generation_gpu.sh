@@ -52,7 +52,7 @@ for step in "$@"; do
              --out "$OUT/decode_gemm" > "$OUT/decode_gemm.log" 2>&1; echo "decode-gemm: exit $?" ;;
     decode-int4) shapes=(); for m in 1 16; do for nk in n=12288,k=4096 n=4096,k=4096 n=22016,k=4096 n=4096,k=11008; do
              shapes+=(--shape "m=$m,$nk"); done; done
-           timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points space --workload dequant_gemm \
+           timeout "${INT4_LIMIT:-420}" python3 benchmarks/gpu_benchmark.py --hand-points space --workload dequant_gemm \
              --attrs bits=4,group=128 --points first "${shapes[@]}" --timeout 60 --out "$OUT/decode_int4" \
              > "$OUT/decode_int4.log" 2>&1; echo "decode-int4: exit $?" ;;
     tests) read -r -a files <<< "${TESTS:-tests/test_programmatic_launch.py tests/test_quantize.py tests/test_gpu_run.py}"

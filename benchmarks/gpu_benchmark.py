@@ -273,7 +273,7 @@ def gemm_decode_points(m: int, n: int, k: int, dtype: str) -> list[dict]:
         parse_target("cuda:sm_90", require_device=False))
     streams = [{"stream": True, "stream_warps": w, "stream_tiles": t, "stream_unroll": u}
                for w in (4, 8) for t in (1, 2) for u in (1, 2)]
-    return [space.default()] + [p for p in streams if mma_gemv.check(m, n, k, False, p) is None]
+    return [space.wgmma_default()] + [p for p in streams if mma_gemv.check(m, n, k, False, p) is None]
 
 
 def _gemm_point(m, n, k, dtype, bias, act, point, queue):

@@ -134,9 +134,9 @@ def test_streaming_mma_gemv_is_correct_on_the_gpu(measurers):
     for op, shape, dtype, attrs in cases:
         task = Task.from_workload(make_workload(op, shape, dtype, attrs))
         space = task.space(target)
-        assert space.name == "hopper_gemm" and space.first_points()[-1]["stream"]
-        points = [space.first_points()[-1]] + [
-            space.canonical({**space.default(), "stream": True, "stream_warps": w, "stream_tiles": t, "stream_unroll": u})
+        assert space.name == "hopper_gemm"
+        points = [next(p for p in space.first_points() if p["stream"])] + [
+            space.canonical({**space.wgmma_default(), "stream": True, "stream_warps": w, "stream_tiles": t, "stream_unroll": u})
             for w, t, u in ((8, 1, 4), (1, 4, 1), (4, 2, 2), (2, 1, 1), (8, 1, 1), (2, 2, 1), (4, 1, 2))]
         points = valid_points(space, points)
         assert len(points) >= 4, shape

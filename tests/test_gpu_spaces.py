@@ -1077,10 +1077,10 @@ int main() {{
 
 def test_hopper_gemm_streams_decode_steps_on_mma_sync_as_a_second_kernel(sm90):
     """A decode step's 2 to 16 rows of fp16 or bf16 over whole 128-byte lines of k: hopper_gemm also offers its
-    streaming tensor-core kernel (the ``stream`` knobs); one row, more rows, fp8 and k off the lines do not. The
-    default stays the wgmma kernel and the stream default is among the first points; a point stored before the
-    stream knobs (the wgmma kernel) is still valid and builds the same kernel; each kernel's canonical point fixes
-    the other's knobs; the checks bound the warps by the steps of k and the registers of the loads in flight."""
+    streaming tensor-core kernel (the ``stream`` knobs); one row, more rows, fp8 and k off the lines do not. That
+    kernel is the default (a gated GEMM's stays wgmma) and the wgmma default is the next first point; a point stored
+    before the stream knobs (the wgmma kernel) is still valid and builds the same kernel; each kernel's canonical
+    point fixes the other's knobs; the checks bound the warps by the steps of k and the registers of the loads in flight."""
     def space(shape, op="gemm", dtype="float16"):
         return Task.from_workload(make_workload(op, shape, dtype)).space(sm90)
 
@@ -1092,20 +1092,20 @@ def test_hopper_gemm_streams_decode_steps_on_mma_sync_as_a_second_kernel(sm90):
                       ("m=16,n=4096,k=4096", "fp8_gemm")):
         assert "stream" not in {k.name for k in space(shape, op).knobs}, (shape, op)
     decode = space("m=16,n=4096,k=4096")
-    default = decode.default()
-    assert default["stream"] is False and default["swap_ab"] is True
-    first = decode.first_points()
-    assert first[0] == default and first[-1]["stream"] is True and decode.validate(first[-1]) is None
-    stored = {k: v for k, v in default.items() if not k.startswith("stream")}  # a record from before the knobs
-    assert decode.validate(stored) is None and decode.complete(stored) == default
-    assert str(decode.apply(stored)) == str(decode.apply(default))
-    assert "mma_gemv" not in str(decode.apply(default)) and "autosched_mma_gemv" in str(decode.apply(first[-1]))
+    default, wgmma = decode.default(), decode.wgmma_default()
+    assert default["stream"] is True and wgmma["stream"] is False and wgmma["swap_ab"] is True
+    assert decode.first_points() == [default, wgmma] and decode.validate(default) is None
+    stored = {k: v for k, v in wgmma.items() if not k.startswith("stream")}  # a record from before the knobs
+    assert decode.validate(stored) is None and decode.complete(stored) == wgmma
+    assert str(decode.apply(stored)) == str(decode.apply(wgmma))
+    assert "mma_gemv" not in str(decode.apply(wgmma)) and "autosched_mma_gemv" in str(decode.apply(default))
     assert decode.mutate(stored, np.random.default_rng(0)) is not None
-    streamed = decode.canonical({**default, "stream": True, "stream_warps": 4, "split_k": 4, "stages": 12})
+    streamed = decode.canonical({**wgmma, "stream": True, "stream_warps": 4, "split_k": 4, "stages": 12})
     assert streamed["split_k"] == 1 and streamed["stages"] == 2 and streamed["stream_warps"] == 4
     assert decode.canonical({**streamed, "stream": False})["stream_warps"] == 1
     assert "8 warps split 2 steps" in space("m=16,n=64,k=128").validate({**streamed, "stream_warps": 8})
-    gated = space("m=16,n=11008,k=4096", "swiglu_gemm")
+    gated = space("m=16,n=11008,k=4096", "swiglu_gemm")  # its default stays the wgmma kernel's
+    assert gated.default()["stream"] is False and gated.first_points()[-1]["stream"] is True
     assert "208 registers" in gated.validate({**gated.first_points()[-1], "stream_unroll": 4})
 
 

@@ -630,6 +630,13 @@ class HopperGemmSpace(HopperTemplate):
         return canonical_group_m(p, self.unit_tiles(p)[0])
 
     def default(self) -> Point:
+        if self.streams and not self.gated:  # a decode step's 2 to 16 rows: the streaming kernel (mma_gemv.py)
+            point = self.canonical(mma_gemv.default(self.m, self.n, self.k, self.gated))
+            if self.check(point) is None:
+                return point
+        return self.wgmma_default()
+
+    def wgmma_default(self) -> Point:
         if self.m <= self.SWAP_MAX_M and not self.gated:
             point = self._decode_default()
             if point is not None:
@@ -664,17 +671,17 @@ class HopperGemmSpace(HopperTemplate):
         return None
 
     def first_points(self) -> list[Point]:
-        """The default, then its tiles with either operand multicast across a cluster of two. At one wave
-        of L2-bound tiles (1000×4000×3000) multicast B is much faster than the same tiles without, and a
+        """The default, the wgmma kernel's default and its tiles with either operand multicast across a cluster
+        of two, then the streaming kernel's default: a short search weighs the two kernels of a decode step. At
+        one wave of L2-bound tiles (1000×4000×3000) multicast B is much faster than the same tiles without, and a
         short search that samples points at random does not meet it."""
+        wgmma = self.wgmma_default()
+        candidates = [wgmma] + [self.canonical({**wgmma, "multicast": multicast}) for multicast in ("b", "a")]
+        if self.streams:
+            candidates.append(self.canonical({**wgmma, **mma_gemv.default(self.m, self.n, self.k, self.gated)}))
         first = super().first_points()
-        for multicast in ("b", "a"):
-            point = self.canonical({**first[0], "multicast": multicast})
-            if self.check(point) is None:
-                first.append(point)
-        if self.streams:  # and the streaming kernel's default, so that a short search weighs the two kernels
-            point = self.canonical({**first[0], **mma_gemv.default(self.m, self.n, self.k, self.gated, self.sms)})
-            if self.check(point) is None:
+        for point in candidates:
+            if point not in first and self.check(point) is None:
                 first.append(point)
         return first
 
