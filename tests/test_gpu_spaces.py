@@ -155,16 +155,16 @@ def test_a_small_gemm_samples_valid_hopper_points(sm90):
 
 def test_the_search_starts_from_the_default_and_its_multicast_pairs(sm90):
     """hopper_gemm's first candidates: the default, then the same tiles with B and with A multicast across
-    a cluster of two, all valid; where the tiles leave nothing to pair (a decode GEMM) the default alone, and
-    then the streaming kernel's default."""
+    a cluster of two, all valid; a decode GEMM, whose tiles leave nothing to pair, starts from the streaming
+    kernel's default (two warps where k has two steps of 64), then the wgmma kernel's."""
     space = Task.from_workload(make_workload("gemm", "m=1000,n=4000,k=3000", "float16")).space(sm90)
     first = space.first_points()
     assert first[0] == space.default() and [p["multicast"] for p in first] == ["none", "b", "a"]
     assert all(space.validate(p) is None for p in first)
     assert all({**p, "multicast": "none"} == {**first[0], "group_m": p["group_m"]} for p in first)
     small = Task.from_workload(make_workload("gemm", "m=16,n=64,k=128", "float16")).space(sm90)
-    assert small.first_points() == [small.default(), small.canonical({**small.default(), "stream": True,
-                                                                       "stream_warps": 1, "stream_unroll": 2})]
+    assert small.default() == small.canonical({"stream": True, "stream_warps": 2, "stream_tiles": 1, "stream_unroll": 1})
+    assert small.first_points() == [small.default(), small.wgmma_default()]
 
 
 @needs_nvcc
@@ -671,11 +671,13 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     assert s.canonical(point) == point | {"unroll": False, "half_products": False, "stream": False}
     assert s.validate(point) is None and s.complete(point)["stream"] is False
     first = s.first_points()
-    assert first[0] == s.default() and not first[0]["mma"] and first[1]["mma"] and not first[1]["stream"]
-    assert first[2] == {**first[1], "unroll": True, "stream": True}
+    # one row: CUDA cores first, half2 products, then fp32 products, then tensor cores bulk-copied and streamed
+    assert first[0] == s.default() and not first[0]["mma"] and first[0]["half_products"]
+    assert first[1] == s.fp32_default() and not first[1]["mma"] and not first[1]["half_products"]
+    assert first[2]["mma"] and not first[2]["stream"] and first[3] == {**first[2], "unroll": True, "stream": True}
     assert s.canonical({**point, "stream": True}) == point | {"half_products": False, "stream": True}
     assert s.canonical({**point, "mma": False, "stream": True})["stream"] is False
-    assert "autosched_q4_mma" in str(s.apply(first[2])) and "_stream4" in str(s.apply(first[2]))
+    assert "autosched_q4_mma" in str(s.apply(first[3])) and "_stream4" in str(s.apply(first[3]))
     k_split = space("m=1,n=256,k=256", "bits=4,group=128")  # two k-blocks
     assert "warps split 2 k-blocks" in k_split.validate(point | {"warps": 4, "rows_per_warp": 1})
     wide = space("m=1,n=4096,k=11008", "bits=4,group=128")  # 88 KB of slab per 16 rows
@@ -687,7 +689,7 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
 
 def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
     """A decode step of 9 to 16 rows (a batch of 16): the CUDA-core points are refused (at most 8 rows), the default
-    and the search's first point are on tensor cores, sampled points are too, and the warps' partial sums in shared
+    (weights streamed into registers) and the search's first points are on tensor cores, sampled points are too, and the warps' partial sums in shared
     memory count both n8 tiles of activation rows; up to 8 rows the default and first points are as before."""
     from autosched.search_spaces.templates.int4_gemv import mma_n_tiles, mma_smem_bytes
 
@@ -703,9 +705,9 @@ def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
         assert s.name == "int4_gemv"
         assert "at most 8" in s.validate(cuda_core)
         assert "at most 8" in s.validate(cuda_core | {"half_products": True, "unroll": True})
-        default = s.default()
-        assert default["mma"] and s.validate(default) is None and s.canonical(default) == default
-        assert s.first_points() == [default, {**default, "unroll": True, "stream": True}]
+        default = s.default()  # the weights streamed, then bulk-copied
+        assert default["mma"] and default["stream"] and s.validate(default) is None and s.canonical(default) == default
+        assert s.first_points() == [default, {**default, "unroll": False, "stream": False}]
         rng = np.random.default_rng(m)
         assert all(s.sample(rng)["mma"] for _ in range(20))
     zeros = space("m=16,n=11008,k=4096", "bits=4,group=256,zeros=1,bias=1")
@@ -737,7 +739,7 @@ def test_int4_mma_gemv_of_16_rows_compiles_for_sm90a_without_spills(sm90):
         assert space.name == "int4_gemv" and space.codegen.get("arch") == "sm_90a"
         for warps in (1, 2, 4, 8):
             for tiles in (1, 2, 4):
-                point = space.canonical(space.default() | {"warps": warps, "rows_per_warp": tiles})
+                point = space.canonical(space.default() | {"warps": warps, "rows_per_warp": tiles, "stream": False})
                 if space.validate(point) is not None:  # 4 tiles of k = 11008: too much shared memory
                     continue
                 source = cuda_source(space.apply(point), sm90, space.build_config(point), space.codegen)

@@ -371,30 +371,56 @@ class Int4GemvSpace(Int4Template):
         return p | {"stream": False} if self.tensor_cores else p
 
     def first_points(self) -> list[Point]:
-        """The default, then (up to eight rows, where the default is on CUDA cores) the tensor-core kernel's
-        default where it applies, then that kernel with its weights streamed into registers."""
+        """The default, then (up to eight rows, where the default is on CUDA cores) the CUDA-core kernel with fp32
+        products and the tensor-core kernel's default where it applies, then the tensor-core kernel with its weights
+        bulk-copied and streamed into registers."""
         first = super().first_points()
-        if self.tensor_cores and self.m <= MAX_M:
-            point = self.canonical(first[0] | {"warps": 4, "rows_per_warp": 1, "mma": True})
-            if self.check(point) is None:
+        candidates = []
+        if self.m <= MAX_M:  # fp32 products, where the default takes them in half2
+            candidates.append(self.fp32_default())
+        if self.tensor_cores:
+            candidates += [self.canonical(first[0] | {"warps": 4, "rows_per_warp": 1, "mma": True, "stream": False}),
+                           self._streamed()]
+        for point in candidates:
+            if point is not None and point not in first and self.check(point) is None:
                 first.append(point)
-        if self.tensor_cores:  # and with the weights streamed into registers
-            for warps in (4, 2, 1):
-                point = self.canonical(first[0] | {"warps": warps, "rows_per_warp": 1, "unroll": True, "mma": True,
-                                                   "stream": True})
-                if self.check(point) is None:
-                    first.append(point)
-                    break
         return first
+
+    def _streamed(self) -> Point | None:
+        """The tensor-core kernel with its weights streamed into registers, four k-blocks in flight, on as many
+        of 4, 2 or 1 warps as k allows (None without tensor cores)."""
+        if not self.tensor_cores:
+            return None
+        extra = {"half_products": False} if self.dtype == "float16" else {}
+        for warps in (4, 2, 1):
+            point = self.canonical({"warps": warps, "rows_per_warp": 1, "unroll": True, "mma": True, "stream": True}
+                                   | extra)
+            if self.check(point) is None:
+                return point
+        return None
 
     def default(self) -> Point:
         extra = {"half_products": False} if self.dtype == "float16" else {}
-        if self.m > MAX_M:  # 9 to 16 rows: tensor cores only (suits takes them only where these apply)
+        if self.m > MAX_M:  # 9 to 16 rows: tensor cores only (suits takes them only where these apply); the
+            streamed = self._streamed()  # weights streamed outran the bulk copies at Llama-2-7B's shapes on the H100
+            if streamed is not None:
+                return streamed
             for warps in (4, 2, 1):
                 point = self.canonical({"warps": warps, "rows_per_warp": 1, "unroll": False, "mma": True} | extra)
                 if self.check(point) is None:
                     return point
             return super().default()
+        if self.tensor_cores:
+            extra |= {"mma": False, "stream": False}
+        if self.m == 1 and self.dtype == "float16":  # one row: half2 products (the H200's best of 48 points)
+            point = {"warps": 1, "rows_per_warp": 4, "unroll": True} | extra | {"half_products": True}
+            if self.check(point) is None:
+                return point
+        return self.fp32_default()
+
+    def fp32_default(self) -> Point:
+        """The CUDA-core kernel's default with fp32 products (the default up to 8 rows but one of fp16)."""
+        extra = {"half_products": False} if self.dtype == "float16" else {}
         if self.tensor_cores:
             extra |= {"mma": False, "stream": False}
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},
