@@ -689,8 +689,9 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
 
 def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
     """A decode step of 9 to 16 rows (a batch of 16): the CUDA-core points are refused (at most 8 rows), the default
-    (weights streamed into registers) and the search's first points are on tensor cores, sampled points are too, and the warps' partial sums in shared
-    memory count both n8 tiles of activation rows; up to 8 rows the default and first points are as before."""
+    (weights streamed into registers) and the search's first points are on tensor cores, sampled points are too,
+    and the warps' partial sums in shared memory count both n8 tiles of activation rows; up to 8 rows the default
+    and first points are as before."""
     from autosched.search_spaces.templates.int4_gemv import mma_n_tiles, mma_smem_bytes
 
     def space(shape, attrs="bits=4,group=128"):
