@@ -401,8 +401,8 @@ class Int4GemvSpace(Int4Template):
 
     def default(self) -> Point:
         extra = {"half_products": False} if self.dtype == "float16" else {}
-        if self.m > MAX_M:  # 9 to 16 rows: tensor cores only (suits takes them only where these apply); the
-            streamed = self._streamed()  # weights streamed outran the bulk copies at Llama-2-7B's shapes on the H100
+        if self.m > MAX_M:  # 9 to 16 rows: tensor cores only (suits takes them only where these apply)
+            streamed = self._streamed()  # ahead of the bulk copies at each Llama-2-7B shape timed on the H100
             if streamed is not None:
                 return streamed
             for warps in (4, 2, 1):
