@@ -228,6 +228,28 @@ def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):
         assert_correct(measurer, task, points, shape)
 
 
+def test_int4_gemv_pipelined_rows_are_correct_on_the_gpu(measurers):
+    """int4 decode GEMVs on CUDA cores with a warp's rows in pipelined groups (``row_groups``): Llama-2-7B's QKV
+    projection at one row, five rows with zero points, bias and SiLU over a k whose last step has fewer than 32
+    chunks, bf16; products in half2 and fp32; 2 to 8 groups a warp, the last block's rows past n: every point
+    matches the float64 reference."""
+    target, measurer = measurers("sm_90")
+    cases = (("m=1,n=12288,k=4096", "bits=4,group=128", "float16"),
+             ("m=5,n=1000,k=1152", "bits=4,group=128,zeros=1,bias=1,act=silu", "float16"),
+             ("m=3,n=300,k=640", "bits=4,group=32", "bfloat16"))
+    for shape, attrs, dtype in cases:
+        task = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs))
+        space = task.space(target)
+        assert space.name == "int4_gemv"
+        halves = (False, True) if dtype == "float16" else (False,)
+        points = [space.canonical(space.fp32_default() | {"warps": w, "rows_per_warp": r, "row_groups": g}
+                                  | ({"half_products": h} if dtype == "float16" else {}))
+                  for w, r, g in ((4, 2, 4), (1, 1, 8), (2, 2, 2), (4, 1, 2)) for h in halves]
+        points = valid_points(space, points)
+        assert len(points) >= 4, shape
+        assert_correct(measurer, task, points, f"{shape} {attrs} {dtype}")
+
+
 def test_int4_gemv_on_tensor_cores_is_correct_on_the_gpu(measurers):
     """The int4 decode GEMV on mma.sync, its weights bulk-copied into shared memory: one activation row and
     eight, n that no 16-row tile divides, groups of 128 and 256, a bias and SiLU; warps splitting k from 1

@@ -668,16 +668,18 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     assert has_mma(space("m=8,n=4096,k=4096", "bits=4,group=128,zeros=1"))
     s = space("m=1,n=11008,k=4096", "bits=4,group=128")
     point = {"warps": 8, "rows_per_warp": 2, "unroll": True, "half_products": True, "mma": True}
-    assert s.canonical(point) == point | {"unroll": False, "half_products": False, "stream": False}
+    assert s.canonical(point) == point | {"unroll": False, "half_products": False, "stream": False, "row_groups": 1}
     assert s.validate(point) is None and s.complete(point)["stream"] is False
     first = s.first_points()
-    # one row: CUDA cores first, half2 products, then fp32 products, then tensor cores bulk-copied and streamed
+    # one row: CUDA cores first, half2 products, then fp32 products, then the rows pipelined, then tensor cores
+    # bulk-copied and streamed
     assert first[0] == s.default() and not first[0]["mma"] and first[0]["half_products"]
     assert first[1] == s.fp32_default() and not first[1]["mma"] and not first[1]["half_products"]
-    assert first[2]["mma"] and not first[2]["stream"] and first[3] == {**first[2], "unroll": True, "stream": True}
-    assert s.canonical({**point, "stream": True}) == point | {"half_products": False, "stream": True}
+    assert not first[2]["mma"] and first[2]["row_groups"] == 4
+    assert first[3]["mma"] and not first[3]["stream"] and first[4] == {**first[3], "unroll": True, "stream": True}
+    assert s.canonical({**point, "stream": True}) == point | {"half_products": False, "stream": True, "row_groups": 1}
     assert s.canonical({**point, "mma": False, "stream": True})["stream"] is False
-    assert "autosched_q4_mma" in str(s.apply(first[3])) and "_stream4" in str(s.apply(first[3]))
+    assert "autosched_q4_mma" in str(s.apply(first[4])) and "_stream4" in str(s.apply(first[4]))
     k_split = space("m=1,n=256,k=256", "bits=4,group=128")  # two k-blocks
     assert "warps split 2 k-blocks" in k_split.validate(point | {"warps": 4, "rows_per_warp": 1})
     wide = space("m=1,n=4096,k=11008", "bits=4,group=128")  # 88 KB of slab per 16 rows
@@ -715,11 +717,12 @@ def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
     assert zeros.default()["mma"] and zeros.validate(zeros.default()) is None
     small = space("m=16,n=64,k=128")  # one k-block: one warp
     assert small.default() == {"warps": 1, "rows_per_warp": 1, "unroll": False, "half_products": False, "mma": True,
-                               "stream": False}
-    eight = space("m=8,n=4096,k=4096")  # unchanged up to 8 rows: CUDA cores first, then tensor cores
+                               "stream": False, "row_groups": 1}
+    eight = space("m=8,n=4096,k=4096")  # up to 8 rows: CUDA cores first (then with rows pipelined), then tensor cores
     assert eight.default() == {"warps": 4, "rows_per_warp": 2, "unroll": True, "half_products": False, "mma": False,
-                               "stream": False}
-    assert [(p["mma"], p["stream"]) for p in eight.first_points()] == [(False, False), (True, False), (True, True)]
+                               "stream": False, "row_groups": 1}
+    assert [(p["mma"], p["stream"], p["row_groups"]) for p in eight.first_points()] == [
+        (False, False, 1), (False, False, 4), (True, False, 1), (True, True, 1)]
     assert eight.validate(cuda_core) is None
 
 
@@ -1078,6 +1081,106 @@ int main() {{
     assert err < 4e-3, f"relative error {err}"
 
 
+def test_int4_gemv_pipelines_groups_of_rows_on_cuda_cores(sm90):
+    """``row_groups`` (the CUDA-core kernel's rows in groups, the next group's loads in flight during the products of
+    the one before): its registers bound the rows per group by k's steps; tensor-core points keep one group; a
+    pipelined point loads each group whole (``unroll``); points stored before the knob keep one group and their
+    kernel; the pipelined kernel is a device function of its own, and the cost model sees the knob."""
+    def space(shape, attrs="bits=4,group=128", dtype="float16"):
+        return Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs)).space(sm90)
+
+    s = space("m=1,n=12288,k=4096")
+    base = {"warps": 4, "rows_per_warp": 2, "unroll": False, "half_products": True, "mma": False, "stream": False}
+    piped = s.canonical(base | {"row_groups": 4})
+    assert piped["unroll"] is True and s.validate(piped) is None
+    assert "160 registers of two groups" in s.validate(piped | {"rows_per_warp": 4})  # 4 rows x 4 steps x 5, twice
+    assert s.canonical(base | {"mma": True, "row_groups": 4})["row_groups"] == 1
+    stored = dict(base)  # a record from before the knob
+    assert s.complete(stored)["row_groups"] == 1 and str(s.apply(stored)) == str(s.apply(s.complete(stored)))
+    assert "autosched_q4_pipelined" in str(s.apply(piped)) and "autosched_q4_pipelined" not in str(s.apply(stored))
+    assert s.point_features(piped) != s.point_features(piped | {"row_groups": 2})
+    wide = space("m=1,n=4096,k=11008")  # 11 steps of 32 chunks: one row a group
+    assert wide.validate(wide.canonical(base | {"rows_per_warp": 1, "row_groups": 8})) is None
+    assert "registers" in wide.validate(wide.canonical(base | {"row_groups": 8}))
+    assert "more rows per block" in space("m=1,n=8,k=4096").validate(piped)
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_int4_gemv_pipelined_points_compile_without_spills(sm90):
+    """The pipelined kernel's points with the most registers its check lets through (two rows a group at k = 4096
+    with zero points and eight activation rows, fp32 and half2 products, bf16; one row at k = 11008) compile for
+    sm_90a without spills."""
+    from autosched.cuda_tools import cuda_source
+
+    cases = (("m=8,n=4096,k=4096", "bits=4,group=128,zeros=1,bias=1", "float16", 2, True),
+             ("m=8,n=4096,k=4096", "bits=4,group=32,zeros=1", "bfloat16", 2, False),
+             ("m=2,n=4096,k=11008", "bits=4,group=128", "float16", 1, False),
+             ("m=1,n=12288,k=4096", "bits=4,group=128", "float16", 2, True))
+    for shape, attrs, dtype, rows, half in cases:
+        space = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs)).space(sm90)
+        point = space.canonical(space.fp32_default() | {"rows_per_warp": rows, "row_groups": 2}
+                                | ({"half_products": half} if dtype == "float16" else {}))
+        assert space.validate(point) is None, (shape, point)
+        report = nvcc_compile(cuda_source(space.apply(point), sm90, space.build_config(point), space.codegen), "sm_90a")
+        assert report.ok and report.spills == 0, (shape, point, report.log[-2000:])
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,dtype,attrs,point", [
+    ("m=1,n=72,k=1152", "float16", "bits=4,group=128", (2, 2, 4, True)),
+    ("m=1,n=50,k=1152", "float16", "bits=4,group=128,zeros=1", (1, 2, 3, True)),
+    ("m=3,n=72,k=640", "bfloat16", "bits=4,group=32,zeros=1,bias=1", (2, 1, 2, False)),
+    ("m=5,n=40,k=2048", "float16", "bits=4,group=64,bias=1", (1, 4, 2, False)),
+], ids=["1-row-half-partial-step", "zero-points-half-odd-groups-tail", "bf16-zero-points-bias", "5-rows-4-per-group"])
+def test_int4_gemv_pipelined_matches_float64_on_the_host(shape, dtype, attrs, point, tmp_path):
+    """int4_gemv's pipelined CUDA-core kernel (``row_groups``), compiled for the host by nvcc and run block by block
+    with one thread per CUDA thread, against the workload's float64 reference on its own inputs: products in half2
+    and in fp32, zero points, bias, bf16; a last step of fewer than 32 chunks (k = 1152, 640), an odd number of
+    groups (the last loaded into the first of the two register sets), and the last block's rows past n."""
+    import torch
+
+    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.search_spaces.templates.int4_gemv import _pipelined_source
+    from autosched.workloads import get_operator
+
+    wl = make_workload("dequant_gemm", shape, dtype, attrs)
+    op, s, a = get_operator("dequant_gemm"), wl.shape_dict, wl.attrs_dict
+    m, n, k, group = s["m"], s["n"], s["k"], a["group"]
+    ins = op.make_inputs(wl, torch.Generator().manual_seed(0), "cpu")
+    zeros = bool(a.get("zeros"))
+    names = ["x", "wq", "scales"] + (["zeros"] if zeros else []) + (["bias"] if a["bias"] else [])
+    for name, tensor in zip(names, ins):
+        (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    warps, rows, row_groups, half = point
+    p = {"warps": warps, "rows_per_warp": rows, "unroll": True, "row_groups": row_groups, "half_products": half}
+    name, source = _pipelined_source(m, n, k, group, dtype, p, a["bias"], "none", zeros)
+    _, store1, epilogue = _epilogue_source(dtype, "none")
+    scalar = CUDA_SCALAR_HOST[dtype]
+    loads = "".join(f'  auto {v} = load<{"uint8_t" if v in ("wq", "zeros") else scalar}>("{v}.bin");\n' for v in names)
+    program = HOST_SHIM + f"""
+inline void {store1}({scalar}* c, float v) {{ *c = ({scalar})v; }}
+""" + _host_body(source.removeprefix(epilogue)) + f"""
+template <class T> std::vector<T> load(const char* name) {{
+  FILE* f = fopen(name, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<T> data(n / sizeof(T)); fread(data.data(), 1, n, f); fclose(f); return data;
+}}
+int main() {{
+{loads}  std::vector<{scalar}> c({m * n});
+""" + _host_blocks(-(-n // (warps * rows * row_groups)), warps, 16,
+                   f'{name}({", ".join(f"{v}.data()" for v in names)}, c.data(), bx, t)') + """
+  FILE* f = fopen("out.bin", "wb"); fwrite(c.data(), 2, c.size(), f); fclose(f);
+  return 0;
+}
+"""
+    run_on_host(tmp_path, program)
+    out = host_output(tmp_path, "out", getattr(torch, dtype), (m, n))
+    ref = op.reference(wl, ins)[0]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < (1e-2 if dtype == "bfloat16" else 4e-3), f"relative error {err}"
+
+
 def test_hopper_gemm_streams_decode_steps_on_mma_sync_as_a_second_kernel(sm90):
     """A decode step's 2 to 16 rows of fp16 or bf16 over whole 128-byte lines of k: hopper_gemm also offers its
     streaming tensor-core kernel (the ``stream`` knobs); one row, more rows, fp8 and k off the lines do not. That
@@ -1323,6 +1426,11 @@ template <class T> inline void host_mma(float* c, uint32_t a0, uint32_t a1, uint
   }
   host_warp_barriers[w]->arrive_and_wait();
 }
+// __hfma2 is device-only: one rounding of the exact a·b + c (exact in double for halves).
+inline __half2 host_hfma2(__half2 a, __half2 b, __half2 c) {
+  const float2 x = __half22float2(a), y = __half22float2(b), z = __half22float2(c);
+  return __halves2half2(__double2half((double)x.x * y.x + z.x), __double2half((double)x.y * y.y + z.y));
+}
 inline void host_cp_async(void* dst, const void* src, bool valid) {
   if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
 }
@@ -1332,7 +1440,7 @@ inline void host_cp_async(void* dst, const void* src, bool valid) {
 HOST_NAMES = {"threadIdx": "host_thread", "__syncthreads": "host_syncthreads", "__shfl_xor_sync": "host_shfl_xor",
               "__int_as_float": "host_int_as_float", "__cvta_generic_to_shared": "host_cvta",
               "__byte_perm": "host_byte_perm", "autosched_mma_m16n8k16<": "host_mma<",
-              "autosched_cp_async(": "host_cp_async("}
+              "autosched_cp_async(": "host_cp_async(", "__hfma2(": "host_hfma2("}
 
 
 def _host_body(source: str) -> str:

@@ -19,7 +19,11 @@ instead:
 Knobs: warps per block, weight rows per warp, whether the lane's loop over its chunks is unrolled
 (all its loads issued before the arithmetic: more bytes in flight per thread) and, for fp16, whether the
 products are taken in half2 (``half_products``: about half the instructions per weight, sums of eight
-products in fp16, then fp32).
+products in fp16, then fp32). With ``row_groups`` > 1 (a knob newer than this version's first records, whose
+points have one group) a warp takes that many groups of ``rows_per_warp`` rows one after another and loads the
+next group's chunks and scales into registers while it multiplies the current group's
+(:func:`_pipelined_source`): with one group, every warp of a wave loads and then computes at about the same
+time, and the one-row GEMV took as long on the H100 as on the H200 (it is not bound by the memory).
 
 For fp16 with groups of 128 or more, ``mma`` selects a second kernel (:func:`_mma_source`): the products
 on ``mma.sync`` with 16 weight rows as M and the activation rows as N, the weights bulk-copied into shared
@@ -240,6 +244,59 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
     return dequant_main(body, m, n, k, groups, dtype, bias, {"global_symbol": "main", "tirx.noalias": True}, zeros)
 
 
+PIPELINE_REGISTERS = 128  # 32-bit registers of a pipelined thread's two groups of chunks, scales and zero points
+
+
+def pipelined_registers(rows_per_warp: int, steps: int, zeros: bool) -> int:
+    """Registers of a pipelined point's two groups in flight: per row and step a chunk (4), a scale and a zero point."""
+    return 2 * rows_per_warp * steps * (5 + int(zeros))
+
+
+def _pipelined_source(m: int, n: int, k: int, group: int, dtype: str, p: Point, bias: bool, act: str,
+                      zeros: bool) -> tuple[str, str]:
+    """(name, source) of the pipelined CUDA-core kernel's device function (``cuda/int4_gemv_pipelined.cuh``): a
+    warp's ``row_groups`` groups of ``rows_per_warp`` rows, the next group's loads issued before the current
+    group's products."""
+    warps, rows_pw, row_groups = p["warps"], p["rows_per_warp"], p["row_groups"]
+    half = p.get("half_products", False)
+    name = (f"autosched_q4_pipelined_{dtype}_m{m}_n{n}_k{k}_g{group}_w{warps}_r{rows_pw}_x{row_groups}"
+            f"_{int(half)}{int(bias)}{act}" + ("_zeros" if zeros else ""))
+    _, store1, epi_source = _epilogue_source(dtype, act)
+    chunks = k // CHUNK
+    config = {"M": m, "N": n, "K": k, "GROUPS": math.ceil(k / group), "GROUP": group, "W": warps, "R": rows_pw,
+              "G": row_groups, "CHUNKS": chunks, "STEPS": math.ceil(chunks / 32), "HALF": half, "ZEROS": zeros,
+              "BIAS": bias}
+    entry = "AUTOSCHED_Q4_GEMV_PIPELINED" + ("_ZEROS" if zeros else "") + ("_BIAS" if bias else "")
+    return name, (epi_source + cuda_file("int4_gemv_pipelined.cuh") + config_struct(f"{name}_config", config)
+                  + f"{entry}({name}, {CUDA_SCALAR[dtype]}, {name}_config, {store1})\n")
+
+
+def int4_gemv_pipelined_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool, act: str, p: Point,
+                               zeros: bool = False):
+    """The TIRx kernel of a pipelined CUDA-core point (``row_groups`` > 1): a shell around
+    :func:`_pipelined_source`."""
+    from tvm.script import tirx as T
+
+    warps = p["warps"]
+    grid = math.ceil(n / (warps * p["rows_per_warp"] * p["row_groups"]))
+    groups = math.ceil(k / group)
+    fn, source = _pipelined_source(m, n, k, group, dtype, p, bias, act, zeros)
+
+    def inputs(A, Wq, S, Z, Bias):  # in the workload's order, as the entry point takes them
+        return [buf.access_ptr("r") for buf in (A, Wq, S, Z, Bias) if buf is not None]
+
+    # fmt: off
+    @T.macro
+    def body(A, Wq, S, Z, Bias, C):
+        T.device_entry()
+        bx = T.cta_id([grid])
+        tx = T.thread_id([32 * warps])
+        T.cuda.func_call(fn, *inputs(A, Wq, S, Z, Bias), C.access_ptr("w"), bx, tx, source_code=source)
+
+    # fmt: on
+    return dequant_main(body, m, n, k, groups, dtype, bias, {"global_symbol": "main", "tirx.noalias": True}, zeros)
+
+
 def dequant_main(body, m: int, n: int, k: int, groups: int, dtype: str, bias: bool, attrs: dict,
                  zeros: bool = False):
     """The ``dequant_gemm`` workload's signature (A, Wq, scales[, zero points][, bias], C) around a kernel's
@@ -318,7 +375,11 @@ class Int4GemvSpace(Int4Template):
             Knob("warps", (1, 2, 4, 8)),
             Knob("rows_per_warp", (1, 2, 4)),
             Knob("unroll", (False, True), ordered=False),
+            # the CUDA-core kernel's groups of rows per warp, each group's loads issued before the products of
+            # the one before (cuda/int4_gemv_pipelined.cuh); a knob newer than this version's first records
+            Knob("row_groups", (1, 2, 4, 8)),
         ]
+        self.added = {"row_groups": 1}
         if self.dtype == "float16":  # bf16's 8-bit mantissa is too coarse for half2 sums
             self.knobs.append(Knob("half_products", (False, True), ordered=False))
         # the tensor-core kernel: fp16, and every k-block in one group
@@ -328,7 +389,7 @@ class Int4GemvSpace(Int4Template):
             # its weights streamed into registers rather than bulk-copied into shared memory: a knob that came
             # after points of this version were stored (theirs bulk-copy)
             self.knobs.append(Knob("stream", (False, True), ordered=False))
-            self.added = {"stream": False}
+            self.added["stream"] = False
 
     def steps(self) -> int:
         return math.ceil(self.k // CHUNK / 32)
@@ -356,6 +417,13 @@ class Int4GemvSpace(Int4Template):
             return f"{self.m} activation rows on CUDA cores (at most {MAX_M}; more take the tensor-core kernel)"
         if p["rows_per_warp"] * self.m > 32:
             return f"{p['rows_per_warp'] * self.m} accumulators per thread (at most 32)"
+        if p.get("row_groups", 1) > 1:
+            regs = pipelined_registers(p["rows_per_warp"], self.steps(), self.zeros)
+            if regs > PIPELINE_REGISTERS:
+                return f"{regs} registers of two groups of rows in flight per thread (at most {PIPELINE_REGISTERS})"
+            if p["rows_per_warp"] * p["row_groups"] * p["warps"] > 2 * self.n:
+                return "more rows per block than the weights have"
+            return None
         if p["unroll"] and self.steps() * p["rows_per_warp"] > MAX_UNROLLED_STEPS:
             return f"unrolling {self.steps() * p['rows_per_warp']} loads per thread (at most {MAX_UNROLLED_STEPS})"
         if p["rows_per_warp"] * p["warps"] > 2 * self.n:
@@ -367,17 +435,19 @@ class Int4GemvSpace(Int4Template):
         # has no loads to choose.
         p = self.complete(p)
         if p.get("mma"):
-            return p | {"half_products": False} | ({} if p.get("stream") else {"unroll": False})
+            return p | {"half_products": False, "row_groups": 1} | ({} if p.get("stream") else {"unroll": False})
+        if p["row_groups"] > 1:  # a pipelined group's loads are all issued together
+            p = p | {"unroll": True}
         return p | {"stream": False} if self.tensor_cores else p
 
     def first_points(self) -> list[Point]:
         """The default, then (up to eight rows, where the default is on CUDA cores) the CUDA-core kernel with fp32
-        products and the tensor-core kernel's default where it applies, then the tensor-core kernel with its weights
-        bulk-copied and streamed into registers."""
+        products and with its rows pipelined, then the tensor-core kernel with its weights bulk-copied and streamed
+        into registers, where it applies."""
         first = super().first_points()
         candidates = []
-        if self.m <= MAX_M:  # fp32 products, where the default takes them in half2
-            candidates.append(self.fp32_default())
+        if self.m <= MAX_M:  # fp32 products, where the default takes them in half2; the rows pipelined
+            candidates += [self.fp32_default(), self._pipelined()]
         if self.tensor_cores:
             candidates += [self.canonical(first[0] | {"warps": 4, "rows_per_warp": 1, "mma": True, "stream": False}),
                            self._streamed()]
@@ -385,6 +455,18 @@ class Int4GemvSpace(Int4Template):
             if point is not None and point not in first and self.check(point) is None:
                 first.append(point)
         return first
+
+    def _pipelined(self) -> Point | None:
+        """The CUDA-core kernel with four groups of rows per warp, each group's loads in flight while the group
+        before is multiplied (half2 products for fp16), on the most rows per group its registers allow."""
+        extra = {"half_products": True} if self.dtype == "float16" else {}
+        if self.tensor_cores:
+            extra |= {"mma": False, "stream": False}
+        for rows in (2, 1):
+            point = self.canonical({"warps": 4, "rows_per_warp": rows, "unroll": True, "row_groups": 4} | extra)
+            if self.check(point) is None:
+                return point
+        return None
 
     def _streamed(self) -> Point | None:
         """The tensor-core kernel with its weights streamed into registers, four k-blocks in flight, on as many
@@ -400,6 +482,9 @@ class Int4GemvSpace(Int4Template):
         return None
 
     def default(self) -> Point:
+        return self.complete(self._default())
+
+    def _default(self) -> Point:
         extra = {"half_products": False} if self.dtype == "float16" else {}
         if self.m > MAX_M:  # 9 to 16 rows: tensor cores only (suits takes them only where these apply)
             streamed = self._streamed()  # ahead of the bulk copies at each Llama-2-7B shape timed on the H100
@@ -426,12 +511,15 @@ class Int4GemvSpace(Int4Template):
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},
                       {"warps": 4, "rows_per_warp": 1, "unroll": False}):
             if self.check(point | extra) is None:
-                return point | extra
+                return self.complete(point | extra)
         return super().default()
 
     def kernel(self, p: Point):
         if p.get("mma"):
             return int4_mma_gemv_kernel(self.m, self.n, self.k, self.group, self.bias, self.act, p, self.zeros)
+        if p.get("row_groups", 1) > 1:
+            return int4_gemv_pipelined_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act, p,
+                                              self.zeros)
         return int4_gemv_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act, p, self.zeros)
 
     def point_features(self, p: Point) -> list[float]:
@@ -442,14 +530,14 @@ class Int4GemvSpace(Int4Template):
         elif p.get("mma"):  # warps split k over tiles of 16 rows; the whole slab is in flight at once
             rows_pb = 16 * p["rows_per_warp"]
             in_flight = rows_pb * self.k // 2 / (32 * p["warps"])
-        else:
-            rows_pb = p["warps"] * p["rows_per_warp"]
+        else:  # a group of rows per warp (with row_groups, the next group's loads in flight during the products)
+            rows_pb = p["warps"] * p["rows_per_warp"] * p.get("row_groups", 1)
             in_flight = 16 * p["rows_per_warp"] * (self.steps() if p["unroll"] else 1)
         blocks = math.ceil(self.n / rows_pb)
         return [p["warps"], p["rows_per_warp"], float(p["unroll"]), float(p.get("half_products", False)),
                 float(p.get("mma", False)), float(p.get("stream", False)), rows_pb,
                 math.log2(blocks), blocks / self.sms,
-                in_flight, in_flight * 32 * p["warps"], self.steps(), self.m]
+                in_flight, in_flight * 32 * p["warps"], self.steps(), self.m, p.get("row_groups", 1)]
 
 
 def _shape(func) -> tuple[int, int, int, str] | None:

@@ -15,8 +15,7 @@ __device__ __forceinline__ void autosched_warp_sum(float& x) {
 // mantissa's last four bits to the nibble), then q - 8 by one subtraction, exactly.
 // A chunk helper streams its 16 bytes in, unpacks them once (autosched_q4_unpack), then adds each row's
 // product (autosched_q4_row) to that row's accumulator.
-__device__ __forceinline__ void autosched_q4_unpack(const void* wp, float (&w)[32]) {
-  uint4 q4 = autosched_ld_stream_v4(wp);
+__device__ __forceinline__ void autosched_q4_unpack_bits(uint4 q4, float (&w)[32]) {  // a chunk already loaded
   const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};
   // w: q - 8 in k order: byte b of word j holds k = 8j + 2b (low nibble), 8j + 2b + 1
   const __half2 bias = __float2half2_rn(1032.f);
@@ -31,6 +30,9 @@ __device__ __forceinline__ void autosched_q4_unpack(const void* wp, float (&w)[3
       w[8 * j + s] = e.x; w[8 * j + 4 + s] = e.y; w[8 * j + 2 + s] = o.x; w[8 * j + 6 + s] = o.y;
     }
   }
+}
+__device__ __forceinline__ void autosched_q4_unpack(const void* wp, float (&w)[32]) {
+  autosched_q4_unpack_bits(autosched_ld_stream_v4(wp), w);
 }
 template <typename T>
 __device__ __forceinline__ void autosched_q4_row(float& acc, const float (&w)[32], const void* xp, int i,
@@ -57,8 +59,7 @@ __device__ __forceinline__ void autosched_q4_row(float& acc, const float (&w)[32
 // the 1/16 keeps a half's sum of 8 products below 4 |x|, so activations up to 16384 in magnitude cannot
 // overflow. Activation pairs are regrouped to the nibbles' order, (k, k + 4), by byte permutes; every two
 // words' half2 sums go to fp32, and the chunk's sum is scaled by 16 x its group's scale.
-__device__ __forceinline__ void autosched_q4_unpack_half(const void* wp, __half2 (&w)[4][4]) {
-  uint4 q4 = autosched_ld_stream_v4(wp);
+__device__ __forceinline__ void autosched_q4_unpack_half_bits(uint4 q4, __half2 (&w)[4][4]) {
   const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};
   // w[j][t]: (q - 8) / 16 of k = 8j + t and 8j + t + 4 (byte b of word j holds k = 8j + 2b, 8j + 2b + 1)
   const __half2 lo_mul = __float2half2_rn(0.0625f), lo_add = __float2half2_rn(-64.5f);
@@ -73,6 +74,9 @@ __device__ __forceinline__ void autosched_q4_unpack_half(const void* wp, __half2
       w[j][2 * s + 1] = __hfma2(*reinterpret_cast<__half2*>(&hi), hi_mul, hi_add);
     }
   }
+}
+__device__ __forceinline__ void autosched_q4_unpack_half(const void* wp, __half2 (&w)[4][4]) {
+  autosched_q4_unpack_half_bits(autosched_ld_stream_v4(wp), w);
 }
 __device__ __forceinline__ void autosched_q4_row_half(float& acc, const __half2 (&w)[4][4], const void* xp, int i,
                                                       int row_bytes, float scale) {

@@ -9,8 +9,7 @@
 #include "int4_gemv.cuh"
 
 // Products in fp32: half2 1024 + q minus 1024 + z gives q - z exactly (integers to 2048 are exact in fp16).
-__device__ __forceinline__ void autosched_q4_unpack_zeros(const void* wp, float (&w)[32], float zero) {
-  uint4 q4 = autosched_ld_stream_v4(wp);
+__device__ __forceinline__ void autosched_q4_unpack_zeros_bits(uint4 q4, float (&w)[32], float zero) {
   const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};
   // w: q - z in k order: byte b of word j holds k = 8j + 2b (low nibble), 8j + 2b + 1
   const __half2 bias = __float2half2_rn(1024.f + zero);
@@ -26,13 +25,15 @@ __device__ __forceinline__ void autosched_q4_unpack_zeros(const void* wp, float 
     }
   }
 }
+__device__ __forceinline__ void autosched_q4_unpack_zeros(const void* wp, float (&w)[32], float zero) {
+  autosched_q4_unpack_zeros_bits(autosched_ld_stream_v4(wp), w, zero);
+}
 
 // Products in half2: weights (q - z) / 32, exactly, by one half2 FMA per two nibbles (a low nibble is 1024 + q
 // under 0x6400's exponent, a high one 1024 + 16q; the added constants 32 + z/32 and 2 + z/32 are exact for z
 // under 64). q - z spans twice q - 8's range, so 1/32 rather than int4_gemv.cuh's 1/16 keeps a half's sum of
 // 8 products within 4 |x| for z up to 16 (the same overflow bound). Same layout as autosched_q4_unpack_half.
-__device__ __forceinline__ void autosched_q4_unpack_half_zeros(const void* wp, __half2 (&w)[4][4], float zero) {
-  uint4 q4 = autosched_ld_stream_v4(wp);
+__device__ __forceinline__ void autosched_q4_unpack_half_zeros_bits(uint4 q4, __half2 (&w)[4][4], float zero) {
   const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};
   const __half2 lo_mul = __float2half2_rn(0.03125f), lo_add = __float2half2_rn(-32.f - zero * 0.03125f);
   const __half2 hi_mul = __float2half2_rn(0.001953125f), hi_add = __float2half2_rn(-2.f - zero * 0.03125f);
@@ -46,6 +47,9 @@ __device__ __forceinline__ void autosched_q4_unpack_half_zeros(const void* wp, _
       w[j][2 * s + 1] = __hfma2(*reinterpret_cast<__half2*>(&hi), hi_mul, hi_add);
     }
   }
+}
+__device__ __forceinline__ void autosched_q4_unpack_half_zeros(const void* wp, __half2 (&w)[4][4], float zero) {
+  autosched_q4_unpack_half_zeros_bits(autosched_ld_stream_v4(wp), w, zero);
 }
 // autosched_q4_row_half scales by 16 x scale for (q - 8) / 16: (q - z) / 32 needs twice that (a power of two,
 // exact).
