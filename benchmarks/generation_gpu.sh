@@ -16,7 +16,8 @@
 #   decode-gemm  Llama-2-7B's four batch-16 GEMMs: hopper_gemm's wgmma default against its streaming mma.sync
 #           kernel's points (gpu_benchmark.py --hand-points gemm --points decode), GB/s beside cuBLAS
 #   decode-int4  Llama-2-7B's four int4 projections (q4f16, groups of 128) at 1 and 16 rows: int4_gemv's first
-#           points (CUDA cores, tensor cores bulk-copied, tensor cores streamed), GB/s (--hand-points space)
+#           points (CUDA cores: half2 and fp32 products, rows pipelined; tensor cores bulk-copied and streamed),
+#           GB/s (--hand-points space), for at most INT4_LIMIT seconds (default 420)
 #   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
 #           launch, fp8, int4, the streaming decode GEMMs), in TEST_WORKERS processes (default 4)
 # $DB is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
