@@ -6,7 +6,8 @@
 # Steps:
 #   topup   tune-model of Llama-2-7B's decode steps (batches 1, 16), prefill chunks (512, 8192) and verify steps
 #           (k = 4) for TOPUP seconds (default 140), records added to $DB
-#   fp16    generate_benchmark.py at batches 1 and 16 with --trace and --programmatic-launch (the A/B)
+#   fp16    generate_benchmark.py at batches 1 and 16 with --trace and --programmatic-launch (the A/B); with
+#           COMPILE=1 also torch's best recipe (--compile), 240 s more
 #   q4f16   tune-model --quantize q4f16 for Q4_BUDGET seconds (default 110), then the q4f16 benchmark with
 #           torch's int4 recipe (--torch-int4 --compile)
 #   fp8     the fp8 build's prefill of 512 tokens at batch 16 (W8A8 chunks on sm_90)
@@ -38,7 +39,8 @@ for step in "$@"; do
     topup) timeout $(( ${TOPUP:-140} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512,8192 --speculate 4 --time-budget "${TOPUP:-140}" \
              --db "$db" > "$OUT/topup.log" 2>&1; echo "topup: exit $?" ;;
-    fp16) gen fp16 340 --model llama2-7b --batches 1,16 --new 64 --trace --programmatic-launch ;;
+    fp16) gen fp16 $(( ${COMPILE:+240} + 340 )) --model llama2-7b --batches 1,16 --new 64 --trace --programmatic-launch \
+            ${COMPILE:+--compile} ;;
     q4f16) timeout $(( ${Q4_BUDGET:-110} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512 --quantize q4f16 --time-budget "${Q4_BUDGET:-110}" \
              --db "$db" > "$OUT/tune_q4f16.log" 2>&1; echo "q4f16 tuning: exit $?"
@@ -48,7 +50,7 @@ for step in "$@"; do
             --db "$db" --out "$OUT/spec.json" > "$OUT/spec.log" 2>&1; echo "spec: exit $?" ;;
     models) for model in llama3.1-8b qwen3-8b; do gen "$model" 200 --model "$model" --batches 1 --new 64; done ;;
     b64) gen llama3-8b-b64 300 --model llama3-8b --batches 64 --new 32 ;;
-    decode-gemm) shapes=(); for s in 16,12288,4096 16,4096,4096 16,22016,4096 16,4096,11008; do shapes+=(--shape "$s"); done
+    decode-gemm) shapes=(); for s in 16,12288,4096 16,4096,11008 16,4096,4096 16,22016,4096; do shapes+=(--shape "$s"); done
            timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points gemm --points decode "${shapes[@]}" --timeout 60 \
              --out "$OUT/decode_gemm" > "$OUT/decode_gemm.log" 2>&1; echo "decode-gemm: exit $?" ;;
     decode-int4) shapes=(); for m in 1 16; do for nk in n=12288,k=4096 n=4096,k=4096 n=22016,k=4096 n=4096,k=11008; do
