@@ -150,6 +150,11 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
                   + f"{entry}({name}, {name}_config, {store1})\n")
 
 
+def _input_pointers(A, Wq, S, Z, Bias) -> list:
+    """The workload's inputs in its order (zero points and bias where it has them), as an entry point takes them."""
+    return [buf.access_ptr("r") for buf in (A, Wq, S, Z, Bias) if buf is not None]
+
+
 def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: str, p: Point, zeros: bool = False):
     """The TIRx kernel of a tensor-core point (``p["mma"]``): a shell around :func:`_mma_source`."""
     from tvm.script import tirx as T
@@ -168,9 +173,6 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
     resident = SM_SHARED // (smem_bytes + 1024)  # 1 KB per block reserved
     free_registers = stream or (m > MAX_M and resident * 32 * warps * 255 <= SM_REGISTERS)
 
-    def inputs(A, Wq, S, Z, Bias):  # in the workload's order, as the entry point takes them
-        return [buf.access_ptr("r") for buf in (A, Wq, S, Z, Bias) if buf is not None]
-
     # fmt: off
     @T.macro
     def body(A, Wq, S, Z, Bias, C):
@@ -180,7 +182,7 @@ def int4_mma_gemv_kernel(m: int, n: int, k: int, group: int, bias: bool, act: st
         bx = T.cta_id([grid])
         tx = T.thread_id([32 * warps])
         smem = T.alloc_buffer((smem_bytes,), "uint8", scope="shared.dyn", align=128)
-        T.cuda.func_call(fn, *inputs(A, Wq, S, Z, Bias), C.access_ptr("w"), smem.access_ptr("rw"), bx, tx,
+        T.cuda.func_call(fn, *_input_pointers(A, Wq, S, Z, Bias), C.access_ptr("w"), smem.access_ptr("rw"), bx, tx,
                          source_code=source)
 
     # fmt: on
@@ -282,16 +284,13 @@ def int4_gemv_pipelined_kernel(m: int, n: int, k: int, group: int, dtype: str, b
     groups = math.ceil(k / group)
     fn, source = _pipelined_source(m, n, k, group, dtype, p, bias, act, zeros)
 
-    def inputs(A, Wq, S, Z, Bias):  # in the workload's order, as the entry point takes them
-        return [buf.access_ptr("r") for buf in (A, Wq, S, Z, Bias) if buf is not None]
-
     # fmt: off
     @T.macro
     def body(A, Wq, S, Z, Bias, C):
         T.device_entry()
         bx = T.cta_id([grid])
         tx = T.thread_id([32 * warps])
-        T.cuda.func_call(fn, *inputs(A, Wq, S, Z, Bias), C.access_ptr("w"), bx, tx, source_code=source)
+        T.cuda.func_call(fn, *_input_pointers(A, Wq, S, Z, Bias), C.access_ptr("w"), bx, tx, source_code=source)
 
     # fmt: on
     return dequant_main(body, m, n, k, groups, dtype, bias, {"global_symbol": "main", "tirx.noalias": True}, zeros)
@@ -459,11 +458,9 @@ class Int4GemvSpace(Int4Template):
     def _pipelined(self) -> Point | None:
         """The CUDA-core kernel with four groups of rows per warp, each group's loads in flight while the group
         before is multiplied (half2 products for fp16), on the most rows per group its registers allow."""
-        extra = {"half_products": True} if self.dtype == "float16" else {}
-        if self.tensor_cores:
-            extra |= {"mma": False, "stream": False}
         for rows in (2, 1):
-            point = self.canonical({"warps": 4, "rows_per_warp": rows, "unroll": True, "row_groups": 4} | extra)
+            point = self.canonical({"warps": 4, "rows_per_warp": rows, "unroll": True, "row_groups": 4}
+                                   | self._cuda_core(half=True))
             if self.check(point) is None:
                 return point
         return None
@@ -473,10 +470,8 @@ class Int4GemvSpace(Int4Template):
         of 4, 2 or 1 warps as k allows (None without tensor cores)."""
         if not self.tensor_cores:
             return None
-        extra = {"half_products": False} if self.dtype == "float16" else {}
-        for warps in (4, 2, 1):
-            point = self.canonical({"warps": warps, "rows_per_warp": 1, "unroll": True, "mma": True, "stream": True}
-                                   | extra)
+        for warps in (4, 2, 1):  # canonical takes the products in fp32
+            point = self.canonical({"warps": warps, "rows_per_warp": 1, "unroll": True, "mma": True, "stream": True})
             if self.check(point) is None:
                 return point
         return None
@@ -485,33 +480,32 @@ class Int4GemvSpace(Int4Template):
         return self.complete(self._default())
 
     def _default(self) -> Point:
-        extra = {"half_products": False} if self.dtype == "float16" else {}
         if self.m > MAX_M:  # 9 to 16 rows: tensor cores only (suits takes them only where these apply)
             streamed = self._streamed()  # ahead of the bulk copies at each Llama-2-7B shape timed on the H100
             if streamed is not None:
                 return streamed
-            for warps in (4, 2, 1):
-                point = self.canonical({"warps": warps, "rows_per_warp": 1, "unroll": False, "mma": True} | extra)
+            for warps in (4, 2, 1):  # canonical takes the products in fp32
+                point = self.canonical({"warps": warps, "rows_per_warp": 1, "unroll": False, "mma": True})
                 if self.check(point) is None:
                     return point
             return super().default()
-        if self.tensor_cores:
-            extra |= {"mma": False, "stream": False}
         if self.m == 1 and self.dtype == "float16":  # one row: half2 products (the H200's best of 48 points)
-            point = {"warps": 1, "rows_per_warp": 4, "unroll": True} | extra | {"half_products": True}
+            point = {"warps": 1, "rows_per_warp": 4, "unroll": True} | self._cuda_core(half=True)
             if self.check(point) is None:
                 return point
         return self.fp32_default()
 
+    def _cuda_core(self, half: bool = False) -> Point:
+        """The knobs a CUDA-core point fixes: its products (half2 or fp32, a knob of fp16 only), no tensor cores."""
+        return (({"half_products": half} if self.dtype == "float16" else {})
+                | ({"mma": False, "stream": False} if self.tensor_cores else {}))
+
     def fp32_default(self) -> Point:
         """The CUDA-core kernel's default with fp32 products (the default up to 8 rows but one of fp16)."""
-        extra = {"half_products": False} if self.dtype == "float16" else {}
-        if self.tensor_cores:
-            extra |= {"mma": False, "stream": False}
         for point in ({"warps": 4, "rows_per_warp": 2, "unroll": True}, {"warps": 4, "rows_per_warp": 1, "unroll": True},
                       {"warps": 4, "rows_per_warp": 1, "unroll": False}):
-            if self.check(point | extra) is None:
-                return self.complete(point | extra)
+            if self.check(point | self._cuda_core()) is None:
+                return self.complete(point | self._cuda_core())
         return super().default()
 
     def kernel(self, p: Point):
