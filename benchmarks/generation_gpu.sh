@@ -5,7 +5,7 @@
 #   DB=.bench/tune.db bash benchmarks/generation_gpu.sh fp16 q4f16 spec
 # Steps:
 #   topup   tune-model of Llama-2-7B's decode steps (batches 1, 16), prefill chunks (512, 8192) and verify steps
-#           (k = 4) for TOPUP seconds (default 140), records added to $DB
+#           (k = 4) for TOPUP seconds (default 140), records added to $OUT/tune.db
 #   fp16    generate_benchmark.py at batches 1 and 16 with --trace and --programmatic-launch (the A/B); with
 #           COMPILE=1 also torch's best recipe (--compile), 240 s more
 #   q4f16   tune-model --quantize q4f16 for Q4_BUDGET seconds (default 110), then the q4f16 benchmark with
@@ -15,17 +15,19 @@
 #   models  Llama-3.1-8B and Qwen3-8B at batch 1 (share of the floor, against Llama-2-7B's)
 #   b64     Llama-3-8B at batch 64 (a decode step of 64 sequences of 512 + 32 tokens)
 #   decode-gemm  Llama-2-7B's four batch-16 GEMMs: hopper_gemm's wgmma default against its streaming mma.sync
-#           kernel's points (gpu_benchmark.py --hand-points gemm --points decode), GB/s beside cuBLAS
+#           kernel's points (gpu_benchmark.py --hand-points gemm --points decode), GB/s beside cuBLAS; then the
+#           fused SwiGLU of 16 rows (swiglu_gemm's first points: gated wgmma and gated streaming kernels)
 #   decode-int4  Llama-2-7B's four int4 projections (q4f16, groups of 128) at 1 and 16 rows: int4_gemv's first
 #           points (CUDA cores: half2 and fp32 products, rows pipelined; tensor cores bulk-copied and streamed),
 #           GB/s (--hand-points space), for at most INT4_LIMIT seconds (default 420)
 #   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
 #           launch, fp8, int4, the streaming decode GEMMs), in TEST_WORKERS processes (default 4)
-# $DB is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
+# $DB (optional) is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
 set -uo pipefail
 NEED="transformers=transformers" source "$(dirname "$0")/_gpu_env.sh"
 db=$OUT/tune.db
-[[ -f $db ]] || cp "${DB:?DB: the tuning database to start from}" "$db"
+# No $DB (or none there yet): the steps start from an empty database (topup creates it).
+[[ -f $db || ! -f ${DB:-} ]] || cp "$DB" "$db"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/gpu.txt"
 llama=hf-llama-7b-layers
 gen() {  # generate_benchmark.py ARGS..., its rows in $OUT/$name.json
@@ -52,7 +54,10 @@ for step in "$@"; do
     b64) gen llama3-8b-b64 300 --model llama3-8b --batches 64 --new 32 ;;
     decode-gemm) shapes=(); for s in 16,12288,4096 16,4096,11008 16,4096,4096 16,22016,4096; do shapes+=(--shape "$s"); done
            timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points gemm --points decode "${shapes[@]}" --timeout 60 \
-             --out "$OUT/decode_gemm" > "$OUT/decode_gemm.log" 2>&1; echo "decode-gemm: exit $?" ;;
+             --out "$OUT/decode_gemm" > "$OUT/decode_gemm.log" 2>&1; echo "decode-gemm: exit $?"
+           timeout 150 python3 benchmarks/gpu_benchmark.py --hand-points space --workload swiglu_gemm --points first \
+             --shape m=16,n=11008,k=4096 --timeout 60 --out "$OUT/decode_swiglu" > "$OUT/decode_swiglu.log" 2>&1
+           echo "decode-swiglu: exit $?" ;;
     decode-int4) shapes=(); for m in 1 16; do for nk in n=12288,k=4096 n=4096,k=4096 n=22016,k=4096 n=4096,k=11008; do
              shapes+=(--shape "m=$m,$nk"); done; done
            timeout "${INT4_LIMIT:-420}" python3 benchmarks/gpu_benchmark.py --hand-points space --workload dequant_gemm \
