@@ -12,7 +12,8 @@
 #           torch's int4 recipe (--torch-int4 --compile)
 #   fp8     the fp8 build's prefill of 512 tokens at batch 16 (W8A8 chunks on sm_90)
 #   spec    speculative_benchmark.py at batch 1, k = 4
-#   models  Llama-3.1-8B and Qwen3-8B at batch 1 (share of the floor, against Llama-2-7B's)
+#   models  Llama-2-7B, Llama-3.1-8B and Qwen3-8B at batch 1 (each one's share of the floor, in the same run;
+#           MODELS: another list)
 #   b64     Llama-3-8B at batch 64 (a decode step of 64 sequences of 512 + 32 tokens)
 #   decode-gemm  Llama-2-7B's four batch-16 GEMMs: hopper_gemm's wgmma default against its streaming mma.sync
 #           kernel's points (gpu_benchmark.py --hand-points gemm --points decode), GB/s beside cuBLAS; then the
@@ -50,7 +51,7 @@ for step in "$@"; do
     fp8) gen fp8 200 --model llama2-7b --batches 16 --new 8 --quantize fp8 ;;
     spec) timeout 220 python3 benchmarks/speculative_benchmark.py --model llama2-7b --batches 1 --speculate 4 --new 32 \
             --db "$db" --out "$OUT/spec.json" > "$OUT/spec.log" 2>&1; echo "spec: exit $?" ;;
-    models) for model in llama3.1-8b qwen3-8b; do gen "$model" 200 --model "$model" --batches 1 --new 64; done ;;
+    models) for model in ${MODELS:-llama2-7b llama3.1-8b qwen3-8b}; do gen "$model" 200 --model "$model" --batches 1 --new 64; done ;;
     b64) gen llama3-8b-b64 300 --model llama3-8b --batches 64 --new 32 ;;
     decode-gemm) shapes=(); for s in 16,12288,4096 16,4096,11008 16,4096,4096 16,22016,4096; do shapes+=(--shape "$s"); done
            timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points gemm --points decode "${shapes[@]}" --timeout 60 \
