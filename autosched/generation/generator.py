@@ -314,18 +314,20 @@ class Generator:
         rows = len(kept) + len(pads)
         function = (scheduler.prefill_function(int(ids.size), chunk) if prefill
                     else scheduler.decode_function(rows, m.decode_batches))
+        # A token for each sequence whose pending tokens all go in now, unless it only holds a prefix or is full.
+        complete = [fed == len(seq.pending) and seq.max_new_tokens > 0 for seq, fed in kept]
+        wanted = [done and seq.length + fed < self.max_seq_len for (seq, fed), done in zip(kept, complete)]
         began = self._stats.clock()
+        staged = self.sampler.stage(rows, seqs, wanted)  # before the call: see Sampler.stage
         logits = m.forward(function, [s.seq_id for s in seqs] + pads, lengths, ids, prefill)
         for pad in pads:  # the padding rows' token leaves their (empty) sequences again
             m.popn(pad, 1)
         for seq, fed in kept:
             seq.feed(fed, keep_cached=self.rope_switch is not None)
-        # A token for each sequence whose pending tokens are all in, unless it only holds a prefix or is full.
-        wanted = [not seq.pending and seq.max_new_tokens > 0 and seq.length < self.max_seq_len for seq in seqs]
-        for seq, want in zip(seqs, wanted):
-            if not seq.pending and seq.max_new_tokens > 0 and not want:
+        for seq, done, want in zip(seqs, complete, wanted):
+            if done and not want:
                 seq.completion.finish_reason = "max_seq_len"  # a new token would pass the artifact's longest
-        tokens = self.sampler.choose(logits, rows, seqs, wanted, self.stats) if any(wanted) else []
+        tokens = self.sampler.choose(logits, rows, seqs, wanted, self.stats, staged) if any(wanted) else []
         self._stats.record(prefill, began, int(ids.size) if prefill else len(kept), function, bool(pads))
         made = []
         for seq, token in zip(seqs, tokens):

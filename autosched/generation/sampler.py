@@ -91,24 +91,43 @@ class Sampler:
         self.greedy_tokens, self.sample_tokens, self.device = greedy_tokens, sample_tokens, device
         self.staging = staging or Staging(device)  # where the sampling parameters go on the device
 
-    def choose(self, logits, rows: int, seqs: list, wanted: list[bool], counts: dict) -> list[int | None]:
-        """A token for each of ``seqs`` that is ``wanted`` (None for the others), from the first rows of
-        ``logits`` (a device tensor of ``rows`` rows, padding rows last). A request's random stream is drawn
-        from only when it samples."""
+    def on_device(self, seqs: list) -> str:
+        """Where a step's tokens are chosen: ``greedy`` (every row greedy, on the device), ``sample`` (on the
+        device) or ``host`` (an artifact built before ``sample_tokens``)."""
+        if self.greedy_tokens is not None and all(seq.sampling.temperature == 0 for seq in seqs):
+            return "greedy"
+        return "sample" if self.sample_tokens is not None else "host"
+
+    def stage(self, rows: int, seqs: list, wanted: list[bool]):
+        """The sampling parameters of a step on the device (None where the step does not sample on the device),
+        each sampled row's uniform number drawn now. Call it before the step's model call: a copy to the device
+        waits for the work queued before it, so made after the call it would wait for the whole step before
+        the sampling kernel could be launched."""
         import numpy as np
 
-        if self.greedy_tokens is not None and all(seq.sampling.temperature == 0 for seq in seqs):
+        if not any(wanted) or self.on_device(seqs) != "sample":
+            return None
+        params = np.zeros((rows, 4), dtype="float32")  # padding and unwanted rows: greedy
+        for i, (seq, want) in enumerate(zip(seqs, wanted)):
+            sp = seq.sampling
+            if want and not sp.greedy:
+                params[i] = (sp.temperature, sp.top_k, sp.top_p, seq.rng.random())
+        return self.staging.put("sampling", params)
+
+    def choose(self, logits, rows: int, seqs: list, wanted: list[bool], counts: dict,
+               staged=None) -> list[int | None]:
+        """A token for each of ``seqs`` that is ``wanted`` (None for the others), from the first rows of
+        ``logits`` (a device tensor of ``rows`` rows, padding rows last). A request's random stream is drawn
+        from only when it samples; ``staged``: :meth:`stage`'s parameters for this step (staged here if None)."""
+        where = self.on_device(seqs)
+        if where == "greedy":
             counts["device_greedy_calls"] += 1
             picks = self.greedy_tokens(logits).numpy().reshape(-1)
             return [int(picks[i]) if want else None for i, want in enumerate(wanted)]
-        if self.sample_tokens is not None:
-            params = np.zeros((rows, 4), dtype="float32")  # padding and unwanted rows: greedy
-            for i, (seq, want) in enumerate(zip(seqs, wanted)):
-                sp = seq.sampling
-                if want and not sp.greedy:
-                    params[i] = (sp.temperature, sp.top_k, sp.top_p, seq.rng.random())
+        if where == "sample":
             counts["device_sample_calls"] += 1
-            picks = self.sample_tokens(logits, self.staging.put("sampling", params)).numpy().reshape(-1)
+            params = staged if staged is not None else self.stage(rows, seqs, wanted)
+            picks = self.sample_tokens(logits, params).numpy().reshape(-1)
             return [int(picks[i]) if want else None for i, want in enumerate(wanted)]
         counts["host_sample_calls"] += 1
         host = logits.numpy().reshape(rows, -1)
