@@ -301,6 +301,12 @@ def ours(make_generator, prompts, new: int):
     return timing["prefill_ms"], timing["ms_per_step"], [r.tokens for r in results]
 
 
+def running_ahead(gen):
+    """``gen`` with its greedy decode steps launched ahead (Generator's ``run_ahead``)."""
+    gen.run_ahead = True
+    return gen
+
+
 def transformers_run(model, prompts, new: int, compiled: bool):
     """(prefill ms, ms per decode step, tokens, scores) of ``model.generate`` on the batch (prompts of one
     length), from a 1-token and a ``new``-token run."""
@@ -415,6 +421,9 @@ def main() -> int:
     parser.add_argument("--torch-int4", action="store_true",
                         help="also torch's best recipe on int4 weights (PyTorch's int4 GEMM, torchao's int4 "
                         "weight-only kernel; groups of 128, bfloat16), next to a --quantize q4f16 build")
+    parser.add_argument("--run-ahead", action="store_true",
+                        help="also our build with each decode step launched before the tokens of the step before are "
+                             "read (Generator(run_ahead=True)): ms per step and whether the tokens are the same")
     parser.add_argument("--programmatic-launch", action="store_true",
                         help="also our build with programmatic dependent launch (sm_90: each kernel launched while "
                         "the one before it finishes), timed against the same build without it")
@@ -468,6 +477,10 @@ def main() -> int:
         prefill, step, tokens = ours(make, prompts, args.new)
         if make_dynamic is not None:
             row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
+        if args.run_ahead:  # the same build, each decode step launched before the last one's tokens are read
+            ahead = ours(lambda: running_ahead(make()), prompts, args.new)
+            row.update(run_ahead_ms_per_step=ahead[1], run_ahead_same_tokens=ahead[2] == tokens)
+            print({k: row[k] for k in ("batch", "run_ahead_ms_per_step", "run_ahead_same_tokens")}, flush=True)
         if make_overlapped is not None:
             overlapped = ours(make_overlapped, prompts, args.new)
             row.update(programmatic_prefill_ms=overlapped[0], programmatic_ms_per_step=overlapped[1],

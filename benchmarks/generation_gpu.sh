@@ -6,7 +6,7 @@
 # Steps:
 #   topup   tune-model of Llama-2-7B's decode steps (batches 1, 16), prefill chunks (512, 8192) and verify steps
 #           (k = 4) for TOPUP seconds (default 140), records added to $OUT/tune.db
-#   fp16    generate_benchmark.py at batches 1 and 16 with --trace and --programmatic-launch (the A/B); with
+#   fp16    generate_benchmark.py at batches 1 and 16 with --trace, --run-ahead and --programmatic-launch (A/Bs); with
 #           COMPILE=1 also torch's best recipe (--compile), 240 s more
 #   q4f16   tune-model --quantize q4f16 for Q4_BUDGET seconds (default 110), then the q4f16 benchmark with
 #           torch's int4 recipe (--torch-int4 --compile)
@@ -42,7 +42,8 @@ for step in "$@"; do
     topup) timeout $(( ${TOPUP:-140} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512,8192 --speculate 4 --time-budget "${TOPUP:-140}" \
              --db "$db" > "$OUT/topup.log" 2>&1; echo "topup: exit $?" ;;
-    fp16) gen fp16 $(( ${COMPILE:+240} + 340 )) --model llama2-7b --batches 1,16 --new 64 --trace --programmatic-launch \
+    fp16) gen fp16 $(( ${COMPILE:+240} + 370 )) --model llama2-7b --batches 1,16 --new 64 --trace --programmatic-launch \
+            --run-ahead \
             ${COMPILE:+--compile} ;;
     q4f16) timeout $(( ${Q4_BUDGET:-110} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512 --quantize q4f16 --time-budget "${Q4_BUDGET:-110}" \
@@ -51,7 +52,8 @@ for step in "$@"; do
     fp8) gen fp8 200 --model llama2-7b --batches 16 --new 8 --quantize fp8 ;;
     spec) timeout 220 python3 benchmarks/speculative_benchmark.py --model llama2-7b --batches 1 --speculate 4 --new 32 \
             --db "$db" --out "$OUT/spec.json" > "$OUT/spec.log" 2>&1; echo "spec: exit $?" ;;
-    models) for model in ${MODELS:-llama2-7b llama3.1-8b qwen3-8b}; do gen "$model" 200 --model "$model" --batches 1 --new 64; done ;;
+    models) for model in ${MODELS:-llama2-7b llama3.1-8b qwen3-8b}; do
+              gen "$model" 200 --model "$model" --batches 1 --new 64 --run-ahead; done ;;
     b64) gen llama3-8b-b64 300 --model llama3-8b --batches 64 --new 32 ;;
     decode-gemm) shapes=(); for s in 16,12288,4096 16,4096,11008 16,4096,4096 16,22016,4096; do shapes+=(--shape "$s"); done
            timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points gemm --points decode "${shapes[@]}" --timeout 60 \
@@ -76,7 +78,8 @@ done
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 keys = ("batch", "quantize", "ours_ms_per_step", "floor_ms", "share_of_floor", "ours_prefill_ms",
-        "programmatic_ms_per_step", "programmatic_same_tokens", "best_ms_per_step", "int4_best_ms_per_step")
+        "programmatic_ms_per_step", "programmatic_same_tokens", "run_ahead_ms_per_step", "run_ahead_same_tokens",
+        "best_ms_per_step", "int4_best_ms_per_step")
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     for row in json.loads(path.read_text()).get("rows", []):
         print(path.stem, {k: row[k] for k in keys if k in row})

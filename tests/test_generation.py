@@ -802,3 +802,38 @@ def test_the_sampling_kernel_on_the_gpu_picks_the_host_token_on_rows_of_every_ki
     picked = out.cpu().tolist()
     wrong = [(r, params[r].tolist(), picked[r], tokens[r]) for r in range(len(tokens)) if picked[r] != tokens[r]]
     assert not wrong, wrong  # (row, (temperature, top_k, top_p, uniform), picked, host's)
+
+
+def test_decode_steps_launched_ahead_give_the_same_tokens(built):
+    """run_ahead: each greedy decode step is launched before the tokens of the step before are read (its ids
+    are those tokens on the device; its barrier reads them inside the call). The tokens are those of a step at
+    a time, through stop tokens, lengths that end apart, sequences that join as others finish (6 prompts, 4 at
+    a time) and a step with a sampled request among greedy ones; and most steps were launched ahead."""
+    from autosched.generation import Generator
+
+    model, artifact = built
+    prompts = PROMPTS + [[7, 7, 7], [8]]
+    plain = Generator(artifact)
+    expected = [r.tokens for r in plain.generate(prompts, 12)]
+    gen = Generator(artifact, run_ahead=True)
+    launched = []
+    original = gen._launch
+    gen._launch = lambda seqs, after=None: launched.append(after is not None) or original(seqs, after)
+    assert [r.tokens for r in gen.generate(prompts, 12)] == expected
+    assert sum(launched) > len(launched) // 2 > 0  # most steps went ahead of the one before
+    assert expected[0] == _reference(model, prompts[0], 12)
+    stop = expected[0][4]  # a stop token mid-way: the step launched behind it is thrown away
+    assert gen.generate(prompts[:2], 12, stop_tokens=[stop])[0].tokens == expected[0][:5]
+    assert [r.tokens for r in gen.generate(prompts[:3], 12)] == expected[:3]  # after a thrown-away step
+    mixed = gen.generate(prompts[:2], 6, temperature=0.7, top_k=1)  # sampled: a step at a time, same tokens
+    assert [r.tokens for r in mixed] == [t[:6] for t in expected[:2]]
+    # A sequence longer than another ends by length while the other decodes ahead.
+    gen.add(prompts[0], max_new_tokens=3)
+    gen.add(prompts[1], max_new_tokens=9)
+    made = {}
+    while gen.live:
+        for seq_id, token in gen.step():
+            made.setdefault(seq_id, []).append(token)
+        for seq_id in gen.finished:
+            gen.remove(seq_id)
+    assert sorted(made.values(), key=len) == [expected[0][:3], expected[1][:9]]

@@ -1,6 +1,9 @@
 """Text generation: a decoder over TVM's paged KV cache (:mod:`.decoder`), its build into an artifact
 (:mod:`.build`) and the runtime that generates from one (:mod:`.generator`)."""
 
+from . import barrier
 from .generator import Completion, GenerationError, Generator, Sampling
+
+barrier.register()  # before any generation module's VM is made: its decode functions call the barrier
 
 __all__ = ["Completion", "GenerationError", "Generator", "Sampling"]

@@ -340,6 +340,7 @@ def generation_manifest(model: GenerationModel, names: list[str], target: Target
         "target": target.to_json(), "max_seq_len": max_seq_len, "max_batch": max_batch, "page_size": page_size,
         "decode_batches": list(decode_batches), "prefill_chunks": list(prefill_chunks),
         "speculate": list(speculate),
+        "step_barrier": True,  # decode functions wait for the step before inside the call (barrier.py)
         # A windowed sequence's prefill calls past its first window take up to this many tokens (the windowed
         # cache's prefill kernel masks the cached keys to the window); older builds: one a call.
         "window_chunk": model.config.sliding_window, "eos_token_ids": model.eos_token_ids,

@@ -364,6 +364,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 
     from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
 
+    from .barrier import step_barrier
     from .linear import add_rms_norm, grouped_moe, grouped_moe_serves, linear, moe_linear, quant_linear, rms_norm, swiglu
     from .quantize import group_size
     from .quantize import scheme as quant_scheme
@@ -661,7 +662,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             return self.logits(x), *caches
 
         def _decode(self, input_ids: Tensor, caches: list):
-            x = op.reshape(self.embed_tokens(input_ids), (input_ids.shape[0], 1, cfg.hidden))
+            # The step before is waited for here, not before the call (barrier.py: the host launches ahead).
+            x = op.reshape(step_barrier(self.embed_tokens(input_ids), input_ids), (input_ids.shape[0], 1, cfg.hidden))
             return self.logits(self.forward(x, caches)), *caches
 
         def batch_prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import scheduler
@@ -31,6 +32,11 @@ class Generator:
     :meth:`remove` takes it. ``kv_pages``: pages in the cache (default: room for ``max_batch`` sequences of
     ``max_seq_len`` tokens). ``clock``: what times the calls (see :meth:`timing`).
 
+    ``run_ahead``: a greedy decode step is launched before the tokens of the step before it are read (its
+    ids are those tokens, still on the device; the step waits for them inside its call: :mod:`.barrier`), so
+    the host's work between two steps overlaps the GPU's. The same tokens; a sequence that stops at a stop
+    token has had one step more computed for it. Builds without the barrier decode a step at a time.
+
     ``draft``: decode speculatively (:mod:`.speculative`), the same tokens (greedy) or the same distribution
     (sampled) in fewer target steps: ``"prompt-lookup"`` (proposals copied from earlier in the sequence) or
     the folder of another generation artifact with the same vocabulary (a smaller model); ``speculate``:
@@ -40,8 +46,9 @@ class Generator:
 
     def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, *, draft=None, speculate: int = 4,
-                 adaptive: bool = True):
+                 adaptive: bool = True, run_ahead: bool = False):
         self._start(LoadedModel.load(artifact_dir, kv_pages), clock)
+        self.run_ahead = run_ahead
         if draft is not None:
             self.speculate(draft, speculate, adaptive)
 
@@ -89,6 +96,8 @@ class Generator:
         self._next_id = 0
         self.completions: list[Completion] = []
         self._speculator = None
+        self.run_ahead = False
+        self._flight: Flight | None = None  # a decode step launched whose tokens are not read yet
 
     def __getattr__(self, name: str):
         # The model's facts (max_batch, max_seq_len, vocab, manifest, vm, caches, ...), as attributes of old.
@@ -211,15 +220,24 @@ class Generator:
             for seq in scheduler.longrope_rereads(seqs, self.rope_switch):
                 self.model.popn(seq.seq_id, seq.length)
                 seq.pending, seq.cached, seq.length, seq.prefilled = seq.cached + seq.pending, [], 0, False
-        decoding = [s for s in seqs if s.decoding]
+        made, served = [], set()
+        flight, self._flight = self._flight, None
+        if flight is not None and not flight.continues(seqs):
+            # Its tokens are this step's for its sequences, read before anything else runs.
+            made += self._land(flight)
+            served, flight = {id(s) for s in flight.seqs}, None
+        decoding = [s for s in seqs if s.decoding and id(s) not in served]
         waiting = [s for s in seqs if not s.prefilled]
-        made = []
         while waiting:
             parts, chunk = scheduler.next_prefill(waiting, self.limits)
             made += self._forward(parts, prefill=True, chunk=chunk)
             waiting = [s for s in waiting if not s.prefilled and not s.completion.finished]
-        if decoding and self._speculator is not None and self._speculator.wants_step():
+        if flight is not None:
+            made += self._fly(flight)
+        elif decoding and self._speculator is not None and self._speculator.wants_step():
             made += self._speculator.step(decoding)
+        elif decoding and self._may_run_ahead(decoding):
+            made += self._fly(self._launch(decoding))
         elif decoding:
             made += self._forward([(s, 1) for s in decoding], prefill=False)
             if self._speculator is not None:
@@ -297,6 +315,79 @@ class Generator:
             raise GenerationError(f"no live sequence {seq_id}: live are {sorted(self._seqs) or 'none'}")
         return self._seqs[seq_id]
 
+    # ---- decode steps launched ahead (run_ahead) ---------------------------------------------------
+
+    def _may_run_ahead(self, seqs: list[SequenceState], flight: Flight | None = None) -> bool:
+        """Whether a greedy decode step of ``seqs`` may be launched now, each with its next token pending or,
+        behind ``flight``, with its token there not yet read: every sequence takes the step whole (room in the
+        cache and in max_seq_len, its token wanted; none ends by length with the token in flight), the rows
+        as in ``flight``, on a build with the step barrier."""
+        m = self.model
+        if not (self.run_ahead and m.step_barrier and self._speculator is None and self.rope_switch is None):
+            return False
+        in_flight = 0 if flight is None else 1
+        if any(not s.sampling.greedy or len(s.completion.tokens) + in_flight >= s.max_new_tokens
+               or s.length + 1 >= self.max_seq_len for s in seqs):
+            return False
+        need, rows = self._decode_rows(seqs)
+        return need <= m.free_pages() and (flight is None or rows == flight.rows)
+
+    def _decode_rows(self, seqs: list[SequenceState]) -> tuple[int, int]:
+        """The pages a decode step of ``seqs`` takes, and its rows (padding included)."""
+        m = self.model
+        need = sum(scheduler.pages_needed(s.length, 1, self.limits.page_size) for s in seqs)
+        return need, len(seqs) + scheduler.padding_rows(len(seqs), m.decode_batches, m.free_pages() - need)
+
+    def _launch(self, seqs: list[SequenceState], after: Flight | None = None) -> Flight:
+        """Launch a greedy decode step of ``seqs``: their pending tokens from the host, or ``after``'s tokens
+        on the device, which this step's barrier reads once ``after`` is done (:mod:`.barrier`)."""
+        import numpy as np
+
+        m = self.model
+        rows = self._decode_rows(seqs)[1]
+        pads = m.padding_ids(rows - len(seqs))
+        function = scheduler.decode_function(rows, m.decode_batches)
+        began = self._stats.clock()
+        if after is None:
+            ids = np.asarray([s.pending[0] for s in seqs] + [0] * len(pads), dtype="int32")
+        else:
+            ids = after.tokens
+        logits = m.forward(function, [s.seq_id for s in seqs] + pads, [1] * rows, ids, False,
+                           wait_for=None if after is None else after.tokens)
+        for pad in pads:
+            m.popn(pad, 1)
+        if after is None:
+            for seq in seqs:
+                seq.feed(1, keep_cached=False)
+        self.stats["device_greedy_calls"] += 1
+        return Flight(seqs, m.greedy_tokens(logits), rows, function, bool(pads), began)
+
+    def _fly(self, flight: Flight) -> list[tuple[int, int]]:
+        """``flight``'s tokens (this step's), with the next step launched behind them first where it may be."""
+        if not flight.live(self._seqs) or not self._may_run_ahead(flight.seqs, flight):
+            return self._land(flight)
+        follow = self._launch(flight.seqs, after=flight)
+        made = self._accept(flight, self.model.waited())
+        for seq in flight.seqs:
+            if not seq.completion.finished:  # its token went into the step launched (one that stopped leaves)
+                seq.feed(1, keep_cached=False)
+        follow.began = self._stats.clock()  # steps in flight overlap: its time counts from here
+        self._flight = follow
+        return made
+
+    def _land(self, flight: Flight) -> list[tuple[int, int]]:
+        """``flight``'s tokens, waited for."""
+        return self._accept(flight, flight.tokens.numpy().reshape(-1))
+
+    def _accept(self, flight: Flight, tokens) -> list[tuple[int, int]]:
+        made = []
+        for seq, token in zip(flight.seqs, tokens):
+            if self._seqs.get(seq.seq_id) is seq and not seq.completion.finished:  # not removed meanwhile
+                seq.accept(int(token))
+                made.append((seq.seq_id, int(token)))
+        self._stats.record(False, flight.began, len(flight.seqs), flight.function, flight.padded)
+        return made
+
     def _forward(self, parts: list[tuple[SequenceState, int]], prefill: bool, chunk: int | None = None):
         """One call over ``parts``, (sequence, how many of its pending tokens to feed); returns the (sequence id,
         token) pairs sampled (for sequences whose pending tokens were all fed)."""
@@ -335,6 +426,29 @@ class Generator:
                 seq.accept(token)
                 made.append((seq.seq_id, token))
         return made
+
+
+@dataclass
+class Flight:
+    """A greedy decode step launched whose tokens are not read yet: its sequences in row order (padding rows
+    after them), the device tensor of every row's token, and what its time counts as."""
+
+    seqs: list[SequenceState]
+    tokens: object
+    rows: int
+    function: str
+    padded: bool
+    began: float
+
+    def live(self, live: dict) -> bool:
+        """Whether each of its sequences is still in the cache and decoding (none stopped or removed)."""
+        return all(live.get(s.seq_id) is s and not s.completion.finished for s in self.seqs)
+
+    def continues(self, seqs: list[SequenceState]) -> bool:
+        """Whether a step of ``seqs`` is this one's sequences decoding on (none waits for a prefill, none
+        joined, none left)."""
+        unfinished = [s for s in seqs if not s.completion.finished]
+        return len(unfinished) == len(self.seqs) and all(a is b for a, b in zip(unfinished, self.seqs))
 
 
 def read_generation_manifest(path: str | Path) -> dict:

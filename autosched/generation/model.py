@@ -70,6 +70,8 @@ class LoadedModel:
         self.prefill_chunks = tuple(m.get("prefill_chunks", []))
         # Proposal counts k whose speculative verification has static functions (build --speculate).
         self.static_proposals = frozenset(m.get("speculate", []))
+        # Decode functions that wait for the step before inside the call (barrier.py); older builds: before it.
+        self.step_barrier = bool(m.get("step_barrier"))
         # Phi-3's longrope: transformers re-reads a sequence with the long factors when it grows past the
         # original context (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache then).
         scaling = m["decoder"].get("rope_scaling") or {}
@@ -155,15 +157,22 @@ class LoadedModel:
     # ---- one call ----------------------------------------------------------------------------------
 
     def forward(self, function: str, seq_ids: list[int], lengths: list[int], ids, prefill: bool,
-                every_position: bool = False, logit_positions=None):
-        """Run ``function`` over ``ids`` (the tokens of ``seq_ids``, ``lengths`` each, packed); returns the
-        logits on the device (one row per sequence: the last token's; a prefill's rows at ``logit_positions``
-        of the packed tokens where given, as an evaluation reads them; with ``every_position``, a row for every
-        token fed, as a speculative step's verification reads them)."""
+                every_position: bool = False, logit_positions=None, wait_for=None):
+        """Run ``function`` over ``ids`` (the tokens of ``seq_ids``, ``lengths`` each, packed; host ids, or a
+        device tensor of them); returns the logits on the device (one row per sequence: the last token's; a
+        prefill's rows at ``logit_positions`` of the packed tokens where given, as an evaluation reads them;
+        with ``every_position``, a row for every token fed, as a speculative step's verification reads them).
+        ``wait_for``: a device tensor that a decode function's barrier reads once the work queued before the
+        call is done (:mod:`.barrier`); the read is :meth:`waited`."""
         import numpy as np
 
+        from .barrier import BARRIER
+
         self._begin(self._shape(seq_ids), self._shape(lengths))
-        input_ids = self.staging.put("ids", np.asarray(ids, dtype="int32"))
+        on_device = hasattr(ids, "numpy") and not isinstance(ids, np.ndarray)
+        input_ids = ids if on_device else self.staging.put("ids", np.asarray(ids, dtype="int32"))
+        if wait_for is not None:
+            BARRIER.queue(wait_for)
         call = self._functions.get(function)
         if call is None:
             call = self._functions[function] = self.vm[function]
@@ -180,3 +189,14 @@ class LoadedModel:
             logits, *self.caches = call(input_ids, *self.caches, self.params)
         self._end()
         return logits
+
+    @staticmethod
+    def waited():
+        """What the barrier of the last call read (numpy) of its ``wait_for``, once."""
+        from .barrier import BARRIER
+
+        read = BARRIER.take()
+        if read is None:
+            raise RuntimeError("the call had no step barrier to read at: a decode function of a build with "
+                               "step_barrier in its manifest reads it")
+        return read
