@@ -389,7 +389,9 @@ def test_build_refuses_limits_the_model_cannot_take(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_half_precision_generation_on_the_gpu_matches_transformers(family, tmp_path):
     """fp16 on the GPU: the first 16 greedy tokens of every prompt are transformers' (on the same GPU), or the
-    first difference is a near-tie of transformers' own logits."""
+    first difference is a near-tie of transformers' own logits; with decode steps launched ahead (run_ahead:
+    each step's ids its predecessor's tokens on the device, the barrier inside the step waiting for them), the
+    same tokens as a step at a time, with prompts that join as others finish."""
     import torch
 
     from autosched.generation import Generator
@@ -398,8 +400,13 @@ def test_half_precision_generation_on_the_gpu_matches_transformers(family, tmp_p
     cli("build", str(tmp_path / "hf"), "--generate", "--target", "cuda", "--dtype", "float16", "-o",
         str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
     model = model.to("cuda", torch.float16)
-    results = Generator(tmp_path / "art").generate(PROMPTS, 16)
+    gen = Generator(tmp_path / "art")
+    results = gen.generate(PROMPTS, 16)
     assert_gpu_greedy_matches(model, PROMPTS, results, 16, max_margin=0.05)
+    prompts = PROMPTS + [[7, 7, 7], [8]]
+    plain = [r.tokens for r in gen.generate(prompts, 24)]
+    gen.run_ahead = True
+    assert [r.tokens for r in gen.generate(prompts, 24)] == plain
 
 
 @pytest.mark.slow
