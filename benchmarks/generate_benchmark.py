@@ -424,9 +424,10 @@ def main() -> int:
     parser.add_argument("--run-ahead", action="store_true",
                         help="also our build with each decode step launched before the tokens of the step before are "
                              "read (Generator(run_ahead=True)): ms per step and whether the tokens are the same")
-    parser.add_argument("--programmatic-launch", action="store_true",
+    parser.add_argument("--programmatic-launch", nargs="?", const=True, type=int, metavar="ROWS",
                         help="also our build with programmatic dependent launch (sm_90: each kernel launched while "
-                        "the one before it finishes), timed against the same build without it")
+                        "the one before it finishes), timed against the same build without it; ROWS: only in the "
+                        "kernels of decode steps of at most ROWS rows")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
@@ -455,7 +456,8 @@ def main() -> int:
     make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False, prefill_chunks=chunks,
                                quantize=args.quantize)[0] if args.profile or args.without_graphs else None
     make_overlapped = build_ours(model, batches, max_seq_len, db_path=args.db, prefill_chunks=chunks,
-                                 quantize=args.quantize, programmatic_launch=True)[0] if args.programmatic_launch else None
+                                 quantize=args.quantize, programmatic_launch=args.programmatic_launch)[0] \
+        if args.programmatic_launch else None
     if shared is not None:
         print(f"built in {shared[1]:.1f} s", flush=True)
     int4_model = None

@@ -6,8 +6,8 @@
 # Steps:
 #   topup   tune-model of Llama-2-7B's decode steps (batches 1, 16), prefill chunks (512, 8192) and verify steps
 #           (k = 4) for TOPUP seconds (default 140), records added to $OUT/tune.db
-#   fp16    generate_benchmark.py at batches 1 and 16 with FP16_AB (default --trace --run-ahead --programmatic-launch:
-#           the trace and the A/Bs; the last one builds again); with
+#   fp16    generate_benchmark.py at batches 1 and 16 with FP16_AB (default --trace --run-ahead --programmatic-launch 4:
+#           the trace and the A/Bs; the last one, in the kernels of decode steps of 1-4 rows, builds again); with
 #           COMPILE=1 also torch's best recipe (--compile), 240 s more
 #   q4f16   tune-model --quantize q4f16 for Q4_BUDGET seconds (default 110), then the q4f16 benchmark with
 #           torch's int4 recipe (--torch-int4 --compile)
@@ -43,7 +43,7 @@ for step in "$@"; do
     topup) timeout $(( ${TOPUP:-140} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512,8192 --speculate 4 --time-budget "${TOPUP:-140}" \
              --db "$db" > "$OUT/topup.log" 2>&1; echo "topup: exit $?" ;;
-    fp16) read -r -a ab <<< "${FP16_AB:---trace --run-ahead --programmatic-launch}"
+    fp16) read -r -a ab <<< "${FP16_AB:---trace --run-ahead --programmatic-launch 4}"
           gen fp16 $(( ${COMPILE:+240} + 370 )) --model llama2-7b --batches 1,16 --new 64 "${ab[@]}" ${COMPILE:+--compile} ;;
     q4f16) timeout $(( ${Q4_BUDGET:-110} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512 --quantize q4f16 --time-budget "${Q4_BUDGET:-110}" \

@@ -40,6 +40,37 @@ def test_each_kernel_waits_for_the_grid_before_it_then_releases_the_next():
     assert with_programmatic_launch(func).same_as(func)  # the attribute set already: untouched
 
 
+def test_the_pass_rewrites_only_the_kernels_it_is_given():
+    import tvm
+
+    from autosched.pipeline.launch import programmatic_launch
+
+    mod = tvm.IRModule({"one": _two_kernels().with_attr("global_symbol", "one"),
+                        "two": _two_kernels().with_attr("global_symbol", "two")})
+    out = programmatic_launch(frozenset({"two"}))(mod)
+    assert LAUNCH_PARAMS_ATTR not in out["one"].attrs and list(out["two"].attrs[LAUNCH_PARAMS_ATTR]) == [PDL_TAG]
+    assert all(LAUNCH_PARAMS_ATTR in f.attrs for f in programmatic_launch()(mod).functions.values())
+
+
+def test_the_kernels_of_small_decode_steps_are_those_no_other_function_calls():
+    """programmatic_launch=N in a generation build: the kernels of decode_b<n> (n <= N) that no other function
+    calls (the batch-1 step's GEMVs, not the batch-4 step's GEMMs nor kernels both share)."""
+    from autosched.examples.hf import TINY, _config
+    from autosched.generation.build import lower_generation, small_decode_kernels
+    from autosched.generation.decoder import config_from_hf
+    from autosched.pipeline.tasks import kernel_calls
+
+    target = parse_target("cuda:sm_90a", require_device=False)
+    lowered, _ = lower_generation(config_from_hf(_config("llama", TINY)[0], "float16"), target, decode_batches=(1, 4),
+                                  prefill_chunks=(32,))
+    small = small_decode_kernels(lowered, 1)
+    b1, b4 = (set(kernel_calls(lowered, lambda name, n=n: name == f"decode_b{n}")) for n in (1, 4))
+    others = set(kernel_calls(lowered, lambda name: name not in ("decode_b1", "decode_b4")))
+    assert small and small <= b1 and not small & (b4 | others)
+    assert b1 - small <= b4 | others  # every kernel of the batch-1 step left out is called elsewhere too
+    assert small_decode_kernels(lowered, 4) >= small | (b4 - b1 - others)
+
+
 def test_a_function_without_kernels_is_untouched():
     from tvm.script import tirx as T
 

@@ -296,29 +296,45 @@ def generation_tasks(lowered, decode_steps: int = DEFAULT_DECODE_STEPS) -> list:
                          lambda name: 1 if name.startswith("prefill_t") else decode_steps)
 
 
+def small_decode_kernels(lowered, rows: int) -> frozenset[str]:
+    """The kernels that decode steps of at most ``rows`` rows call (``decode_b<n>``, n <= rows) and no other
+    function does."""
+    from autosched.pipeline.tasks import kernel_calls
+
+    def small(name: str) -> bool:
+        return name.startswith("decode_b") and name[len("decode_b"):].isdigit() and int(name[len("decode_b"):]) <= rows
+
+    return frozenset(kernel_calls(lowered, small)) - frozenset(kernel_calls(lowered, lambda name: not small(name)))
+
+
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,
                        decode_batches: tuple[int, ...] = (), cuda_graphs: bool = True,
                        prefill_chunks: tuple[int, ...] = (), speculate: tuple[int, ...] = (),
-                       programmatic_launch: bool = False):
+                       programmatic_launch: bool | int = False):
     """(executable, the parameter names its functions take in order, report): the decoder lowered, scheduled
     and compiled, without writing anything (``build_generator`` writes it; benchmarks run it in memory).
     On a GPU, the kernels between two attention calls of a static decode function (``decode_batches``) run
     as one captured CUDA graph (TVM's ``RewriteCUDAGraph``): a 32-layer step launches 33 graphs, not 300
     kernels one by one (``cuda_graphs=False`` launches them one by one, to profile each).
     ``programmatic_launch`` (sm_90): every kernel overlaps its launch with the end of the kernel before it
-    (:mod:`autosched.pipeline.launch`)."""
+    (:mod:`autosched.pipeline.launch`); a number: only the kernels of decode steps of at most that many rows
+    (those no other function calls)."""
     from autosched.pipeline.build import build_pipeline, compile_separate
     from autosched.target import compile_module
 
     began = time.perf_counter()
     lowered, names = lower_generation(model.config, target, decode_batches, prefill_chunks, speculate)
     exported = time.perf_counter()
+    launch_only = None
+    if programmatic_launch is not True and programmatic_launch:
+        launch_only = small_decode_kernels(lowered, programmatic_launch)
     scheduled, report, applied = schedule_generation(lowered, db, target)
     scheduled_at = time.perf_counter()
     config = {"relax.backend.use_cuda_graph": True} if target.is_gpu and cuda_graphs else {}
+    pdl = bool(programmatic_launch)
     executable = compile_module(scheduled, target, config,
-                                relax_pipeline=build_pipeline(target, programmatic_launch))
-    executable = compile_separate(executable, applied, target, programmatic_launch)
+                                relax_pipeline=build_pipeline(target, pdl, launch_only))
+    executable = compile_separate(executable, applied, target, pdl, launch_only)
     report.seconds = {"export": exported - began, "database": scheduled_at - exported,
                       "compile": time.perf_counter() - scheduled_at}
     return executable, names, report

@@ -97,16 +97,17 @@ def with_programmatic_launch(func):
     return func.with_body(body).with_attr(LAUNCH_PARAMS_ATTR, [PDL_TAG])
 
 
-def programmatic_launch():
-    """A module pass: :func:`with_programmatic_launch` on each PrimFunc (the Relax functions untouched). For
-    the end of a GPU build's Relax pipeline, once every kernel is scheduled (dlight included)."""
+def programmatic_launch(only=None):
+    """A module pass: :func:`with_programmatic_launch` on each PrimFunc (the Relax functions untouched), or on
+    those named in ``only``. For the end of a GPU build's Relax pipeline, once every kernel is scheduled
+    (dlight included)."""
     import tvm
     from tvm import tirx
 
     @tvm.transform.module_pass(opt_level=0, name="ProgrammaticLaunch")
     def rewrite(mod, _ctx):
         for gv, func in list(mod.functions.items()):
-            if isinstance(func, tirx.PrimFunc):
+            if isinstance(func, tirx.PrimFunc) and (only is None or gv.name_hint in only):
                 mod[gv] = with_programmatic_launch(func)
         return mod
 
