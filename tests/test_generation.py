@@ -479,6 +479,28 @@ def test_a_build_for_sm_90_runs_every_linear_layer_of_its_static_functions_on_ou
     assert any("matmul" in k.lower() for k in dynamic)
 
 
+def test_a_llama_3_1_build_compiles_for_sm_90():
+    """Llama 3's rotary scaling with heads of 128 (Llama-3.1-8B's) compiles for sm_90a: TVM's tree-attention
+    kernel, which inlines the scaled rotation, broke TVM's common-subexpression pass and is compiled apart
+    without it (generation never calls it: its speculative steps are chains)."""
+    import transformers
+
+    from autosched.generation.attention import TREE_ROLE
+    from autosched.generation.build import GenerationModel, compile_generation
+    from autosched.generation.decoder import config_from_hf
+    from autosched.target import parse_target
+
+    config = transformers.LlamaConfig(
+        hidden_size=512, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, vocab_size=1000,
+        num_hidden_layers=1, max_position_embeddings=131072, rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0})
+    model = GenerationModel("llama3.1", transformers.LlamaForCausalLM(config), config_from_hf(config, "float16"), [])
+    executable, _, report = compile_generation(model, parse_target("cuda:sm_90a", require_device=False), None,
+                                               decode_batches=(1,), prefill_chunks=(64,))
+    assert "batch_tree_attn" in report.attention[TREE_ROLE] and executable is not None
+
+
 def test_tuning_weighs_a_decode_steps_kernels_by_the_decode_steps_per_prefill(tmp_path):
     """A prompt is prefilled once and decoded token by token: a kernel of the decode step weighs its calls
     times ``decode_steps``, one of the prefill chunk its calls, one in both the sum. A bad count is refused

@@ -55,6 +55,12 @@ TVM_RAGGED_PREFILL = "batch_prefill_ragged_kv"
 TVM_PAGED_PREFILL = "batch_prefill_paged_kv"
 TVM_MERGE = "tir_attention_merge_state"  # ("..._cpu" on the CPU; in-module roles find it by position)
 TVM_ROPE = "fused_rope"
+# TVM's attention over speculative token trees, which the cache is given but generation never calls (its
+# speculative steps are chains). With Llama 3's rotary scaling inlined, TVM's common-subexpression pass breaks
+# batch_tree_attn ("variable cse_v21 has been used before definition"): on CUDA they compile apart without it.
+TVM_TREE_KERNELS = ("batch_tree_attn", "tree_attn_paged_kv")
+TREE_ROLE = "attention over token trees (not called)"
+NO_CSE = {"tirx.disable_cse_tir": True}
 WINDOW_SUFFIX = "_window"  # a windowed second cache's kernels (decoder._window_symbols)
 ARCHS = ("sm_90", "sm_90a")
 CODEGEN = {"tir_pipeline": "tirx", "arch": "sm_90a"}
@@ -114,6 +120,12 @@ def dispatch_attention(mod: IRModule, target: TargetSpec) -> tuple[IRModule, dic
         others = sorted(gv.name_hint for gv in mod.functions if gv.name_hint.startswith(role.tvm_kernel))
         served[role.name] = f"autosched {role.ours} ({name})" + (
             f"; TVM default for the sliding-window variant ({', '.join(others)})" if others else "")
+    apart = [name for name in TVM_TREE_KERNELS if target.kind == "cuda" and _function(mod, name) is not None]
+    for name in apart:
+        kernels[name] = (_function(mod, name).with_attr("global_symbol", name), NO_CSE, {})
+        mod = _replace_in_cache(mod, name, name)
+    if apart:
+        served[TREE_ROLE] = f"TVM default ({', '.join(apart)}), compiled apart without common-subexpression elimination"
     return mod, served, kernels
 
 

@@ -213,6 +213,7 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
         text = "; ".join([f"autosched window_prefill ({', '.join(mine)})"] * bool(mine)
                          + [f"TVM default ({', '.join(theirs)})"] * bool(theirs))
         report.attention[role] = ours.get(role) or text or "none"
+    report.attention.update({role: text for role, text in ours.items() if role not in ATTENTION_ROLES})
     return scheduled, report, applied
 
 
