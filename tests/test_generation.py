@@ -866,3 +866,23 @@ def test_decode_steps_launched_ahead_give_the_same_tokens(built):
         for seq_id in gen.finished:
             gen.remove(seq_id)
     assert sorted(made.values(), key=len) == [expected[0][:3], expected[1][:9]]
+
+
+@pytest.mark.gpu
+def test_token_marks_read_a_steps_tokens_without_waiting_for_the_work_after_them():
+    """The CUDA events of decode steps launched ahead: a mark after a tensor of tokens waits for the work before
+    it and reads the tokens back from pinned memory, while work queued after the mark goes on."""
+    import numpy as np
+    import tvm
+
+    from autosched.generation.cuda_events import TokenMarks
+
+    tokens = tvm.runtime.tensor(np.arange(37, dtype="int32") * 3, tvm.cuda())
+    marks = TokenMarks.open()
+    assert marks is not None
+    first = marks.mark(tokens)
+    later = tvm.runtime.tensor(np.full(1 << 24, 7, dtype="int32"), tvm.cuda())  # queued after the mark
+    marks.wait(first)
+    assert (marks.read(first) == np.arange(37) * 3).all()
+    second = marks.mark(later._create_view((5,)))
+    assert (marks.read(second) == 7).all()

@@ -1,40 +1,37 @@
 """The step barrier: where a decode step, once its call has begun, waits for the step before it.
 
-A decode function of a build calls :data:`STEP_BARRIER` on its token embeddings, before anything reads the KV
-cache. TVM's cache copies a step's page tables to the device when the step first reads the cache, on a stream
-of its own that does not wait for the steps before: they must be done by then, for they read the same
-buffers. The host can therefore launch step t + 1 before it has read step t's tokens (the ids fed are step
-t's tokens on the device) and let the barrier, inside the call, wait for step t and read its tokens: the
-host's turn between two steps (its bookkeeping, the call's start, the embedding's launch) no longer leaves
-the GPU idle. Without a read queued (:meth:`StepBarrier.queue`) the barrier only copies its input.
+A decode function of a build calls :data:`STEP_BARRIER` just before it first reads the KV cache (on the first
+layer's q/k/v, after its projection, or on the embeddings where positions are read first). TVM's cache copies
+a step's page tables to the device when the step first reads the cache, on a stream of its own that does not
+wait for the steps before: they must be done by then, for they read the same buffers. The host can
+therefore launch step t + 1 before it has read step t's tokens (the ids fed are step t's tokens on the
+device) and let the barrier, inside the call, wait for step t: the host's turn between two steps (its
+bookkeeping, the call's start, the first kernels' launch) no longer leaves the GPU idle. Without a wait
+queued (:meth:`StepBarrier.queue`) the barrier only copies its input.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 STEP_BARRIER = "autosched.generation.step_barrier"
 
 
 class StepBarrier:
-    """The tensor that the next barrier reads back to the host (at most one), and what it read."""
+    """What the next barrier does before the step reads the cache (at most one thing, run once)."""
 
     def __init__(self):
         self._queued = None
-        self.read = None
 
-    def queue(self, tensor) -> None:
-        """Have the next barrier wait for the work queued before it and read ``tensor`` (a device tensor)."""
-        self._queued, self.read = tensor, None
+    def queue(self, wait: Callable[[], None]) -> None:
+        """Have the next barrier call ``wait`` (which returns once the step before is done)."""
+        self._queued = wait
 
-    def take(self):
-        """What the last barrier read (numpy), once; None if nothing was queued."""
-        read, self.read = self.read, None
-        return read
-
-    def __call__(self, embeddings, ids, out) -> None:
-        queued, self._queued = self._queued, None
-        if queued is not None:
-            self.read = queued.numpy()  # waits for everything queued on the device's stream: the step before
-        embeddings.copyto(out)
+    def __call__(self, x, ids, out) -> None:
+        wait, self._queued = self._queued, None
+        if wait is not None:
+            wait()
+        x.copyto(out)
 
 
 BARRIER = StepBarrier()
@@ -48,10 +45,9 @@ def register() -> None:
 
 
 def step_barrier(x, input_ids):
-    """``x`` (an ``nn.Tensor``: the step's embeddings) passed through the barrier, a copy of it that the model
-    reads on. The call also takes the function's ``input_ids``: an input of the call, whose address changes
-    from call to call, keeps TVM's CUDA-graph rewrite from capturing the barrier into a graph (where a
-    replay would skip it)."""
+    """``x`` (an ``nn.Tensor``) passed through the barrier, a copy of it that the model reads on. The call
+    also takes the function's ``input_ids``: an input of the call, whose address changes from call to call,
+    keeps TVM's CUDA-graph rewrite from capturing the barrier into a graph (where a replay would skip it)."""
     from tvm import relax
 
     from autosched.tvm_adapter import nn_tensor, relax_expr

@@ -548,7 +548,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             self.up = Projection(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
             self.down = Projection(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
 
-        def attention(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope):
+        def attention(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope, barrier_ids: Tensor | None = None):
             b, s, _ = x.shape
             qkv = self.qkv(x)
             if cfg.qk_norm_whole:  # each of q and k normed over all of its heads at once
@@ -560,6 +560,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
             if rope is not None:
                 qkv = Rotary.apply(qkv, *rope)
+            if barrier_ids is not None:  # a decode step's first access to the cache: see barrier.py
+                qkv = step_barrier(qkv, barrier_ids)
             attn = cache.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=cfg.attn_scale or head_dim ** -0.5)
             return self.o(op.reshape(attn, (b, s, heads * head_dim)))
 
@@ -603,7 +605,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
                 return self.down(activation(gate) * up)
             return self.down(activation(up))
 
-        def forward(self, x: Tensor, pending: Tensor | None, caches: list, layer_id: int, rope=None):
+        def forward(self, x: Tensor, pending: Tensor | None, caches: list, layer_id: int, rope=None,
+                    barrier_ids: Tensor | None = None):
             """(the residual stream, this layer's MLP output): the output is added by the next norm, in the
             same kernel (``pending``: the previous layer's, None before the first layer)."""
             if layer_id in local:
@@ -615,7 +618,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if isinstance(rope, list):  # a table per layer type: this layer's
                 rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
             h, x = add_norm(self.attn_norm if cfg.pre_norms else None, x, pending)
-            out = self.attention(h, cache, index, rope)
+            out = self.attention(h, cache, index, rope, barrier_ids)
             post = self.attn_post_norm(out) if cfg.post_norms else out
             h, x = add_norm(self.mlp_norm if cfg.pre_norms else None, x, post)
             out = self.mlp(h)
@@ -631,15 +634,20 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             if not cfg.tied_embeddings:
                 self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
 
-        def forward(self, x: Tensor, caches: list, last: Tensor | None = None):
+        def forward(self, x: Tensor, caches: list, last: Tensor | None = None, barrier_ids: Tensor | None = None):
+            """The layers over ``x``; ``barrier_ids`` (a decode step's token ids): the step barrier goes before the
+            first access to the cache (barrier.py), after the first layer's QKV projection where nothing reads
+            the cache before its attention, so that the GPU runs that projection while the step waits."""
             b, s, _ = x.shape
+            if barrier_ids is not None and (cfg.learned_positions or rotary is not None):  # they read positions
+                x, barrier_ids = step_barrier(x, barrier_ids), None
             if cfg.learned_positions:
                 at = caches[0].get_query_positions(b * s)
                 x = x + op.reshape(gather(self.positions.weight, at, 0, "positions"), (b, s, cfg.hidden))
             rope = rotary.cos_sin(caches[0], b, s, last) if rotary is not None else None
             pending = None
             for layer_id, layer in enumerate(self.layers):
-                x, pending = layer(x, pending, caches, layer_id, rope)
+                x, pending = layer(x, pending, caches, layer_id, rope, barrier_ids if layer_id == 0 else None)
             return add_norm(self.norm, x, pending)[0]
 
         def logits(self, x: Tensor):
@@ -662,9 +670,9 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             return self.logits(x), *caches
 
         def _decode(self, input_ids: Tensor, caches: list):
-            # The step before is waited for here, not before the call (barrier.py: the host launches ahead).
-            x = op.reshape(step_barrier(self.embed_tokens(input_ids), input_ids), (input_ids.shape[0], 1, cfg.hidden))
-            return self.logits(self.forward(x, caches)), *caches
+            x = op.reshape(self.embed_tokens(input_ids), (input_ids.shape[0], 1, cfg.hidden))
+            # The step before is waited for inside the call, not before it (barrier.py: the host launches ahead).
+            return self.logits(self.forward(x, caches, barrier_ids=input_ids)), *caches
 
         def batch_prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
             """Prompts packed one after another in ``input_ids``; logits at ``logit_positions`` (each prompt's last)."""

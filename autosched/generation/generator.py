@@ -348,26 +348,26 @@ class Generator:
         pads = m.padding_ids(rows - len(seqs))
         function = scheduler.decode_function(rows, m.decode_batches)
         began = self._stats.clock()
-        if after is None:
-            ids = np.asarray([s.pending[0] for s in seqs] + [0] * len(pads), dtype="int32")
-        else:
-            ids = after.tokens
+        ids = after.tokens if after is not None else np.asarray([s.pending[0] for s in seqs] + [0] * len(pads),
+                                                                  dtype="int32")
         logits = m.forward(function, [s.seq_id for s in seqs] + pads, [1] * rows, ids, False,
-                           wait_for=None if after is None else after.tokens)
+                           wait=None if after is None else after.wait)
         for pad in pads:
             m.popn(pad, 1)
         if after is None:
             for seq in seqs:
                 seq.feed(1, keep_cached=False)
         self.stats["device_greedy_calls"] += 1
-        return Flight(seqs, m.greedy_tokens(logits), rows, function, bool(pads), began)
+        tokens = m.greedy_tokens(logits)
+        marks = m.token_marks()
+        return Flight(seqs, tokens, rows, function, bool(pads), began, marks, marks and marks.mark(tokens))
 
     def _fly(self, flight: Flight) -> list[tuple[int, int]]:
         """``flight``'s tokens (this step's), with the next step launched behind them first where it may be."""
         if not flight.live(self._seqs) or not self._may_run_ahead(flight.seqs, flight):
             return self._land(flight)
         follow = self._launch(flight.seqs, after=flight)
-        made = self._accept(flight, self.model.waited())
+        made = self._accept(flight, flight.read())
         for seq in flight.seqs:
             if not seq.completion.finished:  # its token went into the step launched (one that stopped leaves)
                 seq.feed(1, keep_cached=False)
@@ -377,7 +377,7 @@ class Generator:
 
     def _land(self, flight: Flight) -> list[tuple[int, int]]:
         """``flight``'s tokens, waited for."""
-        return self._accept(flight, flight.tokens.numpy().reshape(-1))
+        return self._accept(flight, flight.read())
 
     def _accept(self, flight: Flight, tokens) -> list[tuple[int, int]]:
         made = []
@@ -439,6 +439,25 @@ class Flight:
     function: str
     padded: bool
     began: float
+    marks: object = None  # TokenMarks on a GPU, and the mark after this step's tokens
+    mark: object = None
+    _read: object = None
+
+    def wait(self) -> None:
+        """Until this step is done: the barrier of the step launched behind it calls this. With CUDA events
+        the work queued after this step (the next step's first kernels) goes on; without, all of it is waited
+        for (and the tokens read meanwhile)."""
+        if self.mark is not None:
+            self.marks.wait(self.mark)
+        else:
+            self.read()
+
+    def read(self):
+        """This step's tokens (numpy), once made."""
+        if self._read is None:
+            self._read = (self.marks.read(self.mark) if self.mark is not None
+                          else self.tokens.numpy()).reshape(-1)
+        return self._read
 
     def live(self, live: dict) -> bool:
         """Whether each of its sequences is still in the cache and decoding (none stopped or removed)."""

@@ -72,6 +72,7 @@ class LoadedModel:
         self.static_proposals = frozenset(m.get("speculate", []))
         # Decode functions that wait for the step before inside the call (barrier.py); older builds: before it.
         self.step_barrier = bool(m.get("step_barrier"))
+        self._marks = None  # TokenMarks, made at the first use on a GPU (after TVM made the CUDA context current)
         # Phi-3's longrope: transformers re-reads a sequence with the long factors when it grows past the
         # original context (Phi3ForCausalLM.prepare_inputs_for_generation drops the cache then).
         scaling = m["decoder"].get("rope_scaling") or {}
@@ -144,6 +145,15 @@ class LoadedModel:
         if self._window_per_sequence:  # on the windowed cache (the last); it counts the tokens before the newest
             self._enable_window(self.caches[-1], seq_id, self.window - 1, 0)
 
+    def token_marks(self):
+        """CUDA events after decode steps' tokens (:class:`~.cuda_events.TokenMarks`); None on the CPU or
+        without a CUDA driver, where waiting for a step means waiting for everything queued."""
+        if self._marks is None and self.manifest["target"]["kind"] == "cuda":
+            from .cuda_events import TokenMarks
+
+            self._marks = TokenMarks.open() or False
+        return self._marks or None
+
     def free_pages(self) -> int:
         return int(self._free_pages(self.caches[0]))
 
@@ -157,13 +167,13 @@ class LoadedModel:
     # ---- one call ----------------------------------------------------------------------------------
 
     def forward(self, function: str, seq_ids: list[int], lengths: list[int], ids, prefill: bool,
-                every_position: bool = False, logit_positions=None, wait_for=None):
+                every_position: bool = False, logit_positions=None, wait=None):
         """Run ``function`` over ``ids`` (the tokens of ``seq_ids``, ``lengths`` each, packed; host ids, or a
         device tensor of them); returns the logits on the device (one row per sequence: the last token's; a
         prefill's rows at ``logit_positions`` of the packed tokens where given, as an evaluation reads them;
         with ``every_position``, a row for every token fed, as a speculative step's verification reads them).
-        ``wait_for``: a device tensor that a decode function's barrier reads once the work queued before the
-        call is done (:mod:`.barrier`); the read is :meth:`waited`."""
+        ``wait``: what a decode function's barrier calls before the step reads the cache, to wait there for the
+        step before (:mod:`.barrier`)."""
         import numpy as np
 
         from .barrier import BARRIER
@@ -171,8 +181,8 @@ class LoadedModel:
         self._begin(self._shape(seq_ids), self._shape(lengths))
         on_device = hasattr(ids, "numpy") and not isinstance(ids, np.ndarray)
         input_ids = ids if on_device else self.staging.put("ids", np.asarray(ids, dtype="int32"))
-        if wait_for is not None:
-            BARRIER.queue(wait_for)
+        if wait is not None:
+            BARRIER.queue(wait)
         call = self._functions.get(function)
         if call is None:
             call = self._functions[function] = self.vm[function]
@@ -190,13 +200,3 @@ class LoadedModel:
         self._end()
         return logits
 
-    @staticmethod
-    def waited():
-        """What the barrier of the last call read (numpy) of its ``wait_for``, once."""
-        from .barrier import BARRIER
-
-        read = BARRIER.take()
-        if read is None:
-            raise RuntimeError("the call had no step barrier to read at: a decode function of a build with "
-                               "step_barrier in its manifest reads it")
-        return read
