@@ -57,7 +57,8 @@ TVM_MERGE = "tir_attention_merge_state"  # ("..._cpu" on the CPU; in-module role
 TVM_ROPE = "fused_rope"
 # TVM's attention over speculative token trees, which the cache is given but generation never calls (its
 # speculative steps are chains). With Llama 3's rotary scaling inlined, TVM's common-subexpression pass breaks
-# batch_tree_attn ("variable cse_v21 has been used before definition"): on CUDA they compile apart without it.
+# batch_tree_attn ("variable cse_v21 has been used before definition"): on CUDA, with a scaled rotation, they
+# compile apart without it (each kernel compiled apart costs a build a few seconds, so only then).
 TVM_TREE_KERNELS = ("batch_tree_attn", "tree_attn_paged_kv")
 TREE_ROLE = "attention over token trees (not called)"
 NO_CSE = {"tirx.disable_cse_tir": True}
@@ -93,12 +94,14 @@ class Role:
         return importlib.import_module(f"autosched.search_spaces.templates.{self.ours}")
 
 
-def dispatch_attention(mod: IRModule, target: TargetSpec) -> tuple[IRModule, dict[str, str], dict[str, tuple]]:
+def dispatch_attention(mod: IRModule, target: TargetSpec,
+                       tree_apart: bool = False) -> tuple[IRModule, dict[str, str], dict[str, tuple]]:
     """(``mod`` with our kernels in the KV cache's place where they serve it, {role: what runs it} for the
     roles ours took or refused, {name: (kernel, pass options, codegen)} to compile on their own and link, as
     ``ApplyReport.separate`` holds them). ``mod``: a generation module as ``lower_generation`` gives it. A CPU
     build keeps TVM's CPU attention kernels (some under the GPU kernels' names) and takes our merge and
-    split-and-rotate kernels, the GPU ones' bodies in loops."""
+    split-and-rotate kernels, the GPU ones' bodies in loops. ``tree_apart``: TVM's tree-attention kernels
+    compile apart without common-subexpression elimination (:data:`TVM_TREE_KERNELS`)."""
     served: dict[str, str] = {}
     kernels: dict[str, tuple] = {}
     for role in ROLES:
@@ -120,7 +123,8 @@ def dispatch_attention(mod: IRModule, target: TargetSpec) -> tuple[IRModule, dic
         others = sorted(gv.name_hint for gv in mod.functions if gv.name_hint.startswith(role.tvm_kernel))
         served[role.name] = f"autosched {role.ours} ({name})" + (
             f"; TVM default for the sliding-window variant ({', '.join(others)})" if others else "")
-    apart = [name for name in TVM_TREE_KERNELS if target.kind == "cuda" and _function(mod, name) is not None]
+    apart = [name for name in TVM_TREE_KERNELS
+             if tree_apart and target.kind == "cuda" and _function(mod, name) is not None]
     for name in apart:
         kernels[name] = (_function(mod, name).with_attr("global_symbol", name), NO_CSE, {})
         mod = _replace_in_cache(mod, name, name)

@@ -183,9 +183,10 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
     return lower(relax.transform.FuseTransposeMatmul()(mod)), names
 
 
-def schedule_generation(lowered, db: Database | None, target: TargetSpec):
+def schedule_generation(lowered, db: Database | None, target: TargetSpec, scaled_rope: bool = False):
     """(the scheduled module, report): our database's best records where tasks match, TVM's defaults
-    elsewhere (dlight on the GPU; the CPU compiles a kernel as written)."""
+    elsewhere (dlight on the GPU; the CPU compiles a kernel as written). ``scaled_rope``: the model's rotation
+    is scaled (``rope_scaling``), which TVM's tree-attention kernels inline (see ``attention.TVM_TREE_KERNELS``)."""
     from tvm import tirx
 
     from autosched.pipeline.build import apply_database
@@ -193,7 +194,7 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec):
     from .attention import dispatch_attention
     from .window_prefill import KERNEL_ATTR
 
-    lowered, ours, kernels = dispatch_attention(lowered, target)
+    lowered, ours, kernels = dispatch_attention(lowered, target, tree_apart=scaled_rope)
     scheduled, applied = apply_database(lowered, db, target, calls=decode_calls(lowered))
     applied.separate.update(kernels)  # compiled on their own and linked, as tuned TIRx kernels are
     report = GenerationReport(tuned=dict(applied.tuned), transferred=dict(applied.transferred),
@@ -329,7 +330,8 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
     launch_only = None
     if programmatic_launch is not True and programmatic_launch:
         launch_only = small_decode_kernels(lowered, programmatic_launch)
-    scheduled, report, applied = schedule_generation(lowered, db, target)
+    scaled_rope = model.config.rope_scaling.get("rope_type", "default") != "default"
+    scheduled, report, applied = schedule_generation(lowered, db, target, scaled_rope)
     scheduled_at = time.perf_counter()
     config = {"relax.backend.use_cuda_graph": True} if target.is_gpu and cuda_graphs else {}
     pdl = bool(programmatic_launch)
