@@ -192,9 +192,10 @@ def main() -> int:
         for name, draft, adaptive in drafts:
             timing, theirs = run(make_target, draft, prompts, args.new, k, adaptive)
             row[f"{name}_ms_per_step"] = timing["ms_per_step"]
-            row[f"{name}_tokens_per_step"] = timing["tokens_per_step"]
-            row[f"{name}_acceptance"] = timing["acceptance_rate"]
-            row[f"{name}_speedup"] = plain["ms_per_step"] * timing["tokens_per_step"] / timing["ms_per_step"]
+            # A run whose steps were all plain (adaptive, the draft not paying) made a token a step.
+            row[f"{name}_tokens_per_step"] = timing.get("tokens_per_step", 1.0)
+            row[f"{name}_acceptance"] = timing.get("acceptance_rate", 0.0)
+            row[f"{name}_speedup"] = plain["ms_per_step"] * row[f"{name}_tokens_per_step"] / timing["ms_per_step"]
             row[f"{name}_same_tokens"] = theirs == tokens
         # Speculating at every step, the cut draft and the never-agreeing one verify alike (each proposal
         # rejected, with random weights): the difference is what the draft's proposals cost a step.
