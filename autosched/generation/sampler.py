@@ -73,7 +73,7 @@ def sample_host(logits, sampling, rng) -> int:
     """One token from one row of logits (numpy) as ``sampling`` asks, drawing from ``rng`` (numpy's Generator)."""
     import numpy as np
 
-    if sampling.temperature == 0:
+    if sampling.greedy:
         return int(np.argmax(logits))
     probs = distribution(logits, sampling)
     return int(rng.choice(len(probs), p=probs))
@@ -94,7 +94,7 @@ class Sampler:
     def on_device(self, seqs: list) -> str:
         """Where a step's tokens are chosen: ``greedy`` (every row greedy, on the device), ``sample`` (on the
         device) or ``host`` (an artifact built before ``sample_tokens``)."""
-        if self.greedy_tokens is not None and all(seq.sampling.temperature == 0 for seq in seqs):
+        if self.greedy_tokens is not None and all(seq.sampling.greedy for seq in seqs):
             return "greedy"
         return "sample" if self.sample_tokens is not None else "host"
 
