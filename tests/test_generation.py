@@ -847,7 +847,7 @@ def test_decode_steps_launched_ahead_give_the_same_tokens(built):
     gen = Generator(artifact, run_ahead=True)
     launched = []
     original = gen._launch
-    gen._launch = lambda seqs, after=None: launched.append(after is not None) or original(seqs, after)
+    gen._launch = lambda seqs, rows, after=None: launched.append(after is not None) or original(seqs, rows, after)
     assert [r.tokens for r in gen.generate(prompts, 12)] == expected
     assert sum(launched) > len(launched) // 2 > 0  # most steps went ahead of the one before
     assert expected[0] == _reference(model, prompts[0], 12)

@@ -236,8 +236,8 @@ class Generator:
             made += self._fly(flight)
         elif decoding and self._speculator is not None and self._speculator.wants_step():
             made += self._speculator.step(decoding)
-        elif decoding and self._may_run_ahead(decoding):
-            made += self._fly(self._launch(decoding))
+        elif decoding and (rows := self._run_ahead_rows(decoding)) is not None:
+            made += self._fly(self._launch(decoding, rows))
         elif decoding:
             made += self._forward([(s, 1) for s in decoding], prefill=False)
             if self._speculator is not None:
@@ -317,34 +317,30 @@ class Generator:
 
     # ---- decode steps launched ahead (run_ahead) ---------------------------------------------------
 
-    def _may_run_ahead(self, seqs: list[SequenceState], flight: Flight | None = None) -> bool:
-        """Whether a greedy decode step of ``seqs`` may be launched now, each with its next token pending or,
-        behind ``flight``, with its token there not yet read: every sequence takes the step whole (room in the
-        cache and in max_seq_len, its token wanted; none ends by length with the token in flight), the rows
-        as in ``flight``, on a build with the step barrier."""
+    def _run_ahead_rows(self, seqs: list[SequenceState], flight: Flight | None = None) -> int | None:
+        """The rows (padding included) of a greedy decode step of ``seqs`` that may be launched now, each with
+        its next token pending or, behind ``flight``, with its token there not yet read; None where it may
+        not: every sequence takes the step whole (room in the cache and in max_seq_len, its token wanted; none
+        ends by length with the token in flight), the rows as in ``flight``, on a build with the step barrier."""
         m = self.model
         if not (self.run_ahead and m.step_barrier and self._speculator is None and self.rope_switch is None):
-            return False
+            return None
         in_flight = 0 if flight is None else 1
         if any(not s.sampling.greedy or len(s.completion.tokens) + in_flight >= s.max_new_tokens
                or s.length + 1 >= self.max_seq_len for s in seqs):
-            return False
-        need, rows = self._decode_rows(seqs)
-        return need <= m.free_pages() and (flight is None or rows == flight.rows)
-
-    def _decode_rows(self, seqs: list[SequenceState]) -> tuple[int, int]:
-        """The pages a decode step of ``seqs`` takes, and its rows (padding included)."""
-        m = self.model
+            return None
         need = sum(scheduler.pages_needed(s.length, 1, self.limits.page_size) for s in seqs)
-        return need, len(seqs) + scheduler.padding_rows(len(seqs), m.decode_batches, m.free_pages() - need)
+        free = m.free_pages()
+        rows = len(seqs) + scheduler.padding_rows(len(seqs), m.decode_batches, free - need)
+        return rows if need <= free and (flight is None or rows == flight.rows) else None
 
-    def _launch(self, seqs: list[SequenceState], after: Flight | None = None) -> Flight:
-        """Launch a greedy decode step of ``seqs``: their pending tokens from the host, or ``after``'s tokens
-        on the device, which this step's barrier reads once ``after`` is done (:mod:`.barrier`)."""
+    def _launch(self, seqs: list[SequenceState], rows: int, after: Flight | None = None) -> Flight:
+        """Launch a greedy decode step of ``seqs`` in ``rows`` rows: their pending tokens from the host, or
+        ``after``'s tokens on the device, which this step's barrier reads once ``after`` is done
+        (:mod:`.barrier`)."""
         import numpy as np
 
         m = self.model
-        rows = self._decode_rows(seqs)[1]
         pads = m.padding_ids(rows - len(seqs))
         function = scheduler.decode_function(rows, m.decode_batches)
         began = self._stats.clock()
@@ -364,9 +360,10 @@ class Generator:
 
     def _fly(self, flight: Flight) -> list[tuple[int, int]]:
         """``flight``'s tokens (this step's), with the next step launched behind them first where it may be."""
-        if not flight.live(self._seqs) or not self._may_run_ahead(flight.seqs, flight):
+        rows = self._run_ahead_rows(flight.seqs, flight)
+        if rows is None:
             return self._land(flight)
-        follow = self._launch(flight.seqs, after=flight)
+        follow = self._launch(flight.seqs, rows, after=flight)
         made = self._accept(flight, flight.read())
         for seq in flight.seqs:
             if not seq.completion.finished:  # its token went into the step launched (one that stopped leaves)
@@ -459,13 +456,9 @@ class Flight:
                           else self.tokens.numpy()).reshape(-1)
         return self._read
 
-    def live(self, live: dict) -> bool:
-        """Whether each of its sequences is still in the cache and decoding (none stopped or removed)."""
-        return all(live.get(s.seq_id) is s and not s.completion.finished for s in self.seqs)
-
     def continues(self, seqs: list[SequenceState]) -> bool:
         """Whether a step of ``seqs`` is this one's sequences decoding on (none waits for a prefill, none
-        joined, none left)."""
+        joined, none left, none stopped or removed)."""
         unfinished = [s for s in seqs if not s.completion.finished]
         return len(unfinished) == len(self.seqs) and all(a is b for a, b in zip(unfinished, self.seqs))
 
