@@ -95,12 +95,13 @@ def floor_ms(model, batch: int, context: float, bandwidth: float, weight_bytes: 
 
 def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True, db_path: str | None = None,
                cuda_graphs: bool = True, prefill_chunks: tuple[int, ...] = (), quantize: str | None = None,
-               programmatic_launch: bool = False):
+               programmatic_launch: bool = False, programmatic_rows: int | None = None):
     """(make a generator, build seconds, attention kernels, bytes of its weights less the embedding table) of our
     generation build for ``model`` on the GPU;
     ``static``: each batch size's decode step as a static function (CUDA graphs), else one function for all;
     ``quantize``: a --quantize scheme (fp8 on sm_90: W8A8 prefill chunks); ``programmatic_launch``: kernels
-    launched while the one before them finishes (:mod:`autosched.pipeline.launch`)."""
+    launched while the one before them finishes (:mod:`autosched.pipeline.launch`), with ``programmatic_rows`` only
+    those of decode steps of at most that many rows."""
     from dataclasses import replace
 
     import torch
@@ -129,7 +130,8 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
     began = time.perf_counter()
     chunks = prefill_chunks if static else ()
     executable, names, report = compile_generation(gm, target, db, decode_batches, cuda_graphs, chunks,
-                                                   programmatic_launch=programmatic_launch)
+                                                   programmatic_launch=programmatic_launch,
+                                                   programmatic_rows=programmatic_rows)
     if db is not None:
         db.close()
     built = time.perf_counter() - began
@@ -456,7 +458,8 @@ def main() -> int:
     make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False, prefill_chunks=chunks,
                                quantize=args.quantize)[0] if args.profile or args.without_graphs else None
     make_overlapped = build_ours(model, batches, max_seq_len, db_path=args.db, prefill_chunks=chunks,
-                                 quantize=args.quantize, programmatic_launch=args.programmatic_launch)[0] \
+                                 quantize=args.quantize, programmatic_launch=True,
+                                 programmatic_rows=None if args.programmatic_launch is True else args.programmatic_launch)[0] \
         if args.programmatic_launch else None
     if shared is not None:
         print(f"built in {shared[1]:.1f} s", flush=True)

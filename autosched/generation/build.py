@@ -312,15 +312,15 @@ def small_decode_kernels(lowered, rows: int) -> frozenset[str]:
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,
                        decode_batches: tuple[int, ...] = (), cuda_graphs: bool = True,
                        prefill_chunks: tuple[int, ...] = (), speculate: tuple[int, ...] = (),
-                       programmatic_launch: bool | int = False):
+                       programmatic_launch: bool = False, programmatic_rows: int | None = None):
     """(executable, the parameter names its functions take in order, report): the decoder lowered, scheduled
     and compiled, without writing anything (``build_generator`` writes it; benchmarks run it in memory).
     On a GPU, the kernels between two attention calls of a static decode function (``decode_batches``) run
     as one captured CUDA graph (TVM's ``RewriteCUDAGraph``): a 32-layer step launches 33 graphs, not 300
     kernels one by one (``cuda_graphs=False`` launches them one by one, to profile each).
     ``programmatic_launch`` (sm_90): every kernel overlaps its launch with the end of the kernel before it
-    (:mod:`autosched.pipeline.launch`); a number: only the kernels of decode steps of at most that many rows
-    (those no other function calls)."""
+    (:mod:`autosched.pipeline.launch`); with ``programmatic_rows``, only the kernels of decode steps of at
+    most that many rows (those no other function calls)."""
     from autosched.pipeline.build import build_pipeline, compile_separate
     from autosched.target import compile_module
 
@@ -328,16 +328,15 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
     lowered, names = lower_generation(model.config, target, decode_batches, prefill_chunks, speculate)
     exported = time.perf_counter()
     launch_only = None
-    if programmatic_launch is not True and programmatic_launch:
-        launch_only = small_decode_kernels(lowered, programmatic_launch)
+    if programmatic_launch and programmatic_rows is not None:
+        launch_only = small_decode_kernels(lowered, programmatic_rows)
     scaled_rope = model.config.rope_scaling.get("rope_type", "default") != "default"
     scheduled, report, applied = schedule_generation(lowered, db, target, scaled_rope)
     scheduled_at = time.perf_counter()
     config = {"relax.backend.use_cuda_graph": True} if target.is_gpu and cuda_graphs else {}
-    pdl = bool(programmatic_launch)
     executable = compile_module(scheduled, target, config,
-                                relax_pipeline=build_pipeline(target, pdl, launch_only))
-    executable = compile_separate(executable, applied, target, pdl, launch_only)
+                                relax_pipeline=build_pipeline(target, programmatic_launch, launch_only))
+    executable = compile_separate(executable, applied, target, programmatic_launch, launch_only)
     report.seconds = {"export": exported - began, "database": scheduled_at - exported,
                       "compile": time.perf_counter() - scheduled_at}
     return executable, names, report
