@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
-# What the re-run of failed tests says about each (used by gpu_tests.sh): a test that failed in the first
-# run and passed in the re-run is FLAKY (it passes or fails by something other than the code: memory
-# pressure, timing); one that failed in both is FAILED; one the re-run never reached is NOT RE-RUN.
-# Usage: bash benchmarks/_rerun_report.sh FIRST_LOG RERUN_LOG   (pytest -v logs, with or without xdist)
+# What the re-run of failed and unfinished tests says about each (used by gpu_tests.sh): a test that failed in
+# the first run and passed in the re-run is FLAKY (it passes or fails by something other than the code: memory
+# pressure, timing); one that failed in both is FAILED; one the first run never finished (cut off by its time
+# limit) and the re-run passed is UNFINISHED, then PASSED; one the re-run never reached is NOT RE-RUN.
+# Usage: bash benchmarks/_rerun_report.sh FIRST_OUTCOMES RERUN_LOG   (_outcomes.sh's lines; a pytest -v log)
 set -uo pipefail
 first=$1 rerun=$2
-mapfile -t failed < <(grep -E "^FAILED " "$first" | sed -E 's/^FAILED ([^ ]+).*/\1/' | sort -u)
-# "tests/x.py::t PASSED [ 50%]" (one process) or "[gw0] [ 50%] PASSED tests/x.py::t" (pytest-xdist).
-outcome() {  # the tests of a log with outcome $1
-  sed -nE "s/^([^ ]+::[^ ]+) $1.*/\\1/p; s/^.*$1 ([^ ]+::[^ ]+).*/\\1/p" "$rerun" 2>/dev/null | sort -u
-}
-passed=$(outcome PASSED) failed_again=$(outcome FAILED)
-flaky=0 hard=0
-for test in "${failed[@]}"; do
-  if grep -qxF -- "$test" <<< "$passed"; then
+mapfile -t redo < <(awk '$2 == "FAILED" || $2 == "ERROR" || $2 == "UNFINISHED" {print $1 " " $2}' "$first")
+again=$(bash "$(dirname "$0")/_outcomes.sh" "$rerun")
+flaky=0 hard=0 cut=0
+for line in "${redo[@]}"; do
+  test=${line% *} was=${line##* }
+  now=$(awk -v t="$test" '$1 == t {print $2}' <<< "$again")
+  if [[ $now == PASSED && $was == UNFINISHED ]]; then
+    echo "UNFINISHED, then PASSED: $test (cut off by the first run's time limit; passed when re-run)"
+    cut=$((cut + 1))
+  elif [[ $now == PASSED ]]; then
     echo "FLAKY: $test (failed, then passed when re-run)"
     flaky=$((flaky + 1))
-  elif grep -qxF -- "$test" <<< "$failed_again"; then
-    echo "FAILED: $test (failed in both runs)"
+  elif [[ -n $now ]]; then
+    echo "FAILED: $test ($was, then $now when re-run)"
     hard=$((hard + 1))
   else
-    echo "NOT RE-RUN: $test (failed; the re-run has no result for it)"
+    echo "NOT RE-RUN: $test ($was; the re-run has no result for it)"
     hard=$((hard + 1))
   fi
 done
-echo "re-run summary: ${#failed[@]} failed at first, $flaky flaky, $hard not passing"
+echo "re-run summary: ${#redo[@]} re-run, $cut unfinished then passed, $flaky flaky, $hard not passing"

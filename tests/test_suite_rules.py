@@ -167,27 +167,48 @@ def test_no_test_compares_a_measured_time_with_a_threshold():
 
 
 def test_gpu_tests_report_a_test_that_passed_only_when_re_run_as_flaky(tmp_path):
-    """benchmarks/gpu_tests.sh re-runs failed tests; its report tells a flaky test (failed, then passed) from
-    a failure (failed twice, or not reached by the re-run), for pytest-xdist's lines and plain ones."""
+    """benchmarks/gpu_tests.sh re-runs the tests that failed and those its time limit cut off (no outcome in
+    the log: a run cut off prints no summary); its report tells a flaky test (failed, then passed) from a
+    failure (failed twice, or not reached by the re-run) and from one that was only cut off, for
+    pytest-xdist's lines and plain ones."""
     import subprocess
 
-    first, rerun = tmp_path / "first.log", tmp_path / "rerun.log"
-    first.write_text("[gw0] [ 10%] PASSED tests/test_a.py::test_ok\n"
+    first, rerun, expected = tmp_path / "first.log", tmp_path / "rerun.log", tmp_path / "expected.txt"
+    first.write_text("tests/test_a.py::test_cut\n"  # started, never finished
+                     "[gw0] [ 10%] PASSED tests/test_a.py::test_ok\n"
                      "[gw1] [ 20%] FAILED tests/test_a.py::test_flaky[x-1]\n"
-                     "FAILED tests/test_a.py::test_flaky[x-1] - RuntimeError: CUDA out of memory\n"
-                     "FAILED tests/test_a.py::test_broken - AssertionError: wrong\n"
-                     "FAILED tests/test_a.py::test_cut - AssertionError\n"
-                     "FAILED tests/test_b.py::test_plain - AssertionError\n")
+                     "[gw1] [ 30%] FAILED tests/test_a.py::test_broken\n"
+                     "[gw0] [ 40%] ERROR tests/test_a.py::test_lost\n"
+                     "tests/test_b.py::test_plain FAILED                 [ 50%]\n"
+                     "FAILED tests/test_a.py::test_broken - AssertionError: wrong\n")
+    expected.write_text("".join(f"tests/test_{t}\n" for t in (
+        "a.py::test_ok", "a.py::test_flaky[x-1]", "a.py::test_broken", "a.py::test_cut", "a.py::test_lost",
+        "b.py::test_plain", "b.py::test_never_started")))
     rerun.write_text("[gw0] [ 50%] PASSED tests/test_a.py::test_flaky[x-1]\n"
                      "[gw1] [ 75%] FAILED tests/test_a.py::test_broken\n"
+                     "[gw1] [ 80%] PASSED tests/test_a.py::test_cut\n"
                      "tests/test_b.py::test_plain PASSED                 [100%]\n"
                      "FAILED tests/test_a.py::test_broken - AssertionError: wrong\n")
-    script = TESTS.parent / "benchmarks" / "_rerun_report.sh"
-    out = subprocess.run(["bash", str(script), str(first), str(rerun)], capture_output=True, text=True, check=True).stdout
+    bench = TESTS.parent / "benchmarks"
+
+    def run(script: str, *args) -> str:
+        return subprocess.run(["bash", str(bench / script), *map(str, args)], capture_output=True, text=True,
+                              check=True).stdout
+
+    outcomes = run("_outcomes.sh", first, expected)
+    assert sorted(outcomes.split("\n")) == sorted([
+        "", "tests/test_a.py::test_ok PASSED", "tests/test_a.py::test_flaky[x-1] FAILED",
+        "tests/test_a.py::test_broken FAILED", "tests/test_a.py::test_lost ERROR", "tests/test_b.py::test_plain FAILED",
+        "tests/test_a.py::test_cut UNFINISHED", "tests/test_b.py::test_never_started UNFINISHED"])
+    (tmp_path / "outcomes.txt").write_text(outcomes)
+    out = run("_rerun_report.sh", tmp_path / "outcomes.txt", rerun)
     assert "FLAKY: tests/test_a.py::test_flaky[x-1]" in out and "FLAKY: tests/test_b.py::test_plain" in out
-    assert "FAILED: tests/test_a.py::test_broken" in out and "NOT RE-RUN: tests/test_a.py::test_cut" in out
-    assert "4 failed at first, 2 flaky, 2 not passing" in out
-    assert "_rerun_report.sh" in (TESTS.parent / "benchmarks" / "gpu_tests.sh").read_text()
+    assert "UNFINISHED, then PASSED: tests/test_a.py::test_cut" in out
+    assert "FAILED: tests/test_a.py::test_broken" in out and "NOT RE-RUN: tests/test_a.py::test_lost" in out
+    assert "NOT RE-RUN: tests/test_b.py::test_never_started" in out
+    assert "6 re-run, 1 unfinished then passed, 2 flaky, 3 not passing" in out
+    script = (bench / "gpu_tests.sh").read_text()
+    assert "_outcomes.sh" in script and "_rerun_report.sh" in script
 
 
 def test_a_fast_case_its_test_no_longer_has_stops_the_run():
