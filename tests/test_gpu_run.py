@@ -19,13 +19,16 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def measurers(gpu_target):
-    """A measurer per architecture: code for older GPUs (sm_80) runs on the H200 too."""
+    """A measurer per architecture: code for older GPUs (sm_80) runs on the H200 too. These tests check
+    results, not speed, in many processes at once: tuning's build and run limits (a minute, half a minute)
+    would fail a correct kernel on a loaded machine, so the limits here are the test's own."""
     made = {}
 
     def get(arch):
         if arch not in made:
             target = dataclasses.replace(gpu_target, arch=arch)
-            made[arch] = (target, Measurer(target, MeasureConfig.for_target(target, repeat=3)))
+            made[arch] = (target, Measurer(target, MeasureConfig.for_target(target, repeat=3, build_timeout=240,
+                                                                                run_timeout=240)))
         return made[arch]
 
     yield get
