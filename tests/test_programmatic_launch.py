@@ -53,7 +53,7 @@ def test_the_pass_rewrites_only_the_kernels_it_is_given():
 
 
 def test_the_kernels_of_small_decode_steps_are_those_no_other_function_calls():
-    """programmatic_launch=N in a generation build: the kernels of decode_b<n> (n <= N) that no other function
+    """programmatic_rows=N in a generation build: the kernels of decode_b<n> (n <= N) that no other function
     calls (the batch-1 step's GEMVs, not the batch-4 step's GEMMs nor kernels both share)."""
     from autosched.examples.hf import TINY, _config
     from autosched.generation.build import lower_generation, small_decode_kernels
