@@ -16,6 +16,10 @@ import pytest
 
 from .helpers import assert_gpu_greedy_matches, cli, transformers_greedy
 
+# The slow tier (--dist loadgroup) runs this file's tests in one process, so that the artifact of the
+# module's `built` fixture (a generation build) is built once, not once in each process.
+pytestmark = pytest.mark.xdist_group("generation-artifact")
+
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
 
 MAX_SEQ_LEN, MAX_BATCH, NEW = 96, 4, 32

@@ -35,7 +35,7 @@ def _shell_commands(text: str) -> list[str]:
 def _small(command: str) -> str:
     """The same command with a budget that runs in seconds."""
     command = re.sub(r"--trials \d+", "--trials 4" if command.startswith("autosched tune ") else "--trials 8", command)
-    return re.sub(r"--time-budget \d+", "--time-budget 10", command)
+    return re.sub(r"--time-budget \d+", "--time-budget 5", command)
 
 
 def test_the_readme_is_a_guide_not_a_lab_notebook():
@@ -67,7 +67,7 @@ def test_the_readmes_test_command_is_what_ci_runs():
           if not line.startswith("#") for c in line.split("&&")]
     ci = {c.strip() for c in ci}
     assert readme and all(c in ci for c in readme), (readme, ci)
-    both_tiers = ".ci/with-postgres bash -c 'python -m pytest && python -m pytest -m slow -n 2 --dist load'"
+    both_tiers = ".ci/with-postgres bash -c 'python -m pytest && python -m pytest -m slow -n 2 --dist loadgroup'"
     assert both_tiers in _section("Quick start") and both_tiers in (REPO / ".ci" / "run").read_text()
 
 

@@ -14,6 +14,10 @@ from autosched.generation.speculative import PromptLookupDraft, accept_greedy, a
 
 from .helpers import cli, transformers_greedy
 
+# The slow tier (--dist loadgroup) runs this file's tests in one process, so that the target and draft
+# artifacts (two generation builds) are built once, not once in each process.
+pytestmark = pytest.mark.xdist_group("speculative-artifacts")
+
 # --- the acceptance rules, on given distributions (numpy) -------------------------------------------------------
 
 VOCAB = 6
