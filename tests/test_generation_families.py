@@ -167,7 +167,9 @@ def test_a_prompt_of_several_windows_prefills_in_chunks_of_a_window(name, tmp_pa
 def test_windowed_prefill_in_chunks_matches_transformers_on_the_gpu(name, tmp_path):
     """fp16 on the GPU, TVM's CUDA kernels for the sliding layers (the prefill over cached pages masked to the
     window): prompts of 1, 7 and 40 tokens over a window of 8 (the 40-token one in five calls), the first 16
-    greedy tokens are transformers' (fp16, same GPU), or the first difference is a near-tie of its logits."""
+    greedy tokens are transformers' (fp16, same GPU), or the first difference is a near-tie of its logits.
+    With decode steps launched ahead (run_ahead: the step barrier before a windowed cache, and Gemma 2's two
+    caches, are read) the same tokens."""
     import torch
 
     from autosched.generation import Generator
@@ -180,6 +182,12 @@ def test_windowed_prefill_in_chunks_matches_transformers_on_the_gpu(name, tmp_pa
     results = gen.generate(PROMPTS, 16)
     assert gen.stats["prefill_calls"] == 5  # the 40-token prompt in windows of 8, the others beside its first
     assert_gpu_greedy_matches(model, PROMPTS, results, 16, max_margin=0.05)
+    gen.run_ahead = True
+    behind = []  # for each step launched ahead, whether it went behind another step still in flight
+    launch = gen._launch
+    gen._launch = lambda seqs, rows, after=None: behind.append(after is not None) or launch(seqs, rows, after)
+    assert [r.tokens for r in gen.generate(PROMPTS, 16)] == [r.tokens for r in results]
+    assert any(behind)
 
 
 def _as_llama_norms(model):
