@@ -55,6 +55,7 @@ def test_tuning_through_rpc_matches_a_local_run(cluster, cpu_target, tmp_path, m
         local = {json.dumps(r.point, sort_keys=True): r.result for r in db.records_for(_task().key, cpu_target)}
     with Database(tmp_path / "rpc.db") as db, \
             Measurer(cpu_target, config, runner=rpc_runner(cluster.address, cluster.key)) as measurer:
+        _first_candidates_meet(measurer.runner.slots())
         remote_run = tune(_task(), cpu_target, db, options, measurer=measurer)
         remote = {json.dumps(r.point, sort_keys=True): r.result for r in db.records_for(_task().key, cpu_target)}
         assert sorted(set(measurer.runner.measured_by)) == ["rpc slot 1", "rpc slot 2"]  # both servers measured
@@ -63,6 +64,30 @@ def test_tuning_through_rpc_matches_a_local_run(cluster, cpu_target, tmp_path, m
     assert sum(r.ok for r in remote.values()) >= 12
     assert all(r.rel_error is not None and r.rel_error < 1e-5 for r in remote.values() if r.ok)
     assert json.dumps(remote_run.best_point, sort_keys=True) in local
+
+
+def _first_candidates_meet(slots) -> None:
+    """Each slot's first candidate waits until every slot has taken one: the slots share a queue, and on a
+    loaded machine one whose session opened late could otherwise find it already emptied by the other."""
+    import threading
+
+    meet = threading.Barrier(len(slots), timeout=120)
+
+    def meeting_first(slot_measure):
+        waited = threading.Event()
+
+        def measure(spec, build, cutoff):
+            if not waited.is_set():
+                waited.set()
+                try:
+                    meet.wait()
+                except threading.BrokenBarrierError:
+                    pass  # a slot never took a candidate: the test's assertion on measured_by says so
+            return slot_measure(spec, build, cutoff)
+        return measure
+
+    for slot in slots:
+        slot.measure = meeting_first(slot.measure)
 
 
 def _fault_at_second_batch(measurer, fault):
