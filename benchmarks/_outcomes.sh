@@ -3,7 +3,13 @@
 # With EXPECTED (a file of test ids, one a line), also "test UNFINISHED" for each expected test the log has no
 # outcome for: a run cut off by its time limit prints no summary, and its last tests never finish.
 # Usage: bash benchmarks/_outcomes.sh LOG [EXPECTED]
+#        bash benchmarks/_outcomes.sh --to-rerun OUTCOMES   (the lines of OUTCOMES, this script's output, whose
+#        test is to run again: FAILED, ERROR or UNFINISHED)
 set -uo pipefail
+if [[ $1 == --to-rerun ]]; then
+  awk '$2 == "FAILED" || $2 == "ERROR" || $2 == "UNFINISHED"' "$2"
+  exit 0
+fi
 log=$1 expected=${2:-}
 # "tests/x.py::t PASSED [ 50%]" (one process) or "[gw0] [ 50%] PASSED tests/x.py::t" (pytest-xdist).
 words="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"

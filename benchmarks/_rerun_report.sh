@@ -6,8 +6,9 @@
 # Usage: bash benchmarks/_rerun_report.sh FIRST_OUTCOMES RERUN_LOG   (_outcomes.sh's lines; a pytest -v log)
 set -uo pipefail
 first=$1 rerun=$2
-mapfile -t redo < <(awk '$2 == "FAILED" || $2 == "ERROR" || $2 == "UNFINISHED" {print $1 " " $2}' "$first")
-again=$(bash "$(dirname "$0")/_outcomes.sh" "$rerun")
+outcomes=$(dirname "$0")/_outcomes.sh
+mapfile -t redo < <(bash "$outcomes" --to-rerun "$first")
+again=$(bash "$outcomes" "$rerun")
 flaky=0 hard=0 cut=0
 for line in "${redo[@]}"; do
   test=${line% *} was=${line##* }

@@ -28,7 +28,7 @@ timeout "${TEST_TIMEOUT:-570}" python3 -m pytest -m gpu -v -p no:cacheprovider -
   -n "${GPU_TEST_WORKERS:-8}" --dist load "$@" 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error|^E |s call|s setup" | cut -c1-400 | tail -100
 bash benchmarks/_outcomes.sh "$OUT/gpu_tests.log" "$expected" > "$OUT/gpu_tests_outcomes.txt"
-mapfile -t redo < <(awk '$2 == "FAILED" || $2 == "ERROR" || $2 == "UNFINISHED" {print $1}' "$OUT/gpu_tests_outcomes.txt")
+mapfile -t redo < <(bash benchmarks/_outcomes.sh --to-rerun "$OUT/gpu_tests_outcomes.txt" | cut -d' ' -f1)
 if [ "${#redo[@]}" -gt 0 ]; then
   echo "re-running ${#redo[@]} failed or unfinished test(s), two at a time:"
   timeout "${RERUN_TIMEOUT:-240}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short -n 2 --dist load \

@@ -192,3 +192,12 @@ def assert_gpu_greedy_matches(model, prompts, results, new: int, max_margin: flo
             top = out.scores[diff][0].float().topk(2).values
             margin = float(top[0] - top[1])
             assert margin < max_margin, f"{len(prompt)}-token prompt: token {diff} differs at a margin of {margin:.3f}"
+
+
+def record_launches_behind(gen) -> list[bool]:
+    """Spy on a run-ahead Generator's decode launches: the returned list gets, for each step launched ahead,
+    whether it went behind another step still in flight (``Generator._launch``'s ``after``)."""
+    behind = []
+    launch = gen._launch
+    gen._launch = lambda seqs, rows, after=None: behind.append(after is not None) or launch(seqs, rows, after)
+    return behind

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from .helpers import assert_gpu_greedy_matches, cli, transformers_greedy
+from .helpers import assert_gpu_greedy_matches, cli, record_launches_behind, transformers_greedy
 
 # The slow tier (--dist loadgroup) runs this file's tests in one process, so that the artifact of the
 # module's `built` fixture (a generation build) is built once, not once in each process.
@@ -515,8 +515,6 @@ def test_tuning_weighs_a_decode_steps_kernels_by_the_decode_steps_per_prefill(tm
     from autosched.pipeline.tasks import kernel_calls
     from autosched.target import parse_target
 
-    from .helpers import cli
-
     cfg = config_from_hf(_config("llama", TINY)[0], "float32")
     lowered, _ = lower_generation(cfg, parse_target("llvm"), decode_batches=(1,), prefill_chunks=(8,))
     decode = kernel_calls(lowered, lambda name: name == "decode_b1")
@@ -849,9 +847,7 @@ def test_decode_steps_launched_ahead_give_the_same_tokens(built):
     plain = Generator(artifact)
     expected = [r.tokens for r in plain.generate(prompts, 12)]
     gen = Generator(artifact, run_ahead=True)
-    launched = []
-    original = gen._launch
-    gen._launch = lambda seqs, rows, after=None: launched.append(after is not None) or original(seqs, rows, after)
+    launched = record_launches_behind(gen)
     assert [r.tokens for r in gen.generate(prompts, 12)] == expected
     assert sum(launched) > len(launched) // 2 > 0  # most steps went ahead of the one before
     assert expected[0] == _reference(model, prompts[0], 12)

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from .helpers import assert_gpu_greedy_matches, cli, transformers_greedy
+from .helpers import assert_gpu_greedy_matches, cli, record_launches_behind, transformers_greedy
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
 
@@ -183,9 +183,7 @@ def test_windowed_prefill_in_chunks_matches_transformers_on_the_gpu(name, tmp_pa
     assert gen.stats["prefill_calls"] == 5  # the 40-token prompt in windows of 8, the others beside its first
     assert_gpu_greedy_matches(model, PROMPTS, results, 16, max_margin=0.05)
     gen.run_ahead = True
-    behind = []  # for each step launched ahead, whether it went behind another step still in flight
-    launch = gen._launch
-    gen._launch = lambda seqs, rows, after=None: behind.append(after is not None) or launch(seqs, rows, after)
+    behind = record_launches_behind(gen)
     assert [r.tokens for r in gen.generate(PROMPTS, 16)] == [r.tokens for r in results]
     assert any(behind)
 

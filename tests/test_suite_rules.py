@@ -201,6 +201,10 @@ def test_gpu_tests_report_a_test_that_passed_only_when_re_run_as_flaky(tmp_path)
         "tests/test_a.py::test_broken FAILED", "tests/test_a.py::test_lost ERROR", "tests/test_b.py::test_plain FAILED",
         "tests/test_a.py::test_cut UNFINISHED", "tests/test_b.py::test_never_started UNFINISHED"])
     (tmp_path / "outcomes.txt").write_text(outcomes)
+    to_rerun = run("_outcomes.sh", "--to-rerun", tmp_path / "outcomes.txt").split()[::2]
+    assert sorted(to_rerun) == sorted(f"tests/test_{t}" for t in (
+        "a.py::test_flaky[x-1]", "a.py::test_broken", "a.py::test_lost", "b.py::test_plain", "a.py::test_cut",
+        "b.py::test_never_started"))
     out = run("_rerun_report.sh", tmp_path / "outcomes.txt", rerun)
     assert "FLAKY: tests/test_a.py::test_flaky[x-1]" in out and "FLAKY: tests/test_b.py::test_plain" in out
     assert "UNFINISHED, then PASSED: tests/test_a.py::test_cut" in out
