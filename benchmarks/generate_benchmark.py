@@ -293,20 +293,16 @@ def host_split(make_generator, prompts, steps: int = 16) -> dict:
             "other_ms": total / steps * 1e3 - sum(ms.values())}
 
 
-def ours(make_generator, prompts, new: int):
-    """(prefill ms, ms per decode step, tokens per prompt) of one batch of prompts."""
+def ours(make_generator, prompts, new: int, run_ahead: bool = False):
+    """(prefill ms, ms per decode step, tokens per prompt) of one batch of prompts, a decode step at a time or
+    (``run_ahead``) each greedy step launched before the last one's tokens are read."""
     gen = make_generator()
+    gen.run_ahead = run_ahead
     gen.generate(prompts, 4)  # warm up: the first launches load kernels and capture the CUDA graphs
     gen.reset_timing()
     results = gen.generate(prompts, new, stop_tokens=[])
     timing = gen.timing()
     return timing["prefill_ms"], timing["ms_per_step"], [r.tokens for r in results]
-
-
-def running_ahead(gen):
-    """``gen`` with its greedy decode steps launched ahead (Generator's ``run_ahead``)."""
-    gen.run_ahead = True
-    return gen
 
 
 def transformers_run(model, prompts, new: int, compiled: bool):
@@ -483,7 +479,7 @@ def main() -> int:
         if make_dynamic is not None:
             row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
         if args.run_ahead:  # the same build, each decode step launched before the last one's tokens are read
-            ahead = ours(lambda: running_ahead(make()), prompts, args.new)
+            ahead = ours(make, prompts, args.new, run_ahead=True)
             row.update(run_ahead_ms_per_step=ahead[1], run_ahead_same_tokens=ahead[2] == tokens)
             print({k: row[k] for k in ("batch", "run_ahead_ms_per_step", "run_ahead_same_tokens")}, flush=True)
         if make_overlapped is not None:

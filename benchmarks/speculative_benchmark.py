@@ -141,6 +141,7 @@ def run(make_target, draft, prompts, new: int, k: int, adaptive: bool = True) ->
     from autosched.generation.generator import Generator
 
     gen = Generator.from_model(make_target())
+    gen.run_ahead = False  # plain decoding as a speculating generator's plain steps: a step at a time
     if draft is not None:
         gen.speculate(draft, k, adaptive)
     gen.generate(prompts, 4)  # warm up: kernels loaded, CUDA graphs captured

@@ -342,7 +342,7 @@ def test_the_command_line_generates_and_reports_bad_input_in_one_line(built):
               "--format", "json")
     data = json.loads(out.stdout)
     assert [len(c["tokens"]) for c in data["completions"]] == [4, 4] and data["timing"]["decode_steps"] == 3
-    text = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "3")
+    text = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "3", "--no-run-ahead")
     assert "tokens/s" in text.stderr and text.stdout.startswith("[0] ")
     assert "[0] ended: --max-new-tokens reached" in text.stderr  # why each sequence ended
     full = cli("generate", str(artifact), "--prompt-ids", ",".join(["3"] * MAX_SEQ_LEN), check=False)
@@ -393,9 +393,9 @@ def test_build_refuses_limits_the_model_cannot_take(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_half_precision_generation_on_the_gpu_matches_transformers(family, tmp_path):
     """fp16 on the GPU: the first 16 greedy tokens of every prompt are transformers' (on the same GPU), or the
-    first difference is a near-tie of transformers' own logits; with decode steps launched ahead (run_ahead:
-    each step's ids its predecessor's tokens on the device, the barrier inside the step waiting for them), the
-    same tokens as a step at a time, with prompts that join as others finish."""
+    first difference is a near-tie of transformers' own logits. Decode steps are launched ahead by default on
+    the GPU (run_ahead: each step's ids its predecessor's tokens on the device, the barrier inside the step
+    waiting for them): the same tokens as a step at a time, with prompts that join as others finish."""
     import torch
 
     from autosched.generation import Generator
@@ -405,12 +405,13 @@ def test_half_precision_generation_on_the_gpu_matches_transformers(family, tmp_p
         str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
     model = model.to("cuda", torch.float16)
     gen = Generator(tmp_path / "art")
+    assert gen.run_ahead  # a CUDA build's default
     results = gen.generate(PROMPTS, 16)
     assert_gpu_greedy_matches(model, PROMPTS, results, 16, max_margin=0.05)
     prompts = PROMPTS + [[7, 7, 7], [8]]
-    plain = [r.tokens for r in gen.generate(prompts, 24)]
-    gen.run_ahead = True
-    assert [r.tokens for r in gen.generate(prompts, 24)] == plain
+    ahead = [r.tokens for r in gen.generate(prompts, 24)]
+    gen.run_ahead = False
+    assert [r.tokens for r in gen.generate(prompts, 24)] == ahead
 
 
 @pytest.mark.slow
@@ -845,6 +846,7 @@ def test_decode_steps_launched_ahead_give_the_same_tokens(built):
     model, artifact = built
     prompts = PROMPTS + [[7, 7, 7], [8]]
     plain = Generator(artifact)
+    assert not plain.run_ahead  # a CPU build's default: the host and the model share the cores
     expected = [r.tokens for r in plain.generate(prompts, 12)]
     gen = Generator(artifact, run_ahead=True)
     launched = record_launches_behind(gen)

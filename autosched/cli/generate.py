@@ -201,6 +201,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--always-speculate", action="store_true",
                    help="with --speculate: speculate at every step (default: decode plainly while the draft's "
                         "recent proposals are mostly rejected, trying it again every 16 steps)")
+    p.add_argument("--no-run-ahead", action="store_true",
+                   help="decode a step at a time (default on a GPU: each greedy step is launched before the "
+                        "tokens of the step before it are read, the same tokens)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output (default text)")
     p.set_defaults(fn=cmd_generate)
 
@@ -268,7 +271,8 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
     draft = _draft(args)
-    gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1, adaptive=not args.always_speculate)
+    gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1, adaptive=not args.always_speculate,
+                    run_ahead=False if args.no_run_ahead else None)
     results = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop_tokens=stop)
     timing = gen.timing()

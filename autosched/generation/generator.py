@@ -32,10 +32,11 @@ class Generator:
     :meth:`remove` takes it. ``kv_pages``: pages in the cache (default: room for ``max_batch`` sequences of
     ``max_seq_len`` tokens). ``clock``: what times the calls (see :meth:`timing`).
 
-    ``run_ahead``: a greedy decode step is launched before the tokens of the step before it are read (its
-    ids are those tokens, still on the device; the step waits for them inside its call: :mod:`.barrier`), so
-    the host's work between two steps overlaps the GPU's. The same tokens; a sequence that stops at a stop
-    token has had one step more computed for it. Builds without the barrier decode a step at a time.
+    ``run_ahead`` (default: on a CUDA build): a greedy decode step is launched before the tokens of the step
+    before it are read (its ids are those tokens, still on the device; the step waits for them inside its
+    call: :mod:`.barrier`), so the host's work between two steps overlaps the GPU's. The same tokens; a
+    sequence that stops at a stop token has had one step more computed for it. False, and builds without the
+    barrier: a step at a time.
 
     ``draft``: decode speculatively (:mod:`.speculative`), the same tokens (greedy) or the same distribution
     (sampled) in fewer target steps: ``"prompt-lookup"`` (proposals copied from earlier in the sequence) or
@@ -46,9 +47,10 @@ class Generator:
 
     def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, *, draft=None, speculate: int = 4,
-                 adaptive: bool = True, run_ahead: bool = False):
+                 adaptive: bool = True, run_ahead: bool | None = None):
         self._start(LoadedModel.load(artifact_dir, kv_pages), clock)
-        self.run_ahead = run_ahead
+        if run_ahead is not None:
+            self.run_ahead = run_ahead
         if draft is not None:
             self.speculate(draft, speculate, adaptive)
 
@@ -96,7 +98,8 @@ class Generator:
         self._next_id = 0
         self.completions: list[Completion] = []
         self._speculator = None
-        self.run_ahead = False
+        # On a GPU the host's turn between two steps would leave it idle; on the CPU it is the same cores.
+        self.run_ahead = model.manifest["target"]["kind"] == "cuda"
         self._flight: Flight | None = None  # a decode step launched whose tokens are not read yet
 
     def __getattr__(self, name: str):
