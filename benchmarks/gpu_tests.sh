@@ -10,12 +10,16 @@
 # gpu_tests_rerun.log: many processes at once can run the GPU out of memory while preparing inputs; a test
 # that fails in both logs is a real failure. Each is then reported, in the output and in
 # gpu_tests_rerun_report.txt, as FLAKY (failed, then passed on the re-run: a flaky test to fix, not a pass),
-# FAILED, or UNFINISHED then PASSED (cut off, then passed).
+# FAILED, or UNFINISHED then PASSED (cut off, then passed). The GPU's memory in use is sampled every 5 s into
+# gpu_memory.log, to tell a failure of memory (CUDA out of memory with many processes) from one of the code.
 set -uo pipefail
 NEED="xdist=pytest-xdist pytest_timeout=pytest-timeout" source "$(dirname "$0")/_gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
 # The files themselves are named (the GPU machine's .git can be older than the files it was sent).
 echo "code digest: $(bash benchmarks/code_digest.sh)" | tee -a "$OUT/gpu.txt"
+nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -l 5 > "$OUT/gpu_memory.log" 2>&1 &
+memory_sampler=$!
+trap 'kill $memory_sampler 2>/dev/null' EXIT
 expected=$OUT/gpu_tests_expected.txt
 bash benchmarks/_gpu_shard.sh "${GPU_TEST_SHARD:-1/1}" "$@" > "$expected"
 [[ -s $expected ]] || { echo "no GPU tests in shard ${GPU_TEST_SHARD:-1/1}" >&2; exit 2; }
