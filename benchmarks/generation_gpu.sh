@@ -25,11 +25,17 @@
 #   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
 #           launch, fp8, int4, the streaming decode GEMMs), in TEST_WORKERS processes (default 4)
 # $DB (optional) is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
+# $RECORDS (optional): files of `autosched db export` (e.g. a records.jsonl of an earlier session's results) merged
+# into that copy first; at the end its records are exported to $OUT/records.jsonl, so that tuning done in one
+# call or session carries to the next (records keep their uid: merging one twice adds nothing).
 set -uo pipefail
 NEED="transformers=transformers" source "$(dirname "$0")/_gpu_env.sh"
 db=$OUT/tune.db
 # No $DB (or none there yet): the steps start from an empty database (topup creates it).
 [[ -f $db || ! -f ${DB:-} ]] || cp "$DB" "$db"
+for records in ${RECORDS:-}; do
+  python3 -m autosched db import "$records" --db "$db" > /dev/null || { echo "cannot merge $records" >&2; exit 2; }
+done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/gpu.txt"
 llama=hf-llama-7b-layers
 gen() {  # generate_benchmark.py ARGS..., its rows in $OUT/$name.json
@@ -75,6 +81,7 @@ for step in "$@"; do
        exit 2 ;;
   esac
 done
+[[ -f $db ]] && python3 -m autosched db export --db "$db" -o "$OUT/records.jsonl" --force > /dev/null
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 keys = ("batch", "quantize", "ours_ms_per_step", "floor_ms", "share_of_floor", "ours_prefill_ms",
