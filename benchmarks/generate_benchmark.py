@@ -3,13 +3,14 @@
 A Llama-2-7B, Llama-3-8B, Llama-3.1-8B (llama3 rotary scaling) or Qwen3-8B (q/k norms, untied head)
 configuration (all layers, or ``--layers`` of them, fp16, random weights, made on the GPU: nothing is
 downloaded) in its transformers class, prompts of ``--prompt`` random tokens, ``--new`` tokens, greedy. For
-each batch size: prefill ms, ms per decode step, tokens/s and the share of the floor (the bytes one decode step must read: the
-weights without the embedding table, plus the K/V cache at the mean context, at the device-to-device copy
-bandwidth measured in the same run). transformers runs eagerly (dynamic cache) and, with ``--compile``, with
-a static cache and ``torch.compile`` (fullgraph, no CUDA graphs), and in torch's best recipe
-(:func:`torch_best_run`: static cache, each step compiled with CUDA graphs). Greedy tokens are compared with eager
-transformers' for the first 16 new tokens of every prompt; a first difference is reported with the logit
-margin of transformers' choice there (a near-tie or not).
+each batch size: prefill ms, ms per decode step (each launched before the tokens of the one before are read,
+as the generator decodes on a GPU; ``--step-at-a-time`` also times them one after another), tokens/s and the
+share of the floor (the bytes one decode step must read: the weights without the embedding table, plus the K/V
+cache at the mean context, at the device-to-device copy bandwidth measured in the same run). transformers
+runs eagerly (dynamic cache) and, with ``--compile``, with a static cache and ``torch.compile`` (fullgraph, no
+CUDA graphs), and in torch's best recipe (:func:`torch_best_run`: static cache, each step compiled with CUDA
+graphs). Greedy tokens are compared with eager transformers' for the first 16 new tokens of every prompt; a
+first difference is reported with the logit margin of transformers' choice there (a near-tie or not).
 
     python benchmarks/generate_benchmark.py --model llama2-7b --batches 1,16 --compile --out results.json
 """
@@ -264,8 +265,10 @@ def idle_gaps(kernels, steps: int, top: int = 8, least_us: float = 2.0) -> list[
 def host_split(make_generator, prompts, steps: int = 16) -> dict:
     """The host's side of decode steps, without a profiler: per step, ms in the model's call (the cache's
     begin/end and the launches), in choosing the tokens (the sampling launch and the wait for the GPU), and
-    in the rest (the generator's Python between them)."""
+    in the rest (the generator's Python between them). A step at a time: launched ahead, a step's wait for the
+    GPU is in no call of these."""
     gen = make_generator()
+    gen.run_ahead = False
     spent = {"forward": 0.0, "choose": 0.0}
 
     def timed(name, fn):
@@ -293,11 +296,13 @@ def host_split(make_generator, prompts, steps: int = 16) -> dict:
             "other_ms": total / steps * 1e3 - sum(ms.values())}
 
 
-def ours(make_generator, prompts, new: int, run_ahead: bool = False):
-    """(prefill ms, ms per decode step, tokens per prompt) of one batch of prompts, a decode step at a time or
-    (``run_ahead``) each greedy step launched before the last one's tokens are read."""
+def ours(make_generator, prompts, new: int, run_ahead: bool | None = None):
+    """(prefill ms, ms per decode step, tokens per prompt) of one batch of prompts, as the Generator decodes by
+    default (on a GPU each greedy step launched before the last one's tokens are read), or with ``run_ahead``
+    set either way."""
     gen = make_generator()
-    gen.run_ahead = run_ahead
+    if run_ahead is not None:
+        gen.run_ahead = run_ahead
     gen.generate(prompts, 4)  # warm up: the first launches load kernels and capture the CUDA graphs
     gen.reset_timing()
     results = gen.generate(prompts, new, stop_tokens=[])
@@ -419,9 +424,10 @@ def main() -> int:
     parser.add_argument("--torch-int4", action="store_true",
                         help="also torch's best recipe on int4 weights (PyTorch's int4 GEMM, torchao's int4 "
                         "weight-only kernel; groups of 128, bfloat16), next to a --quantize q4f16 build")
-    parser.add_argument("--run-ahead", action="store_true",
-                        help="also our build with each decode step launched before the tokens of the step before are "
-                             "read (Generator(run_ahead=True)): ms per step and whether the tokens are the same")
+    parser.add_argument("--step-at-a-time", action="store_true",
+                        help="also our build with each decode step launched after the tokens of the step before are "
+                             "read (Generator(run_ahead=False); the default on a GPU launches it before): ms per step "
+                             "and whether the tokens are the same")
     parser.add_argument("--programmatic-launch", nargs="?", const=True, type=int, metavar="ROWS",
                         help="also our build with programmatic dependent launch (sm_90: each kernel launched while "
                         "the one before it finishes), timed against the same build without it; ROWS: only in the "
@@ -478,10 +484,10 @@ def main() -> int:
         prefill, step, tokens = ours(make, prompts, args.new)
         if make_dynamic is not None:
             row["ours_dynamic_ms_per_step"] = ours(make_dynamic, prompts, args.new)[1]
-        if args.run_ahead:  # the same build, each decode step launched before the last one's tokens are read
-            ahead = ours(make, prompts, args.new, run_ahead=True)
-            row.update(run_ahead_ms_per_step=ahead[1], run_ahead_same_tokens=ahead[2] == tokens)
-            print({k: row[k] for k in ("batch", "run_ahead_ms_per_step", "run_ahead_same_tokens")}, flush=True)
+        if args.step_at_a_time:  # the same build, each decode step launched once the last one's tokens are read
+            plain = ours(make, prompts, args.new, run_ahead=False)
+            row.update(step_at_a_time_ms_per_step=plain[1], step_at_a_time_same_tokens=plain[2] == tokens)
+            print({k: row[k] for k in ("batch", "step_at_a_time_ms_per_step", "step_at_a_time_same_tokens")}, flush=True)
         if make_overlapped is not None:
             overlapped = ours(make_overlapped, prompts, args.new)
             row.update(programmatic_prefill_ms=overlapped[0], programmatic_ms_per_step=overlapped[1],

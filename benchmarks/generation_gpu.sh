@@ -6,7 +6,7 @@
 # Steps:
 #   topup   tune-model of Llama-2-7B's decode steps (batches 1, 16), prefill chunks (512, 8192) and verify steps
 #           (k = 4) for TOPUP seconds (default 140), records added to $OUT/tune.db
-#   fp16    generate_benchmark.py at batches 1 and 16 with FP16_AB (default --trace --run-ahead --programmatic-launch 4:
+#   fp16    generate_benchmark.py at batches 1 and 16 with FP16_AB (default --trace --step-at-a-time --programmatic-launch 4:
 #           the trace and the A/Bs; the last one, in the kernels of decode steps of 1-4 rows, builds again); with
 #           COMPILE=1 also torch's best recipe (--compile), 240 s more
 #   q4f16   tune-model --quantize q4f16 for Q4_BUDGET seconds (default 110), then the q4f16 benchmark with
@@ -49,7 +49,7 @@ for step in "$@"; do
     topup) timeout $(( ${TOPUP:-140} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512,8192 --speculate 4 --time-budget "${TOPUP:-140}" \
              --db "$db" > "$OUT/topup.log" 2>&1; echo "topup: exit $?" ;;
-    fp16) read -r -a ab <<< "${FP16_AB:---trace --run-ahead --programmatic-launch 4}"
+    fp16) read -r -a ab <<< "${FP16_AB:---trace --step-at-a-time --programmatic-launch 4}"
           gen fp16 $(( ${COMPILE:+240} + 370 )) --model llama2-7b --batches 1,16 --new 64 "${ab[@]}" ${COMPILE:+--compile} ;;
     q4f16) timeout $(( ${Q4_BUDGET:-110} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512 --quantize q4f16 --time-budget "${Q4_BUDGET:-110}" \
@@ -59,7 +59,7 @@ for step in "$@"; do
     spec) timeout 220 python3 benchmarks/speculative_benchmark.py --model llama2-7b --batches 1 --speculate 4 --new 32 \
             --db "$db" --out "$OUT/spec.json" > "$OUT/spec.log" 2>&1; echo "spec: exit $?" ;;
     models) for model in ${MODELS:-llama2-7b llama3.1-8b qwen3-8b}; do
-              gen "$model" 200 --model "$model" --batches 1 --new 64 --run-ahead; done ;;
+              gen "$model" 200 --model "$model" --batches 1 --new 64 --step-at-a-time; done ;;
     b64) gen llama3-8b-b64 300 --model llama3-8b --batches 64 --new 32 ;;
     decode-gemm) shapes=(); for s in 16,12288,4096 16,4096,11008 16,4096,4096 16,22016,4096; do shapes+=(--shape "$s"); done
            timeout 420 python3 benchmarks/gpu_benchmark.py --hand-points gemm --points decode "${shapes[@]}" --timeout 60 \
@@ -85,7 +85,7 @@ done
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 keys = ("batch", "quantize", "ours_ms_per_step", "floor_ms", "share_of_floor", "ours_prefill_ms",
-        "programmatic_ms_per_step", "programmatic_same_tokens", "run_ahead_ms_per_step", "run_ahead_same_tokens",
+        "programmatic_ms_per_step", "programmatic_same_tokens", "step_at_a_time_ms_per_step", "step_at_a_time_same_tokens",
         "best_ms_per_step", "int4_best_ms_per_step")
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     for row in json.loads(path.read_text()).get("rows", []):

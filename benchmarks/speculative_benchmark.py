@@ -9,7 +9,9 @@ For each batch size:
 - ``decode_ms``, ``verify_ms``: one static decode step against one static verify call of K + 1 tokens per
   sequence (the rejected tokens popped after each), on sequences of ``--prompt`` cached tokens: the cost
   of verifying, which speculative decoding trades against the tokens it accepts;
-- ``plain_ms_per_step`` and, speculating with each draft, ms per step, tokens per sequence per step, the
+- ``plain_ms_per_step`` (decoding as the generator does by default: on a GPU each step launched before the
+  tokens of the one before are read; a speculating generator's plain steps go one at a time) and, speculating
+  with each draft, ms per step, tokens per sequence per step, the
   acceptance rate and the speedup in tokens per second: ``replay`` (the plain run's own greedy tokens,
   proposed at no cost: every proposal kept, the ceiling of the mechanism), ``never`` (those tokens shifted
   by one: every proposal rejected: the generator soon decodes plainly, probing the draft now and then;
@@ -113,9 +115,9 @@ def call_ms(model, batch: int, k: int, prompt: int, repeats: int = 20) -> tuple[
     from autosched.generation.decoder import verify_function
 
     seqs = list(range(batch))
-    for s in seqs:
+    for s in seqs:  # one prefill call a sequence: the cache takes at most max_seq_len tokens a call
         model.add(s)
-    model.forward("batch_prefill", seqs, [prompt] * batch, np.ones(batch * prompt, "int32"), prefill=True)
+        model.forward("batch_prefill", [s], [prompt], np.ones(prompt, "int32"), prefill=True)
 
     def timed(function: str, tokens: int, prefill: bool) -> float:
         times = []
@@ -140,8 +142,7 @@ def run(make_target, draft, prompts, new: int, k: int, adaptive: bool = True) ->
     every step speculates, whether it pays or not."""
     from autosched.generation.generator import Generator
 
-    gen = Generator.from_model(make_target())
-    gen.run_ahead = False  # plain decoding as a speculating generator's plain steps: a step at a time
+    gen = Generator.from_model(make_target())  # plain: as a user's decodes (on a GPU, steps launched ahead)
     if draft is not None:
         gen.speculate(draft, k, adaptive)
     gen.generate(prompts, 4)  # warm up: kernels loaded, CUDA graphs captured
