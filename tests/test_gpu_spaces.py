@@ -17,7 +17,7 @@ from autosched.target import parse_target
 from autosched.task import Task
 from autosched.workloads import make_workload
 
-from .nvcc import host_output, nvcc_compile, run_on_host
+from .nvcc import build_for_host, host_output, nvcc_compile, run_on_host
 
 # (op, shape, dtype, attrs, the space the target's architecture gets, architecture)
 CASES = [
@@ -794,6 +794,7 @@ def test_int4_unpacking_matches_the_workloads_nibble_order(tmp_path, zeros):
 #include <cstdint>
 #include <cstdio>
 inline uint4 autosched_ld_stream_v4(const void* p) {{ return *reinterpret_cast<const uint4*>(p); }}
+float __shfl_xor_sync(unsigned, float, int);  // a device intrinsic: named by the warp sum, which the host never calls
 inline __half2 host_hfma2(__half2 a, __half2 b, __half2 c) {{
   const float2 x = __half22float2(a), y = __half22float2(b), z = __half22float2(c);
   return __floats2half2_rn((float)std::fma((double)x.x, y.x, z.x), (float)std::fma((double)x.y, y.y, z.y));
@@ -823,8 +824,7 @@ int main() {{
 """
         (tmp_path / f"case{case}.cu").write_text(program)
         exe = tmp_path / f"case{case}"
-        subprocess.run(["nvcc", "-std=c++17", "-o", str(exe), str(tmp_path / f"case{case}.cu")], check=True,
-                       capture_output=True)
+        build_for_host(tmp_path, f"case{case}.cu", str(exe), std="c++17", optimise="-O0")
         worst = float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
         # A chunk's sum is up to 32 x 8 x |a| (|a| <= 2.5 x magnitude), with zero points up to 32 x 16 x |a|:
         # the half2 bounds are ~1e-4 of it.
@@ -912,9 +912,7 @@ int main() {{
 }}
 """
     (tmp_path / "host.cu").write_text(program)
-    build = subprocess.run(["nvcc", "-std=c++17", "-o", "host", "host.cu"], cwd=tmp_path, capture_output=True,
-                           text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
+    build_for_host(tmp_path, "host.cu", "host", std="c++17", optimise="-O0")
     lines = subprocess.run(["./host"], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.splitlines()
 
     def value(bits: str) -> float:
@@ -1003,9 +1001,7 @@ int main() {{
 """
         (tmp_path / f"{dtype}.cu").write_text(program)
         exe = tmp_path / dtype
-        build = subprocess.run(["nvcc", "-std=c++17", "-o", str(exe), str(tmp_path / f"{dtype}.cu")],
-                               capture_output=True, text=True)
-        assert build.returncode == 0, build.stderr[-3000:]
+        build_for_host(tmp_path, f"{dtype}.cu", str(exe), std="c++17", optimise="-O0")
         wrong = int(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
         assert wrong == 0, f"{dtype}: {wrong} of {24 * 64} weights differ from the definition"
 
@@ -1054,11 +1050,10 @@ def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, u
     body = _host_body(source.removeprefix(epilogue))
     body = body.replace('asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));',
                         "r = (w & mask) | 0x64006400u;")
-    body = body.replace("autosched_bulk_copy(smem", "host_bulk_copy(smem").replace("__syncwarp()", "host_syncwarp()")
+    body = body.replace("autosched_bulk_copy(smem", "host_bulk_copy(smem")
     body = body.replace("autosched_mbarrier_wait(bar, 0);", "host_syncwarp();")  # the copies above are done
     loads = "".join(f'  auto {v} = load<{"uint8_t" if v in ("wq", "zeros") else "half"}>("{v}.bin");\n' for v in names)
     program = HOST_SHIM + f"""
-inline void host_syncwarp() {{ host_warp_barriers[host_thread.x / 32]->arrive_and_wait(); }}
 inline void host_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned) {{ std::memcpy(dst, src, bytes); }}
 inline void {store1}(__half* c, float v) {{ *c = __float2half_rn(v); }}
 """ + body + f"""
@@ -1383,6 +1378,7 @@ static std::vector<std::barrier<>*> host_warp_barriers;   // per CTA and warp
 static std::vector<float*> host_smem;                      // per CTA
 static float host_warp_lanes[512][32];
 inline void host_syncthreads() { host_block_barriers[host_rank]->arrive_and_wait(); }
+inline void host_syncwarp() { host_warp_barriers[host_rank * host_warps_per_cta + host_thread.x / 32]->arrive_and_wait(); }
 inline void host_cluster_sync() { host_cluster_barrier->arrive_and_wait(); }
 inline float host_remote(const float* local, int rank) { return host_smem[rank][local - host_smem[host_rank]]; }
 inline float host_shfl_xor(unsigned, float v, int offset) {
@@ -1440,7 +1436,8 @@ inline void host_cp_async(void* dst, const void* src, bool valid) {
 HOST_NAMES = {"threadIdx": "host_thread", "__syncthreads": "host_syncthreads", "__shfl_xor_sync": "host_shfl_xor",
               "__int_as_float": "host_int_as_float", "__cvta_generic_to_shared": "host_cvta",
               "__byte_perm": "host_byte_perm", "autosched_mma_m16n8k16<": "host_mma<",
-              "autosched_cp_async(": "host_cp_async(", "__hfma2(": "host_hfma2("}
+              "autosched_cp_async(": "host_cp_async(", "__hfma2(": "host_hfma2(",
+              "__syncwarp()": "host_syncwarp()"}
 
 
 def _host_body(source: str) -> str:
