@@ -99,7 +99,7 @@ class Generator:
         self.completions: list[Completion] = []
         self._speculator = None
         # On a GPU the host's turn between two steps would leave it idle; on the CPU it is the same cores.
-        self.run_ahead = model.manifest["target"]["kind"] == "cuda"
+        self.run_ahead = model.on_gpu
         self._flight: Flight | None = None  # a decode step launched whose tokens are not read yet
 
     def __getattr__(self, name: str):

@@ -61,6 +61,7 @@ class LoadedModel:
         if m["target"]["kind"] == "llvm":
             use_all_cpu_threads()  # as the kernels were tuned and timed; before the first kernel runs
         self.manifest, self.vm, self.device = m, vm, device
+        self.on_gpu = m["target"]["kind"] == "cuda"
         # One TVM array of the parameters, made once: a Python list would be converted at every call.
         self.params = tvm.runtime.convert(list(params))
         self.vocab = m["decoder"]["vocab"]
@@ -148,7 +149,7 @@ class LoadedModel:
     def token_marks(self):
         """CUDA events after decode steps' tokens (:class:`~.cuda_events.TokenMarks`); None on the CPU or
         without a CUDA driver, where waiting for a step means waiting for everything queued."""
-        if self._marks is None and self.manifest["target"]["kind"] == "cuda":
+        if self._marks is None and self.on_gpu:
             from .cuda_events import TokenMarks
 
             self._marks = TokenMarks.open() or False
