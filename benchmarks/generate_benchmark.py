@@ -96,13 +96,14 @@ def floor_ms(model, batch: int, context: float, bandwidth: float, weight_bytes: 
 
 def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True, db_path: str | None = None,
                cuda_graphs: bool = True, prefill_chunks: tuple[int, ...] = (), quantize: str | None = None,
-               programmatic_launch: bool = False, programmatic_rows: int | None = None):
+               programmatic_launch: bool = False, programmatic_rows: int | None = None, prefetch_weights: int = 0):
     """(make a generator, build seconds, attention kernels, bytes of its weights less the embedding table) of our
     generation build for ``model`` on the GPU;
     ``static``: each batch size's decode step as a static function (CUDA graphs), else one function for all;
     ``quantize``: a --quantize scheme (fp8 on sm_90: W8A8 prefill chunks); ``programmatic_launch``: kernels
     launched while the one before them finishes (:mod:`autosched.pipeline.launch`), with ``programmatic_rows`` only
-    those of decode steps of at most that many rows."""
+    those of decode steps of at most that many rows, with ``prefetch_weights`` (bytes) their GEMMs asking L2 for
+    their weights before they wait."""
     from dataclasses import replace
 
     import torch
@@ -132,7 +133,8 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
     chunks = prefill_chunks if static else ()
     executable, names, report = compile_generation(gm, target, db, decode_batches, cuda_graphs, chunks,
                                                    programmatic_launch=programmatic_launch,
-                                                   programmatic_rows=programmatic_rows)
+                                                   programmatic_rows=programmatic_rows,
+                                                   prefetch_weights=prefetch_weights)
     if db is not None:
         db.close()
     built = time.perf_counter() - began
@@ -432,6 +434,9 @@ def main() -> int:
                         help="also our build with programmatic dependent launch (sm_90: each kernel launched while "
                         "the one before it finishes), timed against the same build without it; ROWS: only in the "
                         "kernels of decode steps of at most ROWS rows")
+    parser.add_argument("--prefetch-weights", type=float, metavar="MB",
+                        help="with --programmatic-launch: also that build with each of its GEMMs asking L2 for up to "
+                             "MB megabytes of its weights before it waits for the kernel before it")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
@@ -459,10 +464,17 @@ def main() -> int:
                               quantize=args.quantize)[0] if args.dynamic else None
     make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False, prefill_chunks=chunks,
                                quantize=args.quantize)[0] if args.profile or args.without_graphs else None
-    make_overlapped = build_ours(model, batches, max_seq_len, db_path=args.db, prefill_chunks=chunks,
-                                 quantize=args.quantize, programmatic_launch=True,
-                                 programmatic_rows=None if args.programmatic_launch is True else args.programmatic_launch)[0] \
-        if args.programmatic_launch else None
+    if args.prefetch_weights and not args.programmatic_launch:
+        parser.error("--prefetch-weights needs --programmatic-launch: the prefetch goes before the wait it adds")
+    rows_launched = None if args.programmatic_launch is True else args.programmatic_launch
+
+    def build_overlapped(prefetch_bytes: int = 0):
+        return build_ours(model, batches, max_seq_len, db_path=args.db, prefill_chunks=chunks, quantize=args.quantize,
+                          programmatic_launch=True, programmatic_rows=rows_launched,
+                          prefetch_weights=prefetch_bytes)[0]
+
+    make_overlapped = build_overlapped() if args.programmatic_launch else None
+    make_prefetched = build_overlapped(int(args.prefetch_weights * 2**20)) if args.prefetch_weights else None
     if shared is not None:
         print(f"built in {shared[1]:.1f} s", flush=True)
     int4_model = None
@@ -493,6 +505,11 @@ def main() -> int:
             row.update(programmatic_prefill_ms=overlapped[0], programmatic_ms_per_step=overlapped[1],
                        programmatic_same_tokens=overlapped[2] == tokens)
             print({k: row[k] for k in ("batch", "programmatic_ms_per_step", "programmatic_same_tokens")}, flush=True)
+        if make_prefetched is not None:
+            prefetched = ours(make_prefetched, prompts, args.new)
+            row.update(prefetch_mb=args.prefetch_weights, prefetch_prefill_ms=prefetched[0],
+                       prefetch_ms_per_step=prefetched[1], prefetch_same_tokens=prefetched[2] == tokens)
+            print({k: row[k] for k in ("batch", "prefetch_ms_per_step", "prefetch_same_tokens")}, flush=True)
         if args.trace and DEVICE == "cuda":
             row["trace"] = trace_steps(make, prompts)
             row["trace"]["host"] = host_split(make, prompts)

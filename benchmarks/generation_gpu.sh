@@ -6,11 +6,11 @@
 # Steps:
 #   topup   tune-model of Llama-2-7B's decode steps (batches 1, 16), prefill chunks (512, 8192) and verify steps
 #           (k = 4) for TOPUP seconds (default 140), records added to $OUT/tune.db
-#   fp16    generate_benchmark.py at batches 1 and 16 with FP16_AB (default --trace --step-at-a-time --programmatic-launch 4:
-#           the trace and the A/Bs; the last one, in the kernels of decode steps of 1-4 rows, builds again); with
-#           COMPILE=1 also torch's best recipe (--compile), 240 s more
+#   fp16    generate_benchmark.py at batches 1 and 16 with FP16_AB (default --trace --step-at-a-time --programmatic-launch 4
+#           --prefetch-weights 8: the trace and the A/Bs; the last two, in the kernels of decode steps of 1-4 rows,
+#           each build again); with COMPILE=1 also torch's best recipe (--compile), 240 s more
 #   q4f16   tune-model --quantize q4f16 for Q4_BUDGET seconds (default 110), then the q4f16 benchmark with
-#           torch's int4 recipe (--torch-int4 --compile)
+#           torch's int4 recipe (--torch-int4 --compile) and Q4_AB (default --programmatic-launch 4 --prefetch-weights 8)
 #   fp8     the fp8 build's prefill of 512 tokens at batch 16 (W8A8 chunks on sm_90)
 #   spec    speculative_benchmark.py at batch 1, k = 4
 #   models  Llama-2-7B, Llama-3.1-8B and Qwen3-8B at batch 1 (each one's share of the floor, in the same run;
@@ -49,12 +49,13 @@ for step in "$@"; do
     topup) timeout $(( ${TOPUP:-140} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512,8192 --speculate 4 --time-budget "${TOPUP:-140}" \
              --db "$db" > "$OUT/topup.log" 2>&1; echo "topup: exit $?" ;;
-    fp16) read -r -a ab <<< "${FP16_AB:---trace --step-at-a-time --programmatic-launch 4}"
-          gen fp16 $(( ${COMPILE:+240} + 370 )) --model llama2-7b --batches 1,16 --new 64 "${ab[@]}" ${COMPILE:+--compile} ;;
+    fp16) read -r -a ab <<< "${FP16_AB:---trace --step-at-a-time --programmatic-launch 4 --prefetch-weights 8}"
+          gen fp16 $(( ${COMPILE:+240} + 450 )) --model llama2-7b --batches 1,16 --new 64 "${ab[@]}" ${COMPILE:+--compile} ;;
     q4f16) timeout $(( ${Q4_BUDGET:-110} + 60 )) python3 -m autosched tune-model $llama --target cuda --dtype float16 \
              --generate --decode-batches 1,16 --prefill-chunks 512 --quantize q4f16 --time-budget "${Q4_BUDGET:-110}" \
              --db "$db" > "$OUT/tune_q4f16.log" 2>&1; echo "q4f16 tuning: exit $?"
-           gen q4f16 380 --model llama2-7b --batches 1,16 --new 64 --quantize q4f16 --torch-int4 --compile ;;
+           read -r -a ab <<< "${Q4_AB:---programmatic-launch 4 --prefetch-weights 8}"
+           gen q4f16 480 --model llama2-7b --batches 1,16 --new 64 --quantize q4f16 --torch-int4 --compile "${ab[@]}" ;;
     fp8) gen fp8 200 --model llama2-7b --batches 16 --new 8 --quantize fp8 ;;
     spec) timeout 220 python3 benchmarks/speculative_benchmark.py --model llama2-7b --batches 1 --speculate 4 --new 32 \
             --db "$db" --out "$OUT/spec.json" > "$OUT/spec.log" 2>&1; echo "spec: exit $?" ;;
@@ -85,7 +86,8 @@ done
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 keys = ("batch", "quantize", "ours_ms_per_step", "floor_ms", "share_of_floor", "ours_prefill_ms",
-        "programmatic_ms_per_step", "programmatic_same_tokens", "step_at_a_time_ms_per_step", "step_at_a_time_same_tokens",
+        "programmatic_ms_per_step", "programmatic_same_tokens", "prefetch_ms_per_step", "prefetch_same_tokens",
+        "step_at_a_time_ms_per_step", "step_at_a_time_same_tokens",
         "best_ms_per_step", "int4_best_ms_per_step")
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     for row in json.loads(path.read_text()).get("rows", []):

@@ -155,9 +155,10 @@ def random_on_gpu(config):
 
 
 def gpu_generator(model, name: str, max_seq_len: int, decode_batches: tuple[int, ...],
-                  prefill_chunks: tuple[int, ...] = (), programmatic_launch: bool = False):
+                  prefill_chunks: tuple[int, ...] = (), programmatic_launch: bool = False, prefetch_weights: int = 0):
     """(a Generator on the GPU, the build report) for a transformers causal LM in fp16, built through the Python
-    API (no folder), with no database (``programmatic_launch``: as compile_generation takes it)."""
+    API (no folder), with no database (``programmatic_launch``, ``prefetch_weights``: as compile_generation takes
+    them)."""
     import tvm
 
     from autosched.generation import Generator
@@ -169,7 +170,8 @@ def gpu_generator(model, name: str, max_seq_len: int, decode_batches: tuple[int,
     gm = GenerationModel(name, model, config_from_hf(model.config, "float16"), [])
     executable, names, report = compile_generation(gm, target, None, decode_batches=decode_batches,
                                                    prefill_chunks=prefill_chunks,
-                                                   programmatic_launch=programmatic_launch)
+                                                   programmatic_launch=programmatic_launch,
+                                                   prefetch_weights=prefetch_weights)
     weights = weights_from_hf(model.state_dict(), gm.config)
     params = [tvm.runtime.from_dlpack(weights[n].contiguous()) for n in names]
     manifest = generation_manifest(gm, names, target, report, max_seq_len, max(decode_batches),

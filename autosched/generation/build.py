@@ -309,10 +309,35 @@ def small_decode_kernels(lowered, rows: int) -> frozenset[str]:
     return frozenset(kernel_calls(lowered, small)) - frozenset(kernel_calls(lowered, lambda name: not small(name)))
 
 
+# Workloads whose kernels read the whole of their weight operand once (a mixture of experts' reads the chosen
+# experts' alone, an embedding lookup a row).
+WHOLE_WEIGHT_OPS = ("gemm", "dequant_gemm", "swiglu_gemm", "fp8_gemm")
+
+
+def weight_prefetches(lowered, budget: int, kernels=None) -> dict:
+    """{kernel: WeightPrefetch} for each kernel of a static function (of ``kernels`` where given) that is one of
+    :data:`WHOLE_WEIGHT_OPS`' workloads and reads a model weight: its blocks' shares of that weight, up to
+    ``budget`` bytes in all, asked of L2 before the kernel waits for the one before (:mod:`autosched.pipeline.launch`)."""
+    import json
+
+    from autosched.pipeline.launch import WeightPrefetch
+    from autosched.pipeline.substitute import WORKLOAD_ATTR
+    from autosched.pipeline.tasks import weight_inputs
+
+    ops = {}
+    for gv, func in lowered.functions.items():
+        attrs = getattr(func, "attrs", None)
+        if attrs is not None and WORKLOAD_ATTR in attrs:
+            ops[gv.name_hint] = json.loads(str(attrs[WORKLOAD_ATTR]))["op"]
+    return {name: WeightPrefetch(position, budget) for name, position in weight_inputs(lowered, is_static_function).items()
+            if ops.get(name) in WHOLE_WEIGHT_OPS and (kernels is None or name in kernels)}
+
+
 def compile_generation(model: GenerationModel, target: TargetSpec, db: Database | None,
                        decode_batches: tuple[int, ...] = (), cuda_graphs: bool = True,
                        prefill_chunks: tuple[int, ...] = (), speculate: tuple[int, ...] = (),
-                       programmatic_launch: bool = False, programmatic_rows: int | None = None):
+                       programmatic_launch: bool = False, programmatic_rows: int | None = None,
+                       prefetch_weights: int = 0):
     """(executable, the parameter names its functions take in order, report): the decoder lowered, scheduled
     and compiled, without writing anything (``build_generator`` writes it; benchmarks run it in memory).
     On a GPU, the kernels between two attention calls of a static decode function (``decode_batches``) run
@@ -320,23 +345,26 @@ def compile_generation(model: GenerationModel, target: TargetSpec, db: Database 
     kernels one by one (``cuda_graphs=False`` launches them one by one, to profile each).
     ``programmatic_launch`` (sm_90): every kernel overlaps its launch with the end of the kernel before it
     (:mod:`autosched.pipeline.launch`); with ``programmatic_rows``, only the kernels of decode steps of at
-    most that many rows (those no other function calls)."""
+    most that many rows (those no other function calls); with ``prefetch_weights`` (bytes), each GEMM among
+    those asks L2 for up to that much of its weights before it waits (:func:`weight_prefetches`)."""
     from autosched.pipeline.build import build_pipeline, compile_separate
     from autosched.target import compile_module
 
     began = time.perf_counter()
     lowered, names = lower_generation(model.config, target, decode_batches, prefill_chunks, speculate)
     exported = time.perf_counter()
-    launch_only = None
+    launch_only = prefetch = None
     if programmatic_launch and programmatic_rows is not None:
         launch_only = small_decode_kernels(lowered, programmatic_rows)
+    if programmatic_launch and prefetch_weights:
+        prefetch = weight_prefetches(lowered, prefetch_weights, launch_only)
     scaled_rope = model.config.rope_scaling.get("rope_type", "default") != "default"
     scheduled, report, applied = schedule_generation(lowered, db, target, scaled_rope)
     scheduled_at = time.perf_counter()
     config = {"relax.backend.use_cuda_graph": True} if target.is_gpu and cuda_graphs else {}
     executable = compile_module(scheduled, target, config,
-                                relax_pipeline=build_pipeline(target, programmatic_launch, launch_only))
-    executable = compile_separate(executable, applied, target, programmatic_launch, launch_only)
+                                relax_pipeline=build_pipeline(target, programmatic_launch, launch_only, prefetch))
+    executable = compile_separate(executable, applied, target, programmatic_launch, launch_only, prefetch)
     report.seconds = {"export": exported - began, "database": scheduled_at - exported,
                       "compile": time.perf_counter() - scheduled_at}
     return executable, names, report

@@ -263,11 +263,12 @@ def _call_separately(mod: IRModule, names: set[str]) -> IRModule:
 
 
 def compile_separate(executable, report: ApplyReport, target: TargetSpec, programmatic_launch: bool = False,
-                     launch_only=None):
+                     launch_only=None, prefetch=None):
     """Compile the kernels that ``apply_database`` set apart and link them into the model's executable.
     They compile side by side in threads: TVM's compiler (and NVRTC) release the GIL, and a GPU model
     sets apart one kernel per tuned TIRx GEMM and attention, each a second or so to compile.
-    ``programmatic_launch``, ``launch_only``: as :func:`build_pipeline` gives the others (:mod:`.launch`)."""
+    ``programmatic_launch``, ``launch_only``, ``prefetch``: as :func:`build_pipeline` gives the others
+    (:mod:`.launch`)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -280,7 +281,7 @@ def compile_separate(executable, report: ApplyReport, target: TargetSpec, progra
     def compile_one(item):
         name, (kernel, config, codegen) = item
         if programmatic_launch and (launch_only is None or name in launch_only):
-            kernel = with_programmatic_launch(kernel)
+            kernel = with_programmatic_launch(kernel, (prefetch or {}).get(name))
         return compile_module(tvm.IRModule({name: kernel.with_attr("global_symbol", name)}), target, config, codegen)
 
     if not report.separate:
@@ -334,11 +335,12 @@ def defer_parameter_reads():
     return defer
 
 
-def build_pipeline(target: TargetSpec, programmatic_launch: bool = False, launch_only=None):
+def build_pipeline(target: TargetSpec, programmatic_launch: bool = False, launch_only=None, prefetch=None):
     """The Relax passes that compile a module :func:`apply_database` scheduled: TVM's default for the
     target without its fusion, then :func:`defer_parameter_reads`; with ``programmatic_launch`` (Hopper), the
     kernels TVM's TIR pipeline compiles (those named in ``launch_only``, where given) launch while the kernel
-    before them finishes (:mod:`autosched.pipeline.launch`).
+    before them finishes (:mod:`autosched.pipeline.launch`), those in ``prefetch`` ({name: WeightPrefetch})
+    asking L2 for their weights first.
 
     On CUDA, ``tvm.compile``'s default pipeline legalises, re-annotates and fuses again (``FuseOps`` and
     ``FuseTIR``) before dlight. Our lowering has fused already, and a second fusion over scheduled kernels
@@ -370,7 +372,7 @@ def build_pipeline(target: TargetSpec, programmatic_launch: bool = False, launch
         # LegalizeOps and dlight stay: anything still unlowered gets TVM's default kernel; dlight leaves
         # scheduled kernels as they are.
         with tvm_target:
-            overlap = [launch.programmatic_launch(launch_only)] if programmatic_launch else []
+            overlap = [launch.programmatic_launch(launch_only, prefetch)] if programmatic_launch else []
             return tvm.transform.Sequential(cuda.library_dispatch_passes(tvm_target) + legalize
                                             + cuda.dataflow_lower_passes(tvm_target) + overlap
                                             + cuda.finalize_passes(tvm_target) + [defer_parameter_reads()])(mod)

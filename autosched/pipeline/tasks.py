@@ -51,6 +51,46 @@ def kernel_calls(mod: IRModule, entry=lambda name: name == "main", runs=lambda n
     return counts
 
 
+def weight_inputs(mod: IRModule, entry=lambda name: name == "main") -> dict[str, int]:
+    """Kernel name -> the position of its largest input that is a model weight (an element of the packed
+    parameters the Relax function takes) in every call from the functions ``entry`` accepts; kernels without
+    one are left out."""
+    import tvm
+    from tvm import relax
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    found: dict[str, set[int]] = {}
+    sizes: dict[str, dict[int, int]] = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, relax.Function) or not entry(gv.name_hint):
+            continue
+        params = {p for p in func.params if isinstance(p.ty, relax.TupleType)}
+        weights: set = set()
+
+        def visit(expr, params=params, weights=weights):
+            if isinstance(expr, relax.VarBinding) and isinstance(expr.value, relax.TupleGetItem) \
+                    and expr.value.tuple_value in params:
+                weights.add(expr.var)
+            if not (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.same_as(call_tir)):
+                return
+            args = list(expr.args[1].fields) if isinstance(expr.args[1], relax.Tuple) else [expr.args[1]]
+            mine = {i for i, arg in enumerate(args) if arg in weights}
+            name = expr.args[0].name_hint
+            found[name] = found[name] & mine if name in found else mine
+            for i in mine:
+                shape = args[i].ty.shape
+                count = 1
+                for extent in (shape.values if shape is not None else []):
+                    count *= int(extent) if isinstance(extent, tvm.tirx.IntImm) else 0
+                sizes.setdefault(name, {})[i] = count
+
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                visit(binding)
+                relax.analysis.post_order_visit(binding.value, visit)
+    return {name: max(positions, key=lambda i: sizes[name][i]) for name, positions in found.items() if positions}
+
+
 def extract_tasks(mod: IRModule, entry=lambda name: name == "main", runs=lambda name: 1) -> list[Task]:
     """Every distinct kernel of the lowered module as a task, weighted by its number of calls (from the
     functions ``entry`` accepts, each run ``runs(name)`` times, as :func:`kernel_calls`)."""
