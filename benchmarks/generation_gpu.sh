@@ -21,7 +21,7 @@
 #           fused SwiGLU of 16 rows (swiglu_gemm's first points: gated wgmma and gated streaming kernels)
 #   decode-int4  Llama-2-7B's four int4 projections (q4f16, groups of 128) at 1 and 16 rows: int4_gemv's first
 #           points (CUDA cores: half2 and fp32 products, rows pipelined; tensor cores bulk-copied and streamed),
-#           GB/s (--hand-points space), for at most INT4_LIMIT seconds (default 420)
+#           GB/s (--hand-points space), for at most INT4_LIMIT seconds (default 480)
 #   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
 #           launch, fp8, int4, the streaming decode GEMMs), in TEST_WORKERS processes (default 4)
 # $DB (optional) is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
@@ -70,7 +70,7 @@ for step in "$@"; do
            echo "decode-swiglu: exit $?" ;;
     decode-int4) shapes=(); for m in 1 16; do for nk in n=12288,k=4096 n=4096,k=4096 n=22016,k=4096 n=4096,k=11008; do
              shapes+=(--shape "m=$m,$nk"); done; done
-           timeout "${INT4_LIMIT:-420}" python3 benchmarks/gpu_benchmark.py --hand-points space --workload dequant_gemm \
+           timeout "${INT4_LIMIT:-480}" python3 benchmarks/gpu_benchmark.py --hand-points space --workload dequant_gemm \
              --attrs bits=4,group=128 --points first "${shapes[@]}" --timeout 60 --out "$OUT/decode_int4" \
              > "$OUT/decode_int4.log" 2>&1; echo "decode-int4: exit $?" ;;
     tests) read -r -a files <<< "${TESTS:-tests/test_programmatic_launch.py tests/test_quantize.py tests/test_gpu_run.py}"

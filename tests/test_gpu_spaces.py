@@ -668,18 +668,22 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     assert has_mma(space("m=8,n=4096,k=4096", "bits=4,group=128,zeros=1"))
     s = space("m=1,n=11008,k=4096", "bits=4,group=128")
     point = {"warps": 8, "rows_per_warp": 2, "unroll": True, "half_products": True, "mma": True}
-    assert s.canonical(point) == point | {"unroll": False, "half_products": False, "stream": False, "row_groups": 1}
+    assert s.canonical(point) == point | {"unroll": False, "half_products": False, "stream": False, "row_groups": 1,
+                                          "loads_first": False}
     assert s.validate(point) is None and s.complete(point)["stream"] is False
     first = s.first_points()
-    # one row: CUDA cores first, half2 products, then fp32 products, then the rows pipelined, then tensor cores
-    # bulk-copied and streamed
+    # one row: CUDA cores first, half2 products, then fp32 products, then the rows pipelined, then the first two
+    # with their loads issued first, then tensor cores bulk-copied and streamed
     assert first[0] == s.default() and not first[0]["mma"] and first[0]["half_products"]
     assert first[1] == s.fp32_default() and not first[1]["mma"] and not first[1]["half_products"]
     assert not first[2]["mma"] and first[2]["row_groups"] == 4
-    assert first[3]["mma"] and not first[3]["stream"] and first[4] == {**first[3], "unroll": True, "stream": True}
-    assert s.canonical({**point, "stream": True}) == point | {"half_products": False, "stream": True, "row_groups": 1}
+    assert first[3:5] == [{**first[0], "loads_first": True}, {**first[1], "loads_first": True}]
+    bulk, streamed = first[5:]
+    assert bulk["mma"] and not bulk["stream"] and streamed == {**bulk, "unroll": True, "stream": True}
+    assert s.canonical({**point, "stream": True}) == point | {"half_products": False, "stream": True, "row_groups": 1,
+                                                              "loads_first": False}
     assert s.canonical({**point, "mma": False, "stream": True})["stream"] is False
-    assert "autosched_q4_mma" in str(s.apply(first[4])) and "_stream4" in str(s.apply(first[4]))
+    assert "autosched_q4_mma" in str(s.apply(streamed)) and "_stream4" in str(s.apply(streamed))
     k_split = space("m=1,n=256,k=256", "bits=4,group=128")  # two k-blocks
     assert "warps split 2 k-blocks" in k_split.validate(point | {"warps": 4, "rows_per_warp": 1})
     wide = space("m=1,n=4096,k=11008", "bits=4,group=128")  # 88 KB of slab per 16 rows
@@ -687,6 +691,11 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
     assert wide.validate(point | {"rows_per_warp": 2}) is None
     assert wide.validate(point | {"rows_per_warp": 4, "stream": True, "unroll": False}) is None  # no slab
     assert "registers" in wide.validate(point | {"rows_per_warp": 4, "stream": True})
+    # one row of 11008: the default's 4 rows of half2 products would unroll 44 loads, so it takes fp32 products;
+    # half2 products on one row a warp (11 loads) come second
+    assert not wide.default()["half_products"] and wide.default()["rows_per_warp"] == 1
+    assert wide.first_points()[1] == {**wide.default(), "half_products": True} and wide.validate(wide.first_points()[1]) is None
+    assert len(s.first_points()) == 7  # k of 4096 (4 steps): the default is half2, no point added
 
 
 def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
@@ -717,12 +726,13 @@ def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
     assert zeros.default()["mma"] and zeros.validate(zeros.default()) is None
     small = space("m=16,n=64,k=128")  # one k-block: one warp
     assert small.default() == {"warps": 1, "rows_per_warp": 1, "unroll": False, "half_products": False, "mma": True,
-                               "stream": False, "row_groups": 1}
+                               "stream": False, "row_groups": 1, "loads_first": False}
     eight = space("m=8,n=4096,k=4096")  # up to 8 rows: CUDA cores first (then with rows pipelined), then tensor cores
     assert eight.default() == {"warps": 4, "rows_per_warp": 2, "unroll": True, "half_products": False, "mma": False,
-                               "stream": False, "row_groups": 1}
-    assert [(p["mma"], p["stream"], p["row_groups"]) for p in eight.first_points()] == [
-        (False, False, 1), (False, False, 4), (True, False, 1), (True, True, 1)]
+                               "stream": False, "row_groups": 1, "loads_first": False}
+    assert [(p["mma"], p["stream"], p["row_groups"], p["loads_first"]) for p in eight.first_points()] == [
+        (False, False, 1, False), (False, False, 4, False), (False, False, 1, True), (True, False, 1, False),
+        (True, True, 1, False)]
     assert eight.validate(cuda_core) is None
 
 
@@ -1098,23 +1108,34 @@ def test_int4_gemv_pipelines_groups_of_rows_on_cuda_cores(sm90):
     assert wide.validate(wide.canonical(base | {"rows_per_warp": 1, "row_groups": 8})) is None
     assert "registers" in wide.validate(wide.canonical(base | {"row_groups": 8}))
     assert "more rows per block" in space("m=1,n=8,k=4096").validate(piped)
+    # loads_first: one group in the pipelined kernel (every load of a lane's rows before its products)
+    first = s.canonical(base | {"loads_first": True})
+    assert first["unroll"] is True and first["row_groups"] == 1 and s.validate(first) is None
+    assert "autosched_q4_pipelined" in str(s.apply(first)) and "_x1_" in str(s.apply(first))
+    assert s.canonical(piped | {"loads_first": True})["loads_first"] is False  # the pipelined kernel's own loads
+    assert s.complete(stored)["loads_first"] is False
+    assert "registers of a group" in wide.validate(wide.canonical(base | {"rows_per_warp": 4, "loads_first": True}))
+    assert wide.validate(wide.canonical(base | {"rows_per_warp": 2, "loads_first": True})) is None
 
 
 @needs_nvcc
 @pytest.mark.slow
 def test_int4_gemv_pipelined_points_compile_without_spills(sm90):
     """The pipelined kernel's points with the most registers its check lets through (two rows a group at k = 4096
-    with zero points and eight activation rows, fp32 and half2 products, bf16; one row at k = 11008) compile for
-    sm_90a without spills."""
+    with zero points and eight activation rows, fp32 and half2 products, bf16; one row at k = 11008; one group,
+    ``loads_first``, of four rows at k = 4096 and of two at k = 11008) compile for sm_90a without spills."""
     from autosched.cuda_tools import cuda_source
 
-    cases = (("m=8,n=4096,k=4096", "bits=4,group=128,zeros=1,bias=1", "float16", 2, True),
-             ("m=8,n=4096,k=4096", "bits=4,group=32,zeros=1", "bfloat16", 2, False),
-             ("m=2,n=4096,k=11008", "bits=4,group=128", "float16", 1, False),
-             ("m=1,n=12288,k=4096", "bits=4,group=128", "float16", 2, True))
-    for shape, attrs, dtype, rows, half in cases:
+    cases = (("m=8,n=4096,k=4096", "bits=4,group=128,zeros=1,bias=1", "float16", 2, True, 2),
+             ("m=8,n=4096,k=4096", "bits=4,group=32,zeros=1", "bfloat16", 2, False, 2),
+             ("m=2,n=4096,k=11008", "bits=4,group=128", "float16", 1, False, 2),
+             ("m=1,n=12288,k=4096", "bits=4,group=128", "float16", 2, True, 2),
+             ("m=1,n=12288,k=4096", "bits=4,group=128", "float16", 4, True, 1),  # loads_first: one group
+             ("m=1,n=4096,k=11008", "bits=4,group=128", "float16", 2, True, 1))
+    for shape, attrs, dtype, rows, half, groups in cases:
         space = Task.from_workload(make_workload("dequant_gemm", shape, dtype, attrs)).space(sm90)
-        point = space.canonical(space.fp32_default() | {"rows_per_warp": rows, "row_groups": 2}
+        point = space.canonical(space.fp32_default() | {"rows_per_warp": rows, "row_groups": groups,
+                                                        "loads_first": groups == 1}
                                 | ({"half_products": half} if dtype == "float16" else {}))
         assert space.validate(point) is None, (shape, point)
         report = nvcc_compile(cuda_source(space.apply(point), sm90, space.build_config(point), space.codegen), "sm_90a")
@@ -1128,12 +1149,16 @@ def test_int4_gemv_pipelined_points_compile_without_spills(sm90):
     ("m=1,n=50,k=1152", "float16", "bits=4,group=128,zeros=1", (1, 2, 3, True)),
     ("m=3,n=72,k=640", "bfloat16", "bits=4,group=32,zeros=1,bias=1", (2, 1, 2, False)),
     ("m=5,n=40,k=2048", "float16", "bits=4,group=64,bias=1", (1, 4, 2, False)),
-], ids=["1-row-half-partial-step", "zero-points-half-odd-groups-tail", "bf16-zero-points-bias", "5-rows-4-per-group"])
+    ("m=1,n=70,k=1152", "float16", "bits=4,group=128", (1, 4, 1, True)),
+    ("m=2,n=40,k=640", "bfloat16", "bits=4,group=64,zeros=1,bias=1", (2, 2, 1, False)),
+], ids=["1-row-half-partial-step", "zero-points-half-odd-groups-tail", "bf16-zero-points-bias", "5-rows-4-per-group",
+        "loads-first-half-tail", "loads-first-bf16-zero-points-bias"])
 def test_int4_gemv_pipelined_matches_float64_on_the_host(shape, dtype, attrs, point, tmp_path):
     """int4_gemv's pipelined CUDA-core kernel (``row_groups``), compiled for the host by nvcc and run block by block
     with one thread per CUDA thread, against the workload's float64 reference on its own inputs: products in half2
     and in fp32, zero points, bias, bf16; a last step of fewer than 32 chunks (k = 1152, 640), an odd number of
-    groups (the last loaded into the first of the two register sets), and the last block's rows past n."""
+    groups (the last loaded into the first of the two register sets), and the last block's rows past n; one group
+    (``loads_first``)."""
     import torch
 
     from autosched.search_spaces.templates.hopper_gemm import _epilogue_source

@@ -24,6 +24,9 @@ points have one group) a warp takes that many groups of ``rows_per_warp`` rows o
 next group's chunks and scales into registers while it multiplies the current group's
 (:func:`_pipelined_source`): with one group, every warp of a wave loads and then computes at about the same
 time, and the one-row GEMV took as long on the H100 as on the H200 (it is not bound by the memory).
+``loads_first`` (a knob newer still, off in points stored before it) runs one group in that kernel: every chunk and
+scale of a lane's rows loaded into registers before the first product. In the kernel above ``unroll`` asks for
+that, but ptxas interleaves the loads with the products, keeping about four chunks a lane in flight.
 
 For fp16 with groups of 128 or more, ``mma`` selects a second kernel (:func:`_mma_source`): the products
 on ``mma.sync`` with 16 weight rows as M and the activation rows as N, the weights bulk-copied into shared
@@ -377,8 +380,10 @@ class Int4GemvSpace(Int4Template):
             # the CUDA-core kernel's groups of rows per warp, each group's loads issued before the products of
             # the one before (cuda/int4_gemv_pipelined.cuh); a knob newer than this version's first records
             Knob("row_groups", (1, 2, 4, 8)),
+            # one group in the pipelined kernel's registers: all of a lane's loads issued before its products
+            Knob("loads_first", (False, True), ordered=False),
         ]
-        self.added = {"row_groups": 1}
+        self.added = {"row_groups": 1, "loads_first": False}
         if self.dtype == "float16":  # bf16's 8-bit mantissa is too coarse for half2 sums
             self.knobs.append(Knob("half_products", (False, True), ordered=False))
         # the tensor-core kernel: fp16, and every k-block in one group
@@ -416,6 +421,13 @@ class Int4GemvSpace(Int4Template):
             return f"{self.m} activation rows on CUDA cores (at most {MAX_M}; more take the tensor-core kernel)"
         if p["rows_per_warp"] * self.m > 32:
             return f"{p['rows_per_warp'] * self.m} accumulators per thread (at most 32)"
+        if p.get("loads_first"):  # one group in registers
+            regs = pipelined_registers(p["rows_per_warp"], self.steps(), self.zeros) // 2
+            if regs > PIPELINE_REGISTERS:
+                return f"{regs} registers of a group of rows in flight per thread (at most {PIPELINE_REGISTERS})"
+            if p["rows_per_warp"] * p["warps"] > 2 * self.n:
+                return "more rows per block than the weights have"
+            return None
         if p.get("row_groups", 1) > 1:
             regs = pipelined_registers(p["rows_per_warp"], self.steps(), self.zeros)
             if regs > PIPELINE_REGISTERS:
@@ -434,19 +446,29 @@ class Int4GemvSpace(Int4Template):
         # has no loads to choose.
         p = self.complete(p)
         if p.get("mma"):
-            return p | {"half_products": False, "row_groups": 1} | ({} if p.get("stream") else {"unroll": False})
+            return (p | {"half_products": False, "row_groups": 1, "loads_first": False}
+                    | ({} if p.get("stream") else {"unroll": False}))
         if p["row_groups"] > 1:  # a pipelined group's loads are all issued together
+            p = p | {"unroll": True, "loads_first": False}
+        elif p["loads_first"]:
             p = p | {"unroll": True}
         return p | {"stream": False} if self.tensor_cores else p
 
     def first_points(self) -> list[Point]:
         """The default, then (up to eight rows, where the default is on CUDA cores) the CUDA-core kernel with fp32
         products and with its rows pipelined, then the tensor-core kernel with its weights bulk-copied and streamed
-        into registers, where it applies."""
+        into registers, where it applies. One fp16 row whose default took fp32 products (its k too long to unroll
+        the default's rows) has half2 products on fewer rows per warp second (:meth:`_half_unrolled`). Then the
+        CUDA-core points among those with their loads issued first (``loads_first``)."""
         first = super().first_points()
         candidates = []
         if self.m <= MAX_M:  # fp32 products, where the default takes them in half2; the rows pipelined
             candidates += [self.fp32_default(), self._pipelined()]
+        if self.m == 1 and not first[0].get("half_products", True):  # one row whose default fell back to fp32
+            candidates.insert(0, self._half_unrolled())
+        if self.m <= MAX_M:  # the CUDA-core points so far, their loads issued first
+            candidates += [self.canonical(point | {"loads_first": True}) for point in first + candidates
+                           if point is not None and not point.get("mma") and point.get("row_groups", 1) == 1]
         if self.tensor_cores:
             candidates += [self.canonical(first[0] | {"warps": 4, "rows_per_warp": 1, "mma": True, "stream": False}),
                            self._streamed()]
@@ -454,6 +476,17 @@ class Int4GemvSpace(Int4Template):
             if point is not None and point not in first and self.check(point) is None:
                 first.append(point)
         return first
+
+    def _half_unrolled(self) -> Point | None:
+        """fp16's CUDA-core kernel with half2 products on 4 warps, each lane's loads all issued together, on the most
+        rows per warp (4, 2 or 1) that leaves them few enough to unroll; None for bf16 or where none does."""
+        if self.dtype != "float16":
+            return None
+        for rows in (4, 2, 1):
+            point = self.canonical({"warps": 4, "rows_per_warp": rows, "unroll": True} | self._cuda_core(half=True))
+            if self.check(point) is None:
+                return point
+        return None
 
     def _pipelined(self) -> Point | None:
         """The CUDA-core kernel with four groups of rows per warp, each group's loads in flight while the group
@@ -511,7 +544,7 @@ class Int4GemvSpace(Int4Template):
     def kernel(self, p: Point):
         if p.get("mma"):
             return int4_mma_gemv_kernel(self.m, self.n, self.k, self.group, self.bias, self.act, p, self.zeros)
-        if p.get("row_groups", 1) > 1:
+        if p.get("row_groups", 1) > 1 or p.get("loads_first"):
             return int4_gemv_pipelined_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act, p,
                                               self.zeros)
         return int4_gemv_kernel(self.m, self.n, self.k, self.group, self.dtype, self.bias, self.act, p, self.zeros)
@@ -531,7 +564,8 @@ class Int4GemvSpace(Int4Template):
         return [p["warps"], p["rows_per_warp"], float(p["unroll"]), float(p.get("half_products", False)),
                 float(p.get("mma", False)), float(p.get("stream", False)), rows_pb,
                 math.log2(blocks), blocks / self.sms,
-                in_flight, in_flight * 32 * p["warps"], self.steps(), self.m, p.get("row_groups", 1)]
+                in_flight, in_flight * 32 * p["warps"], self.steps(), self.m, p.get("row_groups", 1),
+                float(p.get("loads_first", False))]
 
 
 def _shape(func) -> tuple[int, int, int, str] | None:
