@@ -234,8 +234,8 @@ def test_int4_gemv_half_products_are_correct_on_the_gpu(measurers):
 def test_int4_gemv_pipelined_rows_are_correct_on_the_gpu(measurers):
     """int4 decode GEMVs on CUDA cores with a warp's rows in pipelined groups (``row_groups``): Llama-2-7B's QKV
     projection at one row, five rows with zero points, bias and SiLU over a k whose last step has fewer than 32
-    chunks, bf16; products in half2 and fp32; 2 to 8 groups a warp, the last block's rows past n: every point
-    matches the float64 reference."""
+    chunks, bf16; products in half2 and fp32; 2 to 8 groups a warp, and one group with its loads first
+    (``loads_first``), the last block's rows past n: every point matches the float64 reference."""
     target, measurer = measurers("sm_90")
     cases = (("m=1,n=12288,k=4096", "bits=4,group=128", "float16"),
              ("m=5,n=1000,k=1152", "bits=4,group=128,zeros=1,bias=1,act=silu", "float16"),
@@ -245,11 +245,12 @@ def test_int4_gemv_pipelined_rows_are_correct_on_the_gpu(measurers):
         space = task.space(target)
         assert space.name == "int4_gemv"
         halves = (False, True) if dtype == "float16" else (False,)
-        points = [space.canonical(space.fp32_default() | {"warps": w, "rows_per_warp": r, "row_groups": g}
+        points = [space.canonical(space.fp32_default() | {"warps": w, "rows_per_warp": r, "row_groups": g,
+                                                          "loads_first": g == 1}
                                   | ({"half_products": h} if dtype == "float16" else {}))
-                  for w, r, g in ((4, 2, 4), (1, 1, 8), (2, 2, 2), (4, 1, 2)) for h in halves]
+                  for w, r, g in ((4, 2, 4), (1, 1, 8), (2, 2, 2), (4, 1, 2), (1, 4, 1), (4, 2, 1)) for h in halves]
         points = valid_points(space, points)
-        assert len(points) >= 4, shape
+        assert len(points) >= 6 and any(p["loads_first"] for p in points), shape
         assert_correct(measurer, task, points, f"{shape} {attrs} {dtype}")
 
 
