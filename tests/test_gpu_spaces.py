@@ -700,7 +700,8 @@ def test_int4_gemv_offers_tensor_cores_for_fp16_groups_of_128_and_more(sm90):
 
 def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
     """A decode step of 9 to 16 rows (a batch of 16): the CUDA-core points are refused (at most 8 rows), the default
-    (weights streamed into registers) and the search's first points are on tensor cores, sampled points are too,
+    (weights streamed into registers) and the search's first points are on tensor cores (with more tiles of 16
+    weight rows a block among them), sampled points are too,
     and the warps' partial sums in shared memory count both n8 tiles of activation rows; up to 8 rows the default
     and first points are as before."""
     from autosched.search_spaces.templates.int4_gemv import mma_n_tiles, mma_smem_bytes
@@ -719,7 +720,10 @@ def test_int4_gemv_takes_9_to_16_rows_on_tensor_cores_only(sm90):
         assert "at most 8" in s.validate(cuda_core | {"half_products": True, "unroll": True})
         default = s.default()  # the weights streamed, then bulk-copied
         assert default["mma"] and default["stream"] and s.validate(default) is None and s.canonical(default) == default
-        assert s.first_points() == [default, {**default, "unroll": False, "stream": False}]
+        # then more 16-row tiles a block sharing each k-block's activations: 2 with four k-blocks' loads in flight,
+        # 4 with one (the registers of four would be 208)
+        assert s.first_points() == [default, {**default, "unroll": False, "stream": False},
+                                    {**default, "rows_per_warp": 2}, {**default, "rows_per_warp": 4, "unroll": False}]
         rng = np.random.default_rng(m)
         assert all(s.sample(rng)["mma"] for _ in range(20))
     zeros = space("m=16,n=11008,k=4096", "bits=4,group=256,zeros=1,bias=1")

@@ -459,7 +459,9 @@ class Int4GemvSpace(Int4Template):
         products and with its rows pipelined, then the tensor-core kernel with its weights bulk-copied and streamed
         into registers, where it applies. One fp16 row whose default took fp32 products (its k too long to unroll
         the default's rows) has half2 products on fewer rows per warp second (:meth:`_half_unrolled`). Then the
-        CUDA-core points among those with their loads issued first (``loads_first``)."""
+        CUDA-core points among those with their loads issued first (``loads_first``). For 9 to 16 rows, the streamed
+        kernel with 2 and 4 tiles of 16 weight rows a block: each k-block's activation fragments and offset products
+        (as many as its weight products with one tile) then serve more weight rows."""
         first = super().first_points()
         candidates = []
         if self.m <= MAX_M:  # fp32 products, where the default takes them in half2; the rows pipelined
@@ -472,6 +474,8 @@ class Int4GemvSpace(Int4Template):
         if self.tensor_cores:
             candidates += [self.canonical(first[0] | {"warps": 4, "rows_per_warp": 1, "mma": True, "stream": False}),
                            self._streamed()]
+        if self.m > MAX_M:  # 9 to 16 rows: more 16-row tiles a block share each k-block's activations and offsets
+            candidates += [self._streamed(tiles, (True, False)) for tiles in (2, 4)]
         for point in candidates:
             if point is not None and point not in first and self.check(point) is None:
                 first.append(point)
@@ -498,15 +502,18 @@ class Int4GemvSpace(Int4Template):
                 return point
         return None
 
-    def _streamed(self) -> Point | None:
-        """The tensor-core kernel with its weights streamed into registers, four k-blocks in flight, on as many
-        of 4, 2 or 1 warps as k allows (None without tensor cores)."""
+    def _streamed(self, tiles: int = 1, unrolls: tuple[bool, ...] = (True,)) -> Point | None:
+        """The tensor-core kernel with its weights streamed into registers, four k-blocks in flight (or, where
+        ``unrolls`` allows, one: where the registers of ``tiles`` 16-row tiles do not allow four), on as many of
+        4, 2 or 1 warps as k allows (None without tensor cores or where no such point is valid)."""
         if not self.tensor_cores:
             return None
         for warps in (4, 2, 1):  # canonical takes the products in fp32
-            point = self.canonical({"warps": warps, "rows_per_warp": 1, "unroll": True, "mma": True, "stream": True})
-            if self.check(point) is None:
-                return point
+            for unroll in unrolls:
+                point = self.canonical({"warps": warps, "rows_per_warp": tiles, "unroll": unroll, "mma": True,
+                                        "stream": True})
+                if self.check(point) is None:
+                    return point
         return None
 
     def default(self) -> Point:
