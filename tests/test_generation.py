@@ -17,7 +17,8 @@ import pytest
 from .helpers import assert_gpu_greedy_matches, cli, record_launches_behind, transformers_greedy
 
 # The slow tier (--dist loadgroup) runs this file's tests in one process, so that the artifact of the
-# module's `built` fixture (a generation build) is built once, not once in each process.
+# module's `built` fixture (a generation build) is built once, not once in each process; the fixture lives for
+# the process's session, as that process runs other files' tests between this file's.
 pytestmark = pytest.mark.xdist_group("generation-artifact")
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
@@ -53,7 +54,7 @@ def _reference(model, prompt, new=NEW):
     return transformers_greedy(model, prompt, new)
 
 
-@pytest.fixture(scope="module", params=["llama"])
+@pytest.fixture(scope="session", params=["llama"])
 def built(request, tmp_path_factory):
     return _build(request.param, tmp_path_factory)
 

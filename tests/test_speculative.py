@@ -189,7 +189,7 @@ def _truncated_draft(model, folder):
     draft.save_pretrained(folder)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # the process runs other files' tests between this file's: built once
 def artifacts(tmp_path_factory):
     """(transformers model, target artifact built with --speculate 3, draft artifact)."""
     from .test_generation import _saved_model

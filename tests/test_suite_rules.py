@@ -241,3 +241,29 @@ def test_the_gpu_test_shards_split_the_gpu_tests_between_them():
     assert abs(len(halves[0]) - len(halves[1])) <= 1 and not set(halves[0]) & set(halves[1])
     bad = subprocess.run(["bash", script, "3/2"], capture_output=True, text=True, cwd=TESTS.parent)
     assert bad.returncode == 2 and "1 <= I <= N" in bad.stderr and not bad.stdout
+
+
+def test_the_slow_tiers_groups_run_each_in_one_process(tmp_path):
+    """The slow tier (``--dist loadgroup``) keeps the tests of one ``xdist_group`` in one process, so that a
+    group's shared build is made once. pytest 9.2 broke that in pytest-xdist (its group travels in the node id,
+    which 9.2 no longer lets it rewrite: pytest-xdist issue 1386) without an error: the tests spread over the
+    processes and each built the artifacts again. The test extra pins pytest below 9.2 until that is fixed."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_grouped.py").write_text(textwrap.dedent("""
+        import pytest
+        pytestmark = pytest.mark.xdist_group("shared-build")
+
+        @pytest.mark.parametrize("case", range(6))
+        def test_grouped(case):
+            pass
+        """))
+    (tmp_path / "test_free.py").write_text("import pytest\n\n@pytest.mark.parametrize('case', range(6))\n"
+                                           "def test_free(case):\n    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
+                           "-c", "/dev/null", "--rootdir", str(tmp_path), str(tmp_path)], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    workers = set(re.findall(r"\[(gw\d)\][^\n]*PASSED[^\n]*test_grouped", proc.stdout))
+    assert len(re.findall(r"PASSED[^\n]*test_grouped", proc.stdout)) == 6 and len(workers) == 1, proc.stdout
