@@ -441,6 +441,8 @@ def main() -> int:
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
     args = parser.parse_args()
+    if args.prefetch_weights and not args.programmatic_launch:
+        parser.error("--prefetch-weights needs --programmatic-launch: the prefetch goes before the wait it adds")
     global DEVICE
     DEVICE = "cuda" if args.target == "cuda" else "cpu"
 
@@ -464,8 +466,6 @@ def main() -> int:
                               quantize=args.quantize)[0] if args.dynamic else None
     make_profiled = build_ours(model, batches, max_seq_len, db_path=args.db, cuda_graphs=False, prefill_chunks=chunks,
                                quantize=args.quantize)[0] if args.profile or args.without_graphs else None
-    if args.prefetch_weights and not args.programmatic_launch:
-        parser.error("--prefetch-weights needs --programmatic-launch: the prefetch goes before the wait it adds")
     rows_launched = None if args.programmatic_launch is True else args.programmatic_launch
 
     def build_overlapped(prefetch_bytes: int = 0):
