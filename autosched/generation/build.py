@@ -318,17 +318,16 @@ def weight_prefetches(lowered, budget: int, kernels=None) -> dict:
     """{kernel: WeightPrefetch} for each kernel of a static function (of ``kernels`` where given) that is one of
     :data:`WHOLE_WEIGHT_OPS`' workloads and reads a model weight: its blocks' shares of that weight, up to
     ``budget`` bytes in all, asked of L2 before the kernel waits for the one before (:mod:`autosched.pipeline.launch`)."""
-    import json
-
     from autosched.pipeline.launch import WeightPrefetch
     from autosched.pipeline.substitute import WORKLOAD_ATTR
     from autosched.pipeline.tasks import weight_inputs
+    from autosched.workloads import Workload
 
     ops = {}
     for gv, func in lowered.functions.items():
         attrs = getattr(func, "attrs", None)
         if attrs is not None and WORKLOAD_ATTR in attrs:
-            ops[gv.name_hint] = json.loads(str(attrs[WORKLOAD_ATTR]))["op"]
+            ops[gv.name_hint] = Workload.from_json(str(attrs[WORKLOAD_ATTR])).op
     return {name: WeightPrefetch(position, budget) for name, position in weight_inputs(lowered, is_static_function).items()
             if ops.get(name) in WHOLE_WEIGHT_OPS and (kernels is None or name in kernels)}
 
