@@ -28,6 +28,8 @@ FLUSH_BYTES = 256 << 20
 # (split, spread_split, warps, unroll, blocks): None for the default, "fit" for default_blocks.
 POINTS = [(split, spread, warps, None, blocks) for split in (2, 4, 8) for spread in (2, split) for warps in (4, 8)
           for blocks in (None, "fit")]
+# Sixteen warps: twice the token rows in flight per CTA where batch 1 leaves most SMs with one or two CTAs.
+POINTS += [(split, 2, 16, None, None) for split in (4, 8)]
 
 
 def compile_kernel(func, codegen):
