@@ -20,7 +20,7 @@
 #           kernel's points (gpu_benchmark.py --hand-points gemm --points decode), GB/s beside cuBLAS; then the
 #           fused SwiGLU of 16 rows (swiglu_gemm's first points: gated wgmma and gated streaming kernels)
 #   decode-int4  Llama-2-7B's four int4 projections (q4f16, groups of 128) at 1 and 16 rows: int4_gemv's first
-#           points (CUDA cores: half2 and fp32 products, rows pipelined, loads first; tensor cores bulk-copied and
+#           points (CUDA cores: half2 and fp32 products; tensor cores bulk-copied and
 #           streamed, 16 rows on 1, 2 and 4 tiles a block),
 #           GB/s (--hand-points space), for at most INT4_LIMIT seconds (default 480)
 #   decode-attention  kv_cache_decode's points (16 warps among them) against TVM's kernel at batches 1 and 16,

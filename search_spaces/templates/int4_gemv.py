@@ -458,17 +458,19 @@ class Int4GemvSpace(Int4Template):
         """The default, then (up to eight rows, where the default is on CUDA cores) the CUDA-core kernel with fp32
         products and with its rows pipelined, then the tensor-core kernel with its weights bulk-copied and streamed
         into registers, where it applies. One fp16 row whose default took fp32 products (its k too long to unroll
-        the default's rows) has half2 products on fewer rows per warp second (:meth:`_half_unrolled`). Then the
-        CUDA-core points among those with their loads issued first (``loads_first``). For 9 to 16 rows, the streamed
+        the default's rows) has half2 products on fewer rows per warp second (:meth:`_half_unrolled`). For 2 to 8
+        rows, then the CUDA-core points among those with their loads issued first (``loads_first``); one row takes
+        neither the pipelined rows nor loads first, both slower than its default at Llama-2-7B's projections
+        (BENCHMARKS.md). For 9 to 16 rows, the streamed
         kernel with 2 and 4 tiles of 16 weight rows a block: each k-block's activation fragments and offset products
         (as many as its weight products with one tile) then serve more weight rows."""
         first = super().first_points()
         candidates = []
         if self.m <= MAX_M:  # fp32 products, where the default takes them in half2; the rows pipelined
-            candidates += [self.fp32_default(), self._pipelined()]
+            candidates += [self.fp32_default()] + ([self._pipelined()] if self.m > 1 else [])
         if self.m == 1 and not first[0].get("half_products", True):  # one row whose default fell back to fp32
             candidates.insert(0, self._half_unrolled())
-        if self.m <= MAX_M:  # the CUDA-core points so far, their loads issued first
+        if 1 < self.m <= MAX_M:  # the CUDA-core points so far, their loads issued first
             candidates += [self.canonical(point | {"loads_first": True}) for point in first + candidates
                            if point is not None and not point.get("mma") and point.get("row_groups", 1) == 1]
         if self.tensor_cores:
