@@ -456,14 +456,14 @@ class Int4GemvSpace(Int4Template):
 
     def first_points(self) -> list[Point]:
         """The default, then (up to eight rows, where the default is on CUDA cores) the CUDA-core kernel with fp32
-        products and with its rows pipelined, then the tensor-core kernel with its weights bulk-copied and streamed
-        into registers, where it applies. One fp16 row whose default took fp32 products (its k too long to unroll
-        the default's rows) has half2 products on fewer rows per warp second (:meth:`_half_unrolled`). For 2 to 8
-        rows, then the CUDA-core points among those with their loads issued first (``loads_first``); one row takes
-        neither the pipelined rows nor loads first, both slower than its default at Llama-2-7B's projections
-        (BENCHMARKS.md). For 9 to 16 rows, the streamed
-        kernel with 2 and 4 tiles of 16 weight rows a block: each k-block's activation fragments and offset products
-        (as many as its weight products with one tile) then serve more weight rows."""
+        products and, for 2 to 8 rows, with its rows pipelined, then the tensor-core kernel with its weights
+        bulk-copied and streamed into registers, where it applies. One fp16 row whose default took fp32 products (its
+        k too long to unroll the default's rows) has half2 products on fewer rows per warp second
+        (:meth:`_half_unrolled`). For 2 to 8 rows, the CUDA-core points among those with their loads issued first
+        (``loads_first``); one row takes neither these nor the pipelined rows, both slower than its default at
+        Llama-2-7B's projections (BENCHMARKS.md). For 9 to 16 rows, the streamed kernel with 2 and 4 tiles of 16
+        weight rows a block: each k-block's activation fragments and offset products (as many as its weight products
+        with one tile) then serve more weight rows."""
         first = super().first_points()
         candidates = []
         if self.m <= MAX_M:  # fp32 products, where the default takes them in half2; the rows pipelined
