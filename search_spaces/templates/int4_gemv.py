@@ -466,7 +466,7 @@ class Int4GemvSpace(Int4Template):
         with one tile) then serve more weight rows."""
         first = super().first_points()
         candidates = []
-        if self.m <= MAX_M:  # fp32 products, where the default takes them in half2; the rows pipelined
+        if self.m <= MAX_M:  # fp32 products, where the default takes them in half2; from 2 rows, the rows pipelined
             candidates += [self.fp32_default()] + ([self._pipelined()] if self.m > 1 else [])
         if self.m == 1 and not first[0].get("half_products", True):  # one row whose default fell back to fp32
             candidates.insert(0, self._half_unrolled())
