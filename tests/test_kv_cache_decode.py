@@ -95,12 +95,13 @@ HOST_CASES = [
     ([16, 100, 17], 4, 2, 32, "float16", 8, 2, 2, 1, 0),  # head dim 32, more CTAs than pages
     ([150, 0, 37], 8, 2, 128, "float16", 4, 4, 4, 2, 1),  # spread: 6 pairs over 2 clusters of 4, 2 CTAs spare
     ([150, 0, 37, 5, 90], 4, 1, 128, "float16", 8, 2, 4, 2, 1),  # spread in clusters of 2: 5 pairs, 1 CTA spare
+    ([300, 1, 37], 8, 2, 128, "float16", 2, 2, 16, 2, 0),  # GQA's default 16 warps, more warps than pages
 ]
 
 
 @needs_nvcc
 @pytest.mark.parametrize("case", HOST_CASES,
-                         ids=["gqa4-d128-split4", "mha-d64-bf16", "d32-split8", "spread", "spread2-of-split8"])
+                         ids=["gqa4-d128-split4", "mha-d64-bf16", "d32-split8", "spread", "spread2-of-split8", "gqa4-16-warps"])
 def test_kv_cache_decode_body_matches_float64_on_the_host(case, tmp_path):
     """The body, compiled for the host by nvcc and run with one thread per CUDA thread (each cluster's CTAs
     together), against the float64 reference: output and base-2 log-sum-exp; split (the cluster's CTAs share a
@@ -225,7 +226,8 @@ def test_the_decode_kernel_chooses_its_cluster_at_launch():
     from autosched.search_spaces.templates.kv_cache_decode import default_config, kv_cache_decode_kernel
 
     assert default_config(1, 32, 128) == {"split": 8, "spread_split": 2, "warps": 8, "unroll": 4, "blocks": 4}
-    assert default_config(4, 8, 128) == {"split": 8, "spread_split": 2, "warps": 8, "unroll": 2, "blocks": None}
+    assert default_config(4, 8, 128) == {"split": 8, "spread_split": 2, "warps": 16, "unroll": 2, "blocks": None}
+    assert default_config(8, 4, 128)["warps"] == 8  # 16 warps' partials of 8 heads would not fit 48 KB
     kernel = kv_cache_decode_kernel(32, 32, 128, "float16")
     assert str(kernel.attrs["global_symbol"]).endswith("_split8_spread2_warps8_unroll4_blocks4_float16")
     hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})

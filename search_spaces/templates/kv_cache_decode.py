@@ -60,9 +60,12 @@ def default_config(group: int, hkv: int, d: int) -> dict:
 
 
 def default_warps(group: int, d: int) -> int:
-    """Warps per CTA: 8 (more K/V loads in flight per SM) where their partial results fit the 48 KB of
-    shared memory a kernel gets without asking, else 4."""
-    return 8 if 4 * smem_floats(group, d, 8) <= 48 * 1024 else 4
+    """Warps per CTA: the most of 16 (with GQA), 8 and 4 whose partial results fit the 48 KB of shared memory a
+    kernel gets without asking. More warps keep more K/V loads in flight per SM; with GQA each CTA's share of
+    the pages is worth 16 (``benchmarks/decode_attention_benchmark.py``), without it 8 CTAs an SM of 8 warps
+    do better than 16 warps."""
+    choices = (16, 8, 4) if group > 1 else (8, 4)
+    return next(w for w in choices if w == 4 or 4 * smem_floats(group, d, w) <= 48 * 1024)
 
 
 def spreads(pairs, sms: int = SMS):
