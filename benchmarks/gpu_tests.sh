@@ -20,6 +20,7 @@ echo "code digest: $(bash benchmarks/code_digest.sh)" | tee -a "$OUT/gpu.txt"
 nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -l 5 > "$OUT/gpu_memory.log" 2>&1 &
 memory_sampler=$!
 trap 'kill $memory_sampler 2>/dev/null' EXIT
+export AUTOSCHED_FAILURE_LOG=$OUT/gpu_tests_failures.log  # each failure's traceback as it comes (tests/conftest.py)
 expected=$OUT/gpu_tests_expected.txt
 bash benchmarks/_gpu_shard.sh "${GPU_TEST_SHARD:-1/1}" "$@" > "$expected"
 [[ -s $expected ]] || { echo "no GPU tests in shard ${GPU_TEST_SHARD:-1/1}" >&2; exit 2; }

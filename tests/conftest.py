@@ -77,6 +77,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """With AUTOSCHED_FAILURE_LOG set, each failure's traceback is appended to that file as it comes: a GPU run cut
+    off by its time limit (``benchmarks/gpu_tests.sh``) never prints pytest's summary of failures."""
+    path = os.environ.get("AUTOSCHED_FAILURE_LOG")
+    # Only the process that ran the test writes: xdist's controller sees each report again, its worker as ``node``.
+    if path and report.failed and not hasattr(report, "node"):
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 def _check_fast_cases(collected: dict[str, set[str]]) -> None:
     """A case named in FAST_CASES that its test no longer has (renamed, removed) would silently leave the
     fast tier without it: stop the run instead."""

@@ -267,3 +267,21 @@ def test_the_slow_tiers_groups_run_each_in_one_process(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:]
     workers = set(re.findall(r"\[(gw\d)\][^\n]*PASSED[^\n]*test_grouped", proc.stdout))
     assert len(re.findall(r"PASSED[^\n]*test_grouped", proc.stdout)) == 6 and len(workers) == 1, proc.stdout
+
+
+def test_a_failures_traceback_is_written_as_it_comes_where_asked(tmp_path):
+    """``AUTOSCHED_FAILURE_LOG`` (set by ``benchmarks/gpu_tests.sh``, whose runs a time limit can cut off before
+    pytest's summary): each failure's traceback once, from the process that ran it, and nothing for a pass."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_two.py").write_text("def test_fails():\n    assert 1 == 2, 'on purpose'\n\n"
+                                          "def test_passes():\n    pass\n")
+    log = tmp_path / "failures.log"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                           "-c", "/dev/null", "--rootdir", str(tmp_path), str(tmp_path)], capture_output=True, text=True,
+                          cwd=TESTS.parent, env={**os.environ, "AUTOSCHED_FAILURE_LOG": str(log)})
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    text = log.read_text()
+    assert text.count("=== ") == 1 and "test_two.py::test_fails (call)" in text and "on purpose" in text, text
