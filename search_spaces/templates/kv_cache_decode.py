@@ -60,10 +60,9 @@ def default_config(group: int, hkv: int, d: int) -> dict:
 
 
 def default_warps(group: int, d: int) -> int:
-    """Warps per CTA: the most of 16 (with GQA), 8 and 4 whose partial results fit the 48 KB of shared memory a
-    kernel gets without asking. More warps keep more K/V loads in flight per SM; with GQA each CTA's share of
-    the pages is worth 16 (``benchmarks/decode_attention_benchmark.py``), without it 8 CTAs an SM of 8 warps
-    do better than 16 warps."""
+    """Warps per CTA: the most of 16 (with GQA only), 8 and 4 whose partial results fit the 48 KB of shared
+    memory a kernel gets without asking: more warps keep more K/V loads in flight per SM. Without GQA, 4 CTAs
+    an SM of 8 warps each (``default_blocks``) beat 2 of 16 (``benchmarks/decode_attention_benchmark.py``)."""
     choices = (16, 8, 4) if group > 1 else (8, 4)
     return next(w for w in choices if w == 4 or 4 * smem_floats(group, d, w) <= 48 * 1024)
 
