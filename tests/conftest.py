@@ -9,9 +9,7 @@ import uuid
 
 import pytest
 
-# One TVM thread a process: the suite runs in two processes on two cores, where a second thread in each only
-# contends with the other process (TVM's pool spins while it waits).
-os.environ.setdefault("TVM_NUM_THREADS", "1")
+os.environ.setdefault("TVM_NUM_THREADS", "2")
 # Compiled references (autosched.task.reference_cache) go to a folder of this test session, not the user's.
 os.environ.setdefault("AUTOSCHED_CACHE", tempfile.mkdtemp(prefix="autosched-test-cache-"))
 
