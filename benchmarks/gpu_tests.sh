@@ -20,7 +20,7 @@ echo "code digest: $(bash benchmarks/code_digest.sh)" | tee -a "$OUT/gpu.txt"
 nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -l 5 > "$OUT/gpu_memory.log" 2>&1 &
 memory_sampler=$!
 trap 'kill $memory_sampler 2>/dev/null' EXIT
-export AUTOSCHED_FAILURE_LOG=$OUT/gpu_tests_failures.log  # each failure's traceback as it comes (tests/conftest.py)
+export AUTOSCHED_FAILURE_LOG=$OUT/gpu_tests_failures.log  # each failure's traceback as it comes (tests/conftest.py); the re-run: its own log
 expected=$OUT/gpu_tests_expected.txt
 bash benchmarks/_gpu_shard.sh "${GPU_TEST_SHARD:-1/1}" "$@" > "$expected"
 [[ -s $expected ]] || { echo "no GPU tests in shard ${GPU_TEST_SHARD:-1/1}" >&2; exit 2; }
@@ -36,7 +36,7 @@ bash benchmarks/_outcomes.sh "$OUT/gpu_tests.log" "$expected" > "$OUT/gpu_tests_
 mapfile -t redo < <(bash benchmarks/_outcomes.sh --to-rerun "$OUT/gpu_tests_outcomes.txt" | cut -d' ' -f1)
 if [ "${#redo[@]}" -gt 0 ]; then
   echo "re-running ${#redo[@]} failed or unfinished test(s), two at a time:"
-  timeout "${RERUN_TIMEOUT:-240}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short -n 2 --dist load \
+  AUTOSCHED_FAILURE_LOG=$OUT/gpu_tests_rerun_failures.log timeout "${RERUN_TIMEOUT:-240}" python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 300 --tb=short -n 2 --dist load \
     "${redo[@]}" 2>&1 | tee "$OUT/gpu_tests_rerun.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-400
   bash benchmarks/_rerun_report.sh "$OUT/gpu_tests_outcomes.txt" "$OUT/gpu_tests_rerun.log" \
     | tee "$OUT/gpu_tests_rerun_report.txt"

@@ -243,14 +243,20 @@ def test_the_gpu_test_shards_split_the_gpu_tests_between_them():
     assert bad.returncode == 2 and "1 <= I <= N" in bad.stderr and not bad.stdout
 
 
+def _pytest_in(folder, *args: str, cwd, env=None):
+    """pytest in two processes on the test files of ``folder`` alone (none of this repository's settings)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pytest", "-n", "2", *args, "-p", "no:cacheprovider", "-c", "/dev/null",
+                           "--rootdir", str(folder), str(folder)], capture_output=True, text=True, cwd=cwd, env=env)
+
+
 def test_the_slow_tiers_groups_run_each_in_one_process(tmp_path):
     """The slow tier (``--dist loadgroup``) keeps the tests of one ``xdist_group`` in one process, so that a
     group's shared build is made once. pytest 9.2 broke that in pytest-xdist (its group travels in the node id,
     which 9.2 no longer lets it rewrite: pytest-xdist issue 1386) without an error: the tests spread over the
     processes and each built the artifacts again. The test extra pins pytest below 9.2 until that is fixed."""
-    import subprocess
-    import sys
-
     (tmp_path / "test_grouped.py").write_text(textwrap.dedent("""
         import pytest
         pytestmark = pytest.mark.xdist_group("shared-build")
@@ -261,9 +267,7 @@ def test_the_slow_tiers_groups_run_each_in_one_process(tmp_path):
         """))
     (tmp_path / "test_free.py").write_text("import pytest\n\n@pytest.mark.parametrize('case', range(6))\n"
                                            "def test_free(case):\n    pass\n")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
-                           "-c", "/dev/null", "--rootdir", str(tmp_path), str(tmp_path)], capture_output=True, text=True,
-                          cwd=tmp_path)
+    proc = _pytest_in(tmp_path, "--dist", "loadgroup", "-v", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:]
     workers = set(re.findall(r"\[(gw\d)\][^\n]*PASSED[^\n]*test_grouped", proc.stdout))
     assert len(re.findall(r"PASSED[^\n]*test_grouped", proc.stdout)) == 6 and len(workers) == 1, proc.stdout
@@ -273,15 +277,12 @@ def test_a_failures_traceback_is_written_as_it_comes_where_asked(tmp_path):
     """``AUTOSCHED_FAILURE_LOG`` (set by ``benchmarks/gpu_tests.sh``, whose runs a time limit can cut off before
     pytest's summary): each failure's traceback once, from the process that ran it, and nothing for a pass."""
     import os
-    import subprocess
-    import sys
 
     (tmp_path / "test_two.py").write_text("def test_fails():\n    assert 1 == 2, 'on purpose'\n\n"
                                           "def test_passes():\n    pass\n")
     log = tmp_path / "failures.log"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "tests.conftest", "-p", "no:cacheprovider",
-                           "-c", "/dev/null", "--rootdir", str(tmp_path), str(tmp_path)], capture_output=True, text=True,
-                          cwd=TESTS.parent, env={**os.environ, "AUTOSCHED_FAILURE_LOG": str(log)})
+    proc = _pytest_in(tmp_path, "-p", "tests.conftest", cwd=TESTS.parent,
+                      env={**os.environ, "AUTOSCHED_FAILURE_LOG": str(log)})
     assert proc.returncode == 1, proc.stdout[-2000:]
     text = log.read_text()
     assert text.count("=== ") == 1 and "test_two.py::test_fails (call)" in text and "on purpose" in text, text
