@@ -56,6 +56,59 @@ FAST_CASES = {
 }
 
 
+# The longest tests of the slow and GPU tiers (a minute or more on two cores; GPU tests among a dozen processes),
+# longest first: their files run first, each file's listed tests first in it. xdist hands tests out in
+# collection order and each worker holds up to three queued: a long test collected last kept one worker busy for
+# minutes after the other had run out of work (and in a GPU call cut off by its time limit, it was the one left
+# unfinished). Files stay whole, so that a module's fixtures are made once a process.
+LONGEST_FIRST = (
+    # GPU tier
+    "test_tiny_model_tunes_builds_and_matches_torch_on_the_gpu",
+    "test_half_precision_generation_on_the_gpu_matches_transformers",
+    "test_a_build_with_programmatic_launch_generates_the_same_tokens_on_the_gpu",
+    "test_windowed_prefill_in_chunks_matches_transformers_on_the_gpu",
+    "test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model",
+    "test_greedy_speculative_decoding_on_the_gpu_gives_the_plain_greedy_tokens",
+    "test_tiny_fp16_model_generates_with_our_decode_attention",
+    "test_a_transformers_model_matches_torch_on_the_gpu",
+    "test_a_mixtral_prefill_chunk_on_grouped_gemms_matches_transformers_on_the_gpu",
+    "test_tuning_on_the_gpu_records_the_device",
+    "test_tune_model_fp8_on_the_gpu_tunes_the_w8a8_prefill_kernels",
+    "test_mixtral_dimensions_in_half_precision_match_transformers_on_the_gpu",
+    # slow tier
+    "test_the_quick_start_and_using_it_examples_run_as_written",
+    "test_eight_tuners_at_once",
+    "test_tune_model_build_and_run_from_the_command_line",
+    "test_four_tuners_write_one_server_database_at_once",
+    "test_a_length_nobody_tuned_is_built_from_the_nearest_tuned_length_and_remembered",
+    "test_tune_query_show_export_import",
+    "test_a_transformers_model_tunes_builds_and_matches_torch_on_the_cpu",
+    "test_a_hung_server_loses_only_its_candidate",
+    "test_every_db_command_on_the_server",
+    "test_an_fp8_build_for_sm_90_runs_its_prefill_chunks_w8a8_on_fp8_wgmma_and_its_cuda_compiles",
+    "test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized",
+    "test_tune_model_quantize_tunes_the_dequant_gemm_kernels_and_build_applies_them",
+    "test_a_tuned_moe_gemm_record_is_applied_by_the_build",
+    "test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths",
+    "test_an_fp8_checkpoint_builds_as_fp8_of_the_same_weights",
+    "test_tune_model_estimates_and_labels_its_kernels",
+    "test_a_server_killed_mid_run_loses_no_record",
+    "test_untuned_shape_starts_from_the_nearest_tuned_shapes",
+)
+
+
+def longest_first(items: list) -> None:
+    """Sort ``items`` in place: the files holding LONGEST_FIRST's tests first, by their first one in it, and in
+    each file its listed tests first, in that order; the rest as collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    test_rank = {id(item): rank.get(getattr(item, "originalname", item.name), len(rank)) for item in items}
+    file_rank: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        file_rank[path] = min(file_rank.get(path, len(rank)), test_rank[id(item)])
+    items.sort(key=lambda item: (file_rank[item.nodeid.split("::")[0]], test_rank[id(item)]))
+
+
 @pytest.hookimpl(tryfirst=True)  # before the `-m 'not slow'` of addopts deselects by marker
 def pytest_collection_modifyitems(config, items):
     cases: dict[str, set[str]] = {}
@@ -69,6 +122,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.slow)
     if not any("::" in str(arg) for arg in config.args):  # whole files collected: every case is there
         _check_fast_cases(cases)
+    longest_first(items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (tvm.cuda(0) does not exist here)")

@@ -224,6 +224,35 @@ def test_a_fast_case_its_test_no_longer_has_stops_the_run():
         _check_fast_cases({name: set(sorted(kept)[1:]) | {"another-case"}})
 
 
+def test_the_longest_tests_start_first_and_each_is_a_slow_or_gpu_test():
+    """LONGEST_FIRST names tests that exist (a renamed one would quietly start last again) and that are not in
+    the fast tier; the sort puts their files first and them first in their files, the rest as collected."""
+    from types import SimpleNamespace
+
+    from .conftest import LONGEST_FIRST, longest_first
+
+    tiers = {"pytest.mark.slow", "pytest.mark.gpu"}
+    marked = {}  # test function: whether it, or its module's ``pytestmark``, puts it in the slow or GPU tier
+    for path in TESTS.glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        module_tier = any(isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "pytestmark"
+                          and tiers & {ast.unparse(n) for n in ast.walk(node.value)} for node in tree.body)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                marks = {ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list}
+                marked[node.name] = module_tier or bool(marks & tiers)
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    assert [name for name in LONGEST_FIRST if name not in marked] == []
+    assert [name for name in LONGEST_FIRST if not marked[name]] == []
+    first, fourth = LONGEST_FIRST[0], LONGEST_FIRST[3]
+    items = [SimpleNamespace(nodeid=f"{path}::{name}", name=name, originalname=name.split("[")[0]) for path, name in (
+        ("a.py", "test_a"), ("b.py", f"{fourth}[x]"), ("b.py", "test_b"), ("c.py", "test_c"), ("d.py", first),
+        ("d.py", "test_d"), ("b.py", f"{fourth}[y]"))]
+    longest_first(items)
+    assert [i.nodeid for i in items] == [f"d.py::{first}", "d.py::test_d", f"b.py::{fourth}[x]", f"b.py::{fourth}[y]",
+                                         "b.py::test_b", "a.py::test_a", "c.py::test_c"]
+
+
 @pytest.mark.slow
 def test_the_gpu_test_shards_split_the_gpu_tests_between_them():
     """benchmarks/_gpu_shard.sh I/N: every GPU test in exactly one of N shards, the shards within one test of
