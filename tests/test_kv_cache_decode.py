@@ -89,19 +89,23 @@ def check(out, lse, ref_out, ref_lse, dtype: str) -> None:
 # --- the body on the host (nvcc) ----------------------------------------------------------------------------
 
 HOST_CASES = [
-    # (contexts, h, hkv, d, dtype, split, spread_split, warps, unroll, spread)
+    # (contexts, h, hkv, d, dtype, split, spread_split, warps, unroll, spread[, warps a pair where spread])
     ([150, 1, 0, 37], 8, 2, 128, "float16", 4, 2, 4, 2, 0),  # GQA 4:1, a sequence without pages, one of one token
     ([70, 33], 4, 4, 64, "bfloat16", 1, 1, 2, 4, 0),  # MHA, no split
     ([16, 100, 17], 4, 2, 32, "float16", 8, 2, 2, 1, 0),  # head dim 32, more CTAs than pages
     ([150, 0, 37], 8, 2, 128, "float16", 4, 4, 4, 2, 1),  # spread: 6 pairs over 2 clusters of 4, 2 CTAs spare
     ([150, 0, 37, 5, 90], 4, 1, 128, "float16", 8, 2, 4, 2, 1),  # spread in clusters of 2: 5 pairs, 1 CTA spare
     ([300, 1, 37], 8, 2, 128, "float16", 2, 2, 16, 2, 0),  # GQA's default 16 warps, more warps than pages
+    # fill: 4 pairs a CTA of 16 warps; 10 pairs in 3 CTAs (the last with 2 spare pairs) and a spare CTA
+    ([150, 0, 37, 5, 90], 8, 2, 128, "float16", 8, 2, 16, 2, 1, 4),
+    ([70, 33, 300], 4, 1, 64, "bfloat16", 4, 2, 16, 4, 1, 8),  # fill: 2 pairs a CTA, one pair spare
 ]
 
 
 @needs_nvcc
 @pytest.mark.parametrize("case", HOST_CASES,
-                         ids=["gqa4-d128-split4", "mha-d64-bf16", "d32-split8", "spread", "spread2-of-split8", "gqa4-16-warps"])
+                         ids=["gqa4-d128-split4", "mha-d64-bf16", "d32-split8", "spread", "spread2-of-split8", "gqa4-16-warps",
+                              "fill-4-warps-a-pair", "fill-8-warps-a-pair"])
 def test_kv_cache_decode_body_matches_float64_on_the_host(case, tmp_path):
     """The body, compiled for the host by nvcc and run with one thread per CUDA thread (each cluster's CTAs
     together), against the float64 reference: output and base-2 log-sum-exp; split (the cluster's CTAs share a
@@ -110,10 +114,11 @@ def test_kv_cache_decode_body_matches_float64_on_the_host(case, tmp_path):
 
     from autosched.search_spaces.templates.kv_cache_decode import body_source, smem_floats
 
-    contexts, h, hkv, d, dtype, split, spread_split, warps, unroll, spread = case
+    contexts, h, hkv, d, dtype, split, spread_split, warps, unroll, spread, *fill = case
+    per_pair = fill[0] if fill else warps
     q, pages, indptr, indices, last_len, sm_scale = decode_case(contexts, h, hkv, d, dtype)
     config = {"H": h, "HKV": hkv, "G": h // hkv, "D": d, "PAGE": PAGE, "WARPS": warps, "UNROLL": unroll,
-              "SPLIT": split, "SPREAD_SPLIT": spread_split}
+              "SPLIT": split, "SPREAD_SPLIT": spread_split, "FILL": int(bool(fill))}
     size = spread_split if spread else split  # the cluster the launch chooses
     body = _host_body(body_source("kv_decode_body", dtype, config)).replace("__ldg(", "*(")
     for name, tensor in (("q", q), ("pages", pages), ("indptr", indptr), ("indices", indices), ("last", last_len)):
@@ -132,8 +137,9 @@ int main() {{
   std::vector<float> lse(q.size() / {d}, 12345.f);
   const int threads = {warps} * 32, split = {size};
   host_warps_per_cta = {warps};
-  const int pairs = {len(contexts) * hkv}, spread = {spread};
-  for (int cl = 0; cl < (spread ? (pairs + split - 1) / split : pairs); ++cl) {{  // one cluster at a time
+  const int pairs = {len(contexts) * hkv}, spread = {spread}, pair_warps = {per_pair};
+  const int ctas = (pairs + {warps} / pair_warps - 1) / ({warps} / pair_warps);  // spread: pairs a CTA
+  for (int cl = 0; cl < (spread ? (ctas + split - 1) / split : pairs); ++cl) {{  // one cluster at a time
     std::barrier<> cluster(threads * split);
     host_cluster_barrier = &cluster;
     std::vector<std::vector<float>> smem(split, std::vector<float>({words}, -1.f));
@@ -149,7 +155,7 @@ int main() {{
         host_rank = t / threads;
         host_thread.x = t % threads;
         kv_decode_body(q.data(), pages.data(), indptr.data(), indices.data(), last.data(), out.data(), lse.data(),
-                       host_smem[host_rank], cl, host_rank, pairs, spread, {sm_scale!r}f);
+                       host_smem[host_rank], cl, host_rank, pairs, spread, pair_warps, {sm_scale!r}f);
       }});
     for (auto& th : pool) th.join();
     for (auto* b : host_block_barriers) delete b;
@@ -225,8 +231,10 @@ def test_the_decode_kernel_chooses_its_cluster_at_launch():
 
     from autosched.search_spaces.templates.kv_cache_decode import default_config, kv_cache_decode_kernel
 
-    assert default_config(1, 32, 128) == {"split": 8, "spread_split": 2, "warps": 8, "unroll": 4, "blocks": 4}
-    assert default_config(4, 8, 128) == {"split": 8, "spread_split": 2, "warps": 16, "unroll": 2, "blocks": None}
+    assert default_config(1, 32, 128) == {"split": 8, "spread_split": 2, "warps": 8, "unroll": 4, "blocks": 4,
+                                          "fill": False}
+    assert default_config(4, 8, 128) == {"split": 8, "spread_split": 2, "warps": 16, "unroll": 2, "blocks": None,
+                                         "fill": True}
     assert default_config(8, 4, 128)["warps"] == 8  # 16 warps' partials of 8 heads would not fit 48 KB
     kernel = kv_cache_decode_kernel(32, 32, 128, "float16")
     assert str(kernel.attrs["global_symbol"]).endswith("_split8_spread2_warps8_unroll4_blocks4_float16")
@@ -368,14 +376,16 @@ def _gpu_kernel(func, codegen: dict | None):
     return call
 
 
-GPU_BATCHES = [[1], [600], [5, 16, 17, 300], [1 + (37 * i) % 600 for i in range(16)]]
+# The last two: with 32:8 heads, 160 and 320 pairs, which the default kernel serves 8 and 4 warps a pair (fill).
+GPU_BATCHES = [[1], [600], [5, 16, 17, 300], [1 + (37 * i) % 600 for i in range(16)],
+               [1 + (29 * i) % 200 for i in range(20)], [(53 * i) % 300 for i in range(40)]]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h,hkv", [(32, 8), (32, 32)], ids=["gqa32-8", "mha32"])
 def test_kv_cache_decode_matches_float64_on_the_gpu(h, hkv):
-    """Our kernel (default split) on random pages in the runtime's layout, batches of 1 to 16 sequences of
-    1 to 600 tokens, d 128, fp16: output and base-2 log-sum-exp against float64."""
+    """Our kernel (default knobs) on random pages in the runtime's layout, batches of 1 to 40 sequences of
+    0 to 600 tokens, d 128, fp16: output and base-2 log-sum-exp against float64."""
     from autosched.generation.attention import CODEGEN
     from autosched.search_spaces.templates.kv_cache_decode import kv_cache_decode_kernel
 

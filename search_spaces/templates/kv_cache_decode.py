@@ -53,10 +53,11 @@ def default_config(group: int, hkv: int, d: int) -> dict:
     """The kernel's knobs: ``split``, the CTAs splitting one (sequence, K/V head) pair's pages where a step's
     pairs are too few to fill the GPU (batch 1), ``spread_split``, the cluster size where they are enough,
     both chosen at launch from the step's batch; ``warps``, ``unroll``; ``blocks``, the CTAs an SM is compiled
-    to hold (without GQA, so that a batch of 16 runs in one wave)."""
+    to hold (without GQA, so that a batch of 16 runs in one wave); ``fill``, whether a CTA takes several pairs
+    where they are many (:func:`pair_warps`)."""
     warps, unroll = default_warps(group, d), default_unroll(group)
     return {"split": default_split(hkv), "spread_split": SPREAD_SPLIT, "warps": warps, "unroll": unroll,
-            "blocks": default_blocks(group, d, warps, unroll)}
+            "blocks": default_blocks(group, d, warps, unroll), "fill": warps == 16}
 
 
 def default_warps(group: int, d: int) -> int:
@@ -72,6 +73,24 @@ def spreads(pairs, sms: int = SMS):
     each CTA of a cluster takes a pair of its own, whole, rather than a share of one pair's pages (a split
     chosen for batch 1 would only add CTAs and merges at batch 16). Python ints or TIR expressions."""
     return pairs * 10 >= sms * 9
+
+
+def pair_warps(pairs, warps: int, sms: int = SMS):
+    """Warps per (sequence, K/V head) pair where the pairs spread, for a kernel of ``warps`` warps a CTA (one
+    CTA an SM) that fills: all of them up to one pair an SM, half up to two, a quarter (at least 4) beyond, each
+    CTA then taking ``warps / pair_warps`` pairs, so that the pairs of a large batch (Llama 3 at batch 64: 512)
+    run at once, not in waves of one pair an SM (``benchmarks/decode_attention_benchmark.py``). Python ints or
+    TIR expressions."""
+    choices = [w for w in (warps, warps // 2, warps // 4) if w >= 4 and warps % w == 0]
+    chosen = choices[-1]
+    for i in reversed(range(len(choices) - 1)):
+        if isinstance(pairs, int):
+            chosen = choices[i] if pairs <= sms << i else chosen
+        else:
+            from tvm.script import tirx as T
+
+            chosen = T.Select(pairs <= sms << i, choices[i], chosen)
+    return chosen
 
 
 def default_unroll(group: int) -> int:
@@ -110,9 +129,9 @@ def unsupported(h: int, hkv: int, d: int, dtype: str, page: int) -> str | None:
 
 
 def kernel_name(h: int, hkv: int, d: int, dtype: str, page: int, split: int, warps: int, unroll: int,
-                blocks: int | None = None, spread_split: int = SPREAD_SPLIT) -> str:
+                blocks: int | None = None, spread_split: int = SPREAD_SPLIT, fill: bool = False) -> str:
     fit = f"_blocks{blocks}" if blocks else ""
-    spread = f"_spread{spread_split}" if split > 1 else ""
+    spread = f"_spread{spread_split}" + ("fill" if fill else "") if split > 1 else ""
     return (f"autosched_kv_cache_decode_h{h}_hkv{hkv}_d{d}_page{page}_split{split}{spread}_warps{warps}"
             f"_unroll{unroll}{fit}_{dtype}")
 
@@ -124,10 +143,10 @@ def body_source(name: str, dtype: str, config: dict) -> str:
 
 def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16, split: int | None = None,
                            warps: int | None = None, unroll: int | None = None, blocks: int | None = None,
-                           spread_split: int | None = None):
+                           spread_split: int | None = None, fill: bool | None = None):
     """The TIRx PrimFunc, with the signature of TVM's ``batch_decode_paged_kv`` (no sliding window).
     ``split``, ``spread_split``, ``warps``, ``unroll``, ``blocks`` (CTAs per SM to fit in the registers; 0: the
-    compiler's choice): :func:`default_config`'s unless given."""
+    compiler's choice), ``fill``: :func:`default_config`'s unless given."""
     from tvm.script import tirx as T
 
     reason = unsupported(h, hkv, d, dtype, page)
@@ -140,23 +159,28 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
     warps = knobs["warps"] if warps is None else warps
     unroll = knobs["unroll"] if unroll is None else unroll
     blocks = (knobs["blocks"] if blocks is None else blocks) or None
+    fill = (knobs["fill"] if fill is None else fill) and split > 1
     if (split not in (1, 2, 4, 8) or spread_split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16) or unroll < 1
             or 4 * smem_floats(g, d, warps) > SMEM_LIMIT):
         raise ValueError(f"split {split}, spread_split {spread_split}, warps {warps}, unroll {unroll}")
-    name = kernel_name(h, hkv, d, dtype, page, split, warps, unroll, blocks, spread_split)
+    name = kernel_name(h, hkv, d, dtype, page, split, warps, unroll, blocks, spread_split, fill)
     config = {"H": h, "HKV": hkv, "G": g, "D": d, "PAGE": page, "WARPS": warps, "UNROLL": unroll, "SPLIT": split,
-              "SPREAD_SPLIT": spread_split}
+              "SPREAD_SPLIT": spread_split, "FILL": int(fill)}
     source = body_source(name, dtype, config)
     threads = 32 * warps
     words = smem_floats(g, d, warps)
 
-    def launch(pairs):  # (cluster, rank in it, whether each CTA takes a pair of its own), for pairs known at run time
+    def launch(pairs):  # (cluster, rank in it, whether CTAs take pairs of their own, warps a pair), at run time
         if split == 1:
-            return T.cta_id([pairs]), 0, 0
-        # The cluster's size is a launch parameter: ``split`` CTAs share a pair, or ``spread_split`` take one each.
+            return T.cta_id([pairs]), 0, 0, warps
+        # The cluster's size is a launch parameter: ``split`` CTAs share a pair, or ``spread_split`` take their own
+        # (one each, or with ``fill`` one each ``pair_warps`` warps where the pairs are many).
         spread = T.Select(spreads(pairs), 1, 0)
-        cluster = T.cluster_id([T.Select(spreads(pairs), (pairs + spread_split - 1) // spread_split, pairs)])
-        return cluster, T.cta_id_in_cluster([T.Select(spreads(pairs), spread_split, split)]), spread
+        per_pair = pair_warps(pairs, warps) if fill else warps
+        ctas = (pairs + warps // per_pair - 1) // (warps // per_pair)
+        cluster = T.cluster_id([T.Select(spreads(pairs), (ctas + spread_split - 1) // spread_split, pairs)])
+        return (cluster, T.cta_id_in_cluster([T.Select(spreads(pairs), spread_split, split)]), spread,
+                T.Select(spreads(pairs), per_pair, warps))
 
     # fmt: off
     @T.prim_func
@@ -190,12 +214,12 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
         T.device_entry()
         if blocks is not None:
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": blocks})
-        cluster, rank, spread = launch(B * hkv)
+        cluster, rank, spread, per_pair = launch(B * hkv)
         tx = T.thread_id([threads])  # noqa: F841 (declares the block's threads)
         smem = T.alloc_buffer((words,), "float32", scope="shared.dyn", align=16)
         T.cuda.func_call(name, Q.access_ptr("r"), pages.access_ptr("r"), indptr.access_ptr("r"),
                          indices.access_ptr("r"), length_info.access_ptr("r"), output.access_ptr("w"),
-                         lse.access_ptr("w"), smem.access_ptr("rw"), cluster, rank, B * hkv, spread, sm_scale,
+                         lse.access_ptr("w"), smem.access_ptr("rw"), cluster, rank, B * hkv, spread, per_pair, sm_scale,
                          source_code=source)
     # fmt: on
     return batch_decode_paged_kv

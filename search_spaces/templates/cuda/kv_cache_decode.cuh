@@ -9,7 +9,9 @@
 //
 // One cluster of C::SPLIT CTAs per (sequence, K/V head): each CTA takes an equal share of the sequence's
 // pages (with enough (sequence, head) pairs to fill the GPU, `spread`, clusters of C::SPREAD_SPLIT CTAs,
-// each taking a pair of its own, instead); each warp takes tokens in steps of (32 / (D / 8)) tokens, a row of K and of V read by D / 8 lanes,
+// each taking a pair of its own, instead, or with C::FILL, where the pairs are many, C::WARPS / pair_warps
+// pairs of their own, pair_warps warps each, as the launch chooses); each warp takes tokens in steps of
+// (32 / (D / 8)) tokens, a row of K and of V read by D / 8 lanes,
 // 16 bytes each, C::UNROLL steps of loads issued before any arithmetic; the GQA group's C::G query heads
 // share every row read. Online softmax in registers, in base 2 with the scale folded into Q. The warps
 // merge in shared memory, the cluster's CTAs in the first CTA through distributed shared memory.
@@ -32,12 +34,11 @@ template <typename T, class C>
 __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ Q, const T* __restrict__ pages,
     const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ last_len,
     T* __restrict__ O, float* __restrict__ lse, float* smem, int cluster, int rank, int pairs, int spread,
-    float sm_scale) {
+    int pair_warps, float sm_scale) {
   constexpr int H = C::H, HKV = C::HKV, G = C::G, D = C::D, PAGE = C::PAGE;
   constexpr int WARPS = C::WARPS, UNROLL = C::UNROLL, SPLIT = C::SPLIT, THREADS = WARPS * 32;
   constexpr int TG = D / 8;     // lanes per token row (16 bytes each)
   constexpr int TPW = 32 / TG;  // tokens per warp per step
-  constexpr int NG = WARPS * TPW;  // tokens per CTA per step
   constexpr size_t HEAD = (size_t)PAGE * D;  // elements of one head's K (or V) in a page
   static_assert(D % 8 == 0 && 32 % TG == 0, "head dim: 8 to 256, a power of two");
   // Shared memory: each warp's partial results, then the CTA's (read by the cluster's first CTA).
@@ -46,15 +47,21 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
   auto fin_o = reinterpret_cast<float (*)[D]>(smem + WARPS * G * (D + 2));
   auto fin_ml = reinterpret_cast<float (*)[2]>(smem + (WARPS + 1) * G * D + WARPS * G * 2);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int sub = lane % TG, gid = warp * TPW + lane / TG;
-  // Split: the cluster's pair, the CTA's share of its pages. Spread: the CTA's own pair, all its pages, in
-  // clusters of C::SPREAD_SPLIT (the cluster's size is chosen at launch).
+  // Split: the cluster's pair, the CTA's share of its pages. Spread: the CTA's own pairs (one, or one for each
+  // pair_warps warps), all their pages, in clusters of C::SPREAD_SPLIT (both chosen at launch).
   const bool alone = SPLIT == 1 || spread;
-  const int pair = alone ? cluster * (SPLIT == 1 ? 1 : C::SPREAD_SPLIT) + rank : cluster;
-  if (pair >= pairs) return;  // the last cluster's spare CTAs (spread only: no cluster barrier then)
+  // Warps per pair, and the thread's pair in the CTA (compile-time constants without C::FILL: its registers).
+  const int pw = C::FILL && alone ? pair_warps : WARPS;
+  const int slot = C::FILL ? warp / pw : 0, pthreads = pw * 32, ptid = C::FILL ? tid % pthreads : tid;
+  const int ng = pw * TPW;  // tokens per pair per step
+  const int sub = lane % TG, gid = (warp % pw) * TPW + lane / TG;
+  const int first_pair = alone ? (cluster * (SPLIT == 1 ? 1 : C::SPREAD_SPLIT) + rank) * (WARPS / pw) : cluster;
+  if (first_pair >= pairs) return;  // the last cluster's spare CTAs (spread only: no cluster barrier then)
+  const int pair = first_pair + slot;
+  const bool own = !C::FILL || pair < pairs;  // a CTA's last pairs may be spare: they wait at its barrier, no more
   const int parts = alone ? 1 : SPLIT, part = alone ? 0 : rank;
-  const int seq = pair / HKV, kvh = pair % HKV;
-  const int p0 = indptr[seq], npages = indptr[seq + 1] - p0;
+  const int seq = own ? pair / HKV : 0, kvh = pair % HKV;
+  const int p0 = indptr[seq], npages = own ? indptr[seq + 1] - p0 : 0;
   const int len = npages > 0 ? (npages - 1) * PAGE + last_len[seq] : 0;
   const int first = part * npages / parts, last = (part + 1) * npages / parts;
   const int begin = first * PAGE, end = min(last * PAGE, len);
@@ -76,15 +83,15 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
   int pg[UNROLL];
   #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
-    const int t = begin + u * NG + gid;
+    const int t = begin + u * ng + gid;
     pg[u] = t < end ? autosched_kvd_page(indices, p0 + t / PAGE) : 0;
   }
-  for (int base = begin; base < end; base += NG * UNROLL) {
+  for (int base = begin; base < end; base += ng * UNROLL) {
     uint4 kr[UNROLL], vr[UNROLL];
     bool live[UNROLL];
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {  // every load of the step first: bytes in flight
-      const int t = base + u * NG + gid;
+      const int t = base + u * ng + gid;
       live[u] = t < end;
       kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
       if (live[u]) {
@@ -95,7 +102,7 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
     }
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int t = base + (UNROLL + u) * NG + gid;
+      const int t = base + (UNROLL + u) * ng + gid;
       pg[u] = t < end ? autosched_kvd_page(indices, p0 + t / PAGE) : 0;
     }
     float s[UNROLL][G];
@@ -163,12 +170,12 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
   __syncthreads();
   // The warps meet in shared memory: each thread merges elements of the CTA's G x D output. A sequence
   // without tokens gives what TVM's kernel gives: an output of zeros and a log-sum-exp of -5e4.
-  for (int e = tid; e < G * D; e += THREADS) {
+  for (int e = ptid; own && e < G * D; e += pthreads) {
     const int h = e / D, c = e % D;
     float top = autosched_neg_inf();
-    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, part_ml[w][h][0]);
+    for (int w = slot * pw; w < (slot + 1) * pw; ++w) top = fmaxf(top, part_ml[w][h][0]);
     float sum = 0.f, acc = 0.f;
-    for (int w = 0; w < WARPS; ++w) {
+    for (int w = slot * pw; w < (slot + 1) * pw; ++w) {
       const float a = autosched_kvd_weight(part_ml[w][h][0], top);
       sum += part_ml[w][h][1] * a;
       acc += part_o[w][h][c] * a;
@@ -215,14 +222,14 @@ __device__ __forceinline__ void autosched_kv_cache_decode(const T* __restrict__ 
 }
 
 // The entry point NAME(Q, pages, indptr, indices, last_len, O, lse, smem, cluster, rank, pairs, spread,
-// sm_scale) that the TIRx launch calls, for element type T and config C.
+// pair_warps, sm_scale) that the TIRx launch calls, for element type T and config C.
 #define AUTOSCHED_KV_CACHE_DECODE(NAME, T, C)                                                              \
   __device__ __forceinline__ void NAME(const T* __restrict__ Q, const T* __restrict__ pages,              \
       const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ last_len,   \
       T* __restrict__ O, float* __restrict__ lse, float* smem, int cluster, int rank, int pairs, int spread, \
-      float sm_scale) {                                                                                    \
+      int pair_warps, float sm_scale) {                                                                    \
     autosched_kv_cache_decode<T, C>(Q, pages, indptr, indices, last_len, O, lse, smem, cluster, rank, pairs, \
-                                    spread, sm_scale);                                                    \
+                                    spread, pair_warps, sm_scale);                                        \
   }
 
 #endif  // AUTOSCHED_KV_CACHE_DECODE_CUH
