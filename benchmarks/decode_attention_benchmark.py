@@ -1,5 +1,5 @@
 """Decode attention in TVM's paged-KV-cache convention on a GPU: our ``kv_cache_decode`` at its defaults and at
-other (split, spread_split, warps, unroll, blocks) points, against TVM's ``batch_decode_paged_kv``, on the batches and
+other (split, spread_split, warps, unroll, blocks, fill) points, against TVM's ``batch_decode_paged_kv``, on the batches and
 contexts generation meets.
 
 Each kernel reads a batch of sequences of ``--context`` tokens from shuffled pages in the runtime's layout
@@ -25,12 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PAGE = 16
 FLUSH_BYTES = 256 << 20
-# (split, spread_split, warps, unroll, blocks): None for the default, "fit" for default_blocks.
-POINTS = [(split, spread, warps, None, blocks) for split in (2, 4, 8) for spread in (2, split) for warps in (4, 8)
+# (split, spread_split, warps, unroll, blocks, fill): None for the default, "fit" for default_blocks.
+POINTS = [(split, spread, warps, None, blocks, False) for split in (2, 4, 8) for spread in (2, split) for warps in (4, 8)
           for blocks in (None, "fit")]
 # Sixteen warps: twice the token rows in flight per CTA where batch 1 leaves most SMs with one or two CTAs; "fit"
 # (without GQA: two CTAs an SM, 64 registers) keeps batch 1's split of 8 in one wave.
-POINTS += [(split, 2, 16, None, blocks) for split in (4, 8) for blocks in (None, "fit")]
+POINTS += [(split, 2, 16, None, blocks, False) for split in (4, 8) for blocks in (None, "fit")]
+# Sixteen warps that, where the pairs spread and are many (batch 64 with GQA), take 2 or 4 pairs a CTA.
+POINTS += [(8, 2, 16, None, None, True)]
 
 
 def compile_kernel(func, codegen):
@@ -102,19 +104,19 @@ def main() -> int:
         batches = [int(b) for b in args.batches.split(",")]
         # The default kernel a build takes first, then the others.
         c = kvd.default_config(g, hkv, d)
-        points = [(c["split"], c["spread_split"], c["warps"], c["unroll"], "fit" if c["blocks"] else None)] + POINTS
+        points = [(c["split"], c["spread_split"], c["warps"], c["unroll"], "fit" if c["blocks"] else None, c["fill"])]
         kernels = {}
-        for split, spread_split, warps, unroll, blocks in points:
+        for split, spread_split, warps, unroll, blocks, fill in points + POINTS:
             w = warps or kvd.default_warps(g, d)
             u = unroll or kvd.default_unroll(g)
             fit = kvd.default_blocks(g, d, w, u) if blocks == "fit" else 0
-            key = (split, min(spread_split, split), w, u, fit or None)
+            key = (split, min(spread_split, split), w, u, fit or None, fill)
             if (blocks == "fit" and fit is None) or key in kernels:
                 continue
             try:
                 kernels[key] = compile_kernel(kvd.kv_cache_decode_kernel(h, hkv, d, "float16", split=split, warps=w,
                                                                          unroll=u, blocks=fit,
-                                                                         spread_split=spread_split), CODEGEN)
+                                                                         spread_split=spread_split, fill=fill), CODEGEN)
             except ValueError as exc:
                 print(f"h{h}:{hkv} {key}: {exc}", flush=True)
         for batch in batches:
@@ -134,15 +136,15 @@ def main() -> int:
                     torch.cuda.synchronize()
                     err = float((out.float() - ref_out.float()).abs().max()) + float((lse - ref_lse).abs().max())
                 seconds = statistics.median(time_cuda(run, args.repeat, FLUSH_BYTES))
-                split, spread_split, warps, unroll, blocks = key if key != "tvm" else (None,) * 5
+                split, spread_split, warps, unroll, blocks, fill = key if key != "tvm" else (None,) * 6
                 row = {"heads": h, "kv_heads": hkv, "batch": batch, "context": args.context,
                        "kernel": "tvm" if key == "tvm" else "ours", "split": split, "spread_split": spread_split,
-                       "warps": warps, "unroll": unroll, "blocks": blocks, "us": seconds * 1e6,
+                       "warps": warps, "unroll": unroll, "blocks": blocks, "fill": fill, "us": seconds * 1e6,
                        "gbs": kv_bytes / seconds / 1e9, "of_copy": kv_bytes / seconds / 1e9 / copy, "max_diff": err}
                 rows.append(row)
                 print(f"h{h}:{hkv} b{batch:<3} {row['kernel']:4} split {split} spread {spread_split} warps {warps} "
                       f"unroll {unroll} "
-                      f"blocks {blocks}: {row['us']:7.2f} us {row['gbs']:6.0f} GB/s ({row['of_copy']:.0%} of copy) "
+                      f"blocks {blocks} fill {fill}: {row['us']:7.2f} us {row['gbs']:6.0f} GB/s ({row['of_copy']:.0%} of copy) "
                       f"diff {err:.2g}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"copy_gbs": copy, "rows": rows}, indent=1))
