@@ -23,8 +23,8 @@
 #           points (CUDA cores: half2 and fp32 products; tensor cores bulk-copied and
 #           streamed, 16 rows on 1, 2 and 4 tiles a block),
 #           GB/s (--hand-points space), for at most INT4_LIMIT seconds (default 480)
-#   decode-attention  kv_cache_decode's points (16 warps among them) against TVM's kernel at batches 1 and 16,
-#           32:32 and 32:8 heads, 544 tokens (decode_attention_benchmark.py)
+#   decode-attention  kv_cache_decode's points (16 warps and fill among them) against TVM's kernel at batches 1,
+#           16 and 64, 32:32 and 32:8 heads, 544 tokens (decode_attention_benchmark.py)
 #   tests   pytest -m gpu on the tests this work touches (TESTS files, TEST_FILTER: -k; default: programmatic
 #           launch, fp8, int4, the streaming decode GEMMs), in TEST_WORKERS processes (default 4)
 # $DB (optional) is copied to $OUT/tune.db first and every step reads and writes that copy, so the records come back.
@@ -76,7 +76,7 @@ for step in "$@"; do
            timeout "${INT4_LIMIT:-480}" python3 benchmarks/gpu_benchmark.py --hand-points space --workload dequant_gemm \
              --attrs bits=4,group=128 --points first "${shapes[@]}" --timeout 60 --out "$OUT/decode_int4" \
              > "$OUT/decode_int4.log" 2>&1; echo "decode-int4: exit $?" ;;
-    decode-attention) timeout 300 python3 benchmarks/decode_attention_benchmark.py --heads 32:32,32:8 --batches 1,16 \
+    decode-attention) timeout 300 python3 benchmarks/decode_attention_benchmark.py --heads 32:32,32:8 --batches 1,16,64 \
              --context 544 --repeat 30 --out "$OUT/decode_attention.json" > "$OUT/decode_attention.log" 2>&1
            echo "decode-attention: exit $?" ;;
     tests) read -r -a files <<< "${TESTS:-tests/test_programmatic_launch.py tests/test_quantize.py tests/test_gpu_run.py}"
