@@ -33,6 +33,8 @@ POINTS = [(split, spread, warps, None, blocks, False) for split in (2, 4, 8) for
 POINTS += [(split, 2, 16, None, blocks, False) for split in (4, 8) for blocks in (None, "fit")]
 # Sixteen warps that, where the pairs spread and are many (batch 64 with GQA), take 2 or 4 pairs a CTA.
 POINTS += [(8, 2, 16, None, None, True)]
+# Batch 1 without GQA: a split's share of 544 tokens (68) in one round of loads rather than two.
+POINTS += [(8, 2, warps, 8, None, False) for warps in (4, 8)]
 
 
 def compile_kernel(func, codegen):

@@ -102,11 +102,11 @@ def longest_first(items: list) -> None:
     each file its listed tests first, in that order; the rest as collected."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     test_rank = {id(item): rank.get(getattr(item, "originalname", item.name), len(rank)) for item in items}
+    path = {id(item): item.nodeid.split("::")[0] for item in items}
     file_rank: dict[str, int] = {}
     for item in items:
-        path = item.nodeid.split("::")[0]
-        file_rank[path] = min(file_rank.get(path, len(rank)), test_rank[id(item)])
-    items.sort(key=lambda item: (file_rank[item.nodeid.split("::")[0]], test_rank[id(item)]))
+        file_rank[path[id(item)]] = min(file_rank.get(path[id(item)], len(rank)), test_rank[id(item)])
+    items.sort(key=lambda item: (file_rank[path[id(item)]], test_rank[id(item)]))
 
 
 @pytest.hookimpl(tryfirst=True)  # before the `-m 'not slow'` of addopts deselects by marker

@@ -81,7 +81,7 @@ def pair_warps(pairs, warps: int, sms: int = SMS):
     CTA then taking ``warps / pair_warps`` pairs, so that the pairs of a large batch (Llama 3 at batch 64: 512)
     run at once, not in waves of one pair an SM (``benchmarks/decode_attention_benchmark.py``). Python ints or
     TIR expressions."""
-    choices = [w for w in (warps, warps // 2, warps // 4) if w >= 4 and warps % w == 0]
+    choices = [w for w in (warps, warps // 2, warps // 4) if w >= 4]
     chosen = choices[-1]
     for i in reversed(range(len(choices) - 1)):
         if isinstance(pairs, int):
@@ -179,8 +179,8 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
         per_pair = pair_warps(pairs, warps) if fill else warps
         ctas = (pairs + warps // per_pair - 1) // (warps // per_pair)
         cluster = T.cluster_id([T.Select(spreads(pairs), (ctas + spread_split - 1) // spread_split, pairs)])
-        return (cluster, T.cta_id_in_cluster([T.Select(spreads(pairs), spread_split, split)]), spread,
-                T.Select(spreads(pairs), per_pair, warps))
+        # The body reads the warps a pair only where the CTAs are spread.
+        return cluster, T.cta_id_in_cluster([T.Select(spreads(pairs), spread_split, split)]), spread, per_pair
 
     # fmt: off
     @T.prim_func
