@@ -112,6 +112,7 @@ def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_t
     """Kernels with no operator of ours (the CPU's matmuls, fused elementwise chains) also transfer: the
     same function at another length is found by its sizeless form, nearest length first."""
     from autosched.database.store import Database
+    from autosched.measure import Measurer
     from autosched.tuner import tune
     from autosched.warm_start import nearest_workloads, transfer_points
 
@@ -120,10 +121,12 @@ def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_t
     def matmuls(tokens):
         return sorted((t for t in tasks[tokens] if t.workload is None and t.name.startswith("matmul")), key=lambda t: t.name)
 
-    with Database(tmp_path / "t.db") as db:
+    # One measurer for the four runs: each would otherwise start its own builder pool and runner (seconds each).
+    with Database(tmp_path / "t.db") as db, Measurer(cpu_target) as measurer:
         for tokens in (16, 64):
             for task in matmuls(tokens)[:2]:
-                tune(task, cpu_target, db, TuneOptions(trials=2, batch_size=2, cost_model="random", transfer=False))
+                tune(task, cpu_target, db, TuneOptions(trials=2, batch_size=2, cost_model="random", transfer=False),
+                     measurer=measurer)
         new = matmuls(24)[0]
         near = nearest_workloads(db, new, cpu_target, k=4)
         assert len(near) == 4  # both tuned lengths' two matmuls: the same function with other sizes
