@@ -91,7 +91,6 @@ LONGEST_FIRST = (
     "test_a_tuned_moe_gemm_record_is_applied_by_the_build",
     "test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths",
     "test_an_fp8_checkpoint_builds_as_fp8_of_the_same_weights",
-    "test_tune_model_estimates_and_labels_its_kernels",
     "test_a_server_killed_mid_run_loses_no_record",
     "test_untuned_shape_starts_from_the_nearest_tuned_shapes",
 )

@@ -151,6 +151,8 @@ def test_tune_model_build_and_run_from_the_command_line(tmp_path):
     # 16 trials for 14 kernels: each kernel's default point is measured before trials concentrate, and the
     # run ends with the model's estimated latency.
     assert len(rows) <= 16 and all(r["trials"] >= 1 and r["latency_us"] for r in rows)
+    # Kernels measured only at their default point (their first and only trial) say so.
+    assert all(r["searched"].startswith("no") for r in rows if r["trials"] == 1)
     # The last line: the forward pass timed on a build with the best kernels, and the kernels' sum beside it.
     last = " ".join(proc.stderr.strip().splitlines()[-1].split())
     assert float(last.split(": ")[1].split(" ms per forward pass, measured on a build")[0]) > 0
@@ -174,6 +176,10 @@ def test_tune_model_build_and_run_from_the_command_line(tmp_path):
     # 16 trials for 14 kernels, most of them) its default point measured.
     assert {k["kernel"] for k in result["kernels"]} == set(manifest["tuned_kernels"])
     assert all(k["schedule"].startswith(("tuned (", "default point, measured (")) for k in result["kernels"])
+    assert any(k["schedule"].startswith("default point, measured (") for k in result["kernels"])
+    # --no-check times without torch's reference.
+    unchecked = json.loads(cli("run", out, "--repeat", "1", "--no-check", "--format", "json").stdout)
+    assert unchecked["latency_ms"] > 0 and "matches_torch" not in unchecked
     # The same model builds for the H200 on a machine without a GPU (CUDA code generation only).
     gpu_build = autosched("build", "tiny-llama", "--tokens", "8", "--target", "cuda:sm_90", "-o", str(tmp_path / "gpu"))
     assert gpu_build.returncode == 0
