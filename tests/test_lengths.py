@@ -248,13 +248,14 @@ def test_a_decode_step_for_any_batch_from_the_command_line(tmp_path):
     """``build --tokens 1 --batch dynamic``: one decode-step artifact for 1 to 4 sequences."""
     import json
 
-    from .helpers import autosched
+    from .helpers import cli
 
+    # In-process: a new interpreter costs seconds of importing TVM, and test_readme.py runs build and run as processes.
     out = tmp_path / "decode"
-    proc = autosched("build", "tiny-llama", "--tokens", "1", "--batch", "dynamic", "--max-batch", "4",
-                     "-o", str(out), "--db", str(tmp_path / "none.db"))
+    proc = cli("build", "tiny-llama", "--tokens", "1", "--batch", "dynamic", "--max-batch", "4",
+               "-o", str(out), "--db", str(tmp_path / "none.db"))
     assert "one artifact for 1 to 4 sequences" in proc.stderr, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["buckets"] == [[1, None], [2, None], [4, None]] and "token_axes" not in manifest
-    result = json.loads(autosched("run", str(out), "--batch", "3", "--format", "json").stdout)
+    result = json.loads(cli("run", str(out), "--batch", "3", "--format", "json").stdout)
     assert (result["batch"], result["batch_bucket"], result["matches_torch"]) == (3, 4, True), result
