@@ -144,14 +144,15 @@ def test_a_hung_server_loses_only_its_candidate(cpu_target, tmp_path):
     assert not [r for r in records if r.result.error_msg and "session was lost" in r.result.error_msg]
 
 
-def test_rpc_errors_are_one_line(cluster, tmp_path):
+def test_rpc_errors_are_one_line(tmp_path):
     db = str(tmp_path / "never.db")
     # In-process: what is said and returned, not the process (test_rpc_tune_from_the_command_line runs one).
     proc = cli("tune", "softmax", "--trials", "2", "--runner", "rpc", "--tracker", "127.0.0.1:1", "--key", "x",
                "--db", db, check=False)
     assert proc.returncode == 1 and "cannot reach the RPC tracker at 127.0.0.1:1" in proc.stderr
-    proc = cli("tune", "softmax", "--trials", "2", "--runner", "rpc", "--tracker", cluster.address,
-               "--key", "nobody-here", "--db", db, check=False)
+    with LocalCluster(0) as tracker:  # a tracker alone: servers take seconds to start and register
+        proc = cli("tune", "softmax", "--trials", "2", "--runner", "rpc", "--tracker", tracker.address,
+                   "--key", "nobody-here", "--db", db, check=False)
     assert proc.returncode == 1 and "no RPC server is registered under key 'nobody-here'" in proc.stderr
     proc = cli("tune", "softmax", "--trials", "2", "--runner", "rpc", "--db", db, check=False)
     assert proc.returncode == 2 and "--runner rpc needs --tracker" in proc.stderr
