@@ -84,20 +84,22 @@ def test_report_writes_charts_and_a_page(tmp_path, cpu_target):
 
 @pytest.mark.slow
 def test_untuned_shape_starts_from_the_nearest_tuned_shapes(tmp_path, cpu_target):
+    from autosched.measure import Measurer
     from autosched.tuner import TuneOptions, tune
     from autosched.warm_start import adapt_point, nearest_workloads, transfer_points
 
-    with Database(tmp_path / "t.db") as db:
+    # One measurer for the three runs: each would otherwise start its own builder pool and runner (seconds each).
+    with Database(tmp_path / "t.db") as db, Measurer(cpu_target) as measurer:
         for m in (32, 128):
             tune(Task.from_workload(make_workload("gemm", f"m={m},n=64,k=64")), cpu_target, db,
-                 TuneOptions(trials=8, batch_size=4, transfer=False))
+                 TuneOptions(trials=8, batch_size=4, transfer=False), measurer=measurer)
         new = Task.from_workload(make_workload("gemm", "m=48,n=64,k=64"))
         near = nearest_workloads(db, new, cpu_target)
         assert [k for _, k in near][0].startswith("gemm[m=32")  # log-distance: 48 is nearer 32 than 128
         space = new.space(cpu_target)
         points = transfer_points(db, new, cpu_target, space)
         assert points and all(space.validate(p) is None for p, _, _ in points)
-        result = tune(new, cpu_target, db, TuneOptions(trials=4, batch_size=4))
+        result = tune(new, cpu_target, db, TuneOptions(trials=4, batch_size=4), measurer=measurer)
         assert result.trials == 4
         measured = {json.dumps(r.point, sort_keys=True) for r in db.records_for(new.key, cpu_target)}
         assert any(json.dumps(p, sort_keys=True) in measured for p, _, _ in points)

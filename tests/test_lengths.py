@@ -112,6 +112,7 @@ def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_t
     """Kernels with no operator of ours (the CPU's matmuls, fused elementwise chains) also transfer: the
     same function at another length is found by its sizeless form, nearest length first."""
     from autosched.database.store import Database
+    from autosched.measure import Measurer
     from autosched.tuner import tune
     from autosched.warm_start import nearest_workloads, transfer_points
 
@@ -120,10 +121,12 @@ def test_a_fused_kernel_at_an_untuned_length_starts_from_the_tuned_lengths(cpu_t
     def matmuls(tokens):
         return sorted((t for t in tasks[tokens] if t.workload is None and t.name.startswith("matmul")), key=lambda t: t.name)
 
-    with Database(tmp_path / "t.db") as db:
+    # One measurer for the four runs: each would otherwise start its own builder pool and runner (seconds each).
+    with Database(tmp_path / "t.db") as db, Measurer(cpu_target) as measurer:
         for tokens in (16, 64):
             for task in matmuls(tokens)[:2]:
-                tune(task, cpu_target, db, TuneOptions(trials=2, batch_size=2, cost_model="random", transfer=False))
+                tune(task, cpu_target, db, TuneOptions(trials=2, batch_size=2, cost_model="random", transfer=False),
+                     measurer=measurer)
         new = matmuls(24)[0]
         near = nearest_workloads(db, new, cpu_target, k=4)
         assert len(near) == 4  # both tuned lengths' two matmuls: the same function with other sizes
@@ -245,13 +248,14 @@ def test_a_decode_step_for_any_batch_from_the_command_line(tmp_path):
     """``build --tokens 1 --batch dynamic``: one decode-step artifact for 1 to 4 sequences."""
     import json
 
-    from .helpers import autosched
+    from .helpers import cli
 
+    # In-process: a new interpreter costs seconds of importing TVM, and test_readme.py runs build and run as processes.
     out = tmp_path / "decode"
-    proc = autosched("build", "tiny-llama", "--tokens", "1", "--batch", "dynamic", "--max-batch", "4",
-                     "-o", str(out), "--db", str(tmp_path / "none.db"))
+    proc = cli("build", "tiny-llama", "--tokens", "1", "--batch", "dynamic", "--max-batch", "4",
+               "-o", str(out), "--db", str(tmp_path / "none.db"))
     assert "one artifact for 1 to 4 sequences" in proc.stderr, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["buckets"] == [[1, None], [2, None], [4, None]] and "token_axes" not in manifest
-    result = json.loads(autosched("run", str(out), "--batch", "3", "--format", "json").stdout)
+    result = json.loads(cli("run", str(out), "--batch", "3", "--format", "json").stdout)
     assert (result["batch"], result["batch_bucket"], result["matches_torch"]) == (3, 4, True), result

@@ -113,8 +113,10 @@ def test_a_length_nobody_tuned_is_built_from_the_nearest_tuned_length_and_rememb
     other = prepare(load_model("tiny-llama", tokens=24), cpu_target)[0]
     longer = prepare(load_model("tiny-llama", tokens=40), cpu_target)[0]
     with Database(tmp_path / "t.db") as db:
-        tune_tasks(tasks, cpu_target, db, TuneOptions(trials=3 * len(tasks), batch_size=4, seed=0, transfer=False))
         with LazyMeasurer(cpu_target) as shared:
+            # The tuning shares it too: one more builder pool and runner would only cost their start.
+            tune_tasks(tasks, cpu_target, db, TuneOptions(trials=3 * len(tasks), batch_size=4, seed=0, transfer=False),
+                       measurer=shared())
             _, first = apply_database(other, db, cpu_target, shared)
             started = shared()
             _, longest = apply_database(longer, db, cpu_target, shared)

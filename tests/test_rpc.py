@@ -16,7 +16,7 @@ from autosched.task import Task
 from autosched.tuner import TuneOptions, tune
 from autosched.workloads import make_workload
 
-from .helpers import autosched
+from .helpers import autosched, cli
 
 pytest.importorskip("tornado", reason="TVM's RPC tracker needs tornado (pip install -e '.[test]')")
 
@@ -144,15 +144,17 @@ def test_a_hung_server_loses_only_its_candidate(cpu_target, tmp_path):
     assert not [r for r in records if r.result.error_msg and "session was lost" in r.result.error_msg]
 
 
-def test_rpc_errors_are_one_line(cluster, tmp_path):
+def test_rpc_errors_are_one_line(tmp_path):
     db = str(tmp_path / "never.db")
-    proc = autosched("tune", "softmax", "--trials", "2", "--runner", "rpc", "--tracker", "127.0.0.1:1", "--key", "x",
-                     "--db", db, check=False)
+    # In-process: what is said and returned, not the process (test_rpc_tune_from_the_command_line runs one).
+    proc = cli("tune", "softmax", "--trials", "2", "--runner", "rpc", "--tracker", "127.0.0.1:1", "--key", "x",
+               "--db", db, check=False)
     assert proc.returncode == 1 and "cannot reach the RPC tracker at 127.0.0.1:1" in proc.stderr
-    proc = autosched("tune", "softmax", "--trials", "2", "--runner", "rpc", "--tracker", cluster.address,
-                     "--key", "nobody-here", "--db", db, check=False)
+    with LocalCluster(0) as tracker:  # a tracker alone: servers take seconds to start and register
+        proc = cli("tune", "softmax", "--trials", "2", "--runner", "rpc", "--tracker", tracker.address,
+                   "--key", "nobody-here", "--db", db, check=False)
     assert proc.returncode == 1 and "no RPC server is registered under key 'nobody-here'" in proc.stderr
-    proc = autosched("tune", "softmax", "--trials", "2", "--runner", "rpc", "--db", db, check=False)
+    proc = cli("tune", "softmax", "--trials", "2", "--runner", "rpc", "--db", db, check=False)
     assert proc.returncode == 2 and "--runner rpc needs --tracker" in proc.stderr
     assert not (tmp_path / "never.db").exists()  # nothing was created for a run that could not measure
 
@@ -170,7 +172,7 @@ def test_device_list_parsing():
     for bad in ("", "0,0", "a", "-1", "0;1"):
         with pytest.raises(Exception, match="--devices"):
             parse_devices(bad)
-    proc = autosched("tune", "softmax", "--trials", "2", "--devices", "0,1", check=False)
+    proc = cli("tune", "softmax", "--trials", "2", "--devices", "0,1", check=False)
     assert proc.returncode == 2 and "--devices picks GPUs" in proc.stderr
 
 
@@ -215,5 +217,5 @@ def test_builder_rpc_builds_on_the_servers(cluster, cpu_target, tmp_path):
 
 
 def test_builder_rpc_needs_the_rpc_runner(tmp_path):
-    proc = autosched("tune", "softmax", "--trials", "2", "--builder", "rpc", "--db", str(tmp_path / "x.db"), check=False)
+    proc = cli("tune", "softmax", "--trials", "2", "--builder", "rpc", "--db", str(tmp_path / "x.db"), check=False)
     assert proc.returncode == 2 and "--builder rpc goes with --runner rpc" in proc.stderr
