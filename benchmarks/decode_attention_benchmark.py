@@ -90,6 +90,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=544, help="tokens per sequence (default 544)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--only-default", action="store_true",
+                        help="the default kernel (and TVM's) only: for a profiler (ncu) to read")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode
@@ -108,7 +110,7 @@ def main() -> int:
         c = kvd.default_config(g, hkv, d)
         points = [(c["split"], c["spread_split"], c["warps"], c["unroll"], "fit" if c["blocks"] else None, c["fill"])]
         kernels = {}
-        for split, spread_split, warps, unroll, blocks, fill in points + POINTS:
+        for split, spread_split, warps, unroll, blocks, fill in points + ([] if args.only_default else POINTS):
             w = warps or kvd.default_warps(g, d)
             u = unroll or kvd.default_unroll(g)
             fit = kvd.default_blocks(g, d, w, u) if blocks == "fit" else 0
