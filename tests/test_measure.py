@@ -230,6 +230,11 @@ def test_a_fused_kernels_reference_is_compiled_by_the_builder_and_loaded_by_the_
     builder = Builder(cpu_target, workers=2)
     try:
         (built,) = builder.build(task.spec, [point])
+        # Builders start without torch (tvm_ffi would import it: seconds and memory a process), and build.
+        import importlib
+
+        with pytest.raises(ImportError, match="left out of autosched's builder processes"):
+            builder._pool.submit(importlib.import_module, "torch").result()
     finally:
         builder.close()
     assert built.ok and cached.exists() and cached.parent == tmp_path / "references"

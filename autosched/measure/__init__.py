@@ -151,6 +151,48 @@ def _popen_worker(initializer, initargs: tuple, env: dict[str, str], **kwargs):
     return _Worker(initializer, initargs, **kwargs) if env else PopenWorker(initializer, initargs, **kwargs)
 
 
+def _torchless_path() -> str:
+    """A folder holding a ``torch`` package that refuses to import, made once a process. First on a builder's
+    ``PYTHONPATH``, it keeps tvm_ffi from importing torch, which it does whenever it can (seconds and some
+    hundred MB a process): builders only compile; the runner, whose references are torch's, imports it."""
+    global _TORCHLESS
+    if _TORCHLESS is None:
+        import atexit
+
+        folder = tempfile.mkdtemp(prefix="autosched-torchless-")
+        os.makedirs(os.path.join(folder, "torch"))
+        with open(os.path.join(folder, "torch", "__init__.py"), "w") as f:
+            f.write('raise ImportError("torch is left out of autosched\'s builder processes")\n')
+        atexit.register(shutil.rmtree, folder, True)
+        _TORCHLESS = folder
+    return _TORCHLESS
+
+
+_TORCHLESS: str | None = None
+
+
+def _builder_pool(workers: int, timeout: float, initializer, stdout, stderr):
+    """TVM's ``PopenPoolExecutor`` whose workers start without torch (:func:`_torchless_path`)."""
+    from tvm.support.popen_pool import PopenPoolExecutor
+
+    path = os.environ.get("PYTHONPATH")
+    env = {"PYTHONPATH": _torchless_path() + (os.pathsep + path if path else "")}
+
+    class _Pool(PopenPoolExecutor):
+        def _worker_run(self, fn, args, kwargs):  # TVM's, with the worker made by _popen_worker
+            with self._lock:
+                tid = threading.get_ident()
+                if tid not in self._worker_map:
+                    self._worker_map[tid] = _popen_worker(self._initializer, self._initargs, env,
+                                                          maximum_uses=self._maximum_process_uses,
+                                                          stdout=self._stdout, stderr=self._stderr)
+                proc = self._worker_map[tid]
+            proc.send(fn, args, kwargs, self._timeout)
+            return proc.recv()
+
+    return _Pool(workers, timeout=timeout, initializer=initializer, stdout=stdout, stderr=stderr)
+
+
 class _Reference:
     """A task's reference compiling in the builder pool: waited for, never a build result."""
 
@@ -169,8 +211,6 @@ class Builder:
 
     def __init__(self, target: TargetSpec, workers: int | None = None, timeout: float = 120.0,
                  workdir: str | None = None):
-        from tvm.support.popen_pool import PopenPoolExecutor
-
         from ._worker import init_worker
 
         self.target = target
@@ -178,8 +218,7 @@ class Builder:
         self.timeout = timeout
         self.dir = workdir or tempfile.mkdtemp(prefix="autosched-build-")
         self._log = _worker_log(self.dir, "builder.log")
-        self._pool = PopenPoolExecutor(self.workers, timeout=timeout, initializer=init_worker,
-                                       stdout=subprocess.DEVNULL, stderr=self._log)
+        self._pool = _builder_pool(self.workers, timeout, init_worker, subprocess.DEVNULL, self._log)
         self._count = 0
         self._references: set[str] = set()  # tasks whose reference was sent to the pool
 
