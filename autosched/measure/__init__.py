@@ -9,6 +9,7 @@ crashes its process is killed, recorded as failed, and the process restarted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -151,24 +152,19 @@ def _popen_worker(initializer, initargs: tuple, env: dict[str, str], **kwargs):
     return _Worker(initializer, initargs, **kwargs) if env else PopenWorker(initializer, initargs, **kwargs)
 
 
+@functools.cache
 def _torchless_path() -> str:
     """A folder holding a ``torch`` package that refuses to import, made once a process. First on a builder's
     ``PYTHONPATH``, it keeps tvm_ffi from importing torch, which it does whenever it can (seconds and some
     hundred MB a process): builders only compile; the runner, whose references are torch's, imports it."""
-    global _TORCHLESS
-    if _TORCHLESS is None:
-        import atexit
+    import atexit
 
-        folder = tempfile.mkdtemp(prefix="autosched-torchless-")
-        os.makedirs(os.path.join(folder, "torch"))
-        with open(os.path.join(folder, "torch", "__init__.py"), "w") as f:
-            f.write('raise ImportError("torch is left out of autosched\'s builder processes")\n')
-        atexit.register(shutil.rmtree, folder, True)
-        _TORCHLESS = folder
-    return _TORCHLESS
-
-
-_TORCHLESS: str | None = None
+    folder = tempfile.mkdtemp(prefix="autosched-torchless-")
+    os.makedirs(os.path.join(folder, "torch"))
+    with open(os.path.join(folder, "torch", "__init__.py"), "w") as f:
+        f.write('raise ImportError("torch is left out of autosched\'s builder processes")\n')
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def _builder_pool(workers: int, timeout: float, initializer, stdout, stderr):
