@@ -175,12 +175,13 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
             return T.cta_id([pairs]), 0, 0, warps
         # The cluster's size is a launch parameter: ``split`` CTAs share a pair, or ``spread_split`` take their own
         # (one each, or with ``fill`` one each ``pair_warps`` warps where the pairs are many).
-        spread = T.Select(spreads(pairs), 1, 0)
+        spread = spreads(pairs)
         per_pair = pair_warps(pairs, warps) if fill else warps
         ctas = (pairs + warps // per_pair - 1) // (warps // per_pair)
-        cluster = T.cluster_id([T.Select(spreads(pairs), (ctas + spread_split - 1) // spread_split, pairs)])
+        cluster = T.cluster_id([T.Select(spread, (ctas + spread_split - 1) // spread_split, pairs)])
         # The body reads the warps a pair only where the CTAs are spread.
-        return cluster, T.cta_id_in_cluster([T.Select(spreads(pairs), spread_split, split)]), spread, per_pair
+        return (cluster, T.cta_id_in_cluster([T.Select(spread, spread_split, split)]), T.Select(spread, 1, 0),
+                per_pair)
 
     # fmt: off
     @T.prim_func
