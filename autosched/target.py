@@ -58,14 +58,16 @@ class TargetSpec:
         name = f" ({self.device_name})" if self.device_name else ""
         return f"{self.kind}:{self.arch}{name}"
 
-    def tvm_target(self):
+    def tvm_target(self, opt_level: int = 3):
+        """``opt_level``: LLVM's optimisation level of CPU code (:func:`cpu_build_opt_level`)."""
         import tvm
 
         if self.kind == "llvm":
             from .fastmath import install
 
             install()  # vectorisable exp for every kernel compiled for this CPU
-            return tvm.target.Target({"kind": "llvm", "mcpu": self.arch, "num-cores": self.num_cores})
+            level = {} if opt_level == 3 else {"opt-level": opt_level}  # 3: LLVM's default, the target unchanged
+            return tvm.target.Target({"kind": "llvm", "mcpu": self.arch, "num-cores": self.num_cores, **level})
         return tvm.target.Target({
             "kind": "cuda", "arch": self.arch, "max_threads_per_block": 1024, "max_num_threads": 1024,
             "thread_warp_size": 32, "registers_per_block": 65536,
@@ -185,12 +187,28 @@ def _cuda_driver_version() -> str:
     return f"cuda-api {tvm.cuda(0).driver_version}"
 
 
+CPU_OPT_LEVEL_VARIABLE = "AUTOSCHED_CPU_OPT_LEVEL"
+
+
+def cpu_build_opt_level() -> int:
+    """LLVM's optimisation level for a model's CPU build: ``$AUTOSCHED_CPU_OPT_LEVEL`` (1-3), 3 by default. A
+    lower level builds faster and runs slower: for checking what a model computes, not for timing it. Tuned
+    candidates are always compiled at 3, as they are timed. Level 0 is refused: a model built at it gave other
+    greedy tokens than transformers where levels 1-3 give the same."""
+    text = os.environ.get(CPU_OPT_LEVEL_VARIABLE, "3")
+    if text.strip() not in ("1", "2", "3"):
+        raise UsageError(f"${CPU_OPT_LEVEL_VARIABLE} is '{text}'; set it to 1, 2 or 3 (LLVM's optimisation "
+                         "level of a model's CPU build), or unset it for 3")
+    return int(text)
+
+
 def compile_module(mod, target: TargetSpec, config: dict | None = None, codegen: dict | None = None,
                    relax_pipeline=None):
     """``tvm.compile`` for ``target`` under the pass options a space asked for (see Space.build_config)
     and its code generation (``Space.codegen``: TIRx kernels take ``tir_pipeline="tirx"`` and the
     architecture-specific target ``sm_90a``, whose wgmma and setmaxnreg plain ``sm_90`` lacks).
-    ``relax_pipeline``: the Relax passes of a model's build (TVM's default for the target if None)."""
+    ``relax_pipeline``: the Relax passes of a model's build (TVM's default for the target if None); a model's
+    CPU code is compiled at :func:`cpu_build_opt_level`."""
     import dataclasses
 
     import tvm
@@ -198,8 +216,9 @@ def compile_module(mod, target: TargetSpec, config: dict | None = None, codegen:
     codegen = codegen or {}
     if "arch" in codegen:
         target = dataclasses.replace(target, arch=codegen["arch"])
+    opt_level = cpu_build_opt_level() if relax_pipeline is not None and target.kind == "llvm" else 3
     with tvm.transform.PassContext(opt_level=3, config=config or {}):
-        return tvm.compile(mod, target=target.tvm_target(), relax_pipeline=relax_pipeline or "default",
+        return tvm.compile(mod, target=target.tvm_target(opt_level), relax_pipeline=relax_pipeline or "default",
                            tir_pipeline=codegen.get("tir_pipeline", "default"))
 
 

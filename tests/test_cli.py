@@ -231,6 +231,43 @@ def test_a_factory_that_returns_no_model_is_named_in_one_line(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("level", ["0", "4", "fast"])
+def test_a_bad_cpu_opt_level_is_refused_before_building(level, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSCHED_CPU_OPT_LEVEL", level)
+    proc = cli("build", "tiny-llama", "-o", str(tmp_path / "out"), "--db", str(tmp_path / "x.db"), check=False)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "set it to 1, 2 or 3" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_models_cpu_code_is_compiled_at_the_cpu_opt_level(cpu_target, monkeypatch):
+    """The level reaches LLVM for a model's build (a Relax pipeline given); a tuned candidate's stays 3."""
+    import tvm
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    from autosched.target import compile_module
+
+    @I.ir_module
+    class Model:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")):
+            return R.add(x, x)
+
+    seen = []
+    build = tvm.compile
+
+    def spy(mod, target, **kwargs):
+        seen.append(int(target.attrs.get("opt-level", 3)))
+        return build(mod, target=target, **kwargs)
+
+    monkeypatch.setattr(tvm, "compile", spy)
+    monkeypatch.setenv("AUTOSCHED_CPU_OPT_LEVEL", "2")
+    compile_module(Model, cpu_target, relax_pipeline=tvm.relax.get_pipeline("default"))
+    compile_module(Model, cpu_target)
+    assert seen == [2, 3]
+
+
 def test_build_without_a_database_warns_that_it_builds_untuned(tmp_path, capsys):
     from autosched.cli.common import open_build_db
 

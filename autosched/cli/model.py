@@ -87,9 +87,11 @@ def _quantize_needs_generate(args) -> None:
 
 def cmd_build(args) -> int:
     from ..output import check_output_folder
+    from ..target import cpu_build_opt_level
 
     check_output_folder(args.output, "the artifact", build=True)  # before minutes of building
     _quantize_needs_generate(args)
+    cpu_build_opt_level()  # a bad $AUTOSCHED_CPU_OPT_LEVEL said before the build, not after it
     if args.generate:
         from .generate import cmd_build_generate
 
