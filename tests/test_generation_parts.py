@@ -203,7 +203,7 @@ def test_the_generation_report_is_the_model_builds_report():
     assert sources["transferred_kernels"] == {"b": "gemm[m=8]"} and sources["records_slower_than_default"] == ["c"]
 
 
-def test_the_cpu_window_prefill_kernel_masks_cached_keys_to_the_window():
+def test_the_cpu_paged_prefill_kernel_masks_cached_keys_to_the_window():
     """Our CPU kernel for a prefill call's queries over a windowed cache's pages, against numpy: two sequences
     (one whose window starts inside its first page, one with nothing cached), GQA, the query r tokens into the
     call seeing the last window - r - 1 cached keys (none from r = window - 1 on: zeros and a log-sum-exp of
@@ -213,10 +213,10 @@ def test_the_cpu_window_prefill_kernel_masks_cached_keys_to_the_window():
     import numpy as np
     import tvm
 
-    from autosched.generation.window_prefill import EMPTY_LSE, window_prefill_cpu_kernel
+    from autosched.generation.cpu_paged_prefill import EMPTY_LSE, cpu_paged_prefill_kernel
 
     h_q, h_kv, d, page, window = 4, 2, 8, 4, 6
-    kernel = window_prefill_cpu_kernel(h_q, h_kv, d, page, "float32", window, "window_prefill")
+    kernel = cpu_paged_prefill_kernel(h_q, h_kv, d, page, "float32", window, "window_prefill")
     run = tvm.compile(tvm.IRModule({"main": kernel}), target=tvm.target.Target({"kind": "llvm"}))
     rng = np.random.default_rng(0)
     pages = rng.standard_normal((8, 2, h_kv, page, d)).astype("float32")
@@ -248,3 +248,45 @@ def test_the_cpu_window_prefill_kernel_masks_cached_keys_to_the_window():
                 np.testing.assert_allclose(out.numpy()[row, h], want, rtol=1e-5, atol=1e-6)
                 want_lse = (scores.max() + math.log(weights.sum())) / math.log(2)
                 np.testing.assert_allclose(lse.numpy()[row, h], want_lse, rtol=1e-5)
+
+
+def test_the_cpu_paged_prefill_kernel_without_a_window_sees_every_cached_key():
+    """Our CPU kernel for a prefill call's queries over a cache's pages without a window (TVM's reads a
+    one-element buffer past its end), against numpy: a sequence of 6 cached keys (pages 5 and 2, 2 keys in the
+    last) and 3 new queries beside one with nothing cached; every cached key without ``causal``, and with it
+    the keys before ``cached - new + r + 1`` (TVM's convention: the new tokens already in the pages)."""
+    import math
+
+    import numpy as np
+    import tvm
+
+    from autosched.generation.cpu_paged_prefill import EMPTY_LSE, cpu_paged_prefill_kernel
+
+    h_q, h_kv, d, page = 4, 2, 8, 4
+    kernel = cpu_paged_prefill_kernel(h_q, h_kv, d, page, "float32", 0, "paged_prefill")
+    run = tvm.compile(tvm.IRModule({"main": kernel}), target=tvm.target.Target({"kind": "llvm"}))
+    rng = np.random.default_rng(1)
+    pages = rng.standard_normal((8, 2, h_kv, page, d)).astype("float32")
+    seq_pages, cached, new = [5, 2], 6, [3, 2]
+    q = rng.standard_normal((sum(new), h_q, d)).astype("float32")
+    args = [q, np.array([0, 3, 5], "int32"), pages, np.array([0, 2, 2], "int32"), np.array(seq_pages, "int32"),
+            np.array([cached - page, 0], "int32"), np.zeros(2, "int32"), np.zeros(sum(new), "int32")]
+    keys = np.stack([pages[seq_pages[c // page], 0, :, c % page] for c in range(cached)])
+    values = np.stack([pages[seq_pages[c // page], 1, :, c % page] for c in range(cached)])
+    scale = 1 / math.sqrt(d)
+    for causal in (0, 1):
+        out = tvm.runtime.tensor(np.full((sum(new), h_q, d), np.nan, "float32"))
+        lse = tvm.runtime.tensor(np.full((sum(new), h_q), np.nan, "float32"))
+        run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, scale)
+        for row in range(sum(new)):
+            for h in range(h_q):
+                if row >= new[0]:  # the sequence without pages: nothing visible
+                    assert not out.numpy()[row, h].any() and lse.numpy()[row, h] == EMPTY_LSE
+                    continue
+                end = cached - new[0] + row + 1 if causal else cached
+                scores = keys[:end, h // 2] @ q[row, h] * scale
+                weights = np.exp(scores - scores.max())
+                np.testing.assert_allclose(out.numpy()[row, h], weights @ values[:end, h // 2] / weights.sum(),
+                                           rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(lse.numpy()[row, h], (scores.max() + math.log(weights.sum())) / math.log(2),
+                                           rtol=1e-5)

@@ -278,12 +278,13 @@ def _tiny(head_dim: int = 64, **overrides):
 
 
 @pytest.mark.slow
-def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms_attention():
+def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms_decode_and_ragged_prefill():
     """``cuda:sm_90``: the cache's decode and prefill kernels are ours (the report names them, TVM's
     PrimFuncs are gone, the executable's function table holds ours as packed functions linked in from their
     own TIRx builds), the sliding-window variants stay TVM's; so are its merge and rotary kernels (in the
     module), which the report does not count as default-scheduled kernels.
-    ``llvm``: the attention roles stay TVM's, the merge and rotary kernels are ours."""
+    ``llvm``: the decode and ragged prefill stay TVM's; the merge, rotary and paged prefill kernels are ours (the
+    last in place of TVM's CPU kernel, under its name)."""
     from autosched.generation.attention import DECODE_ROLE, MERGE_ROLE, PAGED_PREFILL_ROLE, RAGGED_PREFILL_ROLE, ROPE_ROLE
     from autosched.generation.build import lower_generation, schedule_generation
     from autosched.pipeline.build import build_pipeline, compile_separate
@@ -325,6 +326,11 @@ def test_a_build_for_sm90_runs_our_attention_kernels_and_a_cpu_build_keeps_tvms_
 
     _, served, kernels = dispatch_attention(lowered, cpu)
     assert set(served) == {MERGE_ROLE, ROPE_ROLE} and kernels == {}  # the attention kernels stay TVM's
+    _, report, _ = schedule_generation(lowered, None, cpu)
+    assert report.attention[PAGED_PREFILL_ROLE] == ("autosched cpu_paged_prefill (batch_prefill_paged_kv_cpu); "
+                                                    "TVM default (batch_prefill_paged_kv_cpu_sliding_window)")
+    assert report.attention[DECODE_ROLE] == ("TVM default (batch_decode_paged_kv_cpu, "
+                                             "batch_decode_paged_kv_cpu_sliding_window)")
 
 
 @pytest.mark.slow

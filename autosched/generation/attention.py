@@ -281,7 +281,7 @@ def _swap_in_module(mod: IRModule, role: Role, target: TargetSpec) -> tuple[IRMo
     """(``mod`` with our kernel in place of each cache's PrimFunc of ``role`` (on any target), what runs it)."""
     from autosched.tvm_adapter import kv_cache_kernels
 
-    from .window_prefill import KERNEL_ATTR
+    from .cpu_paged_prefill import KERNEL_ATTR
 
     served = []
     for name in kv_cache_kernels(mod, role.cache_arg):

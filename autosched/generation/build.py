@@ -167,7 +167,7 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
 
     from autosched.pipeline.lowering import lower
 
-    from .window_prefill import replace_window_prefill_cpu
+    from .cpu_paged_prefill import replace_cpu_paged_prefill
 
     if prefill_chunks and cfg.rope_scaling.get("rope_type") == "longrope":
         raise UsageError("--prefill-chunks is not supported for a longrope model: it picks its rotary factors from "
@@ -178,8 +178,8 @@ def lower_generation(cfg: DecoderConfig, target: TargetSpec, decode_batches: tup
         raise UsageError("--speculate is not supported for a model with a sliding window or longrope: a speculative "
                          "step feeds several tokens past what such a cache can roll back")
     mod, names = export(cfg, target.tvm_target(), decode_batches, prefill_chunks, speculate)
-    if cfg.sliding_window and target.kind == "llvm":
-        mod = replace_window_prefill_cpu(mod, cfg.sliding_window)
+    if target.kind == "llvm":  # TVM's CPU kernels over cached pages are wrong (cpu_paged_prefill says how)
+        mod = replace_cpu_paged_prefill(mod, cfg.sliding_window)
     return lower(relax.transform.FuseTransposeMatmul()(mod)), names
 
 
@@ -192,7 +192,7 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec, scaled
     from autosched.pipeline.build import apply_database
 
     from .attention import dispatch_attention
-    from .window_prefill import KERNEL_ATTR
+    from .cpu_paged_prefill import KERNEL_ATTR, KERNEL_NAME
 
     lowered, ours, kernels = dispatch_attention(lowered, target, tree_apart=scaled_rope)
     scheduled, applied = apply_database(lowered, db, target, calls=decode_calls(lowered))
@@ -211,7 +211,7 @@ def schedule_generation(lowered, db: Database | None, target: TargetSpec, scaled
         found = sorted(n for n in present if n.startswith(prefixes))
         mine = [n for n in found if (getattr(present[n], "attrs", None) or {}).get(KERNEL_ATTR)]
         theirs = [n for n in found if n not in mine]
-        text = "; ".join([f"autosched window_prefill ({', '.join(mine)})"] * bool(mine)
+        text = "; ".join([f"autosched {KERNEL_NAME} ({', '.join(mine)})"] * bool(mine)
                          + [f"TVM default ({', '.join(theirs)})"] * bool(theirs))
         report.attention[role] = ours.get(role) or text or "none"
     report.attention.update({role: text for role, text in ours.items() if role not in ATTENTION_ROLES})
