@@ -231,12 +231,12 @@ def test_a_factory_that_returns_no_model_is_named_in_one_line(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("level", ["0", "4", "fast"])
+@pytest.mark.parametrize("level", ["-1", "4", "fast"])
 def test_a_bad_cpu_opt_level_is_refused_before_building(level, tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOSCHED_CPU_OPT_LEVEL", level)
     proc = cli("build", "tiny-llama", "-o", str(tmp_path / "out"), "--db", str(tmp_path / "x.db"), check=False)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "set it to 1, 2 or 3" in lines[0], proc.stderr
+    assert proc.returncode == 2 and len(lines) == 1 and "set it to 0, 1, 2 or 3" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
 
 
