@@ -59,8 +59,9 @@ def cpu_paged_prefill_kernel(h_q: int, h_kv: int, d: int, page_size: int, dtype:
         return T.if_then_else(causal > 0, T.max(cached - T.max(window - r - 1, 0), 0), 0)
 
     def end_visible(causal, cached, r, new):
-        """Without a window, a causal call's query ``r`` of ``new`` sees the keys before ``cached - new + r + 1``
-        (as TVM's kernel: all of them where the new tokens are not in the pages yet, as ours never are)."""
+        """Without a window, a causal call's query ``r`` of ``new`` sees the keys before ``cached - new + r + 1``,
+        as in TVM's kernel (a cache that appends before attention has the call's tokens last in the pages; ours
+        append after and call it without ``causal``: every cached key)."""
         if window:
             return cached
         return T.if_then_else(causal > 0, T.max(T.min(cached - new + r + 1, cached), 0), cached)
