@@ -203,21 +203,50 @@ def test_the_generation_report_is_the_model_builds_report():
     assert sources["transferred_kernels"] == {"b": "gemm[m=8]"} and sources["records_slower_than_default"] == ["c"]
 
 
+def _cpu_paged_prefill(window: int, h_q: int, h_kv: int, d: int, page: int):
+    """Our CPU kernel over cached pages (float32) compiled for the host: ``call(args, causal)`` runs it on
+    the cache's arguments before its outputs and returns (output, lse), both filled with NaN before."""
+    import numpy as np
+    import tvm
+
+    from autosched.generation.cpu_paged_prefill import cpu_paged_prefill_kernel
+
+    kernel = cpu_paged_prefill_kernel(h_q, h_kv, d, page, "float32", window, "paged_prefill")
+    run = tvm.compile(tvm.IRModule({"main": kernel}), target=tvm.target.Target({"kind": "llvm"}))
+
+    def call(args, causal):
+        rows = args[0].shape[0]
+        out = tvm.runtime.tensor(np.full((rows, h_q, d), np.nan, "float32"))
+        lse = tvm.runtime.tensor(np.full((rows, h_q), np.nan, "float32"))
+        run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, 1 / d**0.5)
+        return out.numpy(), lse.numpy()
+
+    return call
+
+
+def _assert_attends(out, lse, q, keys, values):
+    """``out`` and ``lse`` (base 2) are the attention of the query ``q`` over ``keys`` and ``values``."""
+    import math
+
+    import numpy as np
+
+    scores = keys @ q / math.sqrt(len(q))
+    weights = np.exp(scores - scores.max())
+    np.testing.assert_allclose(out, weights @ values / weights.sum(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, (scores.max() + math.log(weights.sum())) / math.log(2), rtol=1e-5)
+
+
 def test_the_cpu_paged_prefill_kernel_masks_cached_keys_to_the_window():
     """Our CPU kernel for a prefill call's queries over a windowed cache's pages, against numpy: two sequences
     (one whose window starts inside its first page, one with nothing cached), GQA, the query r tokens into the
     call seeing the last window - r - 1 cached keys (none from r = window - 1 on: zeros and a log-sum-exp of
     -5e4, which the merge with the call's own keys ignores); without ``causal``, every cached key."""
-    import math
-
     import numpy as np
-    import tvm
 
-    from autosched.generation.cpu_paged_prefill import EMPTY_LSE, cpu_paged_prefill_kernel
+    from autosched.generation.cpu_paged_prefill import EMPTY_LSE
 
     h_q, h_kv, d, page, window = 4, 2, 8, 4, 6
-    kernel = cpu_paged_prefill_kernel(h_q, h_kv, d, page, "float32", window, "window_prefill")
-    run = tvm.compile(tvm.IRModule({"main": kernel}), target=tvm.target.Target({"kind": "llvm"}))
+    run = _cpu_paged_prefill(window, h_q, h_kv, d, page)
     rng = np.random.default_rng(0)
     pages = rng.standard_normal((8, 2, h_kv, page, d)).astype("float32")
     # Sequence 0: 6 keys in the window, its slots 3..8 of pages 5, 2, 7 (window offset 3); 7 new queries.
@@ -231,23 +260,15 @@ def test_the_cpu_paged_prefill_kernel_masks_cached_keys_to_the_window():
     slots = [(seq_pages[(offset + c) // page], (offset + c) % page) for c in range(cached)]
     keys = np.stack([pages[p, 0, :, s] for p, s in slots])
     values = np.stack([pages[p, 1, :, s] for p, s in slots])
-    scale = 1 / math.sqrt(d)
     for causal in (1, 0):
-        out = tvm.runtime.tensor(np.full((sum(new), h_q, d), np.nan, "float32"))
-        lse = tvm.runtime.tensor(np.full((sum(new), h_q), np.nan, "float32"))
-        run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, scale)
+        out, lse = run(args, causal)
         for row in range(sum(new)):
             first = max(cached - max(window - row - 1, 0), 0) if causal else 0
             for h in range(h_q):
                 if row >= new[0] or first == cached:  # nothing visible
-                    assert not out.numpy()[row, h].any() and lse.numpy()[row, h] == EMPTY_LSE
+                    assert not out[row, h].any() and lse[row, h] == EMPTY_LSE
                     continue
-                scores = keys[first:, h // 2] @ q[row, h] * scale
-                weights = np.exp(scores - scores.max())
-                want = weights @ values[first:, h // 2] / weights.sum()
-                np.testing.assert_allclose(out.numpy()[row, h], want, rtol=1e-5, atol=1e-6)
-                want_lse = (scores.max() + math.log(weights.sum())) / math.log(2)
-                np.testing.assert_allclose(lse.numpy()[row, h], want_lse, rtol=1e-5)
+                _assert_attends(out[row, h], lse[row, h], q[row, h], keys[first:, h // 2], values[first:, h // 2])
 
 
 def test_the_cpu_paged_prefill_kernel_without_a_window_sees_every_cached_key():
@@ -255,16 +276,12 @@ def test_the_cpu_paged_prefill_kernel_without_a_window_sees_every_cached_key():
     one-element buffer past its end), against numpy: a sequence of 6 cached keys (pages 5 and 2, 2 keys in the
     last) and 3 new queries beside one with nothing cached; every cached key without ``causal``, and with it
     the keys before ``cached - new + r + 1`` (TVM's convention: the new tokens already in the pages)."""
-    import math
-
     import numpy as np
-    import tvm
 
-    from autosched.generation.cpu_paged_prefill import EMPTY_LSE, cpu_paged_prefill_kernel
+    from autosched.generation.cpu_paged_prefill import EMPTY_LSE
 
     h_q, h_kv, d, page = 4, 2, 8, 4
-    kernel = cpu_paged_prefill_kernel(h_q, h_kv, d, page, "float32", 0, "paged_prefill")
-    run = tvm.compile(tvm.IRModule({"main": kernel}), target=tvm.target.Target({"kind": "llvm"}))
+    run = _cpu_paged_prefill(0, h_q, h_kv, d, page)
     rng = np.random.default_rng(1)
     pages = rng.standard_normal((8, 2, h_kv, page, d)).astype("float32")
     seq_pages, cached, new = [5, 2], 6, [3, 2]
@@ -273,20 +290,12 @@ def test_the_cpu_paged_prefill_kernel_without_a_window_sees_every_cached_key():
             np.array([cached - page, 0], "int32"), np.zeros(2, "int32"), np.zeros(sum(new), "int32")]
     keys = np.stack([pages[seq_pages[c // page], 0, :, c % page] for c in range(cached)])
     values = np.stack([pages[seq_pages[c // page], 1, :, c % page] for c in range(cached)])
-    scale = 1 / math.sqrt(d)
     for causal in (0, 1):
-        out = tvm.runtime.tensor(np.full((sum(new), h_q, d), np.nan, "float32"))
-        lse = tvm.runtime.tensor(np.full((sum(new), h_q), np.nan, "float32"))
-        run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, scale)
+        out, lse = run(args, causal)
         for row in range(sum(new)):
             for h in range(h_q):
                 if row >= new[0]:  # the sequence without pages: nothing visible
-                    assert not out.numpy()[row, h].any() and lse.numpy()[row, h] == EMPTY_LSE
+                    assert not out[row, h].any() and lse[row, h] == EMPTY_LSE
                     continue
                 end = cached - new[0] + row + 1 if causal else cached
-                scores = keys[:end, h // 2] @ q[row, h] * scale
-                weights = np.exp(scores - scores.max())
-                np.testing.assert_allclose(out.numpy()[row, h], weights @ values[:end, h // 2] / weights.sum(),
-                                           rtol=1e-5, atol=1e-6)
-                np.testing.assert_allclose(lse.numpy()[row, h], (scores.max() + math.log(weights.sum())) / math.log(2),
-                                           rtol=1e-5)
+                _assert_attends(out[row, h], lse[row, h], q[row, h], keys[:end, h // 2], values[:end, h // 2])
