@@ -153,7 +153,7 @@ def replace_cpu_paged_prefill(mod: IRModule, window: int) -> IRModule:
         if not isinstance(func, tirx.PrimFunc) or func.attrs is None or "global_symbol" not in func.attrs:
             continue
         symbol = str(func.attrs["global_symbol"])
-        if symbol not in (TVM_SYMBOL, TVM_SYMBOL + WINDOWED_SUFFIX) and not symbol.startswith(TVM_SYMBOL + "_"):
+        if symbol != TVM_SYMBOL and not symbol.startswith(TVM_SYMBOL + "_"):
             continue
         windowed = symbol.startswith(TVM_SYMBOL + WINDOWED_SUFFIX)
         if windowed and not window:  # a variant the cache holds but never calls without a window: TVM's, unread
