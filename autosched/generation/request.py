@@ -3,6 +3,7 @@ what a sequence has made so far (:class:`Completion`), apart from the model and 
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -18,30 +19,75 @@ class GenerationError(AutoschedError):
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen: greedy when ``temperature`` is 0, else sampled from the logits divided
-    by ``temperature``, kept to the ``top_k`` most likely (0: all) and to the smallest set whose probability
-    reaches ``top_p``. ``seed`` makes a request's samples reproducible whatever else is in its batch."""
+    by ``temperature``, kept to the tokens whose probability is at least ``min_p`` times the largest, to the
+    ``top_k`` most likely (0: all) and to the smallest set whose probability reaches ``top_p``. ``seed`` makes a
+    request's samples reproducible whatever else is in its batch.
+
+    Before that, as OpenAI's API and vLLM define them: ``logit_bias`` ((token, bias) pairs) is added to the
+    logits; ``repetition_penalty`` divides the positive logits (multiplies the negative ones) of every token of
+    the prompt and the output; ``frequency_penalty`` times a token's count in the output, and
+    ``presence_penalty`` once for any token in the output, are subtracted. ``logprobs``: report the chosen
+    token's log-probability and the ``logprobs`` most likely tokens' (0: the chosen one only; None: none), from
+    the model's own logits (before the rules above)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
-        for wrong, what in ((self.temperature < 0, f"temperature must be 0 (greedy) or more, got {self.temperature}"),
+        for wrong, what in ((not self.temperature >= 0 or math.isinf(self.temperature),
+                             f"temperature must be 0 (greedy) or a finite number above it, got {self.temperature}"),
                             (self.top_k < 0, f"top_k must be 0 (no limit) or more, got {self.top_k}"),
-                            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")):
+                            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+                            (not 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+                            (not 0 < self.repetition_penalty < math.inf,
+                             f"repetition_penalty must be above 0 (1: none), got {self.repetition_penalty}"),
+                            (not -2 <= self.frequency_penalty <= 2,
+                             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+                            (not -2 <= self.presence_penalty <= 2,
+                             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+                            (self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS,
+                             f"logprobs must be 0 to {MAX_LOGPROBS} top tokens, got {self.logprobs}")):
             if wrong:
                 raise UsageError(what)
-        if self.temperature == 0 and (self.top_k or self.top_p < 1):
-            raise UsageError(f"top_k {self.top_k} and top_p {self.top_p:g} choose among tokens to sample, and temperature "
-                             "0 is greedy (no sampling): give a temperature above 0 (e.g. --temperature 0.8), or leave "
-                             "top_k and top_p out")
+        for token, bias in self.logit_bias:
+            if not is_token_id(token) or token < 0 or not -100 <= bias <= 100:
+                raise UsageError(f"logit_bias maps token ids (0 or more) to a bias in [-100, 100], got {token!r}: {bias!r}")
+        if self.temperature == 0 and (self.top_k or self.top_p < 1 or self.min_p):
+            raise UsageError(f"top_k {self.top_k}, top_p {self.top_p:g} and min_p {self.min_p:g} choose among tokens to "
+                             "sample, and temperature 0 is greedy (no sampling): give a temperature above 0 (e.g. "
+                             "--temperature 0.8), or leave top_k, top_p and min_p out")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise UsageError(f"seed must be a whole number, 0 or more (got {self.seed})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether choosing the token reads the row's logits on the host (the rules the device kernels do not
+        apply: min_p, penalties, logit_bias, logprobs)."""
+        return bool(self.min_p or self.repetition_penalty != 1 or self.frequency_penalty or self.presence_penalty
+                    or self.logit_bias or self.logprobs is not None)
+
+
+MAX_LOGPROBS = 20  # the most top tokens a step reports (OpenAI's limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the model, and the most likely tokens' (token, log-probability)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -52,6 +98,8 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, where Sampling.logprobs asks
+    cached_tokens: int = 0  # of the prompt, read from a kept prefix rather than prefilled
 
     @property
     def finished(self) -> bool:
@@ -76,6 +124,8 @@ class SequenceState:
     cached: list[int] = field(default_factory=list)  # the tokens in the cache (for a re-read: see Generator.step)
     rng: object = None  # the request's own random stream (numpy, seeded by sampling.seed)
     prompt_context: list[int] = field(default_factory=list)  # a fork's parent tokens and the prompt
+    next_logprob: TokenLogprob | None = None  # the sampler's, for the token accept() records next
+    remembered: bool = False  # its prompt is in the prefix cache (Generator.prefix_cache)
 
     @property
     def context(self) -> list[int]:
@@ -98,6 +148,9 @@ class SequenceState:
     def accept(self, token: int) -> None:
         """A token was sampled for this sequence: record it and decide whether the sequence ends."""
         self.completion.tokens.append(token)
+        if self.next_logprob is not None:
+            self.completion.logprobs.append(self.next_logprob)
+            self.next_logprob = None
         if token in self.stop_tokens:
             self.completion.finish_reason = "stop"
         elif len(self.completion.tokens) >= self.max_new_tokens:

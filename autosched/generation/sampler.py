@@ -50,17 +50,21 @@ def greedy_kernel(vocab: int, gpu: bool):
 
 def distribution(logits, sampling):
     """The probabilities (numpy float64, summing to 1) of one row of logits after ``sampling``'s temperature,
-    top-k and top-p: what a sampled token is drawn from. ``sampling`` must not be greedy."""
+    min-p, top-k and top-p (in that order, as vLLM applies them): what a sampled token is drawn from.
+    ``sampling`` must not be greedy."""
     import numpy as np
 
     scores = logits.astype(np.float64) / sampling.temperature
+    if sampling.min_p:
+        # p >= min_p * p_max, in logits: score >= max + log(min_p)
+        scores = np.where(scores >= scores.max() + np.log(sampling.min_p), scores, -np.inf)
     if sampling.top_k:
         cut = np.partition(scores, -sampling.top_k)[-sampling.top_k]
         scores = np.where(scores >= cut, scores, -np.inf)
     probs = np.exp(scores - scores.max())
     probs /= probs.sum()
     if sampling.top_p < 1:
-        order = np.argsort(-probs)
+        order = np.argsort(-probs, kind="stable")
         keep = np.cumsum(probs[order]) - probs[order] < sampling.top_p  # the smallest prefix reaching top_p
         mask = np.zeros_like(probs, dtype=bool)
         mask[order[keep]] = True
@@ -79,6 +83,40 @@ def sample_host(logits, sampling, rng) -> int:
     return int(rng.choice(len(probs), p=probs))
 
 
+def processed_logits(logits, seq):
+    """One row of logits (float64) after the request's logit bias and repetition, frequency and presence
+    penalties (:class:`~.request.Sampling`), given the sequence's tokens so far."""
+    import numpy as np
+
+    sp = seq.sampling
+    scores = logits.astype(np.float64)
+    if sp.logit_bias:
+        tokens = np.asarray([t for t, _ in sp.logit_bias if t < scores.size], dtype=np.int64)
+        np.add.at(scores, tokens, [b for t, b in sp.logit_bias if t < scores.size])
+    if sp.repetition_penalty != 1:
+        seen = np.unique(np.asarray(seq.context, dtype=np.int64))
+        values = scores[seen]
+        scores[seen] = np.where(values > 0, values / sp.repetition_penalty, values * sp.repetition_penalty)
+    if sp.frequency_penalty or sp.presence_penalty:
+        counts = np.bincount(np.asarray(seq.completion.tokens, dtype=np.int64), minlength=scores.size)[:scores.size]
+        scores -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
+    return scores
+
+
+def token_logprob(logits, token: int, top: int):
+    """The log-probability of ``token`` under one row of logits, and the ``top`` most likely tokens' (by value,
+    then by the smaller id), in float64."""
+    import numpy as np
+
+    from .request import TokenLogprob
+
+    scores = logits.astype(np.float64)
+    shifted = scores - scores.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    best = np.lexsort((np.arange(scores.size), -logprobs))[:top] if top else []
+    return TokenLogprob(float(logprobs[token]), tuple((int(t), float(logprobs[t])) for t in best))
+
+
 class Sampler:
     """Tokens for the rows of a step, chosen on the device where the model runs: ``greedy_tokens`` where every
     row is greedy, ``sample_tokens`` otherwise (each sampled row draws one uniform number from its request's
@@ -93,8 +131,11 @@ class Sampler:
 
     def on_device(self, seqs: list) -> str:
         """Where a step's tokens are chosen: ``greedy`` (every row greedy, on the device), ``sample`` (on the
-        device) or ``host`` (an artifact built before ``sample_tokens``)."""
-        if self.greedy_tokens is not None and all(seq.sampling.greedy for seq in seqs):
+        device) or ``host`` (an artifact built before ``sample_tokens``). Rows whose rules need the logits
+        (:attr:`~.request.Sampling.needs_logits`) are chosen on the host whatever this says, the others the same
+        way whether such rows share their step or not."""
+        plain = [seq for seq in seqs if not seq.sampling.needs_logits]
+        if self.greedy_tokens is not None and all(seq.sampling.greedy for seq in plain):
             return "greedy"
         return "sample" if self.sample_tokens is not None else "host"
 
@@ -107,10 +148,10 @@ class Sampler:
 
         if not any(wanted) or self.on_device(seqs) != "sample":
             return None
-        params = np.zeros((rows, 4), dtype="float32")  # padding and unwanted rows: greedy
+        params = np.zeros((rows, 4), dtype="float32")  # padding, unwanted and host rows: greedy
         for i, (seq, want) in enumerate(zip(seqs, wanted)):
             sp = seq.sampling
-            if want and not sp.greedy:
+            if want and not sp.greedy and not sp.needs_logits:
                 params[i] = (sp.temperature, sp.top_k, sp.top_p, seq.rng.random())
         return self.staging.put("sampling", params)
 
@@ -118,21 +159,43 @@ class Sampler:
                staged=None) -> list[int | None]:
         """A token for each of ``seqs`` that is ``wanted`` (None for the others), from the first rows of
         ``logits`` (a device tensor of ``rows`` rows, padding rows last). A request's random stream is drawn
-        from only when it samples; ``staged``: :meth:`stage`'s parameters for this step (staged here if None)."""
+        from only when it samples; ``staged``: :meth:`stage`'s parameters for this step (staged here if None).
+        Rows that need their logits on the host (:attr:`~.request.Sampling.needs_logits`) read them back
+        (every row's, once) and are chosen by :func:`choose_on_host`."""
         where = self.on_device(seqs)
         if where == "greedy":
             counts["device_greedy_calls"] += 1
             picks = self.greedy_tokens(logits).numpy().reshape(-1)
-            return [int(picks[i]) if want else None for i, want in enumerate(wanted)]
-        if where == "sample":
+        elif where == "sample":
             counts["device_sample_calls"] += 1
             params = staged if staged is not None else self.stage(rows, seqs, wanted)
             picks = self.sample_tokens(logits, params).numpy().reshape(-1)
-            return [int(picks[i]) if want else None for i, want in enumerate(wanted)]
-        counts["host_sample_calls"] += 1
-        host = logits.numpy().reshape(rows, -1)
-        return [sample_host(host[i], seq.sampling, seq.rng) if want else None
-                for i, (seq, want) in enumerate(zip(seqs, wanted))]
+        else:
+            picks = None
+        on_host = [want and (picks is None or seq.sampling.needs_logits) for seq, want in zip(seqs, wanted)]
+        host = None
+        if any(on_host):
+            counts["host_sample_calls"] += 1
+            host = logits.numpy().reshape(rows, -1)
+        return [choose_on_host(host[i], seq) if here else int(picks[i]) if want else None
+                for i, (seq, want, here) in enumerate(zip(seqs, wanted, on_host))]
+
+
+def choose_on_host(logits, seq) -> int:
+    """The token of one row of logits (numpy) for ``seq``, its request's every rule applied, drawing from its
+    random stream when it samples; its log-probabilities kept for :meth:`~.request.SequenceState.accept`."""
+    import numpy as np
+
+    sp = seq.sampling
+    scores = processed_logits(logits, seq) if sp.needs_logits else logits
+    if sp.greedy:
+        token = int(np.argmax(scores))
+    else:
+        probs = distribution(scores, sp)
+        token = int(seq.rng.choice(len(probs), p=probs))
+    if sp.logprobs is not None:
+        seq.next_logprob = token_logprob(logits, token, sp.logprobs)
+    return token
 
 
 BISECTIONS = 40  # halvings of a threshold's interval: below float32's spacing for logits and probabilities
