@@ -216,6 +216,7 @@ KV_CACHE_RUNTIME = {
     "begin_forward": "vm.builtin.kv_state_begin_forward",
     "end_forward": "vm.builtin.kv_state_end_forward",
     "popn": "vm.builtin.kv_state_popn",
+    "clear": "vm.builtin.kv_state_clear",
     "free_pages": "vm.builtin.attention_kv_cache_get_num_available_pages",
     "enable_sliding_window": "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq",
 }

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import scheduler
 from .model import LoadedModel, check_kv_pages
+from .prefix_cache import PrefixCache
 from .request import Completion, GenerationError, Sampling, SequenceState, is_token_id, token_ids
 from .sampler import Sampler
 
@@ -43,12 +44,19 @@ class Generator:
     the folder of another generation artifact with the same vocabulary (a smaller model); ``speculate``:
     tokens proposed per step; ``adaptive``: plain steps where speculating does not pay (the draft's recent
     proposals mostly rejected).
+
+    ``prefix_cache``: keep the pages of prompts served (and of finished sequences) for later prompts that start
+    with the same tokens, which then prefill only the rest (:mod:`.prefix_cache`); the kept pages are given back,
+    least recently used first, when a step needs them. Not for a model with a sliding window or longrope (their
+    caches cannot share a prefix): there it stays off (``prefix_cache`` is then None).
     """
 
     def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, *, draft=None, speculate: int = 4,
-                 adaptive: bool = True, run_ahead: bool | None = None):
+                 adaptive: bool = True, run_ahead: bool | None = None, prefix_cache: bool = False):
         self._start(LoadedModel.load(artifact_dir, kv_pages), clock)
+        if prefix_cache:
+            self.use_prefix_cache()
         if run_ahead is not None:
             self.run_ahead = run_ahead
         if draft is not None:
@@ -69,6 +77,38 @@ class Generator:
         check_speculation(k, self.model)
         self._speculator = Speculator(self.model, make_draft(draft, self.model), k, self.limits, self._stats,
                                       adaptive)
+
+    def use_prefix_cache(self, on: bool = True) -> None:
+        """Keep served prefixes from now on (see the class); ``on=False`` gives every kept page back."""
+        if not on or self.window or self.rope_switch is not None:
+            if self.prefix_cache is not None:
+                for entry in self.prefix_cache.clear():
+                    self.model.remove(entry.seq_id)
+            self.prefix_cache = None
+        elif self.prefix_cache is None:
+            self.prefix_cache = PrefixCache(self.model.page_size)
+
+    def make_room(self, pages: int) -> bool:
+        """Give kept prefixes' pages back, least recently used first, until ``pages`` pages are free; whether
+        they are."""
+        while self.model.free_pages() < pages:
+            entry = self.prefix_cache.least_recent() if self.prefix_cache is not None else None
+            if entry is None:
+                return False
+            self.model.remove(entry.seq_id)
+        return True
+
+    def reset(self) -> None:
+        """Every sequence and kept prefix out, the cache clean and every page free, after a call that failed
+        midway (its state unknown): what the sequences made is lost."""
+        self.model.clear()
+        if self._speculator is not None:
+            self._speculator.draft.clear()
+        self._seqs.clear()
+        self._done.clear()
+        self._flight = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     @classmethod
     def in_memory(cls, executable, params: list, manifest: dict, device, kv_pages: int | None = None) -> Generator:
@@ -101,6 +141,7 @@ class Generator:
         # On a GPU the host's turn between two steps would leave it idle; on the CPU it is the same cores.
         self.run_ahead = model.on_gpu
         self._flight: Flight | None = None  # a decode step launched whose tokens are not read yet
+        self.prefix_cache: PrefixCache | None = None
 
     def __getattr__(self, name: str):
         # The model's facts (max_batch, max_seq_len, vocab, manifest, vm, caches, ...), as attributes of old.
@@ -164,6 +205,7 @@ class Generator:
             raise GenerationError("forks of a prefix are not supported for a longrope model: it re-reads a whole "
                                   f"sequence with the long factors when it grows past {self.rope_switch} tokens")
         context = list(prompt)
+        cached = None
         if parent is not None:
             parent_seq = self._get(parent)
             if parent_seq.pending:
@@ -178,13 +220,22 @@ class Generator:
                                   "left for a new token; shorten it or rebuild with a larger --max-seq-len")
         if max_new_tokens < 0:
             raise GenerationError("max_new_tokens must be 0 or more")
+        if parent is None and self.prefix_cache is not None:
+            cached = self.prefix_cache.match(prompt)
         seq_id = self._next_id
         self._next_id += 1
-        self.model.add(seq_id, parent)
+        if cached is not None:  # the prompt's first pages are a kept prefix's: forked, not prefilled again
+            (entry, base), parent = cached, None
+            prompt = prompt[base:]
+            self.model.add(seq_id, entry.seq_id, base)
+        else:
+            self.model.add(seq_id, parent)
         sampling = sampling or Sampling()
         stops = frozenset(self.eos_token_ids if stop_tokens is None else stop_tokens)
         self._seqs[seq_id] = SequenceState(seq_id, prompt, base, max_new_tokens, stops, sampling,
                                            rng=np.random.default_rng(sampling.seed), prompt_context=context)
+        if cached is not None:
+            self._seqs[seq_id].completion.cached_tokens = base
         return seq_id
 
     def remove(self, seq_id: int) -> Completion:
@@ -231,13 +282,19 @@ class Generator:
             served, flight = {id(s) for s in flight.seqs}, None
         decoding = [s for s in seqs if s.decoding and id(s) not in served]
         waiting = [s for s in seqs if not s.prefilled]
+        if self.prefix_cache is not None:  # the pages this step may take, from kept prefixes where short
+            page, k = self.limits.page_size, 1 + (self._speculator.k if self._speculator is not None else 0)
+            self.make_room(sum(scheduler.pages_needed(s.length, k, page) for s in decoding)
+                           + sum(scheduler.pages_needed(s.length, len(s.pending), page) for s in waiting)
+                           + max(self.decode_batches, default=1))
         while waiting:
             parts, chunk = scheduler.next_prefill(waiting, self.limits)
             made += self._forward(parts, prefill=True, chunk=chunk)
             waiting = [s for s in waiting if not s.prefilled and not s.completion.finished]
         if flight is not None:
             made += self._fly(flight)
-        elif decoding and self._speculator is not None and self._speculator.wants_step():
+        elif (decoding and self._speculator is not None and not any(s.sampling.needs_logits for s in decoding)
+              and self._speculator.wants_step()):
             made += self._speculator.step(decoding)
         elif decoding and (rows := self._run_ahead_rows(decoding)) is not None:
             made += self._fly(self._launch(decoding, rows))
@@ -246,6 +303,12 @@ class Generator:
             if self._speculator is not None:
                 self._speculator.plain_step(len(decoding))
         for seq in seqs:
+            if self.prefix_cache is not None and seq.prefilled and not seq.completion.error:
+                if not seq.remembered:  # the prompt, once prefilled
+                    seq.remembered = True
+                    self._remember(seq, seq.prompt_context)
+                if seq.completion.finish_reason in ("stop", "length"):  # and what the sequence made, for a next turn
+                    self._remember(seq, seq.context[:seq.length])
             if seq.completion.finished and seq.max_new_tokens > 0:
                 self.model.remove(seq.seq_id)
                 if self._speculator is not None:
@@ -313,6 +376,12 @@ class Generator:
 
     # ---- inside ----------------------------------------------------------------------------------
 
+    def _remember(self, seq: SequenceState, tokens: list[int]) -> None:
+        """Keep the whole pages of ``tokens`` (the first tokens of ``seq`` in the cache) as a prefix."""
+        entry = self.prefix_cache.add(tokens[:seq.length])
+        if entry is not None:
+            self.model.add(entry.seq_id, seq.seq_id, fork_at=len(entry.tokens))
+
     def _get(self, seq_id: int) -> SequenceState:
         if seq_id not in self._seqs:
             raise GenerationError(f"no live sequence {seq_id}: live are {sorted(self._seqs) or 'none'}")
@@ -329,7 +398,7 @@ class Generator:
         if not (self.run_ahead and m.step_barrier and self._speculator is None and self.rope_switch is None):
             return None
         in_flight = 0 if flight is None else 1
-        if any(not s.sampling.greedy or len(s.completion.tokens) + in_flight >= s.max_new_tokens
+        if any(not s.sampling.greedy or s.sampling.needs_logits or len(s.completion.tokens) + in_flight >= s.max_new_tokens
                or s.length + 1 >= self.max_seq_len for s in seqs):
             return None
         need = sum(scheduler.pages_needed(s.length, 1, self.limits.page_size) for s in seqs)

@@ -109,11 +109,13 @@ class LoadedModel:
 
         self._add, self._fork, self.remove = each("add_sequence"), each("fork_sequence"), each("remove_sequence")
         self._begin, self._end, self.popn = each("begin_forward"), each("end_forward"), each("popn")
+        self._clear = each("clear")
         self._free_pages = runtime["free_pages"]  # of the main cache
         self._enable_window = runtime["enable_sliding_window"]
         self._pad_ids: list[int] = []
         self.staging = Staging(device)
         self._functions: dict[str, object] = {}
+        self.total_pages = self.free_pages()  # TVM's cache has a page more than asked for
         self.sample_tokens = self.function("sample_tokens")
         self.greedy_tokens = self.function("greedy_tokens")
 
@@ -138,13 +140,20 @@ class LoadedModel:
 
     # ---- the cache's sequences ---------------------------------------------------------------------
 
-    def add(self, seq_id: int, parent: int | None = None) -> None:
+    def add(self, seq_id: int, parent: int | None = None, fork_at: int = -1) -> None:
+        """A new sequence: empty, or forked from ``parent``'s first ``fork_at`` tokens (-1: all of them), whose
+        pages it shares."""
         if parent is not None:
-            self._fork(parent, seq_id, -1)
+            self._fork(parent, seq_id, fork_at)
             return
         self._add(seq_id)
         if self._window_per_sequence:  # on the windowed cache (the last); it counts the tokens before the newest
             self._enable_window(self.caches[-1], seq_id, self.window - 1, 0)
+
+    def clear(self) -> None:
+        """Every sequence out of the cache, every page free: a clean cache after a call that failed midway."""
+        self._clear()
+        self._pad_ids = []
 
     def token_marks(self):
         """CUDA events after decode steps' tokens (:class:`~.cuda_events.TokenMarks`); None on the CPU or

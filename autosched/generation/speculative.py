@@ -109,6 +109,9 @@ class PromptLookupDraft:
     def forget(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
 
+    def clear(self) -> None:
+        """Nothing is kept."""
+
     def prefill(self, requests) -> None:
         """Nothing to read ahead."""
 
@@ -135,6 +138,11 @@ class ModelDraft:
     def forget(self, seq_id: int) -> None:
         if self.cached.pop(seq_id, None) is not None:
             self.model.remove(seq_id)
+
+    def clear(self) -> None:
+        """Every sequence out of the draft's cache (see Generator.reset)."""
+        self.model.clear()
+        self.cached.clear()
 
     def propose(self, requests: list[tuple[SequenceState, int]]) -> list[Proposal]:
         """Up to k tokens for each (sequence, k): the sequences' new tokens fed (a prompt by a prefill call; the
