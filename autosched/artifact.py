@@ -27,10 +27,13 @@ GENERATION_FORMAT = "autosched-generator"  # the format of `build --generate`'s 
 GENERATION_LIBRARY = "generate.so"
 
 
-def write_artifact(out_dir: str | Path, libraries: dict, params: dict, manifest: dict) -> Path:
+def write_artifact(out_dir: str | Path, libraries: dict, params: dict, manifest: dict,
+                   files: dict | None = None) -> Path:
     """Write an artifact of either kind: ``params`` ({name: TVM tensor}) to ``params.bin``, each executable of
-    ``libraries`` ({file name: executable}) and then ``manifest.json`` (last: a folder with a manifest is
-    whole). The folder is created."""
+    ``libraries`` ({file name: executable}), ``files`` ({path in the artifact: file to copy}, e.g. the
+    tokenizer's) and then ``manifest.json`` (last: a folder with a manifest is whole). The folder is created."""
+    import shutil
+
     import tvm
 
     out = Path(out_dir)
@@ -38,6 +41,9 @@ def write_artifact(out_dir: str | Path, libraries: dict, params: dict, manifest:
     (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(params))
     for name, executable in libraries.items():
         executable.export_library(str(out / name))
+    for name, source in (files or {}).items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, out / name)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out
 

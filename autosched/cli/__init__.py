@@ -22,6 +22,7 @@ from .generate import add_build_arguments as add_generation_build_arguments
 from .generate import add_generate_parser
 from .generate import add_tune_arguments as add_generation_tune_arguments
 from .model import BUILD_BUCKET_GROWTH, cmd_build, cmd_run, cmd_tune_model
+from .serve import add_serve_parser
 from .tools import cmd_db, cmd_report, cmd_rpc_server
 from .tune import add_workload_args, cmd_ops, cmd_show, cmd_tune
 
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_build)
 
     add_generate_parser(sub)
+    add_serve_parser(sub)
     add_eval_parser(sub)
 
     p = sub.add_parser("run", help="run a built model on random inputs, check it against torch, time it")

@@ -39,6 +39,8 @@ def add_build_arguments(p) -> None:
                    help="with --generate: numbers of proposed tokens k whose speculative verification gets a static "
                         "function at each decode batch (tuned kernels; CUDA graphs on a GPU), e.g. 4 for "
                         "`generate --speculate 4` (default: none; other k verify through the dynamic prefill)")
+    p.add_argument("--tokenizer", help="with --generate: a local folder of the model's Hugging Face tokenizer, copied "
+                   "into the artifact for `autosched serve` (default: the model folder's, where it has one)")
     _add_quantize(p)
 
 
@@ -74,6 +76,13 @@ def cmd_build_generate(args) -> int:
     if args.tokens or args.batch:
         raise UsageError("--tokens and --batch do not apply to --generate: prompts and batches vary at run time "
                          "(give --max-seq-len and --max-batch)")
+    tokenizer = args.tokenizer
+    if tokenizer is not None:
+        from ..serve.tokenizer import load_tokenizer
+
+        load_tokenizer(tokenizer)  # a folder without a readable tokenizer is refused before the build
+    elif os.path.isdir(args.model):
+        tokenizer = args.model  # the model's own, where its folder has one
     model = load_generation_model(args.model, args.dtype, args.quantize)
     db = open_build_db(args.db)  # as any build: a database one may only read is read as it is
     log = console(stderr=True)
@@ -89,7 +98,7 @@ def cmd_build_generate(args) -> int:
             speculate = tuple(sorted(set(parse_ids(args.speculate, "--speculate", "numbers of proposed tokens"))))
         out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
                                       db_path=str(db.path) if db else None, decode_batches=batches,
-                                      prefill_chunks=chunks, speculate=speculate)
+                                      prefill_chunks=chunks, speculate=speculate, tokenizer=tokenizer)
     finally:
         if db is not None:
             db.close()
@@ -189,6 +198,16 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens up to this mass")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (prompt i uses seed + i)")
     p.add_argument("--stop-ids", help="comma-separated token ids that end a sequence (default: the model's EOS)")
+    add_speculation_arguments(p)
+    p.add_argument("--no-run-ahead", action="store_true",
+                   help="decode a step at a time (default on a GPU: each greedy step is launched before the "
+                        "tokens of the step before it are read, the same tokens)")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="output (default text)")
+    p.set_defaults(fn=cmd_generate)
+
+
+def add_speculation_arguments(p) -> None:
+    """``--speculate K`` with ``--draft DIR`` or ``--prompt-lookup`` (generate and serve)."""
     p.add_argument("--speculate", type=int, metavar="K",
                    help="decode speculatively: a draft proposes K tokens a step and the model verifies them in one "
                         "call, keeping its own greedy tokens (or its sampling distribution); needs --draft or "
@@ -201,11 +220,6 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--always-speculate", action="store_true",
                    help="with --speculate: speculate at every step (default: decode plainly while the draft's "
                         "recent proposals are mostly rejected, trying it again every 16 steps)")
-    p.add_argument("--no-run-ahead", action="store_true",
-                   help="decode a step at a time (default on a GPU: each greedy step is launched before the "
-                        "tokens of the step before it are read, the same tokens)")
-    p.add_argument("--format", choices=("text", "json"), default="text", help="output (default text)")
-    p.set_defaults(fn=cmd_generate)
 
 
 # Why a sequence ended, as the text output says it (Completion.finish_reason).
@@ -228,7 +242,7 @@ def _tokenizer(path: str | None):
         raise UsageError(f"no tokenizer could be read from {path}: {exc}") from None
 
 
-def _draft(args):
+def speculation_draft(args):
     """What ``--speculate``, ``--draft`` and ``--prompt-lookup`` ask for: a draft for Generator, or None."""
     from ..generation.generator import read_generation_manifest
 
@@ -270,7 +284,7 @@ def cmd_generate(args) -> int:
     Sampling(args.temperature, args.top_k, args.top_p, args.seed)  # checks the options before loading
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
-    draft = _draft(args)
+    draft = speculation_draft(args)
     gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1, adaptive=not args.always_speculate,
                     run_ahead=False if args.no_run_ahead else None)
     results = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

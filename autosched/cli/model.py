@@ -83,6 +83,8 @@ def model_estimate(tasks, results, untunable=()) -> str:
 def _quantize_needs_generate(args) -> None:
     if getattr(args, "quantize", None) and not args.generate:
         raise UsageError(f"--quantize {args.quantize} applies to text generation builds: add --generate")
+    if getattr(args, "tokenizer", None) and not args.generate:
+        raise UsageError("--tokenizer applies to text generation builds (for autosched serve): add --generate")
 
 
 def cmd_build(args) -> int:

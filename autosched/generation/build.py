@@ -403,9 +403,11 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
                     page_size: int = DEFAULT_PAGE_SIZE,
                     decode_batches: tuple[int, ...] | None = None,
                     prefill_chunks: tuple[int, ...] | None = None,
-                    speculate: tuple[int, ...] = ()) -> tuple[Path, GenerationReport]:
+                    speculate: tuple[int, ...] = (), tokenizer: str | Path | None = None) -> tuple[Path, GenerationReport]:
     """Write a generation artifact for ``model`` to ``out_dir``: ``generate.so`` (batched prefill and decode,
-    the KV cache's creation), ``params.bin`` and ``manifest.json``. Nothing is written if the build fails."""
+    the KV cache's creation), ``params.bin``, the tokenizer's files of the folder ``tokenizer`` (under
+    ``tokenizer/``, for ``autosched serve``) and ``manifest.json``. Nothing is written if the build fails."""
+    from autosched.serve.tokenizer import ARTIFACT_TOKENIZER, tokenizer_files
 
     _check_limits(model.config, max_seq_len, max_batch)
     if model.config.sliding_window >= max_seq_len:  # the window never binds: every layer attends to the whole sequence
@@ -430,7 +432,10 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,
                                    decode_batches, prefill_chunks, speculate)
     tensors = {key: _to_tvm(weights[name], model.config.dtype) for key, name in zip(manifest["param_order"], names)}
-    return write_artifact(out_dir, {LIBRARY: executable}, tensors, manifest), report
+    files = {f"{ARTIFACT_TOKENIZER}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
+    if files:
+        manifest["tokenizer"] = ARTIFACT_TOKENIZER
+    return write_artifact(out_dir, {LIBRARY: executable}, tensors, manifest, files), report
 
 
 def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:
