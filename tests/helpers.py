@@ -203,3 +203,40 @@ def record_launches_behind(gen) -> list[bool]:
     launch = gen._launch
     gen._launch = lambda seqs, rows, after=None: behind.append(after is not None) or launch(seqs, rows, after)
     return behind
+
+
+# A chat template in the ChatML style, taking tools (as templates that take them do): what apply_chat_template
+# renders in the serving tests.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+TOKENIZER_TEXT = (
+    "Once upon a time there was a little model that wanted to serve many clients at once. "
+    "It learned to batch their requests, to share the pages of a common prompt, and to stop at the right word. "
+    "Naïve café owners wrote “smart quotes”, emoji 🙂 and 中文 text, all of which must survive detokenization. "
+    "The quick brown fox jumps over the lazy dog; JSON looks like {\"name\": \"value\", \"count\": 3}. ")
+
+
+def train_tokenizer(folder, vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained here (``tokenizers``) on a short text, with ``<unk>``, ``<s>`` and
+    ``</s>`` as ids 0, 1 and 2 (the tiny models' BOS 1 and EOS 2) and the ChatML markers, saved to ``folder``
+    as transformers saves one (chat template included); returns transformers' tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>",
+                                                                         "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sta", "ve", "zo", "pri", "gu", "tha", "bel", "dor", "fen", "wi"]
+    words = [a + b + c for a in syllables for b in syllables for c in syllables[:5]]  # enough merges to fill it
+    tokenizer.train_from_iterator([TOKENIZER_TEXT] * 20 + [" ".join(words[i:i + 40]) for i in range(0, len(words), 40)],
+                                  trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return fast

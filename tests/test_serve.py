@@ -1,0 +1,601 @@
+"""``autosched serve``: the OpenAI-compatible server over a tiny generation artifact, tested over HTTP with the
+real ``openai`` client (sync and async) and a tokenizer trained here with ``tokenizers``: completions and chat,
+streamed and not; concurrent requests given the tokens they get alone; seeded sampling that ignores its
+batch; stop strings across token boundaries; log-probabilities and penalties against float64 references on
+transformers' model; the prefix cache; disconnects, the queue's limit, bad input, a failing step and SIGTERM.
+
+One artifact is built for the file; one server process (``autosched serve``) serves most tests, others run
+an :class:`~autosched.serve.Engine` and its app in this process, where a test holds the engine's steps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from .helpers import start, train_tokenizer
+
+pytestmark = [pytest.mark.xdist_group("serve-artifact"), pytest.mark.timeout(300)]
+
+openai = pytest.importorskip("openai", reason="pip install -e '.[test]' installs openai")
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
+
+MAX_SEQ_LEN, MAX_BATCH, PAGE = 128, 4, 16
+API_KEY = "sk-test"
+PROMPTS = ["Once upon a time", "The quick brown fox", "JSON looks like", "Naïve café owners wrote",
+           "emoji 🙂 and 中文 text", "It learned to batch their requests"]
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """(transformers' model, the artifact folder, the tokenizer): a tiny Llama whose folder holds a trained
+    tokenizer with a chat template, built through the command line (which copies the tokenizer)."""
+    import torch
+
+    from autosched.examples.hf import TINY, _config
+
+    from .helpers import cli
+
+    root = tmp_path_factory.mktemp("serve")
+    config, cls = _config("llama", TINY)
+    torch.manual_seed(3)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+    model.save_pretrained(root / "hf")
+    tokenizer = train_tokenizer(root / "hf")
+    cli("build", str(root / "hf"), "--generate", "-o", str(root / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
+        "--max-batch", str(MAX_BATCH), "--decode-batches", "1,2,4", "--prefill-chunks", "16",
+        "--db", str(root / "none.db"))
+    return model, root / "art", tokenizer
+
+
+def _serve(*args):
+    """``autosched serve ARGS`` started on a free port: (the process, its base URL)."""
+    proc = start("serve", *args, "--port", "0")
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        found = re.search(r"at (http://[\d.]+:\d+/v1)", line)
+        if found:
+            return proc, found.group(1)
+    raise AssertionError(f"the server did not start (exit {proc.wait()}):\n{''.join(lines)}")
+
+
+@pytest.fixture(scope="session")
+def server(built):
+    proc, url = _serve(str(built[1]), "--api-key", API_KEY, "--served-model-name", "tiny")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def plain_server(built):
+    """A second server of the same artifact, without the prefix cache."""
+    proc, url = _serve(str(built[1]), "--no-prefix-cache")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return openai.OpenAI(base_url=server, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _alone(artifact, prompts, new, **sampling):
+    """Each prompt's tokens served alone (``new`` of them, or ``new[i]`` for prompt i) by a Generator of its own
+    (no prefix cache), ignoring the end-of-sequence token as the requests do (``ignore_eos``)."""
+    from autosched.generation import Generator, Sampling
+
+    gen = Generator(artifact)
+    out = []
+    for i, prompt in enumerate(prompts):
+        seq = gen.add(prompt, new[i] if isinstance(new, list) else new, Sampling(**sampling), stop_tokens=[])
+        while seq in gen.live:
+            gen.step()
+        out.append(gen.remove(seq).tokens)
+    return out
+
+
+def _ids(tokenizer, text):
+    return tokenizer.encode(text)
+
+
+# ---- the API, whole and streamed -----------------------------------------------------------------------------
+
+def test_completions_and_chat_whole_and_streamed_give_the_tokens_and_text_of_the_model(built, client):
+    model, artifact, tokenizer = built
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    prompt = _ids(tokenizer, PROMPTS[0])
+    (expected,) = _alone(artifact, [prompt], 12)
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = whole.choices[0]
+    assert choice.token_ids == expected and choice.finish_reason == "length"
+    assert choice.text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt), 12)
+
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[1]}]
+    chat_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                   add_special_tokens=False)
+    (expected,) = _alone(artifact, [chat_prompt], 10)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert reply.choices[0].token_ids == expected and reply.usage.prompt_tokens == len(chat_prompt)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    streamed = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == reply.choices[0].message.content
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_prompts_as_token_ids_lists_and_n_choices(built, client):
+    _, artifact, tokenizer = built
+    prompts = [_ids(tokenizer, p) for p in PROMPTS[:3]]
+    expected = _alone(artifact, prompts, 6)
+    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, n=2,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.token_ids for c in out.choices] == [e for e in expected for _ in range(2)]
+    one = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=6, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert one.choices[0].token_ids == expected[0]
+
+
+def test_64_concurrent_greedy_requests_each_get_the_tokens_they_get_alone(built, server):
+    """Async clients, many more requests than the artifact's batch: they queue, join the running batch at
+    its next step (decode batches of 1, 2, 4 and prefill chunks shared), and leave it as they finish."""
+    _, artifact, tokenizer = built
+    rng = np.random.default_rng(0)
+    prompts = [_ids(tokenizer, PROMPTS[i % len(PROMPTS)]) + rng.integers(3, 500, size=int(rng.integers(1, 20))).tolist()
+               for i in range(64)]
+    lengths = [int(n) for n in rng.integers(4, 24, size=64)]
+    expected = _alone(artifact, prompts, lengths)
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server, api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(prompt, n, stream):
+            if not stream:
+                out = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+                return out.choices[0].token_ids
+            tokens = []
+            async for chunk in await aclient.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                    extra_body={"return_token_ids": True, "ignore_eos": True}):
+                tokens += chunk.choices[0].token_ids if chunk.choices else []
+            return tokens
+
+        try:
+            return await asyncio.gather(*(one(p, n, i % 2) for i, (p, n) in enumerate(zip(prompts, lengths))))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run()) == expected
+
+
+def test_a_seeded_sampled_request_gets_its_tokens_whatever_shares_its_batch(built, server):
+    _, artifact, tokenizer = built
+    prompt = _ids(tokenizer, PROMPTS[2])
+    ask = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 1234,
+           "extra_body": {"return_token_ids": True, "top_k": 50, "ignore_eos": True}}
+
+    async def run(company: int):
+        aclient = openai.AsyncOpenAI(base_url=server, api_key=API_KEY, max_retries=0, timeout=120)
+        # greedy and sampled company, some of it choosing on the host (log-probabilities)
+        others = [aclient.completions.create(model="tiny", prompt=_ids(tokenizer, PROMPTS[i % 6]), max_tokens=20,
+                                             temperature=0.7 if i % 2 else 0, seed=i, logprobs=2 if i % 3 else None,
+                                             extra_body={"ignore_eos": True})
+                  for i in range(company)]
+        try:
+            results = await asyncio.gather(aclient.completions.create(**ask), *others)
+        finally:
+            await aclient.close()
+        return results[0].choices[0].token_ids
+
+    alone = asyncio.run(run(0))
+    assert len(set(alone)) > 3
+    assert asyncio.run(run(7)) == alone
+
+
+def test_stop_strings_across_token_boundaries_end_the_text_before_them(built, client):
+    _, artifact, tokenizer = built
+    prompt = _ids(tokenizer, PROMPTS[3])
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True})]
+    text = "".join(pieces)
+    # a stop string of the last character of one streamed piece and the first of the next
+    at = next(i for i in range(len(pieces) - 1) if pieces[i] and pieces[i + 1] and sum(map(len, pieces[:i])) > 3)
+    stop = pieces[at][-1] + pieces[at + 1][0]
+    expected = text[:text.index(stop)]
+    for stream in (False, True):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "zzzz"],
+                                        stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_equal_a_float64_log_softmax_of_the_model(built, client):
+    import torch
+
+    model, _, tokenizer = built
+    prompt = _ids(tokenizer, PROMPTS[4])
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = out.choices[0]
+    tokens = choice.token_ids
+    with torch.no_grad():
+        logits = model.double()(torch.tensor([prompt + tokens])).logits[0]
+        model.float()
+    reference = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).numpy()
+    got = np.asarray(choice.logprobs.token_logprobs)
+    assert np.abs(got - reference[np.arange(len(tokens)), tokens]).max() < 1e-3
+    # the top tokens (chat's list; the completions' dict folds tokens of the same text)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"return_token_ids": True, "ignore_eos": True})
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+    tokens = chat.choices[0].token_ids
+    with torch.no_grad():
+        logits = model.double()(torch.tensor([prompt + tokens])).logits[0]
+        model.float()
+    reference = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).numpy()
+    for step, entry in enumerate(chat.choices[0].logprobs.content):
+        assert abs(entry.logprob - reference[step, tokens[step]]) < 1e-3
+        top = [t.logprob for t in entry.top_logprobs]
+        assert np.abs(np.asarray(top) - np.sort(reference[step])[::-1][:3]).max() < 1e-3
+
+
+def test_penalties_and_logit_bias_change_the_tokens_as_the_same_rule_on_transformers_logits(built, client):
+    import torch
+
+    model, _, tokenizer = built
+    prompt = _ids(tokenizer, PROMPTS[5])
+    rules = {"frequency_penalty": 0.8, "presence_penalty": 0.5, "logit_bias": {"7": 4.0, "300": -100.0},
+             "extra_body": {"repetition_penalty": 1.3, "return_token_ids": True, "ignore_eos": True}}
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, **rules)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    tokens = []
+    with torch.no_grad():
+        for _ in range(20):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].double().numpy()
+            logits[7] += 4.0
+            logits[300] -= 100.0
+            seen = np.unique(prompt + tokens)
+            logits[seen] = np.where(logits[seen] > 0, logits[seen] / 1.3, logits[seen] * 1.3)
+            counts = np.bincount(tokens, minlength=logits.size)
+            logits -= 0.8 * counts + 0.5 * (counts > 0)
+            tokens.append(int(np.argmax(logits)))
+    assert out.choices[0].token_ids == tokens
+    assert plain.choices[0].token_ids != tokens
+
+
+def test_prefix_caching_reuses_a_shared_system_prompt_with_the_same_tokens(built, server, client, plain_server):
+    _, artifact, tokenizer = built
+    system = tokenizer.encode(" ".join(["Respond kindly and briefly to the user."] * 6))[:70]
+    prompts = [system + _ids(tokenizer, p) for p in PROMPTS[:4]]
+    expected = _alone(artifact, prompts, 8)
+    hits_before = _metric(server, "autosched_prefix_cache_hit_tokens_total")
+    got, cached = [], []
+    for prompt in prompts:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+        got.append(out.choices[0].token_ids)
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    assert got == expected
+    assert cached[1:] == [len(system) // PAGE * PAGE] * 3  # the system prompt's whole pages, after the first
+    assert _metric(server, "autosched_prefix_cache_hit_tokens_total") - hits_before >= 3 * (len(system) // PAGE * PAGE)
+    assert 0 < _metric(server, "autosched_prefix_cache_hit_rate") <= 1
+    plain = openai.OpenAI(base_url=plain_server, api_key="none", max_retries=0, timeout=120)
+    for prompt, tokens in zip(prompts, expected):
+        out = plain.completions.create(model="art", prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert out.choices[0].token_ids == tokens and out.usage.prompt_tokens_details.cached_tokens == 0
+    assert _metric(plain_server, "autosched_prefix_cache_hit_tokens_total") == 0
+
+
+def test_the_prefix_cache_gives_pages_back_when_the_cache_runs_short(built):
+    """A cache of few pages: kept prefixes are evicted for new sequences, and the tokens stay those without."""
+    from autosched.generation import Generator
+
+    _, artifact, tokenizer = built
+    pages = MAX_SEQ_LEN // PAGE + 4
+    gen = Generator(artifact, kv_pages=pages, prefix_cache=True)
+    prompts = [_ids(tokenizer, p) * 4 for p in PROMPTS]
+    got = [gen.generate([p], 8)[0] for p in prompts]
+    assert [c.error for c in got] == [None] * len(prompts)
+    assert [c.tokens for c in got] == _alone(artifact, prompts, 8)
+    assert len(gen.prefix_cache) < 2 * len(prompts)  # some were evicted
+    gen.use_prefix_cache(False)
+    assert gen.model.free_pages() == gen.model.total_pages
+
+
+def test_bad_input_gets_its_status_and_openai_error_and_the_server_keeps_serving(built, server, client):
+    import httpx
+
+    _, artifact, tokenizer = built
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    cases = [
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": [3, 512]}, 400, "prompt"),
+        ({"prompt": list(range(3, 5 + MAX_SEQ_LEN))}, 400, "prompt"),
+        ({"prompt": [3, 4], "max_tokens": MAX_SEQ_LEN}, 400, "max_tokens"),
+        ({"prompt": "x", "n": MAX_BATCH + 1}, 400, "n"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"prompt": "x", "echo": True}, 400, "echo"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ({}, 400, "prompt"),
+    ]
+    with httpx.Client(base_url=server.removesuffix("/v1"), timeout=60) as http:
+        for body, status, param in cases:
+            answer = http.post("/v1/completions", json=body, headers=headers)
+            error = answer.json()["error"]
+            assert (answer.status_code, error["param"]) == (status, param), (body, answer.text)
+            assert error["message"] and error["type"] and "\n" not in error["message"]
+        too_long = http.post("/v1/completions", json={"prompt": list(range(3, 5 + MAX_SEQ_LEN))}, headers=headers)
+        assert f"{MAX_SEQ_LEN + 2} tokens" in too_long.json()["error"]["message"]  # both lengths said
+        assert f"{MAX_SEQ_LEN} tokens" in too_long.json()["error"]["message"]
+        assert http.post("/v1/completions", content=b"{not json", headers=headers).status_code == 400
+        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        assert http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"}).status_code == 401
+        assert http.get("/health").json() == {"status": "ok"}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    out = client.completions.create(model="tiny", prompt="still here", max_tokens=2, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def _metric(server, name: str) -> float:
+    import httpx
+
+    text = httpx.get(server.removesuffix("/v1") + "/metrics").text
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found, f"{name} is not in /metrics"
+    return float(found.group(1))
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_sequence_and_pages(plain_server):
+    import httpx
+
+    server = plain_server  # no kept prefixes: idle, no page is in use
+    assert _metric(server, "autosched_kv_cache_pages_used") == 0
+    body = {"prompt": [5, 6, 7, 8] * 5, "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.removesuffix("/v1"), timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+    # The engine frees them at its next step after the disconnect (bounded wait: not a timing assertion).
+    for _ in range(600):
+        if _metric(server, "autosched_num_requests_running") == 0:
+            break
+        threading.Event().wait(0.05)
+    assert _metric(server, "autosched_num_requests_running") == 0
+    assert _metric(server, "autosched_kv_cache_pages_used") == 0
+
+
+# ---- in this process: the engine held between steps -----------------------------------------------------------
+
+class _Served:
+    """An engine and its app, served by uvicorn in a thread of this process on a free port."""
+
+    def __init__(self, engine, **app_options):
+        import uvicorn
+
+        from autosched.serve import create_app
+
+        self.engine = engine.start()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(engine, "tiny", **app_options), host="127.0.0.1",
+                                                    port=0, log_level="error", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            threading.Event().wait(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join()
+        self.engine.stop()
+
+
+class _Gate:
+    """A generator whose steps wait for the test (the real generator, held between its steps)."""
+
+    def __init__(self, gen):
+        self.gen, self.open = gen, threading.Semaphore(0)
+        self.fail_next = False
+
+    def __getattr__(self, name):
+        return getattr(self.gen, name)
+
+    def step(self):
+        self.open.acquire()
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("a kernel failed")
+        return self.gen.step()
+
+
+def test_past_max_waiting_a_request_gets_429_with_retry_after_and_draining_gets_503(built):
+    import httpx
+
+    from autosched.generation import Generator
+    from autosched.serve import Engine
+
+    _, artifact, tokenizer = built
+    gate = []
+    engine = Engine(lambda: gate.append(_Gate(Generator(artifact))) or gate[0], tokenizer, max_waiting=2)
+    served = _Served(engine)
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+
+        async def run():
+            async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+                held = [asyncio.ensure_future(http.post("/v1/completions", json=body))]
+                while engine.stats().running < 1:  # admitted; the engine waits in its first step
+                    await asyncio.sleep(0.01)
+                held += [asyncio.ensure_future(http.post("/v1/completions", json=body)) for _ in range(2)]
+                while engine.stats().waiting < 2:  # --max-waiting 2 reached
+                    await asyncio.sleep(0.01)
+                refused = await http.post("/v1/completions", json=body)
+                engine.draining = True
+                unavailable = await http.post("/v1/completions", json=body)
+                health = await http.get("/health")
+                for _ in range(100):
+                    gate[0].open.release()
+                done = await asyncio.gather(*held)
+                return refused, unavailable, health, done
+
+        refused, unavailable, health, done = asyncio.run(run())
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert unavailable.status_code == 503 and health.status_code == 503
+        assert [r.status_code for r in done] == [200] * 3
+    finally:
+        served.close()
+
+
+def test_a_step_that_fails_fails_its_requests_with_500_and_the_engine_goes_on_with_a_clean_cache(built):
+    import httpx
+
+    from autosched.generation import Generator
+    from autosched.serve import Engine
+
+    _, artifact, tokenizer = built
+    gate = []
+    engine = Engine(lambda: gate.append(_Gate(Generator(artifact))) or gate[0], tokenizer)
+    served = _Served(engine)
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+
+        async def run():
+            async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+                failing = asyncio.ensure_future(http.post("/v1/completions", json=body))
+                while engine.stats().running < 1:
+                    await asyncio.sleep(0.01)
+                gate[0].fail_next = True
+                gate[0].open.release()
+                failed = await failing
+                for _ in range(10):
+                    gate[0].open.release()
+                return failed, await http.post("/v1/completions", json=body)
+
+        failed, after = asyncio.run(run())
+        assert failed.status_code == 500 and "a kernel failed" in failed.json()["error"]["message"]
+        assert after.status_code == 200
+        assert after.json()["choices"][0]["token_ids"] == _alone(artifact, [[5, 6, 7]], 4)[0]
+        for _ in range(600):  # the engine's books follow its last step (bounded wait: not a timing assertion)
+            if engine.stats().kv_pages_used == 0:
+                break
+            threading.Event().wait(0.01)
+        assert engine.stats().kv_pages_used == 0
+    finally:
+        served.close()
+
+
+def test_an_oversized_body_gets_413(built):
+    import httpx
+
+    from autosched.generation import Generator
+    from autosched.serve import Engine
+
+    _, artifact, tokenizer = built
+    served = _Served(Engine(lambda: Generator(artifact), tokenizer), max_body_bytes=1000)
+    try:
+        answer = httpx.post(served.url + "/v1/completions", json={"prompt": "x" * 2000})
+        assert answer.status_code == 413 and answer.json()["error"]["code"] == 413
+    finally:
+        served.close()
+
+
+def test_sigterm_drains_running_requests_then_exits_0(built):
+    import httpx
+
+    _, artifact, tokenizer = built
+    proc, url = _serve(str(artifact), "--drain-timeout", "60")
+    prompt = [5, 6, 7, 8]
+    (expected,) = _alone(artifact, [prompt], 100)
+    tokens = []
+    with httpx.Client(timeout=60) as http:
+        body = {"prompt": prompt, "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True,
+                "return_token_ids": True}
+        with http.stream("POST", url + "/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                if not tokens:
+                    proc.send_signal(signal.SIGTERM)
+                tokens += json.loads(line[5:])["choices"][0]["token_ids"]
+    assert tokens == expected  # the request ran to its end after the signal
+    assert proc.wait(timeout=60) == 0
+    assert "draining" in proc.stderr.read()
+
+
+# ---- the parts ------------------------------------------------------------------------------------------------
+
+def test_incremental_detokenization_never_splits_a_character_and_joins_to_the_decode(built):
+    from autosched.serve.tokenizer import IncrementalDetokenizer
+
+    _, _, tokenizer = built
+    text = "Naïve café owners wrote “smart quotes”, emoji 🙂 and 中文 text"
+    rng = np.random.default_rng(1)
+    for tokens in [tokenizer.encode(text), rng.integers(3, 512, size=60).tolist()]:
+        detok = IncrementalDetokenizer(tokenizer)
+        pieces = [detok.add(t) for t in tokens] + [detok.flush()]
+        assert "".join(pieces) == tokenizer.decode(tokens, skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tokenizer)
+    emitted = [detok.add(t) for t in tokenizer.encode("жщ")]  # letters the tokenizer never saw: a token a byte
+    assert "".join(emitted) == "жщ" and all("\ufffd" not in p for p in emitted)
+    assert "" in emitted  # a character's first byte waited for its second
+
+
+def test_stop_text_holds_back_what_could_begin_a_stop_string():
+    from autosched.serve.tokenizer import StopText
+
+    stop = StopText(["END", "\n\n"])
+    sent = [stop.add(p) for p in ["Hello E", "N", "x more\n", "\nignored"]]
+    assert sent == ["Hello ", "", "ENx more", ""] and stop.stopped and stop.text == "Hello ENx more"
+    assert stop.finish() == ""
+    plain = StopText([])
+    assert plain.add("abc") == "abc" and plain.finish() == ""
+
+
+def test_prefix_cache_book_finds_the_longest_kept_prefix_and_evicts_least_recent():
+    from autosched.generation.prefix_cache import PrefixCache
+
+    cache = PrefixCache(page_size=4)
+    a = cache.add(list(range(10)))  # two whole pages kept
+    assert a.tokens == tuple(range(8)) and cache.add(list(range(8)) + [99]) is None  # held already
+    assert cache.match(list(range(12)))[1] == 8
+    assert cache.match(list(range(8))) [1] == 4  # a prompt keeps a token to prefill
+    assert cache.match([0, 1, 2, 3, 5, 5, 6, 7, 8]) == (a, 4)  # the first page only
+    assert cache.match([9, 9, 9, 9, 9]) is None
+    b = cache.add([50, 51, 52, 53])
+    cache.match([50, 51, 52, 53, 54])
+    assert cache.least_recent() is a and cache.least_recent() is b and cache.least_recent() is None
+    assert cache.hit_tokens == 4 + 8 + 4 + 4 and cache.queried_tokens == 12 + 8 + 9 + 5 + 5
