@@ -65,7 +65,7 @@ def _build(family, tmp_path_factory):
     # Up to two live sequences decode through a static function (one padded to two), more through the dynamic one;
     # prompts are prefilled in chunks of exactly 8 tokens (a prompt spanning chunks), the rest dynamically.
     cli("build", str(root / "hf"), "--generate", "-o", str(root / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
-        "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "8")
+        "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "8", "--db", str(root / "tuning.db"))
     return model, root / "art"
 
 
@@ -383,10 +383,10 @@ def test_the_command_line_reads_a_local_tokenizer(built, tmp_path):
 def test_build_refuses_limits_the_model_cannot_take(tmp_path):
     _saved_model("gpt2", tmp_path / "gpt2")
     out = cli("build", str(tmp_path / "gpt2"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", "5000",
-              check=False)
+              "--db", str(tmp_path / "t.db"), check=False)
     assert out.returncode == 2 and "4096 learned positions: use --max-seq-len 4096 or less" in out.stderr
     assert not (tmp_path / "art").exists()
-    odd = cli("build", "tiny-llama", "--generate", "-o", str(tmp_path / "art2"), check=False)
+    odd = cli("build", "tiny-llama", "--generate", "-o", str(tmp_path / "art2"), "--db", str(tmp_path / "t.db"), check=False)
     assert odd.returncode == 2 and "not a transformers causal LM" in odd.stderr
 
 
@@ -403,7 +403,8 @@ def test_half_precision_generation_on_the_gpu_matches_transformers(family, tmp_p
 
     model = _saved_model(family, tmp_path / "hf")
     cli("build", str(tmp_path / "hf"), "--generate", "--target", "cuda", "--dtype", "float16", "-o",
-        str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
+        str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH),
+        "--db", str(tmp_path / "t.db"))
     model = model.to("cuda", torch.float16)
     gen = Generator(tmp_path / "art")
     assert gen.run_ahead  # a CUDA build's default
