@@ -355,3 +355,19 @@ def test_every_tuning_command_checks_its_budget_the_same_way(command, option, me
 def test_patience_zero_is_refused(tmp_path):
     out = cli("tune", "gemm", "--patience", "0", "--db", str(tmp_path / "t.db"), check=False)
     assert out.returncode == 2 and "--patience must be at least 1 round" in out.stderr
+
+
+def test_debug_is_taken_before_or_after_the_command(tmp_path):
+    """The hint says "run with --debug": it works where a user adds it, at the end of the command line, as before
+    the command (issue 70)."""
+    from autosched.errors import DatabaseUsageError
+
+    missing = str(tmp_path / "none.db")
+    proc = cli("db", "best", "--db", missing, check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    for args in (["--debug", "db", "best", "--db", missing], ["db", "best", "--db", missing, "--debug"],
+                 ["db", "--debug", "best", "--db", missing]):
+        with pytest.raises(DatabaseUsageError, match="no tuning database"):  # the traceback's error, not a usage error
+            cli(*args)
+    with pytest.raises(Exception, match="no folder"):
+        cli("run", str(tmp_path / "nothere"), "--debug")
