@@ -346,23 +346,32 @@ def test_the_command_line_generates_and_reports_bad_input_in_one_line(built):
     text = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "3", "--no-run-ahead")
     assert "tokens/s" in text.stderr and text.stdout.startswith("[0] ")
     assert "[0] ended: --max-new-tokens reached" in text.stderr  # why each sequence ended
-    full = cli("generate", str(artifact), "--prompt-ids", ",".join(["3"] * MAX_SEQ_LEN), check=False)
-    assert full.returncode == 2 and "no room is left for a new token" in full.stdout
+    # A prompt the artifact cannot take is bad input as any other: one line on stderr, nothing on stdout (issue 70).
+    for prompt, says in ((",".join(["3"] * MAX_SEQ_LEN), "no room is left for a new token"),
+                         (",".join(["3"] * (MAX_SEQ_LEN + 1)), "more than the artifact's --max-seq-len 96"),
+                         ("5,99999", "token id 99999 is outside the vocabulary (0 to 511)")):
+        wrong = cli("generate", str(artifact), "--prompt-ids", "1", "--prompt-ids", prompt, check=False)
+        lines = wrong.stderr.strip().splitlines()
+        assert wrong.returncode == 2 and len(lines) == 1 and says in lines[0] and not wrong.stdout, wrong
+        assert lines[0].startswith("autosched: error: --prompt-ids ")
     bad = cli("generate", str(artifact), "--prompt-ids", "5,x", check=False)
     assert bad.returncode == 2 and "comma-separated token ids" in bad.stderr
-    far = cli("generate", str(artifact), "--prompt-ids", "5,99999", check=False)
-    assert far.returncode == 2 and "outside the vocabulary" in far.stdout
     missing = cli("generate", str(artifact.parent / "nothere"), "--prompt-ids", "1", check=False)
     assert missing.returncode == 2 and "no manifest.json" in missing.stderr
     plain = cli("generate", str(artifact), "--prompt", "hello", check=False)
     assert plain.returncode == 2 and "--prompt needs --tokenizer" in plain.stderr
     none = cli("generate", str(artifact), "--prompt-ids", "1", "--max-new-tokens", "0", check=False)
     assert none.returncode == 2 and "--max-new-tokens must be at least 1 (got 0)" in none.stderr
-    for option, value, says in (("--temperature", "-1", "temperature must be 0 (greedy) or more, got -1"),
-                                ("--top-k", "-2", "top_k must be 0 (no limit) or more, got -2"),
-                                ("--top-p", "2", "top_p must be in (0, 1], got 2")):
-        wrong = cli("generate", str(artifact), "--prompt-ids", "1", option, value, check=False)
-        assert wrong.returncode == 2 and says in wrong.stderr, wrong.stderr
+    for args, says in ((["--temperature", "-1"], "temperature must be 0 (greedy) or a finite number above it, got -1"),
+                       (["--temperature", "nan"], "temperature must be 0 (greedy) or a finite number above it, got nan"),
+                       (["--temperature", "inf"], "temperature must be 0 (greedy) or a finite number above it, got inf"),
+                       (["--top-k", "-2"], "top_k must be 0 (no limit) or more, got -2"),
+                       (["--top-p", "2"], "top_p must be in (0, 1], got 2"),
+                       (["--stop-ids", "7,512"], "--stop-ids 7,512: token id 512 is outside the vocabulary (0 to 511)"),
+                       (["--speculate", "100000", "--prompt-lookup"], f"propose at most {MAX_SEQ_LEN - 2}")):
+        wrong = cli("generate", str(artifact), "--prompt-ids", "1", *args, check=False)
+        lines = wrong.stderr.strip().splitlines()
+        assert wrong.returncode == 2 and len(lines) == 1 and says in lines[0], wrong.stderr
 
 
 def test_the_command_line_reads_a_local_tokenizer(built, tmp_path):
@@ -378,6 +387,11 @@ def test_the_command_line_reads_a_local_tokenizer(built, tmp_path):
                          "--max-new-tokens", "4", "--format", "json").stdout)["completions"][0]
     assert out["prompt_ids"] == [5, 7, 9] and out["tokens"] == _reference(model, [5, 7, 9], 4)
     assert out["text"] == " ".join(f"w{t}" for t in out["tokens"])
+    # A folder without a tokenizer (the model's own, here) is named in one line, not transformers' five.
+    model_folder = artifact.parent / "hf"
+    proc = cli("generate", str(artifact), "--tokenizer", str(model_folder), "--prompt", "w5", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and f"--tokenizer {model_folder} holds no tokenizer" in lines[0]
 
 
 def test_build_refuses_limits_the_model_cannot_take(tmp_path):
@@ -776,6 +790,28 @@ def test_an_interrupted_build_leaves_the_artifact_as_it_was(built, tmp_path, mon
     assert sorted(p.name for p in folder.iterdir()) == ["bold", "new"]
     assert cli("generate", str(folder / "new"), "--prompt-ids", "5,7,9", "--max-new-tokens", "2").stdout == \
         cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "2").stdout
+
+
+def test_build_checks_its_options_before_it_loads_the_model(tmp_path, monkeypatch):
+    """Options every generation build must meet are checked before the model's export (seconds; minutes for a
+    large model) and before the warning that no tuning database exists: one line each (issue 70)."""
+    import autosched.generation.build
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(autosched.generation.build, "load_generation_model", loaded)
+    for options, says in ((["--max-seq-len", "0"], "--max-seq-len must be at least 1 (got 0)"),
+                          (["--max-batch", "0"], "--max-batch must be at least 1 (got 0)"),
+                          (["--speculate", "0"], "--speculate takes numbers of proposed tokens, each at least 1"),
+                          (["--max-batch", "4", "--decode-batches", "2,8"], "--decode-batches must lie between 1 and "
+                                                                            "--max-batch 4"),
+                          (["--dtype", "float64"], "unsupported dtype 'float64'"),
+                          (["--quantize", ""], "--quantize '' is not a scheme")):
+        line = _one_line_error("build", "hf-llama", "--generate", "-o", str(tmp_path / "art"), "--db",
+                               str(tmp_path / "none.db"), *options)
+        assert says in line, line
+    assert not (tmp_path / "art").exists()
 
 
 def test_the_greedy_kernel_takes_the_first_maximum_and_gives_each_row_a_gpu_block():

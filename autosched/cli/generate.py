@@ -66,27 +66,39 @@ def add_tune_arguments(p) -> None:
     _add_quantize(p)
 
 
+def _generation_dtype(dtype: str | None) -> str | None:
+    """--dtype of a generation build: float32, float16 or bfloat16 (fp32, fp16, bf16), checked before the model loads."""
+    if dtype is None:
+        return None
+    from ..workloads import normalize_dtype
+
+    return normalize_dtype(dtype)
+
+
 def cmd_build_generate(args) -> int:
-    from ..generation.build import build_generator, load_generation_model
+    from ..generation.build import build_generator, check_build_options, load_generation_model
     from ..target import parse_target
 
     target = parse_target(args.target, require_device=False)
     if args.tokens or args.batch:
         raise UsageError("--tokens and --batch do not apply to --generate: prompts and batches vary at run time "
                          "(give --max-seq-len and --max-batch)")
-    model = load_generation_model(args.model, args.dtype, args.quantize)
+    # Every option is checked before the model is loaded and exported (seconds to minutes).
+    dtype = _generation_dtype(args.dtype)
+    batches = None
+    if args.decode_batches is not None:
+        batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
+    chunks = None
+    if args.prefill_chunks is not None:
+        chunks = tuple(sorted(set(parse_ids(args.prefill_chunks, "--prefill-chunks", "lengths"))))
+    speculate = ()
+    if args.speculate is not None:
+        speculate = tuple(sorted(set(parse_ids(args.speculate, "--speculate", "numbers of proposed tokens"))))
+    check_build_options(args.max_seq_len, args.max_batch, batches, chunks, speculate)
+    model = load_generation_model(args.model, dtype, args.quantize)
     db = open_build_db(args.db)  # as any build: a database one may only read is read as it is
     log = console(stderr=True)
     try:
-        batches = None
-        if args.decode_batches is not None:
-            batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
-        chunks = None
-        if args.prefill_chunks is not None:
-            chunks = tuple(sorted(set(parse_ids(args.prefill_chunks, "--prefill-chunks", "lengths"))))
-        speculate = ()
-        if args.speculate is not None:
-            speculate = tuple(sorted(set(parse_ids(args.speculate, "--speculate", "numbers of proposed tokens"))))
         out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
                                       db_path=str(db.path) if db else None, decode_batches=batches,
                                       prefill_chunks=chunks, speculate=speculate)
@@ -122,7 +134,7 @@ def cmd_tune_generate(args) -> int:
     steps = DEFAULT_DECODE_STEPS if args.decode_steps is None else args.decode_steps
     check_decode_steps(steps)
     target = parse_target(args.target, require_device=args.runner == "local")
-    model = load_generation_model(args.model, args.dtype, args.quantize)
+    model = load_generation_model(args.model, _generation_dtype(args.dtype), args.quantize)
     if args.decode_batches is not None:
         batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
     else:  # those the build makes by default, so that a plain build applies the records
@@ -218,14 +230,23 @@ def _tokenizer(path: str | None):
         return None
     if not os.path.isdir(path):
         raise UsageError(f"--tokenizer {path} is not a folder: give a local folder with a Hugging Face tokenizer")
+    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise UsageError(f"--tokenizer {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): give the "
+                         "folder a tokenizer was saved to (save_pretrained)")
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise UsageError("--tokenizer needs transformers: pip install transformers") from None
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"no tokenizer could be read from {path}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' errors for a tokenizer it cannot read vary by kind
+        said = " ".join(str(exc).split()) or type(exc).__name__
+        raise UsageError(f"no tokenizer could be read from {path}: {said[:300]}") from None
+
+
+# The files one of which a Hugging Face tokenizer's folder holds (a fast tokenizer's, or a slow one's vocabulary).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
 
 
 def _draft(args):
@@ -252,10 +273,32 @@ def _draft(args):
     return args.draft
 
 
+def _check_prompts(prompts: list, labels: list[str], manifest: dict) -> None:
+    """Each prompt fits the artifact (its ids in the vocabulary, room for a new token): one line naming the
+    prompt, before the model is loaded."""
+    vocab, longest = manifest["decoder"]["vocab"], manifest["max_seq_len"]
+    for prompt, label in zip(prompts, labels):
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise UsageError(f"{label}: token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+        if not prompt:
+            raise UsageError(f"{label}: the prompt is empty: give at least one token")
+        if len(prompt) > longest:
+            raise UsageError(f"{label}: the prompt has {len(prompt)} tokens, more than the artifact's --max-seq-len "
+                             f"{longest}: shorten it or rebuild with a larger --max-seq-len")
+        if len(prompt) == longest:
+            raise UsageError(f"{label}: the prompt has {longest} tokens, the artifact's --max-seq-len: no room is left "
+                             "for a new token; shorten it or rebuild with a larger --max-seq-len")
+
+
+def _label(option: str, value: str) -> str:
+    return f"{option} {value if len(value) <= 40 else value[:37] + '...'}"
+
+
 def cmd_generate(args) -> int:
     from ..generation.generator import read_generation_manifest
 
-    read_generation_manifest(args.artifact)  # a bad folder is reported before TVM loads
+    manifest = read_generation_manifest(args.artifact)  # a bad folder is reported before TVM loads
     tokenizer = _tokenizer(args.tokenizer)
     if args.prompt and tokenizer is None:
         raise UsageError("--prompt needs --tokenizer LOCAL_DIR (or give token ids with --prompt-ids)")
@@ -263,7 +306,13 @@ def cmd_generate(args) -> int:
     prompts += [tokenizer(text)["input_ids"] for text in args.prompt]
     if not prompts:
         raise UsageError("give a prompt: --prompt-ids 1,2,3 (or --prompt TEXT with --tokenizer)")
+    _check_prompts(prompts, [_label("--prompt-ids", p) for p in args.prompt_ids]
+                   + [_label("--prompt", repr(t)) for t in args.prompt], manifest)
     stop = parse_ids(args.stop_ids, "--stop-ids") if args.stop_ids else None
+    vocab = manifest["decoder"]["vocab"]
+    if stop and any(t >= vocab for t in stop):
+        raise UsageError(f"--stop-ids {args.stop_ids}: token id {next(t for t in stop if t >= vocab)} is outside the "
+                         f"vocabulary (0 to {vocab - 1}), so it would never stop a sequence")
 
     from ..generation.generator import Generator, Sampling
 
@@ -273,8 +322,8 @@ def cmd_generate(args) -> int:
     draft = _draft(args)
     gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1, adaptive=not args.always_speculate,
                     run_ahead=False if args.no_run_ahead else None)
-    results = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, stop_tokens=stop)
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stop)
+    results = gen.generate(prompts, args.max_new_tokens, **options)
     timing = gen.timing()
     rows = []
     for prompt, r in zip(prompts, results):
@@ -284,15 +333,20 @@ def cmd_generate(args) -> int:
         if tokenizer is not None:
             row["text"] = tokenizer.decode(r.tokens)
         rows.append(row)
+    for i, row in enumerate(rows):  # a request that failed while others went on: on stderr, as every error
+        if "error" in row:
+            print(f"autosched: error: prompt {i}: {row['error']}", file=sys.stderr)
     if args.format == "json":
-        print(json.dumps({"completions": rows, "timing": timing}, indent=2))
+        document = {"completions": rows, "timing": timing}
+        print(json.dumps(document, indent=2))
     else:
         for i, row in enumerate(rows):
-            print(f"[{i}] " + (f"error: {row['error']}" if "error" in row else " ".join(map(str, row["tokens"]))))
+            if "error" in row:
+                continue
+            print(f"[{i}] " + " ".join(map(str, row["tokens"])))
             if "text" in row:
                 print(f"[{i}] {row['text']}")
-            if "error" not in row:
-                print(f"[{i}] ended: {FINISHED_BECAUSE.get(row['finish_reason'], row['finish_reason'])}", file=sys.stderr)
+            print(f"[{i}] ended: {FINISHED_BECAUSE.get(row['finish_reason'], row['finish_reason'])}", file=sys.stderr)
         speculation = ""
         if "proposed_tokens" in timing:
             speculation = (f"; speculating: {timing['accepted_tokens']} of {timing['proposed_tokens']} proposed tokens "

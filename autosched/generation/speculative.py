@@ -276,6 +276,9 @@ def check_speculation(speculate: int, target) -> None:
     """One-line errors for a number of proposals or a model speculation cannot serve."""
     if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 1:
         raise UsageError(f"speculate must be a whole number of proposed tokens, at least 1 (got {speculate!r})")
+    if speculate > target.max_seq_len - 2:  # a step feeds a token and the proposals after at least a prompt token
+        raise UsageError(f"speculate {speculate} proposes more tokens a step than the artifact's --max-seq-len "
+                         f"{target.max_seq_len} leaves room for: propose at most {max(target.max_seq_len - 2, 0)}")
     if target.window:
         raise UsageError(
             f"speculative decoding is not supported for a model with a sliding window "
