@@ -792,6 +792,26 @@ def test_an_interrupted_build_leaves_the_artifact_as_it_was(built, tmp_path, mon
         cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "2").stdout
 
 
+def test_speculation_with_a_draft_that_cannot_pay_says_so_and_its_timing_keeps_the_counts(built, tmp_path):
+    """The model as its own draft (sampled, as issue 70 ran it): its four steps and the verify step cost more
+    than the five tokens a step can make, so the generator decodes plainly (a speculative step only every 16th,
+    which a short reply never reaches). It says so in a warning, and the timing still reports speculation:
+    none proposed, every step plain. And eval given both --text and --token-ids says that, in one line."""
+    _, artifact = built
+    proc = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "4", "--temperature", "0.7",
+               "--speculate", "4", "--draft", str(artifact))
+    said = " ".join(proc.stderr.split())
+    assert "warning: speculating with this draft cannot pay" in said and "--always-speculate" in said, said
+    assert "speculating: 0 of 0 proposed tokens accepted" in said and "3 of 3 steps plain" in said, said
+    data = json.loads(cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "4", "--temperature",
+                          "0.7", "--speculate", "4", "--draft", str(artifact), "--format", "json").stdout)
+    assert data["timing"]["proposed_tokens"] == 0 and data["timing"]["plain_steps"] == 3
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3")
+    line = _one_line_error("eval", str(artifact), "--text", str(ids), "--token-ids", str(ids))
+    assert "--text and --token-ids are two ways to give the text to evaluate: give one of them" in line
+
+
 def test_build_checks_its_options_before_it_loads_the_model(tmp_path, monkeypatch):
     """Options every generation build must meet are checked before the model's export (seconds; minutes for a
     large model) and before the warning that no tuning database exists: one line each (issue 70)."""

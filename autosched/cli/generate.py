@@ -322,9 +322,12 @@ def cmd_generate(args) -> int:
     draft = _draft(args)
     gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1, adaptive=not args.always_speculate,
                     run_ahead=False if args.no_run_ahead else None)
+    _warn_if_speculation_cannot_pay(gen)
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stop)
     results = gen.generate(prompts, args.max_new_tokens, **options)
     timing = gen.timing()
+    if gen.speculation is not None:  # what speculation did, also where no step speculated
+        timing = {**timing, **gen.speculation}
     rows = []
     for prompt, r in zip(prompts, results):
         row = {"prompt_ids": prompt, "tokens": r.tokens, "finish_reason": r.finish_reason}
@@ -356,3 +359,19 @@ def cmd_generate(args) -> int:
               f"per decode step over {timing['decode_steps']} steps, {timing['tokens_per_s']:.1f} tokens/s{speculation}",
               file=sys.stderr)
     return 2 if any("error" in r for r in rows) else 0
+
+
+def _warn_if_speculation_cannot_pay(gen) -> None:
+    """Say so where the draft makes speculation cost more than it can make even with every proposal kept (a
+    draft as large as the model): the generator then decodes plainly, speculating only to probe the draft."""
+    from ..generation.speculative import PROBE_EVERY, VERIFY_COST
+
+    speculator = gen._speculator
+    if speculator is None or not speculator.never_pays():
+        return
+    k, cost = speculator.k, speculator.adaptation.cost
+    console(stderr=True).log(
+        f"[yellow]warning:[/] speculating with this draft cannot pay: its {k} steps and the verify step cost {cost:.3g} "
+        f"plain decode steps, more than the {k + 1} tokens a step makes with every proposal kept (the draft reads "
+        f"{(cost - VERIFY_COST) / k:.0%} of the model's weight bytes); decoding plainly, trying the draft every "
+        f"{PROBE_EVERY} steps: give a smaller draft, or --always-speculate to speculate at every step")

@@ -365,6 +365,12 @@ class Speculator:
         self.model, self.draft, self.k, self.limits, self.stats = model, draft, k, limits, stats
         self.adaptation = Adaptation(k, speculation_cost(model, draft, k)) if adaptive else None
 
+    def never_pays(self) -> bool:
+        """Whether an adaptive speculator's steps cost more than they can make with every proposal kept (the
+        k + 1 tokens of a step): a draft as large as the model, say. It then decodes plainly, speculating
+        only every ``PROBE_EVERY``-th step; a reply shorter than that has no speculative step."""
+        return self.adaptation is not None and expected_tokens(1.0, self.k) <= self.adaptation.cost
+
     def wants_step(self) -> bool:
         """Whether the next decode step speculates (always, unless adaptive and it does not pay now)."""
         return self.adaptation is None or self.adaptation.speculate_now()
