@@ -387,11 +387,46 @@ def test_the_command_line_reads_a_local_tokenizer(built, tmp_path):
                          "--max-new-tokens", "4", "--format", "json").stdout)["completions"][0]
     assert out["prompt_ids"] == [5, 7, 9] and out["tokens"] == _reference(model, [5, 7, 9], 4)
     assert out["text"] == " ".join(f"w{t}" for t in out["tokens"])
+    # --stream with a tokenizer: the text as it comes, after the prompt's index.
+    streamed = cli("generate", str(artifact), "--tokenizer", str(tmp_path / "tok"), "--prompt", "w5 w7 w9",
+                   "--max-new-tokens", "4", "--stream")
+    assert streamed.stdout == f"[0] {out['text']}\n"
     # A folder without a tokenizer (the model's own, here) is named in one line, not transformers' five.
     model_folder = artifact.parent / "hf"
     proc = cli("generate", str(artifact), "--tokenizer", str(model_folder), "--prompt", "w5", check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and f"--tokenizer {model_folder} holds no tokenizer" in lines[0]
+
+
+def test_generate_stream_prints_each_token_as_it_comes(built, monkeypatch):
+    """--stream: each token is on stdout before the next is made, after its prompt's index (a prompt whose tokens
+    follow each other on one line); --format json: a JSON line per token, then the completions."""
+    import sys
+
+    from autosched.generation import Generator
+
+    _, artifact = built
+    printed_before = []  # what stdout held when each token was made
+    stream = Generator.stream
+
+    def watched(self, *args, **kwargs):
+        for item in stream(self, *args, **kwargs):
+            printed_before.append(sys.stdout.getvalue())
+            yield item
+
+    monkeypatch.setattr(Generator, "stream", watched)
+    one = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "4", "--stream")
+    tokens = one.stdout.split()[1:]
+    assert one.stdout.startswith("[0] ") and one.stdout.count("\n") == 1 and len(tokens) == 4
+    assert [p.split()[1:] for p in printed_before] == [tokens[:i] for i in range(4)]  # token i-1 shown when i came
+    assert tokens == list(map(str, _reference(built[0], [5, 7, 9], 4)))
+    two = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--prompt-ids", "1", "--max-new-tokens", "2",
+              "--stream")
+    assert [line.split()[0] for line in two.stdout.splitlines()] == ["[0]", "[1]", "[0]", "[1]"]
+    lines = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "2", "--stream", "--format",
+                "json").stdout.splitlines()
+    events, last = [json.loads(line) for line in lines[:-1]], json.loads(lines[-1])
+    assert events == [{"index": 0, "token": t} for t in last["completions"][0]["tokens"]] and len(events) == 2
 
 
 def test_build_refuses_limits_the_model_cannot_take(tmp_path):

@@ -216,6 +216,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--no-run-ahead", action="store_true",
                    help="decode a step at a time (default on a GPU: each greedy step is launched before the "
                         "tokens of the step before it are read, the same tokens)")
+    p.add_argument("--stream", action="store_true",
+                   help="print each token as it is made, after its prompt's index (with --tokenizer, the text; with "
+                        "--format json, a JSON line per token, then one with the completions and the timing)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output (default text)")
     p.set_defaults(fn=cmd_generate)
 
@@ -324,7 +327,10 @@ def cmd_generate(args) -> int:
                     run_ahead=False if args.no_run_ahead else None)
     _warn_if_speculation_cannot_pay(gen)
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stop)
-    results = gen.generate(prompts, args.max_new_tokens, **options)
+    if args.stream:
+        results = _stream(gen, prompts, args.max_new_tokens, options, tokenizer, args.format == "json")
+    else:
+        results = gen.generate(prompts, args.max_new_tokens, **options)
     timing = gen.timing()
     if gen.speculation is not None:  # what speculation did, also where no step speculated
         timing = {**timing, **gen.speculation}
@@ -341,14 +347,15 @@ def cmd_generate(args) -> int:
             print(f"autosched: error: prompt {i}: {row['error']}", file=sys.stderr)
     if args.format == "json":
         document = {"completions": rows, "timing": timing}
-        print(json.dumps(document, indent=2))
+        print(json.dumps(document) if args.stream else json.dumps(document, indent=2))
     else:
         for i, row in enumerate(rows):
             if "error" in row:
                 continue
-            print(f"[{i}] " + " ".join(map(str, row["tokens"])))
-            if "text" in row:
-                print(f"[{i}] {row['text']}")
+            if not args.stream:
+                print(f"[{i}] " + " ".join(map(str, row["tokens"])))
+                if "text" in row:
+                    print(f"[{i}] {row['text']}")
             print(f"[{i}] ended: {FINISHED_BECAUSE.get(row['finish_reason'], row['finish_reason'])}", file=sys.stderr)
         speculation = ""
         if "proposed_tokens" in timing:
@@ -359,6 +366,34 @@ def cmd_generate(args) -> int:
               f"per decode step over {timing['decode_steps']} steps, {timing['tokens_per_s']:.1f} tokens/s{speculation}",
               file=sys.stderr)
     return 2 if any("error" in r for r in rows) else 0
+
+
+def _stream(gen, prompts: list, max_new_tokens: int, options: dict, tokenizer, json_lines: bool) -> list:
+    """Print each token as ``Generator.stream`` makes it: after ``[i]``, its prompt's index, on the line of that
+    prompt's tokens while they come one after another (one prompt: one line), on a new line where another
+    prompt's token comes between; with a tokenizer, the text the token adds; with ``json_lines``, a JSON line
+    per token. Returns the completions."""
+    made: list[list[int]] = [[] for _ in prompts]
+    shown = [""] * len(prompts)  # each prompt's text printed so far
+    line = None  # the prompt whose tokens the current line holds
+    for index, token in gen.stream(prompts, max_new_tokens, **options):
+        made[index].append(token)
+        piece = None
+        if tokenizer is not None:  # the text decoded so far, less what was printed: a token may end a character
+            text = tokenizer.decode(made[index])
+            piece, shown[index] = text[len(shown[index]):], text
+        if json_lines:
+            print(json.dumps({"index": index, "token": token, **({"text": piece} if piece is not None else {})}),
+                  flush=True)
+            continue
+        if index != line:
+            sys.stdout.write(("\n" if line is not None else "") + f"[{index}]" + (" " if piece is not None else ""))
+            line = index
+        sys.stdout.write(piece if piece is not None else f" {token}")
+        sys.stdout.flush()
+    if line is not None and not json_lines:
+        sys.stdout.write("\n")
+    return list(gen.completions)
 
 
 def _warn_if_speculation_cannot_pay(gen) -> None:
