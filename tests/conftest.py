@@ -156,23 +156,33 @@ def pytest_runtest_logreport(report):
             log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
-# What a walk of the working directory leaves out: version control, virtual environments (a folder holding
-# pyvenv.cfg), Python's bytecode and pytest's own cache (written by pytest, not by a test).
-UNWATCHED = {".git", "__pycache__", ".pytest_cache"}
+# What a walk of the working directory leaves out: hidden files and folders (version control, virtual
+# environments, pytest's cache, benchmarks/gpu_tests.sh's $OUT, by default .bench/out, which its GPU monitor writes
+# during the run), other virtual environments (a folder holding pyvenv.cfg), Python's bytecode, and the folder of
+# $AUTOSCHED_FAILURE_LOG.
 MAX_WATCHED = 20_000  # a larger working directory (a home folder) is compared at its top level only
 
 
 def listing(root: str) -> dict[str, tuple]:
     """The files under ``root`` by path, with their size and modification time, and its folders."""
+    log = os.environ.get("AUTOSCHED_FAILURE_LOG")
+    log_folder = os.path.dirname(os.path.abspath(log)) if log else None
+
+    def watched(folder: str, name: str) -> bool:
+        path = os.path.join(folder, name)
+        return not (name.startswith(".") or name == "__pycache__" or os.path.exists(os.path.join(path, "pyvenv.cfg"))
+                    or os.path.abspath(path) == log_folder)
+
     def walk(deep: bool) -> dict[str, tuple] | None:
         out: dict[str, tuple] = {}
         for folder, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d not in UNWATCHED
-                             and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg")))
+            dirs[:] = sorted(d for d in dirs if watched(folder, d))
             for name in dirs:
                 out[os.path.relpath(os.path.join(folder, name), root) + "/"] = ()
             for name in files:
                 path = os.path.join(folder, name)
+                if name.startswith(".") or (log and os.path.abspath(path) == os.path.abspath(log)):
+                    continue
                 try:
                     st = os.lstat(path)
                 except OSError:
@@ -192,6 +202,18 @@ def _controller(config) -> bool:
     return not hasattr(config, "workerinput")
 
 
+def tracked(root: str) -> set[str]:
+    """The files git tracks under ``root`` (none outside a checkout): a person may edit them while the tests run,
+    so only their appearing or going counts, not a change."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return set(proc.stdout.decode(errors="replace").split("\0")) - {""} if proc.returncode == 0 else set()
+
+
 def pytest_sessionstart(session):
     if _controller(session.config):
         session.config._autosched_cwd = (os.getcwd(), listing(os.getcwd()))
@@ -206,7 +228,8 @@ def pytest_sessionfinish(session, exitstatus):
     after = listing(cwd)
     changes = [f"added {p}" for p in sorted(set(after) - set(before))]
     changes += [f"removed {p}" for p in sorted(set(before) - set(after))]
-    changes += [f"changed {p}" for p in sorted(set(before) & set(after)) if before[p] != after[p]]
+    edited = tracked(cwd)
+    changes += [f"changed {p}" for p in sorted(set(before) & set(after)) if before[p] != after[p] and p not in edited]
     problems = []
     if changes:
         problems.append(f"the tests changed the working directory {cwd} ({'; '.join(changes[:10])}"
