@@ -5,8 +5,14 @@ kind) for both, loadable with TVM's runtime alone: nothing here imports a build 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import signal
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,25 +33,154 @@ GENERATION_FORMAT = "autosched-generator"  # the format of `build --generate`'s 
 GENERATION_LIBRARY = "generate.so"
 
 
+# Called with the name of each step of :func:`write_artifact` once it is done (``params.bin``, each library's file
+# name, ``manifest.json``), and with ``swap`` just before the new folder takes the target's place: tests
+# interrupt a build there (SIGINT, as Ctrl-C sends it) to check what an interrupted write leaves.
+WRITE_HOOK: Callable[[str], None] | None = None
+# The folders a write stages into beside the target, and the one an earlier build moves to while the new one
+# takes its place: ``.NAME.autosched-partial-PID-XXXX`` and ``.NAME.autosched-old-PID-XXXX``.
+PARTIAL, OLD = "autosched-partial", "autosched-old"
+
+
 def write_artifact(out_dir: str | Path, libraries: dict, params: dict, manifest: dict,
                    files: dict | None = None) -> Path:
-    """Write an artifact of either kind: ``params`` ({name: TVM tensor}) to ``params.bin``, each executable of
-    ``libraries`` ({file name: executable}), ``files`` ({path in the artifact: file to copy}, e.g. the
-    tokenizer's) and then ``manifest.json`` (last: a folder with a manifest is whole). The folder is created."""
-    import shutil
-
+    """Write an artifact of either kind, all or nothing: ``params`` ({name: TVM tensor}) to ``params.bin``, each
+    executable of ``libraries`` ({file name: executable}), ``files`` ({path in the artifact: file to copy}, e.g.
+    the tokenizer's) and ``manifest.json`` into a new folder beside
+    ``out_dir``, which then takes the place of ``out_dir`` (an earlier build there is replaced whole). An
+    interrupted or failed write leaves ``out_dir`` as it was; a folder staged by a run that was killed is
+    removed by the next write. The manifest gains each file's size (and a library's sha256) and each
+    parameter's shape and dtype, which the loaders check before they read the files."""
     import tvm
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / PARAMS).write_bytes(tvm.runtime.save_param_dict(params))
-    for name, executable in libraries.items():
-        executable.export_library(str(out / name))
-    for name, source in (files or {}).items():
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, out / name)
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    target = Path(os.path.abspath(out))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(target)
+    staging = _staging_folder(target)
+    try:
+        blob = tvm.runtime.save_param_dict(params)
+        (staging / PARAMS).write_bytes(blob)
+        _reached(PARAMS)
+        for name, executable in libraries.items():
+            executable.export_library(str(staging / name))
+            _reached(name)
+        for name, source in (files or {}).items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, staging / name)
+        files = {PARAMS: {"bytes": len(blob)}, **{name: file_facts(staging / name) for name in libraries}}
+        shapes = {name: [[int(d) for d in t.shape], str(t.dtype)] for name, t in params.items()}
+        (staging / MANIFEST).write_text(json.dumps({**manifest, "files": files, "param_shapes": shapes}, indent=2))
+        _reached(MANIFEST)
+        _reached("swap")
+        _swap_in(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return out
+
+
+def _reached(step: str) -> None:
+    if WRITE_HOOK is not None:
+        WRITE_HOOK(step)
+
+
+def file_facts(path: Path) -> dict:
+    """A library's size and sha256, as the manifest records them."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _staging_folder(target: Path) -> Path:
+    """A new folder to write the artifact into: beside ``target``, or inside it where its parent may not be
+    written (a folder made for the user in a read-only place)."""
+    unique = f"{PARTIAL}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        staging = target.parent / f".{target.name}.{unique}"
+        staging.mkdir()  # as any new folder (the umask's mode), not private as a temporary one
+    except PermissionError:
+        if not target.is_dir():
+            raise UsageError(f"cannot write the artifact: {target.parent} may not be written") from None
+        staging = target / f".{unique}"
+        staging.mkdir()
+    return staging
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Folders that an earlier write to ``target`` staged or moved aside and, killed, never removed."""
+    places = [(target.parent, f".{target.name}."), (target, ".")]
+    for folder, prefix in places:
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            for kind in (PARTIAL, OLD):
+                if entry.name.startswith(f"{prefix}{kind}-") and entry.is_dir() and not entry.is_symlink():
+                    pid = entry.name[len(f"{prefix}{kind}-"):].split("-")[0]
+                    if pid.isdigit() and not _alive(int(pid)):
+                        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process
+    return True
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Put the folder ``staging`` in ``target``'s place: renamed there where nothing is, else the earlier folder
+    renamed aside, ``staging`` renamed in, the earlier one removed. Ctrl-C and SIGTERM wait until the renames
+    are done (an interrupt then finds the new build whole). Where this process works inside ``target`` (a
+    rename would leave it in a removed folder), or ``staging`` is inside it, the files are moved in instead,
+    the earlier manifest first removed and the new one moved last."""
+    blocked = _hold_interrupts()
+    try:
+        if staging.parent == target:
+            return _move_files(staging, target)
+        if not os.path.lexists(target):
+            os.rename(staging, target)
+            return None
+        cwd = os.getcwd()
+        if os.path.commonpath([cwd, os.path.realpath(target)]) == os.path.realpath(target):
+            return _move_files(staging, target)
+        old = target.parent / f".{target.name}.{OLD}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(target, old)
+        except OSError:  # a mount point, say: the files move instead
+            return _move_files(staging, target)
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+    finally:
+        if blocked is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    shutil.rmtree(old, ignore_errors=True)
+    return None
+
+
+def _move_files(staging: Path, target: Path) -> None:
+    (target / MANIFEST).unlink(missing_ok=True)  # until the new manifest is in, the folder is no build
+    for item in staging.iterdir():
+        if item.name != MANIFEST:
+            os.replace(item, target / item.name)
+    os.replace(staging / MANIFEST, target / MANIFEST)
+    staging.rmdir()
+
+
+def _hold_interrupts():
+    """Block SIGINT and SIGTERM in this thread (the old mask, to restore), or None where that cannot be done."""
+    try:
+        return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def export_artifact(out_dir: str | Path, executable, params: list, model: Model, target: TargetSpec,
@@ -155,11 +290,127 @@ def read_manifest(out_dir: str | Path, kind: str = "model") -> dict:
     missing = [key for key in need if key not in manifest]
     if missing:
         raise UsageError(f"{manifest_path} lacks {', '.join(missing)}: {rebuild}")
+    _check_fields(manifest, manifest_path, GENERATION_FIELDS if generation else MODEL_FIELDS, rebuild)
     libraries = list(manifest["libraries"].values()) if "buckets" in manifest else [manifest["library"]]
     for name in [*libraries, manifest["params"]]:
         if not (Path(out_dir) / name).is_file():
             raise UsageError(f"{Path(out_dir) / name} is missing (named by {manifest_path}): {rebuild}")
+    _check_files(Path(out_dir), manifest, libraries, rebuild)
     return manifest
+
+
+# What each manifest field a load reads must be, by kind (fields in ``a.b`` form are inside an object). A
+# bucketed build's param_order is an object of lists, checked apart.
+GENERATION_FIELDS = {"target": "object", "target.kind": "name", "decoder": "object", "decoder.vocab": "count",
+                     "decoder.layers": "count", "library": "name", "params": "name", "param_order": "names",
+                     "max_seq_len": "count", "max_batch": "count", "page_size": "count", "decode_batches": "counts",
+                     "prefill_chunks": "counts", "speculate": "counts", "eos_token_ids": "ids", "files": "object",
+                     "param_shapes": "object"}
+MODEL_FIELDS = {"model": "name", "target": "object", "target.kind": "name", "inputs": "objects", "params": "name",
+                "library": "name", "tuned_kernels": "object", "default_kernels": "list", "libraries": "object",
+                "kernels_per_bucket": "object", "buckets": "list", "files": "object", "param_shapes": "object"}
+_KINDS = {"count": "a whole number, at least 1", "id": "a whole number, 0 or more", "name": "a name (text)",
+          "object": "a JSON object", "list": "a list", "counts": "a list of whole numbers, each at least 1",
+          "ids": "a list of whole numbers, 0 or more", "names": "a list of names", "objects": "a list of JSON objects"}
+
+
+def _fits(kind: str, value) -> bool:
+    if kind in ("count", "id"):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= (1 if kind == "count" else 0)
+    if kind == "name":
+        return isinstance(value, str) and bool(value)
+    if kind == "object":
+        return isinstance(value, dict)
+    if kind == "list":
+        return isinstance(value, list)
+    one = {"counts": "count", "ids": "id", "names": "name", "objects": "object"}[kind]
+    return isinstance(value, list) and all(_fits(one, v) for v in value)
+
+
+def _check_fields(manifest: dict, manifest_path: Path, fields: dict, rebuild: str) -> None:
+    """A field of the wrong type (``"max_batch": "x"``) is named in one line, not met later as a TypeError."""
+    checks = dict(fields)
+    if "buckets" in manifest:  # a bucketed build: param_order by bucket, and a library per bucket
+        checks["param_order"] = "object"
+    else:
+        checks["param_order"] = "names"
+    for key, kind in checks.items():
+        holder, field = manifest, key
+        if "." in key:
+            outer, field = key.split(".", 1)
+            holder = manifest.get(outer)
+            if not isinstance(holder, dict):
+                continue
+        if field in holder and not _fits(kind, holder[field]):
+            raise UsageError(f"{manifest_path}: {key} is {json.dumps(holder[field])[:40]}, not {_KINDS[kind]}: {rebuild}")
+    for key in ("param_order", "libraries"):
+        for name, value in (manifest.get(key) or {}).items() if isinstance(manifest.get(key), dict) else ():
+            if not _fits("names" if key == "param_order" else "name", value):
+                raise UsageError(f"{manifest_path}: {key}.{name} is {json.dumps(value)[:40]}, not "
+                                 f"{_KINDS['names' if key == 'param_order' else 'name']}: {rebuild}")
+
+
+def _check_files(out: Path, manifest: dict, libraries: list, rebuild: str) -> None:
+    """Each file's size, and each library's sha256, against what the build recorded (builds from before they
+    were recorded are not checked): a library cut short or of another build is refused before it is loaded
+    (TVM's loader would map it, and the process die of SIGBUS where it reads past its end), a parameter file
+    of another build before it is read."""
+    files = manifest.get("files") or {}
+    for name in [*libraries, manifest["params"]]:
+        facts, path = files.get(name), out / name
+        if not isinstance(facts, dict):
+            continue
+        size, recorded = path.stat().st_size, facts.get("bytes")
+        if isinstance(recorded, int) and size != recorded:
+            raise UsageError(f"{path} is {size} bytes, not the {recorded} that {MANIFEST} records (cut short, or "
+                             f"the file of another build): {rebuild}")
+        if name in libraries and isinstance(facts.get("sha256"), str) and file_facts(path)["sha256"] != facts["sha256"]:
+            raise UsageError(f"{path} is not the library this build wrote (its sha256 differs from the one {MANIFEST} "
+                             f"records: damaged, or of another build): {rebuild}")
+
+
+def check_elf(path: Path, rebuild: str) -> None:
+    """A shared library shorter than its ELF header says (a truncated copy, in a build too old to record its
+    size) is refused before the loader maps it and the process dies of SIGBUS reading past its end."""
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
+            return  # not ELF: TVM's loader says what it is
+        wide, order = head[4] == 2, "<" if head[5] == 1 else ">"
+        phoff, shoff = struct.unpack_from(order + ("QQ" if wide else "II"), head, 0x20 if wide else 0x1C)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 0x36 if wide else 0x2A)
+        end = max(shoff + shentsize * shnum, phoff + phentsize * phnum)
+        if end <= size:
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+            for i in range(phnum):
+                if wide:
+                    _, _, offset, _, _, filesz = struct.unpack_from(order + "IIQQQQ", table, i * phentsize)
+                else:
+                    _, offset, _, _, filesz = struct.unpack_from(order + "IIIII", table, i * phentsize)
+                end = max(end, offset + filesz)
+    if end > size:
+        raise UsageError(f"{path} is cut short ({size} bytes of the {end} its ELF header describes: a truncated "
+                         f"copy?): {rebuild}")
+
+
+def check_param_shapes(path: Path, saved: dict, manifest: dict, names: list, rebuild: str) -> None:
+    """Each parameter's shape and dtype against what the build recorded (where it did): a parameter file of
+    another build or model is refused in one line, not met as a TVM error at the first call."""
+    shapes = manifest.get("param_shapes")
+    if not isinstance(shapes, dict):
+        return
+    for name in names:
+        want, tensor = shapes.get(name), saved.get(name)
+        if tensor is None or not isinstance(want, list):
+            continue
+        got = [[int(d) for d in tensor.shape], str(tensor.dtype)]
+        if got != want:
+            raise UsageError(f"{path} is not this build's: its parameter {name} is {got[1]}{got[0]} where {MANIFEST} "
+                             f"says {want[1]}{want[0]} (the parameters of another build or model?): {rebuild}")
 
 
 def check_manifest_version(manifest: dict, manifest_path: Path) -> None:
@@ -177,6 +428,7 @@ def load_library(path: Path, rebuild: str = "rebuild it with `autosched build`")
     and the reason."""
     import tvm
 
+    check_elf(path, rebuild)
     try:
         return tvm.runtime.load_module(str(path))
     except Exception as exc:  # noqa: BLE001 - TVM raises its own error types for a damaged file
@@ -199,6 +451,7 @@ def load_params(path: Path, rebuild: str = "rebuild it with `autosched build`") 
 def _saved_params(out: Path, manifest: dict, device) -> dict:
     """Every tensor of ``params.bin``, by name, on ``device``."""
     saved = load_params(out / manifest["params"])
+    check_param_shapes(out / manifest["params"], saved, manifest, list(saved), "rebuild it with `autosched build`")
     return {name: t.copyto(device) for name, t in saved.items()}
 
 
@@ -211,11 +464,14 @@ def artifact_device(manifest: dict, path: str | Path):
     from autosched.target import KIND_FACTS, use_all_cpu_threads
 
     target = manifest["target"]
+    if target["kind"] not in KIND_FACTS:
+        raise UsageError(f"{path} was built for target kind {target['kind']!r}, which this autosched does not know "
+                         f"(it knows {', '.join(KIND_FACTS)}): rebuild it")
     if target["kind"] == "llvm":
         use_all_cpu_threads()  # as the kernels were tuned and timed
     device = tvm.device(KIND_FACTS[target["kind"]].device, 0)
     if not device.exist:
-        raise DeviceError(f"{path} was built for {target['kind']}:{target['arch']} and this machine has no such "
+        raise DeviceError(f"{path} was built for {target['kind']}:{target.get('arch', '?')} and this machine has no such "
                           f"device: run it on a machine with one, or build it again with --target llvm")
     return device
 
@@ -231,7 +487,8 @@ def load_generation_artifact(out_dir: str | Path):
     missing = [name for name in manifest["param_order"] if name not in saved]
     if missing:
         raise UsageError(f"{out / manifest['params']} lacks {len(missing)} of the {len(manifest['param_order'])} "
-                         f"parameters {MANIFEST} names (a truncated file?): {rebuild}")
+                         f"parameters {MANIFEST} names (a truncated file, or another build's?): {rebuild}")
+    check_param_shapes(out / manifest["params"], saved, manifest, manifest["param_order"], rebuild)
     return executable, [saved[name].copyto(device) for name in manifest["param_order"]], manifest, device
 
 

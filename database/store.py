@@ -296,8 +296,10 @@ class Database:
             raise self._translate(exc) from exc
         if current == head:
             return
-        if current is None:
-            raise DatabaseError(f"{self.path} is an empty database opened read-only; tune into it first")
+        if current is None:  # read commands open a file read-only, and create no schema in it
+            what = "holds no tables" if self.is_server else "is an empty file"
+            raise DatabaseUsageError(f"{self.path} {what}, not an autosched database yet: tune into it first, or give "
+                                     "--db the database you tuned into")
         if current in known_revisions():
             raise SchemaVersionError(f"database {self.path} uses the older schema {current} (this autosched "
                                      f"uses {head}): upgrade it with `autosched db upgrade --db {self.path}`")

@@ -16,7 +16,7 @@ from typing import IO, Any, Iterator
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from autosched.errors import DatabaseError
+from autosched.errors import DatabaseError, DatabaseUsageError
 
 from .models import RecordRow, RunRow, TargetRow, WorkloadRow, utcnow
 from .store import Database, head_revision
@@ -124,20 +124,23 @@ def read_export(path: str | Path) -> tuple[dict[str, Any], Iterator[dict[str, An
     iterator skipped as not a JSON record (filled as it reads; a truncated file ends in one)."""
     path = Path(path)
     if not path.exists():
-        raise DatabaseError(f"no export file at {path}")
+        raise DatabaseUsageError(f"no export file at {path}")
     if not path.is_file():
-        raise DatabaseError(f"{path} is not a file: give the file `autosched db export -o` wrote")
+        raise DatabaseUsageError(f"{path} is not a file: give the file `autosched db export -o` wrote")
     handle = path.open(errors="replace")  # a binary file fails as "not JSON", not as a decoding error
     first = handle.readline()
+    if not first.strip():
+        handle.close()
+        raise DatabaseUsageError(f"{path} is empty, not an autosched export: give the file `autosched db export -o` wrote")
     try:
         header = json.loads(first)
     except json.JSONDecodeError:
         handle.close()
-        raise DatabaseError(f"{path} is not an autosched export: its first line is not JSON") from None
+        raise DatabaseUsageError(f"{path} is not an autosched export: its first line is not JSON") from None
     if not isinstance(header, dict) or header.get("format") != EXPORT_FORMAT:
         handle.close()
         found = header.get("format") if isinstance(header, dict) else header
-        raise DatabaseError(f"{path} is not an autosched export (header format {found!r})")
+        raise DatabaseUsageError(f"{path} is not an autosched export (header format {found!r})")
     if header.get("version", 0) > EXPORT_VERSION:
         handle.close()
         raise DatabaseError(f"{path} uses export version {header['version']}; this autosched reads up to "
@@ -173,13 +176,13 @@ def check_export(path: str | Path) -> int:
     """Read an export file through without a database: the number of complete records in it.
 
     Raises:
-        DatabaseError: no such file, not an export, or not one complete record in it (nothing would
-            be imported), so that a failed import creates no database.
+        DatabaseUsageError: no such file, not an export, or not one complete record in it (nothing would
+            be imported), so that a failed import creates no database; bad input, exit code 2.
     """
     header, records, broken = read_export(path)
     complete = sum(1 for _ in records)
     if broken and not complete:
-        raise DatabaseError(f"{path}:{broken[0]} is not valid JSON (a truncated file?) and no complete record "
+        raise DatabaseUsageError(f"{path}:{broken[0]} is not valid JSON (a truncated file?) and no complete record "
                             "comes before it: nothing was imported; export the records again")
     return complete
 

@@ -4,6 +4,8 @@ skipped (with the reason) without one; tests marked ``slow`` run only with ``-m 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import tempfile
 import uuid
 
@@ -12,8 +14,23 @@ import pytest
 os.environ.setdefault("TVM_NUM_THREADS", "2")
 # Models built for the CPU at LLVM level 0: the tests check what they compute, not how fast (faster builds).
 os.environ.setdefault("AUTOSCHED_CPU_OPT_LEVEL", "0")
-# Compiled references (autosched.task.reference_cache) go to a folder of this test session, not the user's.
-os.environ.setdefault("AUTOSCHED_CACHE", tempfile.mkdtemp(prefix="autosched-test-cache-"))
+
+# Tests never touch the user's files. A test session has a folder of its own (its xdist workers, started after
+# this, inherit it), removed when the session ends, for what would otherwise go to the user's:
+# - the default tuning database: a command run without --db reads and writes $AUTOSCHED_DB or ./autosched.db.
+#   Every test gives --db (tests/test_suite_rules.py checks it), and a session in which this default was
+#   created fails (pytest_sessionfinish), as one that changed the working directory does;
+# - compiled references (autosched.task.reference_cache), unless $AUTOSCHED_CACHE names a folder for them;
+# - Hypothesis's example database (else ./.hypothesis).
+SESSION_ENV = "AUTOSCHED_TEST_SESSION_DIR"
+_OWN_SESSION_DIR = not os.environ.get(SESSION_ENV)
+if _OWN_SESSION_DIR:
+    os.environ[SESSION_ENV] = tempfile.mkdtemp(prefix="autosched-test-session-")
+SESSION_DIR = os.environ[SESSION_ENV]
+DEFAULT_DB = os.path.join(SESSION_DIR, "default-tuning.db")
+os.environ["AUTOSCHED_DB"] = DEFAULT_DB
+os.environ.setdefault("AUTOSCHED_CACHE", os.path.join(SESSION_DIR, "cache"))
+os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(SESSION_DIR, "hypothesis")
 
 
 def _has_cuda() -> bool:
@@ -121,7 +138,7 @@ def pytest_collection_modifyitems(config, items):
     if not any("::" in str(arg) for arg in config.args):  # whole files collected: every case is there
         _check_fast_cases(cases)
     longest_first(items)
-    if _has_cuda():
+    if not any("gpu" in item.keywords for item in items) or _has_cuda():  # (no TVM import without GPU tests)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (tvm.cuda(0) does not exist here)")
     for item in items:
@@ -137,6 +154,102 @@ def pytest_runtest_logreport(report):
     if path and report.failed and not hasattr(report, "node"):
         with open(path, "a", encoding="utf-8") as log:
             log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
+# What a walk of the working directory leaves out: hidden files and folders (version control, virtual
+# environments, pytest's cache, benchmarks/gpu_tests.sh's $OUT, by default .bench/out, which its GPU monitor writes
+# during the run), other virtual environments (a folder holding pyvenv.cfg), Python's bytecode, and the folder of
+# $AUTOSCHED_FAILURE_LOG.
+MAX_WATCHED = 20_000  # a larger working directory (a home folder) is compared at its top level only
+
+
+def listing(root: str) -> dict[str, tuple]:
+    """The files under ``root`` by path, with their size and modification time, and its folders."""
+    log = os.environ.get("AUTOSCHED_FAILURE_LOG")
+    log_folder = os.path.dirname(os.path.abspath(log)) if log else None
+
+    def watched(folder: str, name: str) -> bool:
+        path = os.path.join(folder, name)
+        return not (name.startswith(".") or name == "__pycache__" or os.path.exists(os.path.join(path, "pyvenv.cfg"))
+                    or os.path.abspath(path) == log_folder)
+
+    def walk(deep: bool) -> dict[str, tuple] | None:
+        out: dict[str, tuple] = {}
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if watched(folder, d))
+            for name in dirs:
+                out[os.path.relpath(os.path.join(folder, name), root) + "/"] = ()
+            for name in files:
+                path = os.path.join(folder, name)
+                if name.startswith(".") or (log and os.path.abspath(path) == os.path.abspath(log)):
+                    continue
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                out[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns)
+            if not deep:
+                break
+            if len(out) > MAX_WATCHED:
+                return None
+        return out
+
+    return walk(deep=True) or walk(deep=False)
+
+
+def _controller(config) -> bool:
+    """Whether this process runs the session (not one of xdist's workers)."""
+    return not hasattr(config, "workerinput")
+
+
+def tracked(root: str) -> set[str]:
+    """The files git tracks under ``root`` (none outside a checkout): a person may edit them while the tests run,
+    so only their appearing or going counts, not a change."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return set(proc.stdout.decode(errors="replace").split("\0")) - {""} if proc.returncode == 0 else set()
+
+
+def pytest_sessionstart(session):
+    if _controller(session.config):
+        session.config._autosched_cwd = (os.getcwd(), listing(os.getcwd()))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A test run leaves the working directory as it found it and never uses the default tuning database: the
+    session fails where one did, naming what changed."""
+    cwd, before = getattr(session.config, "_autosched_cwd", (None, None))
+    if cwd is None:
+        return
+    after = listing(cwd)
+    changes = [f"added {p}" for p in sorted(set(after) - set(before))]
+    changes += [f"removed {p}" for p in sorted(set(before) - set(after))]
+    edited = tracked(cwd)
+    changes += [f"changed {p}" for p in sorted(set(before) & set(after)) if before[p] != after[p] and p not in edited]
+    problems = []
+    if changes:
+        problems.append(f"the tests changed the working directory {cwd} ({'; '.join(changes[:10])}"
+                        f"{f'; and {len(changes) - 10} more' if len(changes) > 10 else ''}): a test writes under "
+                        "tmp_path")
+    if os.path.exists(DEFAULT_DB):
+        problems.append(f"a test used the default tuning database ({DEFAULT_DB}, in place of the user's "
+                        "./autosched.db): give each command its own --db")
+    if not problems:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for problem in problems:
+        line = f"tests/conftest.py: {problem}"
+        reporter.write_line(line, red=True) if reporter is not None else print(line, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config):
+    if _OWN_SESSION_DIR and _controller(config):
+        shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 def _check_fast_cases(collected: dict[str, set[str]]) -> None:

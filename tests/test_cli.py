@@ -187,7 +187,8 @@ def test_tune_model_build_and_run_from_the_command_line(tmp_path):
     unchecked = json.loads(cli("run", out, "--repeat", "1", "--no-check", "--format", "json").stdout)
     assert unchecked["latency_ms"] > 0 and "matches_torch" not in unchecked
     # The same model builds for the H200 on a machine without a GPU (CUDA code generation only).
-    cli("build", "tiny-llama", "--tokens", "8", "--target", "cuda:sm_90", "-o", str(tmp_path / "gpu"))
+    cli("build", "tiny-llama", "--tokens", "8", "--target", "cuda:sm_90", "-o", str(tmp_path / "gpu"),
+        "--db", str(tmp_path / "tuning.db"))
 
 
 def test_a_negative_seed_is_refused_by_the_api_too():
@@ -209,7 +210,7 @@ def test_build_output_must_be_a_new_or_empty_folder_or_an_earlier_build(tmp_path
     for output, says in ((afile, "cannot be a folder"), (afile / "sub", f"({afile} is a file)"),
                          (other, "holds other files and is not an autosched build")):
         for extra in ([], ["--generate"]):
-            proc = cli("build", "tiny-llama", *extra, "-o", str(output), check=False)
+            proc = cli("build", "tiny-llama", *extra, "-o", str(output), "--db", str(tmp_path / "t.db"), check=False)
             lines = proc.stderr.strip().splitlines()
             assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
     assert afile.read_text() == "mine" and [p.name for p in other.iterdir()] == ["cat.jpg"]
@@ -224,7 +225,7 @@ def test_build_output_must_be_a_new_or_empty_folder_or_an_earlier_build(tmp_path
 
 
 def test_a_factory_that_returns_no_model_is_named_in_one_line(tmp_path):
-    proc = cli("build", "os:getcwd", "-o", str(tmp_path / "x"), check=False)
+    proc = cli("build", "os:getcwd", "-o", str(tmp_path / "x"), "--db", str(tmp_path / "t.db"), check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "internal error" not in proc.stderr
     assert "model factory 'os:getcwd' returned a str" in lines[0] and "(model, example_inputs)" in lines[0]
@@ -354,3 +355,19 @@ def test_every_tuning_command_checks_its_budget_the_same_way(command, option, me
 def test_patience_zero_is_refused(tmp_path):
     out = cli("tune", "gemm", "--patience", "0", "--db", str(tmp_path / "t.db"), check=False)
     assert out.returncode == 2 and "--patience must be at least 1 round" in out.stderr
+
+
+def test_debug_is_taken_before_or_after_the_command(tmp_path):
+    """The hint says "run with --debug": it works where a user adds it, at the end of the command line, as before
+    the command (issue 70)."""
+    from autosched.errors import DatabaseUsageError
+
+    missing = str(tmp_path / "none.db")
+    proc = cli("db", "best", "--db", missing, check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    for args in (["--debug", "db", "best", "--db", missing], ["db", "best", "--db", missing, "--debug"],
+                 ["db", "--debug", "best", "--db", missing]):
+        with pytest.raises(DatabaseUsageError, match="no tuning database"):  # the traceback's error, not a usage error
+            cli(*args)
+    with pytest.raises(Exception, match="no folder"):
+        cli("run", str(tmp_path / "nothere"), "--debug")

@@ -65,7 +65,7 @@ def _build(family, tmp_path_factory):
     # Up to two live sequences decode through a static function (one padded to two), more through the dynamic one;
     # prompts are prefilled in chunks of exactly 8 tokens (a prompt spanning chunks), the rest dynamically.
     cli("build", str(root / "hf"), "--generate", "-o", str(root / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
-        "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "8")
+        "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "8", "--db", str(root / "tuning.db"))
     return model, root / "art"
 
 
@@ -346,23 +346,32 @@ def test_the_command_line_generates_and_reports_bad_input_in_one_line(built):
     text = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "3", "--no-run-ahead")
     assert "tokens/s" in text.stderr and text.stdout.startswith("[0] ")
     assert "[0] ended: --max-new-tokens reached" in text.stderr  # why each sequence ended
-    full = cli("generate", str(artifact), "--prompt-ids", ",".join(["3"] * MAX_SEQ_LEN), check=False)
-    assert full.returncode == 2 and "no room is left for a new token" in full.stdout
+    # A prompt the artifact cannot take is bad input as any other: one line on stderr, nothing on stdout (issue 70).
+    for prompt, says in ((",".join(["3"] * MAX_SEQ_LEN), "no room is left for a new token"),
+                         (",".join(["3"] * (MAX_SEQ_LEN + 1)), "more than the artifact's --max-seq-len 96"),
+                         ("5,99999", "token id 99999 is outside the vocabulary (0 to 511)")):
+        wrong = cli("generate", str(artifact), "--prompt-ids", "1", "--prompt-ids", prompt, check=False)
+        lines = wrong.stderr.strip().splitlines()
+        assert wrong.returncode == 2 and len(lines) == 1 and says in lines[0] and not wrong.stdout, wrong
+        assert lines[0].startswith("autosched: error: --prompt-ids ")
     bad = cli("generate", str(artifact), "--prompt-ids", "5,x", check=False)
     assert bad.returncode == 2 and "comma-separated token ids" in bad.stderr
-    far = cli("generate", str(artifact), "--prompt-ids", "5,99999", check=False)
-    assert far.returncode == 2 and "outside the vocabulary" in far.stdout
     missing = cli("generate", str(artifact.parent / "nothere"), "--prompt-ids", "1", check=False)
     assert missing.returncode == 2 and "no manifest.json" in missing.stderr
     plain = cli("generate", str(artifact), "--prompt", "hello", check=False)
     assert plain.returncode == 2 and "--prompt needs --tokenizer" in plain.stderr
     none = cli("generate", str(artifact), "--prompt-ids", "1", "--max-new-tokens", "0", check=False)
     assert none.returncode == 2 and "--max-new-tokens must be at least 1 (got 0)" in none.stderr
-    for option, value, says in (("--temperature", "-1", "temperature must be 0 (greedy) or more, got -1"),
-                                ("--top-k", "-2", "top_k must be 0 (no limit) or more, got -2"),
-                                ("--top-p", "2", "top_p must be in (0, 1], got 2")):
-        wrong = cli("generate", str(artifact), "--prompt-ids", "1", option, value, check=False)
-        assert wrong.returncode == 2 and says in wrong.stderr, wrong.stderr
+    for args, says in ((["--temperature", "-1"], "temperature must be 0 (greedy) or a finite number above it, got -1"),
+                       (["--temperature", "nan"], "temperature must be 0 (greedy) or a finite number above it, got nan"),
+                       (["--temperature", "inf"], "temperature must be 0 (greedy) or a finite number above it, got inf"),
+                       (["--top-k", "-2"], "top_k must be 0 (no limit) or more, got -2"),
+                       (["--top-p", "2"], "top_p must be in (0, 1], got 2"),
+                       (["--stop-ids", "7,512"], "--stop-ids 7,512: token id 512 is outside the vocabulary (0 to 511)"),
+                       (["--speculate", "100000", "--prompt-lookup"], f"propose at most {MAX_SEQ_LEN - 2}")):
+        wrong = cli("generate", str(artifact), "--prompt-ids", "1", *args, check=False)
+        lines = wrong.stderr.strip().splitlines()
+        assert wrong.returncode == 2 and len(lines) == 1 and says in lines[0], wrong.stderr
 
 
 def test_the_command_line_reads_a_local_tokenizer(built, tmp_path):
@@ -378,15 +387,55 @@ def test_the_command_line_reads_a_local_tokenizer(built, tmp_path):
                          "--max-new-tokens", "4", "--format", "json").stdout)["completions"][0]
     assert out["prompt_ids"] == [5, 7, 9] and out["tokens"] == _reference(model, [5, 7, 9], 4)
     assert out["text"] == " ".join(f"w{t}" for t in out["tokens"])
+    # --stream with a tokenizer: the text as it comes, after the prompt's index.
+    streamed = cli("generate", str(artifact), "--tokenizer", str(tmp_path / "tok"), "--prompt", "w5 w7 w9",
+                   "--max-new-tokens", "4", "--stream")
+    assert streamed.stdout == f"[0] {out['text']}\n"
+    # A folder without a tokenizer (the model's own, here) is named in one line, not transformers' five.
+    model_folder = artifact.parent / "hf"
+    proc = cli("generate", str(artifact), "--tokenizer", str(model_folder), "--prompt", "w5", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and f"--tokenizer {model_folder} holds no tokenizer" in lines[0]
+
+
+def test_generate_stream_prints_each_token_as_it_comes(built, monkeypatch):
+    """--stream: each token is on stdout before the next is made, after its prompt's index (a prompt whose tokens
+    follow each other on one line); --format json: a JSON line per token, then the completions."""
+    import sys
+
+    from autosched.generation import Generator
+
+    _, artifact = built
+    printed_before = []  # what stdout held when each token was made
+    stream = Generator.stream
+
+    def watched(self, *args, **kwargs):
+        for item in stream(self, *args, **kwargs):
+            printed_before.append(sys.stdout.getvalue())
+            yield item
+
+    monkeypatch.setattr(Generator, "stream", watched)
+    one = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "4", "--stream")
+    tokens = one.stdout.split()[1:]
+    assert one.stdout.startswith("[0] ") and one.stdout.count("\n") == 1 and len(tokens) == 4
+    assert [p.split()[1:] for p in printed_before] == [tokens[:i] for i in range(4)]  # token i-1 shown when i came
+    assert tokens == list(map(str, _reference(built[0], [5, 7, 9], 4)))
+    two = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--prompt-ids", "1", "--max-new-tokens", "2",
+              "--stream")
+    assert [line.split()[0] for line in two.stdout.splitlines()] == ["[0]", "[1]", "[0]", "[1]"]
+    lines = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "2", "--stream", "--format",
+                "json").stdout.splitlines()
+    events, last = [json.loads(line) for line in lines[:-1]], json.loads(lines[-1])
+    assert events == [{"index": 0, "token": t} for t in last["completions"][0]["tokens"]] and len(events) == 2
 
 
 def test_build_refuses_limits_the_model_cannot_take(tmp_path):
     _saved_model("gpt2", tmp_path / "gpt2")
     out = cli("build", str(tmp_path / "gpt2"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", "5000",
-              check=False)
+              "--db", str(tmp_path / "t.db"), check=False)
     assert out.returncode == 2 and "4096 learned positions: use --max-seq-len 4096 or less" in out.stderr
     assert not (tmp_path / "art").exists()
-    odd = cli("build", "tiny-llama", "--generate", "-o", str(tmp_path / "art2"), check=False)
+    odd = cli("build", "tiny-llama", "--generate", "-o", str(tmp_path / "art2"), "--db", str(tmp_path / "t.db"), check=False)
     assert odd.returncode == 2 and "not a transformers causal LM" in odd.stderr
 
 
@@ -403,7 +452,8 @@ def test_half_precision_generation_on_the_gpu_matches_transformers(family, tmp_p
 
     model = _saved_model(family, tmp_path / "hf")
     cli("build", str(tmp_path / "hf"), "--generate", "--target", "cuda", "--dtype", "float16", "-o",
-        str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
+        str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH),
+        "--db", str(tmp_path / "t.db"))
     model = model.to("cuda", torch.float16)
     gen = Generator(tmp_path / "art")
     assert gen.run_ahead  # a CUDA build's default
@@ -648,6 +698,175 @@ def test_a_damaged_generation_artifact_is_named_in_one_line(built, tmp_path):
     # And `run` on a generation artifact says which command reads it.
     proc = cli("run", str(artifact), check=False)
     assert proc.returncode == 2 and f"autosched generate {artifact}" in proc.stderr
+
+
+def _one_line_error(*args) -> str:
+    """Run a command that must fail on bad input: one line on stderr, exit 2; returns the line."""
+    proc = cli(*args, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "internal error" not in lines[0], (args, proc.stderr)
+    return lines[0]
+
+
+def test_a_library_cut_short_or_parameters_of_another_build_are_named_in_one_line(built, tmp_path):
+    """A library cut short (which TVM's loader maps, the process dying of SIGBUS, exit 135, where it reads past
+    the end) or of other bytes, for generate, eval and run; a build from before sizes were recorded (the ELF
+    header's size); parameters of another build (another dtype, another shape); a manifest field of the wrong
+    type: one line each, exit 2 (issue 70)."""
+    import itertools
+    import shutil
+
+    import tvm
+
+    from .test_new_user import _artifact
+
+    _, artifact = built
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    name, size = manifest["library"], manifest["files"][manifest["library"]]["bytes"]
+    library = (artifact / name).read_bytes()
+    assert len(library) == size and manifest["param_shapes"]
+    copies = itertools.count()
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3 4")
+
+    def copy(**changes):
+        art = tmp_path / f"art{next(copies)}"
+        shutil.copytree(artifact, art)
+        (art / "manifest.json").write_text(json.dumps({k: v for k, v in {**manifest, **changes}.items() if v is not None}))
+        return art
+
+    for cut in (4096, 600_000):
+        art = copy()
+        (art / name).write_bytes(library[:cut])
+        for command in (("generate", str(art), "--prompt-ids", "1"), ("eval", str(art), "--token-ids", str(ids))):
+            assert f"{art / name} is {cut} bytes, not the {size} that manifest.json records" in _one_line_error(*command)
+    art = copy()
+    (art / name).write_bytes(library[:-1] + bytes([library[-1] ^ 0xFF]))
+    assert "is not the library this build wrote" in _one_line_error("generate", str(art), "--prompt-ids", "1")
+    old = copy(files=None, param_shapes=None)  # as builds wrote them before
+    (old / name).write_bytes(library[:600_000])
+    assert f"{old / name} is cut short (600000 bytes of the {size}" in _one_line_error("generate", str(old), "--prompt-ids", "1")
+    model = _artifact(tmp_path / "model")
+    (model / "model.so").write_bytes(library[:4096])
+    assert f"{model / 'model.so'} is cut short" in _one_line_error("run", str(model))
+
+    saved = tvm.runtime.load_param_dict((artifact / "params.bin").read_bytes())
+    half = {k: tvm.runtime.tensor(v.numpy().astype("float16")) for k, v in saved.items()}
+    art = copy()
+    (art / "params.bin").write_bytes(tvm.runtime.save_param_dict(half))
+    assert "params.bin is" in _one_line_error("generate", str(art), "--prompt-ids", "1")
+    key, (shape, dtype) = next((k, v) for k, v in manifest["param_shapes"].items() if len(set(v[0])) == 2)
+    turned = {**saved, key: tvm.runtime.tensor(saved[key].numpy().reshape(shape[::-1]))}  # as many bytes
+    art = copy()
+    (art / "params.bin").write_bytes(tvm.runtime.save_param_dict(turned))
+    line = _one_line_error("generate", str(art), "--prompt-ids", "1")
+    assert f"its parameter {key} is {dtype}{shape[::-1]} where manifest.json says {dtype}{shape}" in line
+    for field, value in (("max_batch", "x"), ("max_seq_len", 0), ("param_order", "p0")):
+        art = copy(**{field: value})
+        assert f"manifest.json: {field} is {json.dumps(value)}, not" in _one_line_error("generate", str(art), "--prompt-ids", "1")
+
+
+def test_an_interrupted_build_leaves_the_artifact_as_it_was(built, tmp_path, monkeypatch):
+    """Ctrl-C (SIGINT, sent by a hook in the writer) just after params.bin of a rebuild over an earlier build:
+    that build is whole and generates; into a new folder: no folder; nothing is left beside either. A folder a
+    killed build staged is removed by the next build. (The library is the fixture's, exported again: no compile.)"""
+    import shutil
+    import signal
+    import subprocess
+
+    import autosched.artifact
+    import autosched.generation.build
+    from autosched.generation.build import GenerationReport
+
+    from .test_new_user import _listing
+
+    _, artifact = built
+    manifest = json.loads((artifact / "manifest.json").read_text())
+
+    class Library:
+        def export_library(self, path):
+            shutil.copy(artifact / manifest["library"], path)
+
+    monkeypatch.setattr(autosched.generation.build, "compile_generation",
+                        lambda *args, **kwargs: (Library(), manifest["param_names"], GenerationReport()))
+    built_with = ["--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH), "--decode-batches", "2",
+                  "--prefill-chunks", "8"]
+
+    def build(out, *options, interrupt_at=None):
+        def hook(step):
+            if step == interrupt_at:
+                signal.raise_signal(signal.SIGINT)
+
+        monkeypatch.setattr(autosched.artifact, "WRITE_HOOK", hook)
+        handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's KeyboardInterrupt
+        try:
+            return cli("build", str(artifact.parent / "hf"), "--generate", "-o", str(out), "--db", str(tmp_path / "t.db"),
+                       *built_with, *options, check=False)
+        finally:
+            signal.signal(signal.SIGINT, handler)
+
+    folder = tmp_path / "builds"
+    folder.mkdir()
+    bold = folder / "bold"
+    shutil.copytree(artifact, bold)
+    before = _listing(folder)
+    proc = build(bold, "--dtype", "float16", interrupt_at="params.bin")  # new parameters, unlike the old ones
+    assert proc.returncode == 130 and "interrupted" in proc.stderr
+    assert _listing(folder) == before
+    assert cli("generate", str(bold), "--prompt-ids", "5,7,9", "--max-new-tokens", "2").stdout.startswith("[0] ")
+    proc = build(folder / "new", interrupt_at=manifest["library"])
+    assert proc.returncode == 130 and _listing(folder) == before
+    # A build killed (SIGKILL: no cleanup) left its staging folder; the next build removes it.
+    dead = subprocess.Popen(["true"])  # a process id no process has now
+    dead.wait()
+    (folder / f".new.autosched-partial-{dead.pid}-0a1b2c3d").mkdir()
+    (folder / f".new.autosched-partial-{dead.pid}-0a1b2c3d" / "params.bin").write_bytes(b"half")
+    build(folder / "new")
+    assert sorted(p.name for p in folder.iterdir()) == ["bold", "new"]
+    assert cli("generate", str(folder / "new"), "--prompt-ids", "5,7,9", "--max-new-tokens", "2").stdout == \
+        cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "2").stdout
+
+
+def test_speculation_with_a_draft_that_cannot_pay_says_so_and_its_timing_keeps_the_counts(built, tmp_path):
+    """The model as its own draft (sampled, as issue 70 ran it): its four steps and the verify step cost more
+    than the five tokens a step can make, so the generator decodes plainly (a speculative step only every 16th,
+    which a short reply never reaches). It says so in a warning, and the timing still reports speculation:
+    none proposed, every step plain. And eval given both --text and --token-ids says that, in one line."""
+    _, artifact = built
+    proc = cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "4", "--temperature", "0.7",
+               "--speculate", "4", "--draft", str(artifact))
+    said = " ".join(proc.stderr.split())
+    assert "warning: speculating with this draft cannot pay" in said and "--always-speculate" in said, said
+    assert "speculating: 0 of 0 proposed tokens accepted" in said and "3 of 3 steps plain" in said, said
+    data = json.loads(cli("generate", str(artifact), "--prompt-ids", "5,7,9", "--max-new-tokens", "4", "--temperature",
+                          "0.7", "--speculate", "4", "--draft", str(artifact), "--format", "json").stdout)
+    assert data["timing"]["proposed_tokens"] == 0 and data["timing"]["plain_steps"] == 3
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3")
+    line = _one_line_error("eval", str(artifact), "--text", str(ids), "--token-ids", str(ids))
+    assert "--text and --token-ids are two ways to give the text to evaluate: give one of them" in line
+
+
+def test_build_checks_its_options_before_it_loads_the_model(tmp_path, monkeypatch):
+    """Options every generation build must meet are checked before the model's export (seconds; minutes for a
+    large model) and before the warning that no tuning database exists: one line each (issue 70)."""
+    import autosched.generation.build
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(autosched.generation.build, "load_generation_model", loaded)
+    for options, says in ((["--max-seq-len", "0"], "--max-seq-len must be at least 1 (got 0)"),
+                          (["--max-batch", "0"], "--max-batch must be at least 1 (got 0)"),
+                          (["--speculate", "0"], "--speculate takes numbers of proposed tokens, each at least 1"),
+                          (["--max-batch", "4", "--decode-batches", "2,8"], "--decode-batches must lie between 1 and "
+                                                                            "--max-batch 4"),
+                          (["--dtype", "float64"], "unsupported dtype 'float64'"),
+                          (["--quantize", ""], "--quantize '' is not a scheme")):
+        line = _one_line_error("build", "hf-llama", "--generate", "-o", str(tmp_path / "art"), "--db",
+                               str(tmp_path / "none.db"), *options)
+        assert says in line, line
+    assert not (tmp_path / "art").exists()
 
 
 def test_the_greedy_kernel_takes_the_first_maximum_and_gives_each_row_a_gpu_block():

@@ -119,7 +119,7 @@ def test_a_family_or_feature_matches_transformers(name, tmp_path):
     # One static decode function (the batch of 3 padded to 4): the families differ in their layers, not in
     # how batches are padded, which tests/test_generation.py covers.
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
-        "--max-batch", str(MAX_BATCH), "--decode-batches", str(MAX_BATCH))
+        "--max-batch", str(MAX_BATCH), "--decode-batches", str(MAX_BATCH), "--db", str(tmp_path / "t.db"))
     gen = Generator(tmp_path / "art")
     results = gen.generate(PROMPTS, NEW)
     for prompt, result in zip(PROMPTS, results):
@@ -151,7 +151,7 @@ def test_a_prompt_of_several_windows_prefills_in_chunks_of_a_window(name, tmp_pa
 
     model = _saved(name, tmp_path / "hf")
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
-        "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "16")
+        "--max-batch", str(MAX_BATCH), "--decode-batches", "2", "--prefill-chunks", "16", "--db", str(tmp_path / "t.db"))
     gen = Generator(tmp_path / "art")
     prompts = [[(11 * i + 5) % 512 for i in range(20)], [3, 1, 4]]
     results = gen.generate(prompts, NEW)
@@ -176,7 +176,8 @@ def test_windowed_prefill_in_chunks_matches_transformers_on_the_gpu(name, tmp_pa
 
     model = _saved(name, tmp_path / "hf")
     cli("build", str(tmp_path / "hf"), "--generate", "--target", "cuda", "--dtype", "float16", "-o",
-        str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
+        str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH),
+        "--db", str(tmp_path / "t.db"))
     model = model.to("cuda", torch.float16)
     gen = Generator(tmp_path / "art", run_ahead=False)
     results = gen.generate(PROMPTS, 16)

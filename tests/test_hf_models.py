@@ -193,6 +193,7 @@ def test_a_half_precision_transformers_model_builds_for_the_h200(family, dtype, 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_transformers_model_matches_torch_on_the_gpu(family, dtype, tmp_path):
     out = tmp_path / f"{family}-{dtype}"
-    autosched("build", f"hf-{family}", "--target", "cuda", "--dtype", dtype, "-o", str(out), timeout=600)
+    autosched("build", f"hf-{family}", "--target", "cuda", "--dtype", dtype, "-o", str(out), "--db", str(out) + ".db",
+              timeout=600)
     result = json.loads(autosched("run", str(out), "--format", "json", check=False).stdout)
     assert result["matches_torch"] is True, result

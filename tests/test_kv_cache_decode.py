@@ -447,12 +447,14 @@ def test_tiny_fp16_model_generates_with_our_decode_attention(tmp_path, monkeypat
     prompts = [[7], [(5 * i + 3) % 512 for i in range(17)], [(11 * i + 1) % 512 for i in range(150)],
                [(13 * i + 2) % 512 for i in range(300)]]
     flags = ["--target", "cuda", "--dtype", "float16", "--max-seq-len", "512", "--max-batch", "4"]
-    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "ours"), *flags)
+    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "ours"), "--db", str(tmp_path / "t.db"),
+        *flags)
     manifest = json.loads((tmp_path / "ours" / "manifest.json").read_text())
     assert manifest["attention"][dispatch.DECODE_ROLE].startswith("autosched kv_cache_decode")
     assert manifest["attention"][dispatch.RAGGED_PREFILL_ROLE].startswith("autosched kv_cache_prefill")
     monkeypatch.setattr(dispatch, "ARCHS", ())  # the dispatch refuses every target: TVM's kernel
-    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "tvm"), *flags)
+    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "tvm"), "--db", str(tmp_path / "t.db"),
+        *flags)
     manifest = json.loads((tmp_path / "tvm" / "manifest.json").read_text())
     assert manifest["attention"][dispatch.DECODE_ROLE].startswith("TVM default")
     ours = Generator(tmp_path / "ours").generate(prompts, 16)

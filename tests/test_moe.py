@@ -152,7 +152,7 @@ def test_moe_family_matches_transformers(name, tmp_path):
 
     model = _saved(name, tmp_path / "hf")
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
-        "--max-batch", str(MAX_BATCH))
+        "--max-batch", str(MAX_BATCH), "--db", str(tmp_path / "t.db"))
     results = Generator(tmp_path / "art").generate(PROMPTS, NEW)
     for prompt, result in zip(PROMPTS, results):
         assert result.error is None

@@ -318,7 +318,7 @@ def test_the_sorted_experts_path_gives_transformers_tokens_on_the_cpu(name, tmp_
     monkeypatch.setattr(linear, "GROUPED_MOE_MIN_ROWS", 2)
     model = _saved(name, tmp_path / "hf")
     cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len", str(MAX_SEQ_LEN),
-        "--max-batch", "2", "--prefill-chunks", "16")
+        "--max-batch", "2", "--prefill-chunks", "16", "--db", str(tmp_path / "t.db"))
     import json
 
     kernels = json.loads((tmp_path / "art" / "manifest.json").read_text())["workload_kernels"]

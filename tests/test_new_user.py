@@ -98,15 +98,15 @@ def _fails_leaving_nothing(tmp_path, *args, code=1, says=""):
 
 def test_failed_import_creates_no_database(tmp_path, export):
     db = str(tmp_path / "imp.db")
-    _fails_leaving_nothing(tmp_path, "db", "import", str(tmp_path / "nonexistent.jsonl"), "--db", db,
+    _fails_leaving_nothing(tmp_path, "db", "import", str(tmp_path / "nonexistent.jsonl"), "--db", db, code=2,
                            says="no export file")
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_bytes(os.urandom(3000))
-    _fails_leaving_nothing(tmp_path, "db", "import", str(garbage), "--db", db, says="not an autosched export")
+    _fails_leaving_nothing(tmp_path, "db", "import", str(garbage), "--db", db, code=2, says="not an autosched export")
     header, first = export.read_text().splitlines()[:2]
     cut = tmp_path / "cut.jsonl"
     cut.write_text(header + "\n" + first[:len(first) // 2])  # cut inside the first record
-    line = _fails_leaving_nothing(tmp_path, "db", "import", str(cut), "--db", db, says=f"{cut}:2")
+    line = _fails_leaving_nothing(tmp_path, "db", "import", str(cut), "--db", db, code=2, says=f"{cut}:2")
     assert "nothing was imported" in line
 
 
@@ -521,3 +521,20 @@ def test_with_postgres_from_a_private_folder(tmp_path):
 # build and run on (a second tune-model, build and run of tiny-llama here took 30-40 s).
 # Whether tune-model's latency estimate agrees with `run` is a comparison of two measured times, which a
 # loaded machine moves: benchmarks/estimate_vs_run.py makes it.
+
+
+# ---- issue 70: bad input to the database commands is exit 2 ---------------------------------------
+def test_a_file_that_is_not_an_export_or_an_empty_database_is_bad_input(tmp_path):
+    """`db import` of a file that is not an export (an empty one, /dev/null) and `db best` on an empty file one
+    may write: one line, exit 2, nothing created or changed; the message does not say the file was opened
+    read-only."""
+    db = str(tmp_path / "imp.db")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    _fails_leaving_nothing(tmp_path, "db", "import", str(empty), "--db", db, code=2, says="is empty, not an autosched export")
+    _fails_leaving_nothing(tmp_path, "db", "import", "/dev/null", "--db", db, code=2, says="/dev/null is not a file")
+    blank = tmp_path / "blank.db"
+    blank.write_bytes(b"")
+    line = _fails_leaving_nothing(tmp_path, "db", "best", "--db", str(blank), code=2,
+                                  says=f"{blank} is an empty file, not an autosched database yet")
+    assert "read-only" not in line

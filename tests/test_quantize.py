@@ -197,7 +197,8 @@ def _quantized(tiny_llama, scheme: str):
 
 
 def _build(folder, out, *extra):
-    cli("build", str(folder), "--generate", "-o", str(out), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2", *extra)
+    cli("build", str(folder), "--generate", "-o", str(out), "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2",
+        "--db", str(out) + ".db", *extra)
     return out
 
 
@@ -423,6 +424,8 @@ def test_a_trained_model_keeps_its_perplexity_and_greedy_tokens_when_quantized(t
             "2",
             "--decode-batches",
             "1,2",
+            "--db",
+            str(tmp_path / "t.db"),
             *extra,
         )
         said = json.loads(
@@ -552,6 +555,8 @@ def test_a_q4f16_build_for_sm_90_compiles_its_projections_as_int4_kernels(tiny_l
         "128",
         "--quantize",
         scheme,
+        "--db",
+        str(out) + ".db",
     )
     manifest = json.loads((out / "manifest.json").read_text())
     spaces = {
@@ -607,7 +612,7 @@ def test_an_8bit_build_for_sm_90_compiles_its_decode_projections_as_gemv8_kernel
     out = tmp_path / "sm90"
     cli("build", str(root / "hf"), "--generate", "--target", "cuda:sm_90a", "--dtype", "float16", "-o", str(out),
         "--max-seq-len", "256", "--max-batch", "4", "--decode-batches", "1,4", "--prefill-chunks", "128",
-        "--quantize", scheme)
+        "--quantize", scheme, "--db", str(out) + ".db")
     manifest = json.loads((out / "manifest.json").read_text())
     kernels = [w for w in manifest["workload_kernels"].values() if w["workload"].startswith("dequant_gemm")]
     chunk = {("fp8_gemm[m=128", "hopper_fp8_gemm"), ("fp8_quant_rows[m=128", "gpu_rows")} if scheme == "fp8" \
@@ -699,7 +704,7 @@ def test_half_precision_quantized_logits_on_the_gpu_match_the_float64_model(tiny
     out = tmp_path / "gpu"
     cli("build", str(folder), "--generate", "--target", "cuda", "--dtype", "float16", "-o", str(out),
         "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", "2", "--decode-batches", "1", "--prefill-chunks", "32",
-        "--quantize", scheme)
+        "--quantize", scheme, "--db", str(out) + ".db")
     manifest = json.loads((out / "manifest.json").read_text())
     w8a8 = any(w["workload"].startswith("fp8_gemm[") for w in manifest["workload_kernels"].values())
     assert w8a8 == (scheme == "fp8"), manifest["workload_kernels"]  # the H200 is sm_90

@@ -118,3 +118,24 @@ def test_the_readme_says_which_commands_take_which_format():
         expected[f"db {name}"] = ("table", "json", "csv")
     assert {k: v for k, v in formats.items() if k != "db"} == expected
     assert all(sentence in README for sentence in said), said
+
+
+def test_the_readme_says_what_factories_return_where_debug_goes_and_that_generate_streams():
+    """What issue 70 found the README to get wrong or leave out: the bundled hf-* factories return three items
+    (the third, each integer input's range), not the two it named; --debug goes before or after the command;
+    `generate --stream` (a real option) prints tokens as they come."""
+    import inspect
+
+    from autosched.cli import build_parser
+    from autosched.pipeline.load import _example_models, load_model
+
+    pytest.importorskip("transformers")
+    made = _example_models()["hf-llama"](tokens=4)
+    assert len(made) == 3 and set(made[2]) == {"input_ranges"}
+    models = _section("Models")
+    assert '`(model, example_inputs)`, or `(model, example_inputs, {"input_ranges": [...]})`' in models
+    assert "input_ranges" in inspect.getdoc(load_model)
+    assert "`--debug`, before or after the command, shows the traceback" in README
+    generate = next(a for a in build_parser()._actions if a.dest == "command").choices["generate"]
+    assert "--stream" in generate._option_string_actions
+    assert any("--stream" in c for c in _shell_commands(_section("Models")) if c.startswith("autosched generate"))

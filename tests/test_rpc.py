@@ -167,12 +167,12 @@ def test_rpc_tune_from_the_command_line(cluster, tmp_path):
     assert out["trials"] == 4 and out["latency_us"] > 0
 
 
-def test_device_list_parsing():
+def test_device_list_parsing(tmp_path):
     assert parse_devices("0,1") == [0, 1] and parse_devices("3") == [3]
     for bad in ("", "0,0", "a", "-1", "0;1"):
         with pytest.raises(Exception, match="--devices"):
             parse_devices(bad)
-    proc = cli("tune", "softmax", "--trials", "2", "--devices", "0,1", check=False)
+    proc = cli("tune", "softmax", "--trials", "2", "--devices", "0,1", "--db", str(tmp_path / "t.db"), check=False)
     assert proc.returncode == 2 and "--devices picks GPUs" in proc.stderr
 
 

@@ -198,8 +198,10 @@ def artifacts(tmp_path_factory):
     model = _saved_model("llama", root / "hf")
     _truncated_draft(model, root / "draft-hf")
     common = ("--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
-    cli("build", str(root / "hf"), "--generate", "-o", str(root / "art"), *common, "--decode-batches", "1,4", "--speculate", "3")
-    cli("build", str(root / "draft-hf"), "--generate", "-o", str(root / "draft"), *common, "--decode-batches", "4")
+    cli("build", str(root / "hf"), "--generate", "-o", str(root / "art"), *common, "--decode-batches", "1,4", "--speculate", "3",
+        "--db", str(root / "t.db"))
+    cli("build", str(root / "draft-hf"), "--generate", "-o", str(root / "draft"), *common, "--decode-batches", "4",
+        "--db", str(root / "t.db"))
     return model, root / "art", root / "draft"
 
 
@@ -378,6 +380,8 @@ def test_a_draft_of_another_vocabulary_is_refused_in_one_line(artifacts, tmp_pat
         str(MAX_BATCH),
         "--decode-batches",
         "1",
+        "--db",
+        str(tmp_path / "t.db"),
     )
     bad = cli("generate", str(target), "--prompt-ids", "1,2", "--speculate", "2", "--draft", str(tmp_path / "art"), check=False)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
@@ -429,8 +433,9 @@ def test_greedy_speculative_decoding_on_the_gpu_gives_the_plain_greedy_tokens(tm
     model = _saved_model("llama", tmp_path / "hf")
     _truncated_draft(model, tmp_path / "draft-hf")
     common = ("--target", "cuda", "--dtype", "float16", "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH))
-    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), *common, "--speculate", "3")
-    cli("build", str(tmp_path / "draft-hf"), "--generate", "-o", str(tmp_path / "draft"), *common)
+    cli("build", str(tmp_path / "hf"), "--generate", "-o", str(tmp_path / "art"), *common, "--speculate", "3",
+        "--db", str(tmp_path / "t.db"))
+    cli("build", str(tmp_path / "draft-hf"), "--generate", "-o", str(tmp_path / "draft"), *common, "--db", str(tmp_path / "t.db"))
     model = model.to("cuda", torch.float16)
     plain = [r.tokens for r in Generator(tmp_path / "art").generate(PROMPTS, NEW)]
     for kind in (tmp_path / "draft", "prompt-lookup"):

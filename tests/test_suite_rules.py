@@ -315,3 +315,89 @@ def test_a_failures_traceback_is_written_as_it_comes_where_asked(tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:]
     text = log.read_text()
     assert text.count("=== ") == 1 and "test_two.py::test_fails (call)" in text and "on purpose" in text, text
+
+
+# ---- tests never touch the user's files (issue 70) --------------------------------------------------------------
+# The commands that read or write a tuning database: run without --db they take $AUTOSCHED_DB or ./autosched.db.
+DB_COMMANDS = {"tune", "tune-model", "build", "show", "report", "db"}
+RUNNERS = {"cli", "autosched", "start"}  # tests/helpers.py's ways to run a command
+
+
+def command_runs_without_a_database(text: str) -> list[tuple[int, str]]:
+    """The command runs of ``text`` (``cli("build", ...)`` and the like) of a command that takes a database and
+    are not given one with ``--db`` in the call itself: (line, source)."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+        first = node.args[0] if node.args else None
+        if name not in RUNNERS or not isinstance(first, ast.Constant) or first.value not in DB_COMMANDS:
+            continue
+        if not any(isinstance(a, ast.Constant) and a.value == "--db" for a in node.args):
+            found.append((node.lineno, ast.get_source_segment(text, node)))
+    return found
+
+
+def test_the_scanner_finds_command_runs_without_a_database():
+    flagged = command_runs_without_a_database(textwrap.dedent('''\
+        cli("build", str(root / "hf"), "--generate", "-o", str(out))
+        proc = cli("tune", "softmax", "--trials", "2", check=False)
+        autosched("build", "hf-llama", *common, "-o", str(out))
+        start("db", "stats")
+        cli("build", "tiny-llama", "-o", str(out), "--db", str(tmp_path / "t.db"))
+        cli("generate", str(art), "--prompt-ids", "1")
+        cli(*args, "--db", db)
+        '''))
+    assert [line for line, _ in flagged] == [1, 2, 3, 4]
+
+
+def test_every_command_run_in_the_tests_names_its_own_database():
+    """A test that builds or tunes without --db read and wrote the user's ./autosched.db (issue 70: a test run
+    after the quick start added 16 records to it). tests/conftest.py points $AUTOSCHED_DB at the session's own
+    folder as a guard and fails a session that used it; each run names its database."""
+    found = []
+    for path in sorted(TESTS.glob("*.py")):
+        found += [f"{path.name}:{line}: {source}" for line, source in command_runs_without_a_database(path.read_text())]
+    assert not found, "command runs without --db (give each its own, under tmp_path):\n" + "\n".join(found)
+
+
+def test_a_test_run_that_changes_the_working_directory_or_uses_the_default_database_fails(tmp_path):
+    """tests/conftest.py fails a session whose tests left a file in the working directory, changed one there (a
+    user's ./autosched.db) or used the default tuning database, naming each; the session's own folder (the
+    default database, compiled references) is removed when it ends."""
+    import os
+    import subprocess
+    import sys
+
+    suite, work, temp = tmp_path / "suite", tmp_path / "work", tmp_path / "tmp"
+    for folder in (suite, work, temp):
+        folder.mkdir()
+    (work / "autosched.db").write_bytes(b"the user's records")
+    (suite / "test_careless.py").write_text(textwrap.dedent('''\
+        import os
+
+        def test_writes_here():
+            with open("left-behind.txt", "w") as f:
+                f.write("x")
+
+        def test_writes_the_users_database():
+            with open("autosched.db", "ab") as f:
+                f.write(b"and a test's")
+
+        def test_forgets_its_database():
+            with open(os.environ["AUTOSCHED_DB"], "w") as f:
+                f.write("x")
+        '''))
+    from .conftest import SESSION_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != SESSION_ENV}  # a session of its own, as a new run has
+    env.update(PYTHONPATH=os.pathsep.join([str(TESTS.parent), env.get("PYTHONPATH", "")]), TMPDIR=str(temp))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           "-c", "/dev/null", "--rootdir", str(suite), str(suite)], capture_output=True, text=True,
+                          cwd=work, env=env)
+    said = " ".join(proc.stdout.split())
+    assert proc.returncode == 1 and "3 passed" in said, proc.stdout[-3000:]
+    assert f"the tests changed the working directory {work} (added left-behind.txt; changed autosched.db)" in said, said
+    assert "a test used the default tuning database" in said and "give each command its own --db" in said, said
+    assert not list(temp.glob("autosched-test-session-*"))

@@ -141,7 +141,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     db_cli.add_parser(sub, add_db_arg, add_format)
     sub.choices["db"].set_defaults(fn=cmd_db)
+    _debug_anywhere(parser)
     return parser
+
+
+def _debug_anywhere(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` before or after the command (``autosched build ... --debug``, as the error hint says): each
+    command's parser takes it too, leaving it unset where it is not given (not overriding the main parser's)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if "--debug" not in sub._option_string_actions:
+                    sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                     help="show tracebacks on errors")
+                _debug_anywhere(sub)
 
 
 # Options whose value is a comma-separated list of numbers: a value such as "-1,2" is theirs (argparse would take

@@ -32,7 +32,9 @@ def add_eval_parser(sub) -> None:
 def _tokens(args, manifest: dict) -> list[int]:
     from .generate import _tokenizer
 
-    if (args.text is None) == (args.token_ids is None):
+    if args.text is not None and args.token_ids is not None:
+        raise UsageError("--text and --token-ids are two ways to give the text to evaluate: give one of them")
+    if args.text is None and args.token_ids is None:
         raise UsageError("give the text to evaluate: --text FILE (with a tokenizer) or --token-ids FILE")
     path = Path(args.text or args.token_ids)
     if not path.is_file():

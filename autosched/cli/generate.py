@@ -68,14 +68,35 @@ def add_tune_arguments(p) -> None:
     _add_quantize(p)
 
 
+def _generation_dtype(dtype: str | None) -> str | None:
+    """--dtype of a generation build: float32, float16 or bfloat16 (fp32, fp16, bf16), checked before the model loads."""
+    if dtype is None:
+        return None
+    from ..workloads import normalize_dtype
+
+    return normalize_dtype(dtype)
+
+
 def cmd_build_generate(args) -> int:
-    from ..generation.build import build_generator, load_generation_model
+    from ..generation.build import build_generator, check_build_options, load_generation_model
     from ..target import parse_target
 
     target = parse_target(args.target, require_device=False)
     if args.tokens or args.batch:
         raise UsageError("--tokens and --batch do not apply to --generate: prompts and batches vary at run time "
                          "(give --max-seq-len and --max-batch)")
+    # Every option is checked before the model is loaded and exported (seconds to minutes).
+    dtype = _generation_dtype(args.dtype)
+    batches = None
+    if args.decode_batches is not None:
+        batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
+    chunks = None
+    if args.prefill_chunks is not None:
+        chunks = tuple(sorted(set(parse_ids(args.prefill_chunks, "--prefill-chunks", "lengths"))))
+    speculate = ()
+    if args.speculate is not None:
+        speculate = tuple(sorted(set(parse_ids(args.speculate, "--speculate", "numbers of proposed tokens"))))
+    check_build_options(args.max_seq_len, args.max_batch, batches, chunks, speculate)
     tokenizer = args.tokenizer
     if tokenizer is not None:
         from ..serve.tokenizer import load_tokenizer
@@ -83,19 +104,10 @@ def cmd_build_generate(args) -> int:
         load_tokenizer(tokenizer)  # a folder without a readable tokenizer is refused before the build
     elif os.path.isdir(args.model):
         tokenizer = args.model  # the model's own, where its folder has one
-    model = load_generation_model(args.model, args.dtype, args.quantize)
+    model = load_generation_model(args.model, dtype, args.quantize)
     db = open_build_db(args.db)  # as any build: a database one may only read is read as it is
     log = console(stderr=True)
     try:
-        batches = None
-        if args.decode_batches is not None:
-            batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
-        chunks = None
-        if args.prefill_chunks is not None:
-            chunks = tuple(sorted(set(parse_ids(args.prefill_chunks, "--prefill-chunks", "lengths"))))
-        speculate = ()
-        if args.speculate is not None:
-            speculate = tuple(sorted(set(parse_ids(args.speculate, "--speculate", "numbers of proposed tokens"))))
         out, report = build_generator(model, target, db, args.output, args.max_seq_len, args.max_batch,
                                       db_path=str(db.path) if db else None, decode_batches=batches,
                                       prefill_chunks=chunks, speculate=speculate, tokenizer=tokenizer)
@@ -131,7 +143,7 @@ def cmd_tune_generate(args) -> int:
     steps = DEFAULT_DECODE_STEPS if args.decode_steps is None else args.decode_steps
     check_decode_steps(steps)
     target = parse_target(args.target, require_device=args.runner == "local")
-    model = load_generation_model(args.model, args.dtype, args.quantize)
+    model = load_generation_model(args.model, _generation_dtype(args.dtype), args.quantize)
     if args.decode_batches is not None:
         batches = tuple(sorted(set(parse_ids(args.decode_batches, "--decode-batches", "batch sizes"))))
     else:  # those the build makes by default, so that a plain build applies the records
@@ -202,6 +214,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--no-run-ahead", action="store_true",
                    help="decode a step at a time (default on a GPU: each greedy step is launched before the "
                         "tokens of the step before it are read, the same tokens)")
+    p.add_argument("--stream", action="store_true",
+                   help="print each token as it is made, after its prompt's index (with --tokenizer, the text; with "
+                        "--format json, a JSON line per token, then one with the completions and the timing)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output (default text)")
     p.set_defaults(fn=cmd_generate)
 
@@ -228,18 +243,9 @@ FINISHED_BECAUSE = {"length": "--max-new-tokens reached", "stop": "a stop token 
 
 
 def _tokenizer(path: str | None):
-    if path is None:
-        return None
-    if not os.path.isdir(path):
-        raise UsageError(f"--tokenizer {path} is not a folder: give a local folder with a Hugging Face tokenizer")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise UsageError("--tokenizer needs transformers: pip install transformers") from None
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"no tokenizer could be read from {path}: {exc}") from None
+    from ..serve.tokenizer import load_tokenizer
+
+    return None if path is None else load_tokenizer(path)
 
 
 def speculation_draft(args):
@@ -266,10 +272,32 @@ def speculation_draft(args):
     return args.draft
 
 
+def _check_prompts(prompts: list, labels: list[str], manifest: dict) -> None:
+    """Each prompt fits the artifact (its ids in the vocabulary, room for a new token): one line naming the
+    prompt, before the model is loaded."""
+    vocab, longest = manifest["decoder"]["vocab"], manifest["max_seq_len"]
+    for prompt, label in zip(prompts, labels):
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise UsageError(f"{label}: token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+        if not prompt:
+            raise UsageError(f"{label}: the prompt is empty: give at least one token")
+        if len(prompt) > longest:
+            raise UsageError(f"{label}: the prompt has {len(prompt)} tokens, more than the artifact's --max-seq-len "
+                             f"{longest}: shorten it or rebuild with a larger --max-seq-len")
+        if len(prompt) == longest:
+            raise UsageError(f"{label}: the prompt has {longest} tokens, the artifact's --max-seq-len: no room is left "
+                             "for a new token; shorten it or rebuild with a larger --max-seq-len")
+
+
+def _label(option: str, value: str) -> str:
+    return f"{option} {value if len(value) <= 40 else value[:37] + '...'}"
+
+
 def cmd_generate(args) -> int:
     from ..generation.generator import read_generation_manifest
 
-    read_generation_manifest(args.artifact)  # a bad folder is reported before TVM loads
+    manifest = read_generation_manifest(args.artifact)  # a bad folder is reported before TVM loads
     tokenizer = _tokenizer(args.tokenizer)
     if args.prompt and tokenizer is None:
         raise UsageError("--prompt needs --tokenizer LOCAL_DIR (or give token ids with --prompt-ids)")
@@ -277,7 +305,13 @@ def cmd_generate(args) -> int:
     prompts += [tokenizer(text)["input_ids"] for text in args.prompt]
     if not prompts:
         raise UsageError("give a prompt: --prompt-ids 1,2,3 (or --prompt TEXT with --tokenizer)")
+    _check_prompts(prompts, [_label("--prompt-ids", p) for p in args.prompt_ids]
+                   + [_label("--prompt", repr(t)) for t in args.prompt], manifest)
     stop = parse_ids(args.stop_ids, "--stop-ids") if args.stop_ids else None
+    vocab = manifest["decoder"]["vocab"]
+    if stop and any(t >= vocab for t in stop):
+        raise UsageError(f"--stop-ids {args.stop_ids}: token id {next(t for t in stop if t >= vocab)} is outside the "
+                         f"vocabulary (0 to {vocab - 1}), so it would never stop a sequence")
 
     from ..generation.generator import Generator, Sampling
 
@@ -287,9 +321,15 @@ def cmd_generate(args) -> int:
     draft = speculation_draft(args)
     gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1, adaptive=not args.always_speculate,
                     run_ahead=False if args.no_run_ahead else None)
-    results = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, stop_tokens=stop)
+    _warn_if_speculation_cannot_pay(gen)
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stop)
+    if args.stream:
+        results = _stream(gen, prompts, args.max_new_tokens, options, tokenizer, args.format == "json")
+    else:
+        results = gen.generate(prompts, args.max_new_tokens, **options)
     timing = gen.timing()
+    if gen.speculation is not None:  # what speculation did, also where no step speculated
+        timing = {**timing, **gen.speculation}
     rows = []
     for prompt, r in zip(prompts, results):
         row = {"prompt_ids": prompt, "tokens": r.tokens, "finish_reason": r.finish_reason}
@@ -298,15 +338,21 @@ def cmd_generate(args) -> int:
         if tokenizer is not None:
             row["text"] = tokenizer.decode(r.tokens)
         rows.append(row)
+    for i, row in enumerate(rows):  # a request that failed while others went on: on stderr, as every error
+        if "error" in row:
+            print(f"autosched: error: prompt {i}: {row['error']}", file=sys.stderr)
     if args.format == "json":
-        print(json.dumps({"completions": rows, "timing": timing}, indent=2))
+        document = {"completions": rows, "timing": timing}
+        print(json.dumps(document) if args.stream else json.dumps(document, indent=2))
     else:
         for i, row in enumerate(rows):
-            print(f"[{i}] " + (f"error: {row['error']}" if "error" in row else " ".join(map(str, row["tokens"]))))
-            if "text" in row:
-                print(f"[{i}] {row['text']}")
-            if "error" not in row:
-                print(f"[{i}] ended: {FINISHED_BECAUSE.get(row['finish_reason'], row['finish_reason'])}", file=sys.stderr)
+            if "error" in row:
+                continue
+            if not args.stream:
+                print(f"[{i}] " + " ".join(map(str, row["tokens"])))
+                if "text" in row:
+                    print(f"[{i}] {row['text']}")
+            print(f"[{i}] ended: {FINISHED_BECAUSE.get(row['finish_reason'], row['finish_reason'])}", file=sys.stderr)
         speculation = ""
         if "proposed_tokens" in timing:
             speculation = (f"; speculating: {timing['accepted_tokens']} of {timing['proposed_tokens']} proposed tokens "
@@ -316,3 +362,47 @@ def cmd_generate(args) -> int:
               f"per decode step over {timing['decode_steps']} steps, {timing['tokens_per_s']:.1f} tokens/s{speculation}",
               file=sys.stderr)
     return 2 if any("error" in r for r in rows) else 0
+
+
+def _stream(gen, prompts: list, max_new_tokens: int, options: dict, tokenizer, json_lines: bool) -> list:
+    """Print each token as ``Generator.stream`` makes it: after ``[i]``, its prompt's index, on the line of that
+    prompt's tokens while they come one after another (one prompt: one line), on a new line where another
+    prompt's token comes between; with a tokenizer, the text the token adds; with ``json_lines``, a JSON line
+    per token. Returns the completions."""
+    made: list[list[int]] = [[] for _ in prompts]
+    shown = [""] * len(prompts)  # each prompt's text printed so far
+    line = None  # the prompt whose tokens the current line holds
+    for index, token in gen.stream(prompts, max_new_tokens, **options):
+        made[index].append(token)
+        piece = None
+        if tokenizer is not None:  # the text decoded so far, less what was printed: a token may end a character
+            text = tokenizer.decode(made[index])
+            piece, shown[index] = text[len(shown[index]):], text
+        if json_lines:
+            print(json.dumps({"index": index, "token": token, **({"text": piece} if piece is not None else {})}),
+                  flush=True)
+            continue
+        if index != line:
+            sys.stdout.write(("\n" if line is not None else "") + f"[{index}]" + (" " if piece is not None else ""))
+            line = index
+        sys.stdout.write(piece if piece is not None else f" {token}")
+        sys.stdout.flush()
+    if line is not None and not json_lines:
+        sys.stdout.write("\n")
+    return list(gen.completions)
+
+
+def _warn_if_speculation_cannot_pay(gen) -> None:
+    """Say so where the draft makes speculation cost more than it can make even with every proposal kept (a
+    draft as large as the model): the generator then decodes plainly, speculating only to probe the draft."""
+    from ..generation.speculative import PROBE_EVERY, VERIFY_COST
+
+    speculator = gen._speculator
+    if speculator is None or not speculator.never_pays():
+        return
+    k, cost = speculator.k, speculator.adaptation.cost
+    console(stderr=True).log(
+        f"[yellow]warning:[/] speculating with this draft cannot pay: its {k} steps and the verify step cost {cost:.3g} "
+        f"plain decode steps, more than the {k + 1} tokens a step makes with every proposal kept (the draft reads "
+        f"{(cost - VERIFY_COST) / k:.0%} of the model's weight bytes); decoding plainly, trying the draft every "
+        f"{PROBE_EVERY} steps: give a smaller draft, or --always-speculate to speculate at every step")

@@ -81,7 +81,13 @@ def model_estimate(tasks, results, untunable=()) -> str:
 
 
 def _quantize_needs_generate(args) -> None:
-    if getattr(args, "quantize", None) and not args.generate:
+    quantize = getattr(args, "quantize", None)
+    if quantize is None:
+        return
+    from ..generation.quantize import scheme
+
+    scheme(quantize)  # an unknown or empty name (--quantize "") is refused, not built unquantised
+    if not args.generate:
         raise UsageError(f"--quantize {args.quantize} applies to text generation builds: add --generate")
     if getattr(args, "tokenizer", None) and not args.generate:
         raise UsageError("--tokenizer applies to text generation builds (for autosched serve): add --generate")

@@ -409,21 +409,16 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     ``tokenizer/``, for ``autosched serve``) and ``manifest.json``. Nothing is written if the build fails."""
     from autosched.serve.tokenizer import ARTIFACT_TOKENIZER, tokenizer_files
 
+    check_build_options(max_seq_len, max_batch, decode_batches, prefill_chunks, speculate)
     _check_limits(model.config, max_seq_len, max_batch)
     if model.config.sliding_window >= max_seq_len:  # the window never binds: every layer attends to the whole sequence
         model = replace(model, config=replace(model.config, sliding_window=0, sliding_layers=[]))
     if decode_batches is None:
         decode_batches = default_decode_batches(max_batch)
-    if any(not 1 <= n <= max_batch for n in decode_batches):
-        raise UsageError(f"--decode-batches must lie between 1 and --max-batch {max_batch}")
     if prefill_chunks is None:
         # None unless asked for: which chunk lengths pay off depends on the prompts served (tune-model
         # --generate --prefill-chunks tunes them).
         prefill_chunks = ()
-    # A chunk packs the prompts waiting at once (16 prompts of 512 tokens: one chunk of 8192).
-    if any(not 1 <= t <= max_seq_len * max_batch for t in prefill_chunks):
-        raise UsageError(f"--prefill-chunks must lie between 1 and --max-seq-len x --max-batch "
-                         f"({max_seq_len * max_batch})")
     executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks,
                                                    speculate=speculate)
     weights = weights_from_hf(model.hf.state_dict(), model.config)
@@ -438,9 +433,25 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     return write_artifact(out_dir, {LIBRARY: executable}, tensors, manifest, files), report
 
 
+def check_build_options(max_seq_len: int, max_batch: int, decode_batches: tuple[int, ...] | None = None,
+                        prefill_chunks: tuple[int, ...] | None = None, speculate: tuple[int, ...] = ()) -> None:
+    """What a generation build's options must be whatever the model: one line each, before the model is loaded
+    and exported (seconds to minutes)."""
+    for option, value in (("--max-seq-len", max_seq_len), ("--max-batch", max_batch)):
+        if value < 1:
+            raise UsageError(f"{option} must be at least 1 (got {value})")
+    if decode_batches is not None and any(not 1 <= n <= max_batch for n in decode_batches):
+        raise UsageError(f"--decode-batches must lie between 1 and --max-batch {max_batch} (got "
+                         f"{','.join(map(str, decode_batches))})")
+    # A chunk packs the prompts waiting at once (16 prompts of 512 tokens: one chunk of 8192).
+    if prefill_chunks is not None and any(not 1 <= t <= max_seq_len * max_batch for t in prefill_chunks):
+        raise UsageError(f"--prefill-chunks must lie between 1 and --max-seq-len x --max-batch "
+                         f"({max_seq_len * max_batch})")
+    if any(k < 1 for k in speculate):
+        raise UsageError("--speculate takes numbers of proposed tokens, each at least 1 (e.g. --speculate 4)")
+
+
 def _check_limits(cfg: DecoderConfig, max_seq_len: int, max_batch: int) -> None:
-    if max_seq_len < 1 or max_batch < 1:
-        raise UsageError("--max-seq-len and --max-batch must be at least 1")
     dynamic = cfg.rope_scaling.get("max_position_embeddings") if cfg.rope_scaling.get("rope_type") == "dynamic" else None
     if dynamic and max_seq_len > dynamic:
         raise UsageError(f"rotary scaling 'dynamic' is supported up to --max-seq-len {dynamic} (max_position_embeddings): "

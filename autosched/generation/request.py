@@ -42,7 +42,7 @@ class Sampling:
     logprobs: int | None = None
 
     def __post_init__(self):
-        for wrong, what in ((not self.temperature >= 0 or math.isinf(self.temperature),
+        for wrong, what in ((not 0 <= self.temperature < math.inf,  # NaN too: no comparison holds for it
                              f"temperature must be 0 (greedy) or a finite number above it, got {self.temperature}"),
                             (self.top_k < 0, f"top_k must be 0 (no limit) or more, got {self.top_k}"),
                             (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),

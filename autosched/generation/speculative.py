@@ -284,6 +284,9 @@ def check_speculation(speculate: int, target) -> None:
     """One-line errors for a number of proposals or a model speculation cannot serve."""
     if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 1:
         raise UsageError(f"speculate must be a whole number of proposed tokens, at least 1 (got {speculate!r})")
+    if speculate > target.max_seq_len - 2:  # a step feeds a token and the proposals after at least a prompt token
+        raise UsageError(f"speculate {speculate} proposes more tokens a step than the artifact's --max-seq-len "
+                         f"{target.max_seq_len} leaves room for: propose at most {max(target.max_seq_len - 2, 0)}")
     if target.window:
         raise UsageError(
             f"speculative decoding is not supported for a model with a sliding window "
@@ -369,6 +372,12 @@ class Speculator:
                  adaptive: bool = True):
         self.model, self.draft, self.k, self.limits, self.stats = model, draft, k, limits, stats
         self.adaptation = Adaptation(k, speculation_cost(model, draft, k)) if adaptive else None
+
+    def never_pays(self) -> bool:
+        """Whether an adaptive speculator's steps cost more than they can make with every proposal kept (the
+        k + 1 tokens of a step): a draft as large as the model, say. It then decodes plainly, speculating
+        only every ``PROBE_EVERY``-th step; a reply shorter than that has no speculative step."""
+        return self.adaptation is not None and expected_tokens(1.0, self.k) <= self.adaptation.cost
 
     def wants_step(self) -> bool:
         """Whether the next decode step speculates (always, unless adaptive and it does not pay now)."""

@@ -11,14 +11,18 @@ from autosched.errors import UsageError
 
 # The files of a Hugging Face tokenizer that ``build --generate`` copies into the artifact (those present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+                   "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
 ARTIFACT_TOKENIZER = "tokenizer"  # the artifact's subfolder
 
 
+# The files one of which a Hugging Face tokenizer's folder holds (a fast tokenizer's, or a slow one's vocabulary).
+TOKENIZER_MARKS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
 def has_tokenizer(folder: str | Path) -> bool:
-    folder = Path(folder)
-    return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_MARKS)
 
 
 def tokenizer_files(folder: str | Path) -> list[Path]:
@@ -34,17 +38,17 @@ def load_tokenizer(path: str | Path):
     """The Hugging Face tokenizer of a local folder (nothing is downloaded); one-line UsageErrors."""
     path = str(path)
     if not os.path.isdir(path):
-        raise UsageError(f"tokenizer folder {path} does not exist: give a local folder with a Hugging Face tokenizer")
+        raise UsageError(f"--tokenizer {path} is not a folder: give a local folder with a Hugging Face tokenizer")
     if not has_tokenizer(path):
-        raise UsageError(f"{path} holds no tokenizer (no tokenizer.json, tokenizer.model or vocab.json): give the "
-                         "model's folder, or one with its tokenizer files")
+        raise UsageError(f"--tokenizer {path} holds no tokenizer (none of {', '.join(TOKENIZER_MARKS)}): give the "
+                         "folder a tokenizer was saved to (save_pretrained)")
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"no tokenizer could be read from {path}: {reason}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' errors for a tokenizer it cannot read vary by kind
+        said = " ".join(str(exc).split()) or type(exc).__name__
+        raise UsageError(f"no tokenizer could be read from {path}: {said[:300]}") from None
 
 
 def artifact_tokenizer(artifact_dir: str | Path, override: str | Path | None = None):
