@@ -599,3 +599,46 @@ def test_prefix_cache_book_finds_the_longest_kept_prefix_and_evicts_least_recent
     cache.match([50, 51, 52, 53, 54])
     assert cache.least_recent() is a and cache.least_recent() is b and cache.least_recent() is None
     assert cache.hit_tokens == 4 + 8 + 4 + 4 and cache.queried_tokens == 12 + 8 + 9 + 5 + 5
+
+
+@pytest.mark.gpu
+def test_the_server_on_the_gpu_gives_concurrent_clients_the_tokens_they_get_alone():
+    """A 2-layer Llama in fp16 on the GPU (CUDA graphs at decode batches 1, 2, 4, 8; a prefill chunk of 64;
+    steps launched ahead), its engine and app served in this process: 32 concurrent clients, greedy, prompts of
+    different lengths, each given the tokens the same generator gives it alone; a shared prefix hits the cache."""
+    import transformers
+
+    from autosched.serve import Engine
+
+    from .helpers import gpu_generator, random_on_gpu
+
+    model = random_on_gpu(transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+                                                   num_key_value_heads=8, num_hidden_layers=2, vocab_size=8000))
+    gen, _ = gpu_generator(model, "llama-2-layers", 256, (1, 2, 4, 8), prefill_chunks=(64,))
+    shared = [(13 * i + 7) % 8000 for i in range(40)]
+    prompts = [(shared if i % 2 else []) + [(31 * i + 17 * j + 3) % 8000 for j in range(3 + i % 11)] for i in range(32)]
+    lengths = [8 + i % 17 for i in range(32)]
+    expected = []
+    for prompt, n in zip(prompts, lengths):  # alone, one at a time, without the prefix cache
+        expected.append(gen.generate([prompt], n, stop_tokens=[])[0].tokens)
+    gen.use_prefix_cache()
+    served = _Served(Engine(lambda: gen))
+    try:
+        async def run():
+            aclient = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+            async def one(prompt, n):
+                out = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+                return out.choices[0].token_ids, out.usage.prompt_tokens_details.cached_tokens
+
+            try:
+                return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
+            finally:
+                await aclient.close()
+
+        results = asyncio.run(run())
+        assert [tokens for tokens, _ in results] == expected
+        assert sum(cached for _, cached in results) > 0
+    finally:
+        served.close()

@@ -70,8 +70,8 @@ def cmd_serve(args) -> int:
     metrics.engine = engine
     engine.start()
     if not args.no_prefix_cache and engine.gen.prefix_cache is None:
-        log.log(f"prefix caching is off: a model with {'a sliding window' if manifest['decoder'].get('sliding_window') else 'longrope'} "
-                "cannot share a prefix's pages")
+        why = "a sliding window" if manifest["decoder"].get("sliding_window") else "longrope"
+        log.log(f"prefix caching is off: a model with {why} cannot share a prefix's pages")
     app = create_app(engine, name, api_key=args.api_key, metrics=metrics)
     server = DrainingServer(app, args.host, args.port, engine, args.drain_timeout, name, log)
     try:
