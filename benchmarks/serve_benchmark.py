@@ -31,8 +31,9 @@ Per request: the send time, the arrival of each chunk carrying text, the output 
 these: time to first token (TTFT), time per output token TPOT = (last chunk - first chunk) / (tokens - 1),
 inter-token latency ITL = the gaps between chunks; per run: output tokens/s and requests/s over the run
 (first send to last end), and the p50 / p99 (numpy percentiles, linear) of each. A server may join several
-tokens into one chunk when its stream falls behind: TPOT counts the server's tokens (usage), ITL the gaps
-between the chunks it sent, so ITL's p50 may exceed TPOT's.
+tokens into one chunk when its stream falls behind, and a client that falls behind reads several chunks at once:
+TPOT counts the server's tokens (usage) between the first chunk and the last, ITL the gaps between chunks as
+they were read, so ITL's percentiles can differ from TPOT's either way.
 
 ``--sweep-p99-tpot-bound MS``: the highest Poisson rate whose p99 TPOT stays within MS: runs at
 ``--sweep-start``, doubling while within the bound (up to ``--sweep-max-rate``; halving first if the start is
