@@ -72,8 +72,10 @@ def main() -> int:
     dtype = getattr(torch, args.dtype or ("float16" if args.device.startswith("cuda") else "float32"))
     config = LlamaConfig(**CONFIGS[args.config], bos_token_id=0, eos_token_id=1, dtype=dtype)
     torch.manual_seed(0)
+    torch.set_default_dtype(dtype)  # made in its dtype: 7B parameters in float32 first would take 27 GB
     with torch.device(args.device):
         model = LlamaForCausalLM(config).to(dtype).eval()
+    torch.set_default_dtype(torch.float32)
     if args.config == "tiny":  # larger logits than the default init, so that greedy decoding does not repeat one token
         with torch.no_grad():
             for p in model.parameters():

@@ -142,12 +142,13 @@ for step in "${steps_to_run[@]}"; do
         --new "$OUTPUT" --out "$OUT/steps.json" > "$OUT/steps.log" 2>&1
       echo "steps: exit $?"; keep steps ;;
     ours)
-      bound=$(bound_ms) || exit 2
       read -r -a more <<< "${OURS_ARGS:-}"
       start_server ours "${ours_cmd[@]}" "$ARTIFACT" --port "$PORT" "${more[@]}" || continue
       load a_ours 150 "autosched serve" --concurrency 16 --num-requests "$N" "${tok[@]}"
-      load b_ours 330 "autosched serve" --sweep-p99-tpot-bound "$bound" --sweep-start "${SWEEP_START:-2}" \
-        --duration "${SWEEP_DURATION:-40}" --num-requests "$N" "${tok[@]}"
+      if bound=$(bound_ms); then
+        load b_ours 330 "autosched serve" --sweep-p99-tpot-bound "$bound" --sweep-start "${SWEEP_START:-2}" \
+          --duration "${SWEEP_DURATION:-40}" --num-requests "$N" "${tok[@]}"
+      fi
       load c_ours_cache 90 "autosched serve, prefix cache" "${prefix_load[@]}" "${tok[@]}"
       stop_server ;;
     ours-nocache)
@@ -157,7 +158,6 @@ for step in "${steps_to_run[@]}"; do
       stop_server ;;
     hf)
       python3 -c "import accelerate" 2>/dev/null || { echo "hf: transformers serve needs accelerate (device_map)" >&2; continue; }
-      bound=$(bound_ms) || exit 2
       read -r -a more <<< "${HF_ARGS:-}"
       start_server hf python3 -m transformers.cli.transformers serve "$HF" --continuous-batching \
         --device "${HF_DEVICE:-cuda}" --dtype "${HF_DTYPE:-float16}" --host 127.0.0.1 --port "$PORT" "${more[@]}" || continue
@@ -169,7 +169,7 @@ for step in "${steps_to_run[@]}"; do
       fi
       load b_hf_concurrency 240 "transformers serve --continuous-batching" --concurrency 16 --num-requests "$N" "${hf_load[@]}"
       load c_hf 120 "transformers serve --continuous-batching" "${prefix_load[@]}" "${hf_load[@]}"
-      if [[ ${HF_SWEEP:-0} == 1 ]]; then
+      if [[ ${HF_SWEEP:-0} == 1 ]] && bound=$(bound_ms); then
         load b_hf_sweep 330 "transformers serve --continuous-batching" --sweep-p99-tpot-bound "$bound" \
           --sweep-start "${SWEEP_START:-2}" --duration "${SWEEP_DURATION:-40}" --num-requests "$N" "${hf_load[@]}"
       fi
