@@ -13,6 +13,12 @@ graphs). Greedy tokens are compared with eager transformers' for the first 16 ne
 first difference is reported with the logit margin of transformers' choice there (a near-tie or not).
 
     python benchmarks/generate_benchmark.py --model llama2-7b --batches 1,16 --compile --out results.json
+
+``--artifact DIR`` times an artifact of ``autosched build MODEL --generate`` instead, as it was built (its own
+weights and kernels; nothing is built and transformers does not run): its prefill and ms per decode step at
+each batch size, as above (what ``benchmarks/serve_gpu.sh`` compares a server's time per output token with).
+
+    python benchmarks/generate_benchmark.py --artifact ART --batches 1,16 --prompt 512 --new 128 --out steps.json
 """
 
 from __future__ import annotations
@@ -395,6 +401,28 @@ def first_difference(ours_tokens, theirs, scores):
     return report
 
 
+def artifact_rows(artifact: str, batches: list[int], prompt: int, new: int, out: str | None) -> list[dict]:
+    """Prefill ms, ms per decode step and tokens/s of the artifact at each batch size (one generator for all):
+    prompts of ``prompt`` random tokens, ``new`` tokens each (no stop token), after a warm-up of 4 tokens."""
+    import torch
+
+    from autosched.generation import Generator
+
+    gen = Generator(artifact)
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for batch in batches:
+        prompts = torch.randint(0, gen.vocab, (batch, prompt), generator=generator).tolist()
+        prefill, step, tokens = ours(lambda: gen, prompts, new)
+        rows.append({"artifact": artifact, "batch": batch, "prompt": prompt, "new": new, "ours_prefill_ms": prefill,
+                     "ours_ms_per_step": step, "ours_tokens_per_s": 1e3 * batch / step,
+                     "all_new_tokens": all(len(t) == new for t in tokens)})
+        print(json.dumps(rows[-1]), flush=True)
+        if out:
+            Path(out).write_text(json.dumps({"rows": rows}, indent=2))
+    return rows
+
+
 def main() -> int:
     import torch
 
@@ -438,6 +466,8 @@ def main() -> int:
                         help="with --programmatic-launch: also that build with each of its GEMMs asking L2 for up to "
                              "MB megabytes of its weights before it waits for the kernel before it")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--artifact", metavar="DIR", help="time this artifact of `autosched build --generate` at each "
+                        "of --batches instead (--prompt, --new; the other options do not apply)")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
     args = parser.parse_args()
@@ -445,6 +475,9 @@ def main() -> int:
         parser.error("--prefetch-weights needs --programmatic-launch: the prefetch goes before the wait it adds")
     global DEVICE
     DEVICE = "cuda" if args.target == "cuda" else "cpu"
+    if args.artifact:
+        artifact_rows(args.artifact, [int(b) for b in args.batches.split(",")], args.prompt, args.new, args.out)
+        return 0
 
     bandwidth = copy_bandwidth()
     model = make_model(args.model, args.layers)
