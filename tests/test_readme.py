@@ -113,7 +113,8 @@ def test_the_readme_says_which_commands_take_which_format():
             "`tune`, `run` and `db import` take `--format table|json`", "`generate` and `eval` `--format text|json`"]
     expected = {"ops": ("table", "json", "csv"), "tune-model": ("table", "json", "csv"), "tune": ("table", "json"),
                 "run": ("table", "json"), "db import": ("table", "json"), "generate": ("text", "json"), "eval": ("text", "json"),
-                "show": None, "report": None, "build": None, "rpc-server": None, "db export": None, "db upgrade": None}
+                "show": None, "report": None, "build": None, "rpc-server": None, "db export": None, "db upgrade": None,
+                "serve": None}
     for name in ("best", "list", "show", "history", "compare", "stats"):
         expected[f"db {name}"] = ("table", "json", "csv")
     assert {k: v for k, v in formats.items() if k != "db"} == expected
