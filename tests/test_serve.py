@@ -539,10 +539,10 @@ def test_sigterm_drains_running_requests_then_exits_0(built):
     _, artifact, tokenizer = built
     proc, url = _serve(str(artifact), "--drain-timeout", "60")
     prompt = [5, 6, 7, 8]
-    (expected,) = _alone(artifact, [prompt], 100)
+    (expected,) = _alone(artifact, [prompt], 40)
     tokens = []
     with httpx.Client(timeout=60) as http:
-        body = {"prompt": prompt, "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True,
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True, "ignore_eos": True,
                 "return_token_ids": True}
         with http.stream("POST", url + "/completions", json=body) as r:
             for line in r.iter_lines():
