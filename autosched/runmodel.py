@@ -6,6 +6,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from .correctness import relative_error
+
 # ||tvm - torch|| / ||torch|| accepted for a whole model, by dtype: many kernels' rounding adds up.
 MODEL_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
@@ -229,8 +231,6 @@ def _against_torch(manifest: dict[str, Any], params: list, inputs: list, out, si
     """The relative error of ``out`` against the PyTorch model the artifact came from, on ``inputs``
     (``sizes``: the batch and tokens a bucketed build ran at, where they vary)."""
     import torch
-
-    from autosched.measure.timing import relative_error
 
     from .pipeline import load_model
 

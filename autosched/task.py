@@ -14,6 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .correctness import relative_error
 from .workloads import Workload, get_operator
 
 if TYPE_CHECKING:
@@ -222,8 +223,6 @@ class Checker:
 
     def errors(self, inputs: list, outs: list, refs: list) -> list[float]:
         """Each output's error against its reference (compared with :attr:`tolerance`): relative L2 errors."""
-        from autosched.measure.timing import relative_error
-
         return [relative_error(o, r) for o, r in zip(outs, refs)]
 
     def inputs_and_reference(self, gen: torch.Generator, device: str) -> tuple[list, list]:

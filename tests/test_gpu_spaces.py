@@ -1043,7 +1043,7 @@ def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, u
     registers (``unroll`` k-blocks' loads together, then the k-blocks after the last whole group one at a time)."""
     import torch
 
-    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.search_spaces.templates._hopper import epilogue_source
     from autosched.search_spaces.templates.int4_gemv import _mma_source, mma_smem_bytes
     from autosched.workloads import get_operator
 
@@ -1058,7 +1058,7 @@ def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, u
     stream = unroll > 0
     name, source = _mma_source(m, n, k, -(-k // group), group, warps, tiles, a["bias"], "none", zeros, stream,
                                max(unroll, 1))
-    _, store1, epilogue = _epilogue_source("float16", "none")
+    _, store1, epilogue = epilogue_source("float16", "none")
     body = _host_body(source.removeprefix(epilogue))
     body = body.replace('asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));',
                         "r = (w & mask) | 0x64006400u;")
@@ -1163,7 +1163,7 @@ def test_int4_gemv_pipelined_matches_float64_on_the_host(shape, dtype, attrs, po
     (``loads_first``)."""
     import torch
 
-    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.search_spaces.templates._hopper import epilogue_source
     from autosched.search_spaces.templates.int4_gemv import _pipelined_source
     from autosched.workloads import get_operator
 
@@ -1178,7 +1178,7 @@ def test_int4_gemv_pipelined_matches_float64_on_the_host(shape, dtype, attrs, po
     warps, rows, row_groups, half = point
     p = {"warps": warps, "rows_per_warp": rows, "unroll": True, "row_groups": row_groups, "half_products": half}
     name, source = _pipelined_source(m, n, k, group, dtype, p, a["bias"], "none", zeros)
-    _, store1, epilogue = _epilogue_source(dtype, "none")
+    _, store1, epilogue = epilogue_source(dtype, "none")
     scalar = CUDA_SCALAR_HOST[dtype]
     loads = "".join(f'  auto {v} = load<{"uint8_t" if v in ("wq", "zeros") else scalar}>("{v}.bin");\n' for v in names)
     program = HOST_SHIM + f"""
@@ -1278,7 +1278,7 @@ def test_mma_gemv_matches_float64_on_the_host(op, shape, dtype, attrs, point, tm
     import torch
 
     from autosched.search_spaces.templates import mma_gemv
-    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.search_spaces.templates._hopper import epilogue_source
     from autosched.workloads import get_operator
 
     wl = make_workload(op, shape, dtype, attrs)
@@ -1293,7 +1293,7 @@ def test_mma_gemv_matches_float64_on_the_host(op, shape, dtype, attrs, point, tm
     for name, tensor in zip(names, ins):
         (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     name, source = mma_gemv.source(m, n, k, dtype, p, bias, act, gated)
-    _, store1, epilogue = _epilogue_source(dtype, act)
+    _, store1, epilogue = epilogue_source(dtype, act)
     body = _host_body(source.removeprefix(epilogue))
     scalar = CUDA_SCALAR_HOST[dtype]
     activation = {"none": "v", "silu": "v / (1.0f + std::exp(-v))",

@@ -1,15 +1,20 @@
-"""Rules the test suite keeps: no test passes or fails by how fast or how loaded the machine is."""
+"""Rules the test suite keeps: no test passes or fails by how fast or how loaded the machine is; and a rule
+the code keeps: imports go one way, down the layers ARCHITECTURE.md draws."""
 
 from __future__ import annotations
 
 import ast
 import re
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from autosched._checkout import PACKAGE_DIRS
+
 TESTS = Path(__file__).parent
+REPO = TESTS.parent
 
 # A time or a load, by the names an operand reads: a clock, an interval, a latency, a machine's load, or a
 # constant that bounds one of them.
@@ -315,3 +320,158 @@ def test_a_failures_traceback_is_written_as_it_comes_where_asked(tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:]
     text = log.read_text()
     assert text.count("=== ") == 1 and "test_two.py::test_fails (call)" in text and "on purpose" in text, text
+
+
+# ---- imports: one direction, down the layers ----------------------------------------------------------
+# autosched's layers, lowest first (ARCHITECTURE.md draws them): a module imports modules of its own layer and
+# of those below, never of one above. A name is a module or package under ``autosched.`` ("__init__": the
+# package itself); a module belongs to the longest name that is it or a package above it, so ``database.cli``
+# (the ``autosched db`` command) is a command while the rest of ``database`` is not.
+LAYERS = (
+    ("base", ("__init__", "_checkout", "errors", "records", "correctness", "buckets", "tvm_adapter")),
+    ("target", ("fastmath", "target", "cuda_tools")),
+    ("definitions", ("workloads", "examples")),
+    ("spaces", ("search_spaces",)),
+    ("task", ("task",)),
+    ("measure", ("measure", "cost_model")),
+    ("database", ("database", "validate")),
+    ("search", ("warm_start", "search", "tuner")),
+    ("artifact", ("artifact",)),
+    # the generation runtime, with TVM's runtime alone: model, scheduler, sampler, request, speculative, barrier, ...
+    ("generation runtime", ("generation",)),
+    ("pipeline", ("pipeline",)),
+    ("generation build", ("generation.build", "generation.decoder", "generation.linear", "generation.attention",
+                          "generation.cpu_paged_prefill", "generation.quantize", "generation.prequantized",
+                          "generation.gptq", "generation.awq", "generation.fp8")),
+    ("serve", ("serve",)),
+    ("commands", ("cli", "database.cli", "output", "report", "show", "runmodel", "__main__")),
+)
+LAYER_OF = {name: level for level, (_, names) in enumerate(LAYERS) for name in names}
+# Imports up the layers that stay, each with its reason.
+UPWARD = {
+    ("__init__", "generation"): "autosched.Generator and its kin: a PEP 562 re-export, imported on first use of "
+                                "the name; the package itself runs before any of its modules, so it is the base",
+}
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    target: str  # the module imported (for ``from m import name``: ``m.name`` where that is a module, else ``m``)
+    line: int
+    in_function: bool
+
+
+def source_modules() -> dict[str, Path]:
+    """Every module of autosched by its dotted name: ``autosched/`` and the folders installed under it
+    (``autosched/_checkout.py``'s table)."""
+    found = {}
+    for name, folder in {"autosched": "autosched", **PACKAGE_DIRS}.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            found[".".join((name, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    return found
+
+
+def module_imports(module: str, path: Path, modules) -> list[Import]:
+    """What ``module`` imports when it runs, at its top and inside its functions; not what an ``if
+    TYPE_CHECKING:`` block imports (for the type checker only)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.extend(Import(module, alias.name, child.lineno, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")
+                    base = ".".join([*parts[: len(parts) - child.level + 1], *([child.module] if child.module else [])])
+                for alias in child.names:
+                    sub = f"{base}.{alias.name}"
+                    found.append(Import(module, sub if sub in modules else base, child.lineno, in_function))
+            else:
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def unit(module: str) -> str | None:
+    """The name of :data:`LAYERS` that ``module`` belongs to (None: not ours, or in no layer)."""
+    if module != "autosched" and not module.startswith("autosched."):
+        return None
+    parts = (module.removeprefix("autosched").lstrip(".") or "__init__").split(".")
+    return next((name for n in range(len(parts), 0, -1) if (name := ".".join(parts[:n])) in LAYER_OF), None)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(edges.get(node, ())):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            connect(node)
+    return found
+
+
+@pytest.fixture(scope="module")
+def imports() -> tuple[dict[str, Path], list[Import]]:
+    modules = source_modules()
+    return modules, [i for module, path in modules.items() for i in module_imports(module, path, modules)]
+
+
+def _where(imp: Import, modules) -> str:
+    return f"{modules[imp.module].relative_to(REPO)}:{imp.line} imports {imp.target}"
+
+
+def test_every_module_has_a_layer_and_none_imports_a_layer_above_its_own(imports):
+    modules, found = imports
+    assert [m for m in modules if unit(m) is None] == [], "give each new package or module its place in LAYERS"
+    upward = [f"{_where(i, modules)} ({LAYERS[LAYER_OF[unit(i.module)]][0]} -> {LAYERS[LAYER_OF[unit(i.target)]][0]})"
+              for i in found if unit(i.target) and LAYER_OF[unit(i.target)] > LAYER_OF[unit(i.module)]
+              and (unit(i.module), unit(i.target)) not in UPWARD]
+    assert upward == [], "imports up the layers (move what both need down, or the importer up):\n" + "\n".join(upward)
+    used = {(unit(i.module), unit(i.target)) for i in found}
+    assert set(UPWARD) <= used, "an allowed upward import that is gone: drop it from UPWARD"
+
+
+def test_no_import_cycle_among_packages_or_modules(imports):
+    """Counted with the imports inside functions: a cycle is a cycle whenever its imports run."""
+    modules, found = imports
+    packages: dict[str, set[str]] = {}
+    among_modules: dict[str, set[str]] = {}
+    for i in found:
+        if unit(i.target) and (unit(i.module), unit(i.target)) not in UPWARD:
+            packages.setdefault(unit(i.module), set()).add(unit(i.target))
+            if i.target in modules and i.target != i.module:
+                among_modules.setdefault(i.module, set()).add(i.target)
+    assert cycles(packages) == [], f"packages that import each other: {cycles(packages)}"
+    assert cycles(among_modules) == [], f"modules that import each other: {cycles(among_modules)}"
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "d"}}) == [["a", "b", "c"]]
+    assert unit("autosched.database.cli") == "database.cli" and unit("autosched.database.store") == "database"
+    assert unit("autosched") == "__init__" and unit("tvm.relax") is None

@@ -368,6 +368,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     from .linear import add_rms_norm, grouped_moe, grouped_moe_serves, linear, moe_linear, quant_linear, rms_norm, swiglu
     from .quantize import group_size
     from .quantize import scheme as quant_scheme
+    from .speculative import static_verify_name
 
     dtype = cfg.dtype
     heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -787,8 +788,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     for k in speculate:
         for n in decode_batches:
             tokens = n * (k + 1)
-            setattr(module, verify_function(n, k), module.batch_prefill)
-            spec[verify_function(n, k)] = {"input_ids": nn.spec.Tensor([tokens], "int32"),
+            setattr(module, static_verify_name(n, k), module.batch_prefill)
+            spec[static_verify_name(n, k)] = {"input_ids": nn.spec.Tensor([tokens], "int32"),
                                            "logit_positions": nn.spec.Tensor([tokens], "int32"), **caches, "$": packed}
     chunk = module.batch_prefill
     if hopper and cfg.quantize and quant_scheme(cfg.quantize).fmt == "e4m3":
@@ -813,11 +814,6 @@ def _w8a8(method):
             return method(*args, **kwargs)
 
     return traced
-
-
-def verify_function(rows: int, proposals: int) -> str:
-    """The name of the static function that verifies ``proposals`` tokens for each of ``rows`` sequences."""
-    return f"verify_b{rows}_k{proposals}"
 
 
 class _window_symbols:

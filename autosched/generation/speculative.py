@@ -225,15 +225,19 @@ class ModelDraft:
             proposals[i].q_rows.append(q)
 
 
+def static_verify_name(rows: int, proposals: int) -> str:
+    """The name of the static function that verifies ``proposals`` tokens for each of ``rows`` sequences (the
+    decoder builds it under this name)."""
+    return f"verify_b{rows}_k{proposals}"
+
+
 def verify_function(lengths: list[int], speculate, decode_batches) -> str:
     """The target's function for a speculative step feeding ``lengths`` tokens to its sequences: a static
     ``verify_b<n>_k<k>`` where every sequence gets k proposals and the artifact was built with ``--speculate k``
     and decode batch n (tuned kernels, CUDA graphs), else ``batch_prefill``."""
-    from .decoder import verify_function as static_name
-
     k = lengths[0] - 1
     if all(n == k + 1 for n in lengths) and k in speculate and len(lengths) in decode_batches:
-        return static_name(len(lengths), k)
+        return static_verify_name(len(lengths), k)
     return "batch_prefill"
 
 

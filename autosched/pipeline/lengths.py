@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autosched.buckets import Bucket, bucket_for, bucket_key  # noqa: F401  (bucket_for and bucket_key: also from here)
 from autosched.errors import UsageError
 
 if TYPE_CHECKING:
@@ -25,9 +26,6 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 2048
 DEFAULT_MAX_BATCH = 16
 SMALLEST_BUCKET = 16
-
-Bucket = tuple  # (batch or None, tokens or None)
-
 
 def parse_lengths(text: str | None, max_tokens: int = DEFAULT_MAX_TOKENS, growth: float = 2.0) -> list[int] | None:
     """``--tokens``: None (the model's default length), one length, a comma list of lengths, or
@@ -86,15 +84,6 @@ def bucket_grid(batches: list[int] | None, lengths: list[int] | None) -> list[Bu
             for b in (batches if vary_batch else [None]) for t in (lengths if vary_tokens else [None])]
 
 
-def bucket_key(bucket: Bucket) -> str:
-    """The bucket's name in a manifest: ``"128"`` for a length alone (as builds of lengths alone have
-    always named them), ``"b4"`` for a batch alone, ``"b4-t128"`` for both."""
-    batch, tokens = bucket
-    if batch is None:
-        return str(tokens)
-    return f"b{batch}" if tokens is None else f"b{batch}-t{tokens}"
-
-
 @dataclass(frozen=True)
 class PaddedAxes:
     """Which axis of each input and output grows with the batch or the length (None: it does not)."""
@@ -150,16 +139,6 @@ def check_padding_is_exact(spec: str, kwargs: dict[str, Any], axis: str = "token
         if first.shape != e.shape or not torch.allclose(first.double(), e.double(), rtol=1e-4, atol=1e-5):
             raise UsageError(f"{spec}: {refusal}")
     return PaddedAxes(axes_in, axes_out)
-
-
-def bucket_for(buckets: list[int], size: int, axis: str = "tokens") -> int:
-    """The smallest bucket of at least ``size`` along ``axis``."""
-    for bucket in sorted(buckets):
-        if bucket >= size:
-            return bucket
-    option = "--max-tokens" if axis == "tokens" else "--max-batch"
-    raise UsageError(f"{size} {'tokens' if axis == 'tokens' else 'sequences'} is more than this build's maximum "
-                     f"of {max(buckets)}: rebuild with {option} {size} or more")
 
 
 def models_at(spec: str, kwargs: dict[str, Any], buckets: list) -> list[Model]:

@@ -1,5 +1,8 @@
 """The LLM operators autosched tunes: TensorIR definitions, references, FLOP and byte counts."""
 
+# Every operator module, for its registrations: this package runs before any of its modules, so the registry is
+# whole before anything asks it (``get_operator``), whichever module was imported.
+from . import attention, dequant, fp8, gemm, moe, norm, rope  # noqa: F401  (registration side effects)
 from ._base import (
     DTYPES,
     Attr,

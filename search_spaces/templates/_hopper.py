@@ -46,6 +46,18 @@ def device_function(file: str, macro: str, name: str, dtype: str, config: dict) 
             + f"{macro}({name}, {CUDA_SCALAR[dtype]}, {name}_config)\n")
 
 
+def epilogue_source(dtype: str, act: str) -> tuple[str, str, str]:
+    """CUDA helpers of the epilogue: (name of the pair store, name of the single store, source).
+
+    The accumulator pair (a, b) plus its bias pair goes through the activation and is stored as one
+    4-byte vector; the single store serves an odd last column (``cuda/hopper.cuh``)."""
+    tag = f"{PTX_TYPE[dtype]}_{act}"
+    guard = f"AUTOSCHED_EPILOGUE_{tag.upper()}"
+    return f"autosched_store2_{tag}", f"autosched_store1_{tag}", (
+        cuda_file("hopper.cuh") + f"#ifndef {guard}\n#define {guard}\n"
+        f"AUTOSCHED_EPILOGUE({tag}, {CUDA_SCALAR[dtype]}, AUTOSCHED_ACT_{act.upper()})\n#endif\n")
+
+
 class HopperTemplate(Space):
     """A space whose points are whole TIRx kernels for sm_90a (``kernel``), not schedules of the workload."""
 

@@ -33,8 +33,7 @@ import math
 
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file
-from .hopper_gemm import _epilogue_source
+from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file, epilogue_source
 from .int4_gemv import _WARP_SUM, MAX_M, MAX_UNROLLED_STEPS
 
 CHUNK = 16  # weights per lane per load: 16 bytes
@@ -102,7 +101,7 @@ def gemv8_kernel(m: int, n: int, k: int, dtype: str, fmt: str, bias: bool, act: 
     full, tail = divmod(chunks, 32)  # steps in which every lane has a chunk; the lanes of the last one
     unrolled = unroll_factor(full, rows_pw) if p["unroll"] else 1
     dot, dot_source = _dot_source(dtype, m, fmt)
-    _, store1, epi_source = _epilogue_source(dtype, act)
+    _, store1, epi_source = epilogue_source(dtype, act)
 
     def scale(S, row):  # the channel's scale, with E4M3's 2^8
         s = T.Cast("float32", S[row, 0])

@@ -49,8 +49,16 @@ import math
 
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, STREAM_REGISTERS, HopperTemplate, config_struct, cuda_file
-from .hopper_gemm import _epilogue_source
+from ._hopper import (
+    CUDA_SCALAR,
+    HOPPER_ARCHS,
+    SMEM_LIMIT,
+    STREAM_REGISTERS,
+    HopperTemplate,
+    config_struct,
+    cuda_file,
+    epilogue_source,
+)
 
 CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
 MAX_M = 8  # activation rows of the CUDA-core kernel: a decode step of a few sequences
@@ -144,7 +152,7 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
     sums of (q - z) x."""
     name = (f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_{int(bias)}{act}" + ("_zeros" if zeros else "")
             + (f"_stream{unroll}" if stream else ""))
-    _, store1, epi_source = _epilogue_source("float16", act)
+    _, store1, epi_source = epilogue_source("float16", act)
     config = {"M": m, "N": n, "K": k, "GROUPS": groups, "GROUP": group, "W": warps, "R": tiles,
               "ROW_BYTES": 0 if stream else _slab_row_bytes(k), "BIAS": bias, "ZEROS": zeros, "STREAM": stream,
               "U": unroll}
@@ -206,7 +214,7 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
     steps = math.ceil(chunks / 32)  # per lane
     groups = math.ceil(k / group)
     dot, dot_source = _dot_source(dtype, m, half_products, zeros)
-    _, store1, epi_source = _epilogue_source(dtype, act)
+    _, store1, epi_source = epilogue_source(dtype, act)
     loop = T.unroll if unroll else T.serial
 
     def stored(acc, Bias, i, row):
@@ -266,7 +274,7 @@ def _pipelined_source(m: int, n: int, k: int, group: int, dtype: str, p: Point, 
     half = p.get("half_products", False)
     name = (f"autosched_q4_pipelined_{dtype}_m{m}_n{n}_k{k}_g{group}_w{warps}_r{rows_pw}_x{row_groups}"
             f"_{int(half)}{int(bias)}{act}" + ("_zeros" if zeros else ""))
-    _, store1, epi_source = _epilogue_source(dtype, act)
+    _, store1, epi_source = epilogue_source(dtype, act)
     chunks = k // CHUNK
     config = {"M": m, "N": n, "K": k, "GROUPS": math.ceil(k / group), "GROUP": group, "W": warps, "R": rows_pw,
               "G": row_groups, "CHUNKS": chunks, "STEPS": math.ceil(chunks / 32), "HALF": half, "ZEROS": zeros,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, PTX_TYPE, STREAM_REGISTERS, config_struct, cuda_file
+from ._hopper import CUDA_SCALAR, PTX_TYPE, STREAM_REGISTERS, config_struct, cuda_file, epilogue_source
 
 STEP = 64  # k per step: a 128-byte line of each weight row
 MIN_M, MAX_M = 2, 16  # activation rows: one or two n8 tiles of mma's N (one row stays a GEMV)
@@ -105,12 +105,10 @@ def features(m: int, n: int, k: int, gated: bool, sms: int, p: Point) -> list[fl
 
 def source(m: int, n: int, k: int, dtype: str, p: Point, bias: bool, act: str, gated: bool) -> tuple[str, str]:
     """(name, source) of the device function that runs one block of stream point ``p``."""
-    from .hopper_gemm import _epilogue_source
-
     warps, tiles, unroll = p["stream_warps"], p["stream_tiles"], p["stream_unroll"]
     name = (f"autosched_mma_gemv_{PTX_TYPE[dtype]}_m{m}_n{n}_k{k}_w{warps}_t{tiles}_u{unroll}_{int(bias)}{act}"
             + ("_gated" if gated else ""))
-    _, store1, epi_source = _epilogue_source(dtype, act)
+    _, store1, epi_source = epilogue_source(dtype, act)
     config = {"M": m, "N": n, "K": k, "W": warps, "R": tiles, "U": unroll, "BIAS": bias, "GATED": gated}
     entry = "AUTOSCHED_MMA_GEMV" + ("_BIAS" if bias else "")
     return name, (epi_source + cuda_file("mma_gemv.cuh") + config_struct(f"{name}_config", config)

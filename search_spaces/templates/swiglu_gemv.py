@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file
+from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file, epilogue_source
 from .gemv8 import StreamingSteps, streamed_sums, unroll_factor
-from .hopper_gemm import _epilogue_source, _gemm_shape
+from .hopper_gemm import _gemm_shape
 from .int4_gemv import MAX_M
 
 CHUNK = 8  # weights per lane per load: 16 bytes of fp16/bf16
@@ -60,7 +60,7 @@ def swiglu_gemv_kernel(m: int, n: int, k: int, dtype: str, p: Point):
     full, tail = divmod(chunks, 32)  # steps in which every lane has a chunk; the lanes of the last one
     unrolled = unroll_factor(full, 2 * cols_pw) if p["unroll"] else 1
     dot, dot_source = _dot_source(dtype, m)
-    _, store1, epi_source = _epilogue_source(dtype, "none")
+    _, store1, epi_source = epilogue_source(dtype, "none")
 
     def read_col(col):  # the column a warp reads: past the last one (n that no block divides), the last
         return T.min(col, n - 1) if n % cols_pb else col
