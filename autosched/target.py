@@ -7,14 +7,19 @@ to generate code for a GPU this machine does not have.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
+import subprocess
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
+from . import fastmath
 from .errors import DeviceError, UsageError
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,7 @@ class TargetSpec:
         import tvm
 
         if self.kind == "llvm":
-            from .fastmath import install
-
-            install()  # vectorisable exp for every kernel compiled for this CPU
+            fastmath.install()  # vectorisable exp for every kernel compiled for this CPU
             level = {} if opt_level == 3 else {"opt-level": opt_level}  # 3: LLVM's default, the target unchanged
             return tvm.target.Target({"kind": "llvm", "mcpu": self.arch, "num-cores": self.num_cores, **level})
         return tvm.target.Target({
@@ -173,8 +176,6 @@ def _cuda_optin_shared_memory(arch: str) -> int:
 
 def _cuda_driver_version() -> str:
     """The NVIDIA driver's version as nvidia-smi prints it, else the CUDA driver API version."""
-    import subprocess
-
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
@@ -208,8 +209,6 @@ def compile_module(mod, target: TargetSpec, config: dict | None = None, codegen:
     architecture-specific target ``sm_90a``, whose wgmma and setmaxnreg plain ``sm_90`` lacks).
     ``relax_pipeline``: the Relax passes of a model's build (TVM's default for the target if None); a model's
     CPU code is compiled at :func:`cpu_build_opt_level`."""
-    import dataclasses
-
     import tvm
 
     codegen = codegen or {}

@@ -9,13 +9,17 @@ compiled unscheduled for the CPU). Builder and runner processes receive a small 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .correctness import relative_error
+from .target import parse_target
 from .workloads import Workload, get_operator
+from .workloads._base import randn, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
 
     from autosched.search_spaces import Space
     from autosched.target import TargetSpec
+
+# Deferred imports: tvm, tvm_ffi, torch, numpy (imported where used: `autosched --help` stays fast).
 
 # Tolerance on ||out - ref|| / ||ref|| for functions that are checked against their own default schedule,
 # by the least precise floating-point dtype the function reads, keeps or accumulates in (not its output's:
@@ -99,8 +105,6 @@ class Task:
 
     @cached_property
     def spec(self) -> TaskSpec:
-        import json
-
         import tvm
 
         if self.workload is not None:
@@ -268,8 +272,6 @@ class SelfChecker(Checker):
         """Normal random floats (uniform in [0.5, 1.5) if ``positive``) and small non-negative integers."""
         import torch
 
-        from .workloads._base import randn, torch_dtype
-
         out = []
         for i in self.inputs:
             shape, dtype = self._spec(i)
@@ -337,8 +339,6 @@ class SelfChecker(Checker):
         """Compile the reference into the reference cache unless it is there already. A builder process
         does this ahead of the runner, which then loads it instead of compiling one task's reference after
         another between candidates."""
-        import os
-
         path = self.reference_path(device_type)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -359,8 +359,6 @@ class SelfChecker(Checker):
         import tvm
 
         if device_type == "cuda":
-            from .target import parse_target
-
             return (self.target or parse_target("cuda")).tvm_target()
         return tvm.target.Target({"kind": "llvm"})
 
@@ -387,8 +385,6 @@ CACHE_ENV = "AUTOSCHED_CACHE"
 def reference_cache() -> Path:
     """The folder of compiled references, kept between runs: ``$AUTOSCHED_CACHE/references``, by default
     under ``~/.cache/autosched``."""
-    import os
-
     root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autosched"
     return Path(root) / "references"
 

@@ -7,12 +7,16 @@ behaviour of each, so a TVM upgrade that changes one fails there first, and is a
 
 from __future__ import annotations
 
+import _imp
+import inspect
 import json
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from tvm import s_tir
     from tvm.s_tir.schedule import SBlockRV
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 # Pass options that split a loop's last, guarded iteration off (conditions wrapped in ``likely``), so the
 # rest runs without the guard; the rows space needs them to keep a row's tail vectorised.
@@ -26,9 +30,6 @@ def cache_frozen_frame_lookups() -> None:
     TVM's tensor intrinsics (hundreds of functions, which dlight's matmul rule imports on first use) took 50
     s of a GPT-2 build for CUDA with torch loaded. The scan's answer, no module, is cached here up front:
     ``getmodule`` returns the same None, without the scan."""
-    import _imp
-    import inspect
-
     try:  # every frozen module's frame file name, e.g. <frozen importlib._bootstrap>, <frozen runpy>
         filenames = {_imp.get_frozen_object(name).co_filename for name in _imp._frozen_module_names()}
     except (AttributeError, ImportError):  # not CPython 3.11+: the import machinery's two

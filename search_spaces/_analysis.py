@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from tvm.s_tir.schedule import SBlockRV
     from tvm.tirx import PrimFunc
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 
 def blocks_of(sch: s_tir.Schedule) -> list[SBlockRV]:
     return list(sch.get_child_blocks(sch.get_sblock("root", func_name="main")))

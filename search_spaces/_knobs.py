@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
     from autosched.target import TargetSpec
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 Point = dict[str, Any]
 
 

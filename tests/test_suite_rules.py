@@ -1,5 +1,6 @@
-"""Rules the test suite keeps: no test passes or fails by how fast or how loaded the machine is; and a rule
-the code keeps: imports go one way, down the layers ARCHITECTURE.md draws."""
+"""Rules the test suite keeps: no test passes or fails by how fast or how loaded the machine is; and rules
+the code keeps: imports go one way, down the layers ARCHITECTURE.md draws, and an import inside a function
+defers a heavy package on purpose."""
 
 from __future__ import annotations
 
@@ -353,6 +354,27 @@ UPWARD = {
                                 "the name; the package itself runs before any of its modules, so it is the base",
 }
 
+# Third-party packages slow enough to import that a module imports them inside the functions that use them,
+# so that ``autosched --help``, and every import of a module that does not need them, does without
+# (``python -X importtime -m autosched --help`` shows what an import costs).
+HEAVY = {"tvm", "tvm_ffi", "torch", "transformers", "safetensors", "xgboost", "matplotlib", "numpy", "ml_dtypes",
+         "sqlalchemy", "alembic", "rich", "psutil", "cloudpickle"}
+# How a module that defers them says so: one comment line at its top naming them.
+DEFERRED = re.compile(r"^# Deferred imports: (.*)$", re.M)
+# Modules that other work in flight edits; their imports inside functions are moved when it lands.
+PENDING = {
+    "autosched/artifact.py", "autosched/cli/__init__.py", "autosched/cli/common.py", "autosched/cli/evaluate.py",
+    "autosched/cli/generate.py", "autosched/cli/model.py", "autosched/cli/tools.py", "autosched/cli/tune.py",
+    "autosched/generation/build.py", "autosched/generation/generator.py", "autosched/generation/model.py",
+    "autosched/generation/sampler.py",
+    # moved next
+    "autosched/generation/attention.py", "autosched/generation/barrier.py", "autosched/generation/cpu_paged_prefill.py",
+    "autosched/generation/cuda_events.py", "autosched/generation/decoder.py", "autosched/generation/evaluate.py",
+    "autosched/generation/fp8.py", "autosched/generation/gptq.py", "autosched/generation/linear.py",
+    "autosched/generation/prequantized.py", "autosched/generation/quantize.py", "autosched/generation/speculative.py",
+}
+
+
 @dataclass(frozen=True)
 class Import:
     module: str  # the importing module
@@ -475,3 +497,54 @@ def test_the_cycle_finder_finds_cycles():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "d"}}) == [["a", "b", "c"]]
     assert unit("autosched.database.cli") == "database.cli" and unit("autosched.database.store") == "database"
     assert unit("autosched") == "__init__" and unit("tvm.relax") is None
+
+
+def heavy_at_import(modules, found: list[Import]) -> dict[str, set[str]]:
+    """The heavy packages that importing each module brings in, through its and its packages' top-level imports."""
+    top: dict[str, list[str]] = {}
+    for i in found:
+        if not i.in_function:
+            top.setdefault(i.module, []).append(i.target)
+    brought: dict[str, set[str]] = {}
+
+    def bring(module: str) -> set[str]:
+        if module not in brought:
+            brought[module] = set()  # a cycle brings nothing more
+            heavy = set()
+            parts = module.split(".")
+            for target in [*top.get(module, ()), *(".".join(parts[:n]) for n in range(1, len(parts)))]:
+                root = target.split(".")[0]
+                if root != "autosched":
+                    heavy |= {root} & HEAVY
+                else:
+                    tparts = target.split(".")
+                    heavy |= {h for n in range(1, len(tparts) + 1) if ".".join(tparts[:n]) in modules
+                              for h in bring(".".join(tparts[:n]))}
+            brought[module] = heavy
+        return brought[module]
+
+    return {module: bring(module) for module in modules}
+
+
+def test_an_import_inside_a_function_defers_a_heavy_package_and_its_module_says_so(imports):
+    """Every other import sits at the top of its module. A module that defers says which packages it defers in
+    one comment line at its top (``# Deferred imports: tvm, torch``); one of autosched's own modules is heavy
+    where its own top-level imports bring a heavy package in."""
+    modules, found = imports
+    heavy = heavy_at_import(modules, found)
+    problems: dict[str, list[str]] = {}
+    for i in found:
+        if not i.in_function or (unit(i.module), unit(i.target)) in UPWARD:  # up the layers: only ever on use
+            continue
+        root = i.target.split(".")[0]
+        brings = heavy.get(i.target, set()) if root == "autosched" else {root} & HEAVY
+        path = str(modules[i.module].relative_to(REPO))
+        named = set(re.findall(r"[\w.]+", " ".join(DEFERRED.findall(modules[i.module].read_text()))))
+        if not brings:
+            problems.setdefault(path, []).append(f"{_where(i, modules)}: a light import, at the top of the module")
+        elif not brings & named:
+            problems.setdefault(path, []).append(f"{_where(i, modules)}: name one of {sorted(brings)} in the "
+                                                 "module's '# Deferred imports:' line")
+    assert sorted(set(problems) - PENDING) == [], "\n".join(p for path in sorted(set(problems) - PENDING)
+                                                            for p in problems[path])
+    assert sorted(PENDING - set(problems)) == [], "these keep the rule now: drop them from PENDING"

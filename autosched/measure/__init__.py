@@ -8,6 +8,7 @@ crashes its process is killed, recorded as failed, and the process restarted.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import math
@@ -23,12 +24,16 @@ from typing import TYPE_CHECKING
 from autosched.errors import TemplateBugError
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
 
+from ._worker import build_candidate, build_reference, init_worker, prepare_task, run_candidate
+
 if TYPE_CHECKING:
     from tvm import IRModule
 
     from autosched.search_spaces import Point
     from autosched.target import TargetSpec
     from autosched.task import TaskSpec
+
+# Deferred imports: tvm, psutil (imported where used: `autosched --help` stays fast).
 
 __all__ = ["Builder", "LOAD_WARNING", "LoadMeter", "MeasureConfig", "MeasureRequest", "Measurer", "Runner",
            "SLOW_CUTOFF"]
@@ -157,8 +162,6 @@ def _torchless_path() -> str:
     """A folder holding a ``torch`` package that refuses to import, made once a process. First on a builder's
     ``PYTHONPATH``, it keeps tvm_ffi from importing torch, which it does whenever it can (seconds and some
     hundred MB a process): builders only compile; the runner, whose references are torch's, imports it."""
-    import atexit
-
     folder = tempfile.mkdtemp(prefix="autosched-torchless-")
     os.makedirs(os.path.join(folder, "torch"))
     with open(os.path.join(folder, "torch", "__init__.py"), "w") as f:
@@ -207,8 +210,6 @@ class Builder:
 
     def __init__(self, target: TargetSpec, workers: int | None = None, timeout: float = 120.0,
                  workdir: str | None = None):
-        from ._worker import init_worker
-
         self.target = target
         self.workers = workers or max(1, min(os.cpu_count() or 1, 16))
         self.timeout = timeout
@@ -229,8 +230,6 @@ class Builder:
         tasks' builds submitted before the first is collected are compiled side by side, and so is the
         reference of a raw function (a fused kernel of a model), the first time its task comes."""
         import tvm
-
-        from ._worker import build_candidate, build_reference
 
         futures = []
         if spec.workload is None and spec.key not in self._references:
@@ -279,8 +278,6 @@ class Runner:
     def __init__(self, target: TargetSpec, config: MeasureConfig, workdir: str | None = None,
                  initializer=None, initargs: tuple = (), log_name: str = "runner.log",
                  env: dict[str, str] | None = None):
-        from ._worker import init_worker
-
         self.target = target
         self.config = config
         self.dir = workdir or tempfile.mkdtemp(prefix="autosched-run-")
@@ -292,8 +289,6 @@ class Runner:
     def run(self, spec: TaskSpec, builds: list[BuildResult], cutoff: float | None = None) -> list[MeasureResult]:
         """Check and time each successful build; ``cutoff`` (seconds): a candidate whose first timed run
         is slower is timed only once."""
-        from ._worker import run_candidate
-
         cfg = {k: getattr(self.config, k) for k in ("repeat", "number", "min_repeat_ms", "flush_bytes")}
         results = []
         best = math.inf
@@ -331,8 +326,6 @@ class Runner:
 
     def _prepare(self, spec: TaskSpec) -> str | None:
         """Inputs and reference of a new task, computed once, outside the candidates' run timeout."""
-        from ._worker import prepare_task
-
         if spec.key == self._prepared:
             return None
         try:

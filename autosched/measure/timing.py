@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
+
 _FLUSH: dict[int, Any] = {}
 
 

@@ -20,12 +20,17 @@ from typing import TYPE_CHECKING, Any
 from autosched.buckets import Bucket, bucket_for, bucket_key  # noqa: F401  (bucket_for and bucket_key: also from here)
 from autosched.errors import UsageError
 
+from .load import load_model
+
 if TYPE_CHECKING:
     from .load import Model
+
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
 
 DEFAULT_MAX_TOKENS = 2048
 DEFAULT_MAX_BATCH = 16
 SMALLEST_BUCKET = 16
+
 
 def parse_lengths(text: str | None, max_tokens: int = DEFAULT_MAX_TOKENS, growth: float = 2.0) -> list[int] | None:
     """``--tokens``: None (the model's default length), one length, a comma list of lengths, or
@@ -122,8 +127,6 @@ def check_padding_is_exact(spec: str, kwargs: dict[str, Any], axis: str = "token
     padding to a bucket would change its results."""
     import torch
 
-    from .load import load_model
-
     size, refusal = _PADDING[axis]
     half = size // 2
     base = {**kwargs, "dtype": torch.float32}
@@ -144,8 +147,6 @@ def check_padding_is_exact(spec: str, kwargs: dict[str, Any], axis: str = "token
 def models_at(spec: str, kwargs: dict[str, Any], buckets: list) -> list[Model]:
     """The model loaded at each bucket: a (batch, tokens) pair (None keeps ``kwargs``'s value), or a
     length alone. The factory's weights must not depend on either."""
-    from .load import load_model
-
     pairs = [b if isinstance(b, tuple) else (None, b) for b in buckets]
     models = [load_model(spec, **{**kwargs, **({"batch": b} if b is not None else {}),
                                   **({"tokens": t} if t is not None else {})}) for b, t in pairs]

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
     from .load import Model
 
+# Deferred imports: tvm, numpy (imported where used: `autosched --help` stays fast).
+
 
 def prepare(model: Model, target: TargetSpec) -> tuple[IRModule, list]:
     """Import and lower ``model`` for ``target``; weight-only computations (e.g. the transposes that put

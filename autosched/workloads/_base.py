@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import torch
     from tvm.tirx import PrimFunc
 
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
+
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "fp16": "float16", "f16": "float16", "half": "float16",
                  "bf16": "bfloat16", "float": "float32"}

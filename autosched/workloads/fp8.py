@@ -7,9 +7,11 @@ from __future__ import annotations
 import math
 
 from ..correctness import relative_error
-from ._base import DTYPE_BYTES, Operator, Preset, Workload, randn, register
+from ._base import DTYPE_BYTES, Operator, Preset, Workload, randn, register, torch_dtype
 from .dequant import e4m3_value
 from .gemm import EPILOGUE_ATTRS, LLAMA2_7B, epilogue, torch_epilogue
+
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
 
 E4M3_MAX = 448.0  # the largest finite float8 E4M3FN value (code 0x7E)
 # Every code that is a number (0x7F and 0xFF are NaN): make_inputs writes them into the first row of A and of W,
@@ -155,8 +157,6 @@ class Fp8QuantRows(Operator):
         """Normal rows, and in the first rows the cases a kernel must get right: a row of zeros (and -0), a row
         reaching past 448 whose small values land in E4M3's subnormals, a row of exact ties between E4M3 values."""
         import torch
-
-        from ._base import torch_dtype
 
         s = wl.shape_dict
         m, k = s["m"], s["k"]

@@ -7,7 +7,9 @@ import functools
 import re
 from pathlib import Path
 
-from .._knobs import Point, Space
+from .._knobs import InvalidPoint, Point, Space
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 HOPPER_ARCHS = ("sm_90", "sm_90a")
 BK = 64  # K elements per stage: one 128-byte swizzle row of fp16/bf16
@@ -70,8 +72,6 @@ class HopperTemplate(Space):
 
     def apply(self, point: Point):
         import tvm
-
-        from .._knobs import InvalidPoint
 
         point = self.complete(point)
         reason = self.validate(point)

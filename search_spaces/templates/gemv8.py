@@ -36,6 +36,8 @@ from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file, epilogue_source
 from .int4_gemv import _WARP_SUM, MAX_M, MAX_UNROLLED_STEPS
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 CHUNK = 16  # weights per lane per load: 16 bytes
 _DTYPES = ("float16", "bfloat16")
 _CODES = {"int": "int8", "e4m3": "uint8"}  # the weights' dtype of each fmt in the workload

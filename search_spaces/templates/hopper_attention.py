@@ -44,6 +44,8 @@ from ._pipeline import (
     TURN_SYNC_SOURCE,
 )
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 LOG2E = 1.4426950408889634
 
 

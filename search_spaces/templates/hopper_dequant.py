@@ -39,6 +39,8 @@ from ._pipeline import (
 )
 from .int4_gemv import Int4Template, _shape, dequant_main
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 PACKED_BK = BK // 2  # bytes of packed int4 weights per row and k step
 
 

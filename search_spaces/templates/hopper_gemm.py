@@ -81,6 +81,8 @@ from ._pipeline import (
     zero_accumulators,
 )
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 WGMMA_N = (64, 96, 128, 160, 192, 224, 256)
 
 

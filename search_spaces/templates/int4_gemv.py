@@ -60,6 +60,8 @@ from ._hopper import (
     epilogue_source,
 )
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
 MAX_M = 8  # activation rows of the CUDA-core kernel: a decode step of a few sequences
 MMA_MAX_M = 16  # activation rows of the tensor-core kernel: two n8 tiles of mma.sync's N

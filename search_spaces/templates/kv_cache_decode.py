@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from ._hopper import CUDA_SCALAR, SMEM_LIMIT, device_function
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 HEAD_DIMS = (32, 64, 128, 256)
 PAGE_SIZES = (16,)  # the page TVM's decode kernel fixes (the cache's buffer shape names it)
 MAX_GROUP = 8  # query heads per K/V head the registers hold (q and o: 16 floats a head per lane)

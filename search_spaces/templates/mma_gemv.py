@@ -28,6 +28,8 @@ import math
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, PTX_TYPE, STREAM_REGISTERS, config_struct, cuda_file, epilogue_source
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 STEP = 64  # k per step: a 128-byte line of each weight row
 MIN_M, MAX_M = 2, 16  # activation rows: one or two n8 tiles of mma's N (one row stays a GEMV)
 

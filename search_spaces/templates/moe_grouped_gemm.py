@@ -28,6 +28,8 @@ import math
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, device_function
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 BK = 64  # k per stage
 WARPS_N = 2  # warps along the columns; the rest (warps / 2) along the rows
 MAX_ACCUMULATORS = 128  # fp32 accumulators per thread: (block_m / (warps / 2) / 16) x (block_n / 16) x 4

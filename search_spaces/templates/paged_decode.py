@@ -38,6 +38,8 @@ import math
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, config_struct, cuda_file
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 MIN_REGISTER_CAP = 128  # ctas_per_sm's lowest cap: there GQA 8:1's tensor-core loop spills 160 bytes (nvcc 13)
 MMA_MAX_GROUP = 16  # query heads per K/V head on the M side of m16n8k16
 

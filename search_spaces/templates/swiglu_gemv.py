@@ -28,6 +28,8 @@ from .gemv8 import StreamingSteps, streamed_sums, unroll_factor
 from .hopper_gemm import _gemm_shape
 from .int4_gemv import MAX_M
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 CHUNK = 8  # weights per lane per load: 16 bytes of fp16/bf16
 _DTYPES = ("float16", "bfloat16")
 
