@@ -367,11 +367,6 @@ PENDING = {
     "autosched/cli/generate.py", "autosched/cli/model.py", "autosched/cli/tools.py", "autosched/cli/tune.py",
     "autosched/generation/build.py", "autosched/generation/generator.py", "autosched/generation/model.py",
     "autosched/generation/sampler.py",
-    # moved next
-    "autosched/generation/attention.py", "autosched/generation/barrier.py", "autosched/generation/cpu_paged_prefill.py",
-    "autosched/generation/cuda_events.py", "autosched/generation/decoder.py", "autosched/generation/evaluate.py",
-    "autosched/generation/fp8.py", "autosched/generation/gptq.py", "autosched/generation/linear.py",
-    "autosched/generation/prequantized.py", "autosched/generation/quantize.py", "autosched/generation/speculative.py",
 }
 
 

@@ -34,16 +34,22 @@ template module of ours; :func:`dispatch_attention` runs the same path for every
 
 from __future__ import annotations
 
+import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autosched.tvm_adapter import MERGE_ARG, SPLIT_ROTARY_ARG
+from autosched.tvm_adapter import FACTS_ATTR, MERGE_ARG, SPLIT_ROTARY_ARG, kv_cache_kernels, kv_cache_rope_modes
+
+from .cpu_paged_prefill import KERNEL_ATTR
 
 if TYPE_CHECKING:
     from tvm import IRModule
 
     from autosched.target import TargetSpec
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 DECODE_ROLE = "decode over cached pages"
 RAGGED_PREFILL_ROLE = "prefill over new tokens (ragged)"
@@ -89,8 +95,6 @@ class Role:
         return self.cache_arg is not None
 
     def module(self):
-        import importlib
-
         return importlib.import_module(f"autosched.search_spaces.templates.{self.ours}")
 
 
@@ -192,10 +196,6 @@ def _paged_prefill_facts(func) -> dict[str, Any] | None:
 def _attached_facts(func, params: int) -> dict[str, Any] | None:
     """What ``tir_paged_kv_cache`` attached to one of the cache's elementwise kernels (None: not there, or a
     kernel of another signature than ``params`` parameters)."""
-    import json
-
-    from autosched.tvm_adapter import FACTS_ATTR
-
     if func.attrs is None or FACTS_ATTR not in func.attrs or len(func.params) != params:
         return None
     return json.loads(str(func.attrs[FACTS_ATTR]))
@@ -235,8 +235,6 @@ ROLES = (Role(RAGGED_PREFILL_ROLE, TVM_RAGGED_PREFILL, "kv_cache_prefill", _ragg
 
 def _ours(mod: IRModule, role: Role, theirs, target: TargetSpec):
     """(why ours does not serve, None) or (None, our kernel) for ``role``, whose TVM kernel is ``theirs``."""
-    from autosched.tvm_adapter import kv_cache_rope_modes
-
     if target.arch not in ARCHS and not role.in_module:
         return f"target {target.kind}:{target.arch} (sm_90 only)", None
     facts = role.facts(theirs)
@@ -279,10 +277,6 @@ def _replace_in_cache(mod: IRModule, old: str, new: str) -> IRModule:
 
 def _swap_in_module(mod: IRModule, role: Role, target: TargetSpec) -> tuple[IRModule, str]:
     """(``mod`` with our kernel in place of each cache's PrimFunc of ``role`` (on any target), what runs it)."""
-    from autosched.tvm_adapter import kv_cache_kernels
-
-    from .cpu_paged_prefill import KERNEL_ATTR
-
     served = []
     for name in kv_cache_kernels(mod, role.cache_arg):
         reason, kernel = _ours(mod, role, _function(mod, name), target)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from autosched.errors import UsageError
 from autosched.workloads.fp8 import E4M3_MAX, e4m3_bits, round_to_e4m3
 
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
+
 
 @dataclass(frozen=True)
 class Scheme:

@@ -20,13 +20,18 @@ vocabulary, with its own KV cache, rolled back to what the target kept).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from autosched.errors import UsageError
 
 from . import scheduler
+from .model import LoadedModel
 from .request import SequenceState
 from .sampler import distribution
+
+# Deferred imports: numpy (imported where used: `autosched --help` stays fast).
 
 
 @dataclass
@@ -245,10 +250,6 @@ def make_draft(draft, target) -> PromptLookupDraft | ModelDraft:
     """A draft from what ``Generator(draft=...)`` was given: ``"prompt-lookup"``, the folder of another
     generation artifact, a loaded model (``LoadedModel``) or a draft object. One-line errors for a draft
     that cannot serve ``target`` (another vocabulary, fewer sequences at once)."""
-    from pathlib import Path
-
-    from .model import LoadedModel
-
     if isinstance(draft, (PromptLookupDraft, ModelDraft)):
         return draft
     if draft == "prompt-lookup":
@@ -350,8 +351,6 @@ def speculation_cost(target, draft, k: int) -> float:
 
 
 def _weight_bytes(model) -> int:
-    import math
-
     return sum(math.prod(int(d) for d in p.shape) * p.dtype.itemsize for p in model.params)
 
 
