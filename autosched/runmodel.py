@@ -11,6 +11,7 @@ from .correctness import relative_error
 from .errors import UsageError
 from .pipeline import BucketedModel, load_artifact, load_model, read_manifest
 from .target import KIND_FACTS
+from .tvm_adapter import gpu_sleep
 
 # Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
 
@@ -147,7 +148,7 @@ def kernel_times(vm, args: list, device, repeat: int = 5) -> list[dict[str, Any]
         for _ in range(repeat):
             pairs.clear()
             if gpu:
-                torch.cuda._sleep(50_000_000)  # ~25 ms of GPU clock: the host queues the run meanwhile
+                gpu_sleep(50_000_000)  # long enough for the host to queue the whole run behind it
             vm["main"](*args)
             device.sync()
             if gpu:

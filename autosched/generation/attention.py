@@ -68,7 +68,7 @@ TVM_ROPE = "fused_rope"
 TVM_TREE_KERNELS = ("batch_tree_attn", "tree_attn_paged_kv")
 TREE_ROLE = "attention over token trees (not called)"
 NO_CSE = {"tirx.disable_cse_tir": True}
-WINDOW_SUFFIX = "_window"  # a windowed second cache's kernels (decoder._window_symbols)
+WINDOW_SUFFIX = "_window"  # a windowed second cache's kernels (the decoder adds them so: suffixed_functions)
 ARCHS = ("sm_90", "sm_90a")
 CODEGEN = {"tir_pipeline": "tirx", "arch": "sm_90a"}
 

@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autosched.errors import UsageError
-from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
+from autosched.tvm_adapter import nn_tensor, relax_expr, suffixed_functions, tir_paged_kv_cache
 
+from .attention import WINDOW_SUFFIX
 from .barrier import step_barrier
 from .linear import (
     add_rms_norm,
@@ -751,7 +752,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         layers' theta with the default frequencies (the build refuses others)."""
 
         max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window = sizes
-        with _window_symbols() if window and two_caches else contextlib.nullcontext():
+        # the second cache's kernels under symbols of their own: TVM adds them under the first cache's
+        with suffixed_functions(WINDOW_SUFFIX) if window and two_caches else contextlib.nullcontext():
             return _cache(layers, window, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
                           support_sliding_window)
 
@@ -818,29 +820,6 @@ def _w8a8(method):
             return method(*args, **kwargs)
 
     return traced
-
-
-class _window_symbols:
-    """While the second (windowed) cache of a model is made: its kernels, which TVM adds under the same global
-    symbols as the first cache's, get symbols of their own (``<symbol>_window``)."""
-
-    def __enter__(self):
-        from tvm import relax as rx
-
-        self.add_func = add_func = rx.BlockBuilder.add_func
-
-        def renamed(builder, func, name):
-            symbol = func.attrs.get("global_symbol") if getattr(func, "attrs", None) else None
-            if symbol is not None:
-                func = func.with_attr("global_symbol", f"{symbol}_window")
-            return add_func(builder, func, f"{name}_window")
-
-        rx.BlockBuilder.add_func = renamed
-
-    def __exit__(self, *exc):
-        from tvm import relax as rx
-
-        rx.BlockBuilder.add_func = self.add_func
 
 
 def window_rope_theta(cfg: DecoderConfig) -> float:

@@ -16,13 +16,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from autosched.errors import TemplateBugError
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
+from autosched.tvm_adapter import popen_pool, popen_worker
 
 from ._worker import build_candidate, build_reference, init_worker, prepare_task, run_candidate
 
@@ -127,36 +127,6 @@ def _worker_log(directory: str, name: str):
     return open(os.path.join(directory, name), "ab")
 
 
-_ENVIRON_LOCK = threading.Lock()
-
-
-def _popen_worker(initializer, initargs: tuple, env: dict[str, str], **kwargs):
-    """TVM's ``PopenWorker``, whose process starts (and restarts) with ``env`` added to its environment.
-
-    Variables the CUDA driver reads must be there from the start: it initialises while TVM imports, before
-    any initializer runs (seen on a two-H200 host: a runner that set ``CUDA_VISIBLE_DEVICES=1`` in its
-    initializer still measured on GPU 0).
-    """
-    from tvm.support.popen_pool import PopenWorker
-
-    class _Worker(PopenWorker):
-        def _start(self):
-            # PopenWorker passes no env of its own: the child inherits ours, set around the fork only.
-            with _ENVIRON_LOCK:
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
-                try:
-                    super()._start()
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
-
-    return _Worker(initializer, initargs, **kwargs) if env else PopenWorker(initializer, initargs, **kwargs)
-
-
 @functools.cache
 def _torchless_path() -> str:
     """A folder holding a ``torch`` package that refuses to import, made once a process. First on a builder's
@@ -172,24 +142,9 @@ def _torchless_path() -> str:
 
 def _builder_pool(workers: int, timeout: float, initializer, stdout, stderr):
     """TVM's ``PopenPoolExecutor`` whose workers start without torch (:func:`_torchless_path`)."""
-    from tvm.support.popen_pool import PopenPoolExecutor
-
     path = os.environ.get("PYTHONPATH")
     env = {"PYTHONPATH": _torchless_path() + (os.pathsep + path if path else "")}
-
-    class _Pool(PopenPoolExecutor):
-        def _worker_run(self, fn, args, kwargs):  # TVM's, with the worker made by _popen_worker
-            with self._lock:
-                tid = threading.get_ident()
-                if tid not in self._worker_map:
-                    self._worker_map[tid] = _popen_worker(self._initializer, self._initargs, env,
-                                                          maximum_uses=self._maximum_process_uses,
-                                                          stdout=self._stdout, stderr=self._stderr)
-                proc = self._worker_map[tid]
-            proc.send(fn, args, kwargs, self._timeout)
-            return proc.recv()
-
-    return _Pool(workers, timeout=timeout, initializer=initializer, stdout=stdout, stderr=stderr)
+    return popen_pool(workers, timeout, initializer, env, stdout=stdout, stderr=stderr)
 
 
 class _Reference:
@@ -282,8 +237,8 @@ class Runner:
         self.config = config
         self.dir = workdir or tempfile.mkdtemp(prefix="autosched-run-")
         self._log = _worker_log(self.dir, log_name)
-        self._worker = _popen_worker(initializer or init_worker, initargs, env or {},
-                                     stdout=subprocess.DEVNULL, stderr=self._log)
+        self._worker = popen_worker(initializer or init_worker, initargs, env or {},
+                                    stdout=subprocess.DEVNULL, stderr=self._log)
         self._prepared: str | None = None  # key of the task whose reference the worker holds
 
     def run(self, spec: TaskSpec, builds: list[BuildResult], cutoff: float | None = None) -> list[MeasureResult]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from autosched.errors import DeviceError, UsageError
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
+from autosched.tvm_adapter import popen_worker, rpc_server_process, worker_process
 
 from . import _worker_log
 from ._worker import build_candidate, init_worker, prepare_task, run_candidate
@@ -209,13 +210,11 @@ class RemoteBuilder:
 
 class _RPCSlot:
     def __init__(self, number: int, runner: RPCRunner):
-        from tvm.support.popen_pool import PopenWorker
-
         self.name = f"rpc slot {number}"
         self.runner = runner
         self.prepared: str | None = None
         self.connected = False
-        self.worker = PopenWorker(init_worker, stdout=subprocess.DEVNULL, stderr=runner._log)
+        self.worker = popen_worker(init_worker, stdout=subprocess.DEVNULL, stderr=runner._log)
 
     def _call(self, fn, args: tuple, timeout: float):
         """``fn(*args)`` in the slot process, which is killed if it has not answered after ``timeout`` s.
@@ -229,7 +228,7 @@ class _RPCSlot:
 
         def hard_kill():
             fired.set()
-            proc = self.worker._proc  # kill by pid: closing the pipes would block on the reader's lock
+            proc = worker_process(self.worker)  # kill by pid: closing the pipes would block on the reader's lock
             if proc is not None:
                 proc.kill()
 
@@ -497,7 +496,7 @@ class LocalCluster:
         """Stop server ``index`` and its sessions (SIGSTOP), as a hung machine: registered, never answering."""
         import psutil
 
-        root = psutil.Process(self.servers[index].proc._proc.pid)
+        root = psutil.Process(rpc_server_process(self.servers[index]).pid)
         for proc in [root, *root.children(recursive=True)]:
             proc.send_signal(signal.SIGSTOP)
 
