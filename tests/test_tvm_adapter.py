@@ -327,3 +327,9 @@ def test_gpu_sleep_keeps_the_stream_busy():
     end.record()
     end.synchronize()
     assert start.elapsed_time(end) > 0
+
+
+def test_a_cuda_device_offers_what_device_facts_reads():
+    """``autosched.target`` reads a GPU's SMs and L2 off TVM's device (``parse_target``, ``device_facts``)."""
+    for name in ("exist", "device_name", "compute_version", "multi_processor_count", "l2_cache_size_bytes"):
+        assert isinstance(getattr(type(tvm.cuda(0)), name), property), name

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autosched.target import device_facts
 from autosched.tvm_adapter import FACTS_ATTR, MERGE_ARG, SPLIT_ROTARY_ARG, kv_cache_kernels, kv_cache_rope_modes
 
 from .cpu_paged_prefill import KERNEL_ATTR
@@ -89,6 +90,7 @@ class Role:
     facts: Callable[[Any], dict[str, Any] | None]
     kernel: str | None = None
     cache_arg: int | None = None  # in_module: where the cache's creation call passes TVM's kernel
+    sms: bool = False  # ours is made for the GPU's multiprocessors (``sms=``, autosched.target.device_facts)
 
     @property
     def in_module(self) -> bool:
@@ -228,7 +230,7 @@ def _rope_facts(func) -> dict[str, Any] | None:
 ROLES = (Role(RAGGED_PREFILL_ROLE, TVM_RAGGED_PREFILL, "kv_cache_prefill", _ragged_prefill_facts),
          Role(PAGED_PREFILL_ROLE, TVM_PAGED_PREFILL, "kv_cache_prefill", _paged_prefill_facts,
               "kv_cache_prefill_paged_kernel"),
-         Role(DECODE_ROLE, TVM_DECODE, "kv_cache_decode", _decode_facts),
+         Role(DECODE_ROLE, TVM_DECODE, "kv_cache_decode", _decode_facts, sms=True),
          Role(MERGE_ROLE, TVM_MERGE, "kv_cache_merge", _merge_facts, cache_arg=MERGE_ARG),
          Role(ROPE_ROLE, TVM_ROPE, "kv_cache_rope", _rope_facts, cache_arg=SPLIT_ROTARY_ARG))
 
@@ -249,7 +251,9 @@ def _ours(mod: IRModule, role: Role, theirs, target: TargetSpec):
     if reason:
         return reason, None
     make = getattr(ours, role.kernel or f"{role.ours}_kernel")
-    return None, make(**facts, gpu=target.is_gpu) if role.in_module else make(**facts)
+    if role.in_module:
+        return None, make(**facts, gpu=target.is_gpu)
+    return None, make(**facts, **({"sms": device_facts(target).sms} if role.sms else {}))
 
 
 def _replace_in_cache(mod: IRModule, old: str, new: str) -> IRModule:

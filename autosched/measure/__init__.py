@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from autosched.errors import TemplateBugError
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
+from autosched.target import device_facts
 from autosched.tvm_adapter import popen_pool, popen_worker
 
 from ._worker import build_candidate, build_reference, init_worker, prepare_task, run_candidate
@@ -72,9 +73,11 @@ class MeasureConfig:
     @classmethod
     def for_target(cls, target: TargetSpec, **overrides) -> MeasureConfig:
         if target.is_gpu:
-            # One run per repeat with the L2 (50-60 MB on Hopper) flushed before each, so that
-            # memory-bound kernels are not timed out of the cache; many repeats for a stable median.
-            base = cls(repeat=20, number=1, min_repeat_ms=0, flush_bytes=256 << 20, build_timeout=60, run_timeout=30)
+            # One run per repeat with the L2 flushed before each (a read of four times its size, of 256 MB at
+            # least), so that memory-bound kernels are not timed out of the cache; many repeats for a stable
+            # median.
+            flush = max(256 << 20, 4 * device_facts(target).l2_bytes)
+            base = cls(repeat=20, number=1, min_repeat_ms=0, flush_bytes=flush, build_timeout=60, run_timeout=30)
         else:
             base = cls()
         return cls(**{**asdict(base), **overrides})

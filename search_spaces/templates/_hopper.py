@@ -7,6 +7,8 @@ import functools
 import re
 from pathlib import Path
 
+from autosched.target import arch_facts
+
 from .._knobs import InvalidPoint, Point, Space
 
 # Deferred imports: tvm (imported where used: `autosched --help` stays fast).
@@ -14,7 +16,7 @@ from .._knobs import InvalidPoint, Point, Space
 HOPPER_ARCHS = ("sm_90", "sm_90a")
 BK = 64  # K elements per stage: one 128-byte swizzle row of fp16/bf16
 FP8_BK = 128  # the same row of float8 elements
-SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
+SMEM_LIMIT = arch_facts("sm_90").shared_memory  # opt-in shared memory per block, the same on every sm_90 GPU
 # 32-bit registers a thread of a streaming decode kernel (weights loaded straight into mma.sync fragments) may give
 # to its loads in flight, fragments and sums; nvcc adds addresses and indices.
 STREAM_REGISTERS = 160

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file, epilogue_source
@@ -208,7 +210,7 @@ class Gemv8Space(StreamingSteps, HopperTemplate):
         self.fmt = "e4m3" if codes == "uint8" else "int"
         self.bias = bool(self.hints.get("bias", False))
         self.act = str(self.hints.get("act", "none"))
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [
             Knob("warps", (1, 2, 4, 8)),
             Knob("rows_per_warp", (1, 2, 4)),

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
 from . import mma_gemv
@@ -508,7 +510,7 @@ class HopperGemmSpace(HopperTemplate):
         self.m, self.n, self.k, self.dtype = self.taken(*self._shape(func))
         self.bias = bool(self.hints.get("bias", False))
         self.act = str(self.hints.get("act", "none"))
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [
             Knob("consumers", (1, 2)),
             Knob("wg_rows", (64, 128)),

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
 from ._hopper import (
@@ -353,7 +355,7 @@ class Int4Template(HopperTemplate):
         self.bias = bool(self.hints.get("bias", False))
         self.zeros = bool(self.hints.get("zeros", False))  # a zero point per row and group in place of 8
         self.act = str(self.hints.get("act", "none"))
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
 
 
 def tensor_cores_apply(dtype: str, k: int, group: int) -> bool:

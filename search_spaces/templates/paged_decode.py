@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, config_struct, cuda_file
 
@@ -171,7 +173,7 @@ class PagedDecodeSpace(HopperTemplate):
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
         self.shape = self.taken(_shape(func), "the paged_decode_attention workload's")
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [
             Knob("warps", (2, 4, 8)),
             Knob("unroll", (1, 2, 4, 8)),

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file, epilogue_source
 from .gemv8 import StreamingSteps, streamed_sums, unroll_factor
@@ -131,7 +133,7 @@ class SwigluGemvSpace(StreamingSteps, HopperTemplate):
         super().__init__(func, target, hints)
         self.m, self.n, self.k, self.dtype = self.taken(_gemm_shape(func, gated=True),
                                                         "C[m, n] = SiLU(A · W[:n]ᵀ) ⊙ (A · W[n:]ᵀ), W[2n, k]")
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [
             Knob("warps", (1, 2, 4, 8)),
             Knob("cols_per_warp", (1, 2, 4)),
