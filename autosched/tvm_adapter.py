@@ -33,8 +33,9 @@ def cache_frozen_frame_lookups() -> None:
     """Make TVMScript's parsing under an import cheap: TVMScript calls ``inspect.stack()`` for each function
     it parses, and for each frame of Python's import machinery (``<frozen importlib._bootstrap>``, a file
     that does not exist) ``inspect.getmodule`` scans all of ``sys.modules`` and finds nothing. Importing
-    TVM's tensor intrinsics (hundreds of functions, which dlight's matmul rule imports on first use) took 50
-    s of a GPT-2 build for CUDA with torch loaded. The scan's answer, no module, is cached here up front:
+    TVM's tensor intrinsics (hundreds of functions, which dlight's matmul rule imports on first use) runs that
+    scan for every frame of every function parsed, over every module loaded (all of torch's, where torch is): the
+    longer the more is loaded. The scan's answer, no module, is cached here up front:
     ``getmodule`` returns the same None, without the scan."""
     try:  # every frozen module's frame file name, e.g. <frozen importlib._bootstrap>, <frozen runpy>
         filenames = {_imp.get_frozen_object(name).co_filename for name in _imp._frozen_module_names()}
@@ -74,7 +75,7 @@ def feature_tune_context(tvm_target: Any):
     """A MetaSchedule ``TuneContext`` that carries only ``tvm_target``, for its feature extractor.
 
     ``TuneContext.__init__`` imports ``tvm.s_tir.tensor_intrin``, which parses hundreds of TVMScript
-    intrinsics (about 100 s on 2 cores) the feature extractor never uses; the FFI constructor, with its
+    intrinsics the feature extractor never uses; the FFI constructor, with its
     8 positional arguments (mod, target, space generator, search strategy, task name, threads, seed,
     logger), does not.
     """

@@ -294,8 +294,9 @@ def defer_parameter_reads():
     """A Relax pass (run last, on the VM-ready functions): each read of a packed parameter (``v =
     packed_params[i]``, one VM instruction) moves to just before the first instruction that uses ``v``.
 
-    Lowered as written, a generation step's function reads all of its ~300 parameters before its first kernel
-    (the embedding lookup), so the GPU waits ~80 µs for the host each step; read where used, the reads of
+    Lowered as written, a generation step's function reads all of its parameters (a few for each layer) before
+    its first kernel (the embedding lookup), so the GPU waits for the host to read them all each step, idle; read
+    where used, the reads of
     later layers run on the host while the GPU works on earlier ones. A read the function does not use
     within its block stays where it was."""
     import tvm

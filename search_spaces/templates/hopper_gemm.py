@@ -603,7 +603,7 @@ class HopperGemmSpace(HopperTemplate):
         if split > 1:
             if p["persistent"]:
                 return "split-K gives each cluster one tile: not with persistent CTAs"
-            if acc > 64:  # 128 spilled 2.2 KB in nvcc 13.0: the reduction and epilogue need the rest
+            if acc > 64:  # 128 spill (nvcc 13.0): the reduction and epilogue need the rest of the registers
                 return f"split-K with {acc} accumulator registers per thread (at most 64)"
             if tiles >= self.sms:
                 return f"split-K is for grids smaller than the multiprocessors ({tiles} tiles for {self.sms})"

@@ -543,7 +543,7 @@ class Int4GemvSpace(Int4Template):
                 if self.check(point) is None:
                     return point
             return super().default()
-        if self.m == 1 and self.dtype == "float16":  # one row: half2 products (the H200's best of 48 points)
+        if self.m == 1 and self.dtype == "float16":  # one row: half2 products, two an instruction (BENCHMARKS.md)
             point = {"warps": 1, "rows_per_warp": 4, "unroll": True} | self._cuda_core(half=True)
             if self.check(point) is None:
                 return point

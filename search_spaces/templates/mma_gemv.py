@@ -85,9 +85,9 @@ def check(m: int, n: int, k: int, gated: bool, p: Point) -> str | None:
 
 
 def default(m: int, n: int, k: int, gated: bool) -> Point:
-    """Four warps on one tile a block, one step in flight at a time: on the H100 it outran the wgmma kernel at each
-    Llama-2-7B decode shape measured, within 5% of the best streaming point (BENCHMARKS.md); fewer warps where k
-    is too short for four."""
+    """Four warps on one tile a block, one step in flight at a time: blocks enough to spread a decode step's weights
+    over every SM, each warp streaming its own part of k, with few registers held for loads in flight (BENCHMARKS.md
+    compares it with the wgmma kernel and the other streaming points); fewer warps where k is too short for four."""
     point = {"stream": True, "stream_warps": 4, "stream_tiles": 1, "stream_unroll": 1}
     while check(m, n, k, gated, point) and point["stream_warps"] > 1:
         point["stream_warps"] //= 2
