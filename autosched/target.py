@@ -60,7 +60,7 @@ CUDA_ARCH_FACTS = {
     "sm_80": DeviceFacts(sms=108, shared_memory=166912, l2_bytes=40 << 20),  # A100
     "sm_86": DeviceFacts(sms=84, shared_memory=101376, l2_bytes=6 << 20),  # A40
     "sm_89": DeviceFacts(sms=142, shared_memory=101376, l2_bytes=96 << 20),  # L40S
-    "sm_90": DeviceFacts(sms=132, shared_memory=232448, l2_bytes=50 << 20),  # H100 SXM and H200
+    "sm_90": DeviceFacts(sms=132, shared_memory=232448, l2_bytes=50 << 20),  # H100 SXM (the H200: its SMs, 60 MB L2)
 }
 UNKNOWN_ARCH_FACTS = DeviceFacts(sms=0, shared_memory=49152, l2_bytes=0, source="unknown")
 
@@ -235,7 +235,10 @@ def _l2_bytes(device_name: str) -> int:
     dev = tvm.cuda(0)
     if not dev.exist or str(dev.device_name) != device_name:
         return 0
-    return int(dev.l2_cache_size_bytes or 0)
+    try:
+        return int(dev.l2_cache_size_bytes or 0)
+    except Exception:  # noqa: BLE001 - a runtime without the attribute: the table's
+        return 0
 
 
 def _cuda_driver_version() -> str:
