@@ -198,7 +198,7 @@ def export_bucketed(out_dir: str | Path, executables: dict, params: dict, model:
     ``model-b4.so``, ``model-b4-t128.so``), one parameter file holding each distinct tensor once
     (``param_order`` per bucket), and a manifest saying which axis of each input and output is the
     batch and the sequence. ``axes``: {"batch" and/or "tokens": PaddedAxes}, the axes that vary."""
-    from autosched.pipeline.lengths import bucket_key
+    from autosched.buckets import bucket_key
 
     manifest = _manifest(model, target, db_path)
     buckets = sorted(executables, key=lambda b: (b[0] or 0, b[1] or 0))
@@ -221,7 +221,7 @@ def export_bucketed(out_dir: str | Path, executables: dict, params: dict, model:
 
 
 def _library(bucket) -> str:
-    from autosched.pipeline.lengths import bucket_key
+    from autosched.buckets import bucket_key
 
     key = bucket_key(bucket)
     return f"model-{key if key.startswith('b') else 't' + key}.so"
@@ -528,7 +528,7 @@ class BucketedModel:
 
     def key(self, bucket: tuple) -> str:
         """The bucket's name in the manifest."""
-        from autosched.pipeline.lengths import bucket_key
+        from autosched.buckets import bucket_key
 
         return bucket_key(bucket)
 
@@ -539,7 +539,7 @@ class BucketedModel:
     def bucket(self, tokens: int | None = None, batch: int | None = None) -> tuple:
         """The bucket, a (batch, tokens) pair, for inputs of ``tokens`` tokens and ``batch`` sequences
         (None: the largest bucket along that axis)."""
-        from .pipeline.lengths import bucket_for
+        from .buckets import bucket_for
 
         chosen = []
         for index, (axis, size) in enumerate((("batch", batch), ("tokens", tokens))):

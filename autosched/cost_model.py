@@ -16,10 +16,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from autosched.errors import UsageError
+from autosched.tvm_adapter import feature_tune_context
+
 if TYPE_CHECKING:
     from tvm import IRModule
 
     from autosched.target import TargetSpec
+
+# Deferred imports: tvm, xgboost (imported where used: `autosched --help` stays fast).
 
 N_STORE_FEATURES = 164
 FEATURE_LENGTH = 2 * N_STORE_FEATURES + 1
@@ -31,8 +36,6 @@ class FeatureExtractor:
 
     def __init__(self, target: TargetSpec):
         from tvm.s_tir import meta_schedule as ms
-
-        from autosched.tvm_adapter import feature_tune_context
 
         self._ms = ms
         self._ctx = feature_tune_context(target.tvm_target())
@@ -161,7 +164,5 @@ def create_cost_model(name: str | CostModel, seed: int = 0) -> CostModel:
         return name
     models = {"xgb": lambda: XGBCostModel(seed=seed), "random": lambda: RandomModel(seed)}
     if name not in models:
-        from autosched.errors import UsageError
-
         raise UsageError(f"unknown cost model '{name}'; choose one of {', '.join(models)}")
     return models[name]()

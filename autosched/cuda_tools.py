@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autosched.target import compile_module
+
 if TYPE_CHECKING:
     from tvm import IRModule
 
@@ -13,8 +15,6 @@ if TYPE_CHECKING:
 
 def cuda_source(mod: IRModule, target: TargetSpec, config: dict | None = None, codegen: dict | None = None) -> str:
     """The CUDA C++ that TVM generates for ``mod`` (no GPU or driver needed)."""
-    from autosched.target import compile_module
-
     executable = compile_module(mod, target, config, codegen)
     for imported in executable.mod.imports:
         if imported.kind == "cuda":

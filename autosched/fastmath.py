@@ -10,6 +10,10 @@ baseline kernels alike, so comparisons stay fair.
 
 from __future__ import annotations
 
+from autosched.tvm_adapter import register_llvm_lowering
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 _INSTALLED = False
 
 
@@ -44,7 +48,5 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    from autosched.tvm_adapter import register_llvm_lowering
-
     register_llvm_lowering("tirx.exp", _fast_exp)
     _INSTALLED = True

@@ -12,7 +12,14 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from autosched.artifact import MANIFEST
+
+from .errors import UsageError
+
+# Deferred imports: rich (imported where used: `autosched --help` stays fast).
 
 
 def console(stderr: bool = False):
@@ -85,12 +92,6 @@ def check_output_folder(path: str, what: str, build: bool = False) -> None:
     """``-o PATH`` names a folder to write ``what`` into: a UsageError in one line where PATH (or a folder above
     it) is a file. ``build``: the folder must also be new, empty, or an earlier build (it has a manifest.json),
     so that a build never mixes its files into a folder of other things."""
-    from pathlib import Path
-
-    from autosched.artifact import MANIFEST
-
-    from .errors import UsageError
-
     out = Path(path)
     for folder in (out, *out.parents):
         if folder.exists():

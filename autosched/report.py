@@ -20,6 +20,8 @@ from autosched.database.queries import history, stats
 from autosched.database.store import Database
 from autosched.errors import UsageError
 
+# Deferred imports: matplotlib (imported where used: `autosched --help` stays fast).
+
 
 def _slug(text: str, n: int) -> str:
     return f"{n:02d}_" + re.sub(r"[^A-Za-z0-9]+", "_", text)[:60].strip("_")

@@ -4,7 +4,16 @@ with the PyTorch model it came from, and time it."""
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
+
+from .correctness import relative_error
+from .errors import UsageError
+from .pipeline import BucketedModel, load_artifact, load_model, read_manifest
+from .target import KIND_FACTS
+from .tvm_adapter import gpu_sleep
+
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
 
 # ||tvm - torch|| / ||torch|| accepted for a whole model, by dtype: many kernels' rounding adds up.
 MODEL_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}
@@ -15,9 +24,6 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     """Run, time and check an artifact; ``tokens`` and ``batch`` pick the shape for a ``--tokens dynamic``
     or ``--batch dynamic`` build (default: its largest bucket); ``profile`` adds each kernel's time
     (:func:`kernel_times`) under ``kernels``."""
-    from .errors import UsageError
-    from .pipeline import BucketedModel, load_artifact, read_manifest
-
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1 (got {repeat})")
     for option, size in (("--tokens", tokens), ("--batch", batch)):
@@ -26,8 +32,6 @@ def run_artifact(path: str, repeat: int = 20, check: bool = True, tokens: int | 
     manifest = read_manifest(path)  # before TVM and torch are imported: a wrong path is said at once
     import torch
     import tvm
-
-    from .target import KIND_FACTS
 
     torch_device = KIND_FACTS[manifest["target"]["kind"]].device
     device = tvm.device(torch_device, 0)
@@ -110,9 +114,6 @@ def kernel_times(vm, args: list, device, repeat: int = 5) -> list[dict[str, Any]
     are recorded around each call on the stream the kernels run on, and a sleep kernel first keeps the
     GPU busy while the host queues the run, so that each pair of events brackets its kernel alone, not
     the host's launch overhead (the kernels' sum is then close to the run's GPU time)."""
-    import statistics
-    import time
-
     gpu = device.dlpack_device_type() != 1  # kDLCPU
     if gpu:
         import torch
@@ -147,7 +148,7 @@ def kernel_times(vm, args: list, device, repeat: int = 5) -> list[dict[str, Any]
         for _ in range(repeat):
             pairs.clear()
             if gpu:
-                torch.cuda._sleep(50_000_000)  # ~25 ms of GPU clock: the host queues the run meanwhile
+                gpu_sleep(50_000_000)  # long enough for the host to queue the whole run behind it
             vm["main"](*args)
             device.sync()
             if gpu:
@@ -229,10 +230,6 @@ def _against_torch(manifest: dict[str, Any], params: list, inputs: list, out, si
     """The relative error of ``out`` against the PyTorch model the artifact came from, on ``inputs``
     (``sizes``: the batch and tokens a bucketed build ran at, where they vary)."""
     import torch
-
-    from autosched.measure.timing import relative_error
-
-    from .pipeline import load_model
 
     kwargs = dict(manifest.get("model_kwargs", {}))
     if "dtype" in kwargs:

@@ -2,19 +2,27 @@
 
 ``--target llvm`` means this machine's CPU (its LLVM name, e.g. ``znver4``, and its core count);
 ``--target cuda`` means the first CUDA GPU. ``kind:arch`` pins the architecture, e.g. ``cuda:sm_90``
-to generate code for a GPU this machine does not have.
+to generate code for a GPU this machine does not have. What a kernel's launch shape depends on in a GPU (its
+multiprocessors, shared memory, L2) comes from :func:`device_facts`: the GPU's own, or a table by architecture
+where there is none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
+import re
+import subprocess
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
+from . import fastmath
 from .errors import DeviceError, UsageError
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,38 @@ KIND_FACTS = {"llvm": KindFacts(gpu=False, device="cpu"), "cuda": KindFacts(gpu=
 KINDS = tuple(KIND_FACTS)
 KIND_ALIASES = {"cpu": "llvm", "llvm": "llvm", "cuda": "cuda", "gpu": "cuda", "nvidia": "cuda"}
 DEFAULT_CUDA_ARCH = "sm_90"
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What a kernel's launch shape may depend on in the GPU that runs it: its multiprocessors (``sms``), the
+    shared memory one block may opt into (``shared_memory``, bytes) and its L2 (``l2_bytes``); ``source``:
+    "device" (read off the GPU), "table" (:data:`CUDA_ARCH_FACTS`, no GPU at hand) or "unknown" (an
+    architecture the table lacks: no SMs or L2 known, the shared memory every block has without opting in)."""
+
+    sms: int
+    shared_memory: int
+    l2_bytes: int
+    source: str = "table"
+
+
+# Each architecture's facts where code is generated without its GPU (``--target cuda:sm_90`` on a machine
+# without one): those of the data-centre GPU of the architecture named beside it. A GPU that is at hand gives
+# its own (:func:`device_facts`); ``sm_90a`` is ``sm_90``.
+CUDA_ARCH_FACTS = {
+    "sm_80": DeviceFacts(sms=108, shared_memory=166912, l2_bytes=40 << 20),  # A100
+    "sm_86": DeviceFacts(sms=84, shared_memory=101376, l2_bytes=6 << 20),  # A40
+    "sm_89": DeviceFacts(sms=142, shared_memory=101376, l2_bytes=96 << 20),  # L40S
+    "sm_90": DeviceFacts(sms=132, shared_memory=232448, l2_bytes=50 << 20),  # H100 SXM (the H200: its SMs, 60 MB L2)
+}
+UNKNOWN_ARCH_FACTS = DeviceFacts(sms=0, shared_memory=49152, l2_bytes=0, source="unknown")
+
+
+def arch_facts(arch: str) -> DeviceFacts:
+    """:data:`CUDA_ARCH_FACTS`' row for ``arch`` (an architecture-specific ``sm_90a`` is ``sm_90``), else
+    :data:`UNKNOWN_ARCH_FACTS`."""
+    match = re.fullmatch(r"(sm_\d+)[a-z]?", arch)
+    return CUDA_ARCH_FACTS.get(match.group(1) if match else arch, UNKNOWN_ARCH_FACTS)
 
 
 @dataclass(frozen=True)
@@ -63,9 +103,7 @@ class TargetSpec:
         import tvm
 
         if self.kind == "llvm":
-            from .fastmath import install
-
-            install()  # vectorisable exp for every kernel compiled for this CPU
+            fastmath.install()  # vectorisable exp for every kernel compiled for this CPU
             level = {} if opt_level == 3 else {"opt-level": opt_level}  # 3: LLVM's default, the target unchanged
             return tvm.target.Target({"kind": "llvm", "mcpu": self.arch, "num-cores": self.num_cores, **level})
         return tvm.target.Target({
@@ -158,7 +196,8 @@ def parse_target(text: str, require_device: bool = True) -> TargetSpec:
                               "or run on a machine with an NVIDIA GPU and its driver")
         if arch and not arch.startswith("sm_"):
             raise UsageError(f"CUDA architecture '{arch}' should look like sm_90")
-        return TargetSpec("cuda", arch or DEFAULT_CUDA_ARCH, "", 0, 232448, version, "")
+        arch = arch or DEFAULT_CUDA_ARCH
+        return TargetSpec("cuda", arch, "", 0, arch_facts(arch).shared_memory, version, "")
     detected = "sm_" + dev.compute_version.replace(".", "")
     if arch and arch != detected and require_device:
         raise UsageError(f"target asks for {arch} but the GPU ({dev.device_name}) is {detected}")
@@ -167,14 +206,43 @@ def parse_target(text: str, require_device: bool = True) -> TargetSpec:
 
 
 def _cuda_optin_shared_memory(arch: str) -> int:
-    # Opt-in dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin) by architecture.
-    return {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}.get(arch, 49152)
+    # Opt-in dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin), by architecture: TVM's
+    # device API gives the 48 KB a block has without opting in, not this.
+    return arch_facts(arch).shared_memory
+
+
+def device_facts(target: TargetSpec) -> DeviceFacts:
+    """The multiprocessors, opt-in shared memory per block and L2 of the GPU ``target`` compiles for: the GPU's
+    own where :func:`parse_target` found one (``num_cores`` is its ``multi_processor_count``,
+    ``max_shared_memory`` its opt-in shared memory, and its ``l2_cache_size_bytes`` is read while it is here),
+    else :func:`arch_facts` for the target's architecture (:data:`UNKNOWN_ARCH_FACTS` for a kind other than
+    CUDA). Spaces and kernels that size their grids or splits by the SMs take them from here, and a record keeps
+    the SMs and shared memory it was tuned under in its target (the database's ``targets`` row)."""
+    if target.kind != "cuda":
+        return UNKNOWN_ARCH_FACTS
+    table = arch_facts(target.arch)
+    if not target.num_cores:
+        return table
+    return DeviceFacts(target.num_cores, target.max_shared_memory or table.shared_memory,
+                       _l2_bytes(target.device_name) or table.l2_bytes, "device")
+
+
+@lru_cache(maxsize=None)
+def _l2_bytes(device_name: str) -> int:
+    """The L2 of the first GPU if it is ``device_name``, else 0 (a target of another machine's GPU)."""
+    import tvm
+
+    dev = tvm.cuda(0)
+    if not dev.exist or str(dev.device_name) != device_name:
+        return 0
+    try:
+        return int(dev.l2_cache_size_bytes or 0)
+    except Exception:  # noqa: BLE001 - a runtime without the attribute: the table's
+        return 0
 
 
 def _cuda_driver_version() -> str:
     """The NVIDIA driver's version as nvidia-smi prints it, else the CUDA driver API version."""
-    import subprocess
-
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
@@ -208,8 +276,6 @@ def compile_module(mod, target: TargetSpec, config: dict | None = None, codegen:
     architecture-specific target ``sm_90a``, whose wgmma and setmaxnreg plain ``sm_90`` lacks).
     ``relax_pipeline``: the Relax passes of a model's build (TVM's default for the target if None); a model's
     CPU code is compiled at :func:`cpu_build_opt_level`."""
-    import dataclasses
-
     import tvm
 
     codegen = codegen or {}

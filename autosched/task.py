@@ -9,12 +9,17 @@ compiled unscheduled for the CPU). Builder and runner processes receive a small 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .correctness import relative_error
+from .target import parse_target
 from .workloads import Workload, get_operator
+from .workloads._base import randn, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +27,8 @@ if TYPE_CHECKING:
 
     from autosched.search_spaces import Space
     from autosched.target import TargetSpec
+
+# Deferred imports: tvm, tvm_ffi, torch, numpy (imported where used: `autosched --help` stays fast).
 
 # Tolerance on ||out - ref|| / ||ref|| for functions that are checked against their own default schedule,
 # by the least precise floating-point dtype the function reads, keeps or accumulates in (not its output's:
@@ -98,8 +105,6 @@ class Task:
 
     @cached_property
     def spec(self) -> TaskSpec:
-        import json
-
         import tvm
 
         if self.workload is not None:
@@ -222,8 +227,6 @@ class Checker:
 
     def errors(self, inputs: list, outs: list, refs: list) -> list[float]:
         """Each output's error against its reference (compared with :attr:`tolerance`): relative L2 errors."""
-        from autosched.measure.timing import relative_error
-
         return [relative_error(o, r) for o, r in zip(outs, refs)]
 
     def inputs_and_reference(self, gen: torch.Generator, device: str) -> tuple[list, list]:
@@ -268,8 +271,6 @@ class SelfChecker(Checker):
     def make_inputs(self, gen, device, positive: bool = False):
         """Normal random floats (uniform in [0.5, 1.5) if ``positive``) and small non-negative integers."""
         import torch
-
-        from .workloads._base import randn, torch_dtype
 
         out = []
         for i in self.inputs:
@@ -338,8 +339,6 @@ class SelfChecker(Checker):
         """Compile the reference into the reference cache unless it is there already. A builder process
         does this ahead of the runner, which then loads it instead of compiling one task's reference after
         another between candidates."""
-        import os
-
         path = self.reference_path(device_type)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -360,8 +359,6 @@ class SelfChecker(Checker):
         import tvm
 
         if device_type == "cuda":
-            from .target import parse_target
-
             return (self.target or parse_target("cuda")).tvm_target()
         return tvm.target.Target({"kind": "llvm"})
 
@@ -388,8 +385,6 @@ CACHE_ENV = "AUTOSCHED_CACHE"
 def reference_cache() -> Path:
     """The folder of compiled references, kept between runs: ``$AUTOSCHED_CACHE/references``, by default
     under ``~/.cache/autosched``."""
-    import os
-
     root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autosched"
     return Path(root) / "references"
 

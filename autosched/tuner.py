@@ -15,14 +15,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from .cost_model import FeatureExtractor, create_cost_model
+from .errors import UsageError
 from .measure import SLOW_CUTOFF, MeasureConfig, Measurer, MeasureRequest
 from .search import EvolutionarySearch, SearchConfig
+from .warm_start import transfer_points
 
 if TYPE_CHECKING:
     from autosched.database.store import Database
     from autosched.search_spaces import Point, Space
     from autosched.target import TargetSpec
     from autosched.task import Task
+
+# Deferred imports: numpy (imported where used: `autosched --help` stays fast).
 
 # Kernels whose first points are built together before any of them is run (see _first_measurements).
 FIRST_ROUND_GROUP = 16
@@ -60,8 +64,6 @@ class TuneOptions:
 
 def check_seed(seed: int, option: str = "seed") -> None:
     """A seed is a whole number, 0 or more (numpy's generators take no negative seed)."""
-    from .errors import UsageError
-
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise UsageError(f"{option} must be a whole number, 0 or more (got {seed})")
 
@@ -145,8 +147,6 @@ class TaskTuner:
                 self.seeded = len(known)
                 if not known and options.transfer:
                     # A shape nobody tuned: start from the decisions of the nearest tuned shapes.
-                    from .warm_start import transfer_points
-
                     self.transferred = transfer_points(db, task, target, self.space)
                     self.search.propose_first([p for p, _, _ in self.transferred])
         # The space's default point (and any variants it names) is measured first, so a tuned kernel is

@@ -1,18 +1,28 @@
-"""Every private or fragile TVM API autosched relies on, in one module.
+"""Every private or fragile TVM (and torch) API autosched relies on, in one module.
 
-Each function here names what it needs from TVM 0.27 and hides how it is obtained: a private module, a
-constructor called through the FFI, a schedule-state edit. ``tests/test_tvm_adapter.py`` pins the
-behaviour of each, so a TVM upgrade that changes one fails there first, and is a change to this file.
+Each function here names what it needs from TVM 0.27 (or torch) and hides how it is obtained: a private
+module, function or attribute, a constructor called through the FFI, a schedule-state edit, a method of TVM's
+replaced in a subclass or for the length of a block. ``tests/test_tvm_adapter.py`` pins the behaviour of
+each, so a TVM upgrade that changes one fails there first, and is a change to this file.
 """
 
 from __future__ import annotations
 
+import _imp
+import contextlib
+import inspect
 import json
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from tvm import s_tir
     from tvm.s_tir.schedule import SBlockRV
+
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
 
 # Pass options that split a loop's last, guarded iteration off (conditions wrapped in ``likely``), so the
 # rest runs without the guard; the rows space needs them to keep a row's tail vectorised.
@@ -23,12 +33,10 @@ def cache_frozen_frame_lookups() -> None:
     """Make TVMScript's parsing under an import cheap: TVMScript calls ``inspect.stack()`` for each function
     it parses, and for each frame of Python's import machinery (``<frozen importlib._bootstrap>``, a file
     that does not exist) ``inspect.getmodule`` scans all of ``sys.modules`` and finds nothing. Importing
-    TVM's tensor intrinsics (hundreds of functions, which dlight's matmul rule imports on first use) took 50
-    s of a GPT-2 build for CUDA with torch loaded. The scan's answer, no module, is cached here up front:
+    TVM's tensor intrinsics (hundreds of functions, which dlight's matmul rule imports on first use) runs that
+    scan for every frame of every function parsed, over every module loaded (all of torch's, where torch is): the
+    longer the more is loaded. The scan's answer, no module, is cached here up front:
     ``getmodule`` returns the same None, without the scan."""
-    import _imp
-    import inspect
-
     try:  # every frozen module's frame file name, e.g. <frozen importlib._bootstrap>, <frozen runpy>
         filenames = {_imp.get_frozen_object(name).co_filename for name in _imp._frozen_module_names()}
     except (AttributeError, ImportError):  # not CPython 3.11+: the import machinery's two
@@ -67,7 +75,7 @@ def feature_tune_context(tvm_target: Any):
     """A MetaSchedule ``TuneContext`` that carries only ``tvm_target``, for its feature extractor.
 
     ``TuneContext.__init__`` imports ``tvm.s_tir.tensor_intrin``, which parses hundreds of TVMScript
-    intrinsics (about 100 s on 2 cores) the feature extractor never uses; the FFI constructor, with its
+    intrinsics the feature extractor never uses; the FFI constructor, with its
     8 positional arguments (mod, target, space generator, search strategy, task name, threads, seed,
     logger), does not.
     """
@@ -227,3 +235,114 @@ def kv_cache_runtime() -> dict[str, Callable]:
     import tvm
 
     return {role: tvm.get_global_func(name) for role, name in KV_CACHE_RUNTIME.items()}
+
+
+# ---- TVM's worker processes (``tvm.support.popen_pool``): started with variables of ours, killed by pid ------
+_ENVIRON_LOCK = threading.Lock()
+
+
+def popen_worker(initializer=None, initargs: tuple = (), env: dict[str, str] | None = None, **kwargs) -> Any:
+    """TVM's ``PopenWorker``, whose process starts (and restarts) with ``env`` added to its environment.
+
+    Variables the CUDA driver reads must be there from the start: it initialises while TVM imports, before any
+    initializer runs (seen on a two-H200 host: a runner that set ``CUDA_VISIBLE_DEVICES=1`` in its initializer
+    still measured on GPU 0). ``PopenWorker`` passes no environment of its own: its private ``_start`` spawns the
+    process, which inherits ours; ours is set around that spawn alone, under a lock, and put back."""
+    from tvm.support.popen_pool import PopenWorker
+
+    if not env:
+        return PopenWorker(initializer, initargs, **kwargs)
+
+    class _Worker(PopenWorker):
+        def _start(self):
+            with _ENVIRON_LOCK:
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                try:
+                    super()._start()
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+
+    return _Worker(initializer, initargs, **kwargs)
+
+
+def popen_pool(workers: int, timeout: float | None, initializer=None, env: dict[str, str] | None = None,
+               stdout=None, stderr=None) -> Any:
+    """TVM's ``PopenPoolExecutor`` whose workers are :func:`popen_worker`'s, started with ``env``. The pool makes
+    one worker for each of its threads in its private ``_worker_run`` (its ``_worker_map``, under its ``_lock``,
+    from the settings it keeps in ``_initializer``, ``_initargs``, ``_maximum_process_uses``, ``_stdout``,
+    ``_stderr`` and ``_timeout``): here that method, with the worker made by :func:`popen_worker`."""
+    from tvm.support.popen_pool import PopenPoolExecutor
+
+    class _Pool(PopenPoolExecutor):
+        def _worker_run(self, fn, args, kwargs):
+            with self._lock:
+                tid = threading.get_ident()
+                if tid not in self._worker_map:
+                    self._worker_map[tid] = popen_worker(self._initializer, self._initargs, env,
+                                                         maximum_uses=self._maximum_process_uses,
+                                                         stdout=self._stdout, stderr=self._stderr)
+                worker = self._worker_map[tid]
+            worker.send(fn, args, kwargs, self._timeout)
+            return worker.recv()
+
+    return _Pool(workers, timeout=timeout, initializer=initializer, stdout=stdout, stderr=stderr)
+
+
+def worker_process(worker: Any) -> subprocess.Popen | None:
+    """The process of a TVM ``PopenWorker`` (its private ``_proc``): None before its first task and after it was
+    killed. To kill a worker by its pid where its own ``kill`` would block, closing pipes a reader holds."""
+    return worker._proc
+
+
+def rpc_server_process(server: Any) -> subprocess.Popen:
+    """The process of a ``tvm.rpc.Server`` started on this host: the ``PopenWorker`` it runs in (``server.proc``)."""
+    return worker_process(server.proc)
+
+
+# ---- TVM's Relax block builder, runtime tensors and dlight -------------------------------------------------------
+@contextlib.contextmanager
+def suffixed_functions(suffix: str) -> Iterator[None]:
+    """Inside: every function added to a Relax ``BlockBuilder`` (``BlockBuilder.add_func``) is added under its
+    name plus ``suffix``, and a PrimFunc's ``global_symbol`` gets the suffix too. TVM's paged KV cache adds its
+    kernels under fixed names and symbols, which a second cache in one module would reuse. The method is
+    replaced on the class, process-wide, until the block ends: one thread builds at a time."""
+    from tvm import relax
+
+    add_func = relax.BlockBuilder.add_func
+
+    def renamed(builder, func, name):
+        symbol = func.attrs.get("global_symbol") if getattr(func, "attrs", None) else None
+        if symbol is not None:
+            func = func.with_attr("global_symbol", f"{symbol}{suffix}")
+        return add_func(builder, func, f"{name}{suffix}")
+
+    relax.BlockBuilder.add_func = renamed
+    try:
+        yield
+    finally:
+        relax.BlockBuilder.add_func = add_func
+
+
+def tensor_view(tensor: Any, shape: tuple) -> Any:
+    """A view of the first elements of the runtime tensor ``tensor`` as ``shape``, sharing its memory (its
+    private ``_create_view``): one allocation serves inputs of every size up to its own."""
+    return tensor._create_view(shape)
+
+
+def is_one(expr: Any) -> bool:
+    """Whether ``expr`` is the integer 1, as dlight's matmul rule tests an extent (``dlight.gpu.matmul._is_one``)."""
+    from tvm.s_tir.dlight.gpu import matmul
+
+    return matmul._is_one(expr)
+
+
+def gpu_sleep(cycles: int) -> None:
+    """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles (torch's private ``_sleep``)."""
+    import torch
+
+    torch.cuda._sleep(cycles)

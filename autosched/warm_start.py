@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from autosched.target import TargetSpec
     from autosched.task import Task
 
+# Deferred imports: tvm, numpy, sqlalchemy (imported where used: `autosched --help` stays fast).
+
 
 def shape_distance(a: dict[str, int], b: dict[str, int]) -> float:
     return sum(abs(math.log2(a[k] / b[k])) for k in a if k in b)

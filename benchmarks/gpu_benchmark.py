@@ -226,7 +226,7 @@ def seconds_to_90_percent(db, workload_key: str, run_id) -> float | None:
 
 
 def check_torch(fn, refs):
-    from autosched.measure.timing import relative_error
+    from autosched.correctness import relative_error
 
     out = fn()
     torch.cuda.synchronize()

@@ -128,8 +128,8 @@ def main() -> int:
         write_results(rows, Path(args.out))
         return 0
 
+    from autosched.correctness import relative_error
     from autosched.database.store import Database
-    from autosched.measure.timing import relative_error
     from autosched.pipeline import build_model, extract_tasks, load_model, prepare, split_tunable
     from autosched.target import parse_target
     from autosched.tuner import TuneOptions, tune_tasks

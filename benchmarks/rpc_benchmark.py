@@ -128,10 +128,12 @@ def _gpus_in_use(runner) -> dict[str, str]:
     reports it: the check that N runners measure on N GPUs, not N times on one."""
     import subprocess
 
+    from autosched.tvm_adapter import worker_process
+
     apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
                           capture_output=True, text=True).stdout
     bus_of_pid = dict(line.split(", ") for line in apps.strip().splitlines() if ", " in line)
-    return {slot.name: bus_of_pid.get(str(slot.runner._worker._proc.pid), "none") for slot in runner.slots()}
+    return {slot.name: bus_of_pid.get(str(worker_process(slot.runner._worker).pid), "none") for slot in runner.slots()}
 
 
 if __name__ == "__main__":

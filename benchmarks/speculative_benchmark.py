@@ -112,7 +112,7 @@ def call_ms(model, batch: int, k: int, prompt: int, repeats: int = 20) -> tuple[
     sequences of ``prompt`` cached tokens; each call's tokens are popped again."""
     import numpy as np
 
-    from autosched.generation.decoder import verify_function
+    from autosched.generation.speculative import static_verify_name
 
     seqs = list(range(batch))
     for s in seqs:  # one prefill call a sequence: the cache takes at most max_seq_len tokens a call
@@ -131,7 +131,7 @@ def call_ms(model, batch: int, k: int, prompt: int, repeats: int = 20) -> tuple[
         return 1e3 * statistics.median(times[3:])
 
     decode = timed(f"decode_b{batch}", 1, False)
-    verify = timed(verify_function(batch, k), k + 1, True)
+    verify = timed(static_verify_name(batch, k), k + 1, True)
     for s in seqs:
         model.remove(s)
     return decode, verify

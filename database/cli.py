@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,11 @@ from typing import Any
 from autosched.errors import DatabaseError, UsageError
 from autosched.output import emit
 from autosched.target import KINDS
+from autosched.workloads import normalize_dtype, parse_shape
 
 from .transfer import RecordFilter, export_records, import_records, record_json, record_rows
+
+# Deferred imports: sqlalchemy (imported where used: `autosched --help` stays fast).
 
 LIST_COLUMNS = [("id", "id"), ("workload", "workload"), ("target", "target"), ("space", "space"),
                 ("latency_us", "latency (us)"), ("error", "error"), ("run_id", "run"), ("created_at", "when")]
@@ -102,12 +106,8 @@ def _filter(args) -> RecordFilter:
     shape = getattr(args, "shape", None)
     dtype = getattr(args, "dtype", None)
     if shape:
-        from autosched.workloads import parse_shape
-
         shape = parse_shape(shape)
     if dtype:
-        from autosched.workloads import normalize_dtype
-
         dtype = normalize_dtype(dtype)
     return RecordFilter(op=getattr(args, "op", None), workload=getattr(args, "workload", None), dtype=dtype, shape=shape,
                         target_kind=getattr(args, "target_kind", None), device=getattr(args, "device", None),
@@ -209,8 +209,6 @@ def run(args) -> int:
 
 def _check_export_file(path: str, force: bool) -> None:
     """``db export -o PATH``: a file to write, not a folder, and not a file that exists unless ``--force``."""
-    import os
-
     if os.path.isdir(path):
         raise UsageError(f"-o {path} is a folder: give a file to export to, e.g. {os.path.join(path, 'records.jsonl')}")
     if os.path.exists(path) and not force:

@@ -20,6 +20,7 @@ import sqlite3
 import time
 import uuid
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import quote
@@ -30,6 +31,7 @@ from sqlalchemy.exc import ArgumentError, IntegrityError, InterfaceError, Operat
 from sqlalchemy.exc import DatabaseError as SADatabaseError
 from sqlalchemy.orm import Session
 
+from autosched import __version__
 from autosched.errors import (
     DatabaseCorruptError,
     DatabaseError,
@@ -44,6 +46,8 @@ from .models import RecordRow, RunRow, TargetRow, ValidationRow, WorkloadRow, ut
 if TYPE_CHECKING:
     from autosched.target import TargetSpec
     from autosched.task import Task
+
+# Deferred imports: numpy, alembic, psutil (imported where used: `autosched --help` stays fast).
 
 DEFAULT_BUSY_TIMEOUT = 60.0  # seconds a writer waits for another writer before giving up
 
@@ -365,8 +369,6 @@ class Database:
         return self._write(lambda s: _target_id(s, fields))
 
     def start_run(self, command: str = "", seed: int | None = None) -> int:
-        from autosched import __version__
-
         def fn(s: Session) -> int:
             run = RunRow(host=socket.gethostname(), command=command, seed=seed, autosched_version=__version__,
                          pid=os.getpid())
@@ -547,8 +549,6 @@ def run_status(run: RunRow) -> str:
 
 
 def _timestamp(iso: str) -> float:
-    from datetime import datetime, timezone
-
     moment = datetime.fromisoformat(iso)
     return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
 

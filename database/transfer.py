@@ -16,6 +16,7 @@ from typing import IO, Any, Iterator
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from autosched import __version__
 from autosched.errors import DatabaseError, DatabaseUsageError
 
 from .models import RecordRow, RunRow, TargetRow, WorkloadRow, utcnow
@@ -103,8 +104,6 @@ def record_json(r: RecordRow, w: WorkloadRow, t: TargetRow, run: RunRow | None) 
 
 def export_records(db: Database, out: IO[str], flt: RecordFilter | None = None) -> int:
     """Write the header and the matching records to ``out``; returns the number of records."""
-    from autosched import __version__
-
     with db.session() as s:
         rows = list(record_rows(s, flt))
         header = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "schema": head_revision(),

@@ -26,6 +26,8 @@ from torch import nn
 
 from autosched.errors import UsageError
 
+# Deferred imports: transformers (imported where used: `autosched --help` stays fast).
+
 # The dimensions every family shares at the tiny size: small enough to import and build on a CPU in seconds.
 HIDDEN, HEADS, KV_HEADS, MLP, LAYERS, VOCAB = 128, 4, 2, 256, 2, 512
 TINY = dict(hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, mlp=MLP, vocab=VOCAB)

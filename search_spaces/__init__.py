@@ -34,12 +34,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autosched.errors import SpaceError
+
 from ._knobs import InvalidPoint, Knob, Point, Space, TileKnob, point_from_json, point_key
 
 if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
 
     from autosched.target import TargetSpec
+
+# Deferred imports: tvm, numpy (imported where used: `autosched --help` stays fast).
 
 __all__ = [
     "InvalidPoint",
@@ -91,8 +95,6 @@ def create_space(func: PrimFunc, target: TargetSpec, family: str | None = None,
     Raises:
         SpaceError: if no space applies.
     """
-    from autosched.errors import SpaceError
-
     from ._analysis import has_dynamic_shape
 
     if has_dynamic_shape(func):

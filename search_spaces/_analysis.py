@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autosched.tvm_adapter import block_realize
+from autosched.tvm_adapter import block_realize, is_one
 
 if TYPE_CHECKING:
     from tvm import s_tir
     from tvm.s_tir.schedule import SBlockRV
     from tvm.tirx import PrimFunc
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 
 def blocks_of(sch: s_tir.Schedule) -> list[SBlockRV]:
@@ -91,7 +93,7 @@ def matmul_index_maps(block):
     def axes(region):
         out = set()
         for r in region:
-            if not dm._is_one(r.extent):
+            if not is_one(r.extent):
                 return None
             out |= set(v.name for v in _free_vars(r.min))
         return out
@@ -102,7 +104,7 @@ def matmul_index_maps(block):
     traits = []
     for iv in block.iter_vars:
         name, extent = iv.var.name, iv.dom.extent
-        if dm._is_one(extent):
+        if is_one(extent):
             kind = dm.IterKind.kIter_T
         elif int(iv.iter_type) == 0:  # data parallel
             kind = {(True, True, True): dm.IterKind.kIter_S, (True, False, True): dm.IterKind.kIter_I,

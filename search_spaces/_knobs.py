@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
     from autosched.target import TargetSpec
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 Point = dict[str, Any]
 
 
@@ -291,7 +293,7 @@ class Space:
 
     def sample(self, rng: np.random.Generator, tries: int = 1000) -> Point:
         """A random valid point: knobs drawn independently until the point is valid, else (in spaces where
-        few combinations are, e.g. hopper_gemm on a small GEMM: 1.5% of them) a random walk of valid
+        few combinations are, e.g. hopper_gemm on a small GEMM, whose knobs constrain each other) a random walk of valid
         mutations from the default point. (The base default draws without this fallback, so the two never
         call each other in a loop.)"""
         try:

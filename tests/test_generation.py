@@ -1097,6 +1097,7 @@ def test_token_marks_read_a_steps_tokens_without_waiting_for_the_work_after_them
     import numpy as np
     import tvm
 
+    from autosched import tvm_adapter
     from autosched.generation.cuda_events import TokenMarks
 
     tokens = tvm.runtime.tensor(np.arange(37, dtype="int32") * 3, tvm.cuda())
@@ -1106,5 +1107,5 @@ def test_token_marks_read_a_steps_tokens_without_waiting_for_the_work_after_them
     later = tvm.runtime.tensor(np.full(1 << 24, 7, dtype="int32"), tvm.cuda())  # queued after the mark
     marks.wait(first)
     assert (marks.read(first) == np.arange(37) * 3).all()
-    second = marks.mark(later._create_view((5,)))
+    second = marks.mark(tvm_adapter.tensor_view(later, (5,)))
     assert (marks.read(second) == 7).all()

@@ -504,6 +504,42 @@ def test_hopper_space_gives_the_cost_model_its_own_features(sm90):
     assert (rows.std(0) > 0).sum() >= 6  # knobs and derived quantities vary with the point
 
 
+def test_device_facts_are_the_gpus_own_or_its_architectures_without_one(sm90, sm80):
+    """Without a GPU, the table's row for the architecture (sm_90: the H100's and H200's 132 SMs); a target of a
+    GPU gives that GPU's SMs and shared memory (an H100 PCIe's 114 SMs), its L2 from the table where the GPU
+    is not at hand; an architecture the table lacks knows no SMs and only the shared memory of every block."""
+    import dataclasses
+
+    from autosched.target import CUDA_ARCH_FACTS, arch_facts, device_facts
+
+    assert device_facts(sm90) == CUDA_ARCH_FACTS["sm_90"] == arch_facts("sm_90a") and device_facts(sm90).sms == 132
+    assert device_facts(sm80).sms == 108 and sm80.max_shared_memory == device_facts(sm80).shared_memory == 166912
+    pcie = dataclasses.replace(sm90, device_name="NVIDIA H100 PCIe (not here)", num_cores=114)
+    facts = device_facts(pcie)
+    assert (facts.sms, facts.shared_memory, facts.l2_bytes, facts.source) == (114, sm90.max_shared_memory,
+                                                                              CUDA_ARCH_FACTS["sm_90"].l2_bytes, "device")
+    unknown = parse_target("cuda:sm_100", require_device=False)
+    assert device_facts(unknown).sms == 0 and unknown.max_shared_memory == 49152
+
+
+@pytest.mark.parametrize("op,shape,dtype,attrs", [
+    ("gemm", "m=512,n=4096,k=4096", "float16", ""),  # hopper_gemm
+    ("dequant_gemm", "m=1,n=4096,k=4096", "float16", "bits=4,group=128"),  # int4_gemv
+    ("dequant_gemm", "m=1,n=4096,k=4096", "bfloat16", "bits=8,group=4096"),  # gemv8
+    ("swiglu_gemm", "m=1,n=11008,k=4096", "float16", ""),  # swiglu_gemv
+    ("attention", "b=1,h=4,hkv=2,s=100,d=64", "float16", "causal=1"),  # hopper_attention
+    ("paged_decode_attention", "b=2,h=4,hkv=2,d=64,ctx=200,page=16", "float16", ""),  # paged_decode
+    ("moe_grouped_gemm", "m=1024,e=8,n=4096,k=14336", "bfloat16", ""),  # moe_grouped_gemm
+], ids=["hopper_gemm", "int4_gemv", "gemv8", "swiglu_gemv", "hopper_attention", "paged_decode", "moe_grouped_gemm"])
+def test_the_sm90_templates_fill_the_sms_of_the_target(op, shape, dtype, attrs, sm90):
+    import dataclasses
+
+    task = Task.from_workload(make_workload(op, shape, dtype, attrs))
+    assert task.space(sm90).sms == 132
+    pcie = dataclasses.replace(sm90, device_name="NVIDIA H100 PCIe (not here)", num_cores=114)
+    assert task.space(pcie).sms == 114
+
+
 def test_show_prints_the_wgmma_kernel_for_sm90a(tmp_path):
     from .helpers import cli
 
@@ -1043,7 +1079,7 @@ def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, u
     registers (``unroll`` k-blocks' loads together, then the k-blocks after the last whole group one at a time)."""
     import torch
 
-    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.search_spaces.templates._hopper import epilogue_source
     from autosched.search_spaces.templates.int4_gemv import _mma_source, mma_smem_bytes
     from autosched.workloads import get_operator
 
@@ -1058,7 +1094,7 @@ def test_int4_mma_gemv_matches_float64_on_the_host(shape, attrs, warps, tiles, u
     stream = unroll > 0
     name, source = _mma_source(m, n, k, -(-k // group), group, warps, tiles, a["bias"], "none", zeros, stream,
                                max(unroll, 1))
-    _, store1, epilogue = _epilogue_source("float16", "none")
+    _, store1, epilogue = epilogue_source("float16", "none")
     body = _host_body(source.removeprefix(epilogue))
     body = body.replace('asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));',
                         "r = (w & mask) | 0x64006400u;")
@@ -1163,7 +1199,7 @@ def test_int4_gemv_pipelined_matches_float64_on_the_host(shape, dtype, attrs, po
     (``loads_first``)."""
     import torch
 
-    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.search_spaces.templates._hopper import epilogue_source
     from autosched.search_spaces.templates.int4_gemv import _pipelined_source
     from autosched.workloads import get_operator
 
@@ -1178,7 +1214,7 @@ def test_int4_gemv_pipelined_matches_float64_on_the_host(shape, dtype, attrs, po
     warps, rows, row_groups, half = point
     p = {"warps": warps, "rows_per_warp": rows, "unroll": True, "row_groups": row_groups, "half_products": half}
     name, source = _pipelined_source(m, n, k, group, dtype, p, a["bias"], "none", zeros)
-    _, store1, epilogue = _epilogue_source(dtype, "none")
+    _, store1, epilogue = epilogue_source(dtype, "none")
     scalar = CUDA_SCALAR_HOST[dtype]
     loads = "".join(f'  auto {v} = load<{"uint8_t" if v in ("wq", "zeros") else scalar}>("{v}.bin");\n' for v in names)
     program = HOST_SHIM + f"""
@@ -1278,7 +1314,7 @@ def test_mma_gemv_matches_float64_on_the_host(op, shape, dtype, attrs, point, tm
     import torch
 
     from autosched.search_spaces.templates import mma_gemv
-    from autosched.search_spaces.templates.hopper_gemm import _epilogue_source
+    from autosched.search_spaces.templates._hopper import epilogue_source
     from autosched.workloads import get_operator
 
     wl = make_workload(op, shape, dtype, attrs)
@@ -1293,7 +1329,7 @@ def test_mma_gemv_matches_float64_on_the_host(op, shape, dtype, attrs, point, tm
     for name, tensor in zip(names, ins):
         (tmp_path / f"{name}.bin").write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     name, source = mma_gemv.source(m, n, k, dtype, p, bias, act, gated)
-    _, store1, epilogue = _epilogue_source(dtype, act)
+    _, store1, epilogue = epilogue_source(dtype, act)
     body = _host_body(source.removeprefix(epilogue))
     scalar = CUDA_SCALAR_HOST[dtype]
     activation = {"none": "v", "silu": "v / (1.0f + std::exp(-v))",

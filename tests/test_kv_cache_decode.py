@@ -215,10 +215,22 @@ def test_the_kernel_refuses_what_it_cannot_serve():
     assert "page size 32" in unsupported(32, 8, 128, "float16", 32)
     assert "float32" in unsupported(32, 8, 128, "float32", 16)
     assert "groups of 16" in unsupported(32, 2, 128, "float16", 16)
-    # batch 1 takes up to one CTA per SM (132): 32 K/V heads split 4 ways, 64 two ways, at most 8 ways
+    # batch 1 fills the SMs at most twice (sm_90's 132 where no GPU is at hand): 32 K/V heads split 8 ways, 64 four
+    # ways, at most 8 ways; on a GPU of 114 SMs (an H100 PCIe), 32 K/V heads four ways
     assert (default_split(32), default_split(64), default_split(8), default_split(1)) == (8, 4, 8, 8)
+    assert default_split(32, sms=114) == 4
     # From about one pair per SM on (16 sequences x 8 K/V heads), each CTA takes a pair of its own.
     assert spreads(128) and spreads(512) and not spreads(64) and not spreads(32)
+    assert spreads(110, sms=114) and not spreads(110)
+
+
+def test_the_kernel_is_made_for_the_gpus_sms():
+    from autosched.search_spaces.templates.kv_cache_decode import kv_cache_decode_kernel
+
+    def symbol(**kwargs):
+        return str(kv_cache_decode_kernel(32, 32, 128, "float16", **kwargs).attrs["global_symbol"])
+
+    assert "_split8_" in symbol() and "_split4_" in symbol(sms=114)
 
 
 # --- the dispatch in a generation build ---------------------------------------------------------------------

@@ -1,15 +1,21 @@
-"""Rules the test suite keeps: no test passes or fails by how fast or how loaded the machine is."""
+"""Rules the test suite keeps: no test passes or fails by how fast or how loaded the machine is; and rules
+the code keeps: imports go one way, down the layers ARCHITECTURE.md draws, and an import inside a function
+defers a heavy package on purpose."""
 
 from __future__ import annotations
 
 import ast
 import re
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from autosched._checkout import PACKAGE_DIRS
+
 TESTS = Path(__file__).parent
+REPO = TESTS.parent
 
 # A time or a load, by the names an operand reads: a clock, an interval, a latency, a machine's load, or a
 # constant that bounds one of them.
@@ -401,3 +407,225 @@ def test_a_test_run_that_changes_the_working_directory_or_uses_the_default_datab
     assert f"the tests changed the working directory {work} (added left-behind.txt; changed autosched.db)" in said, said
     assert "a test used the default tuning database" in said and "give each command its own --db" in said, said
     assert not list(temp.glob("autosched-test-session-*"))
+
+
+# ---- imports: one direction, down the layers ----------------------------------------------------------
+# autosched's layers, lowest first (ARCHITECTURE.md draws them): a module imports modules of its own layer and
+# of those below, never of one above. A name is a module or package under ``autosched.`` ("__init__": the
+# package itself); a module belongs to the longest name that is it or a package above it, so ``database.cli``
+# (the ``autosched db`` command) is a command while the rest of ``database`` is not.
+LAYERS = (
+    ("base", ("__init__", "_checkout", "errors", "records", "correctness", "buckets", "tvm_adapter")),
+    ("target", ("fastmath", "target", "cuda_tools")),
+    ("definitions", ("workloads", "examples")),
+    ("spaces", ("search_spaces",)),
+    ("task", ("task",)),
+    ("measure", ("measure", "cost_model")),
+    ("database", ("database", "validate")),
+    ("search", ("warm_start", "search", "tuner")),
+    ("artifact", ("artifact",)),
+    # the generation runtime, with TVM's runtime alone: model, scheduler, sampler, request, speculative, barrier, ...
+    ("generation runtime", ("generation",)),
+    ("pipeline", ("pipeline",)),
+    ("generation build", ("generation.build", "generation.decoder", "generation.linear", "generation.attention",
+                          "generation.cpu_paged_prefill", "generation.quantize", "generation.prequantized",
+                          "generation.gptq", "generation.awq", "generation.fp8")),
+    ("serve", ("serve",)),
+    ("commands", ("cli", "database.cli", "output", "report", "show", "runmodel", "__main__")),
+)
+LAYER_OF = {name: level for level, (_, names) in enumerate(LAYERS) for name in names}
+# Imports up the layers that stay, each with its reason.
+UPWARD = {
+    ("__init__", "generation"): "autosched.Generator and its kin: a PEP 562 re-export, imported on first use of "
+                                "the name; the package itself runs before any of its modules, so it is the base",
+}
+
+# Third-party packages slow enough to import that a module imports them inside the functions that use them,
+# so that ``autosched --help``, and every import of a module that does not need them, does without
+# (``python -X importtime -m autosched --help`` shows what an import costs).
+HEAVY = {"tvm", "tvm_ffi", "torch", "transformers", "safetensors", "xgboost", "matplotlib", "numpy", "ml_dtypes",
+         "sqlalchemy", "alembic", "rich", "psutil", "cloudpickle"}
+# How a module that defers them says so: one comment line at its top naming them.
+DEFERRED = re.compile(r"^# Deferred imports: (.*)$", re.M)
+# Modules that other work in flight edits; their imports inside functions are moved when it lands.
+PENDING = {
+    "autosched/artifact.py", "autosched/cli/__init__.py", "autosched/cli/common.py", "autosched/cli/evaluate.py",
+    "autosched/cli/generate.py", "autosched/cli/model.py", "autosched/cli/tools.py", "autosched/cli/tune.py",
+    "autosched/generation/build.py", "autosched/generation/generator.py", "autosched/generation/model.py",
+    "autosched/generation/sampler.py",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    target: str  # the module imported (for ``from m import name``: ``m.name`` where that is a module, else ``m``)
+    line: int
+    in_function: bool
+
+
+def source_modules() -> dict[str, Path]:
+    """Every module of autosched by its dotted name: ``autosched/`` and the folders installed under it
+    (``autosched/_checkout.py``'s table)."""
+    found = {}
+    for name, folder in {"autosched": "autosched", **PACKAGE_DIRS}.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            found[".".join((name, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    return found
+
+
+def module_imports(module: str, path: Path, modules) -> list[Import]:
+    """What ``module`` imports when it runs, at its top and inside its functions; not what an ``if
+    TYPE_CHECKING:`` block imports (for the type checker only)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.extend(Import(module, alias.name, child.lineno, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")
+                    base = ".".join([*parts[: len(parts) - child.level + 1], *([child.module] if child.module else [])])
+                for alias in child.names:
+                    sub = f"{base}.{alias.name}"
+                    found.append(Import(module, sub if sub in modules else base, child.lineno, in_function))
+            else:
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def unit(module: str) -> str | None:
+    """The name of :data:`LAYERS` that ``module`` belongs to (None: not ours, or in no layer)."""
+    if module != "autosched" and not module.startswith("autosched."):
+        return None
+    parts = (module.removeprefix("autosched").lstrip(".") or "__init__").split(".")
+    return next((name for n in range(len(parts), 0, -1) if (name := ".".join(parts[:n])) in LAYER_OF), None)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(edges.get(node, ())):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            connect(node)
+    return found
+
+
+@pytest.fixture(scope="module")
+def imports() -> tuple[dict[str, Path], list[Import]]:
+    modules = source_modules()
+    return modules, [i for module, path in modules.items() for i in module_imports(module, path, modules)]
+
+
+def _where(imp: Import, modules) -> str:
+    return f"{modules[imp.module].relative_to(REPO)}:{imp.line} imports {imp.target}"
+
+
+def test_every_module_has_a_layer_and_none_imports_a_layer_above_its_own(imports):
+    modules, found = imports
+    assert [m for m in modules if unit(m) is None] == [], "give each new package or module its place in LAYERS"
+    upward = [f"{_where(i, modules)} ({LAYERS[LAYER_OF[unit(i.module)]][0]} -> {LAYERS[LAYER_OF[unit(i.target)]][0]})"
+              for i in found if unit(i.target) and LAYER_OF[unit(i.target)] > LAYER_OF[unit(i.module)]
+              and (unit(i.module), unit(i.target)) not in UPWARD]
+    assert upward == [], "imports up the layers (move what both need down, or the importer up):\n" + "\n".join(upward)
+    used = {(unit(i.module), unit(i.target)) for i in found}
+    assert set(UPWARD) <= used, "an allowed upward import that is gone: drop it from UPWARD"
+
+
+def test_no_import_cycle_among_packages_or_modules(imports):
+    """Counted with the imports inside functions: a cycle is a cycle whenever its imports run."""
+    modules, found = imports
+    packages: dict[str, set[str]] = {}
+    among_modules: dict[str, set[str]] = {}
+    for i in found:
+        if unit(i.target) and (unit(i.module), unit(i.target)) not in UPWARD:
+            packages.setdefault(unit(i.module), set()).add(unit(i.target))
+            if i.target in modules and i.target != i.module:
+                among_modules.setdefault(i.module, set()).add(i.target)
+    assert cycles(packages) == [], f"packages that import each other: {cycles(packages)}"
+    assert cycles(among_modules) == [], f"modules that import each other: {cycles(among_modules)}"
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "d"}}) == [["a", "b", "c"]]
+    assert unit("autosched.database.cli") == "database.cli" and unit("autosched.database.store") == "database"
+    assert unit("autosched") == "__init__" and unit("tvm.relax") is None
+
+
+def heavy_at_import(modules, found: list[Import]) -> dict[str, set[str]]:
+    """The heavy packages that importing each module brings in, through its and its packages' top-level imports."""
+    top: dict[str, list[str]] = {}
+    for i in found:
+        if not i.in_function:
+            top.setdefault(i.module, []).append(i.target)
+    brought: dict[str, set[str]] = {}
+
+    def bring(module: str) -> set[str]:
+        if module not in brought:
+            brought[module] = set()  # a cycle brings nothing more
+            heavy = set()
+            parts = module.split(".")
+            for target in [*top.get(module, ()), *(".".join(parts[:n]) for n in range(1, len(parts)))]:
+                root = target.split(".")[0]
+                if root != "autosched":
+                    heavy |= {root} & HEAVY
+                else:
+                    tparts = target.split(".")
+                    heavy |= {h for n in range(1, len(tparts) + 1) if ".".join(tparts[:n]) in modules
+                              for h in bring(".".join(tparts[:n]))}
+            brought[module] = heavy
+        return brought[module]
+
+    return {module: bring(module) for module in modules}
+
+
+def test_an_import_inside_a_function_defers_a_heavy_package_and_its_module_says_so(imports):
+    """Every other import sits at the top of its module. A module that defers says which packages it defers in
+    one comment line at its top (``# Deferred imports: tvm, torch``); one of autosched's own modules is heavy
+    where its own top-level imports bring a heavy package in."""
+    modules, found = imports
+    heavy = heavy_at_import(modules, found)
+    problems: dict[str, list[str]] = {}
+    for i in found:
+        if not i.in_function or (unit(i.module), unit(i.target)) in UPWARD:  # up the layers: only ever on use
+            continue
+        root = i.target.split(".")[0]
+        brings = heavy.get(i.target, set()) if root == "autosched" else {root} & HEAVY
+        path = str(modules[i.module].relative_to(REPO))
+        named = set(re.findall(r"[\w.]+", " ".join(DEFERRED.findall(modules[i.module].read_text()))))
+        if not brings:
+            problems.setdefault(path, []).append(f"{_where(i, modules)}: a light import, at the top of the module")
+        elif not brings & named:
+            problems.setdefault(path, []).append(f"{_where(i, modules)}: name one of {sorted(brings)} in the "
+                                                 "module's '# Deferred imports:' line")
+    assert sorted(set(problems) - PENDING) == [], "\n".join(p for path in sorted(set(problems) - PENDING)
+                                                            for p in problems[path])
+    assert sorted(PENDING - set(problems)) == [], "these keep the rule now: drop them from PENDING"

@@ -229,3 +229,107 @@ def test_the_kv_cache_runtime_functions_exist_by_name():
     functions = tvm_adapter.kv_cache_runtime()
     assert set(functions) == set(tvm_adapter.KV_CACHE_RUNTIME)
     assert all(callable(f) for f in functions.values())
+
+
+PROBE = "AUTOSCHED_ADAPTER_PROBE"
+
+
+def test_a_popen_worker_starts_and_restarts_with_our_variables_and_leaves_ours_alone(monkeypatch):
+    """``PopenWorker._start`` spawns its process, which inherits our environment (popen_worker sets the variables
+    around it); after ``kill`` the next task starts another, with them again. ``_proc`` is the process while
+    there is one, None otherwise."""
+    import os
+
+    monkeypatch.delenv(PROBE, raising=False)
+    worker = tvm_adapter.popen_worker(env={PROBE: "child"})
+    try:
+        assert tvm_adapter.worker_process(worker) is None
+        for _ in range(2):
+            worker.send(os.getenv, (PROBE,))
+            assert worker.recv() == "child" and PROBE not in os.environ
+            process = tvm_adapter.worker_process(worker)
+            assert process.pid != os.getpid() and process.poll() is None
+            worker.kill()
+            assert tvm_adapter.worker_process(worker) is None and process.poll() is not None
+    finally:
+        worker.kill()
+
+
+def test_a_popen_pool_makes_its_workers_with_our_variables(monkeypatch):
+    """``PopenPoolExecutor._worker_run`` makes a worker per thread from the settings the pool keeps; ours makes
+    it with popen_worker: each task sees the variables, and the pool's initializer ran in its worker first."""
+    import os
+
+    monkeypatch.delenv(PROBE, raising=False)
+    pool = tvm_adapter.popen_pool(2, 60, initializer=os.getpid, env={PROBE: "pool"})
+    try:
+        assert [f.result() for f in [pool.submit(os.getenv, PROBE) for _ in range(4)]] == ["pool"] * 4
+        assert PROBE not in os.environ
+    finally:
+        pool.shutdown()
+
+
+def test_an_rpc_servers_process_is_its_popen_workers():
+    """``tvm.rpc.Server`` runs in a PopenWorker (``server.proc``): its process, to stop or signal by pid."""
+    import os
+
+    from tvm import rpc
+
+    server = rpc.Server("127.0.0.1", port=11300, port_end=11400, silent=True)
+    try:
+        process = tvm_adapter.rpc_server_process(server)
+        assert process.pid != os.getpid() and process.poll() is None
+    finally:
+        server.terminate()
+    assert process.wait(timeout=60) is not None
+
+
+def test_suffixed_functions_rename_what_a_block_builder_adds_inside_the_block_only():
+    """``BlockBuilder.add_func`` replaced for the block: a PrimFunc added inside it takes the suffix in its name
+    and its global symbol; one added after it keeps its own."""
+    from tvm import relax
+
+    builder = relax.BlockBuilder()
+    with tvm_adapter.suffixed_functions("_second"):
+        inside = builder.add_func(_rows().with_attr("global_symbol", "rows"), "rows")
+    after = builder.add_func(_rows(24).with_attr("global_symbol", "other"), "other")
+    mod = builder.get()
+    assert inside.name_hint == "rows_second" and str(mod[inside].attrs["global_symbol"]) == "rows_second"
+    assert after.name_hint == "other" and str(mod[after].attrs["global_symbol"]) == "other"
+
+
+def test_a_tensor_view_shares_the_first_elements_of_its_tensor():
+    base = tvm.runtime.tensor(np.zeros(64, "float32"))
+    view = tvm_adapter.tensor_view(base, (2, 3))
+    assert tuple(view.shape) == (2, 3)
+    view.copyfrom(np.arange(6, dtype="float32").reshape(2, 3))
+    np.testing.assert_array_equal(base.numpy()[:7], [0, 1, 2, 3, 4, 5, 0])
+
+
+def test_is_one_is_dlights_test_of_a_unit_extent():
+    assert tvm_adapter.is_one(tirx.IntImm("int32", 1)) and tvm_adapter.is_one(tirx.IntImm("int64", 1))
+    assert not tvm_adapter.is_one(tirx.IntImm("int32", 2)) and not tvm_adapter.is_one(tirx.Var("n", "int32"))
+
+
+def test_torch_has_the_gpu_sleep_the_kernel_timer_uses():
+    import torch
+
+    assert callable(torch.cuda._sleep)
+
+
+@pytest.mark.gpu
+def test_gpu_sleep_keeps_the_stream_busy():
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    tvm_adapter.gpu_sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) > 0
+
+
+def test_a_cuda_device_offers_what_device_facts_reads():
+    """``autosched.target`` reads a GPU's SMs and L2 off TVM's device (``parse_target``, ``device_facts``)."""
+    for name in ("exist", "device_name", "compute_version", "multi_processor_count", "l2_cache_size_bytes"):
+        assert isinstance(getattr(type(tvm.cuda(0)), name), property), name

@@ -34,16 +34,23 @@ template module of ours; :func:`dispatch_attention` runs the same path for every
 
 from __future__ import annotations
 
+import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autosched.tvm_adapter import MERGE_ARG, SPLIT_ROTARY_ARG
+from autosched.target import device_facts
+from autosched.tvm_adapter import FACTS_ATTR, MERGE_ARG, SPLIT_ROTARY_ARG, kv_cache_kernels, kv_cache_rope_modes
+
+from .cpu_paged_prefill import KERNEL_ATTR
 
 if TYPE_CHECKING:
     from tvm import IRModule
 
     from autosched.target import TargetSpec
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 DECODE_ROLE = "decode over cached pages"
 RAGGED_PREFILL_ROLE = "prefill over new tokens (ragged)"
@@ -62,7 +69,7 @@ TVM_ROPE = "fused_rope"
 TVM_TREE_KERNELS = ("batch_tree_attn", "tree_attn_paged_kv")
 TREE_ROLE = "attention over token trees (not called)"
 NO_CSE = {"tirx.disable_cse_tir": True}
-WINDOW_SUFFIX = "_window"  # a windowed second cache's kernels (decoder._window_symbols)
+WINDOW_SUFFIX = "_window"  # a windowed second cache's kernels (the decoder adds them so: suffixed_functions)
 ARCHS = ("sm_90", "sm_90a")
 CODEGEN = {"tir_pipeline": "tirx", "arch": "sm_90a"}
 
@@ -83,14 +90,13 @@ class Role:
     facts: Callable[[Any], dict[str, Any] | None]
     kernel: str | None = None
     cache_arg: int | None = None  # in_module: where the cache's creation call passes TVM's kernel
+    sms: bool = False  # ours is made for the GPU's multiprocessors (``sms=``, autosched.target.device_facts)
 
     @property
     def in_module(self) -> bool:
         return self.cache_arg is not None
 
     def module(self):
-        import importlib
-
         return importlib.import_module(f"autosched.search_spaces.templates.{self.ours}")
 
 
@@ -192,10 +198,6 @@ def _paged_prefill_facts(func) -> dict[str, Any] | None:
 def _attached_facts(func, params: int) -> dict[str, Any] | None:
     """What ``tir_paged_kv_cache`` attached to one of the cache's elementwise kernels (None: not there, or a
     kernel of another signature than ``params`` parameters)."""
-    import json
-
-    from autosched.tvm_adapter import FACTS_ATTR
-
     if func.attrs is None or FACTS_ATTR not in func.attrs or len(func.params) != params:
         return None
     return json.loads(str(func.attrs[FACTS_ATTR]))
@@ -228,15 +230,13 @@ def _rope_facts(func) -> dict[str, Any] | None:
 ROLES = (Role(RAGGED_PREFILL_ROLE, TVM_RAGGED_PREFILL, "kv_cache_prefill", _ragged_prefill_facts),
          Role(PAGED_PREFILL_ROLE, TVM_PAGED_PREFILL, "kv_cache_prefill", _paged_prefill_facts,
               "kv_cache_prefill_paged_kernel"),
-         Role(DECODE_ROLE, TVM_DECODE, "kv_cache_decode", _decode_facts),
+         Role(DECODE_ROLE, TVM_DECODE, "kv_cache_decode", _decode_facts, sms=True),
          Role(MERGE_ROLE, TVM_MERGE, "kv_cache_merge", _merge_facts, cache_arg=MERGE_ARG),
          Role(ROPE_ROLE, TVM_ROPE, "kv_cache_rope", _rope_facts, cache_arg=SPLIT_ROTARY_ARG))
 
 
 def _ours(mod: IRModule, role: Role, theirs, target: TargetSpec):
     """(why ours does not serve, None) or (None, our kernel) for ``role``, whose TVM kernel is ``theirs``."""
-    from autosched.tvm_adapter import kv_cache_rope_modes
-
     if target.arch not in ARCHS and not role.in_module:
         return f"target {target.kind}:{target.arch} (sm_90 only)", None
     facts = role.facts(theirs)
@@ -251,7 +251,9 @@ def _ours(mod: IRModule, role: Role, theirs, target: TargetSpec):
     if reason:
         return reason, None
     make = getattr(ours, role.kernel or f"{role.ours}_kernel")
-    return None, make(**facts, gpu=target.is_gpu) if role.in_module else make(**facts)
+    if role.in_module:
+        return None, make(**facts, gpu=target.is_gpu)
+    return None, make(**facts, **({"sms": device_facts(target).sms} if role.sms else {}))
 
 
 def _replace_in_cache(mod: IRModule, old: str, new: str) -> IRModule:
@@ -279,10 +281,6 @@ def _replace_in_cache(mod: IRModule, old: str, new: str) -> IRModule:
 
 def _swap_in_module(mod: IRModule, role: Role, target: TargetSpec) -> tuple[IRModule, str]:
     """(``mod`` with our kernel in place of each cache's PrimFunc of ``role`` (on any target), what runs it)."""
-    from autosched.tvm_adapter import kv_cache_kernels
-
-    from .cpu_paged_prefill import KERNEL_ATTR
-
     served = []
     for name in kv_cache_kernels(mod, role.cache_arg):
         reason, kernel = _ours(mod, role, _function(mod, name), target)

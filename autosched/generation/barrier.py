@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from autosched.tvm_adapter import nn_tensor, relax_expr
+
+# Deferred imports: tvm, tvm_ffi (imported where used: `autosched --help` stays fast).
+
 STEP_BARRIER = "autosched.generation.step_barrier"
 
 
@@ -49,8 +53,6 @@ def step_barrier(x, input_ids):
     also takes the function's ``input_ids``: an input of the call, whose address changes from call to call,
     keeps TVM's CUDA-graph rewrite from capturing the barrier into a graph (where a replay would skip it)."""
     from tvm import relax
-
-    from autosched.tvm_adapter import nn_tensor, relax_expr
 
     expr = relax_expr(x)
     call = relax.call_dps_packed(relax.ExternFunc(STEP_BARRIER), relax.Tuple([expr, relax_expr(input_ids)]), expr.ty)

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tvm import IRModule
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 TVM_SYMBOL = "batch_prefill_paged_kv_cpu"  # "..._sliding_window" windowed; "<symbol>_window" in a second cache
 WINDOWED_SUFFIX = "_sliding_window"
 EMPTY_LSE = -5e4

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 
+# Deferred imports: numpy (imported where used: `autosched --help` stays fast).
+
 CU_STREAM_NON_BLOCKING = 1
 CU_EVENT_DISABLE_TIMING = 2
 LEGACY_STREAM = None  # the driver's handle 0: the legacy default stream, where TVM launches and copies

@@ -20,11 +20,34 @@ attention kernels the cache was created with.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autosched.errors import UsageError
+from autosched.tvm_adapter import nn_tensor, relax_expr, suffixed_functions, tir_paged_kv_cache
+
+from .attention import WINDOW_SUFFIX
+from .barrier import step_barrier
+from .linear import (
+    add_rms_norm,
+    grouped_moe,
+    grouped_moe_serves,
+    linear,
+    moe_linear,
+    quant_linear,
+    rms_norm,
+    swiglu,
+    w8a8_prefill,
+)
+from .quantize import group_size
+from .quantize import scheme as quant_scheme
+from .sampler import greedy_kernel, sample_kernel
+from .speculative import static_verify_name
+
+# Deferred imports: tvm, torch, transformers, numpy (imported where used: `autosched --help` stays fast).
 
 # What a family (transformers' model_type) decides beyond what its config's fields say: a new family like
 # these is a row here, and its weight names in weights_from_hf where they are not Llama's.
@@ -362,13 +385,6 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     from tvm.relax.frontend.nn import Tensor, op
     from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
-    from autosched.tvm_adapter import nn_tensor, relax_expr, tir_paged_kv_cache
-
-    from .barrier import step_barrier
-    from .linear import add_rms_norm, grouped_moe, grouped_moe_serves, linear, moe_linear, quant_linear, rms_norm, swiglu
-    from .quantize import group_size
-    from .quantize import scheme as quant_scheme
-
     dtype = cfg.dtype
     heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
     rope_type = cfg.rope_scaling.get("rope_type", "default") if cfg.rotary_dim else None
@@ -694,8 +710,6 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             """Each row's greedy choice (the first index of its largest logit, as numpy's argmax): what the
             runtime reads back of a greedy step, a token per sequence rather than the whole logits. ``logits``
             as a step returns them: [1, sequences, vocab] from a prefill, [sequences, 1, vocab] from a decode."""
-            from .sampler import greedy_kernel
-
             rows, columns, vocab = logits.shape
             flat = op.reshape(logits, (rows * columns, vocab))
             kernel = greedy_kernel(vocab, gpu=_current_target().kind.name == "cuda")
@@ -708,8 +722,6 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
             """Each row's token chosen on the device as its (temperature, top_k, top_p, uniform) row of
             ``params`` asks (see :func:`.sampler.sample_kernel`): what the runtime reads back of a sampled step,
             a token per sequence rather than the whole logits. ``logits`` as :meth:`greedy_tokens` takes them."""
-            from .sampler import sample_kernel
-
             rows, columns, vocab = logits.shape
             flat = op.reshape(logits, (rows * columns, vocab))
             kernel = sample_kernel(vocab, gpu=_current_target().kind.name == "cuda")
@@ -738,11 +750,10 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         are the default ones within max_position_embeddings), linear scaling as scaled positions; none where
         the model rotates from a table. A windowed cache rotates q and k as it appends them, at the windowed
         layers' theta with the default frequencies (the build refuses others)."""
-        import contextlib
-
 
         max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window = sizes
-        with _window_symbols() if window and two_caches else contextlib.nullcontext():
+        # the second cache's kernels under symbols of their own: TVM adds them under the first cache's
+        with suffixed_functions(WINDOW_SUFFIX) if window and two_caches else contextlib.nullcontext():
             return _cache(layers, window, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
                           support_sliding_window)
 
@@ -787,8 +798,8 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
     for k in speculate:
         for n in decode_batches:
             tokens = n * (k + 1)
-            setattr(module, verify_function(n, k), module.batch_prefill)
-            spec[verify_function(n, k)] = {"input_ids": nn.spec.Tensor([tokens], "int32"),
+            setattr(module, static_verify_name(n, k), module.batch_prefill)
+            spec[static_verify_name(n, k)] = {"input_ids": nn.spec.Tensor([tokens], "int32"),
                                            "logit_positions": nn.spec.Tensor([tokens], "int32"), **caches, "$": packed}
     chunk = module.batch_prefill
     if hopper and cfg.quantize and quant_scheme(cfg.quantize).fmt == "e4m3":
@@ -803,44 +814,12 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
 def _w8a8(method):
     """``method`` traced with its fp8 projections as W8A8 (:func:`.linear.w8a8_prefill`); its signature kept
     (the exporter reads the parameter names)."""
-    import functools
-
-    from .linear import w8a8_prefill
-
     @functools.wraps(method)
     def traced(*args, **kwargs):
         with w8a8_prefill():
             return method(*args, **kwargs)
 
     return traced
-
-
-def verify_function(rows: int, proposals: int) -> str:
-    """The name of the static function that verifies ``proposals`` tokens for each of ``rows`` sequences."""
-    return f"verify_b{rows}_k{proposals}"
-
-
-class _window_symbols:
-    """While the second (windowed) cache of a model is made: its kernels, which TVM adds under the same global
-    symbols as the first cache's, get symbols of their own (``<symbol>_window``)."""
-
-    def __enter__(self):
-        from tvm import relax as rx
-
-        self.add_func = add_func = rx.BlockBuilder.add_func
-
-        def renamed(builder, func, name):
-            symbol = func.attrs.get("global_symbol") if getattr(func, "attrs", None) else None
-            if symbol is not None:
-                func = func.with_attr("global_symbol", f"{symbol}_window")
-            return add_func(builder, func, f"{name}_window")
-
-        rx.BlockBuilder.add_func = renamed
-
-    def __exit__(self, *exc):
-        from tvm import relax as rx
-
-        rx.BlockBuilder.add_func = self.add_func
 
 
 def window_rope_theta(cfg: DecoderConfig) -> float:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from autosched.errors import UsageError
 
+# Deferred imports: numpy (imported where used: `autosched --help` stays fast).
+
 # A sequence id away from a Generator's (0, 1, ...) and from the padding rows'.
 EVAL_SEQUENCE_ID = 1 << 41
 

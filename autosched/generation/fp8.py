@@ -22,6 +22,8 @@ from autosched.errors import UsageError
 
 from .prequantized import load_prequantized, quant_config
 
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
+
 COMPRESSED_TENSORS = "compressed-tensors"
 STRATEGIES = ("channel", "tensor")  # one scale per output channel, or one for the whole tensor
 

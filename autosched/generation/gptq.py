@@ -21,6 +21,8 @@ from autosched.errors import UsageError
 
 from .prequantized import check_bits_and_group, load_prequantized, quant_config, to_q4f16, unpack_int4
 
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
+
 
 def gptq_config(folder: str | Path) -> dict | None:
     """The ``quantization_config`` of a GPTQ folder, or None for a folder that is not one."""

@@ -28,8 +28,17 @@ import contextvars
 import math
 from typing import TYPE_CHECKING
 
+from autosched.pipeline.substitute import workload_func
+from autosched.tvm_adapter import nn_tensor, relax_expr
+from autosched.workloads import get_operator, make_workload, supported_workload
+from autosched.workloads.dequant import dequant_matmul
+from autosched.workloads.gemm import epilogue
+from autosched.workloads.moe import moe_compute
+
 if TYPE_CHECKING:
     from tvm.relax.frontend.nn import Tensor
+
+# Deferred imports: tvm, numpy (imported where used: `autosched --help` stays fast).
 
 
 def static_rows(x: Tensor) -> int | None:
@@ -58,16 +67,12 @@ def w8a8_prefill():
 def _call(wl, name: str, args: list, rows: int, cols: int):
     from tvm.relax.frontend.nn import Tensor, op
 
-    from autosched.pipeline.substitute import workload_func
-
     return op.tensor_ir_op(workload_func(wl), name, args, Tensor.placeholder((rows, cols), wl.dtype))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x·Wᵀ (+ bias)`` with W [n, k] as ``nn.Linear`` stores it: our ``gemm`` at static shapes."""
     from tvm.relax.frontend.nn import op
-
-    from autosched.workloads import make_workload
 
     n, k = weight.shape
     rows = static_rows(x)
@@ -85,10 +90,6 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None
     (:mod:`.quantize`), with int4's per-group zero points where ``zeros`` is given (else 8): our ``dequant_gemm``
     at static shapes; at symbolic ones the same TE, which TVM's default schedules serve."""
     from tvm.relax.frontend.nn import op
-
-    from autosched.workloads import make_workload
-    from autosched.workloads.dequant import dequant_matmul
-    from autosched.workloads.gemm import epilogue
 
     n = qweight.shape[0]
     rows = static_rows(x)
@@ -116,7 +117,6 @@ def w8a8_serves(rows: int, k: int, dtype: str) -> bool:
     """Whether a W8A8 projection of ``rows`` tokens over ``k`` features with a ``dtype`` output has Hopper's FP8
     GEMM space (``hopper_fp8_gemm``) to run on: elsewhere it stays weight-only."""
     from autosched.search_spaces.templates.hopper_gemm import HopperFp8GemmSpace
-    from autosched.workloads import get_operator
 
     return dtype in get_operator("fp8_gemm").dtypes and HopperFp8GemmSpace.serves(rows, k, dtype)
 
@@ -128,9 +128,6 @@ def fp8_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, 
     token's and the channel's scale (the weight scales cast to float32, exactly). Static shapes only."""
     from tvm.relax.frontend.nn import Tensor as NNTensor
     from tvm.relax.frontend.nn import op
-
-    from autosched.pipeline.substitute import workload_func
-    from autosched.workloads import make_workload
 
     n, rows, dtype = qweight.shape[0], static_rows(x), scales.dtype
     quant = make_workload("fp8_quant_rows", {"m": rows, "k": k}, x.dtype)
@@ -146,8 +143,6 @@ def swiglu(x: Tensor, weight: Tensor, hopper: bool) -> Tensor | None:
     """``SiLU(x·W[:n]ᵀ) ⊙ (x·W[n:]ᵀ)`` as one ``swiglu_gemm`` (W: the gate's rows over the up projection's),
     where an sm_90 space serves the shape (:func:`swiglu_serves`); None elsewhere (the caller computes it unfused)."""
     from tvm.relax.frontend.nn import op
-
-    from autosched.workloads import get_operator, make_workload
 
     rows = static_rows(x)
     two_n, k = weight.shape
@@ -178,8 +173,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     the shape is symbolic or the workload does not take the dtype or eps (the caller uses TVM's)."""
     from tvm.relax.frontend.nn import op
 
-    from autosched.workloads import supported_workload
-
     rows, n = static_rows(x), x.shape[-1]
     wl = (supported_workload("rmsnorm", {"m": rows, "n": n}, x.dtype, {"eps": eps})
           if rows is not None and isinstance(n, int) and x.dtype == weight.dtype else None)
@@ -195,9 +188,6 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     would give None (the caller adds, then normalises)."""
     from tvm.relax.frontend.nn import Tensor as NNTensor
     from tvm.relax.frontend.nn import op
-
-    from autosched.pipeline.substitute import workload_func
-    from autosched.workloads import supported_workload
 
     rows, n = static_rows(x), x.shape[-1]
     wl = (supported_workload("add_rmsnorm", {"m": rows, "n": n}, x.dtype, {"eps": eps})
@@ -215,9 +205,6 @@ def moe_linear(x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
     ``nn.Linear`` weight): our ``moe_gemm`` at a static m, the same TE at a symbolic one (TVM's default
     schedules serve it there)."""
     from tvm.relax.frontend.nn import op
-
-    from autosched.workloads import make_workload
-    from autosched.workloads.moe import moe_compute
 
     m, k = x.shape
     e, n, _ = weight.shape
@@ -254,8 +241,6 @@ def grouped_moe_serves(rows, seq, up: Tensor, down: Tensor, hopper: bool) -> boo
 def grouped_linear(x: Tensor, indptr: Tensor, weight: Tensor) -> Tensor:
     """``Y[i] = x[i]·W[e(i)]ᵀ`` for x [m, k] sorted by expert, the experts' row offsets indptr [e + 1] and
     W [e, n, k]: our ``moe_grouped_gemm``."""
-    from autosched.workloads import make_workload
-
     m, k = x.shape
     e, n, _ = weight.shape
     wl = make_workload("moe_grouped_gemm", {"m": m, "e": e, "n": n, "k": k}, weight.dtype)
@@ -271,8 +256,6 @@ def grouped_moe(x: Tensor, expert: Tensor, top_k: int, up: Tensor, down: Tensor,
     routed order. Returns [tokens x top_k, hidden]."""
     from tvm import relax as rx
     from tvm.relax.frontend.nn import op
-
-    from autosched.tvm_adapter import nn_tensor, relax_expr
 
     def take(t: Tensor, ids: Tensor, name: str) -> Tensor:  # rows of t (ids are in range by construction)
         return nn_tensor(rx.op.take(relax_expr(t), relax_expr(ids), axis=0, mode="clip"), name)

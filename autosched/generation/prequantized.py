@@ -18,6 +18,8 @@ from typing import Callable
 
 from autosched.errors import UsageError
 
+# Deferred imports: torch, transformers, safetensors (imported where used: `autosched --help` stays fast).
+
 # transformers' projection names -> the decoder's fused projection and the order of its parts
 PROJECTIONS = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

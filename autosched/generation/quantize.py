@@ -32,6 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autosched.errors import UsageError
+from autosched.workloads.fp8 import E4M3_MAX, e4m3_bits, round_to_e4m3
+
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,6 @@ SCHEMES = {
         fmt="e4m3",
     ),
 }
-E4M3_MAX = 448.0  # the largest finite float8 E4M3FN value
 # The decoder's projections that are quantised (each layer's ``<name>.weight``).
 QUANTIZED_PROJECTIONS = ("qkv", "o", "up", "down")
 
@@ -101,24 +103,6 @@ def check_quantizable(cfg, name: str) -> None:
         )
     for k in {cfg.hidden, cfg.heads * cfg.head_dim, cfg.mlp}:
         group_size(name, k)
-
-
-def round_to_e4m3(x):
-    """float64 ``x`` rounded to the nearest float8 E4M3FN value, ties to even, saturating at ±448 (as float64)."""
-    import torch
-
-    x = x.clamp(-E4M3_MAX, E4M3_MAX)
-    _, exponent = torch.frexp(x)  # |x| in [2^(exponent - 1), 2^exponent)
-    # Three mantissa bits: a step of 2^(exponent - 4); below the smallest normal (2^-6) the subnormals' 2^-9.
-    step = torch.ldexp(torch.ones_like(x), (exponent - 4).clamp(min=-9))
-    return torch.round(x / step) * step
-
-
-def e4m3_bits(values):
-    """The uint8 bits of float64 ``values`` that are float8 E4M3FN numbers already (exactly converted)."""
-    import torch
-
-    return values.float().to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def quantize_weight(weight, name: str, dtype: str) -> tuple:

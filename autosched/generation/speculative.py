@@ -20,13 +20,18 @@ vocabulary, with its own KV cache, rolled back to what the target kept).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from autosched.errors import UsageError
 
 from . import scheduler
+from .model import LoadedModel
 from .request import SequenceState
 from .sampler import distribution
+
+# Deferred imports: numpy (imported where used: `autosched --help` stays fast).
 
 
 @dataclass
@@ -233,15 +238,19 @@ class ModelDraft:
             proposals[i].q_rows.append(q)
 
 
+def static_verify_name(rows: int, proposals: int) -> str:
+    """The name of the static function that verifies ``proposals`` tokens for each of ``rows`` sequences (the
+    decoder builds it under this name)."""
+    return f"verify_b{rows}_k{proposals}"
+
+
 def verify_function(lengths: list[int], speculate, decode_batches) -> str:
     """The target's function for a speculative step feeding ``lengths`` tokens to its sequences: a static
     ``verify_b<n>_k<k>`` where every sequence gets k proposals and the artifact was built with ``--speculate k``
     and decode batch n (tuned kernels, CUDA graphs), else ``batch_prefill``."""
-    from .decoder import verify_function as static_name
-
     k = lengths[0] - 1
     if all(n == k + 1 for n in lengths) and k in speculate and len(lengths) in decode_batches:
-        return static_name(len(lengths), k)
+        return static_verify_name(len(lengths), k)
     return "batch_prefill"
 
 
@@ -249,10 +258,6 @@ def make_draft(draft, target) -> PromptLookupDraft | ModelDraft:
     """A draft from what ``Generator(draft=...)`` was given: ``"prompt-lookup"``, the folder of another
     generation artifact, a loaded model (``LoadedModel``) or a draft object. One-line errors for a draft
     that cannot serve ``target`` (another vocabulary, fewer sequences at once)."""
-    from pathlib import Path
-
-    from .model import LoadedModel
-
     if isinstance(draft, (PromptLookupDraft, ModelDraft)):
         return draft
     if draft == "prompt-lookup":
@@ -357,8 +362,6 @@ def speculation_cost(target, draft, k: int) -> float:
 
 
 def _weight_bytes(model) -> int:
-    import math
-
     return sum(math.prod(int(d) for d in p.shape) * p.dtype.itemsize for p in model.params)
 
 

@@ -8,6 +8,7 @@ crashes its process is killed, recorded as failed, and the process restarted.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import math
@@ -15,13 +16,16 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from autosched.errors import TemplateBugError
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
+from autosched.target import device_facts
+from autosched.tvm_adapter import popen_pool, popen_worker
+
+from ._worker import build_candidate, build_reference, init_worker, prepare_task, run_candidate
 
 if TYPE_CHECKING:
     from tvm import IRModule
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
     from autosched.search_spaces import Point
     from autosched.target import TargetSpec
     from autosched.task import TaskSpec
+
+# Deferred imports: tvm, psutil (imported where used: `autosched --help` stays fast).
 
 __all__ = ["Builder", "LOAD_WARNING", "LoadMeter", "MeasureConfig", "MeasureRequest", "Measurer", "Runner",
            "SLOW_CUTOFF"]
@@ -67,9 +73,11 @@ class MeasureConfig:
     @classmethod
     def for_target(cls, target: TargetSpec, **overrides) -> MeasureConfig:
         if target.is_gpu:
-            # One run per repeat with the L2 (50-60 MB on Hopper) flushed before each, so that
-            # memory-bound kernels are not timed out of the cache; many repeats for a stable median.
-            base = cls(repeat=20, number=1, min_repeat_ms=0, flush_bytes=256 << 20, build_timeout=60, run_timeout=30)
+            # One run per repeat with the L2 flushed before each (a read of four times its size, of 256 MB at
+            # least), so that memory-bound kernels are not timed out of the cache; many repeats for a stable
+            # median.
+            flush = max(256 << 20, 4 * device_facts(target).l2_bytes)
+            base = cls(repeat=20, number=1, min_repeat_ms=0, flush_bytes=flush, build_timeout=60, run_timeout=30)
         else:
             base = cls()
         return cls(**{**asdict(base), **overrides})
@@ -122,43 +130,11 @@ def _worker_log(directory: str, name: str):
     return open(os.path.join(directory, name), "ab")
 
 
-_ENVIRON_LOCK = threading.Lock()
-
-
-def _popen_worker(initializer, initargs: tuple, env: dict[str, str], **kwargs):
-    """TVM's ``PopenWorker``, whose process starts (and restarts) with ``env`` added to its environment.
-
-    Variables the CUDA driver reads must be there from the start: it initialises while TVM imports, before
-    any initializer runs (seen on a two-H200 host: a runner that set ``CUDA_VISIBLE_DEVICES=1`` in its
-    initializer still measured on GPU 0).
-    """
-    from tvm.support.popen_pool import PopenWorker
-
-    class _Worker(PopenWorker):
-        def _start(self):
-            # PopenWorker passes no env of its own: the child inherits ours, set around the fork only.
-            with _ENVIRON_LOCK:
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
-                try:
-                    super()._start()
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
-
-    return _Worker(initializer, initargs, **kwargs) if env else PopenWorker(initializer, initargs, **kwargs)
-
-
 @functools.cache
 def _torchless_path() -> str:
     """A folder holding a ``torch`` package that refuses to import, made once a process. First on a builder's
     ``PYTHONPATH``, it keeps tvm_ffi from importing torch, which it does whenever it can (seconds and some
     hundred MB a process): builders only compile; the runner, whose references are torch's, imports it."""
-    import atexit
-
     folder = tempfile.mkdtemp(prefix="autosched-torchless-")
     os.makedirs(os.path.join(folder, "torch"))
     with open(os.path.join(folder, "torch", "__init__.py"), "w") as f:
@@ -169,24 +145,9 @@ def _torchless_path() -> str:
 
 def _builder_pool(workers: int, timeout: float, initializer, stdout, stderr):
     """TVM's ``PopenPoolExecutor`` whose workers start without torch (:func:`_torchless_path`)."""
-    from tvm.support.popen_pool import PopenPoolExecutor
-
     path = os.environ.get("PYTHONPATH")
     env = {"PYTHONPATH": _torchless_path() + (os.pathsep + path if path else "")}
-
-    class _Pool(PopenPoolExecutor):
-        def _worker_run(self, fn, args, kwargs):  # TVM's, with the worker made by _popen_worker
-            with self._lock:
-                tid = threading.get_ident()
-                if tid not in self._worker_map:
-                    self._worker_map[tid] = _popen_worker(self._initializer, self._initargs, env,
-                                                          maximum_uses=self._maximum_process_uses,
-                                                          stdout=self._stdout, stderr=self._stderr)
-                proc = self._worker_map[tid]
-            proc.send(fn, args, kwargs, self._timeout)
-            return proc.recv()
-
-    return _Pool(workers, timeout=timeout, initializer=initializer, stdout=stdout, stderr=stderr)
+    return popen_pool(workers, timeout, initializer, env, stdout=stdout, stderr=stderr)
 
 
 class _Reference:
@@ -207,8 +168,6 @@ class Builder:
 
     def __init__(self, target: TargetSpec, workers: int | None = None, timeout: float = 120.0,
                  workdir: str | None = None):
-        from ._worker import init_worker
-
         self.target = target
         self.workers = workers or max(1, min(os.cpu_count() or 1, 16))
         self.timeout = timeout
@@ -229,8 +188,6 @@ class Builder:
         tasks' builds submitted before the first is collected are compiled side by side, and so is the
         reference of a raw function (a fused kernel of a model), the first time its task comes."""
         import tvm
-
-        from ._worker import build_candidate, build_reference
 
         futures = []
         if spec.workload is None and spec.key not in self._references:
@@ -279,21 +236,17 @@ class Runner:
     def __init__(self, target: TargetSpec, config: MeasureConfig, workdir: str | None = None,
                  initializer=None, initargs: tuple = (), log_name: str = "runner.log",
                  env: dict[str, str] | None = None):
-        from ._worker import init_worker
-
         self.target = target
         self.config = config
         self.dir = workdir or tempfile.mkdtemp(prefix="autosched-run-")
         self._log = _worker_log(self.dir, log_name)
-        self._worker = _popen_worker(initializer or init_worker, initargs, env or {},
-                                     stdout=subprocess.DEVNULL, stderr=self._log)
+        self._worker = popen_worker(initializer or init_worker, initargs, env or {},
+                                    stdout=subprocess.DEVNULL, stderr=self._log)
         self._prepared: str | None = None  # key of the task whose reference the worker holds
 
     def run(self, spec: TaskSpec, builds: list[BuildResult], cutoff: float | None = None) -> list[MeasureResult]:
         """Check and time each successful build; ``cutoff`` (seconds): a candidate whose first timed run
         is slower is timed only once."""
-        from ._worker import run_candidate
-
         cfg = {k: getattr(self.config, k) for k in ("repeat", "number", "min_repeat_ms", "flush_bytes")}
         results = []
         best = math.inf
@@ -331,8 +284,6 @@ class Runner:
 
     def _prepare(self, spec: TaskSpec) -> str | None:
         """Inputs and reference of a new task, computed once, outside the candidates' run timeout."""
-        from ._worker import prepare_task
-
         if spec.key == self._prepared:
             return None
         try:

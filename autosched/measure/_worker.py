@@ -11,10 +11,16 @@ from __future__ import annotations
 import math
 import os
 import time
+import traceback
 from typing import Any
 
+from autosched.errors import TemplateBugError
 from autosched.measure.timing import time_cuda
 from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
+from autosched.target import compile_module
+from autosched.workloads import torch_dtype
+
+# Deferred imports: tvm, torch, numpy (imported where used: `autosched --help` stays fast).
 
 _CACHE: dict[str, Any] = {}
 
@@ -63,16 +69,10 @@ def build_candidate(spec, target, point: dict, path: str, scheduled: str | None 
             # A template writes its kernel in Python: past its own check, an exception is a bug in the
             # generator, the same for every point that reaches it. The traceback crosses the process boundary
             # as text.
-            import traceback
-
-            from autosched.errors import TemplateBugError
-
             raise TemplateBugError(f"template space '{space.name}' raised generating point {point}: "
                                    f"{_short(exc)}\n{traceback.format_exc()}") from None
         return BuildResult(None, time.perf_counter() - start, "space", _short(exc))
     try:
-        from autosched.target import compile_module
-
         compile_module(mod, target, space.build_config(point), space.codegen).export_library(path)
     except Exception as exc:  # noqa: BLE001
         return BuildResult(None, time.perf_counter() - start, "build", _short(exc))
@@ -91,8 +91,6 @@ def _task_state(spec, target) -> dict[str, Any]:
     key = ("run", spec.key, target.match_key)
     if key not in _CACHE:
         import torch
-
-        from autosched.workloads import torch_dtype
 
         func = spec.func()
         checker = spec.checker(func, target)

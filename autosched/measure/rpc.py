@@ -23,22 +23,32 @@ queue for another server (:class:`~autosched.measure.parallel.ParallelRunner`).
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
+import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from autosched.errors import DeviceError, UsageError
-from autosched.records import REFERENCE_FAILED, MeasureResult
+from autosched.records import REFERENCE_FAILED, BuildResult, MeasureResult
+from autosched.tvm_adapter import popen_worker, rpc_server_process, worker_process
 
+from . import _worker_log
+from ._worker import build_candidate, init_worker, prepare_task, run_candidate
 from .parallel import ParallelRunner, _Lost
 
 if TYPE_CHECKING:
     from autosched.target import TargetSpec
 
     from . import MeasureConfig
+
+# Deferred imports: tvm, tvm_ffi, torch, psutil, cloudpickle (imported where used: `autosched --help` stays fast).
 
 __all__ = ["LocalCluster", "RPCRunner", "RemoteBuilder", "parse_tracker", "register_functions", "rpc_runner", "serve"]
 
@@ -60,8 +70,6 @@ def parse_tracker(text: str) -> tuple[str, int]:
 def _remote_prepare(payload: bytes) -> bytes:
     import cloudpickle
 
-    from ._worker import prepare_task
-
     spec, target = cloudpickle.loads(bytes(payload))
     return cloudpickle.dumps(prepare_task(spec, target))
 
@@ -69,11 +77,7 @@ def _remote_prepare(payload: bytes) -> bytes:
 def _run_in_workpath(spec, target, name: str, config: dict, build_point: dict | None = None) -> MeasureResult:
     """Check and time the library ``name`` in this session's work folder, building it there first from
     ``build_point`` if given (``--builder rpc``); the library is removed afterwards."""
-    import dataclasses
-
     import tvm
-
-    from ._worker import build_candidate, run_candidate
 
     path = tvm.get_global_func("tvm.rpc.server.workpath")(name)
     try:
@@ -97,8 +101,6 @@ def _remote_run(payload: bytes) -> bytes:
 
 def _remote_build_and_run(payload: bytes) -> bytes:
     """``--builder rpc``: build a point here, then check and time it as :func:`_remote_run` does."""
-    import uuid
-
     import cloudpickle
 
     spec, target, point, config = cloudpickle.loads(bytes(payload))
@@ -109,8 +111,6 @@ def register_functions() -> None:
     """The server's initialization callback: import TVM, torch and autosched once (session processes
     are forked from the server and inherit them) and register the two functions."""
     import tvm_ffi
-
-    from ._worker import init_worker
 
     init_worker()
     import torch  # noqa: F401 - the reference; imported before the fork, not in every session
@@ -202,8 +202,6 @@ class RemoteBuilder:
         self.target = target
 
     def build(self, spec, points: list, modules=None) -> list:
-        from autosched.records import BuildResult
-
         return [BuildResult(None, remote_point=dict(point)) for point in points]
 
     def close(self) -> None:
@@ -212,15 +210,11 @@ class RemoteBuilder:
 
 class _RPCSlot:
     def __init__(self, number: int, runner: RPCRunner):
-        from tvm.support.popen_pool import PopenWorker
-
-        from ._worker import init_worker
-
         self.name = f"rpc slot {number}"
         self.runner = runner
         self.prepared: str | None = None
         self.connected = False
-        self.worker = PopenWorker(init_worker, stdout=subprocess.DEVNULL, stderr=runner._log)
+        self.worker = popen_worker(init_worker, stdout=subprocess.DEVNULL, stderr=runner._log)
 
     def _call(self, fn, args: tuple, timeout: float):
         """``fn(*args)`` in the slot process, which is killed if it has not answered after ``timeout`` s.
@@ -234,7 +228,7 @@ class _RPCSlot:
 
         def hard_kill():
             fired.set()
-            proc = self.worker._proc  # kill by pid: closing the pipes would block on the reader's lock
+            proc = worker_process(self.worker)  # kill by pid: closing the pipes would block on the reader's lock
             if proc is not None:
                 proc.kill()
 
@@ -328,10 +322,6 @@ class RPCRunner(ParallelRunner):
     def __init__(self, target: TargetSpec, config: MeasureConfig, tracker: str, key: str,
                  workdir: str | None = None, wait_for_servers: float = 60.0,
                  connect_timeout: float = CONNECT_TIMEOUT, transfer_allowance: float = TRANSFER_ALLOWANCE):
-        import tempfile
-
-        from . import _worker_log
-
         if not key:
             raise UsageError("--runner rpc needs --key: the key its servers registered under")
         self.target, self.config, self.key = target, config, key
@@ -360,8 +350,6 @@ class RPCRunner(ParallelRunner):
         """Open one session in this process and give it back: the functions of ours that a server under the key
         lacks (a stock ``python -m tvm.exec.rpc_server``), or None. Then wait until the server is back in the
         tracker's pool (a moment after the session ends), so that the first batch finds every server free."""
-        import gc
-
         from tvm import rpc
 
         free = self._free_servers()
@@ -506,11 +494,9 @@ class LocalCluster:
 
     def pause(self, index: int) -> None:
         """Stop server ``index`` and its sessions (SIGSTOP), as a hung machine: registered, never answering."""
-        import signal
-
         import psutil
 
-        root = psutil.Process(self.servers[index].proc._proc.pid)
+        root = psutil.Process(rpc_server_process(self.servers[index]).pid)
         for proc in [root, *root.children(recursive=True)]:
             proc.send_signal(signal.SIGSTOP)
 

@@ -1,22 +1,12 @@
-"""What a measurement is, shared by the runner and the benchmarks: a result's relative error against its float64
-reference, and single GPU runs timed with CUDA events after the L2 is flushed."""
+"""How a GPU run is timed, shared by the runner and the benchmarks: single runs timed with CUDA events after the
+L2 is flushed. (Whether a result is right, its relative error against the float64 reference, is
+:mod:`autosched.correctness`'s.)"""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-
-def relative_error(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64; infinity if out has a NaN or infinity (e.g. unwritten)."""
-    import torch
-
-    out = out.double()
-    if not bool(torch.isfinite(out).all()):
-        return math.inf
-    denom = float(ref.norm())
-    return float((out - ref).norm()) / (denom if denom > 0 else 1.0)
-
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
 
 _FLUSH: dict[int, Any] = {}
 

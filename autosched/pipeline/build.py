@@ -3,9 +3,21 @@ is compiled."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from autosched.errors import SpaceError, UsageError
+from autosched.measure import Measurer, MeasureRequest
+from autosched.target import compile_module, default_gpu_schedule
+from autosched.validate import trusted_best
+from autosched.warm_start import transfer_points
+
+from . import launch
+from .launch import with_programmatic_launch
 from .lowering import prepare, transform_params
 from .tasks import kernel_calls, task_of
 
@@ -16,6 +28,8 @@ if TYPE_CHECKING:
     from autosched.target import TargetSpec
 
     from .load import Model
+
+# Deferred imports: tvm, numpy (imported where used: `autosched --help` stays fast).
 
 
 @dataclass
@@ -68,8 +82,6 @@ class LazyMeasurer:
 
     def __call__(self):
         if self._measurer is None:
-            from autosched.measure import Measurer
-
             self._measurer = Measurer(self.target)
         return self._measurer
 
@@ -95,10 +107,7 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec,
     import tvm
     from tvm import tirx
 
-    from autosched.errors import SpaceError
     from autosched.search_spaces import InvalidPoint
-    from autosched.validate import trusted_best
-    from autosched.warm_start import transfer_points
 
     if measurer is None:
         with LazyMeasurer(target) as own:
@@ -195,8 +204,6 @@ def apply_database(mod: IRModule, db: Database | None, target: TargetSpec,
     if report.separate:
         out = _call_separately(out, set(report.separate))
     if target.is_gpu and pending:
-        from autosched.target import default_gpu_schedule
-
         out = default_gpu_schedule(out, target)
     return out, report
 
@@ -220,9 +227,6 @@ def _against_default(task, space, points: list, target: TargetSpec):
     """A measurement of ``points`` followed by the schedule an untuned build gives the kernel (the space's
     default point; dlight's schedule for a generic space on the GPU), for :func:`_fastest`."""
     import tvm
-
-    from autosched.measure import MeasureRequest
-    from autosched.target import default_gpu_schedule
 
     dlight = None
     if target.is_gpu and not space.template:
@@ -269,14 +273,7 @@ def compile_separate(executable, report: ApplyReport, target: TargetSpec, progra
     sets apart one kernel per tuned TIRx GEMM and attention, each a second or so to compile.
     ``programmatic_launch``, ``launch_only``, ``prefetch``: as :func:`build_pipeline` gives the others
     (:mod:`.launch`)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
     import tvm
-
-    from autosched.target import compile_module
-
-    from .launch import with_programmatic_launch
 
     def compile_one(item):
         name, (kernel, config, codegen) = item
@@ -297,8 +294,9 @@ def defer_parameter_reads():
     """A Relax pass (run last, on the VM-ready functions): each read of a packed parameter (``v =
     packed_params[i]``, one VM instruction) moves to just before the first instruction that uses ``v``.
 
-    Lowered as written, a generation step's function reads all of its ~300 parameters before its first kernel
-    (the embedding lookup), so the GPU waits ~80 µs for the host each step; read where used, the reads of
+    Lowered as written, a generation step's function reads all of its parameters (a few for each layer) before
+    its first kernel (the embedding lookup), so the GPU waits for the host to read them all each step, idle; read
+    where used, the reads of
     later layers run on the host while the GPU works on earlier ones. A read the function does not use
     within its block stays where it was."""
     import tvm
@@ -351,7 +349,6 @@ def build_pipeline(target: TargetSpec, programmatic_launch: bool = False, launch
     default pipeline does not fuse."""
     import tvm
 
-    from autosched.errors import UsageError
     from autosched.search_spaces.templates._hopper import HOPPER_ARCHS
 
     if programmatic_launch and not (target.is_gpu and target.arch in HOPPER_ARCHS):
@@ -360,8 +357,6 @@ def build_pipeline(target: TargetSpec, programmatic_launch: bool = False, launch
         return tvm.transform.Sequential([tvm.relax.pipeline.get_default_pipeline(target.tvm_target()),
                                          defer_parameter_reads()])
     from tvm.relax.backend.cuda import pipeline as cuda
-
-    from . import launch
 
     tvm_target = target.tvm_target()
     refusion = {"AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR"}
@@ -383,8 +378,6 @@ def build_pipeline(target: TargetSpec, programmatic_launch: bool = False, launch
 def schedule_model(model: Model, target: TargetSpec, db: Database | None, measurer: LazyMeasurer | None = None):
     """Import, lower and apply the database: (the scheduled module, the transformed parameters ``main``
     takes, report). ``measurer``: a build's shared one (see :func:`apply_database`)."""
-    import time
-
     began = time.perf_counter()
     lowered, params = prepare(model, target)
     imported = time.perf_counter()
@@ -395,10 +388,6 @@ def schedule_model(model: Model, target: TargetSpec, db: Database | None, measur
 
 def compile_scheduled(scheduled: IRModule, report: ApplyReport, target: TargetSpec):
     """The executable of :func:`schedule_model`'s module, with the kernels it set apart linked in."""
-    import time
-
-    from autosched.target import compile_module
-
     began = time.perf_counter()
     executable = compile_module(scheduled, target, relax_pipeline=build_pipeline(target))
     executable = compile_separate(executable, report, target)
@@ -424,9 +413,6 @@ def build_buckets(models: list[Model], buckets: list, target: TargetSpec, db: Da
     The parameters are mostly the same weights in every bucket, but not all: tables computed from
     constants alone (rotary embeddings' cos/sin) are folded into them at each length. A tensor equal to
     one of an earlier bucket is that same object, so that the artifact stores it once."""
-    import hashlib
-    from concurrent.futures import ThreadPoolExecutor
-
     executables, params, reports, seen = {}, {}, {}, {}
     compiling = []  # (bucket, future of its executable), in bucket order
 

@@ -5,6 +5,8 @@ skipped where its condition does not hold."""
 
 from __future__ import annotations
 
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
+
 _SDPA = "aten.scaled_dot_product_attention.default"
 _CAT = "aten.cat.default"
 _POW = "aten.pow.Tensor_Scalar"

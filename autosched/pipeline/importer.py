@@ -4,9 +4,11 @@ RMSNorm, attention and (on the GPU) Linear."""
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from typing import TYPE_CHECKING
 
-from autosched.tvm_adapter import convert_attention_as_tvm_does
+from autosched.tvm_adapter import convert_attention_as_tvm_does, convert_layer_norm_as_tvm_does
 from autosched.workloads import supported_workload
 
 from .graph_rewrites import CONSTANT_MASK, rewrite_exported, sdpa_arguments
@@ -16,6 +18,8 @@ if TYPE_CHECKING:
     from tvm import IRModule
 
     from .load import Model
+
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
 
 
 def import_model(model: Model, *, linear_as_gemm: bool, hopper: bool = False) -> tuple[IRModule, list]:
@@ -32,8 +36,6 @@ def import_model(model: Model, *, linear_as_gemm: bool, hopper: bool = False) ->
     (sm_90), attention reads and writes the heads as the Linears lay them out, and a SwiGLU MLP's gate and
     up projections are one GEMM (:func:`substitute_workloads`).
     """
-    import warnings
-
     import torch
     from tvm.relax.frontend import detach_params
     from tvm.relax.frontend.torch import from_exported_program
@@ -153,8 +155,6 @@ def _rms_norm_as_workload(node, importer):
     between; one pass over the rows reads each element once. Other forms (no weight, several normalised
     axes, an eps the workload does not take) are decomposed here in Relax ops, computed in float32.
     """
-    import math
-
     from tvm import relax
 
     args = list(importer.retrieve_args(node)) + [None, None]
@@ -189,8 +189,6 @@ def _layer_norm_bfloat16_in_float32(node, importer):
     import torch
     from tvm import relax
 
-    from autosched.tvm_adapter import convert_layer_norm_as_tvm_does
-
     if str(importer.env[node.args[0]].ty.dtype) != "bfloat16":
         return convert_layer_norm_as_tvm_does(importer, node)
     # input, weight and bias (args 0, 2 and 3) are cast while TVM's converter reads them
@@ -213,8 +211,6 @@ def _attention(node, importer):
     (a constant one, computed at import by :mod:`.graph_rewrites`, is a constant here), a ``scale`` other
     than 1/sqrt(dim) is applied to the query, and ``enable_gqa``'s fewer key/value heads stay as they are
     for our kernel (its grouped-query form) or are repeated for a masked attention."""
-    import math
-
     import torch
     from tvm import relax
 
@@ -223,8 +219,6 @@ def _attention(node, importer):
     q, k, v = (importer.env[args[name]] for name in ("query", "key", "value"))
     mask, dropout, causal, scale = args["attn_mask"], args["dropout_p"], args["is_causal"], args.get("scale")
     if len(q.ty.shape) != 4 or dropout:
-        import warnings
-
         warnings.warn(f"attention on {len(q.ty.shape)}-D tensors or with dropout {dropout}: TVM's own converter "
                       "takes it, not our attention kernel", stacklevel=1)
         return convert_attention_as_tvm_does(importer, node)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 PDL_TAG = "tirx.use_programtic_dependent_launch"  # TVM's spelling
 LAUNCH_PARAMS_ATTR = "tirx.kernel_launch_params"
 DEVICE_ENTRY = "tirx.device_entry"  # a TIRx kernel's body (T.device_entry())

@@ -17,16 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autosched.buckets import Bucket, bucket_for, bucket_key  # noqa: F401  (bucket_for and bucket_key: also from here)
 from autosched.errors import UsageError
+
+from .load import load_model
 
 if TYPE_CHECKING:
     from .load import Model
 
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
+
 DEFAULT_MAX_TOKENS = 2048
 DEFAULT_MAX_BATCH = 16
 SMALLEST_BUCKET = 16
-
-Bucket = tuple  # (batch or None, tokens or None)
 
 
 def parse_lengths(text: str | None, max_tokens: int = DEFAULT_MAX_TOKENS, growth: float = 2.0) -> list[int] | None:
@@ -86,15 +89,6 @@ def bucket_grid(batches: list[int] | None, lengths: list[int] | None) -> list[Bu
             for b in (batches if vary_batch else [None]) for t in (lengths if vary_tokens else [None])]
 
 
-def bucket_key(bucket: Bucket) -> str:
-    """The bucket's name in a manifest: ``"128"`` for a length alone (as builds of lengths alone have
-    always named them), ``"b4"`` for a batch alone, ``"b4-t128"`` for both."""
-    batch, tokens = bucket
-    if batch is None:
-        return str(tokens)
-    return f"b{batch}" if tokens is None else f"b{batch}-t{tokens}"
-
-
 @dataclass(frozen=True)
 class PaddedAxes:
     """Which axis of each input and output grows with the batch or the length (None: it does not)."""
@@ -133,8 +127,6 @@ def check_padding_is_exact(spec: str, kwargs: dict[str, Any], axis: str = "token
     padding to a bucket would change its results."""
     import torch
 
-    from .load import load_model
-
     size, refusal = _PADDING[axis]
     half = size // 2
     base = {**kwargs, "dtype": torch.float32}
@@ -152,21 +144,9 @@ def check_padding_is_exact(spec: str, kwargs: dict[str, Any], axis: str = "token
     return PaddedAxes(axes_in, axes_out)
 
 
-def bucket_for(buckets: list[int], size: int, axis: str = "tokens") -> int:
-    """The smallest bucket of at least ``size`` along ``axis``."""
-    for bucket in sorted(buckets):
-        if bucket >= size:
-            return bucket
-    option = "--max-tokens" if axis == "tokens" else "--max-batch"
-    raise UsageError(f"{size} {'tokens' if axis == 'tokens' else 'sequences'} is more than this build's maximum "
-                     f"of {max(buckets)}: rebuild with {option} {size} or more")
-
-
 def models_at(spec: str, kwargs: dict[str, Any], buckets: list) -> list[Model]:
     """The model loaded at each bucket: a (batch, tokens) pair (None keeps ``kwargs``'s value), or a
     length alone. The factory's weights must not depend on either."""
-    from .load import load_model
-
     pairs = [b if isinstance(b, tuple) else (None, b) for b in buckets]
     models = [load_model(spec, **{**kwargs, **({"batch": b} if b is not None else {}),
                                   **({"tokens": t} if t is not None else {})}) for b, t in pairs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from autosched.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
+
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
 
 
 @dataclass
@@ -28,8 +31,6 @@ class Model:
     def weights_digest(self) -> str:
         """SHA-256 of the model's parameters and buffers (names, dtypes, shapes and bytes): whether a
         factory called again gave the weights an artifact was built from."""
-        import hashlib
-
         import torch
 
         digest = hashlib.sha256()

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
     from .load import Model
 
+# Deferred imports: tvm, numpy (imported where used: `autosched --help` stays fast).
+
 
 def prepare(model: Model, target: TargetSpec) -> tuple[IRModule, list]:
     """Import and lower ``model`` for ``target``; weight-only computations (e.g. the transposes that put
@@ -36,7 +38,7 @@ def transform_params(lowered: IRModule, params: list) -> list:
     if "main_transform_params" not in [gv.name_hint for gv in lowered.functions]:
         return params
     # Only the kernels main_transform_params calls: DeadCodeElimination keeps every TIR function, and
-    # LLVM compiling the model's GPU kernels as CPU code took minutes (a half-precision Gemma: 8.5 min).
+    # LLVM would otherwise compile each of the model's GPU kernels as CPU code too, which nothing calls.
     entry = lowered["main_transform_params"]
     called = {gv.name_hint for gv in relax.analysis.all_global_vars(entry)} | {"main_transform_params"}
     only = tvm.IRModule({gv: f for gv, f in lowered.functions.items() if gv.name_hint in called}, attrs=lowered.attrs)

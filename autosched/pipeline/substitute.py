@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from autosched.workloads import get_operator, make_workload
+from autosched.workloads import Workload, get_operator, make_workload
 
 if TYPE_CHECKING:
     from tvm import IRModule
+
+# Deferred imports: tvm, numpy (imported where used: `autosched --help` stays fast).
 
 WORKLOAD_ATTR = "autosched.workload"
 
@@ -78,7 +80,6 @@ def fuse_swiglu_gemms(mod: IRModule) -> IRModule:
     from tvm import relax
 
     from autosched.search_spaces.templates.hopper_gemm import HopperGemmSpace
-    from autosched.workloads import Workload
 
     ops = {name: tvm.ir.Op.get(f"relax.{name}") for name in ("multiply", "astype", "sigmoid", "reshape", "call_tir")}
 

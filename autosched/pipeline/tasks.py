@@ -6,21 +6,23 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING
 
+from autosched.errors import SpaceError
+from autosched.task import Task
+from autosched.workloads import Workload
+
 from .substitute import WORKLOAD_ATTR
 
 if TYPE_CHECKING:
     from tvm import IRModule
 
     from autosched.target import TargetSpec
-    from autosched.task import Task
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 
 def task_of(name: str, func, weight: float = 1.0) -> Task:
     """The task of a lowered kernel: our workload's if it carries one (a substituted attention, RMSNorm
     or GEMM), else the function itself under its structural hash."""
-    from autosched.task import Task
-    from autosched.workloads import Workload
-
     if func.attrs is not None and WORKLOAD_ATTR in func.attrs:
         task = Task.from_workload(Workload.from_json(str(func.attrs[WORKLOAD_ATTR])))
         task.name, task.weight = name, weight
@@ -136,8 +138,6 @@ def merge_bucket_tasks(per_model: list[list[Task]]) -> list[Task]:
 
 def split_tunable(tasks: list[Task], target: TargetSpec) -> tuple[list[Task], list[Task]]:
     """(tasks some space applies to, the rest): the rest keep their default schedule."""
-    from autosched.errors import SpaceError
-
     tunable, rest = [], []
     for task in tasks:
         try:

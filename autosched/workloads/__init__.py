@@ -1,5 +1,10 @@
 """The LLM operators autosched tunes: TensorIR definitions, references, FLOP and byte counts."""
 
+from ..errors import UsageError
+
+# Every operator module, for its registrations: this package runs before any of its modules, so the registry is
+# whole before anything asks it (``get_operator``), whichever module was imported.
+from . import attention, dequant, fp8, gemm, moe, norm, rope  # noqa: F401  (registration side effects)
 from ._base import (
     DTYPES,
     Attr,
@@ -57,8 +62,6 @@ def make_workload(op: str, shape: str | dict[str, int] | None = None, dtype: str
 def supported_workload(op: str, shape: dict[str, int], dtype: str, attrs: dict | None = None) -> Workload | None:
     """The workload, or None where the operator does not take this shape, dtype or attribute value (the
     caller keeps TVM's own operator there)."""
-    from autosched.errors import UsageError
-
     try:
         return make_workload(op, shape, dtype, attrs)
     except UsageError:

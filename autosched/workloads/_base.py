@@ -12,11 +12,14 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..correctness import relative_error
 from ..errors import UsageError
 
 if TYPE_CHECKING:
     import torch
     from tvm.tirx import PrimFunc
+
+# Deferred imports: torch (imported where used: `autosched --help` stays fast).
 
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "fp16": "float16", "f16": "float16", "half": "float16",
@@ -182,8 +185,6 @@ class Operator:
         """Each output's error against its reference, which a correct kernel keeps within :meth:`tolerance`: the
         relative L2 error (infinite where an output has NaN/inf). An operator whose outputs are not numbers to
         compare so (``fp8_quant_rows``' float8 codes) says what its errors are."""
-        from autosched.measure.timing import relative_error
-
         return [relative_error(o, r) for o, r in zip(outs, refs)]
 
 
@@ -196,7 +197,6 @@ def register(cls: type[Operator]) -> type[Operator]:
 
 
 def get_operator(name: str) -> Operator:
-    _load_all()
     op = _REGISTRY.get(name)
     if op is None:
         close = [n for n in _REGISTRY if n.startswith(name[:3])]
@@ -207,13 +207,7 @@ def get_operator(name: str) -> Operator:
 
 
 def list_operators() -> list[Operator]:
-    _load_all()
     return [_REGISTRY[n] for n in sorted(_REGISTRY)]
-
-
-def _load_all() -> None:
-    # Every module, whichever registered first (importing one module directly registers its operators only).
-    from . import attention, dequant, fp8, gemm, moe, norm, rope  # noqa: F401  (registration side effects)
 
 
 # ---- parsing user input -------------------------------------------------------------------------

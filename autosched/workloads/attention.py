@@ -8,6 +8,8 @@ import math
 from ..errors import UsageError
 from ._base import DTYPE_BYTES, Attr, Operator, Preset, ceil_div, randn, register
 
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
+
 
 def _masked(cond, value, otherwise):
     from tvm import tirx

@@ -9,6 +9,8 @@ from ..errors import UsageError
 from ._base import DTYPE_BYTES, Attr, Operator, Preset, ceil_div, randn, register, torch_dtype
 from .gemm import EPILOGUE_ATTRS, epilogue, torch_epilogue
 
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
+
 
 def e4m3_value(code):
     """The float32 value of a uint8 expression holding the bits of a float8 E4M3FN number (OCP: sign, 4 exponent

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import math
 
-from ._base import DTYPE_BYTES, Operator, Preset, Workload, randn, register
+from ..correctness import relative_error
+from ._base import DTYPE_BYTES, Operator, Preset, Workload, randn, register, torch_dtype
 from .dequant import e4m3_value
 from .gemm import EPILOGUE_ATTRS, LLAMA2_7B, epilogue, torch_epilogue
+
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
 
 E4M3_MAX = 448.0  # the largest finite float8 E4M3FN value (code 0x7E)
 # Every code that is a number (0x7F and 0xFF are NaN): make_inputs writes them into the first row of A and of W,
@@ -26,6 +29,24 @@ def quantize_e4m3(x, dim: int = -1):
     scale = (amax / E4M3_MAX).float()
     codes = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return codes, scale.squeeze(dim)
+
+
+def round_to_e4m3(x):
+    """float64 ``x`` rounded to the nearest float8 E4M3FN value, ties to even, saturating at ±448 (as float64)."""
+    import torch
+
+    x = x.clamp(-E4M3_MAX, E4M3_MAX)
+    _, exponent = torch.frexp(x)  # |x| in [2^(exponent - 1), 2^exponent)
+    # Three mantissa bits: a step of 2^(exponent - 4); below the smallest normal (2^-6) the subnormals' 2^-9.
+    step = torch.ldexp(torch.ones_like(x), (exponent - 4).clamp(min=-9))
+    return torch.round(x / step) * step
+
+
+def e4m3_bits(values):
+    """The uint8 bits of float64 ``values`` that are float8 E4M3FN numbers already (exactly converted)."""
+    import torch
+
+    return values.float().to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 E4M3_MAX_BITS = 0x43E00000  # 448.0's float32 bits
@@ -137,8 +158,6 @@ class Fp8QuantRows(Operator):
         reaching past 448 whose small values land in E4M3's subnormals, a row of exact ties between E4M3 values."""
         import torch
 
-        from ._base import torch_dtype
-
         s = wl.shape_dict
         m, k = s["m"], s["k"]
         x = torch.randn((m, k), generator=gen, dtype=torch.float32)
@@ -167,8 +186,6 @@ class Fp8QuantRows(Operator):
         return x / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None], scale
 
     def reference(self, wl, inputs):
-        from autosched.generation.quantize import e4m3_bits, round_to_e4m3
-
         q, scale = self._quotient(inputs)
         return [e4m3_bits(round_to_e4m3(q)).to(inputs[0].device), (inputs[0].double().abs().amax(-1) / E4M3_MAX)]
 
@@ -178,8 +195,6 @@ class Fp8QuantRows(Operator):
         output also shows), the scales' relative error scaled so that :attr:`SCALE_TOLERANCE` meets the workload's
         tolerance]."""
         import torch
-
-        from autosched.measure.timing import relative_error
 
         q, _ = self._quotient([t.cpu() for t in inputs])
         out, ref = outs[0].cpu(), refs[0].cpu()

@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     import torch
     from tvm import te
 
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
+
 
 def epilogue(acc: te.Tensor, shape: tuple[int, ...], dtype: str, bias: te.Tensor | None, act: str,
              scale=None) -> te.Tensor:

@@ -8,6 +8,8 @@ import math
 
 from ._base import DTYPE_BYTES, Operator, Preset, Workload, randn, register
 
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
+
 # (experts, hidden, expert intermediate size, experts per token) of the models whose shapes are presets.
 MOE_MODELS = {"mixtral-8x7b": (8, 4096, 14336, 2), "qwen3-30b-a3b": (128, 2048, 768, 8)}
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from ._base import DTYPE_BYTES, Attr, Operator, Preset, randn, register
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 
 @register
 class RMSNorm(Operator):

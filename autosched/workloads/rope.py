@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from ..errors import UsageError
 from ._base import DTYPE_BYTES, Attr, Operator, Preset, randn, register
+
+# Deferred imports: tvm, torch (imported where used: `autosched --help` stays fast).
 
 
 def rope_tables(s: int, d: int, theta: float, device: str):
@@ -29,8 +32,6 @@ class Rope(Operator):
     )
 
     def check(self, shape, dtype, attrs):
-        from ..errors import UsageError
-
         if shape["d"] % 2:
             raise UsageError(f"rope needs an even head dimension d (got d={shape['d']})")
 

@@ -1,7 +1,7 @@
 """WMMA tensor-core intrinsics for tensorize, registered on demand for the dtypes a schedule needs.
 
 TVM 0.27 registers its CUDA intrinsics all at once when ``tvm.s_tir.tensor_intrin.cuda`` is imported
-(about 26 s of TVMScript parsing on a 2-core machine, in every process that schedules) and has none for
+(hundreds of functions of TVMScript parsed, in every process that schedules) and has none for
 bfloat16. The generators below follow TVM's own (``tvm/s_tir/tensor_intrin/cuda.py``, Apache-2.0), made
 dtype-generic; :func:`wmma_intrins` registers the five intrinsics of one configuration the first time it
 is asked for, under names of our own.

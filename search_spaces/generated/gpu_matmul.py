@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from autosched.tvm_adapter import block_realize
+
 from .._analysis import (
     HALF8_REASON,
     const_extents,
@@ -24,6 +26,8 @@ from .._knobs import Knob, Point, Space
 
 if TYPE_CHECKING:
     from tvm import s_tir
+
+# Deferred imports: tvm, numpy (imported where used: `autosched --help` stays fast).
 
 WARP = 32
 STATIC_SHARED = 48 * 1024
@@ -399,6 +403,4 @@ def reduce_across_lanes(sch, main, j1) -> None:
 
 
 def _realize(sch, block):
-    from autosched.tvm_adapter import block_realize
-
     return block_realize(sch, block)

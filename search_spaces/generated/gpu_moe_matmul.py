@@ -23,6 +23,8 @@ from .moe_matmul import BLOCK
 if TYPE_CHECKING:
     from tvm import s_tir
 
+# Deferred imports: tvm, numpy (imported where used: `autosched --help` stays fast).
+
 STATIC_SHARED = 48 * 1024
 MAX_THREADS = 1024
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autosched.tvm_adapter import block_realize
+
 from .._analysis import HALF8_REASON, blocks_of, const_extents, has_half, is_injective, is_reduction, loop_kinds
 from .._knobs import Knob, Point, Space
 from .rows import inline_spatial, row_depth
 
 if TYPE_CHECKING:
     from tvm import s_tir
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 LANES = 32
 STATIC_SHARED = 48 * 1024
@@ -31,8 +35,6 @@ def _param_names(func) -> set[str]:
 def _coalescing_loop(sch, block, loops, params: set[str]):
     """The loop (among ``loops``) that indexes the last dimension of the block's largest global read."""
     from tvm import tirx
-
-    from autosched.tvm_adapter import block_realize
 
     realize = block_realize(sch, block)
     binding = {iv.var.name: {v.name for v in tirx.analysis.undefined_vars(val)}

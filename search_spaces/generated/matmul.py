@@ -24,6 +24,8 @@ from .._knobs import Knob, Point, Space, TileKnob, padded
 if TYPE_CHECKING:
     from tvm import s_tir
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 # Bound on the padding a tile choice may add to a loop, as a fraction of the loop.
 MAX_PAD_WASTE = 0.25
 

@@ -20,6 +20,8 @@ from .._knobs import Knob, Point, Space
 if TYPE_CHECKING:
     from tvm import s_tir
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 BLOCK = "moe_matmul"
 
 

@@ -21,6 +21,8 @@ from .._knobs import Knob, Point, Space
 if TYPE_CHECKING:
     from tvm import s_tir
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 
 def row_depth(sch: s_tir.Schedule) -> int:
     """Number of leading row loops: the fewest spatial iterators among the reduction blocks (0: none)."""

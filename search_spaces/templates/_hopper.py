@@ -7,12 +7,16 @@ import functools
 import re
 from pathlib import Path
 
-from .._knobs import Point, Space
+from autosched.target import arch_facts
+
+from .._knobs import InvalidPoint, Point, Space
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 HOPPER_ARCHS = ("sm_90", "sm_90a")
 BK = 64  # K elements per stage: one 128-byte swizzle row of fp16/bf16
 FP8_BK = 128  # the same row of float8 elements
-SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
+SMEM_LIMIT = arch_facts("sm_90").shared_memory  # opt-in shared memory per block, the same on every sm_90 GPU
 # 32-bit registers a thread of a streaming decode kernel (weights loaded straight into mma.sync fragments) may give
 # to its loads in flight, fragments and sums; nvcc adds addresses and indices.
 STREAM_REGISTERS = 160
@@ -46,6 +50,18 @@ def device_function(file: str, macro: str, name: str, dtype: str, config: dict) 
             + f"{macro}({name}, {CUDA_SCALAR[dtype]}, {name}_config)\n")
 
 
+def epilogue_source(dtype: str, act: str) -> tuple[str, str, str]:
+    """CUDA helpers of the epilogue: (name of the pair store, name of the single store, source).
+
+    The accumulator pair (a, b) plus its bias pair goes through the activation and is stored as one
+    4-byte vector; the single store serves an odd last column (``cuda/hopper.cuh``)."""
+    tag = f"{PTX_TYPE[dtype]}_{act}"
+    guard = f"AUTOSCHED_EPILOGUE_{tag.upper()}"
+    return f"autosched_store2_{tag}", f"autosched_store1_{tag}", (
+        cuda_file("hopper.cuh") + f"#ifndef {guard}\n#define {guard}\n"
+        f"AUTOSCHED_EPILOGUE({tag}, {CUDA_SCALAR[dtype]}, AUTOSCHED_ACT_{act.upper()})\n#endif\n")
+
+
 class HopperTemplate(Space):
     """A space whose points are whole TIRx kernels for sm_90a (``kernel``), not schedules of the workload."""
 
@@ -58,8 +74,6 @@ class HopperTemplate(Space):
 
     def apply(self, point: Point):
         import tvm
-
-        from .._knobs import InvalidPoint
 
         point = self.complete(point)
         reason = self.validate(point)

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file
-from .hopper_gemm import _epilogue_source
+from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file, epilogue_source
 from .int4_gemv import _WARP_SUM, MAX_M, MAX_UNROLLED_STEPS
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 CHUNK = 16  # weights per lane per load: 16 bytes
 _DTYPES = ("float16", "bfloat16")
@@ -102,7 +105,7 @@ def gemv8_kernel(m: int, n: int, k: int, dtype: str, fmt: str, bias: bool, act: 
     full, tail = divmod(chunks, 32)  # steps in which every lane has a chunk; the lanes of the last one
     unrolled = unroll_factor(full, rows_pw) if p["unroll"] else 1
     dot, dot_source = _dot_source(dtype, m, fmt)
-    _, store1, epi_source = _epilogue_source(dtype, act)
+    _, store1, epi_source = epilogue_source(dtype, act)
 
     def scale(S, row):  # the channel's scale, with E4M3's 2^8
         s = T.Cast("float32", S[row, 0])
@@ -207,7 +210,7 @@ class Gemv8Space(StreamingSteps, HopperTemplate):
         self.fmt = "e4m3" if codes == "uint8" else "int"
         self.bias = bool(self.hints.get("bias", False))
         self.act = str(self.hints.get("act", "none"))
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [
             Knob("warps", (1, 2, 4, 8)),
             Knob("rows_per_warp", (1, 2, 4)),

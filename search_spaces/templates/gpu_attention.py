@@ -14,11 +14,15 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from autosched.tvm_adapter import llm_prefill_kernels
+
 from .._analysis import HALF8_REASON
 from .._knobs import Knob, Point, Space
 
 if TYPE_CHECKING:
     from tvm import s_tir
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 STATIC_SHARED = 48 * 1024
 BDX = 32
@@ -51,8 +55,6 @@ class FlashAttentionSpace(Space):
         ]
 
     def check(self, p: Point) -> str | None:
-        from autosched.tvm_adapter import llm_prefill_kernels
-
         _is_prefill_kernel_config_legal = llm_prefill_kernels()._is_prefill_kernel_config_legal
 
         tx, tz, warps, vec = p["tile_x"], p["tile_z"], p["warps"], p["load_vec"]
@@ -81,8 +83,6 @@ class FlashAttentionSpace(Space):
 
 def _flash_prefill(b, h, hkv, s, d, dtype, causal, tile_x, tile_z, num_warps):
     """The kernel, for Q[b,h,s,d], K/V[b,hkv,s,d] -> O[b,h,s,d] (our attention workload's signature)."""
-    from autosched.tvm_adapter import llm_prefill_kernels
-
     kernels = llm_prefill_kernels()
     _alloc_mha_qkvo_buffers, _alloc_softmax_state_buffers, _make_prefill_macros = (
         kernels._alloc_mha_qkvo_buffers, kernels._alloc_softmax_state_buffers, kernels._make_prefill_macros)
@@ -169,8 +169,6 @@ def _flash_prefill(b, h, hkv, s, d, dtype, causal, tile_x, tile_z, num_warps):
 def _schedule_flash(sch, load_vec, bdx, num_warps, tile_x, tile_y, tile_z) -> None:
     """Thread tiles of the template's blocks (after TVM's ``_schedule_prefill_kernel``, without the LSE
     output our workload does not have)."""
-    from autosched.tvm_adapter import llm_prefill_kernels
-
     kernels = llm_prefill_kernels()
     _get_prefill_load_config, _get_prefill_tile_size, _get_prefill_vector_size = (
         kernels._get_prefill_load_config, kernels._get_prefill_tile_size, kernels._get_prefill_vector_size)

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, PTX_TYPE, SMEM_LIMIT, HopperTemplate
 from ._pipeline import (
@@ -43,6 +45,8 @@ from ._pipeline import (
     TURN_SYNC,
     TURN_SYNC_SOURCE,
 )
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 LOG2E = 1.4426950408889634
 
@@ -386,7 +390,7 @@ class HopperAttentionSpace(HopperTemplate):
             _attention_shape(func, self.model_layout),
             "Q[b,h,s,d], K/V[b,hkv,s,d], O[b,h,s,d] (Q/O[b,s,h,d], K/V[b,s,hkv,d] for attention_bshd)")
         self.causal = bool(self.hints.get("causal", True))
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [Knob("consumers", (1, 2)), Knob("block_kv", (64, 128, 160, 176)), Knob("stages", (2, 3)),
                       Knob("overlap", (False, True), ordered=False), Knob("pingpong", (False, True), ordered=False)]
 

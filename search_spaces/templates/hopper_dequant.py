@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from .._knobs import Knob, Point
-from ._hopper import BK, CUDA_SCALAR, PTX_TYPE, SMEM_LIMIT, canonical_group_m, cuda_file, grouped_raster
+from ._hopper import BK, CUDA_SCALAR, PTX_TYPE, SMEM_LIMIT, canonical_group_m, cuda_file, epilogue_source, grouped_raster
 from ._pipeline import (
     CONSUMERS_SYNC,
     CONSUMERS_SYNC_SOURCE,
@@ -37,8 +37,9 @@ from ._pipeline import (
     tile_walk_scalars,
     zero_accumulators,
 )
-from .hopper_gemm import _epilogue_source
 from .int4_gemv import Int4Template, _shape, dequant_main
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 PACKED_BK = BK // 2  # bytes of packed int4 weights per row and k step
 
@@ -79,7 +80,7 @@ def hopper_dequant_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: 
     group_m = min(group_m, tiles_m)
     units = bn * 8 // cthreads  # 8-weight chunks per consumer thread per k step
     mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}"
-    store2, store1, epi_source = _epilogue_source(dtype, act)
+    store2, store1, epi_source = epilogue_source(dtype, act)
     dequant8, dequant_source = _dequant_source(dtype, zeros)
     acc_len = m_frags * acc_n
 

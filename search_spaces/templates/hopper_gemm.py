@@ -52,18 +52,20 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
 from . import mma_gemv
 from ._hopper import (
     BK,
-    CUDA_SCALAR,
     FP8_BK,
     HOPPER_ARCHS,
     PTX_TYPE,
     SMEM_LIMIT,
     HopperTemplate,
     canonical_group_m,
+    epilogue_source,
     grouped_raster,
 )
 from ._pipeline import (
@@ -81,19 +83,9 @@ from ._pipeline import (
     zero_accumulators,
 )
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 WGMMA_N = (64, 96, 128, 160, 192, 224, 256)
-
-
-def _epilogue_source(dtype: str, act: str) -> tuple[str, str, str]:
-    """CUDA helpers of the epilogue: (name of the pair store, name of the single store, source).
-
-    The accumulator pair (a, b) plus its bias pair goes through the activation and is stored as one
-    4-byte vector; the single store serves an odd last column (``cuda/hopper.cuh``)."""
-    tag = f"{PTX_TYPE[dtype]}_{act}"
-    guard = f"AUTOSCHED_EPILOGUE_{tag.upper()}"
-    return f"autosched_store2_{tag}", f"autosched_store1_{tag}", (
-        HOPPER_HELPERS + f"#ifndef {guard}\n#define {guard}\n"
-        f"AUTOSCHED_EPILOGUE({tag}, {CUDA_SCALAR[dtype]}, AUTOSCHED_ACT_{act.upper()})\n#endif\n")
 
 
 # Split-K across a thread-block cluster: the CTAs of one cluster share an output tile, each over its own
@@ -177,7 +169,7 @@ def hopper_gemm_kernel(m: int, n: int, k: int, dtype: str, bias: bool, act: str,
         mma, mma_imms = f"wgmma.mma_async.sync.aligned.m64n{bn}k32.f32.e4m3.e4m3", (1, 1)
     else:
         mma, mma_imms = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{PTX_TYPE[dtype]}.{PTX_TYPE[dtype]}", (1, 1, 0, 0)
-    store2, store1, epi_source = _epilogue_source(dtype, act)
+    store2, store1, epi_source = epilogue_source(dtype, act)
     # The shared buffer: [stage][A tile | B tile], each tile 1024-byte aligned (swizzle atoms).
     smem_elems = stages * stage_bytes // elem
     a_off, b_off = 0, a_stage // elem  # element offsets inside one stage
@@ -518,7 +510,7 @@ class HopperGemmSpace(HopperTemplate):
         self.m, self.n, self.k, self.dtype = self.taken(*self._shape(func))
         self.bias = bool(self.hints.get("bias", False))
         self.act = str(self.hints.get("act", "none"))
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [
             Knob("consumers", (1, 2)),
             Knob("wg_rows", (64, 128)),
@@ -611,7 +603,7 @@ class HopperGemmSpace(HopperTemplate):
         if split > 1:
             if p["persistent"]:
                 return "split-K gives each cluster one tile: not with persistent CTAs"
-            if acc > 64:  # 128 spilled 2.2 KB in nvcc 13.0: the reduction and epilogue need the rest
+            if acc > 64:  # 128 spill (nvcc 13.0): the reduction and epilogue need the rest of the registers
                 return f"split-K with {acc} accumulator registers per thread (at most 64)"
             if tiles >= self.sms:
                 return f"split-K is for grids smaller than the multiprocessors ({tiles} tiles for {self.sms})"

@@ -47,10 +47,22 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._analysis import operand_shapes
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, STREAM_REGISTERS, HopperTemplate, config_struct, cuda_file
-from .hopper_gemm import _epilogue_source
+from ._hopper import (
+    CUDA_SCALAR,
+    HOPPER_ARCHS,
+    SMEM_LIMIT,
+    STREAM_REGISTERS,
+    HopperTemplate,
+    config_struct,
+    cuda_file,
+    epilogue_source,
+)
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 CHUNK = 32  # weights per lane per load: 16 bytes of packed int4
 MAX_M = 8  # activation rows of the CUDA-core kernel: a decode step of a few sequences
@@ -144,7 +156,7 @@ def _mma_source(m: int, n: int, k: int, groups: int, group: int, warps: int, til
     sums of (q - z) x."""
     name = (f"autosched_q4_mma_m{m}_n{n}_k{k}_g{group}_w{warps}_t{tiles}_{int(bias)}{act}" + ("_zeros" if zeros else "")
             + (f"_stream{unroll}" if stream else ""))
-    _, store1, epi_source = _epilogue_source("float16", act)
+    _, store1, epi_source = epilogue_source("float16", act)
     config = {"M": m, "N": n, "K": k, "GROUPS": groups, "GROUP": group, "W": warps, "R": tiles,
               "ROW_BYTES": 0 if stream else _slab_row_bytes(k), "BIAS": bias, "ZEROS": zeros, "STREAM": stream,
               "U": unroll}
@@ -206,7 +218,7 @@ def int4_gemv_kernel(m: int, n: int, k: int, group: int, dtype: str, bias: bool,
     steps = math.ceil(chunks / 32)  # per lane
     groups = math.ceil(k / group)
     dot, dot_source = _dot_source(dtype, m, half_products, zeros)
-    _, store1, epi_source = _epilogue_source(dtype, act)
+    _, store1, epi_source = epilogue_source(dtype, act)
     loop = T.unroll if unroll else T.serial
 
     def stored(acc, Bias, i, row):
@@ -266,7 +278,7 @@ def _pipelined_source(m: int, n: int, k: int, group: int, dtype: str, p: Point, 
     half = p.get("half_products", False)
     name = (f"autosched_q4_pipelined_{dtype}_m{m}_n{n}_k{k}_g{group}_w{warps}_r{rows_pw}_x{row_groups}"
             f"_{int(half)}{int(bias)}{act}" + ("_zeros" if zeros else ""))
-    _, store1, epi_source = _epilogue_source(dtype, act)
+    _, store1, epi_source = epilogue_source(dtype, act)
     chunks = k // CHUNK
     config = {"M": m, "N": n, "K": k, "GROUPS": math.ceil(k / group), "GROUP": group, "W": warps, "R": rows_pw,
               "G": row_groups, "CHUNKS": chunks, "STEPS": math.ceil(chunks / 32), "HALF": half, "ZEROS": zeros,
@@ -343,7 +355,7 @@ class Int4Template(HopperTemplate):
         self.bias = bool(self.hints.get("bias", False))
         self.zeros = bool(self.hints.get("zeros", False))  # a zero point per row and group in place of 8
         self.act = str(self.hints.get("act", "none"))
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
 
 
 def tensor_cores_apply(dtype: str, k: int, group: int) -> bool:
@@ -531,7 +543,7 @@ class Int4GemvSpace(Int4Template):
                 if self.check(point) is None:
                     return point
             return super().default()
-        if self.m == 1 and self.dtype == "float16":  # one row: half2 products (the H200's best of 48 points)
+        if self.m == 1 and self.dtype == "float16":  # one row: half2 products, two an instruction (BENCHMARKS.md)
             point = {"warps": 1, "rows_per_warp": 4, "unroll": True} | self._cuda_core(half=True)
             if self.check(point) is None:
                 return point

@@ -25,21 +25,27 @@ generation build puts it in the cache through :func:`autosched.generation.attent
 
 from __future__ import annotations
 
+from autosched.target import arch_facts
+
 from ._hopper import CUDA_SCALAR, SMEM_LIMIT, device_function
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 HEAD_DIMS = (32, 64, 128, 256)
 PAGE_SIZES = (16,)  # the page TVM's decode kernel fixes (the cache's buffer shape names it)
 MAX_GROUP = 8  # query heads per K/V head the registers hold (q and o: 16 floats a head per lane)
-SMS = 132  # the H100/H200's SMs: what the default split fills at batch 1
+# The SMs the default split fills at batch 1, where no GPU is at hand: sm_90's (autosched.target's table); a
+# generation build passes its GPU's (``sms``).
+SMS = arch_facts("sm_90").sms
 MAX_SPLIT = 8  # the portable cluster size
 
 
-def default_split(hkv: int, batch: int = 1) -> int:
+def default_split(hkv: int, batch: int = 1, sms: int = SMS) -> int:
     """CTAs per (sequence, K/V head) for a step whose pairs are too few to fill the GPU: the largest power of
     two, at most 8, whose ``batch · hkv · split`` CTAs fill the SMs at most twice (batch 1, 32 or 8 K/V heads:
     8, each CTA a few pages of one sequence, merged in the cluster)."""
     split = 1
-    while split < MAX_SPLIT and batch * hkv * split <= SMS:
+    while split < MAX_SPLIT and batch * hkv * split <= sms:
         split *= 2
     return split
 
@@ -49,14 +55,14 @@ def default_split(hkv: int, batch: int = 1) -> int:
 SPREAD_SPLIT = 2
 
 
-def default_config(group: int, hkv: int, d: int) -> dict:
+def default_config(group: int, hkv: int, d: int, sms: int = SMS) -> dict:
     """The kernel's knobs: ``split``, the CTAs splitting one (sequence, K/V head) pair's pages where a step's
     pairs are too few to fill the GPU (batch 1), ``spread_split``, the cluster size where they are enough,
     both chosen at launch from the step's batch; ``warps``, ``unroll``; ``blocks``, the CTAs an SM is compiled
     to hold (without GQA, so that a batch of 16 runs in one wave); ``fill``, whether a CTA takes several pairs
     where they are many (:func:`pair_warps`)."""
     warps, unroll = default_warps(group, d), default_unroll(group)
-    return {"split": default_split(hkv), "spread_split": SPREAD_SPLIT, "warps": warps, "unroll": unroll,
+    return {"split": default_split(hkv, sms=sms), "spread_split": SPREAD_SPLIT, "warps": warps, "unroll": unroll,
             "blocks": default_blocks(group, d, warps, unroll), "fill": warps == 16}
 
 
@@ -143,17 +149,18 @@ def body_source(name: str, dtype: str, config: dict) -> str:
 
 def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16, split: int | None = None,
                            warps: int | None = None, unroll: int | None = None, blocks: int | None = None,
-                           spread_split: int | None = None, fill: bool | None = None):
+                           spread_split: int | None = None, fill: bool | None = None, sms: int = SMS):
     """The TIRx PrimFunc, with the signature of TVM's ``batch_decode_paged_kv`` (no sliding window).
     ``split``, ``spread_split``, ``warps``, ``unroll``, ``blocks`` (CTAs per SM to fit in the registers; 0: the
-    compiler's choice), ``fill``: :func:`default_config`'s unless given."""
+    compiler's choice), ``fill``: :func:`default_config`'s unless given; ``sms``: the GPU's multiprocessors
+    (``autosched.target.device_facts``), which the default split and the spreading of pairs fill."""
     from tvm.script import tirx as T
 
     reason = unsupported(h, hkv, d, dtype, page)
     if reason:
         raise ValueError(f"kv_cache_decode cannot serve {reason}")
     g = h // hkv
-    knobs = default_config(g, hkv, d)
+    knobs = default_config(g, hkv, d, sms)
     split = knobs["split"] if split is None else split
     spread_split = min(knobs["spread_split"] if spread_split is None else spread_split, split)
     warps = knobs["warps"] if warps is None else warps
@@ -175,8 +182,8 @@ def kv_cache_decode_kernel(h: int, hkv: int, d: int, dtype: str, page: int = 16,
             return T.cta_id([pairs]), 0, 0, warps
         # The cluster's size is a launch parameter: ``split`` CTAs share a pair, or ``spread_split`` take their own
         # (one each, or with ``fill`` one each ``pair_warps`` warps where the pairs are many).
-        spread = spreads(pairs)
-        per_pair = pair_warps(pairs, warps) if fill else warps
+        spread = spreads(pairs, sms)
+        per_pair = pair_warps(pairs, warps, sms) if fill else warps
         ctas = (pairs + warps // per_pair - 1) // (warps // per_pair)
         cluster = T.cluster_id([T.Select(spread, (ctas + spread_split - 1) // spread_split, pairs)])
         # The body reads the warps a pair only where the CTAs are spread.

@@ -21,6 +21,8 @@ import math
 
 from ._hopper import CUDA_SCALAR
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 THREADS = 128  # threads a block: heads x lanes
 VECTOR_BYTES = 16
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from ._hopper import CUDA_SCALAR, SMEM_LIMIT, device_function
 
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
+
 HEAD_DIMS = (64, 128)
 BLOCK_M = 64  # query rows ((token, head) pairs) per CTA: four warps of 16
 BLOCK_N = 64  # keys per K/V tile

@@ -22,6 +22,8 @@ import math
 
 from .kv_cache_merge import THREADS, vector
 
+# Deferred imports: tvm, numpy (imported where used: `autosched --help` stays fast).
+
 SCALINGS = (None, "llama3")  # rope_type of the frequencies served (None: the default)
 
 

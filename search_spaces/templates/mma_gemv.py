@@ -26,7 +26,9 @@ from __future__ import annotations
 import math
 
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, PTX_TYPE, STREAM_REGISTERS, config_struct, cuda_file
+from ._hopper import CUDA_SCALAR, PTX_TYPE, STREAM_REGISTERS, config_struct, cuda_file, epilogue_source
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 STEP = 64  # k per step: a 128-byte line of each weight row
 MIN_M, MAX_M = 2, 16  # activation rows: one or two n8 tiles of mma's N (one row stays a GEMV)
@@ -83,9 +85,9 @@ def check(m: int, n: int, k: int, gated: bool, p: Point) -> str | None:
 
 
 def default(m: int, n: int, k: int, gated: bool) -> Point:
-    """Four warps on one tile a block, one step in flight at a time: on the H100 it outran the wgmma kernel at each
-    Llama-2-7B decode shape measured, within 5% of the best streaming point (BENCHMARKS.md); fewer warps where k
-    is too short for four."""
+    """Four warps on one tile a block, one step in flight at a time: blocks enough to spread a decode step's weights
+    over every SM, each warp streaming its own part of k, with few registers held for loads in flight (BENCHMARKS.md
+    compares it with the wgmma kernel and the other streaming points); fewer warps where k is too short for four."""
     point = {"stream": True, "stream_warps": 4, "stream_tiles": 1, "stream_unroll": 1}
     while check(m, n, k, gated, point) and point["stream_warps"] > 1:
         point["stream_warps"] //= 2
@@ -105,12 +107,10 @@ def features(m: int, n: int, k: int, gated: bool, sms: int, p: Point) -> list[fl
 
 def source(m: int, n: int, k: int, dtype: str, p: Point, bias: bool, act: str, gated: bool) -> tuple[str, str]:
     """(name, source) of the device function that runs one block of stream point ``p``."""
-    from .hopper_gemm import _epilogue_source
-
     warps, tiles, unroll = p["stream_warps"], p["stream_tiles"], p["stream_unroll"]
     name = (f"autosched_mma_gemv_{PTX_TYPE[dtype]}_m{m}_n{n}_k{k}_w{warps}_t{tiles}_u{unroll}_{int(bias)}{act}"
             + ("_gated" if gated else ""))
-    _, store1, epi_source = _epilogue_source(dtype, act)
+    _, store1, epi_source = epilogue_source(dtype, act)
     config = {"M": m, "N": n, "K": k, "W": warps, "R": tiles, "U": unroll, "BIAS": bias, "GATED": gated}
     entry = "AUTOSCHED_MMA_GEMV" + ("_BIAS" if bias else "")
     return name, (epi_source + cuda_file("mma_gemv.cuh") + config_struct(f"{name}_config", config)

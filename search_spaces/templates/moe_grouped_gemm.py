@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, device_function
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 BK = 64  # k per stage
 WARPS_N = 2  # warps along the columns; the rest (warps / 2) along the rows
@@ -128,7 +132,7 @@ class MoeGroupedGemmSpace(HopperTemplate):
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
         self.shape = self.taken(_shape(func), "the moe_grouped_gemm workload's")
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [
             Knob("block_m", (32, 64, 128)),
             Knob("block_n", (32, 64, 128)),

@@ -35,8 +35,12 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._knobs import Knob, Point
 from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, SMEM_LIMIT, HopperTemplate, config_struct, cuda_file
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 MIN_REGISTER_CAP = 128  # ctas_per_sm's lowest cap: there GQA 8:1's tensor-core loop spills 160 bytes (nvcc 13)
 MMA_MAX_GROUP = 16  # query heads per K/V head on the M side of m16n8k16
@@ -169,7 +173,7 @@ class PagedDecodeSpace(HopperTemplate):
     def __init__(self, func, target, hints=None):
         super().__init__(func, target, hints)
         self.shape = self.taken(_shape(func), "the paged_decode_attention workload's")
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [
             Knob("warps", (2, 4, 8)),
             Knob("unroll", (1, 2, 4, 8)),

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import math
 
+from autosched.target import device_facts
+
 from .._knobs import Knob, Point
-from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file
+from ._hopper import CUDA_SCALAR, HOPPER_ARCHS, HopperTemplate, cuda_file, epilogue_source
 from .gemv8 import StreamingSteps, streamed_sums, unroll_factor
-from .hopper_gemm import _epilogue_source, _gemm_shape
+from .hopper_gemm import _gemm_shape
 from .int4_gemv import MAX_M
+
+# Deferred imports: tvm (imported where used: `autosched --help` stays fast).
 
 CHUNK = 8  # weights per lane per load: 16 bytes of fp16/bf16
 _DTYPES = ("float16", "bfloat16")
@@ -60,7 +64,7 @@ def swiglu_gemv_kernel(m: int, n: int, k: int, dtype: str, p: Point):
     full, tail = divmod(chunks, 32)  # steps in which every lane has a chunk; the lanes of the last one
     unrolled = unroll_factor(full, 2 * cols_pw) if p["unroll"] else 1
     dot, dot_source = _dot_source(dtype, m)
-    _, store1, epi_source = _epilogue_source(dtype, "none")
+    _, store1, epi_source = epilogue_source(dtype, "none")
 
     def read_col(col):  # the column a warp reads: past the last one (n that no block divides), the last
         return T.min(col, n - 1) if n % cols_pb else col
@@ -129,7 +133,7 @@ class SwigluGemvSpace(StreamingSteps, HopperTemplate):
         super().__init__(func, target, hints)
         self.m, self.n, self.k, self.dtype = self.taken(_gemm_shape(func, gated=True),
                                                         "C[m, n] = SiLU(A · W[:n]ᵀ) ⊙ (A · W[n:]ᵀ), W[2n, k]")
-        self.sms = target.num_cores or 132
+        self.sms = device_facts(target).sms
         self.knobs = [
             Knob("warps", (1, 2, 4, 8)),
             Knob("cols_per_warp", (1, 2, 4)),
