@@ -42,6 +42,31 @@ WRITE_HOOK: Callable[[str], None] | None = None
 PARTIAL, OLD = "autosched-partial", "autosched-old"
 
 
+# The files of a Hugging Face tokenizer that ``build --generate`` copies into the artifact (those present).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+ARTIFACT_TOKENIZER = "tokenizer"  # the artifact's subfolder
+
+
+# The files one of which a Hugging Face tokenizer's folder holds (a fast tokenizer's, or a slow one's vocabulary).
+TOKENIZER_MARKS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_MARKS)
+
+
+def tokenizer_files(folder: str | Path) -> list[Path]:
+    """The tokenizer's files in ``folder`` (a model's or a tokenizer's), those ``build --generate`` copies; none
+    where it holds no tokenizer."""
+    folder = Path(folder)
+    if not folder.is_dir() or not has_tokenizer(folder):
+        return []
+    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+
+
 def write_artifact(out_dir: str | Path, libraries: dict, params: dict, manifest: dict,
                    files: dict | None = None) -> Path:
     """Write an artifact of either kind, all or nothing: ``params`` ({name: TVM tensor}) to ``params.bin``, each

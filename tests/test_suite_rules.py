@@ -444,7 +444,8 @@ UPWARD = {
 # so that ``autosched --help``, and every import of a module that does not need them, does without
 # (``python -X importtime -m autosched --help`` shows what an import costs).
 HEAVY = {"tvm", "tvm_ffi", "torch", "transformers", "safetensors", "xgboost", "matplotlib", "numpy", "ml_dtypes",
-         "sqlalchemy", "alembic", "rich", "psutil", "cloudpickle"}
+         "sqlalchemy", "alembic", "rich", "psutil", "cloudpickle", "fastapi", "starlette", "uvicorn", "pydantic",
+         "prometheus_client", "openai", "xgrammar"}
 # How a module that defers them says so: one comment line at its top naming them.
 DEFERRED = re.compile(r"^# Deferred imports: (.*)$", re.M)
 # Modules that other work in flight edits; their imports inside functions are moved when it lands.

@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UsageError
+from ..generation.generator import Generator, check_kv_pages, read_generation_manifest
+from ..output import console
+from ..serve.tokenizer import artifact_tokenizer
 from .generate import add_speculation_arguments, speculation_draft
+
+# Deferred imports: fastapi, uvicorn (imported where used: `autosched --help` stays fast).
 
 
 def add_serve_parser(sub) -> None:
@@ -36,9 +41,6 @@ def add_serve_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    from ..generation.generator import Generator, check_kv_pages, read_generation_manifest
-    from ..output import console
-
     manifest = read_generation_manifest(args.artifact)  # a bad folder is reported before anything loads
     if args.kv_pages is not None:
         check_kv_pages(args.kv_pages)
@@ -49,8 +51,6 @@ def cmd_serve(args) -> int:
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be 0 or more seconds (got {args.drain_timeout})")
     draft = speculation_draft(args)
-    from ..serve.tokenizer import artifact_tokenizer
-
     tokenizer = artifact_tokenizer(args.artifact, args.tokenizer)
     name = args.served_model_name or Path(args.artifact).resolve().name
     log = console(stderr=True)

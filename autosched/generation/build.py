@@ -407,7 +407,7 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
     """Write a generation artifact for ``model`` to ``out_dir``: ``generate.so`` (batched prefill and decode,
     the KV cache's creation), ``params.bin``, the tokenizer's files of the folder ``tokenizer`` (under
     ``tokenizer/``, for ``autosched serve``) and ``manifest.json``. Nothing is written if the build fails."""
-    from autosched.serve.tokenizer import ARTIFACT_TOKENIZER, tokenizer_files
+    from autosched.artifact import ARTIFACT_TOKENIZER, tokenizer_files
 
     check_build_options(max_seq_len, max_batch, decode_batches, prefill_chunks, speculate)
     _check_limits(model.config, max_seq_len, max_batch)

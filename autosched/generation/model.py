@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from autosched.errors import UsageError
+from autosched.tvm_adapter import tensor_view
 
 # Sequence ids of the padding rows of a decode step, far from those of requests (0, 1, 2, ...).
 PAD_SEQUENCE_IDS = 1 << 40
@@ -41,7 +42,7 @@ class Staging:
         if base is None or base.shape[0] < array.size:
             size = max(array.size, 2 * (base.shape[0] if base is not None else 0), 64)
             base = self._buffers[key] = tvm.runtime.empty((size,), array.dtype, self.device)
-        view = base._create_view(array.shape)
+        view = tensor_view(base, array.shape)
         view.copyfrom(array)
         return view
 

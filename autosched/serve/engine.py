@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autosched.errors import AutoschedError
 from autosched.generation import scheduler
@@ -473,8 +473,6 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _with_seed(sampling: Sampling, seed: int) -> Sampling:
-    from dataclasses import replace
-
     return replace(sampling, seed=seed)
 
 

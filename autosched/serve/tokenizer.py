@@ -7,32 +7,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from autosched.artifact import ARTIFACT_TOKENIZER, TOKENIZER_MARKS, has_tokenizer
 from autosched.errors import UsageError
 
-# The files of a Hugging Face tokenizer that ``build --generate`` copies into the artifact (those present).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
-                   "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
-ARTIFACT_TOKENIZER = "tokenizer"  # the artifact's subfolder
-
-
-# The files one of which a Hugging Face tokenizer's folder holds (a fast tokenizer's, or a slow one's vocabulary).
-TOKENIZER_MARKS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "sentencepiece.bpe.model")
-
-
-def has_tokenizer(folder: str | Path) -> bool:
-    return any((Path(folder) / name).is_file() for name in TOKENIZER_MARKS)
-
-
-def tokenizer_files(folder: str | Path) -> list[Path]:
-    """The tokenizer's files in ``folder`` (a model's or a tokenizer's), those ``build --generate`` copies; none
-    where it holds no tokenizer."""
-    folder = Path(folder)
-    if not folder.is_dir() or not has_tokenizer(folder):
-        return []
-    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
-
+# Deferred imports: transformers (imported where used: `autosched --help` stays fast).
 
 def load_tokenizer(path: str | Path):
     """The Hugging Face tokenizer of a local folder (nothing is downloaded); one-line UsageErrors."""
