@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import pytest
 
-from .helpers import start, train_tokenizer
+from .helpers import cli, start, train_tokenizer
 
 pytestmark = [pytest.mark.xdist_group("serve-artifact"), pytest.mark.timeout(300)]
 
@@ -38,8 +38,6 @@ def built(tmp_path_factory):
     import torch
 
     from autosched.examples.hf import TINY, _config
-
-    from .helpers import cli
 
     root = tmp_path_factory.mktemp("serve")
     config, cls = _config("llama", TINY)
@@ -365,6 +363,9 @@ def test_bad_input_gets_its_status_and_openai_error_and_the_server_keeps_serving
         assert http.get("/health").json() == {"status": "ok"}
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    port = server.rsplit(":", 1)[1].split("/")[0]
+    taken = cli("serve", str(artifact), "--port", port, check=False)  # the port this server holds
+    assert taken.returncode == 2 and taken.stderr.count("\n") == 1 and f"could not listen on 127.0.0.1:{port}" in taken.stderr
     out = client.completions.create(model="tiny", prompt="still here", max_tokens=2, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
 

@@ -51,6 +51,13 @@ def cmd_serve(args) -> int:
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be 0 or more seconds (got {args.drain_timeout})")
     draft = speculation_draft(args)
+    from ..serve.server import DrainingServer, listen
+
+    try:
+        listening = listen(args.host, args.port)
+    except OSError as exc:
+        raise UsageError(f"could not listen on {args.host}:{args.port} ({exc.strerror or exc}): give another --port "
+                         "or --host") from None
     tokenizer = artifact_tokenizer(args.artifact, args.tokenizer)
     name = args.served_model_name or Path(args.artifact).resolve().name
     log = console(stderr=True)
@@ -58,7 +65,6 @@ def cmd_serve(args) -> int:
         log.log(f"{args.artifact} has no tokenizer: prompts as token ids only, no text and no chat (give --tokenizer)")
 
     from ..serve import Engine, ServerMetrics, create_app
-    from ..serve.server import DrainingServer
 
     def make_generator():
         return Generator(args.artifact, kv_pages=args.kv_pages, draft=draft, speculate=args.speculate or 1,
@@ -75,10 +81,7 @@ def cmd_serve(args) -> int:
     app = create_app(engine, name, api_key=args.api_key, metrics=metrics)
     server = DrainingServer(app, args.host, args.port, engine, args.drain_timeout, name, log)
     try:
-        server.run()
-    except SystemExit:  # uvicorn's answer to a port it could not listen on (it logged why)
-        raise UsageError(f"could not listen on {args.host}:{args.port} (in use, or not an address of this machine): "
-                         "give another --port or --host") from None
+        server.run(sockets=[listening])
     finally:
         engine.stop()
     return 0

@@ -5,10 +5,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import sys
 import threading
 
 import uvicorn
+
+
+def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A socket bound to ``host:port`` and listening (an OSError where that address cannot be had), made before
+    the model loads and before uvicorn starts, whose own failure to bind is a log line and an exit."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class DrainingServer(uvicorn.Server):
