@@ -582,30 +582,30 @@ def test_the_cycle_finder_finds_cycles():
 
 
 def heavy_at_import(modules, found: list[Import]) -> dict[str, set[str]]:
-    """The heavy packages that importing each module brings in, through its and its packages' top-level imports."""
-    top: dict[str, list[str]] = {}
+    """The heavy packages that importing each module brings in, through its and its packages' top-level imports
+    (to a fixed point: a package's ``__init__`` and its modules import each other)."""
+    needs: dict[str, set[str]] = {module: set() for module in modules}  # ours it imports, its packages included
+    heavy: dict[str, set[str]] = {module: set() for module in modules}
     for i in found:
-        if not i.in_function:
-            top.setdefault(i.module, []).append(i.target)
-    brought: dict[str, set[str]] = {}
-
-    def bring(module: str) -> set[str]:
-        if module not in brought:
-            brought[module] = set()  # a cycle brings nothing more
-            heavy = set()
-            parts = module.split(".")
-            for target in [*top.get(module, ()), *(".".join(parts[:n]) for n in range(1, len(parts)))]:
-                root = target.split(".")[0]
-                if root != "autosched":
-                    heavy |= {root} & HEAVY
-                else:
-                    tparts = target.split(".")
-                    heavy |= {h for n in range(1, len(tparts) + 1) if ".".join(tparts[:n]) in modules
-                              for h in bring(".".join(tparts[:n]))}
-            brought[module] = heavy
-        return brought[module]
-
-    return {module: bring(module) for module in modules}
+        if i.in_function:
+            continue
+        parts = i.target.split(".")
+        if parts[0] != "autosched":
+            heavy[i.module] |= {parts[0]} & HEAVY
+        else:
+            needs[i.module] |= {".".join(parts[:n]) for n in range(1, len(parts) + 1)} & set(modules)
+    for module in modules:
+        parts = module.split(".")
+        needs[module] |= {".".join(parts[:n]) for n in range(1, len(parts))} & set(modules)
+    changed = True
+    while changed:
+        changed = False
+        for module, targets in needs.items():
+            more = set().union(*(heavy[t] for t in targets)) - heavy[module] if targets else set()
+            if more:
+                heavy[module] |= more
+                changed = True
+    return heavy
 
 
 def test_an_import_inside_a_function_defers_a_heavy_package_and_its_module_says_so(imports):

@@ -5,12 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UsageError
-from ..generation.generator import Generator, check_kv_pages, read_generation_manifest
 from ..output import console
-from ..serve.tokenizer import artifact_tokenizer
 from .generate import add_speculation_arguments, speculation_draft
 
-# Deferred imports: fastapi, uvicorn (imported where used: `autosched --help` stays fast).
+# Deferred imports: tvm_ffi, fastapi, uvicorn (imported where used: `autosched --help` stays fast).
 
 
 def add_serve_parser(sub) -> None:
@@ -41,6 +39,9 @@ def add_serve_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
+    from ..generation.generator import Generator, check_kv_pages, read_generation_manifest
+    from ..serve.tokenizer import artifact_tokenizer
+
     manifest = read_generation_manifest(args.artifact)  # a bad folder is reported before anything loads
     if args.kv_pages is not None:
         check_kv_pages(args.kv_pages)
