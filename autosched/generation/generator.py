@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from autosched.errors import UsageError
+
 from . import scheduler
 from .model import LoadedModel, check_kv_pages
 from .prefix_cache import PrefixCache
@@ -49,12 +51,16 @@ class Generator:
     with the same tokens, which then prefill only the rest (:mod:`.prefix_cache`); the kept pages are given back,
     least recently used first, when a step needs them. Not for a model with a sliding window or longrope (their
     caches cannot share a prefix): there it stays off (``prefix_cache`` is then None).
+
+    ``tokenizer``: a Hugging Face tokenizer (or its folder) for requests under a grammar (``Sampling(grammar=
+    ...)``: :mod:`.grammar`); default: the artifact's own ``tokenizer/``, read when a grammar is first asked for.
     """
 
     def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, *, draft=None, speculate: int = 4,
-                 adaptive: bool = True, run_ahead: bool | None = None, prefix_cache: bool = False):
+                 adaptive: bool = True, run_ahead: bool | None = None, prefix_cache: bool = False, tokenizer=None):
         self._start(LoadedModel.load(artifact_dir, kv_pages), clock)
+        self._tokenizer = tokenizer if tokenizer is not None else Path(artifact_dir) / "tokenizer"
         if prefix_cache:
             self.use_prefix_cache()
         if run_ahead is not None:
@@ -87,6 +93,36 @@ class Generator:
             self.prefix_cache = None
         elif self.prefix_cache is None:
             self.prefix_cache = PrefixCache(self.model.page_size)
+
+    def use_grammars(self, grammars) -> None:
+        """Compile requests' grammars with ``grammars`` (a :class:`~.grammar.Grammars`, shared with a server
+        that compiles them before a request is queued), or with a tokenizer's (a tokenizer, or its folder)."""
+        from .grammar import Grammars
+
+        if grammars is None or isinstance(grammars, Grammars):
+            self._grammars = grammars
+        else:
+            self._grammars, self._tokenizer = None, grammars
+
+    @property
+    def grammars(self):
+        """The :class:`~.grammar.Grammars` that compiles requests' grammars (made at the first use, from the
+        tokenizer); a GrammarError where there is no tokenizer."""
+        if self._grammars is None:
+            from .grammar import GrammarError, Grammars
+
+            tokenizer = self._tokenizer
+            if isinstance(tokenizer, (str, Path)):
+                if not Path(tokenizer).is_dir():
+                    raise GrammarError("a grammar needs the model's tokenizer: this artifact has none (build it from "
+                                       "a model folder with its tokenizer, or give Generator(..., tokenizer=DIR))")
+                from autosched.serve.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(tokenizer)
+            if tokenizer is None:
+                raise GrammarError("a grammar needs the model's tokenizer: give Generator.use_grammars(tokenizer)")
+            self._grammars = Grammars(tokenizer, self.vocab, self.eos_token_ids)
+        return self._grammars
 
     def make_room(self, pages: int) -> bool:
         """Give kept prefixes' pages back, least recently used first, until ``pages`` pages are free; whether
@@ -142,6 +178,8 @@ class Generator:
         self.run_ahead = model.on_gpu
         self._flight: Flight | None = None  # a decode step launched whose tokens are not read yet
         self.prefix_cache: PrefixCache | None = None
+        self._tokenizer = None  # for requests under a grammar (see the class)
+        self._grammars = None
 
     def __getattr__(self, name: str):
         # The model's facts (max_batch, max_seq_len, vocab, manifest, vm, caches, ...), as attributes of old.
@@ -220,6 +258,14 @@ class Generator:
                                   "left for a new token; shorten it or rebuild with a larger --max-seq-len")
         if max_new_tokens < 0:
             raise GenerationError("max_new_tokens must be 0 or more")
+        sampling = sampling or Sampling()
+        stops = frozenset(self.eos_token_ids if stop_tokens is None else stop_tokens)
+        grammar = None
+        if sampling.grammar is not None and max_new_tokens > 0:
+            try:
+                grammar = self.grammars.state(sampling.grammar, stops)
+            except UsageError as exc:  # a grammar that cannot compile, no tokenizer
+                raise GenerationError(str(exc)) from None
         if parent is None and self.prefix_cache is not None:
             cached = self.prefix_cache.match(prompt)
         seq_id = self._next_id
@@ -230,10 +276,9 @@ class Generator:
             self.model.add(seq_id, entry.seq_id, base)
         else:
             self.model.add(seq_id, parent)
-        sampling = sampling or Sampling()
-        stops = frozenset(self.eos_token_ids if stop_tokens is None else stop_tokens)
         self._seqs[seq_id] = SequenceState(seq_id, prompt, base, max_new_tokens, stops, sampling,
-                                           rng=np.random.default_rng(sampling.seed), prompt_context=context)
+                                           rng=np.random.default_rng(sampling.seed), prompt_context=context,
+                                           grammar=grammar)
         if cached is not None:
             self._seqs[seq_id].completion.cached_tokens = base
         return seq_id
@@ -293,7 +338,7 @@ class Generator:
             waiting = [s for s in waiting if not s.prefilled and not s.completion.finished]
         if flight is not None:
             made += self._fly(flight)
-        elif (decoding and self._speculator is not None and not any(s.sampling.needs_logits for s in decoding)
+        elif (decoding and self._speculator is not None and all(s.sampling.speculates for s in decoding)
               and self._speculator.wants_step()):
             made += self._speculator.step(decoding)
         elif decoding and (rows := self._run_ahead_rows(decoding)) is not None:
@@ -320,12 +365,13 @@ class Generator:
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
-               prefix: Sequence[int] | None = None) -> Iterator[tuple[int, int]]:
+               prefix: Sequence[int] | None = None, grammar=None) -> Iterator[tuple[int, int]]:
         """Yield (prompt index, token) as tokens are made, serving at most ``max_batch`` prompts at a time and
         admitting the next as one finishes. ``prefix``: tokens every prompt starts with, prefilled once and
-        shared by forks. A prompt the artifact cannot take ends with an error (see :meth:`completions`); the
-        others go on. Request ``i`` samples with seed ``seed + i``. Sequences added with :meth:`add` are not
-        stepped (they wait for :meth:`step`); they count towards ``max_batch``."""
+        shared by forks. ``grammar``: a :class:`~.grammar.GrammarSpec` every output follows. A prompt the
+        artifact cannot take ends with an error (see :meth:`completions`); the others go on. Request ``i``
+        samples with seed ``seed + i``. Sequences added with :meth:`add` are not stepped (they wait for
+        :meth:`step`); they count towards ``max_batch``."""
         if max_new_tokens < 1:  # a request that makes no token would never finish (add(..., 0) holds a prefix)
             raise GenerationError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         if isinstance(prompts, (str, bytes)) or any(is_token_id(p) for p in prompts):
@@ -344,7 +390,7 @@ class Generator:
                 # add()'s error rather than waiting for a step that would never come.
                 while queue and (len(self._seqs) < self.max_batch or not owner):
                     index, prompt = queue.pop(0)
-                    sampling = Sampling(temperature, top_k, top_p, seed + index)
+                    sampling = Sampling(temperature, top_k, top_p, seed + index, grammar=grammar)
                     try:
                         seq_id = self.add(prompt, max_new_tokens, sampling, stop_tokens, parent=root)
                     except GenerationError as exc:

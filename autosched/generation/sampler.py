@@ -83,13 +83,18 @@ def sample_host(logits, sampling, rng) -> int:
     return int(rng.choice(len(probs), p=probs))
 
 
-def processed_logits(logits, seq):
-    """One row of logits (float64) after the request's logit bias and repetition, frequency and presence
-    penalties (:class:`~.request.Sampling`), given the sequence's tokens so far."""
+def processed_logits(logits, seq, allowed=None):
+    """One row of logits (float64) after the request's grammar (-inf for the tokens it does not allow next:
+    ``allowed``, a bool array, or the sequence's grammar state's), logit bias and repetition, frequency and
+    presence penalties (:class:`~.request.Sampling`), given the sequence's tokens so far."""
     import numpy as np
 
     sp = seq.sampling
     scores = logits.astype(np.float64)
+    if seq.grammar is not None:
+        if allowed is None:
+            allowed = seq.grammar.allowed()
+        scores[:allowed.size][~allowed] = -np.inf
     if sp.logit_bias:
         tokens = np.asarray([t for t, _ in sp.logit_bias if t < scores.size], dtype=np.int64)
         np.add.at(scores, tokens, [b for t, b in sp.logit_bias if t < scores.size])
@@ -161,7 +166,10 @@ class Sampler:
         ``logits`` (a device tensor of ``rows`` rows, padding rows last). A request's random stream is drawn
         from only when it samples; ``staged``: :meth:`stage`'s parameters for this step (staged here if None).
         Rows that need their logits on the host (:attr:`~.request.Sampling.needs_logits`) read them back
-        (every row's, once) and are chosen by :func:`choose_on_host`."""
+        (every row's, once) and are chosen by :func:`choose_on_host`; the tokens a grammar allows are found
+        first, while the step may still run on the device."""
+        allowed = [seq.grammar.allowed() if want and seq.grammar is not None else None
+                   for seq, want in zip(seqs, wanted)]
         where = self.on_device(seqs)
         if where == "greedy":
             counts["device_greedy_calls"] += 1
@@ -177,17 +185,18 @@ class Sampler:
         if any(on_host):
             counts["host_sample_calls"] += 1
             host = logits.numpy().reshape(rows, -1)
-        return [choose_on_host(host[i], seq) if here else int(picks[i]) if want else None
+        return [choose_on_host(host[i], seq, allowed[i]) if here else int(picks[i]) if want else None
                 for i, (seq, want, here) in enumerate(zip(seqs, wanted, on_host))]
 
 
-def choose_on_host(logits, seq) -> int:
-    """The token of one row of logits (numpy) for ``seq``, its request's every rule applied, drawing from its
-    random stream when it samples; its log-probabilities kept for :meth:`~.request.SequenceState.accept`."""
+def choose_on_host(logits, seq, allowed=None) -> int:
+    """The token of one row of logits (numpy) for ``seq``, its request's every rule applied (``allowed``: the
+    tokens its grammar allows, where found already), drawing from its random stream when it samples; its
+    log-probabilities kept for :meth:`~.request.SequenceState.accept`."""
     import numpy as np
 
     sp = seq.sampling
-    scores = processed_logits(logits, seq) if sp.needs_logits else logits
+    scores = processed_logits(logits, seq, allowed) if sp.needs_logits else logits
     if sp.greedy:
         token = int(np.argmax(scores))
     else:
