@@ -64,7 +64,7 @@ class GrammarSpec:
                 raise GrammarError(f"the JSON schema is not JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"a JSON schema is an object, not {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False))
 
     @classmethod
     def json_object(cls) -> GrammarSpec:

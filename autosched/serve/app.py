@@ -472,6 +472,8 @@ async def _stream_chat(engine, prompt, params, rid, model_name, body, tokenizer,
                     delta["tool_calls"] = [call | {"index": i} for i, call in enumerate(calls)]
             if text:
                 delta["content"] = text
+            if not (delta or finish_reason or body.logprobs or body.return_token_ids):
+                continue  # its text held back
             choice = {"index": d.index, "delta": delta,
                       "logprobs": {"content": _chat_logprobs(d.token_ids, d.logprobs, tokenizer)} if body.logprobs
                       else None, "finish_reason": finish_reason}
