@@ -652,6 +652,37 @@ def test_a_batch_mixing_constrained_and_free_requests_gives_the_free_ones_their_
         assert [got[0], got[-1]] == alone
 
 
+def test_masks_on_the_device_behind_steps_launched_ahead_and_on_the_host_give_the_same_tokens(built):
+    """A grammar's mask applied by the kernel on the device (the default), the same with greedy steps
+    launched before the tokens of the step before are read (each step's masks found once they are), and
+    applied on the host to logits read back: the same greedy tokens; a row that also asks for log-probabilities
+    is chosen on the host, its mask there, beside rows masked on the device."""
+    from autosched.generation import Generator, GrammarSpec, Sampling
+
+    from .helpers import record_launches_behind
+    from .json_schemas import random_schema
+
+    _, artifact, tokenizer = built
+    prompt = _ids(tokenizer, "JSON:")
+    requests = [(prompt, 60, Sampling(grammar=GrammarSpec.json_schema(random_schema(i)))) for i in range(3)]
+    requests += [(prompt, 60, Sampling(grammar=GrammarSpec.regex(r"[a-z]{3,9}"))), (prompt, 30, Sampling())]
+    device = Generator(artifact, run_ahead=False)
+    expected = _run_all(device, requests)
+    assert device.sampler.masks is not None and device.stats["host_sample_calls"] == 0
+    ahead = Generator(artifact, run_ahead=True)
+    behind = record_launches_behind(ahead)
+    assert [r.tokens for r in _run_all(ahead, requests)] == [r.tokens for r in expected]
+    assert sum(behind) > 10  # steps of constrained rows launched behind the step before
+    host = Generator(artifact)
+    host.device_masks = False
+    assert [r.tokens for r in _run_all(host, requests)] == [r.tokens for r in expected]
+    assert host.sampler.masks is None and host.stats["host_sample_calls"] > 0
+    mixed = _run_all(Generator(artifact), [(prompt, 60, Sampling(grammar=requests[0][2].grammar, logprobs=2))]
+                     + requests[1:4])
+    assert [r.tokens for r in mixed] == [r.tokens for r in expected[:4]]
+    assert len(mixed[0].logprobs) == len(mixed[0].tokens) and mixed[0].logprobs[0].top
+
+
 def test_constraints_with_speculation_give_the_tokens_they_give_without_greedy(built):
     """Prompt lookup proposes 3 tokens a step; the grammar cuts the proposals it rejects before verification,
     the target's logits are masked at every position and the grammar's state rolls back with the rejected

@@ -54,6 +54,11 @@ class Generator:
 
     ``tokenizer``: a Hugging Face tokenizer (or its folder) for requests under a grammar (``Sampling(grammar=
     ...)``: :mod:`.grammar`); default: the artifact's own ``tokenizer/``, read when a grammar is first asked for.
+    A step's logits of the tokens a sequence's grammar does not allow are set to -inf on the device, by a kernel
+    compiled at the first grammar (:func:`~.grammar.device_mask`), the mask found on the host while the step
+    runs; then its token is chosen as any other's (and a greedy step is launched ahead all the same: the mask
+    of the step launched is found once the tokens of the step before are read). ``device_masks = False`` (or a
+    kernel that cannot be compiled): those rows read their logits back and are masked and chosen on the host.
     """
 
     def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None,
@@ -180,6 +185,7 @@ class Generator:
         self.prefix_cache: PrefixCache | None = None
         self._tokenizer = None  # for requests under a grammar (see the class)
         self._grammars = None
+        self.device_masks = True  # a grammar's mask applied on the device (see the class)
 
     def __getattr__(self, name: str):
         # The model's facts (max_batch, max_seq_len, vocab, manifest, vm, caches, ...), as attributes of old.
@@ -266,6 +272,11 @@ class Generator:
                 grammar = self.grammars.state(sampling.grammar, stops)
             except UsageError as exc:  # a grammar that cannot compile, no tokenizer
                 raise GenerationError(str(exc)) from None
+            if self.device_masks and self.sampler.masks is None:
+                from .grammar import device_mask
+
+                self.sampler.masks = device_mask(self.model)  # compiled at the first grammar (None: masks on the host)
+                self.device_masks = self.sampler.masks is not None
         if parent is None and self.prefix_cache is not None:
             cached = self.prefix_cache.match(prompt)
         seq_id = self._next_id
@@ -444,7 +455,7 @@ class Generator:
         if not (self.run_ahead and m.step_barrier and self._speculator is None and self.rope_switch is None):
             return None
         in_flight = 0 if flight is None else 1
-        if any(not s.sampling.greedy or s.sampling.needs_logits or len(s.completion.tokens) + in_flight >= s.max_new_tokens
+        if any(not s.sampling.greedy or self.sampler.on_host(s) or len(s.completion.tokens) + in_flight >= s.max_new_tokens
                or s.length + 1 >= self.max_seq_len for s in seqs):
             return None
         need = sum(scheduler.pages_needed(s.length, 1, self.limits.page_size) for s in seqs)
@@ -471,10 +482,19 @@ class Generator:
         if after is None:
             for seq in seqs:
                 seq.feed(1, keep_cached=False)
+        flight = Flight(seqs, None, rows, function, bool(pads), began, logits=logits)
+        if after is None or all(s.grammar is None for s in seqs):
+            self._choose(flight)
+        return flight  # under a grammar behind ``after``: chosen once after's tokens are read (see _fly)
+
+    def _choose(self, flight: Flight) -> None:
+        """Launch the choice of ``flight``'s tokens: its grammars' masks, then the greedy kernel."""
+        m = self.model
+        self.sampler.mask(flight.logits, flight.rows, flight.seqs, [True] * len(flight.seqs))
         self.stats["device_greedy_calls"] += 1
-        tokens = m.greedy_tokens(logits)
-        marks = m.token_marks()
-        return Flight(seqs, tokens, rows, function, bool(pads), began, marks, marks and marks.mark(tokens))
+        flight.tokens = m.greedy_tokens(flight.logits)
+        flight.marks = m.token_marks()
+        flight.mark = flight.marks and flight.marks.mark(flight.tokens)
 
     def _fly(self, flight: Flight) -> list[tuple[int, int]]:
         """``flight``'s tokens (this step's), with the next step launched behind them first where it may be."""
@@ -486,6 +506,8 @@ class Generator:
         for seq in flight.seqs:
             if not seq.completion.finished:  # its token went into the step launched (one that stopped leaves)
                 seq.feed(1, keep_cached=False)
+        if follow.tokens is None:  # its grammars now know the tokens before: its masks, while it runs
+            self._choose(follow)
         follow.began = self._stats.clock()  # steps in flight overlap: its time counts from here
         self._flight = follow
         return made
@@ -549,7 +571,7 @@ class Flight:
     after them), the device tensor of every row's token, and what its time counts as."""
 
     seqs: list[SequenceState]
-    tokens: object
+    tokens: object  # None until chosen (Generator._choose)
     rows: int
     function: str
     padded: bool
@@ -557,6 +579,7 @@ class Flight:
     marks: object = None  # TokenMarks on a GPU, and the mark after this step's tokens
     mark: object = None
     _read: object = None
+    logits: object = None
 
     def wait(self) -> None:
         """Until this step is done: the barrier of the step launched behind it calls this. With CUDA events

@@ -296,3 +296,74 @@ class Utf8Table:
             walked = self._walk(self.states[state], data)
             self.next[key] = state if walked is None else self._id(walked)
         return self.next[key]
+
+
+# ---- the mask on the device ---------------------------------------------------------------------------------
+
+MASK_THREADS = 1024  # per row on a GPU: a 32000-token vocabulary is 32 coalesced stores a thread at most
+
+
+def mask_kernel(vocab: int, gpu: bool):
+    """The PrimFunc ``main(logits [n, vocab] float32, bitmask [n, ceil(vocab / 32)] int32)`` that sets, in place,
+    the logits of the tokens whose bit is 0 (XGrammar's layout) to -inf; on a GPU a CTA a row."""
+    from tvm.script import tirx as T
+
+    words = (vocab + 31) // 32
+    width = MASK_THREADS if gpu else 1
+    share = (vocab + width - 1) // width
+
+    @T.macro
+    def row(logits, bitmask, r, t):
+        for i in range(share):
+            j = i * width + t
+            if j < vocab:
+                if T.bitwise_and(T.shift_right(bitmask[r, j // 32], j % 32), 1) == 0:
+                    logits[r, j] = T.float32("-inf")
+
+    if gpu:
+        @T.prim_func
+        def main(var_logits: T.handle, var_bitmask: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            n = T.int64()
+            logits = T.match_buffer(var_logits, (n, vocab), "float32")
+            bitmask = T.match_buffer(var_bitmask, (n, words), "int32")
+            for r in T.thread_binding(n, thread="blockIdx.x"):
+                for t in T.thread_binding(MASK_THREADS, thread="threadIdx.x"):
+                    row(logits, bitmask, r, t)
+    else:
+        @T.prim_func
+        def main(var_logits: T.handle, var_bitmask: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            logits = T.match_buffer(var_logits, (n, vocab), "float32")
+            bitmask = T.match_buffer(var_bitmask, (n, words), "int32")
+            for r in T.parallel(n):
+                row(logits, bitmask, r, 0)
+    return main
+
+
+_MASK_KERNELS: dict[tuple[str, int], object] = {}
+
+
+def device_mask(model):
+    """A function ``(logits, bitmask)`` that masks a step's logits on ``model``'s device (:func:`mask_kernel`,
+    compiled here at the first use in this process), or None where it cannot be compiled (the rows under a
+    grammar are then masked on the host)."""
+    import logging
+
+    import tvm
+
+    from autosched.target import TargetSpec
+
+    spec = TargetSpec.from_json(model.manifest["target"])
+    gpu = spec.kind == "cuda"
+    key = (f"{spec.kind}:{spec.arch}", model.vocab)
+    if key not in _MASK_KERNELS:
+        try:
+            target = spec.tvm_target() if gpu else tvm.target.Target("llvm")
+            _MASK_KERNELS[key] = tvm.compile(tvm.IRModule({"main": mask_kernel(model.vocab, gpu)}), target=target)["main"]
+        except Exception as exc:  # noqa: BLE001 - no CUDA compiler at run time, say: the host masks instead
+            logging.getLogger(__name__).warning("grammar masks stay on the host: the mask kernel did not compile (%s)",
+                                                _one_line(exc))
+            _MASK_KERNELS[key] = None
+    return _MASK_KERNELS[key]

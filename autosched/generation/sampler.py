@@ -126,20 +126,29 @@ class Sampler:
     """Tokens for the rows of a step, chosen on the device where the model runs: ``greedy_tokens`` where every
     row is greedy, ``sample_tokens`` otherwise (each sampled row draws one uniform number from its request's
     seeded stream on the host); one int a row comes back, not the logits. An artifact built before
-    ``sample_tokens`` samples on the host from the logits."""
+    ``sample_tokens`` samples on the host from the logits. ``masks``: a function that sets the logits of the
+    tokens a row's grammar does not allow to -inf on the device (:func:`~.grammar.device_mask`); without it
+    rows under a grammar are masked and chosen on the host."""
 
     def __init__(self, greedy_tokens=None, sample_tokens=None, device=None, staging=None):
         from .model import Staging
 
         self.greedy_tokens, self.sample_tokens, self.device = greedy_tokens, sample_tokens, device
         self.staging = staging or Staging(device)  # where the sampling parameters go on the device
+        self.masks = None
+
+    def on_host(self, seq) -> bool:
+        """Whether ``seq``'s token is chosen on the host from its logits: rules the device kernels do not apply
+        (:attr:`~.request.Sampling.needs_logits`; a grammar's are applied on the device where there is
+        :attr:`masks`)."""
+        return not seq.sampling.speculates or (seq.grammar is not None and self.masks is None)
 
     def on_device(self, seqs: list) -> str:
         """Where a step's tokens are chosen: ``greedy`` (every row greedy, on the device), ``sample`` (on the
-        device) or ``host`` (an artifact built before ``sample_tokens``). Rows whose rules need the logits
-        (:attr:`~.request.Sampling.needs_logits`) are chosen on the host whatever this says, the others the same
-        way whether such rows share their step or not."""
-        plain = [seq for seq in seqs if not seq.sampling.needs_logits]
+        device) or ``host`` (an artifact built before ``sample_tokens``). Rows that need their logits
+        (:meth:`on_host`) are chosen on the host whatever this says, the others the same way whether such rows
+        share their step or not."""
+        plain = [seq for seq in seqs if not self.on_host(seq)]
         if self.greedy_tokens is not None and all(seq.sampling.greedy for seq in plain):
             return "greedy"
         return "sample" if self.sample_tokens is not None else "host"
@@ -156,21 +165,40 @@ class Sampler:
         params = np.zeros((rows, 4), dtype="float32")  # padding, unwanted and host rows: greedy
         for i, (seq, want) in enumerate(zip(seqs, wanted)):
             sp = seq.sampling
-            if want and not sp.greedy and not sp.needs_logits:
+            if want and not sp.greedy and not self.on_host(seq):
                 params[i] = (sp.temperature, sp.top_k, sp.top_p, seq.rng.random())
         return self.staging.put("sampling", params)
+
+    def mask(self, logits, rows: int, seqs: list, wanted: list[bool]) -> None:
+        """Set the logits of the tokens the grammars of ``seqs`` (those ``wanted`` and not on the host) do not
+        allow to -inf, on the device, in place (the tokens allowed found on the host meanwhile)."""
+        import numpy as np
+
+        masked = [i for i, (seq, want) in enumerate(zip(seqs, wanted))
+                  if want and seq.grammar is not None and not self.on_host(seq)]
+        if not masked:
+            return
+        bitmask = np.full((rows, seqs[masked[0]].grammar.grammars.words), -1, dtype=np.int32)  # others: all allowed
+        for i in masked:
+            if not seqs[i].grammar.terminated:  # (one that ended in a step launched ahead: its token is not kept)
+                seqs[i].grammar.fill(bitmask, i)
+        width = int(np.prod(logits.shape)) // rows  # a prefill's logits are [1, rows, vocab]
+        self.masks(logits._create_view((rows, width)), self.staging.put("bitmask", bitmask))
 
     def choose(self, logits, rows: int, seqs: list, wanted: list[bool], counts: dict,
                staged=None) -> list[int | None]:
         """A token for each of ``seqs`` that is ``wanted`` (None for the others), from the first rows of
         ``logits`` (a device tensor of ``rows`` rows, padding rows last). A request's random stream is drawn
         from only when it samples; ``staged``: :meth:`stage`'s parameters for this step (staged here if None).
-        Rows that need their logits on the host (:attr:`~.request.Sampling.needs_logits`) read them back
-        (every row's, once) and are chosen by :func:`choose_on_host`; the tokens a grammar allows are found
-        first, while the step may still run on the device."""
-        allowed = [seq.grammar.allowed() if want and seq.grammar is not None else None
-                   for seq, want in zip(seqs, wanted)]
+        Rows that need their logits on the host (:meth:`on_host`) read them back (every row's, once) and are
+        chosen by :func:`choose_on_host`. The tokens a grammar allows are found first, while the step may still
+        run on the device, and masked there (:meth:`mask`) or on the host."""
         where = self.on_device(seqs)
+        on_host = [want and (where == "host" or self.on_host(seq)) for seq, want in zip(seqs, wanted)]
+        if where != "host":
+            self.mask(logits, rows, seqs, [want and not here for want, here in zip(wanted, on_host)])
+        allowed = [seq.grammar.allowed() if here and seq.grammar is not None else None
+                   for seq, here in zip(seqs, on_host)]
         if where == "greedy":
             counts["device_greedy_calls"] += 1
             picks = self.greedy_tokens(logits).numpy().reshape(-1)
@@ -180,7 +208,6 @@ class Sampler:
             picks = self.sample_tokens(logits, params).numpy().reshape(-1)
         else:
             picks = None
-        on_host = [want and (picks is None or seq.sampling.needs_logits) for seq, want in zip(seqs, wanted)]
         host = None
         if any(on_host):
             counts["host_sample_calls"] += 1
