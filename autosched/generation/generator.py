@@ -121,9 +121,12 @@ class Generator:
                 if not Path(tokenizer).is_dir():
                     raise GrammarError("a grammar needs the model's tokenizer: this artifact has none (build it from "
                                        "a model folder with its tokenizer, or give Generator(..., tokenizer=DIR))")
-                from autosched.serve.tokenizer import load_tokenizer
+                from transformers import AutoTokenizer
 
-                tokenizer = load_tokenizer(tokenizer)
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+                except Exception as exc:  # noqa: BLE001 - transformers' errors for a folder it cannot read vary
+                    raise GrammarError(f"no tokenizer could be read from {tokenizer}: {exc}") from None
             if tokenizer is None:
                 raise GrammarError("a grammar needs the model's tokenizer: give Generator.use_grammars(tokenizer)")
             self._grammars = Grammars(tokenizer, self.vocab, self.eos_token_ids)

@@ -24,12 +24,16 @@ XGrammar is imported when a grammar is first compiled.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from autosched.errors import UsageError
+from autosched.target import TargetSpec
+
+# Deferred imports: xgrammar, numpy, tvm (imported where used: `autosched --help` stays fast).
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 CACHE_SIZE = 256  # compiled grammars kept per Grammars
@@ -349,11 +353,7 @@ def device_mask(model):
     """A function ``(logits, bitmask)`` that masks a step's logits on ``model``'s device (:func:`mask_kernel`,
     compiled here at the first use in this process), or None where it cannot be compiled (the rows under a
     grammar are then masked on the host)."""
-    import logging
-
     import tvm
-
-    from autosched.target import TargetSpec
 
     spec = TargetSpec.from_json(model.manifest["target"])
     gpu = spec.kind == "cuda"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from autosched.errors import AutoschedError
 from autosched.generation import scheduler
+from autosched.generation.grammar import GrammarError, Grammars
 from autosched.generation.request import GenerationError, Sampling, TokenLogprob
 
 from .tokenizer import IncrementalDetokenizer, StopText
@@ -238,8 +239,6 @@ class Engine:
         """Compile a request's grammar (:class:`~autosched.generation.grammar.GrammarSpec`) now, kept for its
         sequences; a BadRequest with XGrammar's reason where it cannot be. Blocking: asyncio code calls it in a
         worker thread (``asyncio.to_thread``)."""
-        from autosched.generation.grammar import GrammarError, Grammars
-
         if self.tokenizer is None:
             raise BadRequest("structured output needs the model's tokenizer, and this server has none: serve with "
                              "--tokenizer DIR", param)
