@@ -557,6 +557,372 @@ def test_sigterm_drains_running_requests_then_exits_0(built):
     assert "draining" in proc.stderr.read()
 
 
+# ---- structured output (XGrammar) and tool calls --------------------------------------------------------------
+
+def _run_all(gen, requests):
+    """Each (prompt, max_new_tokens, Sampling) of ``requests`` through ``gen``, up to its batch at once (later
+    ones joining as earlier ones finish); their completions in order."""
+    queue, live, done = list(enumerate(requests)), {}, {}
+    while queue or live:
+        while queue and len(live) < gen.max_batch:
+            i, (prompt, new, sampling) = queue.pop(0)
+            live[gen.add(prompt, new, sampling)] = i
+        gen.step()
+        for seq in [s for s in live if s not in gen.live]:
+            done[live.pop(seq)] = gen.remove(seq)
+    return [done[i] for i in range(len(requests))]
+
+
+def _text(tokenizer, tokens):
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_200_random_json_schemas_sampled_at_temperature_1_all_end_and_validate(built):
+    """Nested objects, arrays with min/max items, enums, numbers and integers with ranges, required and optional
+    fields, strings with a pattern or a length; each output sampled (temperature 1, its own seed) by the
+    Generator, four at a time, under its schema: every one ends at the stop token, parses and validates."""
+    import jsonschema
+
+    from autosched.generation import Generator, Sampling
+    from autosched.generation.grammar import GrammarSpec
+
+    from .json_schemas import random_schema
+
+    _, artifact, tokenizer = built
+    gen = Generator(artifact)  # the artifact's own tokenizer compiles the grammars
+    prompt = _ids(tokenizer, "JSON:")
+    schemas = [random_schema(i) for i in range(200)]
+    results = _run_all(gen, [(prompt, MAX_SEQ_LEN - len(prompt), Sampling(1.0, seed=i, grammar=GrammarSpec.json_schema(s)))
+                             for i, s in enumerate(schemas)])
+    for schema, result in zip(schemas, results):
+        text = _text(tokenizer, result.tokens)
+        assert result.finish_reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    assert len({_text(tokenizer, r.tokens) for r in results}) > 150  # sampled, not one answer
+
+
+def test_regex_choice_and_ebnf_outputs_match(built):
+    from autosched.generation import Generator, Sampling
+    from autosched.generation.grammar import GrammarSpec
+
+    _, artifact, tokenizer = built
+    gen = Generator(artifact)
+    prompt = _ids(tokenizer, PROMPTS[1])
+    regexes = [r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)", r"\d{3}-\d{4}", r"(kalo|mine)( (kalo|mine)){0,3}", r"[A-Z][a-zé ]{0,8}\."]
+    choices = ["yes", "no", "maybe not", "“quoted”", "a\\b \"c\""]
+    ebnf = 'root ::= "(" item ("," item){0,2} ")"\nitem ::= [0-9]{1,2} | "x"'
+    requests = [(prompt, 60, Sampling(1.0, seed=s, grammar=GrammarSpec.regex(r))) for r in regexes for s in range(3)]
+    requests += [(prompt, 30, Sampling(1.0, seed=s, grammar=GrammarSpec.choice(choices))) for s in range(8)]
+    requests += [(prompt, 40, Sampling(1.0, seed=s, grammar=GrammarSpec.ebnf(ebnf))) for s in range(4)]
+    requests += [(prompt, 60, Sampling(grammar=GrammarSpec.regex(r))) for r in regexes]  # greedy
+    results = _run_all(gen, requests)
+    texts = [_text(tokenizer, r.tokens) for r in results]
+    assert all(r.finish_reason == "stop" for r in results), list(zip(texts, [r.finish_reason for r in results]))
+    for text, (_, _, sampling) in zip(texts, requests):
+        spec = sampling.grammar
+        if spec.kind == "regex":
+            assert re.fullmatch(spec.text, text), (spec.text, text)
+        elif spec.kind == "choice":
+            assert text in choices
+        else:
+            assert re.fullmatch(r"\((\d{1,2}|x)(,(\d{1,2}|x)){0,2}\)", text), text
+
+
+def test_a_batch_mixing_constrained_and_free_requests_gives_the_free_ones_their_tokens_alone(built):
+    from autosched.generation import Generator, Sampling
+    from autosched.generation.grammar import GrammarSpec
+
+    from .json_schemas import random_schema
+
+    _, artifact, tokenizer = built
+    free = [(_ids(tokenizer, PROMPTS[0]), 24, Sampling()),
+            (_ids(tokenizer, PROMPTS[2]), 24, Sampling(0.9, top_p=0.9, seed=5))]
+    gen = Generator(artifact)
+    alone = [gen.generate([p], n, temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop_tokens=[])[0].tokens
+             for p, n, s in free]
+    for constrained in ([Sampling(1.0, seed=3, grammar=GrammarSpec.json_schema(random_schema(7))),
+                         Sampling(grammar=GrammarSpec.regex(r"[a-z]{3,20}"))],
+                        [Sampling(grammar=GrammarSpec.choice(["ka", "lo"])), Sampling(1.0, seed=1,
+                                                                                       grammar=GrammarSpec.json_object())]):
+        seqs = [gen.add(p, n, s, stop_tokens=[]) for p, n, s in free[:1]]
+        seqs += [gen.add(_ids(tokenizer, PROMPTS[3]), 40, s) for s in constrained]
+        seqs += [gen.add(p, n, s, stop_tokens=[]) for p, n, s in free[1:]]
+        while any(s in gen.live for s in seqs):
+            gen.step()
+        got = [gen.remove(s).tokens for s in seqs]
+        assert [got[0], got[-1]] == alone
+
+
+def test_masks_on_the_device_behind_steps_launched_ahead_and_on_the_host_give_the_same_tokens(built):
+    """A grammar's mask applied by the kernel on the device (the default), the same with greedy steps
+    launched before the tokens of the step before are read (each step's masks found once they are), and
+    applied on the host to logits read back: the same greedy tokens; a row that also asks for log-probabilities
+    is chosen on the host, its mask there, beside rows masked on the device."""
+    from autosched.generation import Generator, GrammarSpec, Sampling
+
+    from .helpers import record_launches_behind
+    from .json_schemas import random_schema
+
+    _, artifact, tokenizer = built
+    prompt = _ids(tokenizer, "JSON:")
+    requests = [(prompt, 60, Sampling(grammar=GrammarSpec.json_schema(random_schema(i)))) for i in range(3)]
+    requests += [(prompt, 60, Sampling(grammar=GrammarSpec.regex(r"[a-z]{3,9}"))), (prompt, 30, Sampling())]
+    device = Generator(artifact, run_ahead=False)
+    expected = _run_all(device, requests)
+    assert device.sampler.masks is not None and device.stats["host_sample_calls"] == 0
+    ahead = Generator(artifact, run_ahead=True)
+    behind = record_launches_behind(ahead)
+    assert [r.tokens for r in _run_all(ahead, requests)] == [r.tokens for r in expected]
+    assert sum(behind) > 10  # steps of constrained rows launched behind the step before
+    host = Generator(artifact)
+    host.device_masks = False
+    assert [r.tokens for r in _run_all(host, requests)] == [r.tokens for r in expected]
+    assert host.sampler.masks is None and host.stats["host_sample_calls"] > 0
+    mixed = _run_all(Generator(artifact), [(prompt, 60, Sampling(grammar=requests[0][2].grammar, logprobs=2))]
+                     + requests[1:4])
+    assert [r.tokens for r in mixed] == [r.tokens for r in expected[:4]]
+    assert len(mixed[0].logprobs) == len(mixed[0].tokens) and mixed[0].logprobs[0].top
+
+
+def test_constraints_with_speculation_give_the_tokens_they_give_without_greedy(built):
+    """Prompt lookup proposes 3 tokens a step; the grammar cuts the proposals it rejects before verification,
+    the target's logits are masked at every position and the grammar's state rolls back with the rejected
+    tokens: the same greedy tokens as plain decoding, constrained and free rows sharing the steps."""
+    from autosched.generation import Generator, Sampling
+    from autosched.generation.grammar import GrammarSpec
+
+    from .json_schemas import random_schema
+
+    _, artifact, tokenizer = built
+    example = '{"name":"kalo","tags":["kalo","mine","kalo"],"count":3} {"name":"mine","tags":["kalo","mine"]} '
+    prompt = _ids(tokenizer, example)
+    tags = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "tags": {
+        "type": "array", "items": {"enum": ["kalo", "mine"]}, "minItems": 1, "maxItems": 6}}, "required": ["name", "tags"]}
+    specs = [GrammarSpec.json_schema(tags), GrammarSpec.regex(r"(kalo|mine|,|\[|\]|\"){4,30}"),
+             GrammarSpec.choice(['{"name":"kalo"}', '{"name":"mine"}'])]
+    specs += [GrammarSpec.json_schema(random_schema(i)) for i in range(5)]
+    requests = [(prompt, 60, Sampling(grammar=s)) for s in specs] + [(prompt, 20, Sampling())]
+    plain = _run_all(Generator(artifact), requests)
+    speculating = Generator(artifact, draft="prompt-lookup", speculate=3, adaptive=False)
+    assert [r.tokens for r in _run_all(speculating, requests)] == [r.tokens for r in plain]
+    assert all(r.finish_reason == "stop" for r in plain[:-1])
+    assert speculating.stats["speculative_steps"] > 0 and speculating.stats["accepted_tokens"] > 0
+
+
+def test_json_schemas_regex_and_choice_through_the_openai_client(built, client):
+    import jsonschema
+
+    from .json_schemas import random_schema
+
+    _, _, tokenizer = built
+    messages = [{"role": "user", "content": "JSON, please"}]
+    for seed in range(4):
+        schema = random_schema(1000 + seed)
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=100, temperature=1, seed=seed,
+                                             response_format={"type": "json_schema", "json_schema": {
+                                                 "name": "thing", "schema": schema, "strict": True}})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    schema = random_schema(2000)
+    out = client.completions.create(model="tiny", prompt="JSON:", max_tokens=100, temperature=1, seed=1, n=2,
+                                    extra_body={"guided_json": schema})
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), schema)
+    schema = random_schema(2001)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=100, temperature=1,
+                                                 seed=2, stream=True, extra_body={"structured_outputs": {"json": schema}}))
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), schema)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    for fields, check in [({"guided_regex": r"\d{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"\d{3}-[a-z]{2}", t)),
+                          ({"structured_outputs": {"regex": r"(ka|lo){2}"}}, lambda t: t in ("kaka", "kalo", "loka", "lolo")),
+                          ({"guided_choice": ["red", "green", "blue sky"]}, lambda t: t in ("red", "green", "blue sky")),
+                          ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+                          ({"guided_grammar": 'root ::= "x" [0-9]'}, lambda t: re.fullmatch(r"x[0-9]", t))]:
+        for seed in range(2):
+            out = client.completions.create(model="tiny", prompt="Say:", max_tokens=30, temperature=1, seed=seed,
+                                            extra_body=fields)
+            assert out.choices[0].finish_reason == "stop" and check(out.choices[0].text), (fields, out.choices[0].text)
+    objects = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=100, temperature=1,
+                                              seed=seed, response_format={"type": "json_object"}).choices[0]
+               for seed in range(4)]
+    stopped = [c for c in objects if c.finish_reason == "stop"]
+    assert stopped and all(isinstance(json.loads(c.message.content), dict) for c in stopped)
+    text = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                          response_format={"type": "text"})
+    assert text.choices[0].message.content is not None
+
+
+def test_a_schema_or_grammar_xgrammar_cannot_compile_gets_400_with_its_reason_and_the_server_keeps_serving(server, client):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    cases = [
+        ("/v1/chat/completions", chat | {"response_format": bad_schema}, "response_format", 'Unsupported type "strin"'),
+        ("/v1/chat/completions", chat | {"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a(b"}, "guided_regex", "parenthesis is not closed"),
+        ("/v1/completions", {"prompt": "x", "guided_grammar": "root ::= foo"}, "guided_grammar", 'Rule "foo" is not defined'),
+        ("/v1/completions", {"prompt": "x", "guided_json": "{not json"}, "guided_json", "not JSON"),
+        ("/v1/completions", {"prompt": "x", "guided_json": {"$ref": "#/nope"}}, "guided_json", "nope"),
+        ("/v1/completions", {"prompt": "x", "guided_choice": []}, "guided_choice", "choice"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "give one"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+         "one of"),
+        ("/v1/chat/completions", chat | {"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ("/v1/chat/completions", chat | {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                         "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice", "not one of the tools"),
+        ("/v1/chat/completions", chat | {"tools": [{"type": "function"}]}, "tools.0", "function"),
+    ]
+    with httpx.Client(base_url=server.removesuffix("/v1"), timeout=60) as http:
+        for path, body, param, said in cases:
+            answer = http.post(path, json=body, headers=headers)
+            error = answer.json()["error"]
+            assert (answer.status_code, error["param"]) == (400, param), (body, answer.text)
+            assert said in error["message"] and "\n" not in error["message"], error["message"]
+            assert "/project/" not in error["message"]  # XGrammar's reason, without its C++ source line
+        stream = http.post("/v1/chat/completions", json=chat | {"response_format": bad_schema, "stream": True},
+                           headers=headers)
+        assert stream.status_code == 400  # before the stream starts
+    out = client.completions.create(model="tiny", prompt="still here", max_tokens=3, temperature=0,
+                                    extra_body={"guided_regex": "[a-z]+"})
+    assert out.choices[0].text.isalpha()
+
+
+# A template that renders tools by name and parameter names: short enough for the tiny model's 128 tokens.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }}("
+    "{{ t.function.parameters.properties | list | join(',') }}) {% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+TOOLS = [  # names the tiny tokenizer writes in few tokens
+    {"type": "function", "function": {"name": "fox", "description": "Finds a fox", "parameters": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 3},
+                                         "count": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["name"]}}},
+    {"type": "function", "function": {"name": "value", "parameters": {
+        "type": "object", "properties": {"count": {"type": "integer", "minimum": -9, "maximum": 9},
+                                         "name": {"enum": ["kalo", "mine"]}, "ok": {"type": "boolean"}},
+        "required": ["count", "name"]}}},
+]
+
+
+@pytest.fixture
+def tools_server(built):
+    """A server of the artifact (in this process) whose tokenizer's template takes tools (TOOLS_TEMPLATE)."""
+    from autosched.generation import Generator
+    from autosched.serve import Engine
+
+    _, artifact, _ = built
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(artifact / "tokenizer"))
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    served = _Served(Engine(lambda: Generator(artifact), tokenizer))
+    yield served.url + "/v1", tokenizer
+    served.close()
+
+
+def _check_calls(calls):
+    import jsonschema
+
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def test_tool_choice_required_and_named_always_give_well_formed_calls_whole_and_streamed(tools_server):
+    url, tokenizer = tools_server
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Weather?"}]
+    ask = {"model": "tiny", "messages": messages, "temperature": 1, "tools": TOOLS}  # max_tokens: what is left
+    names = set()
+    for seed in range(6):
+        out = client.chat.completions.create(**ask, seed=seed, tool_choice="required", parallel_tool_calls=False)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice.message.content
+        (call,) = _check_calls(choice.message.tool_calls)
+        names.add(call[0])
+        if seed < 3:  # streamed: the same call, in one delta.tool_calls when the output ends
+            chunks = list(client.chat.completions.create(**ask, seed=seed, tool_choice="required",
+                                                         parallel_tool_calls=False, stream=True))
+            deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+            assert not any(c.choices[0].delta.content for c in chunks)
+            assert _check_calls(deltas) == [call] and [d.index for d in deltas] == [0]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert names == {"fox", "value"}
+    for seed in range(3):
+        out = client.chat.completions.create(**ask, seed=seed, tool_choice={"type": "function",
+                                                                             "function": {"name": "value"}})
+        assert out.choices[0].finish_reason == "tool_calls"
+        assert [name for name, _ in _check_calls(out.choices[0].message.tool_calls)] == ["value"]
+    # the tools went through the template; "none" leaves them out
+    with_tools = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "fox(name,count) value(count,name,ok)" in with_tools
+    none = client.chat.completions.create(**ask, tool_choice="none")
+    assert out.usage.prompt_tokens == len(tokenizer.encode(with_tools, add_special_tokens=False))
+    assert none.usage.prompt_tokens < out.usage.prompt_tokens and none.choices[0].message.tool_calls is None
+
+
+def test_auto_reads_a_call_in_the_output_and_tool_messages_go_back_in_the_next_turn(tools_server):
+    url, tokenizer = tools_server
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Count"}]
+    # auto holds nothing: an output held to a call's shape (here by guided_json) is read as a call
+    call_shape = {"type": "object", "properties": {"name": {"const": "value"}, "arguments": TOOLS[1]["function"]["parameters"]},
+                  "required": ["name", "arguments"]}
+    out = client.chat.completions.create(model="tiny", messages=messages, temperature=1, seed=1, tools=TOOLS,
+                                         extra_body={"guided_json": call_shape})
+    assert out.choices[0].finish_reason == "tool_calls"
+    ((name, arguments),) = _check_calls(out.choices[0].message.tool_calls)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, temperature=1, seed=1, tools=TOOLS,
+                                                 stream=True, extra_body={"guided_json": call_shape}))
+    assert _check_calls([d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]) == [(name, arguments)]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, tools=TOOLS)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+    streamed = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                   tools=TOOLS, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == plain.choices[0].message.content
+    # the next turn: the assistant's call and the tool's answer
+    call = out.choices[0].message.tool_calls[0]
+    turn = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                       {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+    reply = client.chat.completions.create(model="tiny", messages=turn, max_tokens=5, temperature=0, tools=TOOLS)
+    expected = tokenizer.apply_chat_template(turn, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>tool\n3<|im_end|>" in expected
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
+
+
+def test_generate_takes_a_json_schema_a_grammar_or_a_regex_and_exits_2_for_one_that_cannot_compile(built, tmp_path):
+    import jsonschema
+
+    from .helpers import cli
+
+    _, artifact, tokenizer = built
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.ebnf").write_text('root ::= "<" [a-c]{1,3} ">"')
+    for option, value, check in [("--json-schema", str(tmp_path / "s.json"),
+                                  lambda t: jsonschema.validate(json.loads(t), schema) is None),
+                                 ("--grammar", str(tmp_path / "g.ebnf"), lambda t: re.fullmatch("<[a-c]{1,3}>", t)),
+                                 ("--regex", "[0-9]{2}x", lambda t: re.fullmatch("[0-9]{2}x", t))]:
+        out = cli("generate", str(artifact), "--prompt-ids", "5,6,7", "--prompt-ids", "8,9", option, value,
+                  "--temperature", "1", "--max-new-tokens", "60", "--format", "json")
+        for row in json.loads(out.stdout)["completions"]:
+            assert row["finish_reason"] == "stop"
+            assert check(_text(tokenizer, row["tokens"])), row
+    (tmp_path / "bad.json").write_text('{"type": "strin"}')
+    for option, value, said in [("--json-schema", str(tmp_path / "bad.json"), 'Unsupported type "strin"'),
+                                ("--regex", "a(b", "parenthesis is not closed"),
+                                ("--grammar", str(tmp_path / "missing.ebnf"), "No such file")]:
+        out = cli("generate", str(artifact), "--prompt-ids", "5,6,7", option, value, check=False)
+        assert out.returncode == 2 and said in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
 # ---- the parts ------------------------------------------------------------------------------------------------
 
 def test_incremental_detokenization_never_splits_a_character_and_joins_to_the_decode(built):
@@ -643,3 +1009,41 @@ def test_the_server_on_the_gpu_gives_concurrent_clients_the_tokens_they_get_alon
         assert sum(cached for _, cached in results) > 0
     finally:
         served.close()
+
+
+def test_auto_tool_calls_are_json_objects_or_lists_of_them_possibly_in_tool_call_tags():
+    from autosched.serve.structured import parse_calls
+
+    functions = {"f": {}, "g": {}}
+    one = parse_calls(' {"name": "f", "arguments": {"x": 1}} ', functions)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in one] == [("f", {"x": 1})]
+    assert one[0]["id"].startswith("call_") and one[0]["type"] == "function"
+    both = parse_calls('<tool_call>{"name": "f", "parameters": {}}</tool_call>\n<tool_call>[{"name": "g", '
+                       '"arguments": "{\\"y\\": [2]}"}]</tool_call>', functions)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in both] == [("f", {}), ("g", {"y": [2]})]
+    for text in ['{"name": "h", "arguments": {}}', '{"name": "f"}', '{"name": "f", "arguments": 3}', "Hello",
+                 '<tool_call>{"name": "f", "arguments": {}}</tool_call> and text', "[]", '{"name": "f", "arguments": {}']:
+        assert parse_calls(text, functions) is None, text
+
+
+def test_the_grammar_never_allows_special_tokens_or_bytes_that_are_not_utf8(built):
+    """XGrammar reads a byte-level tokenizer's added special tokens as their text, and lets overlong forms and
+    surrogates through its byte automaton: both are masked."""
+    from autosched.generation.grammar import Grammars, GrammarSpec
+
+    _, _, tokenizer = built
+    grammars = Grammars(tokenizer, 512, [2])
+    state = grammars.state(GrammarSpec.json_schema({"type": "string"}))
+    vocab = {bytes(t): i for i, t in enumerate(grammars.info.decoded_vocab) if len(t) == 1}
+    assert state.accept(tokenizer.convert_tokens_to_ids('"'))
+    allowed = state.allowed()
+    assert not allowed[[0, 1, 2, 3, 4]].any() and allowed[vocab[b"a"]] and allowed[vocab[b"\xe4"]]
+    assert not allowed[vocab[b"\x80"]] and not allowed[vocab[b"\xc0"]] and not allowed[vocab[b"\xf5"]]
+    assert state.accept(vocab[b"\xed"])  # the lead byte of U+D000..U+D7FF and of the surrogates
+    allowed = state.allowed()
+    assert allowed[vocab[b"\x80"]] and allowed[vocab[b"\x9f"]] and not allowed[vocab[b"\xa0"]]
+    assert not allowed[vocab[b'"']]  # not in the middle of a character
+    state.rollback(1)
+    assert state.allowed()[vocab[b'"']] and not state.allowed()[2]
+    assert state.accept(vocab[b'"']) and state.allowed()[2] and state.allowed().sum() == 1  # complete: EOS alone
+    assert state.accept(2) and state.terminated

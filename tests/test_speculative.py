@@ -71,6 +71,17 @@ def test_sampled_acceptance_makes_a_bonus_token_only_when_every_proposal_is_kept
     assert accept_sampled([2, 4], p, [np.full(VOCAB, 1 / VOCAB), None], rng) == [2, 4, 5]  # a filled-up proposal
 
 
+def test_a_proposal_cut_by_a_grammar_draws_the_last_token_from_the_residual_as_its_rejection_would():
+    """The draft drew x from q, and the grammar gives x probability 0: cut before verification, the step's
+    last token is drawn from normalize(max(0, p - q)), the draw a rejection of x would have made."""
+    rng = np.random.default_rng(0)
+    p = np.asarray([[0.5, 0.5, 0, 0, 0, 0]])
+    q = np.asarray([0.6, 0.1, 0, 0.3, 0, 0])  # its proposal (token 3, say) was cut
+    draws = [accept_sampled([], p, [], rng, cut_q=q)[0] for _ in range(2000)]
+    assert set(draws) == {1}  # max(0, p - q) is token 1's alone
+    assert {accept_sampled([], p, None, rng)[0] for _ in range(200)} == {0, 1}  # without the cut: p itself
+
+
 def test_greedy_acceptance_keeps_proposals_while_they_are_the_targets_choice():
     assert accept_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all kept, and a bonus token
     assert accept_greedy([4, 9, 6], [4, 5, 6, 7]) == [4, 5]  # the first disagreement replaced
@@ -247,6 +258,48 @@ def test_speculation_serves_joins_and_forks_and_the_draft_cache_follows(artifact
     prefix = [9, 8, 7, 6, 5]
     results = gen.generate([[1, 2], [3]], 16, prefix=prefix)
     assert [r.tokens for r in results] == [transformers_greedy(model, prefix + p, 16) for p in ([1, 2], [3])]
+
+
+@pytest.mark.slow
+def test_speculation_under_a_grammar_gives_the_plain_tokens_through_the_static_verify_and_a_draft_model(artifacts,
+                                                                                                     tmp_path):
+    """Constrained rows in the static verify_b4_k3 (prompt lookup's proposals filled up, those the grammar
+    rejects rejected by the masked verification) and with the draft artifact at k = 2 (its proposals cut where
+    the grammar rejects them, the last draw from the residual): greedy, the plain constrained tokens; sampled,
+    outputs that follow the grammar."""
+    from autosched.generation import Generator, Sampling
+    from autosched.generation.grammar import GrammarSpec
+
+    from .helpers import train_tokenizer
+
+    _, target, draft = artifacts
+    tokenizer = train_tokenizer(tmp_path)  # the tiny models' 512 tokens
+    specs = [GrammarSpec.regex(r"[a-z]{2,12}( [a-z]{1,5}){0,3}"), GrammarSpec.choice(["kalo mine", "kalo ru", "zo"]),
+             GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                                       "s": {"type": "string", "maxLength": 4}},
+                                      "required": ["n", "s"]})]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(specs))] + [PROMPTS[0]]
+
+    def run(gen, sampled=False):
+        gen.use_grammars(tokenizer)
+        seqs = [gen.add(p, 24, Sampling(1.0 if sampled else 0.0, seed=i, grammar=s))
+                for i, (p, s) in enumerate(zip(prompts, specs))] + [gen.add(prompts[-1], 16)]
+        while gen.live:
+            gen.step()
+        return [gen.remove(s) for s in seqs]
+
+    plain = run(Generator(target))
+    for kind, k in (("prompt-lookup", 3), (draft, 2)):  # k = 2: not built, the proposals are cut and verified dynamically
+        gen = Generator(target, draft=kind, speculate=k, adaptive=False)
+        assert [r.tokens for r in run(gen)] == [r.tokens for r in plain], kind
+        assert gen.stats["speculative_steps"] > 0 and (gen.stats["static_decode_steps"] > 0) == (k == 3)
+        for result, spec in zip(run(Generator(target, draft=kind, speculate=k, adaptive=False), sampled=True), specs):
+            text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+            assert result.finish_reason in ("stop", "length") and result.error is None, text
+            if result.finish_reason == "stop" and spec.kind == "json_schema":
+                assert set(json.loads(text)) == {"n", "s"}
+            elif result.finish_reason == "stop" and spec.kind == "choice":
+                assert text in ("kalo mine", "kalo ru", "zo")
 
 
 @pytest.mark.slow

@@ -210,6 +210,13 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens up to this mass")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (prompt i uses seed + i)")
     p.add_argument("--stop-ids", help="comma-separated token ids that end a sequence (default: the model's EOS)")
+    structure = p.add_mutually_exclusive_group()
+    structure.add_argument("--json-schema", metavar="FILE",
+                           help="hold every output to the JSON schema in FILE (XGrammar; needs the tokenizer: the "
+                                "artifact's own or --tokenizer)")
+    structure.add_argument("--grammar", metavar="FILE", help="hold every output to the EBNF grammar in FILE (XGrammar's "
+                           "EBNF, root rule `root`)")
+    structure.add_argument("--regex", metavar="R", help="hold every output to the regular expression R")
     add_speculation_arguments(p)
     p.add_argument("--no-run-ahead", action="store_true",
                    help="decode a step at a time (default on a GPU: each greedy step is launched before the "
@@ -272,6 +279,45 @@ def speculation_draft(args):
     return args.draft
 
 
+def _grammar(args, manifest: dict, tokenizer):
+    """(The GrammarSpec of --json-schema, --grammar or --regex, the Grammars that compiled it), or (None,
+    None); a one-line UsageError with XGrammar's reason for one it cannot compile."""
+    from ..generation.grammar import Grammars, GrammarSpec
+
+    if args.json_schema is None and args.grammar is None and args.regex is None:
+        return None, None
+    option = "--json-schema" if args.json_schema is not None else "--grammar" if args.grammar is not None else "--regex"
+    path = None
+    if args.regex is not None:
+        spec = GrammarSpec.regex(args.regex)
+    else:
+        path = args.json_schema if args.json_schema is not None else args.grammar
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise UsageError(f"{option} {path}: {exc.strerror or exc}") from None
+        try:
+            spec = GrammarSpec.json_schema(text) if args.json_schema is not None else GrammarSpec.ebnf(text)
+        except UsageError as exc:
+            raise UsageError(f"{option} {path}: {exc}") from None
+    if tokenizer is None:
+        from pathlib import Path
+
+        from ..serve.tokenizer import artifact_tokenizer
+
+        tokenizer = artifact_tokenizer(args.artifact)
+        if tokenizer is None:
+            raise UsageError(f"{option} needs the model's tokenizer: the artifact has none, give --tokenizer LOCAL_DIR "
+                             f"(looked in {Path(args.artifact) / 'tokenizer'})")
+    grammars = Grammars(tokenizer, manifest["decoder"]["vocab"], manifest.get("eos_token_ids", ()))
+    try:
+        grammars.compile(spec)
+    except UsageError as exc:
+        raise UsageError(f"{_label(option, args.regex if args.regex is not None else path)}: {exc}") from None
+    return spec, grammars
+
+
 def _check_prompts(prompts: list, labels: list[str], manifest: dict) -> None:
     """Each prompt fits the artifact (its ids in the vocabulary, room for a new token): one line naming the
     prompt, before the model is loaded."""
@@ -319,10 +365,14 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
     draft = speculation_draft(args)
+    grammar, grammars = _grammar(args, manifest, tokenizer)  # compiled before the model loads: exit 2 if it cannot be
     gen = Generator(args.artifact, draft=draft, speculate=args.speculate or 1, adaptive=not args.always_speculate,
                     run_ahead=False if args.no_run_ahead else None)
+    if grammars is not None:
+        gen.use_grammars(grammars)
     _warn_if_speculation_cannot_pay(gen)
-    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stop)
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stop,
+                   grammar=grammar)
     if args.stream:
         results = _stream(gen, prompts, args.max_new_tokens, options, tokenizer, args.format == "json")
     else:

@@ -5,7 +5,8 @@ import tvm_ffi  # noqa: F401 - imported by barrier.register() below in any case:
 
 from . import barrier
 from .generator import Completion, GenerationError, Generator, Sampling
+from .grammar import GrammarError, GrammarSpec
 
 barrier.register()  # before any generation module's VM is made: its decode functions call the barrier
 
-__all__ = ["Completion", "GenerationError", "Generator", "Sampling"]
+__all__ = ["Completion", "GenerationError", "Generator", "GrammarError", "GrammarSpec", "Sampling"]

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from autosched.errors import UsageError
+
 from . import scheduler
 from .model import LoadedModel, check_kv_pages
 from .prefix_cache import PrefixCache
@@ -49,12 +51,21 @@ class Generator:
     with the same tokens, which then prefill only the rest (:mod:`.prefix_cache`); the kept pages are given back,
     least recently used first, when a step needs them. Not for a model with a sliding window or longrope (their
     caches cannot share a prefix): there it stays off (``prefix_cache`` is then None).
+
+    ``tokenizer``: a Hugging Face tokenizer (or its folder) for requests under a grammar (``Sampling(grammar=
+    ...)``: :mod:`.grammar`); default: the artifact's own ``tokenizer/``, read when a grammar is first asked for.
+    A step's logits of the tokens a sequence's grammar does not allow are set to -inf on the device, by a kernel
+    compiled at the first grammar (:func:`~.grammar.device_mask`), the mask found on the host while the step
+    runs; then its token is chosen as any other's (and a greedy step is launched ahead all the same: the mask
+    of the step launched is found once the tokens of the step before are read). ``device_masks = False`` (or a
+    kernel that cannot be compiled): those rows read their logits back and are masked and chosen on the host.
     """
 
     def __init__(self, artifact_dir: str | Path, kv_pages: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, *, draft=None, speculate: int = 4,
-                 adaptive: bool = True, run_ahead: bool | None = None, prefix_cache: bool = False):
+                 adaptive: bool = True, run_ahead: bool | None = None, prefix_cache: bool = False, tokenizer=None):
         self._start(LoadedModel.load(artifact_dir, kv_pages), clock)
+        self._tokenizer = tokenizer if tokenizer is not None else Path(artifact_dir) / "tokenizer"
         if prefix_cache:
             self.use_prefix_cache()
         if run_ahead is not None:
@@ -87,6 +98,39 @@ class Generator:
             self.prefix_cache = None
         elif self.prefix_cache is None:
             self.prefix_cache = PrefixCache(self.model.page_size)
+
+    def use_grammars(self, grammars) -> None:
+        """Compile requests' grammars with ``grammars`` (a :class:`~.grammar.Grammars`, shared with a server
+        that compiles them before a request is queued), or with a tokenizer's (a tokenizer, or its folder)."""
+        from .grammar import Grammars
+
+        if grammars is None or isinstance(grammars, Grammars):
+            self._grammars = grammars
+        else:
+            self._grammars, self._tokenizer = None, grammars
+
+    @property
+    def grammars(self):
+        """The :class:`~.grammar.Grammars` that compiles requests' grammars (made at the first use, from the
+        tokenizer); a GrammarError where there is no tokenizer."""
+        if self._grammars is None:
+            from .grammar import GrammarError, Grammars
+
+            tokenizer = self._tokenizer
+            if isinstance(tokenizer, (str, Path)):
+                if not Path(tokenizer).is_dir():
+                    raise GrammarError("a grammar needs the model's tokenizer: this artifact has none (build it from "
+                                       "a model folder with its tokenizer, or give Generator(..., tokenizer=DIR))")
+                from transformers import AutoTokenizer
+
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+                except Exception as exc:  # noqa: BLE001 - transformers' errors for a folder it cannot read vary
+                    raise GrammarError(f"no tokenizer could be read from {tokenizer}: {exc}") from None
+            if tokenizer is None:
+                raise GrammarError("a grammar needs the model's tokenizer: give Generator.use_grammars(tokenizer)")
+            self._grammars = Grammars(tokenizer, self.vocab, self.eos_token_ids)
+        return self._grammars
 
     def make_room(self, pages: int) -> bool:
         """Give kept prefixes' pages back, least recently used first, until ``pages`` pages are free; whether
@@ -142,6 +186,9 @@ class Generator:
         self.run_ahead = model.on_gpu
         self._flight: Flight | None = None  # a decode step launched whose tokens are not read yet
         self.prefix_cache: PrefixCache | None = None
+        self._tokenizer = None  # for requests under a grammar (see the class)
+        self._grammars = None
+        self.device_masks = True  # a grammar's mask applied on the device (see the class)
 
     def __getattr__(self, name: str):
         # The model's facts (max_batch, max_seq_len, vocab, manifest, vm, caches, ...), as attributes of old.
@@ -220,6 +267,19 @@ class Generator:
                                   "left for a new token; shorten it or rebuild with a larger --max-seq-len")
         if max_new_tokens < 0:
             raise GenerationError("max_new_tokens must be 0 or more")
+        sampling = sampling or Sampling()
+        stops = frozenset(self.eos_token_ids if stop_tokens is None else stop_tokens)
+        grammar = None
+        if sampling.grammar is not None and max_new_tokens > 0:
+            try:
+                grammar = self.grammars.state(sampling.grammar, stops)
+            except UsageError as exc:  # a grammar that cannot compile, no tokenizer
+                raise GenerationError(str(exc)) from None
+            if self.device_masks and self.sampler.masks is None:
+                from .grammar import device_mask
+
+                self.sampler.masks = device_mask(self.model)  # compiled at the first grammar (None: masks on the host)
+                self.device_masks = self.sampler.masks is not None
         if parent is None and self.prefix_cache is not None:
             cached = self.prefix_cache.match(prompt)
         seq_id = self._next_id
@@ -230,10 +290,9 @@ class Generator:
             self.model.add(seq_id, entry.seq_id, base)
         else:
             self.model.add(seq_id, parent)
-        sampling = sampling or Sampling()
-        stops = frozenset(self.eos_token_ids if stop_tokens is None else stop_tokens)
         self._seqs[seq_id] = SequenceState(seq_id, prompt, base, max_new_tokens, stops, sampling,
-                                           rng=np.random.default_rng(sampling.seed), prompt_context=context)
+                                           rng=np.random.default_rng(sampling.seed), prompt_context=context,
+                                           grammar=grammar)
         if cached is not None:
             self._seqs[seq_id].completion.cached_tokens = base
         return seq_id
@@ -293,7 +352,7 @@ class Generator:
             waiting = [s for s in waiting if not s.prefilled and not s.completion.finished]
         if flight is not None:
             made += self._fly(flight)
-        elif (decoding and self._speculator is not None and not any(s.sampling.needs_logits for s in decoding)
+        elif (decoding and self._speculator is not None and all(s.sampling.speculates for s in decoding)
               and self._speculator.wants_step()):
             made += self._speculator.step(decoding)
         elif decoding and (rows := self._run_ahead_rows(decoding)) is not None:
@@ -320,12 +379,13 @@ class Generator:
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
-               prefix: Sequence[int] | None = None) -> Iterator[tuple[int, int]]:
+               prefix: Sequence[int] | None = None, grammar=None) -> Iterator[tuple[int, int]]:
         """Yield (prompt index, token) as tokens are made, serving at most ``max_batch`` prompts at a time and
         admitting the next as one finishes. ``prefix``: tokens every prompt starts with, prefilled once and
-        shared by forks. A prompt the artifact cannot take ends with an error (see :meth:`completions`); the
-        others go on. Request ``i`` samples with seed ``seed + i``. Sequences added with :meth:`add` are not
-        stepped (they wait for :meth:`step`); they count towards ``max_batch``."""
+        shared by forks. ``grammar``: a :class:`~.grammar.GrammarSpec` every output follows. A prompt the
+        artifact cannot take ends with an error (see :meth:`completions`); the others go on. Request ``i``
+        samples with seed ``seed + i``. Sequences added with :meth:`add` are not stepped (they wait for
+        :meth:`step`); they count towards ``max_batch``."""
         if max_new_tokens < 1:  # a request that makes no token would never finish (add(..., 0) holds a prefix)
             raise GenerationError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         if isinstance(prompts, (str, bytes)) or any(is_token_id(p) for p in prompts):
@@ -344,7 +404,7 @@ class Generator:
                 # add()'s error rather than waiting for a step that would never come.
                 while queue and (len(self._seqs) < self.max_batch or not owner):
                     index, prompt = queue.pop(0)
-                    sampling = Sampling(temperature, top_k, top_p, seed + index)
+                    sampling = Sampling(temperature, top_k, top_p, seed + index, grammar=grammar)
                     try:
                         seq_id = self.add(prompt, max_new_tokens, sampling, stop_tokens, parent=root)
                     except GenerationError as exc:
@@ -398,7 +458,7 @@ class Generator:
         if not (self.run_ahead and m.step_barrier and self._speculator is None and self.rope_switch is None):
             return None
         in_flight = 0 if flight is None else 1
-        if any(not s.sampling.greedy or s.sampling.needs_logits or len(s.completion.tokens) + in_flight >= s.max_new_tokens
+        if any(not s.sampling.greedy or self.sampler.on_host(s) or len(s.completion.tokens) + in_flight >= s.max_new_tokens
                or s.length + 1 >= self.max_seq_len for s in seqs):
             return None
         need = sum(scheduler.pages_needed(s.length, 1, self.limits.page_size) for s in seqs)
@@ -425,10 +485,19 @@ class Generator:
         if after is None:
             for seq in seqs:
                 seq.feed(1, keep_cached=False)
+        flight = Flight(seqs, None, rows, function, bool(pads), began, logits=logits)
+        if after is None or all(s.grammar is None for s in seqs):
+            self._choose(flight)
+        return flight  # under a grammar behind ``after``: chosen once after's tokens are read (see _fly)
+
+    def _choose(self, flight: Flight) -> None:
+        """Launch the choice of ``flight``'s tokens: its grammars' masks, then the greedy kernel."""
+        m = self.model
+        self.sampler.mask(flight.logits, flight.rows, flight.seqs, [True] * len(flight.seqs))
         self.stats["device_greedy_calls"] += 1
-        tokens = m.greedy_tokens(logits)
-        marks = m.token_marks()
-        return Flight(seqs, tokens, rows, function, bool(pads), began, marks, marks and marks.mark(tokens))
+        flight.tokens = m.greedy_tokens(flight.logits)
+        flight.marks = m.token_marks()
+        flight.mark = flight.marks and flight.marks.mark(flight.tokens)
 
     def _fly(self, flight: Flight) -> list[tuple[int, int]]:
         """``flight``'s tokens (this step's), with the next step launched behind them first where it may be."""
@@ -440,6 +509,8 @@ class Generator:
         for seq in flight.seqs:
             if not seq.completion.finished:  # its token went into the step launched (one that stopped leaves)
                 seq.feed(1, keep_cached=False)
+        if follow.tokens is None:  # its grammars now know the tokens before: its masks, while it runs
+            self._choose(follow)
         follow.began = self._stats.clock()  # steps in flight overlap: its time counts from here
         self._flight = follow
         return made
@@ -503,7 +574,7 @@ class Flight:
     after them), the device tensor of every row's token, and what its time counts as."""
 
     seqs: list[SequenceState]
-    tokens: object
+    tokens: object  # None until chosen (Generator._choose)
     rows: int
     function: str
     padded: bool
@@ -511,6 +582,7 @@ class Flight:
     marks: object = None  # TokenMarks on a GPU, and the mark after this step's tokens
     mark: object = None
     _read: object = None
+    logits: object = None
 
     def wait(self) -> None:
         """Until this step is done: the barrier of the step launched behind it calls this. With CUDA events

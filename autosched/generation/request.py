@@ -6,8 +6,14 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from autosched.errors import AutoschedError, UsageError
+
+from .grammar import GrammarSpec
+
+if TYPE_CHECKING:
+    from .grammar import GrammarState
 
 
 class GenerationError(AutoschedError):
@@ -28,7 +34,9 @@ class Sampling:
     the prompt and the output; ``frequency_penalty`` times a token's count in the output, and
     ``presence_penalty`` once for any token in the output, are subtracted. ``logprobs``: report the chosen
     token's log-probability and the ``logprobs`` most likely tokens' (0: the chosen one only; None: none), from
-    the model's own logits (before the rules above)."""
+    the model's own logits (before the rules above). ``grammar``: the output follows it
+    (:class:`~.grammar.GrammarSpec`: a JSON schema, a regular expression, an EBNF grammar, a choice); each step's
+    logits of the tokens it does not allow are -inf before every rule above but ``logprobs``."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -40,6 +48,7 @@ class Sampling:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self):
         for wrong, what in ((not 0 <= self.temperature < math.inf,  # NaN too: no comparison holds for it
@@ -66,6 +75,8 @@ class Sampling:
                              "--temperature 0.8), or leave top_k, top_p and min_p out")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise UsageError(f"seed must be a whole number, 0 or more (got {self.seed})")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise UsageError(f"grammar is a GrammarSpec (autosched.generation.grammar), not {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -74,8 +85,14 @@ class Sampling:
     @property
     def needs_logits(self) -> bool:
         """Whether choosing the token reads the row's logits on the host (the rules the device kernels do not
-        apply: min_p, penalties, logit_bias, logprobs)."""
-        return bool(self.min_p or self.repetition_penalty != 1 or self.frequency_penalty or self.presence_penalty
+        apply: min_p, penalties, logit_bias, logprobs, a grammar)."""
+        return self.grammar is not None or not self.speculates
+
+    @property
+    def speculates(self) -> bool:
+        """Whether a speculative step can choose its tokens: none of the rules that depend on each token before
+        (min_p, penalties, logit_bias, logprobs; a grammar can: see :mod:`.speculative`)."""
+        return not (self.min_p or self.repetition_penalty != 1 or self.frequency_penalty or self.presence_penalty
                     or self.logit_bias or self.logprobs is not None)
 
 
@@ -126,6 +143,7 @@ class SequenceState:
     prompt_context: list[int] = field(default_factory=list)  # a fork's parent tokens and the prompt
     next_logprob: TokenLogprob | None = None  # the sampler's, for the token accept() records next
     remembered: bool = False  # its prompt is in the prefix cache (Generator.prefix_cache)
+    grammar: GrammarState | None = None  # where its output is in sampling.grammar (Generator.add makes it)
 
     @property
     def context(self) -> list[int]:
@@ -146,12 +164,15 @@ class SequenceState:
             self.prefilled = True
 
     def accept(self, token: int) -> None:
-        """A token was sampled for this sequence: record it and decide whether the sequence ends."""
+        """A token was sampled for this sequence: record it and decide whether the sequence ends (at a stop
+        token; under a grammar, at the stop token that ends its output, whatever ``stop_tokens`` are)."""
         self.completion.tokens.append(token)
         if self.next_logprob is not None:
             self.completion.logprobs.append(self.next_logprob)
             self.next_logprob = None
-        if token in self.stop_tokens:
+        if self.grammar is not None and not self.grammar.accept(token):
+            self.completion.fail(f"token {token} does not follow the request's grammar")
+        elif token in self.stop_tokens or (self.grammar is not None and self.grammar.terminated):
             self.completion.finish_reason = "stop"
         elif len(self.completion.tokens) >= self.max_new_tokens:
             self.completion.finish_reason = "length"

@@ -83,13 +83,18 @@ def sample_host(logits, sampling, rng) -> int:
     return int(rng.choice(len(probs), p=probs))
 
 
-def processed_logits(logits, seq):
-    """One row of logits (float64) after the request's logit bias and repetition, frequency and presence
-    penalties (:class:`~.request.Sampling`), given the sequence's tokens so far."""
+def processed_logits(logits, seq, allowed=None):
+    """One row of logits (float64) after the request's grammar (-inf for the tokens it does not allow next:
+    ``allowed``, a bool array, or the sequence's grammar state's), logit bias and repetition, frequency and
+    presence penalties (:class:`~.request.Sampling`), given the sequence's tokens so far."""
     import numpy as np
 
     sp = seq.sampling
     scores = logits.astype(np.float64)
+    if seq.grammar is not None:
+        if allowed is None:
+            allowed = seq.grammar.allowed()
+        scores[:allowed.size][~allowed] = -np.inf
     if sp.logit_bias:
         tokens = np.asarray([t for t, _ in sp.logit_bias if t < scores.size], dtype=np.int64)
         np.add.at(scores, tokens, [b for t, b in sp.logit_bias if t < scores.size])
@@ -121,20 +126,29 @@ class Sampler:
     """Tokens for the rows of a step, chosen on the device where the model runs: ``greedy_tokens`` where every
     row is greedy, ``sample_tokens`` otherwise (each sampled row draws one uniform number from its request's
     seeded stream on the host); one int a row comes back, not the logits. An artifact built before
-    ``sample_tokens`` samples on the host from the logits."""
+    ``sample_tokens`` samples on the host from the logits. ``masks``: a function that sets the logits of the
+    tokens a row's grammar does not allow to -inf on the device (:func:`~.grammar.device_mask`); without it
+    rows under a grammar are masked and chosen on the host."""
 
     def __init__(self, greedy_tokens=None, sample_tokens=None, device=None, staging=None):
         from .model import Staging
 
         self.greedy_tokens, self.sample_tokens, self.device = greedy_tokens, sample_tokens, device
         self.staging = staging or Staging(device)  # where the sampling parameters go on the device
+        self.masks = None
+
+    def on_host(self, seq) -> bool:
+        """Whether ``seq``'s token is chosen on the host from its logits: rules the device kernels do not apply
+        (:attr:`~.request.Sampling.needs_logits`; a grammar's are applied on the device where there is
+        :attr:`masks`)."""
+        return not seq.sampling.speculates or (seq.grammar is not None and self.masks is None)
 
     def on_device(self, seqs: list) -> str:
         """Where a step's tokens are chosen: ``greedy`` (every row greedy, on the device), ``sample`` (on the
-        device) or ``host`` (an artifact built before ``sample_tokens``). Rows whose rules need the logits
-        (:attr:`~.request.Sampling.needs_logits`) are chosen on the host whatever this says, the others the same
-        way whether such rows share their step or not."""
-        plain = [seq for seq in seqs if not seq.sampling.needs_logits]
+        device) or ``host`` (an artifact built before ``sample_tokens``). Rows that need their logits
+        (:meth:`on_host`) are chosen on the host whatever this says, the others the same way whether such rows
+        share their step or not."""
+        plain = [seq for seq in seqs if not self.on_host(seq)]
         if self.greedy_tokens is not None and all(seq.sampling.greedy for seq in plain):
             return "greedy"
         return "sample" if self.sample_tokens is not None else "host"
@@ -151,18 +165,40 @@ class Sampler:
         params = np.zeros((rows, 4), dtype="float32")  # padding, unwanted and host rows: greedy
         for i, (seq, want) in enumerate(zip(seqs, wanted)):
             sp = seq.sampling
-            if want and not sp.greedy and not sp.needs_logits:
+            if want and not sp.greedy and not self.on_host(seq):
                 params[i] = (sp.temperature, sp.top_k, sp.top_p, seq.rng.random())
         return self.staging.put("sampling", params)
+
+    def mask(self, logits, rows: int, seqs: list, wanted: list[bool]) -> None:
+        """Set the logits of the tokens the grammars of ``seqs`` (those ``wanted`` and not on the host) do not
+        allow to -inf, on the device, in place (the tokens allowed found on the host meanwhile)."""
+        import numpy as np
+
+        masked = [i for i, (seq, want) in enumerate(zip(seqs, wanted))
+                  if want and seq.grammar is not None and not self.on_host(seq)]
+        if not masked:
+            return
+        bitmask = np.full((rows, seqs[masked[0]].grammar.grammars.words), -1, dtype=np.int32)  # others: all allowed
+        for i in masked:
+            if not seqs[i].grammar.terminated:  # (one that ended in a step launched ahead: its token is not kept)
+                seqs[i].grammar.fill(bitmask, i)
+        width = int(np.prod(logits.shape)) // rows  # a prefill's logits are [1, rows, vocab]
+        self.masks(logits._create_view((rows, width)), self.staging.put("bitmask", bitmask))
 
     def choose(self, logits, rows: int, seqs: list, wanted: list[bool], counts: dict,
                staged=None) -> list[int | None]:
         """A token for each of ``seqs`` that is ``wanted`` (None for the others), from the first rows of
         ``logits`` (a device tensor of ``rows`` rows, padding rows last). A request's random stream is drawn
         from only when it samples; ``staged``: :meth:`stage`'s parameters for this step (staged here if None).
-        Rows that need their logits on the host (:attr:`~.request.Sampling.needs_logits`) read them back
-        (every row's, once) and are chosen by :func:`choose_on_host`."""
+        Rows that need their logits on the host (:meth:`on_host`) read them back (every row's, once) and are
+        chosen by :func:`choose_on_host`. The tokens a grammar allows are found first, while the step may still
+        run on the device, and masked there (:meth:`mask`) or on the host."""
         where = self.on_device(seqs)
+        on_host = [want and (where == "host" or self.on_host(seq)) for seq, want in zip(seqs, wanted)]
+        if where != "host":
+            self.mask(logits, rows, seqs, [want and not here for want, here in zip(wanted, on_host)])
+        allowed = [seq.grammar.allowed() if here and seq.grammar is not None else None
+                   for seq, here in zip(seqs, on_host)]
         if where == "greedy":
             counts["device_greedy_calls"] += 1
             picks = self.greedy_tokens(logits).numpy().reshape(-1)
@@ -172,22 +208,22 @@ class Sampler:
             picks = self.sample_tokens(logits, params).numpy().reshape(-1)
         else:
             picks = None
-        on_host = [want and (picks is None or seq.sampling.needs_logits) for seq, want in zip(seqs, wanted)]
         host = None
         if any(on_host):
             counts["host_sample_calls"] += 1
             host = logits.numpy().reshape(rows, -1)
-        return [choose_on_host(host[i], seq) if here else int(picks[i]) if want else None
+        return [choose_on_host(host[i], seq, allowed[i]) if here else int(picks[i]) if want else None
                 for i, (seq, want, here) in enumerate(zip(seqs, wanted, on_host))]
 
 
-def choose_on_host(logits, seq) -> int:
-    """The token of one row of logits (numpy) for ``seq``, its request's every rule applied, drawing from its
-    random stream when it samples; its log-probabilities kept for :meth:`~.request.SequenceState.accept`."""
+def choose_on_host(logits, seq, allowed=None) -> int:
+    """The token of one row of logits (numpy) for ``seq``, its request's every rule applied (``allowed``: the
+    tokens its grammar allows, where found already), drawing from its random stream when it samples; its
+    log-probabilities kept for :meth:`~.request.SequenceState.accept`."""
     import numpy as np
 
     sp = seq.sampling
-    scores = processed_logits(logits, seq) if sp.needs_logits else logits
+    scores = processed_logits(logits, seq, allowed) if sp.needs_logits else logits
     if sp.greedy:
         token = int(np.argmax(scores))
     else:

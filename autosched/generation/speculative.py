@@ -37,10 +37,50 @@ from .sampler import distribution
 @dataclass
 class Proposal:
     """A draft's tokens for one sequence and, for a sampled sequence of a model draft, the distribution each
-    was drawn from (None: the draft is deterministic, ``q`` is one-hot)."""
+    was drawn from (None: the draft is deterministic, ``q`` is one-hot). Under a grammar: ``allowed``, the tokens
+    it allows at each position up to the first proposal it rejects (see :func:`walk_grammar`), and ``cut_q``,
+    the distribution of a sampled proposal cut there (the last draw is then from the residual with it)."""
 
     tokens: list[int]
     q_rows: list | None = None
+    allowed: list | None = None
+    cut_q: object = None
+
+
+def walk_grammar(seq: SequenceState, proposal: Proposal, cut: bool) -> None:
+    """The tokens ``seq``'s grammar allows at each position of ``proposal`` (after its token before it: the
+    first, after the sequence's tokens), up to its first proposal the grammar rejects or the stop token that
+    ends it; with ``cut``, the proposals from the rejected one on are dropped (a greedy verification would
+    reject it, a sampled one too: the grammar gives it probability 0). The grammar state is rolled back to
+    where it was."""
+    grammar = seq.grammar
+    allowed = [grammar.allowed()]
+    taken = 0
+    for token in proposal.tokens:
+        if not allowed[-1][token] or not grammar.accept(token):
+            break
+        taken += 1
+        if grammar.terminated:
+            break
+        allowed.append(grammar.allowed())
+    grammar.rollback(taken)
+    proposal.allowed = allowed
+    if cut and taken < len(proposal.tokens):
+        if proposal.q_rows is not None:
+            proposal.cut_q = proposal.q_rows[taken]
+            del proposal.q_rows[taken:]
+        del proposal.tokens[taken:]
+
+
+def masked(row, allowed):
+    """A row of logits with -inf where ``allowed`` (a bool array, or None: all) is False."""
+    import numpy as np
+
+    if allowed is None:
+        return row
+    row = row.astype(np.float64)
+    row[:allowed.size][~allowed] = -np.inf
+    return row
 
 
 def accept_greedy(proposals: list[int], target_tokens: list[int]) -> list[int]:
@@ -55,12 +95,14 @@ def accept_greedy(proposals: list[int], target_tokens: list[int]) -> list[int]:
     return made
 
 
-def accept_sampled(proposals: list[int], p_rows, q_rows, rng) -> list[int]:
+def accept_sampled(proposals: list[int], p_rows, q_rows, rng, cut_q=None) -> list[int]:
     """The tokens a sampled step makes from ``proposals`` (drawn from ``q_rows``; None, or a row None: a
     deterministic proposal, its row one-hot) and the target's distributions ``p_rows`` (one more row than
     proposals): each proposal ``x`` kept with probability min(1, p(x) / q(x)); the first rejected one replaced
     by a draw from normalize(max(0, p - q)); a bonus draw from the last row of ``p`` when all are kept. The
-    tokens so made are distributed as the target's own samples."""
+    tokens so made are distributed as the target's own samples. ``cut_q``: the draft's distribution of a
+    proposal after the last one, cut because ``p`` (under a grammar) gives it 0: it would be rejected, so the
+    last draw is from normalize(max(0, p - cut_q))."""
     import numpy as np
 
     made = []
@@ -81,6 +123,10 @@ def accept_sampled(proposals: list[int], p_rows, q_rows, rng) -> list[int]:
         made.append(int(rng.choice(len(p), p=residual / total)))
         return made
     p = np.asarray(p_rows[len(proposals)], dtype=np.float64)
+    if cut_q is not None:
+        residual = np.maximum(p - np.asarray(cut_q, dtype=np.float64), 0.0)
+        if residual.sum() > 0:
+            p = residual
     made.append(int(rng.choice(len(p), p=p / p.sum())))
     return made
 
@@ -429,7 +475,15 @@ class Speculator:
         counts["prefill_s"] += self.stats.clock() - began
         began = self.stats.clock()
         proposals = self.draft.propose(requests)
+        static = self.k in m.static_proposals
+        if not static:  # the proposals a grammar rejects are cut (with a static verify function, rejected there)
+            for (seq, _), proposal in zip(requests, proposals):
+                if seq.grammar is not None:
+                    walk_grammar(seq, proposal, cut=True)
         self.fill(requests, proposals)
+        for (seq, _), proposal in zip(requests, proposals):
+            if static and seq.grammar is not None:
+                walk_grammar(seq, proposal, cut=False)
         parts = [(seq, 1 + len(p.tokens)) for (seq, _), p in zip(requests, proposals)]
         kept, _ = scheduler.admit(parts, m.free_pages(), self.limits, m.kv_pages)
         if not kept:
@@ -442,7 +496,8 @@ class Speculator:
         function = verify_function(lengths, m.static_proposals, m.decode_batches)
         logits = m.forward(function, [s.seq_id for s in seqs], lengths, ids, prefill=True, every_position=True)
         starts = np.cumsum([0, *lengths])
-        if all(seq.sampling.greedy for seq in seqs) and m.greedy_tokens is not None:
+        if (all(seq.sampling.greedy and seq.grammar is None for seq in seqs)
+                and m.greedy_tokens is not None):
             counts["device_greedy_calls"] += 1
             choices = m.greedy_tokens(logits).numpy().reshape(-1)
             host = None
@@ -452,12 +507,15 @@ class Speculator:
         made, outcomes = [], []
         for seq, start, length in zip(seqs, starts, lengths):
             proposal = proposal_of[seq.seq_id]
+            allowed = proposal.allowed or []  # under a grammar: -inf where it does not allow a token
+            rows = None if host is None else [masked(row, allowed[i] if i < len(allowed) else None)
+                                              for i, row in enumerate(host[start : start + length])]
             if seq.sampling.greedy:
-                rows = choices[start : start + length] if host is None else host[start : start + length].argmax(axis=1)
-                tokens = accept_greedy(proposal.tokens, [int(t) for t in rows])
+                picks = choices[start : start + length] if host is None else [np.argmax(row) for row in rows]
+                tokens = accept_greedy(proposal.tokens, [int(t) for t in picks])
             else:
-                p_rows = [distribution(row, seq.sampling) for row in host[start : start + length]]
-                tokens = accept_sampled(proposal.tokens, p_rows, proposal.q_rows, seq.rng)
+                p_rows = [distribution(row, seq.sampling) for row in rows]
+                tokens = accept_sampled(proposal.tokens, p_rows, proposal.q_rows, seq.rng, proposal.cut_q)
             accepted = len(tokens) - 1
             m.popn(seq.seq_id, len(proposal.tokens) - accepted)  # the rejected proposals leave the cache
             seq.length += 1 + accepted

@@ -16,11 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from autosched.generation.grammar import GrammarSpec
 from autosched.generation.request import Sampling
 
 from .engine import BadRequest, EngineError, RequestOutput, RequestParams, random_seed
 from .metrics import ServerMetrics
 from .protocol import ERROR_KINDS, ChatCompletionRequest, CompletionRequest, error_body
+from .structured import StructuredError, ToolPlan, request_grammar, template_message
 from .tokenizer import render_chat
 
 MAX_BODY_BYTES = 32 << 20  # a request body past this is refused (413)
@@ -102,7 +104,9 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, metrics: 
             if wrong:
                 raise HTTPError(400, f"{name} is not supported by this server: leave it out", name)
         prompts = _prompts(body.prompt, tokenizer)
-        params = _params(body, body.max_tokens, body.logprobs, engine, prompts)
+        grammar, param = _structured(body)
+        params = _params(body, body.max_tokens, body.logprobs, engine, prompts, grammar)
+        await _compile(engine, grammar, param)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return _sse(_stream_completions(engine, prompts, params, rid, model_name, created, body, tokenizer))
@@ -128,10 +132,20 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, metrics: 
         if tokenizer is None:
             raise HTTPError(400, "this server has no tokenizer, so no chat template: serve with --tokenizer DIR, or "
                             "build the artifact from a model folder with its tokenizer", "messages")
-        messages = [_message(m) for m in body.messages]
+        messages = [template_message(_message(m)) for m in body.messages]
         try:
-            prompt = render_chat(tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
-                                 **(body.chat_template_kwargs or {}))
+            tools = ToolPlan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except StructuredError as exc:
+            raise HTTPError(400, str(exc), exc.param) from None
+        grammar, param = _structured(body)
+        if tools.grammar is not None:
+            if grammar is not None:
+                raise HTTPError(400, f"tool_choice {tools.mode!r} and {param} both constrain the output: give one",
+                                param)
+            grammar, param = tools.grammar, "tools"
+        try:
+            prompt = render_chat(tokenizer, messages, tools=tools.template_tools,
+                                 add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from None
         except Exception as exc:  # noqa: BLE001 - a template error (jinja2) is the request's
@@ -141,18 +155,23 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, metrics: 
             raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if body.logprobs and top is None:
             top = 0
-        params = _params(body, body.max_completion_tokens or body.max_tokens, top, engine, [prompt])
+        params = _params(body, body.max_completion_tokens or body.max_tokens, top, engine, [prompt], grammar)
+        await _compile(engine, grammar, param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return _sse(_stream_chat(engine, prompt, params, rid, model_name, body, tokenizer))
+            return _sse(_stream_chat(engine, prompt, params, rid, model_name, body, tokenizer, tools))
         (result,) = await _until_done_or_gone(request, _collect(engine, [prompt], params, rid))
         usage = _Usage()
         usage.add(prompt, result)
         choices = []
         for c in result.choices:
-            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            calls = tools.calls(c.text) if tools.reads_calls and finish_reason == "stop" else None
+            if calls:
+                message, finish_reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            choice = {"index": c.index, "message": message,
                       "logprobs": {"content": _chat_logprobs(c.token_ids, c.logprobs, tokenizer)} if body.logprobs
-                      else None, "finish_reason": c.finish_reason}
+                      else None, "finish_reason": finish_reason}
             if body.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
@@ -231,7 +250,27 @@ def _message(message) -> dict:
     return out
 
 
-def _params(body, max_tokens: int | None, logprobs: int | None, engine, prompts: list[list[int]]) -> RequestParams:
+def _structured(body) -> tuple[GrammarSpec | None, str | None]:
+    """The grammar a request's structured-output fields ask for (None: none), and the field that asks."""
+    try:
+        grammar = request_grammar(body)
+    except StructuredError as exc:
+        raise HTTPError(400, str(exc), exc.param) from None
+    if grammar is None:
+        return None, None
+    fields = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs")
+    return grammar, next(f for f in fields if getattr(body, f) is not None)
+
+
+async def _compile(engine, grammar: GrammarSpec | None, param: str | None) -> None:
+    """Compile a request's grammar before it waits or streams (a worker thread: XGrammar takes milliseconds to
+    seconds); a grammar XGrammar cannot compile is the request's 400."""
+    if grammar is not None:
+        await asyncio.to_thread(engine.compile, grammar, param)
+
+
+def _params(body, max_tokens: int | None, logprobs: int | None, engine, prompts: list[list[int]],
+            grammar: GrammarSpec | None = None) -> RequestParams:
     """The engine's parameters of a request (the same for each of its prompts), checked."""
     if max_tokens is None:  # as much as the longest prompt leaves room for
         max_tokens = max(1, engine.max_seq_len - max(len(p) for p in prompts))
@@ -250,7 +289,7 @@ def _params(body, max_tokens: int | None, logprobs: int | None, engine, prompts:
                             body.seed if body.seed is not None else random_seed(),
                             min_p=0.0 if greedy else body.min_p, repetition_penalty=body.repetition_penalty,
                             frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                            logit_bias=tuple(bias), logprobs=logprobs)
+                            logit_bias=tuple(bias), logprobs=logprobs, grammar=grammar)
     except Exception as exc:  # noqa: BLE001 - Sampling's UsageError names the field
         raise HTTPError(400, str(exc)) from None
     params = RequestParams(max_tokens, sampling, body.n, tuple(stop), tuple(body.stop_token_ids or ()), body.ignore_eos)
@@ -406,8 +445,9 @@ async def _stream_completions(engine, prompts, params, rid, model_name, created,
                "usage": usage.body()}
 
 
-async def _stream_chat(engine, prompt, params, rid, model_name, body, tokenizer):
+async def _stream_chat(engine, prompt, params, rid, model_name, body, tokenizer, tools):
     created = int(time.time())
+    held = {i: "" for i in range(params.n)} if tools.reads_calls else {}  # text that may still be a call
 
     def chunk(choices, **extra):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
@@ -422,9 +462,21 @@ async def _stream_chat(engine, prompt, params, rid, model_name, body, tokenizer)
             return
         choices = []
         for d in out.choices:
-            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+            text, finish_reason, delta = d.text, d.finish_reason, {}
+            if d.index in held:  # held back while it may be a call; read as one at the end
+                text = held.pop(d.index) + text
+                if finish_reason is None and tools.may_be_call(text):
+                    held[d.index], text = text, ""
+                elif finish_reason == "stop" and (calls := tools.calls(text)):
+                    text, finish_reason = "", "tool_calls"
+                    delta["tool_calls"] = [call | {"index": i} for i, call in enumerate(calls)]
+            if text:
+                delta["content"] = text
+            if not (delta or finish_reason or body.logprobs or body.return_token_ids):
+                continue  # its text held back
+            choice = {"index": d.index, "delta": delta,
                       "logprobs": {"content": _chat_logprobs(d.token_ids, d.logprobs, tokenizer)} if body.logprobs
-                      else None, "finish_reason": d.finish_reason}
+                      else None, "finish_reason": finish_reason}
             if body.return_token_ids:
                 choice["token_ids"] = d.token_ids
             choices.append(choice)

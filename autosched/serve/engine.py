@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from autosched.errors import AutoschedError
 from autosched.generation import scheduler
+from autosched.generation.grammar import GrammarError, Grammars
 from autosched.generation.request import GenerationError, Sampling, TokenLogprob
 
 from .tokenizer import IncrementalDetokenizer, StopText
@@ -192,6 +193,8 @@ class Engine:
         self._ids = itertools.count()
         self._stats = EngineStats()
         self.gen = None
+        self._grammars = None  # made at the first request under a grammar
+        self._grammars_lock = threading.Lock()
 
     # ---- life ------------------------------------------------------------------------------------
 
@@ -232,6 +235,22 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------------
 
+    def compile(self, grammar, param: str | None = None) -> None:
+        """Compile a request's grammar (:class:`~autosched.generation.grammar.GrammarSpec`) now, kept for its
+        sequences; a BadRequest with XGrammar's reason where it cannot be. Blocking: asyncio code calls it in a
+        worker thread (``asyncio.to_thread``)."""
+        if self.tokenizer is None:
+            raise BadRequest("structured output needs the model's tokenizer, and this server has none: serve with "
+                             "--tokenizer DIR", param)
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab, self.eos_token_ids)
+                self.gen.use_grammars(self._grammars)  # its sequences' states, in the engine's thread
+        try:
+            self._grammars.compile(grammar)
+        except GrammarError as exc:
+            raise BadRequest(str(exc), param) from None
+
     def check(self, prompt: list[int], params: RequestParams) -> None:
         """A BadRequest for a request the artifact cannot serve, before it waits."""
         if not prompt:
@@ -260,8 +279,11 @@ class Engine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as its choices make tokens, the last one ``finished``. Raises
         :class:`EngineError` before the first output for a request refused (bad, queue full, draining).
-        Closing the iterator early (a client gone) aborts the request and frees its pages."""
+        Closing the iterator early (a client gone) aborts the request and frees its pages. A grammar
+        (``params.sampling.grammar``) is compiled first, in a worker thread."""
         self.check(prompt, params)
+        if params.sampling.grammar is not None:
+            await asyncio.to_thread(self.compile, params.sampling.grammar)  # the engine's thread only finds it
         request = _Request(request_id or f"req-{next(self._ids)}", list(prompt), params,
                            asyncio.get_running_loop(), self.clock())
         with self._lock:

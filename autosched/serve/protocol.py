@@ -1,7 +1,8 @@
 """The OpenAI API's requests as the server reads them (pydantic models: what each field may be), and its
 error object. Fields OpenAI has and the server does not serve are refused by name; unknown fields are
 ignored, as OpenAI-compatible servers do. Extensions as vLLM names them: ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``."""
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``, and structured output's
+``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``, ``structured_outputs``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ class SamplingFields(BaseModel):
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
     user: str | None = None
+    # structured output (see .structured): OpenAI's, and vLLM's extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -57,6 +65,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
