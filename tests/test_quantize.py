@@ -327,7 +327,7 @@ def test_eval_reads_text_or_token_ids_and_its_perplexity_is_the_float64_models(t
     (tmp_path / "big.txt").write_text("1 2 999")
     (tmp_path / "word.txt").write_text("1 2 x3")
     for args, says in (
-        (["--text", str(tmp_path / "text.txt"), "--token-ids", str(tmp_path / "ids.txt")], "--text FILE (with a tokenizer) or"),
+        (["--text", str(tmp_path / "text.txt"), "--token-ids", str(tmp_path / "ids.txt")], "give one of them"),
         (["--token-ids", str(tmp_path / "none.txt")], "is not a file"),
         (["--text", str(tmp_path / "latin1.txt"), "--tokenizer", str(tmp_path / "tok")], "is not UTF-8"),
         (["--text", str(tmp_path / "text.txt")], "--text needs a tokenizer"),

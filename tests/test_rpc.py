@@ -210,7 +210,8 @@ def test_builder_rpc_builds_on_the_servers(cluster, cpu_target, tmp_path):
             Measurer(cpu_target, config, runner=rpc_runner(cluster.address, cluster.key), builder=RemoteBuilder) as m:
         result = tune(_task(), cpu_target, db, options, measurer=m)
         records = db.records_for(_task().key, cpu_target)
-        assert sorted(set(m.runner.measured_by) - {None}) == ["rpc slot 1", "rpc slot 2"]
+        # Which server takes each candidate depends on which is free first: any of them, never this host.
+        assert set(m.runner.measured_by) - {None} and set(m.runner.measured_by) <= {"rpc slot 1", "rpc slot 2", None}
     assert result.trials == 8 and len(records) == 8
     ok = [r for r in records if r.result.ok]
     assert len(ok) >= 6 and all(r.result.build_seconds > 0 and r.result.rel_error is not None for r in ok)
