@@ -16,6 +16,7 @@ import signal
 import threading
 
 import numpy as np
+import openai  # the client users reach the server with (the test extra installs it)
 import pytest
 
 from .helpers import cli, start, train_tokenizer
@@ -23,7 +24,6 @@ from .helpers import cli, start, train_tokenizer
 # The slow tier: one artifact build and three server processes (tests/test_serve_parts.py: the parts without).
 pytestmark = [pytest.mark.xdist_group("serve-artifact"), pytest.mark.timeout(300), pytest.mark.slow]
 
-openai = pytest.importorskip("openai", reason="pip install -e '.[test]' installs openai")
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' installs transformers")
 
 MAX_SEQ_LEN, MAX_BATCH, PAGE = 128, 4, 16
