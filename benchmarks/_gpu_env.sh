@@ -14,12 +14,18 @@ fi
 # NEED: more "module=what to install" pairs, space-separated, that the calling script needs.
 # shellcheck disable=SC2086
 missing=$(python3 - ${NEED:-} <<'PY' 2>/dev/null || echo "python3"
-import importlib.util, sys
+import importlib, importlib.util, sys
 need = {"tvm": "TVM 0.27 (../shared/tools/gpu-pack here, then `bash .gpu/tvm/stage.sh` on the GPU machine)",
         "torch": "torch", "sqlalchemy": "SQLAlchemy (.gpu/deps)", "xgboost": "xgboost (.gpu/deps)",
         "alembic": "alembic (.gpu/deps)"}
 need.update({name: spec for name, spec in (a.split("=", 1) for a in sys.argv[1:])})
-print("; ".join(text for name, text in need.items() if importlib.util.find_spec(name) is None))
+def missing(name):  # imported, not only found: a package whose own dependency is missing fails here
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        return f"{text} ({exc})" if (text := need[name]) and importlib.util.find_spec(name) else text
+    return None
+print("; ".join(filter(None, map(missing, need))))
 PY
 )
 if [[ -n $missing ]]; then

@@ -159,6 +159,9 @@ for step in "${steps_to_run[@]}"; do
     hf)
       python3 -c "import accelerate" 2>/dev/null || { echo "hf: transformers serve needs accelerate (device_map)" >&2; continue; }
       read -r -a more <<< "${HF_ARGS:-}"
+      # its GET /v1/models lists the Hugging Face cache, and answers 500 where there is no such folder
+      export HF_HUB_CACHE=${HF_HUB_CACHE:-$PWD/.bench/hf-hub-cache}
+      mkdir -p "$HF_HUB_CACHE"
       start_server hf python3 -m transformers.cli.transformers serve "$HF" --continuous-batching \
         --device "${HF_DEVICE:-cuda}" --dtype "${HF_DTYPE:-float16}" --host 127.0.0.1 --port "$PORT" "${more[@]}" || continue
       hf_load=(--prompt-mode text --eos hf)
