@@ -1090,6 +1090,39 @@ def test_decode_steps_launched_ahead_give_the_same_tokens(built):
     assert sorted(made.values(), key=len) == [expected[0][:3], expected[1][:9]]
 
 
+def test_prefill_makes_only_the_joined_sequences_first_tokens_and_lands_a_step_in_flight(built):
+    """Generator.prefill (the server's first step for requests that join): the sequences added since the last
+    step get their first token and the running ones none, except the tokens of a step launched ahead, which
+    it lands; with a prefix cache, a sequence that finished in that landed step is kept for a next turn. The
+    tokens are those of plain steps."""
+    from autosched.generation import Generator
+
+    model, artifact = built
+    gen = Generator(artifact, run_ahead=True, prefix_cache=True)
+    page = gen.limits.page_size
+    prompts = [[(5 * i) % 97 + 3 for i in range(2 * page - 2)], PROMPTS[1]]  # a page, and two with 2 tokens made
+    expected = [r.tokens for r in Generator(artifact).generate(prompts, 8)]
+    first = gen.add(prompts[0], 3)
+    made = {first: []}
+    for _ in range(2):  # its prefill, then a decode step launched ahead
+        for seq_id, token in gen.step():
+            made[seq_id].append(token)
+    assert gen._flight is not None and gen.waiting == []
+    late = gen.add(prompts[1], 8)
+    made[late] = []
+    assert gen.waiting == [late]
+    for seq_id, token in gen.prefill():
+        made[seq_id].append(token)
+    assert len(made[late]) == 1 and len(made[first]) == 3 and gen.waiting == []  # the flight's token, the last
+    assert first in gen.finished and first not in gen.live  # it ended in the landed step and left the cache
+    assert gen.prefix_cache.match(prompts[0] + made[first])[1] == 2 * page  # its two pages kept for a next turn
+    while gen.live:
+        for seq_id, token in gen.step():
+            made[seq_id].append(token)
+    assert made[first] == expected[0][:3] and made[late] == expected[1]
+    assert gen.prefill() == []  # nothing waiting: nothing runs
+
+
 @pytest.mark.gpu
 def test_token_marks_read_a_steps_tokens_without_waiting_for_the_work_after_them():
     """The CUDA events of decode steps launched ahead: a mark after a tensor of tokens waits for the work before

@@ -222,6 +222,11 @@ class Generator:
         return list(self._seqs)
 
     @property
+    def waiting(self) -> list[int]:
+        """The ids of the sequences added and not yet prefilled."""
+        return [seq_id for seq_id, seq in self._seqs.items() if not seq.prefilled]
+
+    @property
     def finished(self) -> list[int]:
         """The ids of the sequences that finished and whose result :meth:`remove` has not yet taken."""
         return list(self._done)
@@ -326,6 +331,12 @@ class Generator:
         factors, and from then on every position uses the long ones."""
         return self._step(self._seqs)
 
+    def prefill(self) -> list[tuple[int, int]]:
+        """Prefill the sequences added since the last step, and nothing else: their first tokens, without
+        waiting for a decode step of the others (a server sends them first). A decode step launched ahead is
+        landed first; its tokens are among those returned."""
+        return self._step(self.waiting)
+
     def _step(self, ids: Iterable[int]) -> list[tuple[int, int]]:
         """A step of the sequences ``ids`` only (others in the cache wait)."""
         seqs = [self._seqs[i] for i in list(ids) if i in self._seqs]
@@ -333,12 +344,15 @@ class Generator:
             for seq in scheduler.longrope_rereads(seqs, self.rope_switch):
                 self.model.popn(seq.seq_id, seq.length)
                 seq.pending, seq.cached, seq.length, seq.prefilled = seq.cached + seq.pending, [], 0, False
-        made, served = [], set()
+        made, served, landed = [], set(), []
         flight, self._flight = self._flight, None
         if flight is not None and not flight.continues(seqs):
             # Its tokens are this step's for its sequences, read before anything else runs.
             made += self._land(flight)
-            served, flight = {id(s) for s in flight.seqs}, None
+            served = {id(s) for s in flight.seqs}
+            # those outside ``ids`` end here too where they finished (a prefill-only step lands a decode step)
+            landed = [s for s in flight.seqs if self._seqs.get(s.seq_id) is s and all(s is not t for t in seqs)]
+            flight = None
         decoding = [s for s in seqs if s.decoding and id(s) not in served]
         waiting = [s for s in seqs if not s.prefilled]
         if self.prefix_cache is not None:  # the pages this step may take, from kept prefixes where short
@@ -361,7 +375,7 @@ class Generator:
             made += self._forward([(s, 1) for s in decoding], prefill=False)
             if self._speculator is not None:
                 self._speculator.plain_step(len(decoding))
-        for seq in seqs:
+        for seq in seqs + landed:
             if self.prefix_cache is not None and seq.prefilled and not seq.completion.error:
                 if not seq.remembered:  # the prompt, once prefilled
                     seq.remembered = True

@@ -34,6 +34,36 @@ class HTTPError(Exception):
         self.status, self.param, self.headers = status, param, headers or {}
 
 
+class _GuardAndCount:
+    """The API key check on ``/v1/`` and the count of answers by endpoint and status, as plain ASGI: Starlette's
+    ``BaseHTTPMiddleware`` would pass every chunk of a stream through a task and a queue of its own."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        status = 500  # where the app sends nothing
+
+        async def counting(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if self.api_key is not None and given != f"Bearer {self.api_key}":
+                response = error_response(401, "the API key is missing or wrong: send it as 'Authorization: Bearer KEY'")
+                await response(scope, receive, counting)
+            else:
+                await self.app(scope, receive, counting)
+        finally:
+            self.metrics.requests.labels(path, str(status)).inc()
+
+
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, ERROR_KINDS.get(status, "server_error"), param, status), status_code=status,
                         headers=headers)
@@ -48,20 +78,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, metrics: 
     tokenizer = engine.tokenizer
     created = int(time.time())
 
-    @app.middleware("http")
-    async def count_and_guard(request: Request, call_next):
-        endpoint = request.url.path
-        try:
-            if endpoint.startswith("/v1/") and api_key is not None:
-                given = request.headers.get("authorization", "")
-                if given != f"Bearer {api_key}":
-                    raise HTTPError(401, "the API key is missing or wrong: send it as 'Authorization: Bearer KEY'")
-            response = await call_next(request)
-        except HTTPError as exc:
-            response = error_response(exc.status, str(exc), exc.param, exc.headers)
-        if endpoint.startswith("/v1/"):
-            metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_GuardAndCount, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(HTTPError)
     async def on_http_error(_request: Request, exc: HTTPError):

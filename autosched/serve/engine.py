@@ -157,10 +157,23 @@ class _Request:
         return sum(c.seen for c in self.choices)
 
     def send(self, output: RequestOutput) -> None:
+        _deliver({self.loop: [(self.queue, output)]})
+
+
+def _deliver(outputs: dict) -> None:
+    """Each event loop's (queue, output) pairs put in their queues, with one wake-up of the loop for all (a
+    wake-up is a write to the loop's socket: one a request at every step costs the engine's thread more than
+    the rest of its work for the step)."""
+    for loop, pairs in outputs.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+            loop.call_soon_threadsafe(_put_all, pairs)
         except RuntimeError:  # its event loop is closed: nobody is listening any more
             pass
+
+
+def _put_all(pairs) -> None:
+    for queue, output in pairs:
+        queue.put_nowait(output)
 
 
 class Engine:
@@ -420,12 +433,23 @@ class Engine:
             self._running[request.request_id] = request
 
     def _step(self) -> None:
+        """A step of the generator, its outputs sent. Sequences that joined are prefilled first and their
+        first tokens sent before the step that decodes every sequence: a new request's first token does not
+        wait for the running ones' next token."""
         try:
+            if self.gen.waiting:
+                self.gen.prefill()
+                self._send_outputs()
             self.gen.step()
         except Exception as exc:  # noqa: BLE001 - the requests of this step fail; the engine goes on
             self._fail_all(f"the step failed: {type(exc).__name__}: {_first_line(exc)}", 500)
             return
+        self._send_outputs()
+
+    def _send_outputs(self) -> None:
+        """What each running request made since its last output, sent to its client."""
         now = self.clock()
+        outputs: dict = {}
         for request in list(self._running.values()):
             deltas, errors = [], []
             for choice in request.choices:
@@ -448,9 +472,10 @@ class Engine:
                 request.done = True
                 self._observe(request)
             if deltas or finished:
-                request.send(RequestOutput(deltas, len(request.prompt), request.completion_tokens(),
-                                           request.cached_tokens, finished, errors[0] if errors else None,
-                                           500 if errors else 200))
+                output = RequestOutput(deltas, len(request.prompt), request.completion_tokens(), request.cached_tokens,
+                                       finished, errors[0] if errors else None, 500 if errors else 200)
+                outputs.setdefault(request.loop, []).append((request.queue, output))
+        _deliver(outputs)
 
     def _fail_all(self, reason: str, status: int, waiting: bool = False) -> None:
         """Fail every running request (and the waiting ones too, with ``waiting``), then start again from a
