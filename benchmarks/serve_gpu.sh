@@ -17,7 +17,7 @@
 #            --max-batch 16 --max-seq-len 4096), unless it exists
 #   steps    the artifact's decode step at batches 1 and 16 (generate_benchmark.py --artifact: 512-token prompts,
 #            128 new tokens: PROMPT, OUTPUT) -> steps.json: (a)'s reference and (b)'s bound (BOUND_MS, default 2x
-#            batch 1's step)
+#            batch 1's step); and the prefill of a prompt 59 tokens past PROMPT (steps_offchunk.json)
 #   ours     `autosched serve ARTIFACT` (OURS_ARGS more options), one server for: (a) 16 concurrent streams
 #            (a_ours.json); (b) the sweep for the highest Poisson rate whose p99 TPOT stays within the bound
 #            (b_ours.json); (c) the shared-prefix load with its prefix cache (c_ours_cache.json)
@@ -103,6 +103,10 @@ load() {  # NAME LIMIT LABEL ARGS...: a serve_benchmark.py run against the serve
   timeout "$limit" "${bench[@]}" --label "$label" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $?"
   keep "$name"
+  # our server's counters after the run (cumulative since it started): its prefill calls (static chunks or
+  # not), decode steps, and seconds in the generator against the engine's own
+  python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())" \
+    "http://127.0.0.1:$PORT/metrics" 2>/dev/null | grep -E "^autosched_(generator|engine)_" > "$OUT/$name.metrics.txt"
 }
 
 json() {  # FILE EXPR: a value of a result, by a Python expression over d
@@ -140,7 +144,11 @@ for step in "${steps_to_run[@]}"; do
     steps)
       timeout 300 python3 benchmarks/generate_benchmark.py --artifact "$ARTIFACT" --batches 1,16 --prompt "$PROMPT" \
         --new "$OUTPUT" --out "$OUT/steps.json" > "$OUT/steps.log" 2>&1
-      echo "steps: exit $?"; keep steps ;;
+      echo "steps: exit $?"; keep steps
+      # a prompt that is no static chunk: its remainder goes through the dynamic prefill (the server's prompts vary)
+      timeout 120 python3 benchmarks/generate_benchmark.py --artifact "$ARTIFACT" --batches 1 --prompt $((PROMPT + 59)) \
+        --new 8 --out "$OUT/steps_offchunk.json" > "$OUT/steps_offchunk.log" 2>&1
+      echo "steps off-chunk: exit $?"; keep steps_offchunk ;;
     ours)
       read -r -a more <<< "${OURS_ARGS:-}"
       start_server ours "${ours_cmd[@]}" "$ARTIFACT" --port "$PORT" "${more[@]}" || continue

@@ -298,6 +298,7 @@ def test_prefix_caching_reuses_a_shared_system_prompt_with_the_same_tokens(built
     prompts = [system + _ids(tokenizer, p) for p in PROMPTS[:4]]
     expected = _alone(artifact, prompts, 8)
     hits_before = _metric(server, "autosched_prefix_cache_hit_tokens_total")
+    prefilled_before = _metric(server, "autosched_generator_prefill_tokens_total")
     got, cached = [], []
     for prompt in prompts:
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
@@ -308,6 +309,11 @@ def test_prefix_caching_reuses_a_shared_system_prompt_with_the_same_tokens(built
     assert cached[1:] == [len(system) // PAGE * PAGE] * 3  # the system prompt's whole pages, after the first
     assert _metric(server, "autosched_prefix_cache_hit_tokens_total") - hits_before >= 3 * (len(system) // PAGE * PAGE)
     assert 0 < _metric(server, "autosched_prefix_cache_hit_rate") <= 1
+    # only what the cache did not hold was prefilled, and the engine says where its time went
+    prefilled = _metric(server, "autosched_generator_prefill_tokens_total") - prefilled_before
+    assert prefilled == sum(map(len, prompts)) - sum(cached)
+    assert _metric(server, "autosched_engine_generator_seconds_total") > 0
+    assert _metric(server, "autosched_engine_host_seconds_total") > 0
     plain = openai.OpenAI(base_url=plain_server, api_key="none", max_retries=0, timeout=120)
     for prompt, tokens in zip(prompts, expected):
         out = plain.completions.create(model="art", prompt=prompt, max_tokens=8, temperature=0,

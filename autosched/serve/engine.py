@@ -98,7 +98,7 @@ class RequestOutput:
 @dataclass
 class EngineStats:
     """A snapshot of the engine for ``/metrics``: requests running and waiting, KV pages in use and in all,
-    prompt tokens queried and found in the prefix cache."""
+    prompt tokens queried and found in the prefix cache, and where the engine's time went."""
 
     running: int = 0
     waiting: int = 0
@@ -106,6 +106,9 @@ class EngineStats:
     kv_pages: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    generator: dict = field(default_factory=dict)  # the generator's counts (:class:`~.scheduler.StepStats`)
+    generator_seconds: float = 0.0  # in the generator's calls
+    host_seconds: float = 0.0  # the engine's own work between them, while requests ran
 
 
 class _Choice:
@@ -205,6 +208,7 @@ class Engine:
         self._load_error: BaseException | None = None
         self._ids = itertools.count()
         self._stats = EngineStats()
+        self._generator_seconds = self._host_seconds = 0.0  # metrics only: no decision reads them
         self.gen = None
         self._grammars = None  # made at the first request under a grammar
         self._grammars_lock = threading.Lock()
@@ -243,8 +247,7 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             s = self._stats
-            return EngineStats(len(self._running), self._queued, s.kv_pages_used, s.kv_pages,
-                               s.prefix_queried_tokens, s.prefix_hit_tokens)
+            return replace(s, running=len(self._running), waiting=self._queued)
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -350,6 +353,7 @@ class Engine:
                     self._finish(request, "the server stopped before the request finished", 503)
                 self._waiting.clear()
                 return
+            began, in_generator = time.perf_counter(), self._generator_seconds
             try:
                 self._admit()
                 if self._running:
@@ -357,6 +361,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a bug of ours fails the requests in hand, not the server
                 self._fail_all(f"internal error: {type(exc).__name__}: {_first_line(exc)}", 500, waiting=True)
             self._update_stats()
+            self._host_seconds += time.perf_counter() - began - (self._generator_seconds - in_generator)
 
     def _abort(self, request_id: str) -> None:
         for request in self._waiting:
@@ -436,14 +441,19 @@ class Engine:
         """A step of the generator, its outputs sent. Sequences that joined are prefilled first and their
         first tokens sent before the step that decodes every sequence: a new request's first token does not
         wait for the running ones' next token."""
+        began = time.perf_counter()
         try:
             if self.gen.waiting:
                 self.gen.prefill()
+                self._generator_seconds += time.perf_counter() - began
                 self._send_outputs()
+                began = time.perf_counter()
             self.gen.step()
         except Exception as exc:  # noqa: BLE001 - the requests of this step fail; the engine goes on
             self._fail_all(f"the step failed: {type(exc).__name__}: {_first_line(exc)}", 500)
             return
+        finally:
+            self._generator_seconds += time.perf_counter() - began
         self._send_outputs()
 
     def _send_outputs(self) -> None:
@@ -511,7 +521,9 @@ class Engine:
             self._stats = EngineStats(kv_pages_used=g.model.total_pages - g.model.free_pages(),
                                       kv_pages=g.model.total_pages,
                                       prefix_queried_tokens=cache.queried_tokens if cache is not None else 0,
-                                      prefix_hit_tokens=cache.hit_tokens if cache is not None else 0)
+                                      prefix_hit_tokens=cache.hit_tokens if cache is not None else 0,
+                                      generator=dict(g.stats), generator_seconds=self._generator_seconds,
+                                      host_seconds=self._host_seconds)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,6 +15,16 @@ TPOT_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.0
                 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
+# The generator's counts (scheduler.StepStats) exported as counters: which calls the steps made, and their time.
+GENERATOR_COUNTS = {
+    "prefill_calls": "Prefill calls", "static_prefill_calls": "Prefill calls of a static chunk (tuned kernels)",
+    "prefill_tokens": "Tokens prefilled", "prefill_s": "Seconds in prefill calls",
+    "decode_steps": "Decode steps", "static_decode_steps": "Decode steps of a static batch (tuned kernels)",
+    "padded_decode_steps": "Decode steps with padding rows", "decode_tokens": "Rows decoded",
+    "decode_s": "Seconds in decode steps", "host_sample_calls": "Steps whose logits were read to the host",
+}
+
+
 class ServerMetrics:
     """The server's metrics; ``engine`` is read at each scrape (its :meth:`~.engine.Engine.stats`)."""
 
@@ -65,3 +75,11 @@ class _EngineCollector:
                                   "prefix cache", value=s.prefix_queried_tokens)
         yield CounterMetricFamily("autosched_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
                                   value=s.prefix_hit_tokens)
+        yield CounterMetricFamily("autosched_engine_generator_seconds", "Seconds in the generator's calls (the "
+                                  "model's steps, waited for)", value=s.generator_seconds)
+        yield CounterMetricFamily("autosched_engine_host_seconds", "Seconds of the engine's own work between the "
+                                  "generator's calls (outputs, admission) while requests ran", value=s.host_seconds)
+        for key in GENERATOR_COUNTS:
+            if key in s.generator:
+                yield CounterMetricFamily(f"autosched_generator_{key}", GENERATOR_COUNTS[key],
+                                          value=s.generator[key])
