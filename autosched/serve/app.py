@@ -131,14 +131,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, metrics: 
         choices, usage = [], _Usage()
         for p, (prompt, result) in enumerate(zip(prompts, outputs)):
             usage.add(prompt, result)
-            for c in result.choices:
-                choice = {"index": p * params.n + c.index, "text": c.text,
-                          "logprobs": _completion_logprobs(c.token_ids, c.logprobs, tokenizer)
-                          if body.logprobs is not None else None, "finish_reason": c.finish_reason}
-                if body.return_token_ids:
-                    choice["token_ids"] = c.token_ids
-                    choice["prompt_token_ids"] = prompt
-                choices.append(choice)
+            choices += [_completion_choice(p * params.n + c.index, c, body, tokenizer, prompt) for c in result.choices]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": usage.body()}
 
@@ -431,6 +424,19 @@ async def _merged(engine, prompts, params, rid) -> AsyncIterator[tuple[int, Requ
             task.cancel()
 
 
+def _completion_choice(index: int, made, body, tokenizer, prompt: list[int] | None = None) -> dict:
+    """A completion's choice (whole) or its chunk (streamed): what one choice ``made`` (its text, tokens and
+    log-probabilities, and why it ended); its prompt's ids too, where given."""
+    choice = {"index": index, "text": made.text,
+              "logprobs": _completion_logprobs(made.token_ids, made.logprobs, tokenizer)
+              if body.logprobs is not None else None, "finish_reason": made.finish_reason}
+    if body.return_token_ids:
+        choice["token_ids"] = made.token_ids
+        if prompt is not None:
+            choice["prompt_token_ids"] = prompt
+    return choice
+
+
 def _stream_error(out: RequestOutput) -> dict:
     return error_body(out.error, ERROR_KINDS.get(out.status, "server_error"), None, out.status)
 
@@ -442,14 +448,7 @@ async def _stream_completions(engine, prompts, params, rid, model_name, created,
         if out.error is not None:
             yield _stream_error(out)
             return
-        choices = []
-        for d in out.choices:
-            choice = {"index": p * params.n + d.index, "text": d.text,
-                      "logprobs": _completion_logprobs(d.token_ids, d.logprobs, tokenizer)
-                      if body.logprobs is not None else None, "finish_reason": d.finish_reason}
-            if body.return_token_ids:
-                choice["token_ids"] = d.token_ids
-            choices.append(choice)
+        choices = [_completion_choice(p * params.n + d.index, d, body, tokenizer) for d in out.choices]
         if choices:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": choices}
         if out.finished:
