@@ -1090,6 +1090,47 @@ def test_decode_steps_launched_ahead_give_the_same_tokens(built):
     assert sorted(made.values(), key=len) == [expected[0][:3], expected[1][:9]]
 
 
+def test_penalties_bias_and_logprobs_on_the_device_give_the_hosts_tokens_and_logprobs(built):
+    """Rows with logit bias, repetition, frequency and presence penalties and log-probabilities, beside a
+    plain greedy row and a row held to min_p (which stays on the host), in prefill and decode steps: the
+    device's rules (logit_rules) give the tokens the host's float64 rules give, log-probabilities within
+    float32 rounding, and no step of the device run read its logits back but the min_p row's."""
+    import numpy as np
+
+    from autosched.generation import Generator
+    from autosched.generation.request import Sampling
+
+    _, artifact = built
+    requests = [Sampling(logit_bias=((3, 4.0), (9, -100.0)), logprobs=3), Sampling(repetition_penalty=1.4),
+                Sampling(frequency_penalty=1.5, presence_penalty=0.5, logprobs=0), Sampling()]
+
+    def run(device: bool, with_min_p: bool):
+        gen = Generator(artifact)
+        if not device:
+            gen.sampler.rules = None  # every rule on the host, from the logits read back
+        rows = requests[:3] + [Sampling(temperature=0.8, min_p=0.2, seed=4)] if with_min_p else requests
+        ids = [gen.add(prompt, 12, sampling) for prompt, sampling in zip(PROMPTS, rows)]
+        while gen.live:
+            gen.step()
+        return [gen.remove(i) for i in ids], gen.stats["host_sample_calls"]
+
+    host, _ = run(False, False)
+    device, host_calls = run(True, False)
+    assert host_calls == 0
+    assert [c.tokens for c in device] == [c.tokens for c in host]
+    plain = [c.tokens for c in Generator(artifact).generate(PROMPTS[:3], 12)]
+    assert all(p != c.tokens for p, c in zip(plain, device[:3]))  # the rules changed what greedy makes
+    for d, h in zip(device, host):
+        assert len(d.logprobs) == len(h.logprobs)
+        for a, b in zip(d.logprobs, h.logprobs):
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            np.testing.assert_allclose([a.logprob] + [v for _, v in a.top], [b.logprob] + [v for _, v in b.top],
+                                       rtol=1e-4, atol=1e-4)
+    assert len(device[0].logprobs) == 12 and len(device[0].logprobs[0].top) == 3
+    mixed, host_calls = run(True, True)
+    assert [c.tokens for c in mixed[:3]] == [c.tokens for c in host[:3]] and host_calls > 0
+
+
 def test_prefill_makes_only_the_joined_sequences_first_tokens_and_lands_a_step_in_flight(built):
     """Generator.prefill (the server's first step for requests that join): the sequences added since the last
     step get their first token and the running ones none, except the tokens of a step launched ahead, which

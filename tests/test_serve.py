@@ -235,10 +235,12 @@ def test_stop_strings_across_token_boundaries_end_the_text_before_them(built, cl
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_logprobs_equal_a_float64_log_softmax_of_the_model(built, client):
+def test_logprobs_equal_a_float64_log_softmax_of_the_model(built, server, client):
+    """Log-probabilities (found on the device: no step reads its logits back) against transformers' float64."""
     import torch
 
     model, _, tokenizer = built
+    host_calls = _metric(server, "autosched_generator_host_sample_calls_total")
     prompt = _ids(tokenizer, PROMPTS[4])
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
                                     extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -265,12 +267,15 @@ def test_logprobs_equal_a_float64_log_softmax_of_the_model(built, client):
         assert abs(entry.logprob - reference[step, tokens[step]]) < 1e-3
         top = [t.logprob for t in entry.top_logprobs]
         assert np.abs(np.asarray(top) - np.sort(reference[step])[::-1][:3]).max() < 1e-3
+    assert _metric(server, "autosched_generator_host_sample_calls_total") == host_calls
 
 
-def test_penalties_and_logit_bias_change_the_tokens_as_the_same_rule_on_transformers_logits(built, client):
+def test_penalties_and_logit_bias_change_the_tokens_as_the_same_rule_on_transformers_logits(built, server, client):
+    """The rules (applied on the device: no step reads its logits back) as the same rules on transformers'."""
     import torch
 
     model, _, tokenizer = built
+    host_calls = _metric(server, "autosched_generator_host_sample_calls_total")
     prompt = _ids(tokenizer, PROMPTS[5])
     rules = {"frequency_penalty": 0.8, "presence_penalty": 0.5, "logit_bias": {"7": 4.0, "300": -100.0},
              "extra_body": {"repetition_penalty": 1.3, "return_token_ids": True, "ignore_eos": True}}
@@ -290,6 +295,7 @@ def test_penalties_and_logit_bias_change_the_tokens_as_the_same_rule_on_transfor
             tokens.append(int(np.argmax(logits)))
     assert out.choices[0].token_ids == tokens
     assert plain.choices[0].token_ids != tokens
+    assert _metric(server, "autosched_generator_host_sample_calls_total") == host_calls
 
 
 def test_prefix_caching_reuses_a_shared_system_prompt_with_the_same_tokens(built, server, client, plain_server):

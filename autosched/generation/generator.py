@@ -18,6 +18,7 @@ from pathlib import Path
 from autosched.errors import UsageError
 
 from . import scheduler
+from .logit_rules import DeviceRules
 from .model import LoadedModel, check_kv_pages
 from .prefix_cache import PrefixCache
 from .request import Completion, GenerationError, Sampling, SequenceState, is_token_id, token_ids
@@ -176,6 +177,7 @@ class Generator:
         self.limits = scheduler.Limits(model.max_seq_len, model.page_size, model.decode_batches, model.prefill_chunks,
                                        model.window, model.window_chunk)
         self.sampler = Sampler(model.greedy_tokens, model.sample_tokens, model.device, model.staging)
+        self.sampler.rules = DeviceRules(model, model.staging)  # its kernels compiled at a first row with rules
         self._stats = scheduler.StepStats(clock)
         self._seqs: dict[int, SequenceState] = {}  # in the cache
         self._done: dict[int, SequenceState] = {}  # finished and out of the cache, until removed
@@ -472,7 +474,8 @@ class Generator:
         if not (self.run_ahead and m.step_barrier and self._speculator is None and self.rope_switch is None):
             return None
         in_flight = 0 if flight is None else 1
-        if any(not s.sampling.greedy or self.sampler.on_host(s) or len(s.completion.tokens) + in_flight >= s.max_new_tokens
+        if any(not s.sampling.greedy or not s.sampling.speculates or self.sampler.on_host(s)
+               or len(s.completion.tokens) + in_flight >= s.max_new_tokens
                or s.length + 1 >= self.max_seq_len for s in seqs):
             return None
         need = sum(scheduler.pages_needed(s.length, 1, self.limits.page_size) for s in seqs)

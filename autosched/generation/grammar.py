@@ -24,14 +24,14 @@ XGrammar is imported when a grammar is first compiled.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from autosched.errors import UsageError
-from autosched.target import TargetSpec
+
+from .runtime_kernels import compiled_at_first_use
 
 # Deferred imports: xgrammar, numpy, tvm (imported where used: `autosched --help` stays fast).
 
@@ -346,24 +346,8 @@ def mask_kernel(vocab: int, gpu: bool):
     return main
 
 
-_MASK_KERNELS: dict[tuple[str, int], object] = {}
-
-
 def device_mask(model):
     """A function ``(logits, bitmask)`` that masks a step's logits on ``model``'s device (:func:`mask_kernel`,
     compiled here at the first use in this process), or None where it cannot be compiled (the rows under a
     grammar are then masked on the host)."""
-    import tvm
-
-    spec = TargetSpec.from_json(model.manifest["target"])
-    gpu = spec.kind == "cuda"
-    key = (f"{spec.kind}:{spec.arch}", model.vocab)
-    if key not in _MASK_KERNELS:
-        try:
-            target = spec.tvm_target() if gpu else tvm.target.Target("llvm")
-            _MASK_KERNELS[key] = tvm.compile(tvm.IRModule({"main": mask_kernel(model.vocab, gpu)}), target=target)["main"]
-        except Exception as exc:  # noqa: BLE001 - no CUDA compiler at run time, say: the host masks instead
-            logging.getLogger(__name__).warning("grammar masks stay on the host: the mask kernel did not compile (%s)",
-                                                _one_line(exc))
-            _MASK_KERNELS[key] = None
-    return _MASK_KERNELS[key]
+    return compiled_at_first_use(model, "the grammar mask", mask_kernel)

@@ -84,8 +84,8 @@ class Sampling:
 
     @property
     def needs_logits(self) -> bool:
-        """Whether choosing the token reads the row's logits on the host (the rules the device kernels do not
-        apply: min_p, penalties, logit_bias, logprobs, a grammar)."""
+        """Whether the row's logits go through rules beyond temperature, top-k and top-p (min_p, penalties,
+        logit_bias, logprobs, a grammar): on the host, what :func:`~.sampler.processed_logits` applies."""
         return self.grammar is not None or not self.speculates
 
     @property

@@ -6,12 +6,18 @@ vocabulary] logits. Sampling (temperature, top-k, top-p) on the device too (``sa
 uniform number a row drawn on the host from the request's own seeded stream; on the host from the logits
 (:func:`sample_host`) for an artifact built without it.
 
+A request's penalties, logit bias and log-probabilities are applied on the device too
+(:mod:`.logit_rules`); min_p, and every rule where those kernels cannot be compiled, on the host from the
+logits read back (:func:`choose_on_host`).
+
 Both kernels are one kernel over a symbolic number of rows. On a GPU each row is one CTA whose threads scan
 the vocabulary side by side and meet in block-wide reductions (TVM's default schedules give a reduction of
 symbolic rows one thread per row, which walks the whole vocabulary alone).
 """
 
 from __future__ import annotations
+
+from autosched.tvm_adapter import tensor_view
 
 THREADS = 1024  # per row: a 32000-token vocabulary is 32 coalesced loads a thread
 
@@ -136,12 +142,16 @@ class Sampler:
         self.greedy_tokens, self.sample_tokens, self.device = greedy_tokens, sample_tokens, device
         self.staging = staging or Staging(device)  # where the sampling parameters go on the device
         self.masks = None
+        self.rules = None  # penalties, bias and log-probabilities on the device (:class:`~.logit_rules.DeviceRules`)
 
     def on_host(self, seq) -> bool:
-        """Whether ``seq``'s token is chosen on the host from its logits: rules the device kernels do not apply
-        (:attr:`~.request.Sampling.needs_logits`; a grammar's are applied on the device where there is
-        :attr:`masks`)."""
-        return not seq.sampling.speculates or (seq.grammar is not None and self.masks is None)
+        """Whether ``seq``'s token is chosen on the host from its logits: a grammar without :attr:`masks`, or
+        rules (:attr:`~.request.Sampling.needs_logits`) that :attr:`rules` does not apply (min_p; all of them
+        where its kernels are not there)."""
+        sp = seq.sampling
+        if seq.grammar is not None and self.masks is None:
+            return True
+        return not sp.speculates and not (self.rules is not None and self.rules.applies(sp) and self.rules.ready())
 
     def on_device(self, seqs: list) -> str:
         """Where a step's tokens are chosen: ``greedy`` (every row greedy, on the device), ``sample`` (on the
@@ -183,7 +193,7 @@ class Sampler:
             if not seqs[i].grammar.terminated:  # (one that ended in a step launched ahead: its token is not kept)
                 seqs[i].grammar.fill(bitmask, i)
         width = int(np.prod(logits.shape)) // rows  # a prefill's logits are [1, rows, vocab]
-        self.masks(logits._create_view((rows, width)), self.staging.put("bitmask", bitmask))
+        self.masks(tensor_view(logits, (rows, width)), self.staging.put("bitmask", bitmask))
 
     def choose(self, logits, rows: int, seqs: list, wanted: list[bool], counts: dict,
                staged=None) -> list[int | None]:
@@ -192,11 +202,23 @@ class Sampler:
         from only when it samples; ``staged``: :meth:`stage`'s parameters for this step (staged here if None).
         Rows that need their logits on the host (:meth:`on_host`) read them back (every row's, once) and are
         chosen by :func:`choose_on_host`. The tokens a grammar allows are found first, while the step may still
-        run on the device, and masked there (:meth:`mask`) or on the host."""
+        run on the device, and masked there (:meth:`mask`) or on the host; then penalties and bias are applied
+        on the device (:attr:`rules`), and log-probabilities found there from a copy of the logits taken first."""
+        import numpy as np
+
         where = self.on_device(seqs)
         on_host = [want and (where == "host" or self.on_host(seq)) for seq, want in zip(seqs, wanted)]
+        ruled = [i for i, (seq, want, here) in enumerate(zip(seqs, wanted, on_host))
+                 if want and not here and not seq.sampling.speculates]  # rows whose rules the device applies
+        logprob_rows = [i for i in ruled if seqs[i].sampling.logprobs is not None]
+        raw = None
         if where != "host":
+            if ruled:
+                view = tensor_view(logits, (rows, int(np.prod(logits.shape)) // rows))
+                raw = self.rules.keep_raw(view, rows) if logprob_rows else None  # before any rule
             self.mask(logits, rows, seqs, [want and not here for want, here in zip(wanted, on_host)])
+            if ruled:
+                self.rules.apply(view, ruled, [seqs[i] for i in ruled])
         allowed = [seq.grammar.allowed() if here and seq.grammar is not None else None
                    for seq, here in zip(seqs, on_host)]
         if where == "greedy":
@@ -208,6 +230,8 @@ class Sampler:
             picks = self.sample_tokens(logits, params).numpy().reshape(-1)
         else:
             picks = None
+        if raw is not None:
+            self.rules.logprobs(raw, picks, logprob_rows, [seqs[i] for i in logprob_rows])
         host = None
         if any(on_host):
             counts["host_sample_calls"] += 1
@@ -241,38 +265,17 @@ FULL_WARP = 0xFFFFFFFF  # every lane of a warp takes part in its shuffles
 SAMPLE_THREADS = 512
 
 
-def sample_kernel(vocab: int, gpu: bool):
-    """The PrimFunc ``(logits [n, vocab] float32, params [n, 4] float32) -> tokens [n] int32`` that chooses a
-    token per row on the device. ``params`` holds each row's (temperature, top_k, top_p, uniform): a
-    temperature of 0 is greedy (the first maximum, as numpy's argmax); else the row's logits divided by the
-    temperature, kept to the ``top_k`` largest (0: all) and to the smallest set of the most likely tokens whose
-    probability reaches ``top_p``, then the token at ``uniform`` (in [0, 1)) of their cumulative distribution in
-    vocabulary order, as numpy's ``Generator.choice`` picks. No sort: each threshold is found by bisection
-    (the k-th largest logit by counting, top-p's probability by summing), ``BISECTIONS`` halvings at most: they
-    stop once no later halving could change which tokens the threshold keeps, so the tokens are those of
-    every halving done.
+def row_reductions(gpu: bool, width: int, vocab: int):
+    """TVMScript macros over one row of ``vocab`` logits by a CTA of ``width`` threads on a GPU (on the CPU one
+    thread a row, where they do nothing): ``block_allreduce``, ``block_bounds`` (a sum, minimum and maximum
+    through the same two barriers), ``block_first_max`` (the largest value at its smallest index) and
+    ``block_exclusive_scan``: warp shuffles, then one value a warp through shared memory, after which every
+    thread holds the same result."""
+    from types import SimpleNamespace
 
-    On a GPU each row is one CTA of ``SAMPLE_THREADS`` threads. Every pass over the vocabulary is a strided
-    loop per thread and a block-wide reduction (warp shuffles, then one value a warp through shared memory)
-    after which every thread holds the same maximum, count or sum, so all take the same bisection decisions.
-    The pick: each thread sums a contiguous slice of the vocabulary, an exclusive scan of the slice sums says
-    where each slice's cumulative weight starts, each thread walks its own slice, and the first token found
-    wins. Sums are float32 in another order than the host's float64, so a uniform or top_p within rounding of
-    a cumulative probability may fall on the other side. On the CPU the same code runs with one thread a row
-    (reductions and scan are then nothing)."""
     from tvm.script import tirx as T
 
-    width = SAMPLE_THREADS if gpu else 1  # threads a row
-    share = (vocab + width - 1) // width  # tokens a thread: strided in the passes, contiguous in the pick
     warps = width // 32
-    scope = "local" if gpu else "global"
-
-    def weight(logits, params, top, r, j):  # exp((logit - max) / temperature): the largest weight is 1
-        return T.exp((logits[r, j] - top[0]) / params[r, 0])
-
-    def kept(logits, params, top, cut_logit, cut_weight, r, j):  # the weight of a token both cuts keep, else 0
-        w = weight(logits, params, top, r, j)
-        return T.Select(logits[r, j] >= cut_logit[0], T.Select(w >= cut_weight[0], w, T.float32(0)), T.float32(0))
 
     def shuffle_xor(value, k):  # the value of the lane whose index differs in bit k
         return T.tvm_warp_shuffle_xor(T.uint32(FULL_WARP), value, T.shift_left(1, k), 32, 32)
@@ -366,6 +369,46 @@ def sample_kernel(vocab: int, gpu: bool):
         else:
             total[0] = value[0]
             value[0] = T.float32(0)
+
+    return SimpleNamespace(block_allreduce=block_allreduce, block_bounds=block_bounds, block_first_max=block_first_max,
+                           block_exclusive_scan=block_exclusive_scan)
+
+
+def sample_kernel(vocab: int, gpu: bool):
+    """The PrimFunc ``(logits [n, vocab] float32, params [n, 4] float32) -> tokens [n] int32`` that chooses a
+    token per row on the device. ``params`` holds each row's (temperature, top_k, top_p, uniform): a
+    temperature of 0 is greedy (the first maximum, as numpy's argmax); else the row's logits divided by the
+    temperature, kept to the ``top_k`` largest (0: all) and to the smallest set of the most likely tokens whose
+    probability reaches ``top_p``, then the token at ``uniform`` (in [0, 1)) of their cumulative distribution in
+    vocabulary order, as numpy's ``Generator.choice`` picks. No sort: each threshold is found by bisection
+    (the k-th largest logit by counting, top-p's probability by summing), ``BISECTIONS`` halvings at most: they
+    stop once no later halving could change which tokens the threshold keeps, so the tokens are those of
+    every halving done.
+
+    On a GPU each row is one CTA of ``SAMPLE_THREADS`` threads. Every pass over the vocabulary is a strided
+    loop per thread and a block-wide reduction (warp shuffles, then one value a warp through shared memory)
+    after which every thread holds the same maximum, count or sum, so all take the same bisection decisions.
+    The pick: each thread sums a contiguous slice of the vocabulary, an exclusive scan of the slice sums says
+    where each slice's cumulative weight starts, each thread walks its own slice, and the first token found
+    wins. Sums are float32 in another order than the host's float64, so a uniform or top_p within rounding of
+    a cumulative probability may fall on the other side. On the CPU the same code runs with one thread a row
+    (reductions and scan are then nothing)."""
+    from tvm.script import tirx as T
+
+    width = SAMPLE_THREADS if gpu else 1  # threads a row
+    share = (vocab + width - 1) // width  # tokens a thread: strided in the passes, contiguous in the pick
+    scope = "local" if gpu else "global"
+
+    def weight(logits, params, top, r, j):  # exp((logit - max) / temperature): the largest weight is 1
+        return T.exp((logits[r, j] - top[0]) / params[r, 0])
+
+    def kept(logits, params, top, cut_logit, cut_weight, r, j):  # the weight of a token both cuts keep, else 0
+        w = weight(logits, params, top, r, j)
+        return T.Select(logits[r, j] >= cut_logit[0], T.Select(w >= cut_weight[0], w, T.float32(0)), T.float32(0))
+
+    ops = row_reductions(gpu, width, vocab)
+    block_allreduce, block_bounds, block_first_max = ops.block_allreduce, ops.block_bounds, ops.block_first_max
+    block_exclusive_scan = ops.block_exclusive_scan
 
     @T.macro
     def row(logits, params, out, r, t, scratch_value, scratch_least, scratch_most, scratch_index):
