@@ -401,9 +401,11 @@ def first_difference(ours_tokens, theirs, scores):
     return report
 
 
-def artifact_rows(artifact: str, batches: list[int], prompt: int, new: int, out: str | None) -> list[dict]:
+def artifact_rows(artifact: str, batches: list[int], prompt: int, new: int, out: str | None,
+                  pad_ab: bool = False) -> list[dict]:
     """Prefill ms, ms per decode step and tokens/s of the artifact at each batch size (one generator for all):
-    prompts of ``prompt`` random tokens, ``new`` tokens each (no stop token), after a warm-up of 4 tokens."""
+    prompts of ``prompt`` random tokens, ``new`` tokens each (no stop token), after a warm-up of 4 tokens.
+    ``pad_ab``: each batch twice, without and with ``Generator.pad_prefill`` (the same tokens)."""
     import torch
 
     from autosched.generation import Generator
@@ -413,13 +415,15 @@ def artifact_rows(artifact: str, batches: list[int], prompt: int, new: int, out:
     generator = torch.Generator().manual_seed(0)
     for batch in batches:
         prompts = torch.randint(0, gen.vocab, (batch, prompt), generator=generator).tolist()
-        prefill, step, tokens = ours(lambda: gen, prompts, new)
-        rows.append({"artifact": artifact, "batch": batch, "prompt": prompt, "new": new, "ours_prefill_ms": prefill,
-                     "ours_ms_per_step": step, "ours_tokens_per_s": 1e3 * batch / step,
-                     "all_new_tokens": all(len(t) == new for t in tokens)})
-        print(json.dumps(rows[-1]), flush=True)
-        if out:
-            Path(out).write_text(json.dumps({"rows": rows}, indent=2))
+        for pad in (False, True) if pad_ab else (gen.pad_prefill,):
+            gen.pad_prefill = pad
+            prefill, step, tokens = ours(lambda: gen, prompts, new)
+            rows.append({"artifact": artifact, "batch": batch, "prompt": prompt, "new": new, "pad_prefill": pad,
+                         "ours_prefill_ms": prefill, "ours_ms_per_step": step, "ours_tokens_per_s": 1e3 * batch / step,
+                         "all_new_tokens": all(len(t) == new for t in tokens), "tokens": tokens[0][:16]})
+            print(json.dumps(rows[-1]), flush=True)
+            if out:
+                Path(out).write_text(json.dumps({"rows": rows}, indent=2))
     return rows
 
 
@@ -468,6 +472,8 @@ def main() -> int:
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--artifact", metavar="DIR", help="time this artifact of `autosched build --generate` at each "
                         "of --batches instead (--prompt, --new; the other options do not apply)")
+    parser.add_argument("--pad-prefill-ab", action="store_true", help="with --artifact: each batch without and with "
+                        "the prefill's padding up to a static chunk (Generator.pad_prefill)")
     parser.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                         help="llvm: a smoke test of this script on the CPU (with a few --layers)")
     args = parser.parse_args()
@@ -476,7 +482,8 @@ def main() -> int:
     global DEVICE
     DEVICE = "cuda" if args.target == "cuda" else "cpu"
     if args.artifact:
-        artifact_rows(args.artifact, [int(b) for b in args.batches.split(",")], args.prompt, args.new, args.out)
+        artifact_rows(args.artifact, [int(b) for b in args.batches.split(",")], args.prompt, args.new, args.out,
+                      args.pad_prefill_ab)
         return 0
 
     bandwidth = copy_bandwidth()

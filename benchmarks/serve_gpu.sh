@@ -17,14 +17,17 @@
 #            --max-batch 16 --max-seq-len 4096), unless it exists
 #   steps    the artifact's decode step at batches 1 and 16 (generate_benchmark.py --artifact: 512-token prompts,
 #            128 new tokens: PROMPT, OUTPUT) -> steps.json: (a)'s reference and (b)'s bound (BOUND_MS, default 2x
-#            batch 1's step); and the prefill of a prompt 59 tokens past PROMPT (steps_offchunk.json)
-#   ours     `autosched serve ARTIFACT` (OURS_ARGS more options), one server for: (a) 16 concurrent streams
-#            (a_ours.json); (b) the sweep for the highest Poisson rate whose p99 TPOT stays within the bound
+#            batch 1's step); and the prefill of a prompt 59 tokens past PROMPT, its last 59 through the dynamic
+#            function and padded up to a static chunk (steps_offchunk.json)
+#   ours     `autosched serve ARTIFACT` (OURS_ARGS more options), one server for: (a) 16 concurrent streams in
+#            one wave of 16 requests of PROMPT and OUTPUT tokens (a_ours.json: after their prefill, the decode
+#            steps are the batch-16 step of steps.json, and what differs is the server), and 16 streams of 64
+#            requests of mixed lengths (a_ours_mixed.json: prefills between the steps); (b) the sweep for the highest Poisson rate whose p99 TPOT stays within the bound
 #            (b_ours.json); (c) the shared-prefix load with its prefix cache (c_ours_cache.json)
 #   ours-nocache  the same server with --no-prefix-cache: the shared-prefix load (c_ours_nocache.json)
 #   hf       `transformers serve HF --continuous-batching` (HF_ARGS more options): the Poisson load at our best rate
-#            of (b) (b_hf_rate.json), 16 concurrent streams (b_hf_concurrency.json: (b)'s comparison where it
-#            cannot keep the bound at that rate), the shared-prefix load (c_hf.json: its cache shares a prefix's
+#            of (b) (b_hf_rate.json), 16 concurrent streams as (a)'s two loads (a_hf.json,
+#            b_hf_concurrency.json: (b)'s comparison where it cannot keep the bound at that rate), the shared-prefix load (c_hf.json: its cache shares a prefix's
 #            blocks); HF_SWEEP=1 also its own sweep under the same bound (b_hf_sweep.json)
 #   summary  one Markdown table of every run (table.md) and the three goals' numbers (goals.md)
 # The load (serve_benchmark.py): prompts log-normal around PROMPT tokens (default 512; sigma 0.5, at most 3x),
@@ -147,12 +150,15 @@ for step in "${steps_to_run[@]}"; do
       echo "steps: exit $?"; keep steps
       # a prompt that is no static chunk: its remainder goes through the dynamic prefill (the server's prompts vary)
       timeout 120 python3 benchmarks/generate_benchmark.py --artifact "$ARTIFACT" --batches 1 --prompt $((PROMPT + 59)) \
-        --new 8 --out "$OUT/steps_offchunk.json" > "$OUT/steps_offchunk.log" 2>&1
+        --new 8 --pad-prefill-ab --out "$OUT/steps_offchunk.json" > "$OUT/steps_offchunk.log" 2>&1
       echo "steps off-chunk: exit $?"; keep steps_offchunk ;;
     ours)
       read -r -a more <<< "${OURS_ARGS:-}"
       start_server ours "${ours_cmd[@]}" "$ARTIFACT" --port "$PORT" "${more[@]}" || continue
-      load a_ours 150 "autosched serve" --concurrency 16 --num-requests "$N" "${tok[@]}"
+      # (a): one wave of 16 requests of the step's lengths, so that the decode steps are the benchmark's batch-16
+      # step and the server's cost is what differs; then 16 streams of mixed lengths, joining as others finish
+      load a_ours 150 "autosched serve" --concurrency 16 --num-requests 16 --prompt-sigma 0 --output-sigma 0 "${tok[@]}"
+      load a_ours_mixed 150 "autosched serve" --concurrency 16 --num-requests "$N" "${tok[@]}"
       if bound=$(bound_ms); then
         load b_ours 330 "autosched serve" --sweep-p99-tpot-bound "$bound" --sweep-start "${SWEEP_START:-2}" \
           --duration "${SWEEP_DURATION:-40}" --num-requests "$N" "${tok[@]}"
@@ -178,6 +184,8 @@ for step in "${steps_to_run[@]}"; do
       else
         echo "hf: no best rate of ours (b_ours.json): no run at it"
       fi
+      load a_hf 240 "transformers serve --continuous-batching" --concurrency 16 --num-requests 16 --prompt-sigma 0 \
+        --output-sigma 0 "${hf_load[@]}"
       load b_hf_concurrency 240 "transformers serve --continuous-batching" --concurrency 16 --num-requests "$N" "${hf_load[@]}"
       load c_hf 120 "transformers serve --continuous-batching" "${prefix_load[@]}" "${hf_load[@]}"
       if [[ ${HF_SWEEP:-0} == 1 ]] && bound=$(bound_ms); then
@@ -187,7 +195,7 @@ for step in "${steps_to_run[@]}"; do
       stop_server ;;
     summary)
       files=()
-      for name in a_ours b_hf_concurrency b_ours b_hf_rate b_hf_sweep c_ours_cache c_ours_nocache c_hf; do
+      for name in a_ours a_hf a_ours_mixed b_hf_concurrency b_ours b_hf_rate b_hf_sweep c_ours_cache c_ours_nocache c_hf; do
         f=$(result $name) && files+=("$f")
       done
       python3 benchmarks/serve_benchmark.py --table "${files[@]}" > "$OUT/table.md" && cat "$OUT/table.md"
@@ -204,11 +212,14 @@ bound = float(sys.argv[4]) if sys.argv[4] else (2 * step[1] if 1 in step else No
 def only(result, pick=lambda run: True):
     runs = [r for r in (result or {}).get("runs", []) if pick(r)]
     return runs[-1]["summary"] if runs else None
-a = only(load("a_ours"))
+a, mixed = only(load("a_ours")), only(load("a_ours_mixed"))
 if a and 16 in step:
-    print(f"(a) 16 concurrent streams: our TPOT p50 {a['tpot_ms']['p50']:.2f} ms, p99 {a['tpot_ms']['p99']:.2f} ms; "
-          f"the artifact's batch-16 decode step {step[16]:.2f} ms: {a['tpot_ms']['p50'] / step[16]:.2f}x "
+    print(f"(a) 16 concurrent streams, one wave: our TPOT p50 {a['tpot_ms']['p50']:.2f} ms, p99 {a['tpot_ms']['p99']:.2f} "
+          f"ms; the artifact's batch-16 decode step {step[16]:.2f} ms: {a['tpot_ms']['p50'] / step[16]:.2f}x "
           f"({a['output_tokens_per_s']:.0f} output tokens/s)")
+if mixed and 16 in step:
+    print(f"    16 streams of mixed lengths (prefills between the steps): TPOT p50 {mixed['tpot_ms']['p50']:.2f} ms: "
+          f"{mixed['tpot_ms']['p50'] / step[16]:.2f}x")
 b = load("b_ours")
 best = (b or {}).get("sweep", {}).get("best_rate")
 if b and bound:
@@ -225,15 +236,22 @@ if b and bound:
     hs = load("b_hf_sweep")
     if hs:
         print(f"    transformers serve's highest rate within the bound: {hs.get('sweep', {}).get('best_rate')} req/s")
-    hc = only(load("b_hf_concurrency"))
-    if hc and a:
-        print(f"    at 16 concurrent streams: ours {a['output_tokens_per_s']:.0f}, transformers serve "
-              f"{hc['output_tokens_per_s']:.0f} output tokens/s ({a['output_tokens_per_s'] / hc['output_tokens_per_s']:.2f}x); "
-              f"p99 TPOT {a['tpot_ms']['p99']:.2f} vs {hc['tpot_ms']['p99']:.2f} ms")
+    for ours, theirs, what in ((mixed, only(load("b_hf_concurrency")), "of mixed lengths"),
+                               (a, only(load("a_hf")), "in one wave")):
+        if ours and theirs:
+            print(f"    at 16 concurrent streams {what}: ours {ours['output_tokens_per_s']:.0f}, transformers serve "
+                  f"{theirs['output_tokens_per_s']:.0f} output tokens/s "
+                  f"({ours['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}x); p99 TPOT "
+                  f"{ours['tpot_ms']['p99']:.2f} vs {theirs['tpot_ms']['p99']:.2f} ms")
 cached, uncached = only(load("c_ours_cache")), only(load("c_ours_nocache"))
 if cached and uncached:
     print(f"(c) {sys.argv[5]}-token shared prefix: our TTFT p50 {cached['ttft_ms']['p50']:.1f} ms with the prefix cache, "
           f"{uncached['ttft_ms']['p50']:.1f} ms without: {uncached['ttft_ms']['p50'] / cached['ttft_ms']['p50']:.2f}x")
+off = load("steps_offchunk")
+if off:
+    print("    a prompt past its whole chunks: prefill " + ", ".join(
+        f"{r['ours_prefill_ms']:.1f} ms {'padded up to a static chunk' if r['pad_prefill'] else 'with a dynamic call'}"
+        for r in off["rows"]) + f" ({off['rows'][0]['prompt']} tokens)")
 hfc = only(load("c_hf"))
 if hfc:
     print(f"    transformers serve (its cache shares prefix blocks): TTFT p50 {hfc['ttft_ms']['p50']:.1f} ms")

@@ -88,6 +88,36 @@ def test_greedy_tokens_match_transformers_for_a_batch_of_prompts(built):
     _check_family(*built)
 
 
+def test_a_prefill_of_fewer_tokens_than_a_chunk_is_padded_up_to_it(built):
+    """pad_prefill (a GPU build's default): the tokens a prompt leaves after its whole chunks of 8, and prompts
+    shorter than a chunk, are prefilled through prefill_t8 with a padding sequence: every prefill call is a
+    static one, the tokens are transformers' (sequences that join mid-decode included), and the cache's pages
+    are all free again at the end."""
+    from autosched.generation import Generator
+
+    model, artifact = built
+    gen = Generator(artifact)
+    gen.pad_prefill = True
+    free = gen.model.free_pages()
+    ids = [gen.add(p, 10) for p in PROMPTS[:2]]  # 7 + 2 tokens: one call of 9, a chunk and 1 token left
+    made = {i: [] for i in ids}
+    for seq_id, token in gen.step():
+        made[seq_id].append(token)
+    late = gen.add(PROMPTS[2], 10)  # 18 tokens, while the others decode: two chunks and 2 tokens
+    made[late] = []
+    while gen.live:
+        for seq_id, token in gen.step():
+            made[seq_id].append(token)
+    for seq_id, prompt in zip(ids + [late], PROMPTS[:3]):
+        assert made[seq_id] == _reference(model, prompt, 10)
+    assert gen.stats["static_prefill_calls"] == gen.stats["prefill_calls"] >= 5
+    assert gen.stats["prefill_tokens"] == sum(map(len, PROMPTS[:3]))  # the padding is no prompt token
+    assert gen.model.free_pages() == free
+    plain = Generator(artifact)
+    plain.generate(PROMPTS[:3], 10)
+    assert plain.stats["static_prefill_calls"] < plain.stats["prefill_calls"]  # without: dynamic calls
+
+
 def test_a_decode_step_is_padded_up_to_a_static_batch(built):
     """One live sequence decodes through decode_b2 with a padding row (an empty sequence whose token is
     removed after each step): the same tokens, and the padding never shows."""

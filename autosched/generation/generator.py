@@ -40,7 +40,9 @@ class Generator:
     before it are read (its ids are those tokens, still on the device; the step waits for them inside its
     call: :mod:`.barrier`), so the host's work between two steps overlaps the GPU's. The same tokens; a
     sequence that stops at a stop token has had one step more computed for it. False, and builds without the
-    barrier: a step at a time.
+    barrier: a step at a time. ``pad_prefill`` (default: on a CUDA build): a prefill call of fewer tokens than a
+    static chunk (a prompt's last tokens after its whole chunks) is padded up to the smallest static chunk that
+    holds them, to run its tuned kernels.
 
     ``draft``: decode speculatively (:mod:`.speculative`), the same tokens (greedy) or the same distribution
     (sampled) in fewer target steps: ``"prompt-lookup"`` (proposals copied from earlier in the sequence) or
@@ -186,6 +188,9 @@ class Generator:
         self._speculator = None
         # On a GPU the host's turn between two steps would leave it idle; on the CPU it is the same cores.
         self.run_ahead = model.on_gpu
+        # A prefill call of a prompt's last few tokens padded up to a static chunk (see scheduler.prefill_padding):
+        # on a GPU its tuned kernels; on the CPU the padding is as many tokens of work.
+        self.pad_prefill = model.on_gpu and not model.window
         self._flight: Flight | None = None  # a decode step launched whose tokens are not read yet
         self.prefix_cache: PrefixCache | None = None
         self._tokenizer = None  # for requests under a grammar (see the class)
@@ -554,11 +559,19 @@ class Generator:
         kept, free = scheduler.admit(parts, m.free_pages(), self.limits, m.kv_pages)
         if not kept:
             return []
-        pads = [] if prefill else m.padding_ids(scheduler.padding_rows(len(kept), m.decode_batches, free))
+        fed_tokens = sum(fed for _, fed in kept)
+        if prefill:  # a dynamic call: one padding sequence up to a static chunk, where there is one
+            padding = (scheduler.prefill_padding(fed_tokens, self.limits.prefill_chunks, free, self.limits.page_size)
+                       if self.pad_prefill and fed_tokens != chunk else 0)
+            pads, pad_lengths = (m.padding_ids(1), [padding]) if padding else ([], [])
+            chunk = fed_tokens + padding if padding else chunk
+        else:
+            pads = m.padding_ids(scheduler.padding_rows(len(kept), m.decode_batches, free))
+            pad_lengths = [1] * len(pads)
         seqs = [seq for seq, _ in kept]
-        lengths = [fed for _, fed in kept] + [1] * len(pads)
+        lengths = [fed for _, fed in kept] + pad_lengths
         ids = np.concatenate([np.asarray(seq.pending[:fed], dtype="int32") for seq, fed in kept]
-                             + [np.zeros(len(pads), dtype="int32")])
+                             + [np.zeros(sum(pad_lengths), dtype="int32")])
         rows = len(kept) + len(pads)
         function = (scheduler.prefill_function(int(ids.size), chunk) if prefill
                     else scheduler.decode_function(rows, m.decode_batches))
@@ -568,15 +581,15 @@ class Generator:
         began = self._stats.clock()
         staged = self.sampler.stage(rows, seqs, wanted)  # before the call: see Sampler.stage
         logits = m.forward(function, [s.seq_id for s in seqs] + pads, lengths, ids, prefill)
-        for pad in pads:  # the padding rows' token leaves their (empty) sequences again
-            m.popn(pad, 1)
+        for pad, length in zip(pads, pad_lengths):  # the padding's tokens leave their (empty) sequences again
+            m.popn(pad, length)
         for seq, fed in kept:
             seq.feed(fed, keep_cached=self.rope_switch is not None)
         for seq, done, want in zip(seqs, complete, wanted):
             if done and not want:
                 seq.completion.finish_reason = "max_seq_len"  # a new token would pass the artifact's longest
         tokens = self.sampler.choose(logits, rows, seqs, wanted, self.stats, staged) if any(wanted) else []
-        self._stats.record(prefill, began, int(ids.size) if prefill else len(kept), function, bool(pads))
+        self._stats.record(prefill, began, fed_tokens if prefill else len(kept), function, bool(pads))
         made = []
         for seq, token in zip(seqs, tokens):
             if token is not None:

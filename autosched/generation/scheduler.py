@@ -90,6 +90,15 @@ def decode_function(rows: int, decode_batches: Iterable[int]) -> str:
     return f"decode_b{rows}" if rows in set(decode_batches) else "batch_decode"
 
 
+def prefill_padding(tokens: int, prefill_chunks: Iterable[int], free_pages: int, page_size: int) -> int:
+    """How many padding tokens (one empty sequence, emptied again after the call) take a dynamic prefill call of
+    ``tokens`` tokens up to the smallest static chunk that holds them (its tuned kernels: a call of a few tokens
+    left over from a prompt's chunks would otherwise run the dynamic function's default kernels); 0 where no
+    chunk holds them or the cache has no pages for the padding."""
+    pads = min((c for c in prefill_chunks if c >= tokens), default=tokens) - tokens
+    return 0 if pages_needed(0, pads, page_size) > free_pages else pads
+
+
 def prefill_function(tokens: int, chunk: int | None) -> str:
     """The function for a prefill call of ``tokens`` tokens: a chunk of a static length runs its own (tuned
     kernels), unless a sequence was dropped from it."""
