@@ -203,10 +203,10 @@ def profile_steps(make_generator, prompts, phase: str, steps: int = 4, top: int 
             gen.remove(seq_id)
         ids = add_all()
         steps = 1
-    gen.vm.set_instrument(instrument)
+    gen.model.vm.set_instrument(instrument)
     for _ in range(steps):
         gen.step()
-    gen.vm.set_instrument(None)
+    gen.model.vm.set_instrument(None)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     totals: dict[str, list] = {}

@@ -94,7 +94,7 @@ class Generator:
 
     def use_prefix_cache(self, on: bool = True) -> None:
         """Keep served prefixes from now on (see the class); ``on=False`` gives every kept page back."""
-        if not on or self.window or self.rope_switch is not None:
+        if not on or self.model.window or self.model.rope_switch is not None:
             if self.prefix_cache is not None:
                 for entry in self.prefix_cache.clear():
                     self.model.remove(entry.seq_id)
@@ -197,12 +197,32 @@ class Generator:
         self._grammars = None
         self.device_masks = True  # a grammar's mask applied on the device (see the class)
 
-    def __getattr__(self, name: str):
-        # The model's facts (max_batch, max_seq_len, vocab, manifest, vm, caches, ...), as attributes of old.
-        model = self.__dict__.get("model")
-        if model is None or name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(model, name)
+    # The artifact's facts a caller plans with (the rest: ``self.model``, the LoadedModel).
+
+    @property
+    def max_batch(self) -> int:
+        """The most sequences live at once (``--max-batch``)."""
+        return self.model.max_batch
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence, its prompt and output together (``--max-seq-len``)."""
+        return self.model.max_seq_len
+
+    @property
+    def vocab(self) -> int:
+        """The model's vocabulary size."""
+        return self.model.vocab
+
+    @property
+    def eos_token_ids(self) -> frozenset:
+        """The model's end-of-sequence tokens (a sequence stops at them unless given other stop tokens)."""
+        return self.model.eos_token_ids
+
+    @property
+    def decode_batches(self) -> frozenset:
+        """The decode batch sizes built with a static function (``--decode-batches``)."""
+        return self.model.decode_batches
 
     @property
     def stats(self) -> dict:
@@ -256,13 +276,13 @@ class Generator:
         if bad:
             raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab - 1})")
         base = 0
-        if parent is not None and self.window:
+        if parent is not None and self.model.window:
             raise GenerationError(f"forks of a prefix are not supported for a model with a sliding window "
-                                  f"({self.window} tokens): TVM's windowed cache does not span a shared prefix's "
+                                  f"({self.model.window} tokens): TVM's windowed cache does not span a shared prefix's "
                                   "tokens and a sequence's own")
-        if parent is not None and self.rope_switch is not None:
+        if parent is not None and self.model.rope_switch is not None:
             raise GenerationError("forks of a prefix are not supported for a longrope model: it re-reads a whole "
-                                  f"sequence with the long factors when it grows past {self.rope_switch} tokens")
+                                  f"sequence with the long factors when it grows past {self.model.rope_switch} tokens")
         context = list(prompt)
         cached = None
         if parent is not None:
@@ -347,8 +367,8 @@ class Generator:
     def _step(self, ids: Iterable[int]) -> list[tuple[int, int]]:
         """A step of the sequences ``ids`` only (others in the cache wait)."""
         seqs = [self._seqs[i] for i in list(ids) if i in self._seqs]
-        if self.rope_switch is not None:
-            for seq in scheduler.longrope_rereads(seqs, self.rope_switch):
+        if self.model.rope_switch is not None:
+            for seq in scheduler.longrope_rereads(seqs, self.model.rope_switch):
                 self.model.popn(seq.seq_id, seq.length)
                 seq.pending, seq.cached, seq.length, seq.prefilled = seq.cached + seq.pending, [], 0, False
         made, served, landed = [], set(), []
@@ -476,7 +496,7 @@ class Generator:
         not: every sequence takes the step whole (room in the cache and in max_seq_len, its token wanted; none
         ends by length with the token in flight), the rows as in ``flight``, on a build with the step barrier."""
         m = self.model
-        if not (self.run_ahead and m.step_barrier and self._speculator is None and self.rope_switch is None):
+        if not (self.run_ahead and m.step_barrier and self._speculator is None and self.model.rope_switch is None):
             return None
         in_flight = 0 if flight is None else 1
         if any(not s.sampling.greedy or not s.sampling.speculates or self.sampler.on_host(s)
@@ -584,7 +604,7 @@ class Generator:
         for pad, length in zip(pads, pad_lengths):  # the padding's tokens leave their (empty) sequences again
             m.popn(pad, length)
         for seq, fed in kept:
-            seq.feed(fed, keep_cached=self.rope_switch is not None)
+            seq.feed(fed, keep_cached=self.model.rope_switch is not None)
         for seq, done, want in zip(seqs, complete, wanted):
             if done and not want:
                 seq.completion.finish_reason = "max_seq_len"  # a new token would pass the artifact's longest
