@@ -565,6 +565,7 @@ def test_a_build_for_sm_90_runs_every_linear_layer_of_its_static_functions_on_ou
     assert any("matmul" in k.lower() for k in dynamic)
 
 
+@pytest.mark.slow  # a whole build's CUDA compile: the slow tier keeps the fast one under three minutes
 def test_a_llama_3_1_build_compiles_for_sm_90():
     """Llama 3's rotary scaling with heads of 128 (Llama-3.1-8B's) compiles for sm_90a: TVM's tree-attention
     kernel, which inlines the scaled rotation, broke TVM's common-subexpression pass and is compiled apart
