@@ -240,3 +240,22 @@ def train_tokenizer(folder, vocab_size: int = 512):
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(folder))
     return fast
+
+
+def dequantize_weight(codes, scales, name: str, k: int, dtype: str, zeros=None):
+    """The float weight [n, k] ``dequant_gemm`` computes with (each weight rounded to ``dtype``), as a float64
+    torch tensor: for references. ``zeros``: int4's zero points [n, k / group] (None: 8)."""
+    from autosched.generation.quantize import group_size, scheme
+
+    s = scheme(name)
+    group = group_size(name, k)
+    if s.bits == 4:
+        c = codes.to(torch.int16)
+        values = torch.stack([c & 15, (c >> 4) & 15], dim=-1).reshape(c.shape[0], -1).double()
+        values = values - (zeros.double().repeat_interleave(group, dim=1) if zeros is not None else 8.0)
+    elif s.fmt == "e4m3":
+        values = codes.view(torch.float8_e4m3fn).double()
+    else:
+        values = codes.double()
+    w = values * scales.double().repeat_interleave(group, dim=1)
+    return w.to(getattr(torch, dtype)).double()

@@ -521,10 +521,11 @@ def test_a_w8a8_projection_of_a_prefill_chunk_is_correct_on_the_gpu(gpu_target, 
     import torch
     import tvm
 
-    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.generation.quantize import quantize_weight
     from autosched.target import compile_module
     from autosched.workloads import get_operator
 
+    from .helpers import dequantize_weight
     from .test_quantize import _quantize_rows
 
     target = dataclasses.replace(gpu_target, arch="sm_90")

@@ -47,8 +47,10 @@ def test_quantized_weights_are_what_dequant_gemm_reads_rounded_to_the_nearest_le
     a level of its float value, each group's largest magnitude on the top level exactly."""
     import torch
 
-    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.generation.quantize import quantize_weight
     from autosched.workloads import get_operator, make_workload
+
+    from .helpers import dequantize_weight
 
     n, k = 6, 256
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.05
@@ -77,8 +79,10 @@ def test_q4f16_zp_weights_are_what_dequant_gemm_with_zero_points_reads():
     levels, zero points where a group's minimum puts them (0 for a group of positive weights)."""
     import torch
 
-    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.generation.quantize import quantize_weight
     from autosched.workloads import get_operator, make_workload
+
+    from .helpers import dequantize_weight
 
     n, k = 6, 256
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.05
@@ -105,8 +109,10 @@ def test_fp8_weights_are_the_nearest_e4m3_values_of_w_over_a_channels_scale():
     import ml_dtypes
     import torch
 
-    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.generation.quantize import quantize_weight
     from autosched.workloads import get_operator, make_workload
+
+    from .helpers import dequantize_weight
 
     n, k = 6, 96
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.05
@@ -502,7 +508,9 @@ def test_w8a8_logits_of_a_trained_model_stay_close_to_weight_only_fp8s(tmp_path)
     import torch
     from transformers import LlamaForCausalLM
 
-    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.generation.quantize import quantize_weight
+
+    from .helpers import dequantize_weight
 
     chain = _trained_llama(tmp_path / "hf")
     model = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval().double()
@@ -774,7 +782,9 @@ def _write_prequantized(hf, folder, float_folder, zero_point: int = 8, desc_act:
     import torch
     from safetensors.torch import save_file
 
-    from autosched.generation.quantize import dequantize_weight, quantize_weight
+    from autosched.generation.quantize import quantize_weight
+
+    from .helpers import dequantize_weight
 
     model = copy.deepcopy(hf).float()
     state, tensors = model.state_dict(), {}
