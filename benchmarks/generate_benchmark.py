@@ -114,10 +114,12 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
 
     import torch
     import tvm
+    from tvm import relax
 
     from autosched.generation import Generator
     from autosched.generation.build import GenerationModel, compile_generation, generation_manifest
     from autosched.generation.decoder import config_from_hf, weights_from_hf
+    from autosched.generation.model import LoadedModel
     from autosched.target import parse_target
 
     target = parse_target("cuda" if DEVICE == "cuda" else "llvm")
@@ -158,7 +160,10 @@ def build_ours(model, batches: list[int], max_seq_len: int, static: bool = True,
     device = tvm.cuda(0) if DEVICE == "cuda" else tvm.cpu(0)
     attention = dict(report.attention, tuned_kernels=len(report.tuned), default_kernels=len(report.default))
     weight_bytes = sum(weights[n].numel() * weights[n].element_size() for n in names if n != "embed.weight")
-    return (lambda: Generator.in_memory(executable, params, manifest, device)), built, attention, weight_bytes
+    def make():
+        return Generator.from_model(LoadedModel(relax.VirtualMachine(executable, device), params, manifest, device))
+
+    return make, built, attention, weight_bytes
 
 
 def profile_steps(make_generator, prompts, phase: str, steps: int = 4, top: int = 12) -> list[dict]:

@@ -9,6 +9,8 @@
 # (no step named: steps ours ours-nocache hf summary). Each command may run at most 10 minutes: split the steps
 # over calls as above. Results go to $OUT (one JSON per run and its server's log) and to .bench/serve/last/, which
 # later calls on the same machine read; on a fresh machine give the earlier calls' results folder as PREV=DIR.
+# The packages the GPU machine lacks (the server, the client, XGrammar), packed here beside TVM:
+#   ../shared/tools/gpu-pack $(cat benchmarks/serve_gpu_wheels.txt)
 # Steps:
 #   prepare  HF (default .bench/serve/llama2-7b-hf): Llama-2-7B's configuration with random fp16 weights and a
 #            byte-level BPE tokenizer of its 32000 ids (_random_hf_model.py), unless the folder exists; ARTIFACT

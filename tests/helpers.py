@@ -160,10 +160,12 @@ def gpu_generator(model, name: str, max_seq_len: int, decode_batches: tuple[int,
     API (no folder), with no database (``programmatic_launch``, ``prefetch_weights``: as compile_generation takes
     them)."""
     import tvm
+    from tvm import relax
 
     from autosched.generation import Generator
     from autosched.generation.build import GenerationModel, compile_generation, generation_manifest
     from autosched.generation.decoder import config_from_hf, weights_from_hf
+    from autosched.generation.model import LoadedModel
     from autosched.target import parse_target
 
     target = parse_target("cuda")
@@ -176,7 +178,8 @@ def gpu_generator(model, name: str, max_seq_len: int, decode_batches: tuple[int,
     params = [tvm.runtime.from_dlpack(weights[n].contiguous()) for n in names]
     manifest = generation_manifest(gm, names, target, report, max_seq_len, max(decode_batches),
                                    decode_batches=decode_batches, prefill_chunks=prefill_chunks)
-    return Generator.in_memory(executable, params, manifest, tvm.cuda(0)), report
+    device = tvm.cuda(0)
+    return Generator.from_model(LoadedModel(relax.VirtualMachine(executable, device), params, manifest, device)), report
 
 
 def assert_gpu_greedy_matches(model, prompts, results, new: int, max_margin: float) -> None:

@@ -158,18 +158,10 @@ class Generator:
             self.prefix_cache.clear()
 
     @classmethod
-    def in_memory(cls, executable, params: list, manifest: dict, device, kv_pages: int | None = None) -> Generator:
-        """A generator over a build that was never written (``compile_generation``'s executable, the
-        parameters as TVM tensors on ``device``, ``generation_manifest``'s manifest): for benchmarks."""
-        from tvm import relax
-
-        gen = cls.__new__(cls)
-        gen._start(LoadedModel(relax.VirtualMachine(executable, device), params, manifest, device, kv_pages))
-        return gen
-
-    @classmethod
     def from_model(cls, model: LoadedModel, clock: Callable[[], float] = time.perf_counter) -> Generator:
-        """A generator over a model already loaded (:class:`~.model.LoadedModel`), e.g. one built in memory."""
+        """A generator over a model already loaded (:class:`~.model.LoadedModel`), e.g. one built in memory:
+        ``LoadedModel(relax.VirtualMachine(compile_generation's executable, device), its parameters as TVM tensors
+        on device, generation_manifest's manifest, device)``."""
         gen = cls.__new__(cls)
         gen._start(model, clock)
         return gen
