@@ -488,7 +488,7 @@ class Generator:
         not: every sequence takes the step whole (room in the cache and in max_seq_len, its token wanted; none
         ends by length with the token in flight), the rows as in ``flight``, on a build with the step barrier."""
         m = self.model
-        if not (self.run_ahead and m.step_barrier and self._speculator is None and self.model.rope_switch is None):
+        if not (self.run_ahead and m.step_barrier and self._speculator is None and m.rope_switch is None):
             return None
         in_flight = 0 if flight is None else 1
         if any(not s.sampling.greedy or not s.sampling.speculates or self.sampler.on_host(s)

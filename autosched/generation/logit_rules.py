@@ -14,10 +14,6 @@ The rules as the host applies them (float64): :func:`~.sampler.processed_logits`
 
 from __future__ import annotations
 
-import math
-
-from autosched.tvm_adapter import tensor_view
-
 from .request import MAX_LOGPROBS, TokenLogprob
 from .runtime_kernels import compiled_at_first_use
 from .sampler import row_reductions
@@ -154,6 +150,30 @@ def logprob_kernel(vocab: int, gpu: bool, top: int = MAX_LOGPROBS):
     return main
 
 
+class TokenCounts:
+    """The tokens of a sequence's context (for the repetition penalty) and those it made, with their counts
+    (frequency and presence penalties), brought up to date at each step with the tokens since the last: not
+    counted again over a context of thousands of tokens at every step."""
+
+    def __init__(self, seq):
+        self.present = set(seq.prompt_context)
+        self.made: dict[int, int] = {}
+        self.seen = 0  # tokens of the completion counted
+
+    @classmethod
+    def of(cls, seq) -> TokenCounts:
+        """``seq``'s counts (kept on it), up to its last token; counted afresh where its completion was cut."""
+        counts = seq.token_counts
+        tokens = seq.completion.tokens
+        if counts is None or counts.seen > len(tokens):
+            counts = cls(seq)
+        for token in tokens[counts.seen:]:
+            counts.present.add(token)
+            counts.made[token] = counts.made.get(token, 0) + 1
+        counts.seen = len(tokens)
+        return counts
+
+
 class DeviceRules:
     """The penalties, bias and log-probabilities of a step's rows on ``model``'s device: :meth:`apply` before
     the token is chosen, :meth:`logprobs` after (from :meth:`keep_raw`'s copy of the logits)."""
@@ -161,7 +181,6 @@ class DeviceRules:
     def __init__(self, model, staging):
         self.model, self.staging = model, staging
         self._penalize = self._logprobs = None
-        self._buffers: dict[str, object] = {}  # device buffers kept from step to step (see model.Staging)
 
     @staticmethod
     def applies(sampling) -> bool:
@@ -182,15 +201,13 @@ class DeviceRules:
         import numpy as np
 
         sp = seq.sampling
-        bias = {t: b for t, b in sp.logit_bias}
-        repeated = set(np.unique(np.asarray(seq.context, dtype=np.int64)).tolist()) if sp.repetition_penalty != 1 else set()
-        counts = {}
-        if sp.frequency_penalty or sp.presence_penalty:
-            found, times = np.unique(np.asarray(seq.completion.tokens, dtype=np.int64), return_counts=True)
-            counts = dict(zip(found.tolist(), times.tolist()))
-        tokens = sorted(set(bias) | repeated | set(counts))
+        bias = dict(sp.logit_bias)
+        counts = seq.token_counts = TokenCounts.of(seq)
+        repeated = counts.present if sp.repetition_penalty != 1 else set()
+        made = counts.made if sp.frequency_penalty or sp.presence_penalty else {}
+        tokens = sorted(set(bias) | repeated | set(made))
         terms = np.asarray([(bias.get(t, 0.0), sp.repetition_penalty if t in repeated else 1.0,
-                             sp.frequency_penalty * counts.get(t, 0) + sp.presence_penalty * (counts.get(t, 0) > 0))
+                             sp.frequency_penalty * made.get(t, 0) + sp.presence_penalty * (made.get(t, 0) > 0))
                             for t in tokens], dtype=np.float32).reshape(-1, 3)
         return np.asarray(tokens, dtype=np.int32), terms
 
@@ -211,19 +228,9 @@ class DeviceRules:
         self._penalize(logits, self.staging.put("rule_rows", row_ids), self.staging.put("rule_tokens", tokens),
                        self.staging.put("rule_terms", terms))
 
-    def _buffer(self, name: str, shape: tuple, dtype: str, device):
-        """A device tensor of ``shape``: a view of the buffer kept for ``name``, grown as needed."""
-        import tvm
-
-        base = self._buffers.get(name)
-        if base is None or base.shape[0] < math.prod(shape):
-            size = max(math.prod(shape), 2 * (base.shape[0] if base is not None else 0))
-            base = self._buffers[name] = tvm.runtime.empty((size,), dtype, device)
-        return tensor_view(base, shape)
-
     def keep_raw(self, logits, rows: int):
         """A copy of ``logits`` (a device view [rows, vocab]) before any rule, for :meth:`logprobs`."""
-        raw = self._buffer("raw_logits", (rows, self.model.vocab), "float32", logits.device)
+        raw = self.staging.empty("raw_logits", (rows, self.model.vocab), "float32")
         logits.copyto(raw)
         return raw
 
@@ -234,8 +241,8 @@ class DeviceRules:
 
         n = raw.shape[0]
         chosen = self.staging.put("logprob_chosen", np.asarray(picks, dtype=np.int32).reshape(-1)[:n])
-        values = self._buffer("logprob_values", (n, MAX_LOGPROBS + 1), "float32", raw.device)
-        tokens = self._buffer("logprob_tokens", (n, MAX_LOGPROBS), "int32", raw.device)
+        values = self.staging.empty("logprob_values", (n, MAX_LOGPROBS + 1), "float32")
+        tokens = self.staging.empty("logprob_tokens", (n, MAX_LOGPROBS), "int32")
         self._logprobs(raw, chosen, values, tokens)
         values, tokens = values.numpy(), tokens.numpy()
         for row, seq in zip(rows, seqs):

@@ -4,6 +4,7 @@ handles that add, fork and remove sequences. It runs one call a time; what to ca
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from autosched.errors import UsageError
@@ -30,19 +31,27 @@ class Staging:
         self.device = device
         self._buffers: dict[tuple[str, str], object] = {}
 
+    def empty(self, name: str, shape: tuple, dtype):
+        """A device tensor of ``shape`` and ``dtype``: a view of the buffer kept for ``name``, grown as needed;
+        valid until the next call for ``name``."""
+        import numpy as np
+        import tvm
+
+        dtype = np.dtype(dtype)
+        key, size = (name, dtype.str), math.prod(shape)
+        base = self._buffers.get(key)
+        if base is None or base.shape[0] < size:
+            grown = max(size, 2 * (base.shape[0] if base is not None else 0), 64)
+            base = self._buffers[key] = tvm.runtime.empty((grown,), dtype, self.device)
+        return tensor_view(base, shape)
+
     def put(self, name: str, array):
         """``array`` (numpy) on the device, in the buffer kept for ``name``: valid until the next ``put`` of
         ``name`` (each call's copy waits for the work queued before it, as TVM's copies do)."""
         import numpy as np
-        import tvm
 
         array = np.ascontiguousarray(array)
-        key = (name, array.dtype.str)
-        base = self._buffers.get(key)
-        if base is None or base.shape[0] < array.size:
-            size = max(array.size, 2 * (base.shape[0] if base is not None else 0), 64)
-            base = self._buffers[key] = tvm.runtime.empty((size,), array.dtype, self.device)
-        view = tensor_view(base, array.shape)
+        view = self.empty(name, array.shape, array.dtype)
         view.copyfrom(array)
         return view
 

@@ -144,6 +144,7 @@ class SequenceState:
     next_logprob: TokenLogprob | None = None  # the sampler's, for the token accept() records next
     remembered: bool = False  # its prompt is in the prefix cache (Generator.prefix_cache)
     grammar: GrammarState | None = None  # where its output is in sampling.grammar (Generator.add makes it)
+    token_counts: object = None  # its tokens as the device's penalties read them (logit_rules.TokenCounts)
 
     @property
     def context(self) -> list[int]:
