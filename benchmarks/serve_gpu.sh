@@ -36,7 +36,8 @@
 # outputs around OUTPUT (default 128; sigma 0.5, at most 4x), held to their drawn length; N requests a run (default
 # 64; C_N, default 32, for (c)); the sweep from SWEEP_START requests/s (default 2) with 3 bisections, each run at most
 # SWEEP_DURATION seconds of sending (default 40); (c): a PREFIX-token system prompt (default 1024) before each
-# prompt, C_RATE requests/s (default 2). The step times use prompts of PROMPT tokens and OUTPUT new tokens.
+# prompt, C_RATE requests/s (default 2), C_PROMPT tokens after it (default PROMPT). LOADS: which of `ours`'s loads
+# run (default "a a_mixed b c"). The step times use prompts of PROMPT tokens and OUTPUT new tokens.
 # Our server gets token ids, transformers the same prompts as text (it takes no ids), tokenized by the same
 # tokenizer (HF's) into the same tokens; the tables show the prompt tokens each server counted.
 set -uo pipefail
@@ -128,8 +129,13 @@ bound_ms() {  # (b)'s bound: BOUND_MS, or 2x the artifact's batch-1 step
 read -r -a ours_cmd <<< "${OURS_CMD:-python3 -m autosched serve}"  # OURS_CMD: another way to start it
 tok=()
 [[ -f $HF/tokenizer.json || -f $HF/tokenizer.model ]] && tok=(--tokenizer "$HF")
-# The shared-prefix load of (c)
-prefix_load=(--rate "${C_RATE:-2}" --num-requests "${C_N:-32}" --shared-prefix "$PREFIX")
+# The shared-prefix load of (c): C_PROMPT tokens (default PROMPT) after the prefix; another C_PROMPT names its results
+# c_ours_cache_qC_PROMPT (and so on)
+c_prompt=${C_PROMPT:-$PROMPT}
+c_suffix=$([[ $c_prompt != "$PROMPT" ]] && echo "_q$c_prompt")
+prefix_load=(--rate "${C_RATE:-2}" --num-requests "${C_N:-32}" --shared-prefix "$PREFIX" --prompt-len "$c_prompt"
+             --prompt-max $((3 * c_prompt)))
+wants() { [[ " ${LOADS:-a a_mixed b c} " == *" $1 "* ]]; }  # LOADS: which of our server's loads run (default all)
 
 steps_to_run=("$@")
 (( ${#steps_to_run[@]} )) || steps_to_run=(steps ours ours-nocache hf summary)
@@ -159,18 +165,19 @@ for step in "${steps_to_run[@]}"; do
       start_server ours "${ours_cmd[@]}" "$ARTIFACT" --port "$PORT" "${more[@]}" || continue
       # (a): one wave of 16 requests of the step's lengths, so that the decode steps are the benchmark's batch-16
       # step and the server's cost is what differs; then 16 streams of mixed lengths, joining as others finish
-      load a_ours 150 "autosched serve" --concurrency 16 --num-requests 16 --prompt-sigma 0 --output-sigma 0 "${tok[@]}"
-      load a_ours_mixed 150 "autosched serve" --concurrency 16 --num-requests "$N" "${tok[@]}"
-      if bound=$(bound_ms); then
+      wants a && load a_ours 150 "autosched serve" --concurrency 16 --num-requests 16 --prompt-sigma 0 --output-sigma 0 \
+        "${tok[@]}"
+      wants a_mixed && load a_ours_mixed 150 "autosched serve" --concurrency 16 --num-requests "$N" "${tok[@]}"
+      if wants b && bound=$(bound_ms); then
         load b_ours 330 "autosched serve" --sweep-p99-tpot-bound "$bound" --sweep-start "${SWEEP_START:-2}" \
           --duration "${SWEEP_DURATION:-40}" --num-requests "$N" "${tok[@]}"
       fi
-      load c_ours_cache 90 "autosched serve, prefix cache" "${prefix_load[@]}" "${tok[@]}"
+      wants c && load "c_ours_cache$c_suffix" 90 "autosched serve, prefix cache" "${prefix_load[@]}" "${tok[@]}"
       stop_server ;;
     ours-nocache)
       read -r -a more <<< "${OURS_ARGS:-}"
       start_server ours_nocache "${ours_cmd[@]}" "$ARTIFACT" --port "$PORT" --no-prefix-cache "${more[@]}" || continue
-      load c_ours_nocache 90 "autosched serve, --no-prefix-cache" "${prefix_load[@]}" "${tok[@]}"
+      load "c_ours_nocache$c_suffix" 90 "autosched serve, --no-prefix-cache" "${prefix_load[@]}" "${tok[@]}"
       stop_server ;;
     hf)
       python3 -c "import accelerate" 2>/dev/null || { echo "hf: transformers serve needs accelerate (device_map)" >&2; continue; }
