@@ -199,12 +199,12 @@ def test_expert_weights_load_fused_or_per_expert(name, tmp_path):
     fused = weights_from_hf(model.state_dict(), cfg)
     per_expert = weights_from_hf(load_file(str(tmp_path / "model.safetensors")), cfg)
     assert sorted(fused) == sorted(per_expert)
-    assert "layers.0.experts_up" in fused and fused["layers.0.experts_up"].shape == (
+    assert "layers.0.mlp.experts_up" in fused and fused["layers.0.mlp.experts_up"].shape == (
         cfg.experts, 2 * cfg.expert_mlp, cfg.hidden)
     for key in fused:
         assert torch.equal(fused[key], per_expert[key]), key
     if name == "qwen3_moe":  # layer 1 is dense (mlp_only_layers)
-        assert "layers.1.up.weight" in fused and "layers.1.experts_up" not in fused
+        assert "layers.1.mlp.up.weight" in fused and "layers.1.mlp.experts_up" not in fused
 
 
 @pytest.mark.gpu

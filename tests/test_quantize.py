@@ -237,13 +237,13 @@ def _reference_model(hf, artifact):
     q, kv = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"]
     for i in range(cfg["layers"]):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        qkv = weight(ours + "qkv")
+        qkv = weight(ours + "attn.qkv")
         for name, part in zip("qkv", torch.split(qkv, [q, kv, kv])):
             state[f"{theirs}self_attn.{name}_proj.weight"] = part
-        state[theirs + "self_attn.o_proj.weight"] = weight(ours + "o")
-        gate, up = torch.split(weight(ours + "up"), cfg["mlp"])
+        state[theirs + "self_attn.o_proj.weight"] = weight(ours + "attn.o")
+        gate, up = torch.split(weight(ours + "mlp.up"), cfg["mlp"])
         state[theirs + "mlp.gate_proj.weight"], state[theirs + "mlp.up_proj.weight"] = gate, up
-        state[theirs + "mlp.down_proj.weight"] = weight(ours + "down")
+        state[theirs + "mlp.down_proj.weight"] = weight(ours + "mlp.down")
     ref.load_state_dict(state)
     return ref
 
@@ -893,8 +893,8 @@ def test_awq_checkpoints_kernels_cannot_run_are_refused_in_one_line(tmp_path):
     from autosched.generation.prequantized import choose_scheme
 
     zeros = torch.full((2, 8), 8, dtype=torch.uint8)
-    given = {"layers.0.o.qweight": None, "layers.0.o.zeros": zeros}
-    assert choose_scheme(given, None, "AWQ")[0] == "q4f16" and "layers.0.o.zeros" not in choose_scheme(given, None, "AWQ")[1]
+    given = {"layers.0.attn.o.qweight": None, "layers.0.attn.o.zeros": zeros}
+    assert choose_scheme(given, None, "AWQ")[0] == "q4f16" and "layers.0.attn.o.zeros" not in choose_scheme(given, None, "AWQ")[1]
     assert choose_scheme(given, "q4f16_zp", "AWQ") == ("q4f16_zp", given)
     zeros[1, 3] = 7
     assert choose_scheme(given, None, "AWQ") == ("q4f16_zp", given)
@@ -983,7 +983,7 @@ def test_an_asymmetric_checkpoint_builds_as_q4f16_zp_and_computes_its_own_weight
     assert len(kernels) == 8 and all(k.endswith(";zeros=1") for k in kernels)  # 4 projections x decode_b1, prefill_t8
     _, params, _, _ = load_generation_artifact(built)
     named = dict(zip(manifest["param_names"], params))
-    zeros = named["layers.0.o.zeros"].numpy()
+    zeros = named["layers.0.attn.o.zeros"].numpy()
     assert zeros.dtype == np.uint8 and zeros.shape == (128, 1)
     every = np.concatenate([p.numpy().ravel() for name, p in named.items() if name.endswith(".zeros")])
     assert (every.min(), every.max()) == ((1, 16) if fmt == "gptq" else (0, 15)) and len(np.unique(every)) == 16
@@ -1204,8 +1204,8 @@ def test_an_fp8_checkpoint_builds_as_fp8_of_the_same_weights(tiny_llama, tmp_pat
     _, params, manifest, _ = load_generation_artifact(built)
     named = dict(zip(manifest["param_names"], params))
     o_proj = "model.layers.0.self_attn.o_proj."
-    assert np.array_equal(named["layers.0.o.qweight"].numpy(), written[o_proj + "weight"].view(torch.uint8).numpy())
-    scales = named["layers.0.o.scales"].numpy()
+    assert np.array_equal(named["layers.0.attn.o.qweight"].numpy(), written[o_proj + "weight"].view(torch.uint8).numpy())
+    scales = named["layers.0.attn.o.scales"].numpy()
     assert scales.shape == (128, 1) and (scales == written[o_proj + "weight_scale"].item()).all()  # repeated per channel
 
     code, lines = _run(capsys, "build", str(tmp_path / "fp8"), "--generate", "--dtype", "float16", "-o", str(tmp_path / "no"))

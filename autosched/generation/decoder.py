@@ -10,44 +10,28 @@ how the embeddings are scaled, a soft-cap on the logits and whether the LM head 
 onto this module's parameters (q/k/v and gate/up concatenated, experts stacked, GPT-2's Conv1D weights
 transposed, Gemma's ``1 + w`` norms folded).
 
-The model exports what a generation runtime drives (as MLC-LLM's models do): ``batch_prefill`` (a batch of
+The model itself is made of the blocks in :mod:`.blocks` (:class:`.blocks.decoder.Decoder`); :func:`export`
+traces it into the functions a generation runtime drives (as MLC-LLM's models do): ``batch_prefill`` (a batch of
 prompts' token ids packed along one axis, logits at the last token of each), ``batch_decode`` (one token for
-each of a batch of sequences) and ``create_paged_kv_cache``.
-Attention goes through ``vm.builtin.attention_kv_cache_attention_with_fused_qkv``: the runtime applies the
-rotary embedding at each token's cached position, appends K and V to the sequence's pages and calls the
-attention kernels the cache was created with.
+each of a batch of sequences), their static forms (``decode_b<N>``, ``prefill_t<T>``, ``verify_b<N>_k<K>``) and
+``create_paged_kv_cache``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autosched.errors import UsageError
-from autosched.tvm_adapter import nn_tensor, relax_expr, suffixed_functions, tir_paged_kv_cache
 
-from .attention import WINDOW_SUFFIX
-from .barrier import step_barrier
-from .linear import (
-    add_rms_norm,
-    grouped_moe,
-    grouped_moe_serves,
-    linear,
-    moe_linear,
-    quant_linear,
-    rms_norm,
-    swiglu,
-    w8a8_prefill,
-)
-from .quantize import group_size
+from .linear import w8a8_prefill
 from .quantize import scheme as quant_scheme
-from .sampler import greedy_kernel, sample_kernel
 from .speculative import static_verify_name
 
-# Deferred imports: tvm, torch, transformers, numpy (imported where used: `autosched --help` stays fast).
+# Deferred imports: tvm, torch, transformers, numpy, .blocks (its modules import tvm at their top) (imported where
+# used: `autosched --help` stays fast).
 
 # What a family (transformers' model_type) decides beyond what its config's fields say: a new family like
 # these is a row here, and its weight names in weights_from_hf where they are not Llama's.
@@ -298,7 +282,8 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
             for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
                 out[q + ours + ".weight"], out[q + ours + ".bias"] = get(p + theirs + ".weight"), get(p + theirs + ".bias")
             # Conv1D keeps weights as [in, out]; Linear takes [out, in].
-            for ours, theirs in (("qkv", "attn.c_attn"), ("o", "attn.c_proj"), ("up", "mlp.c_fc"), ("down", "mlp.c_proj")):
+            for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.o", "attn.c_proj"), ("mlp.up", "mlp.c_fc"),
+                                 ("mlp.down", "mlp.c_proj")):
                 out[q + ours + ".weight"] = get(p + theirs + ".weight").t()
                 out[q + ours + ".bias"] = get(p + theirs + ".bias")
         out["norm.weight"], out["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
@@ -320,22 +305,22 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                 out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
                 out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
             if cfg.family == "phi3":
-                out[q + "qkv.weight"] = get(p + "self_attn.qkv_proj.weight")
-                out[q + "up.weight"] = get(p + "mlp.gate_up_proj.weight")
+                out[q + "attn.qkv.weight"] = get(p + "self_attn.qkv_proj.weight")
+                out[q + "mlp.up.weight"] = get(p + "mlp.gate_up_proj.weight")
             else:
-                out[q + "qkv.weight"] = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+                out[q + "attn.qkv.weight"] = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
                 if cfg.qkv_bias:
-                    out[q + "qkv.bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                    out[q + "attn.qkv.bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             if cfg.family != "phi3" and i not in cfg.sparse_layers:
-                out[q + "up.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+                out[q + "mlp.up.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             if cfg.qk_norm:
-                out[q + "q_norm.weight"] = norm(get(p + "self_attn.q_norm.weight"))
-                out[q + "k_norm.weight"] = norm(get(p + "self_attn.k_norm.weight"))
-            out[q + "o.weight"] = get(p + "self_attn.o_proj.weight")
+                out[q + "attn.q_norm.weight"] = norm(get(p + "self_attn.q_norm.weight"))
+                out[q + "attn.k_norm.weight"] = norm(get(p + "self_attn.k_norm.weight"))
+            out[q + "attn.o.weight"] = get(p + "self_attn.o_proj.weight")
             if i in cfg.sparse_layers:
                 out.update(_expert_weights(get, state, cfg, p, q))
             else:
-                out[q + "down.weight"] = get(p + "mlp.down_proj.weight")
+                out[q + "mlp.down.weight"] = get(p + "mlp.down_proj.weight")
         out["norm.weight"] = norm(get("norm.weight"))
     if not cfg.tied_embeddings:
         out["lm_head.weight"] = state.get("lm_head.weight", out["embed.weight"])
@@ -354,422 +339,37 @@ def _expert_weights(get, state: dict, cfg: DecoderConfig, p: str, q: str) -> dic
         return any(prefix + name in state for prefix in ("", "model."))
 
     block = "block_sparse_moe." if has(p + "block_sparse_moe.gate.weight") else "mlp."
-    out = {q + "router.weight": get(p + block + "gate.weight")}
+    out = {q + "mlp.router.weight": get(p + block + "gate.weight")}
     if has(p + block + "experts.gate_up_proj"):
-        out[q + "experts_up"] = get(p + block + "experts.gate_up_proj")
-        out[q + "experts_down"] = get(p + block + "experts.down_proj")
+        out[q + "mlp.experts_up"] = get(p + block + "experts.gate_up_proj")
+        out[q + "mlp.experts_down"] = get(p + block + "experts.down_proj")
         return out
     names = ("w1", "w3", "w2") if block == "block_sparse_moe." else ("gate_proj", "up_proj", "down_proj")
     experts = [[get(f"{p}{block}experts.{e}.{name}.weight") for name in names] for e in range(cfg.experts)]
-    out[q + "experts_up"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in experts])
-    out[q + "experts_down"] = torch.stack([down for _, _, down in experts])
+    out[q + "mlp.experts_up"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in experts])
+    out[q + "mlp.experts_down"] = torch.stack([down for _, _, down in experts])
     return out
 
 
-def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = (),
-                 hopper: bool = False, speculate: tuple[int, ...] = ()):
-    """The ``tvm.relax.frontend.nn`` module of ``cfg`` and its export spec. ``decode_batches``: batch sizes
-    that also get a decode function of their own, ``decode_b<N>``, whose shapes are all static (its kernels
-    can be tuned, and on CUDA the step is captured as CUDA graphs); other sizes run ``batch_decode``.
-    ``prefill_chunks``: token counts that get a prefill function of their own, ``prefill_t<T>`` (prompts
-    are prefilled in chunks of exactly that many tokens, the rest by ``batch_prefill``). ``speculate``: numbers
-    of proposed tokens k whose verification gets a function of its own at each decode batch n,
-    ``verify_b<n>_k<k>``: a prefill of n sequences' k + 1 tokens with the logits of every one (a speculative
-    step of another shape verifies through ``batch_prefill``).
-
-    The model is made of blocks chosen from ``cfg``: the norm (:func:`make_norm`), the attention (its q/k
-    norms, its rotary embedding: :class:`Rotary` for a frequency table, else the cache's fused one), the
-    MLP (gated or not) and the embeddings and head; a family is a choice of each."""
-    from tvm import tirx
+def build_module(cfg: DecoderConfig, target, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = (),
+                 speculate: tuple[int, ...] = ()):
+    """The ``tvm.relax.frontend.nn`` module of ``cfg`` for ``target`` (:class:`.blocks.decoder.Decoder`) and its
+    export spec. ``decode_batches``: batch sizes that also get a decode function of their own, ``decode_b<N>``,
+    whose shapes are all static (its kernels can be tuned, and on CUDA the step is captured as CUDA graphs);
+    other sizes run ``batch_decode``. ``prefill_chunks``: token counts that get a prefill function of their own,
+    ``prefill_t<T>`` (prompts are prefilled in chunks of exactly that many tokens, the rest by
+    ``batch_prefill``). ``speculate``: numbers of proposed tokens k whose verification gets a function of its own
+    at each decode batch n, ``verify_b<n>_k<k>``: a prefill of n sequences' k + 1 tokens with the logits of every
+    one (a speculative step of another shape verifies through ``batch_prefill``)."""
     from tvm.relax.frontend import nn
-    from tvm.relax.frontend.nn import Tensor, op
     from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
-    dtype = cfg.dtype
-    heads, kv_heads, head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-    rope_type = cfg.rope_scaling.get("rope_type", "default") if cfg.rotary_dim else None
-    table_rope = rope_type is not None and "inv_freq" in cfg.rope_scaling
+    from autosched.search_spaces.templates.hopper_gemm import HOPPER_ARCHS
 
-    def relax(expr, name: str) -> Tensor:
-        return nn_tensor(expr, name)
+    from .blocks.decoder import Decoder
 
-    class Linear(nn.Linear):
-        """``nn.Linear`` (same parameters) whose product is our ``gemm`` at static shapes (:mod:`.linear`)."""
-
-        def forward(self, x: Tensor) -> Tensor:
-            return linear(x, self.weight, self.bias)
-
-    class QuantLinear(nn.Module):
-        """A linear layer of quantised weights (``cfg.quantize``): codes, scales (and a scheme's zero points) as
-        ``dequant_gemm`` reads them (:mod:`.quantize`), its product our ``dequant_gemm`` at static shapes
-        (:func:`.linear.quant_linear`)."""
-
-        def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: str = dtype):
-            self.bits, self.group, self.k = quant_scheme(cfg.quantize).bits, group_size(cfg.quantize, in_features), in_features
-            self.fmt = quant_scheme(cfg.quantize).fmt
-            packed = in_features // 2 if self.bits == 4 else in_features
-            integers = self.bits == 8 and self.fmt == "int"  # int8 codes; int4 pairs and E4M3 bits are uint8
-            self.qweight = nn.Parameter((out_features, packed), "int8" if integers else "uint8")
-            self.scales = nn.Parameter((out_features, in_features // self.group), dtype)
-            zeros = quant_scheme(cfg.quantize).zeros
-            self.zeros = nn.Parameter((out_features, in_features // self.group), "uint8") if zeros else None
-            self.bias = nn.Parameter((out_features,), dtype) if bias else None
-
-        def forward(self, x: Tensor) -> Tensor:
-            return quant_linear(x, self.qweight, self.scales, self.bias, self.bits, self.group, self.k, self.zeros,
-                                self.fmt)
-
-    # The decoder layers' projections (the router, the embeddings and the LM head stay in the model's dtype).
-    Projection = QuantLinear if cfg.quantize else Linear
-
-    def gather(x: Tensor, ids: Tensor, axis: int, name: str) -> Tensor:
-        """Slices of ``x`` at ``ids`` along ``axis``. Indices are clipped rather than trusted: the Generator
-        refuses a token outside the vocabulary before it gets here, and TVM's unchecked gather warns at
-        every build that an out-of-bounds index would crash it."""
-        from tvm import relax as rx
-
-        return relax(rx.op.take(relax_expr(x), relax_expr(ids), axis=axis, mode="clip"), name)
-
-    class RMSNorm(nn.RMSNorm):
-        """TVM's RMSNorm module (its parameter names), computed by our ``rmsnorm`` at static shapes."""
-
-        def forward(self, x: Tensor) -> Tensor:
-            out = rms_norm(x, self.weight, self.epsilon)
-            return out if out is not None else super().forward(x)
-
-    def add_norm(norm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        """(``norm(x + residual)``, ``x + residual``): the residual stream's add and the norm that reads it,
-        one ``add_rmsnorm`` kernel at static shapes. ``residual`` None: nothing to add; ``norm`` None: no norm
-        (a model whose norms come after attention and MLP, not before)."""
-        if norm is None:
-            x = x + residual if residual is not None else x
-            return x, x
-        if residual is None:
-            return norm(x), x
-        if isinstance(norm, RMSNorm):
-            fused = add_rms_norm(x, residual, norm.weight, norm.epsilon)
-            if fused is not None:
-                return fused
-        x = x + residual
-        return norm(x), x
-
-    def make_norm(size: int = cfg.hidden):
-        if cfg.norm == "layer":
-            return nn.LayerNorm(size, eps=cfg.norm_eps, dtype=dtype)
-        return RMSNorm(size, -1, cfg.norm_eps, bias=False, dtype=dtype)
-
-    def activation(x):
-        if cfg.activation == "silu":
-            return op.silu(x)
-        return op.gelu(x, approximate="tanh" if cfg.activation == "gelu_tanh" else None)
-
-    class Rotary:
-        """The rotary embedding of a frequency table (``inv_freq``, and ``long_inv_freq`` for longrope), applied
-        to q and k before the cache (which then runs without RoPE): cos and sin of each token's position times
-        the table, scaled by the attention factor, as transformers computes them."""
-
-        def __init__(self, scaling: dict):
-            self.scaling = scaling
-
-        def cos_sin(self, cache: PagedKVCache, b, s, last: Tensor | None):
-            """(cos, sin) of shape (b, s, 1, rotary_dim) for the tokens of this forward, or a list of them, one
-            per table, where layers have tables of their own (Gemma 3). ``last``: each prompt's last token in
-            the packed prefill (longrope picks its table by the sequence's length after this forward), None
-            in a decode step."""
-            positions = cache.get_query_positions(b * s)
-            if "tables" in self.scaling:
-                return [self._cos_sin(table, positions, b, s, last) for table in self.scaling["tables"]]
-            return self._cos_sin(self.scaling, positions, b, s, last)
-
-        @staticmethod
-        def _cos_sin(scaling: dict, positions: Tensor, b, s, last: Tensor | None):
-            import numpy as np
-            from tvm import relax as rx
-            from tvm import te
-
-            n = b * s
-            table = lambda key: relax(rx.const(np.asarray(scaling[key], "float32")[None, :]), key)
-            freq = table("inv_freq")
-            if "long_inv_freq" in scaling:
-                if last is not None:
-                    def sequence_end(pos, ends):  # the position of the last token of each token's prompt
-                        k = te.reduce_axis((0, ends.shape[0]), "k")
-                        prompt = te.compute((pos.shape[0],), lambda i: te.sum(
-                            tirx.Select(ends[k] < i, 1, 0), axis=k), name="prompt")
-                        return te.compute((pos.shape[0],), lambda i: pos[ends[tirx.min(
-                            prompt[i], ends.shape[0] - 1)]], name="sequence_end")
-
-                    end = op.tensor_expr_op(sequence_end, "sequence_end", [positions, last])
-                else:
-                    end = positions
-                longer = op.greater_equal(op.reshape(end, (n, 1)),
-                                          relax(rx.const(scaling["original_max_position_embeddings"], "int32"), "orig"))
-                freq = op.where(longer, table("long_inv_freq"), freq)
-            angle = op.reshape(positions.astype("float32"), (n, 1)) * freq
-            angle = op.concat([angle, angle], dim=1)
-            factor = scaling["attention_factor"]
-            cos, sin = (relax(f(relax_expr(angle)), name) * factor for f, name in ((rx.op.cos, "cos"), (rx.op.sin, "sin")))
-            shape = (b, s, 1, cfg.rotary_dim)
-            return op.reshape(cos.astype(dtype), shape), op.reshape(sin.astype(dtype), shape)
-
-        @staticmethod
-        def apply(qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-            """q and k of the fused (b, s, heads, head_dim) qkv rotated (the first rotary_dim of each head)."""
-            qk, v = op.split(qkv, [heads + kv_heads], axis=2)
-            keep = None
-            if cfg.rotary_dim < head_dim:
-                qk, keep = op.split(qk, [cfg.rotary_dim], axis=3)
-            x1, x2 = op.split(qk, 2, axis=3)
-            qk = qk * cos + op.concat([op.negative(x2), x1], dim=3) * sin
-            if keep is not None:
-                qk = op.concat([qk, keep], dim=3)
-            return op.concat([qk, v], dim=2)
-
-    rotary = Rotary(cfg.rope_scaling) if table_rope else None
-
-    # Windowed layers attend through a KV cache of their own whose layers are TVM's sliding layers (decode reads
-    # the last window of keys; a prefill call's cached keys are masked to the window per query, so a call of up to
-    # a window of tokens is exact anywhere), rotated by that cache at the window's theta; the others through the
-    # main cache. A model windowed on every layer has the one cache, windowed.
-    windowed = sorted(cfg.sliding_layers) if cfg.sliding_window else []
-    two_caches = 0 < len(windowed) < cfg.layers
-    local = {layer: i for i, layer in enumerate(windowed)} if two_caches else {}
-    main = {layer: i for i, layer in enumerate(layer for layer in range(cfg.layers) if layer not in local)}
-    window_theta = window_rope_theta(cfg)
-
-    class Layer(nn.Module):
-        def __init__(self, sparse: bool = False):
-            # attention: its norm, the fused q/k/v projection, q/k norms, the output projection
-            if cfg.pre_norms:
-                self.attn_norm = make_norm()
-            self.qkv = Projection(cfg.hidden, (heads + 2 * kv_heads) * head_dim, bias=cfg.qkv_bias, dtype=dtype)
-            if cfg.qk_norm_whole:
-                self.q_norm, self.k_norm = make_norm(heads * head_dim), make_norm(kv_heads * head_dim)
-            elif cfg.qk_norm:
-                self.q_norm, self.k_norm = make_norm(head_dim), make_norm(head_dim)
-            self.o = Projection(heads * head_dim, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
-            if cfg.post_norms:
-                self.attn_post_norm = make_norm()
-            # MLP: its norm, up (gate and up concatenated when gated) and down
-            if cfg.pre_norms:
-                self.mlp_norm = make_norm()
-            if cfg.post_norms:
-                self.mlp_post_norm = make_norm()
-            self.sparse = sparse
-            if sparse:  # the router and the experts' gate and up (stacked, gate rows first) and down projections
-                self.router = Linear(cfg.hidden, cfg.experts, bias=False, dtype=dtype)
-                self.experts_up = nn.Parameter((cfg.experts, 2 * cfg.expert_mlp, cfg.hidden), dtype)
-                self.experts_down = nn.Parameter((cfg.experts, cfg.hidden, cfg.expert_mlp), dtype)
-                return
-            self.up = Projection(cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias, dtype=dtype)
-            self.down = Projection(cfg.mlp, cfg.hidden, bias=cfg.dense_bias, dtype=dtype)
-
-        def attention(self, x: Tensor, cache: PagedKVCache, layer_id: int, rope, barrier_ids: Tensor | None = None):
-            b, s, _ = x.shape
-            qkv = self.qkv(x)
-            if cfg.qk_norm_whole:  # each of q and k normed over all of its heads at once
-                q, k, v = op.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=2)
-                qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
-            qkv = op.reshape(qkv, (b, s, heads + 2 * kv_heads, head_dim))
-            if cfg.qk_norm and not cfg.qk_norm_whole:
-                q, k, v = op.split(qkv, [heads, heads + kv_heads], axis=2)
-                qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
-            if rope is not None:
-                qkv = Rotary.apply(qkv, *rope)
-            if barrier_ids is not None:  # a decode step's first access to the cache: see barrier.py
-                qkv = step_barrier(qkv, barrier_ids)
-            attn = cache.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=cfg.attn_scale or head_dim ** -0.5)
-            return self.o(op.reshape(attn, (b, s, heads * head_dim)))
-
-        def moe(self, x: Tensor):
-            """The mixture of experts: router logits, softmax over the experts (in float32), the top k, their
-            probabilities renormalised to sum to one where the model does (Mixtral always; Qwen3-MoE with
-            norm_topk_prob). Each token is replicated k times, each row multiplied by its own expert's gate/up
-            and down weights (``moe_gemm``; in a prefill chunk on sm_90, with the rows sorted by expert, grouped GEMMs:
-            :func:`.linear.grouped_moe`), SwiGLU between, and the k rows summed with their weights."""
-            b, s, hidden = x.shape
-            tokens, k = b * s, cfg.top_k
-            flat = op.reshape(x, (tokens, hidden))
-            logits = self.router(flat)
-            probs = op.softmax(logits.astype("float32") if logits.dtype != "float32" else logits, axis=-1)
-            weights, chosen = op.topk(probs, k=k, axis=-1, ret_type="both", largest=True, dtype="int32")
-            if cfg.renorm_topk:
-                weights = weights / op.sum(weights, axis=-1, keepdims=True)
-            rows = tokens * k
-            expert = op.reshape(chosen, (rows,))
-            if grouped_moe_serves(rows, s, self.experts_up, self.experts_down, hopper):
-                # a prefill chunk on sm_90: the rows sorted by expert, the products grouped GEMMs on tensor cores
-                out = grouped_moe(flat, expert, k, self.experts_up, self.experts_down, activation)
-            else:
-                replicated = op.reshape(op.broadcast_to(op.reshape(flat, (tokens, 1, hidden)), (tokens, k, hidden)),
-                                        (rows, hidden))
-                gate, up = op.split(moe_linear(replicated, expert, self.experts_up), 2, axis=-1)
-                out = moe_linear(activation(gate) * up, expert, self.experts_down)
-            out = op.reshape(out, (tokens, k, hidden)) * op.reshape(weights.astype(dtype), (tokens, k, 1))
-            return op.reshape(op.sum(out, axis=1), (b, s, hidden))
-
-        def mlp(self, x: Tensor):
-            if self.sparse:
-                return self.moe(x)
-            if cfg.gated_mlp and cfg.activation == "silu" and self.up.bias is None and not cfg.quantize:
-                fused = swiglu(x, self.up.weight, hopper)  # on sm_90, gate, up and SiLU·up as one kernel
-                if fused is not None:
-                    return self.down(fused)
-            up = self.up(x)
-            if cfg.gated_mlp:
-                gate, up = op.split(up, 2, axis=-1)
-                return self.down(activation(gate) * up)
-            return self.down(activation(up))
-
-        def forward(self, x: Tensor, pending: Tensor | None, caches: list, layer_id: int, rope=None,
-                    barrier_ids: Tensor | None = None):
-            """(the residual stream, this layer's MLP output): the output is added by the next norm, in the
-            same kernel (``pending``: the previous layer's, None before the first layer)."""
-            if layer_id in local:
-                cache, index = caches[1], local[layer_id]
-            else:
-                cache, index = caches[0], main[layer_id]
-            if layer_id in windowed:  # a windowed cache rotates q and k itself
-                rope = None
-            if isinstance(rope, list):  # a table per layer type: this layer's
-                rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
-            h, x = add_norm(self.attn_norm if cfg.pre_norms else None, x, pending)
-            out = self.attention(h, cache, index, rope, barrier_ids)
-            post = self.attn_post_norm(out) if cfg.post_norms else out
-            h, x = add_norm(self.mlp_norm if cfg.pre_norms else None, x, post)
-            out = self.mlp(h)
-            return x, (self.mlp_post_norm(out) if cfg.post_norms else out)
-
-    class Decoder(nn.Module):
-        def __init__(self):
-            self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype)
-            if cfg.learned_positions:
-                self.positions = nn.Embedding(cfg.learned_positions, cfg.hidden, dtype=dtype)
-            self.layers = nn.ModuleList([Layer(i in cfg.sparse_layers) for i in range(cfg.layers)])
-            self.norm = make_norm()
-            if not cfg.tied_embeddings:
-                self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)
-
-        def forward(self, x: Tensor, caches: list, last: Tensor | None = None, barrier_ids: Tensor | None = None):
-            """The layers over ``x``; ``barrier_ids`` (a decode step's token ids): the step barrier goes before the
-            first access to the cache (barrier.py), after the first layer's QKV projection where nothing reads
-            the cache before its attention, so that the GPU runs that projection while the step waits."""
-            b, s, _ = x.shape
-            if barrier_ids is not None and (cfg.learned_positions or rotary is not None):  # they read positions
-                x, barrier_ids = step_barrier(x, barrier_ids), None
-            if cfg.learned_positions:
-                at = caches[0].get_query_positions(b * s)
-                x = x + op.reshape(gather(self.positions.weight, at, 0, "positions"), (b, s, cfg.hidden))
-            rope = rotary.cos_sin(caches[0], b, s, last) if rotary is not None else None
-            pending = None
-            for layer_id, layer in enumerate(self.layers):
-                x, pending = layer(x, pending, caches, layer_id, rope, barrier_ids if layer_id == 0 else None)
-            return add_norm(self.norm, x, pending)[0]
-
-        def logits(self, x: Tensor):
-            if cfg.tied_embeddings:
-                out = linear(x, self.embed.weight)
-            else:
-                out = self.lm_head(x)
-            out = out.astype("float32") if out.dtype != "float32" else out
-            if cfg.logit_softcap:
-                out = op.tanh(out / cfg.logit_softcap) * cfg.logit_softcap
-            return out
-
-        def embed_tokens(self, input_ids: Tensor):
-            x = gather(self.embed.weight, input_ids, 0, "embed")
-            return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
-
-        def _prefill(self, input_ids: Tensor, logit_positions: Tensor, caches: list):
-            x = op.reshape(self.embed_tokens(input_ids), (1, input_ids.shape[0], cfg.hidden))
-            x = gather(self.forward(x, caches, logit_positions), logit_positions, 1, "last_tokens")
-            return self.logits(x), *caches
-
-        def _decode(self, input_ids: Tensor, caches: list):
-            x = op.reshape(self.embed_tokens(input_ids), (input_ids.shape[0], 1, cfg.hidden))
-            # The step before is waited for inside the call, not before it (barrier.py: the host launches ahead).
-            return self.logits(self.forward(x, caches, barrier_ids=input_ids)), *caches
-
-        def batch_prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
-            """Prompts packed one after another in ``input_ids``; logits at ``logit_positions`` (each prompt's last)."""
-            return self._prefill(input_ids, logit_positions, [cache])
-
-        def batch_decode(self, input_ids: Tensor, cache: PagedKVCache):
-            """One token for each sequence of the batch."""
-            return self._decode(input_ids, [cache])
-
-        def batch_prefill_windowed(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache,
-                                   window_cache: PagedKVCache):
-            """batch_prefill of a model with windowed and global layers: a cache for each."""
-            return self._prefill(input_ids, logit_positions, [cache, window_cache])
-
-        def batch_decode_windowed(self, input_ids: Tensor, cache: PagedKVCache, window_cache: PagedKVCache):
-            return self._decode(input_ids, [cache, window_cache])
-
-        def greedy_tokens(self, logits: Tensor):
-            """Each row's greedy choice (the first index of its largest logit, as numpy's argmax): what the
-            runtime reads back of a greedy step, a token per sequence rather than the whole logits. ``logits``
-            as a step returns them: [1, sequences, vocab] from a prefill, [sequences, 1, vocab] from a decode."""
-            rows, columns, vocab = logits.shape
-            flat = op.reshape(logits, (rows * columns, vocab))
-            kernel = greedy_kernel(vocab, gpu=_current_target().kind.name == "cuda")
-            index, _ = op.tensor_ir_op(kernel, "greedy_tokens", [flat],
-                                       [Tensor.placeholder((rows * columns,), "int32"),
-                                        Tensor.placeholder((rows * columns,), "float32")])
-            return index
-
-        def sample_tokens(self, logits: Tensor, params: Tensor):
-            """Each row's token chosen on the device as its (temperature, top_k, top_p, uniform) row of
-            ``params`` asks (see :func:`.sampler.sample_kernel`): what the runtime reads back of a sampled step,
-            a token per sequence rather than the whole logits. ``logits`` as :meth:`greedy_tokens` takes them."""
-            rows, columns, vocab = logits.shape
-            flat = op.reshape(logits, (rows * columns, vocab))
-            kernel = sample_kernel(vocab, gpu=_current_target().kind.name == "cuda")
-            return op.tensor_ir_op(kernel, "sample_tokens", [flat, params],
-                                   [Tensor.placeholder((rows * columns,), "int32")])
-
-        def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
-                                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
-                                  support_sliding_window: tirx.Var) -> PagedKVCache:
-            """The main cache (the only one, windowed or not, unless layers differ)."""
-            if windowed and not two_caches:
-                return make_cache(cfg.layers, True, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
-                                  support_sliding_window)
-            return make_cache(len(main), False, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
-                              support_sliding_window)
-
-        def create_window_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
-                                prefill_chunk_size: tirx.Var, page_size: tirx.Var,
-                                support_sliding_window: tirx.Var) -> PagedKVCache:
-            """The windowed layers' cache of a model whose other layers are global."""
-            return make_cache(len(local), True, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
-                              support_sliding_window)
-
-    def make_cache(layers: int, window: bool, *sizes) -> PagedKVCache:
-        """A TIRPagedKVCache over ``layers`` layers. Its fused RoPE: the default and llama3 frequencies (dynamic's
-        are the default ones within max_position_embeddings), linear scaling as scaled positions; none where
-        the model rotates from a table. A windowed cache rotates q and k as it appends them, at the windowed
-        layers' theta with the default frequencies (the build refuses others)."""
-
-        max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window = sizes
-        # the second cache's kernels under symbols of their own: TVM adds them under the first cache's
-        with suffixed_functions(WINDOW_SUFFIX) if window and two_caches else contextlib.nullcontext():
-            return _cache(layers, window, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
-                          support_sliding_window)
-
-    def _cache(layers, window, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window):
-
-        cache_rope = window or (rope_type is not None and not table_rope)
-        scaling = cfg.rope_scaling if rope_type == "llama3" and not window else {}
-        scale = 1.0 / cfg.rope_scaling["factor"] if rope_type == "linear" and not window else 1
-        return tir_paged_kv_cache(
-            layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, target=_current_target(),
-            sizes=(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window),
-            rope_mode="normal" if cache_rope else "none", rope_scale=scale,
-            rope_theta=window_theta if window else cfg.rope_theta, rope_scaling=scaling,
-            rotary_dim=cfg.rotary_dim or head_dim, window=cfg.sliding_window if window else 0)
-
-    module = Decoder()
+    hopper = target.kind.name == "cuda" and str(target.attrs.get("arch", "")) in HOPPER_ARCHS
+    module = Decoder(cfg, target, hopper)
     packed = {"param_mode": "packed", "effect_mode": "none"}
     cache_spec = nn.spec.Object(object_type=PagedKVCache)
     spec = {
@@ -786,7 +386,7 @@ def build_module(cfg: DecoderConfig, decode_batches: tuple[int, ...] = (), prefi
         | {"$": {"param_mode": "none", "effect_mode": "none"}},
     }
     caches = {"cache": cache_spec}
-    if two_caches:  # every step function takes both caches
+    if module.layout.two_caches:  # every step function takes both caches
         caches["window_cache"] = cache_spec
         module.batch_prefill, module.batch_decode = module.batch_prefill_windowed, module.batch_decode_windowed
         spec["create_window_cache"] = dict(spec["create_paged_kv_cache"])
@@ -822,14 +422,6 @@ def _w8a8(method):
     return traced
 
 
-def window_rope_theta(cfg: DecoderConfig) -> float:
-    """The rotary theta of the windowed layers (Gemma 3's local layers have their own)."""
-    tables = cfg.rope_scaling.get("tables")
-    if tables and cfg.sliding_layers:
-        return tables[cfg.rope_scaling["layer_tables"][cfg.sliding_layers[0]]]["rope_theta"]
-    return cfg.rope_theta
-
-
 def window_rope_unsupported(cfg: DecoderConfig) -> str | None:
     """Why the windowed layers' rotary embedding cannot run in TVM's windowed cache (its kernels rotate the whole
     head with the default frequencies at one theta), or None."""
@@ -847,24 +439,9 @@ def window_rope_unsupported(cfg: DecoderConfig) -> str | None:
     return None
 
 
-_TARGET = []
-
-
-def _current_target():
-    """The target the KV cache's kernels are generated for (set by :func:`export`)."""
-    return _TARGET[-1]
-
-
 def export(cfg: DecoderConfig, tvm_target, decode_batches: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = (),
            speculate: tuple[int, ...] = ()):
     """(IRModule, parameter names in the order the functions take them) of ``cfg`` for ``tvm_target``."""
-    from autosched.search_spaces.templates.hopper_gemm import HOPPER_ARCHS
-
-    hopper = tvm_target.kind.name == "cuda" and str(tvm_target.attrs.get("arch", "")) in HOPPER_ARCHS
-    module, spec = build_module(cfg, decode_batches, prefill_chunks, hopper, speculate)
-    _TARGET.append(tvm_target)
-    try:
-        mod, params = module.export_tvm(spec=spec)
-    finally:
-        _TARGET.pop()
+    module, spec = build_module(cfg, tvm_target, decode_batches, prefill_chunks, speculate)
+    mod, params = module.export_tvm(spec=spec)
     return mod, [name for name, _ in params]

@@ -22,10 +22,10 @@ from autosched.errors import UsageError
 
 # transformers' projection names -> the decoder's fused projection and the order of its parts
 PROJECTIONS = {
-    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o": ("self_attn.o_proj",),
-    "up": ("mlp.gate_proj", "mlp.up_proj"),
-    "down": ("mlp.down_proj",),
+    "attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.o": ("self_attn.o_proj",),
+    "mlp.up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down": ("mlp.down_proj",),
 }
 NATURAL_ORDER = tuple(range(8))
 

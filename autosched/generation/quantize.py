@@ -63,7 +63,7 @@ SCHEMES = {
     ),
 }
 # The decoder's projections that are quantised (each layer's ``<name>.weight``).
-QUANTIZED_PROJECTIONS = ("qkv", "o", "up", "down")
+QUANTIZED_PROJECTIONS = ("attn.qkv", "attn.o", "mlp.up", "mlp.down")
 
 
 def scheme(name: str) -> Scheme:
@@ -170,7 +170,7 @@ def quantize_weights(weights: dict, cfg, name: str, given: dict | None = None) -
     names = parameter_names(name)
     for key, value in weights.items():
         parts = key.split(".")
-        if parts[0] == "layers" and len(parts) == 4 and parts[2] in QUANTIZED_PROJECTIONS and parts[3] == "weight":
+        if parts[0] == "layers" and len(parts) == 5 and ".".join(parts[2:4]) in QUANTIZED_PROJECTIONS and parts[4] == "weight":
             prefix = key[: -len(".weight")]
             if prefix + ".qweight" in given:
                 out.update({f"{prefix}.{p}": given[f"{prefix}.{p}"] for p in names})
