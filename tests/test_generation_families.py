@@ -8,6 +8,7 @@ tokens each. Features whose effect depends on the length (rotary scaling) take a
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -78,6 +79,11 @@ def _config(name: str):
                 transformers.Gemma3ForCausalLM)
     if name == "olmo2":  # q/k norms over the whole projections, norms after attention and MLP instead of before
         return transformers.Olmo2Config(**TINY, rms_norm_eps=1e-6), transformers.Olmo2ForCausalLM
+    if name in ("gpt_neox", "gpt_neox-sequential"):  # Pythia: LayerNorms, biases, a quarter of each head rotated,
+        # attention and MLP side by side (use_parallel_residual) or one after the other
+        tiny = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+        return (transformers.GPTNeoXConfig(**tiny, use_parallel_residual=name == "gpt_neox"),
+                transformers.GPTNeoXForCausalLM)
     if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
         return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
                                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -94,8 +100,10 @@ def _saved(name: str, folder):
     model = cls(config).eval()
     with torch.no_grad():
         for param_name, p in model.named_parameters():
-            if p.dim() > 1:  # Gemma's post-norms: layers outweigh its scaled (and tied) embeddings only if they are small
-                p.normal_(0.0, 0.02 if name.startswith("gemma") and "embed" in param_name else 0.08)
+            if p.dim() > 1:  # Gemma's post-norms: layers outweigh its scaled (and tied) embeddings only if they are small;
+                # GPT-NeoX's LayerNorms flatten small weights into a token repeated: larger ones, of a size that moves
+                p.normal_(0.0, 0.02 if name.startswith("gemma") and "embed" in param_name
+                          else {"gpt_neox": 0.25, "gpt_neox-sequential": 0.15}.get(name, 0.08))
             elif "norm" in param_name:  # Gemma's norms scale by 1 + w
                 p.normal_(0.0 if name.startswith("gemma") else 1.0, 0.1)
             else:
@@ -111,7 +119,8 @@ def _reference(model, prompt, new=NEW):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3", "olmo2",
                                   "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
-                                  "gemma2-window", "gemma3-window", "gemma3-local-window"])
+                                  "gemma2-window", "gemma3-window", "gemma3-local-window", "gpt_neox",
+                                  "gpt_neox-sequential"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -130,6 +139,11 @@ def test_a_family_or_feature_matches_transformers(name, tmp_path):
         assert results[2].tokens != _reference(_unscaled(model), PROMPTS[2]), name
     if name.endswith("window"):  # and the window shows: without it, the 40-token prompt continues otherwise
         assert results[2].tokens != _reference(_unwindowed(model), PROMPTS[2]), name
+    if name == "gpt_neox":  # and the parallel block shows: one after the other, the prompt continues otherwise
+        sequential = copy.deepcopy(model)
+        for layer in sequential.gpt_neox.layers:
+            layer.use_parallel_residual = False
+        assert results[2].tokens != _reference(sequential, PROMPTS[2]), name
     if name == "olmo2":  # and its norms show: with per-head q/k norms and Llama's pre-norms, otherwise
         assert results[2].tokens != _reference(_as_llama_norms(model), PROMPTS[2]), name
     if name in ("longrope", "mistral-window"):  # a sequence re-read, or its tokens dropped: no forks of a prefix
@@ -288,12 +302,18 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
     gemma3 = config_from_hf(_config("gemma3")[0], "float32").rope_scaling
     local, global_ = gemma3["tables"]  # sorted by layer type: full_attention first
     assert gemma3["layer_tables"] == [1, 0] and global_["inv_freq"][1] != local["inv_freq"][1]
+    neox = config_from_hf(_config("gpt_neox")[0], "float32")
+    assert (neox.parallel_block, neox.rotary_dim, neox.norm, neox.qkv_bias, neox.tied_embeddings) == (True, 8, "layer", True,
+                                                                                                      False)
+    assert not config_from_hf(_config("gpt_neox-sequential")[0], "float32").parallel_block
+    no_bias = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
     refused = {
         "rotary scaling 'longrope' is supported for phi3 models; this model is 'llama'":
             transformers.LlamaConfig(**TINY, rope_scaling={**LONGROPE, "original_max_position_embeddings": 16}),
         "attention_bias=True is not supported": transformers.LlamaConfig(**TINY, attention_bias=True),
         "mlp_bias=True is not supported": transformers.LlamaConfig(**TINY, mlp_bias=True),
         "attention soft-capping (attn_logit_softcapping=50.0) is not supported": transformers.Gemma2Config(**TINY),
+        "GPT-NeoX with attention_bias=False is not supported": transformers.GPTNeoXConfig(**no_bias, attention_bias=False),
     }
     from autosched.generation.build import lower_generation
     from autosched.target import parse_target

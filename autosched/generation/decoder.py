@@ -1,10 +1,11 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
-The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, GPT-2, and the mixtures
-of experts Mixtral and Qwen3-MoE) differ in a handful of choices: the norm (and whether attention and MLP
+The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, OLMo 2, GPT-2, GPT-NeoX /
+Pythia, and the mixtures of experts Mixtral and Qwen3-MoE) differ in a handful of choices: the norm (and whether attention and MLP
 outputs are normed too), the MLP (dense, or a router over experts), biases, q/k norms, how positions enter
 (rotary in the cache, rotary from a frequency table in the model, or a learned table), the attention window,
-how the embeddings are scaled, a soft-cap on the logits and whether the LM head is the embedding table.
+how the embeddings are scaled, a soft-cap on the logits, whether the LM head is the embedding table, and whether
+attention and MLP run one after the other or side by side.
 :class:`DecoderConfig` names those choices; :func:`config_from_hf` reads them from a transformers config
 (refusing, in one line, what it cannot reproduce), and :func:`weights_from_hf` maps the model's state dict
 onto this module's parameters (q/k/v and gate/up concatenated, experts stacked, GPT-2's Conv1D weights
@@ -56,7 +57,7 @@ TRAITS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"qk_norm": True, "window": "all", "moe": True},
     "olmo2": {"qk_norm": "whole", "post_norms": "only"},
 }
-FAMILIES = (*TRAITS, "gpt2")
+FAMILIES = (*TRAITS, "gpt2", "gpt_neox")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
 
 
@@ -98,6 +99,7 @@ class DecoderConfig:
     renorm_topk: bool = True
     sparse_layers: list[int] = field(default_factory=list)
     dtype: str = "float32"
+    parallel_block: bool = False  # attention and MLP side by side on one input (GPT-NeoX: blocks/parallel.py)
     quantize: str = ""  # the projections' weight quantisation (a scheme of .quantize: "q4f16", "q8f16", "fp8"); "": none
 
     def to_json(self) -> dict:
@@ -190,6 +192,8 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                              config.n_inner or 4 * hidden, norm="layer", norm_eps=config.layer_norm_epsilon,
                              gated_mlp=False, activation=act, qkv_bias=True, dense_bias=True,
                              learned_positions=config.n_positions, tied_embeddings=True, dtype=dtype)
+    if family == "gpt_neox":
+        return _gpt_neox_config(config, dtype)
     traits = TRAITS[family]
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -224,6 +228,27 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                          embed_scale=math.sqrt(hidden) if traits.get("gemma") else 1.0,
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                          sliding_window=window, sliding_layers=sliding_layers, dtype=dtype, **moe)
+
+
+def _gpt_neox_config(config, dtype: str) -> DecoderConfig:
+    """GPT-NeoX and Pythia: LayerNorms, biases everywhere, a partial rotary embedding, attention and MLP in parallel
+    (``use_parallel_residual``, else one after the other), an untied head."""
+    if not getattr(config, "attention_bias", True):
+        raise UsageError("GPT-NeoX with attention_bias=False is not supported for generation (its MLP keeps its "
+                         "biases, which this decoder ties to the attention's)")
+    act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(config.hidden_act)
+    if act is None:
+        raise UsageError(f"GPT-NeoX activation '{config.hidden_act}' is not supported for generation")
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    theta, scaling = _rope(config)
+    partial = float((getattr(config, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", getattr(config, "rotary_pct", 1.0)))
+    return DecoderConfig("gpt_neox", config.vocab_size, hidden, heads, heads, hidden // heads, config.num_hidden_layers,
+                         config.intermediate_size, norm="layer", norm_eps=config.layer_norm_eps, gated_mlp=False,
+                         activation=act, qkv_bias=True, dense_bias=True, rope_theta=theta,
+                         rotary_dim=int(hidden // heads * partial), rope_scaling=scaling,
+                         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                         parallel_block=bool(getattr(config, "use_parallel_residual", True)), dtype=dtype)
 
 
 def _moe(config, family: str) -> dict[str, Any]:
@@ -268,7 +293,7 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
     import torch
 
     def get(name):
-        for prefix in ("", "model.", "transformer."):
+        for prefix in ("", "model.", "transformer.", "gpt_neox."):
             if prefix + name in state:
                 return state[prefix + name]
         raise UsageError(f"the model has no weight '{name}': is it a {cfg.family} model as transformers writes it?")
@@ -287,6 +312,8 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                 out[q + ours + ".weight"] = get(p + theirs + ".weight").t()
                 out[q + ours + ".bias"] = get(p + theirs + ".bias")
         out["norm.weight"], out["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
+    elif cfg.family == "gpt_neox":
+        out.update(_gpt_neox_weights(get, state, cfg))
     else:
         # Gemma's norms scale by (1 + w): folded here so that every family runs a plain RMSNorm.
         norm = (lambda w: w.float().add(1.0).to(w.dtype)) if cfg.family in GEMMA else (lambda w: w)
@@ -322,8 +349,29 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
             else:
                 out[q + "mlp.down.weight"] = get(p + "mlp.down_proj.weight")
         out["norm.weight"] = norm(get("norm.weight"))
-    if not cfg.tied_embeddings:
+    if not cfg.tied_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = state.get("lm_head.weight", out["embed.weight"])
+    return out
+
+
+def _gpt_neox_weights(get, state: dict, cfg: DecoderConfig) -> dict:
+    """GPT-NeoX's weights: its ``query_key_value`` holds each head's q, k and v together ([heads, 3, head_dim]
+    rows), regrouped as q of every head, then k, then v."""
+    # the head: lm_head in transformers 5, embed_out in the checkpoints of older ones
+    head = "lm_head.weight" if any(k.endswith("lm_head.weight") for k in state) else "embed_out.weight"
+    out = {"embed.weight": get("embed_in.weight"), "lm_head.weight": get(head)}
+
+    def by_part(t):
+        return t.reshape(cfg.heads, 3, cfg.head_dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    for i in range(cfg.layers):
+        p, q = f"layers.{i}.", f"layers.{i}."
+        for ours, theirs in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
+                             ("attn.o", "attention.dense"), ("mlp.up", "mlp.dense_h_to_4h"), ("mlp.down", "mlp.dense_4h_to_h")):
+            out[q + ours + ".weight"], out[q + ours + ".bias"] = get(p + theirs + ".weight"), get(p + theirs + ".bias")
+        out[q + "attn.qkv.weight"] = by_part(get(p + "attention.query_key_value.weight"))
+        out[q + "attn.qkv.bias"] = by_part(get(p + "attention.query_key_value.bias"))
+    out["norm.weight"], out["norm.bias"] = get("final_layer_norm.weight"), get("final_layer_norm.bias")
     return out
 
 

@@ -5,6 +5,8 @@ output projection."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
@@ -49,3 +51,39 @@ class Attention(nn.Module):
             qkv = step_barrier(qkv, barrier_ids)
         attn = cache.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=cfg.attn_scale or head_dim ** -0.5)
         return self.o(op.reshape(attn, (b, s, heads * head_dim)))
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Which cache each layer attends through. Windowed layers attend through a KV cache of their own whose
+    layers are TVM's sliding layers (decode reads the last window of keys; a prefill call's cached keys are
+    masked to the window per query, so a call of up to a window of tokens is exact anywhere), rotated by that
+    cache at the window's theta; the others through the main cache. A model windowed on every layer has the one
+    cache, windowed."""
+
+    windowed: tuple[int, ...]  # the windowed layers
+    local: dict[int, int] = field(default_factory=dict)  # a windowed layer -> its index in the window cache
+    main: dict[int, int] = field(default_factory=dict)  # another layer -> its index in the main cache
+
+    @classmethod
+    def of(cls, cfg) -> CacheLayout:
+        windowed = tuple(sorted(cfg.sliding_layers)) if cfg.sliding_window else ()
+        two = 0 < len(windowed) < cfg.layers
+        local = {layer: i for i, layer in enumerate(windowed)} if two else {}
+        main = {layer: i for i, layer in enumerate(layer for layer in range(cfg.layers) if layer not in local)}
+        return cls(windowed, local, main)
+
+    @property
+    def two_caches(self) -> bool:
+        return bool(self.local)
+
+    def attention_inputs(self, cfg, layer_id: int, caches: list, rope):
+        """(the cache layer ``layer_id`` attends through, its index there, the rotation it applies itself): a
+        windowed cache rotates q and k itself; where layers have tables of their own (``rope`` a list), this
+        layer's."""
+        cache, index = (caches[1], self.local[layer_id]) if layer_id in self.local else (caches[0], self.main[layer_id])
+        if layer_id in self.windowed:
+            rope = None
+        if isinstance(rope, list):
+            rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
+        return cache, index, rope

@@ -6,7 +6,6 @@ over all tokens)."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 from tvm import tirx
 from tvm.relax.frontend import nn
@@ -19,40 +18,12 @@ from ..attention import WINDOW_SUFFIX
 from ..barrier import step_barrier
 from ..linear import linear
 from ..sampler import greedy_kernel, sample_kernel
-from .attention import Attention
+from .attention import Attention, CacheLayout
 from .mlp import MLP, MoE
 from .norms import add_norm, make_norm
+from .parallel import ParallelDecoderLayer
 from .positions import TableRotary, gather, table_rope
 from .projections import Linear
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """Which cache each layer attends through. Windowed layers attend through a KV cache of their own whose
-    layers are TVM's sliding layers (decode reads the last window of keys; a prefill call's cached keys are
-    masked to the window per query, so a call of up to a window of tokens is exact anywhere), rotated by that
-    cache at the window's theta; the others through the main cache. A model windowed on every layer has the one
-    cache, windowed."""
-
-    windowed: tuple[int, ...]  # the windowed layers
-    local: dict[int, int] = field(default_factory=dict)  # a windowed layer -> its index in the window cache
-    main: dict[int, int] = field(default_factory=dict)  # another layer -> its index in the main cache
-
-    @classmethod
-    def of(cls, cfg) -> CacheLayout:
-        windowed = tuple(sorted(cfg.sliding_layers)) if cfg.sliding_window else ()
-        two = 0 < len(windowed) < cfg.layers
-        local = {layer: i for i, layer in enumerate(windowed)} if two else {}
-        main = {layer: i for i, layer in enumerate(layer for layer in range(cfg.layers) if layer not in local)}
-        return cls(windowed, local, main)
-
-    @property
-    def two_caches(self) -> bool:
-        return bool(self.local)
-
-    def place(self, layer_id: int) -> tuple[int, int]:
-        """(which cache: 0 the main, 1 the window's; the layer's index there)."""
-        return (1, self.local[layer_id]) if layer_id in self.local else (0, self.main[layer_id])
 
 
 class DecoderLayer(nn.Module):
@@ -77,13 +48,9 @@ class DecoderLayer(nn.Module):
         """(the residual stream, this layer's MLP output): the output is added by the next norm, in the same
         kernel (``pending``: the previous layer's, None before the first layer)."""
         cfg = self.cfg
-        which, index = self.layout.place(layer_id)
-        if layer_id in self.layout.windowed:  # a windowed cache rotates q and k itself
-            rope = None
-        if isinstance(rope, list):  # a table per layer type: this layer's
-            rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
+        cache, index, rope = self.layout.attention_inputs(cfg, layer_id, caches, rope)
         h, x = add_norm(self.attn_norm if cfg.pre_norms else None, x, pending)
-        out = self.attn(h, caches[which], index, rope, barrier_ids)
+        out = self.attn(h, cache, index, rope, barrier_ids)
         post = self.attn_post_norm(out) if cfg.post_norms else out
         h, x = add_norm(self.mlp_norm if cfg.pre_norms else None, x, post)
         out = self.mlp(h)
@@ -101,8 +68,8 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=cfg.dtype)
         if cfg.learned_positions:
             self.positions = nn.Embedding(cfg.learned_positions, cfg.hidden, dtype=cfg.dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, self.layout, i in cfg.sparse_layers, hopper)
-                                     for i in range(cfg.layers)])
+        layer = ParallelDecoderLayer if cfg.parallel_block else DecoderLayer
+        self.layers = nn.ModuleList([layer(cfg, self.layout, i in cfg.sparse_layers, hopper) for i in range(cfg.layers)])
         self.norm = make_norm(cfg)
         if not cfg.tied_embeddings:
             self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False, dtype=cfg.dtype)
