@@ -84,11 +84,20 @@ def _config(name: str):
         tiny = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
         return (transformers.GPTNeoXConfig(**tiny, use_parallel_residual=name == "gpt_neox"),
                 transformers.GPTNeoXForCausalLM)
+    if name in ("stablelm", "stablelm-parallel"):  # LayerNorms, a quarter of each head rotated; StableLM 2's q/k/v
+        # biases and, in parallel, attention and MLP behind one norm
+        return (transformers.StableLmConfig(**TINY, use_qkv_bias=name == "stablelm-parallel",
+                                            use_parallel_residual=name == "stablelm-parallel"),
+                transformers.StableLmForCausalLM)
     if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
         return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
                                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
                 transformers.LlamaForCausalLM)
     raise ValueError(name)
+
+
+# The LayerNorm families' weights (and StableLM's biases): sizes at which each prompt's greedy tokens move.
+LIVELY = {"gpt_neox": (0.25,), "gpt_neox-sequential": (0.15,), "stablelm": (0.3, 0.5), "stablelm-parallel": (0.3, 0.5)}
 
 
 def _saved(name: str, folder):
@@ -101,9 +110,10 @@ def _saved(name: str, folder):
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             if p.dim() > 1:  # Gemma's post-norms: layers outweigh its scaled (and tied) embeddings only if they are small;
-                # GPT-NeoX's LayerNorms flatten small weights into a token repeated: larger ones, of a size that moves
-                p.normal_(0.0, 0.02 if name.startswith("gemma") and "embed" in param_name
-                          else {"gpt_neox": 0.25, "gpt_neox-sequential": 0.15}.get(name, 0.08))
+                # LayerNorm families flatten small weights into a token repeated: larger ones, of a size that moves
+                p.normal_(0.0, 0.02 if name.startswith("gemma") and "embed" in param_name else LIVELY.get(name, (0.08,))[0])
+            elif name.startswith("stablelm") and not param_name.endswith("norm.weight"):  # biases, the norms' too
+                p.normal_(0.0, LIVELY[name][1])
             elif "norm" in param_name:  # Gemma's norms scale by 1 + w
                 p.normal_(0.0 if name.startswith("gemma") else 1.0, 0.1)
             else:
@@ -120,7 +130,7 @@ def _reference(model, prompt, new=NEW):
 @pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3", "olmo2",
                                   "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
                                   "gemma2-window", "gemma3-window", "gemma3-local-window", "gpt_neox",
-                                  "gpt_neox-sequential"])
+                                  "gpt_neox-sequential", "stablelm", "stablelm-parallel"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -303,9 +313,11 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
     local, global_ = gemma3["tables"]  # sorted by layer type: full_attention first
     assert gemma3["layer_tables"] == [1, 0] and global_["inv_freq"][1] != local["inv_freq"][1]
     neox = config_from_hf(_config("gpt_neox")[0], "float32")
-    assert (neox.parallel_block, neox.rotary_dim, neox.norm, neox.qkv_bias, neox.tied_embeddings) == (True, 8, "layer", True,
-                                                                                                      False)
+    assert (neox.parallel_block, neox.rotary_dim, neox.norm, neox.qkv_bias, neox.tied_embeddings) == (
+        "two_norms", 8, "layer", True, False)
     assert not config_from_hf(_config("gpt_neox-sequential")[0], "float32").parallel_block
+    stablelm = config_from_hf(_config("stablelm-parallel")[0], "float32")
+    assert (stablelm.parallel_block, stablelm.rotary_dim, stablelm.norm, stablelm.qkv_bias) == ("one_norm", 8, "layer", True)
     no_bias = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
     refused = {
         "rotary scaling 'longrope' is supported for phi3 models; this model is 'llama'":
@@ -314,6 +326,7 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
         "mlp_bias=True is not supported": transformers.LlamaConfig(**TINY, mlp_bias=True),
         "attention soft-capping (attn_logit_softcapping=50.0) is not supported": transformers.Gemma2Config(**TINY),
         "GPT-NeoX with attention_bias=False is not supported": transformers.GPTNeoXConfig(**no_bias, attention_bias=False),
+        "qk_layernorm=True is not supported": transformers.StableLmConfig(**TINY, qk_layernorm=True),
     }
     from autosched.generation.build import lower_generation
     from autosched.target import parse_target

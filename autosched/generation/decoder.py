@@ -56,6 +56,8 @@ TRAITS: dict[str, dict[str, Any]] = {
     "mixtral": {"window": "all", "moe": True},
     "qwen3_moe": {"qk_norm": True, "window": "all", "moe": True},
     "olmo2": {"qk_norm": "whole", "post_norms": "only"},
+    # LayerNorms (with biases); use_qkv_bias; use_parallel_residual: attention and MLP behind the one norm; partial rotary
+    "stablelm": {"norm": "layer"},
 }
 FAMILIES = (*TRAITS, "gpt2", "gpt_neox")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
@@ -99,7 +101,9 @@ class DecoderConfig:
     renorm_topk: bool = True
     sparse_layers: list[int] = field(default_factory=list)
     dtype: str = "float32"
-    parallel_block: bool = False  # attention and MLP side by side on one input (GPT-NeoX: blocks/parallel.py)
+    # attention and MLP side by side on one input (blocks/parallel.py), each behind a norm of its own ("two_norms":
+    # GPT-NeoX) or both behind one ("one_norm": StableLM); "": one after the other
+    parallel_block: str = ""
     quantize: str = ""  # the projections' weight quantisation (a scheme of .quantize: "q4f16", "q8f16", "fp8"); "": none
 
     def to_json(self) -> dict:
@@ -214,13 +218,16 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
         raise UsageError(f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is not "
                          "supported for generation: TVM's paged attention kernels have none")
     scalar = getattr(config, "query_pre_attn_scalar", None) if traits.get("gemma") else None
-    for flag in ("attention_bias", "mlp_bias"):
+    for flag in ("attention_bias", "mlp_bias", "qk_layernorm"):
         if getattr(config, flag, False):
             raise UsageError(f"{flag}=True is not supported for generation yet")
     moe = _moe(config, family) if traits.get("moe") else {}
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
-                         config.num_hidden_layers, config.intermediate_size, norm_eps=config.rms_norm_eps,
-                         activation=act, qkv_bias=bool(traits.get("qkv_bias")), qk_norm=bool(traits.get("qk_norm")),
+                         config.num_hidden_layers, config.intermediate_size, norm=traits.get("norm", "rms"),
+                         norm_eps=getattr(config, "rms_norm_eps", None) or config.layer_norm_eps, activation=act,
+                         qkv_bias=bool(traits.get("qkv_bias") or getattr(config, "use_qkv_bias", False)),
+                         parallel_block="one_norm" if getattr(config, "use_parallel_residual", False) else "",
+                         qk_norm=bool(traits.get("qk_norm")),
                          qk_norm_whole=traits.get("qk_norm") == "whole", post_norms=bool(traits.get("post_norms")),
                          pre_norms=traits.get("post_norms") != "only", attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
                          logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0), rope_theta=theta,
@@ -248,7 +255,7 @@ def _gpt_neox_config(config, dtype: str) -> DecoderConfig:
                          activation=act, qkv_bias=True, dense_bias=True, rope_theta=theta,
                          rotary_dim=int(hidden // heads * partial), rope_scaling=scaling,
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                         parallel_block=bool(getattr(config, "use_parallel_residual", True)), dtype=dtype)
+                         parallel_block="two_norms" if getattr(config, "use_parallel_residual", True) else "", dtype=dtype)
 
 
 def _moe(config, family: str) -> dict[str, Any]:
@@ -330,7 +337,12 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                 out[q + "mlp_post_norm.weight"] = norm(get(p + "post_feedforward_layernorm.weight"))
             else:
                 out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
-                out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
+                if cfg.parallel_block != "one_norm":  # StableLM's parallel layer: attention and MLP behind one norm
+                    out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
+            if cfg.norm == "layer":  # LayerNorms' biases (StableLM)
+                for ours, theirs in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
+                    if q + ours + ".weight" in out:
+                        out[q + ours + ".bias"] = get(p + theirs + ".bias")
             if cfg.family == "phi3":
                 out[q + "attn.qkv.weight"] = get(p + "self_attn.qkv_proj.weight")
                 out[q + "mlp.up.weight"] = get(p + "mlp.gate_up_proj.weight")
@@ -349,6 +361,8 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
             else:
                 out[q + "mlp.down.weight"] = get(p + "mlp.down_proj.weight")
         out["norm.weight"] = norm(get("norm.weight"))
+        if cfg.norm == "layer":
+            out["norm.bias"] = get("norm.bias")
     if not cfg.tied_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = state.get("lm_head.weight", out["embed.weight"])
     return out
