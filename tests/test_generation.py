@@ -1214,3 +1214,37 @@ def test_token_marks_read_a_steps_tokens_without_waiting_for_the_work_after_them
     assert (marks.read(first) == np.arange(37) * 3).all()
     second = marks.mark(tvm_adapter.tensor_view(later, (5,)))
     assert (marks.read(second) == 7).all()
+
+
+@pytest.mark.gpu
+def test_pinned_uploads_copy_behind_the_queued_work_and_reuse_their_slots():
+    """Staging.put(wait=False) on a GPU: each array lands in its device buffer after the work queued before it,
+    through pinned slots taken in turn (more uploads than slots, one larger than a slot's first size)."""
+    import numpy as np
+    import tvm
+
+    from autosched.generation.cuda_events import SLOT_BYTES, SLOTS, PinnedUploads
+    from autosched.generation.model import Staging
+
+    uploads = PinnedUploads.open()
+    assert uploads is not None
+    staging = Staging(tvm.cuda(), lambda: uploads)
+    busy = tvm.runtime.tensor(np.zeros(1 << 24, dtype="int32"), tvm.cuda())  # work queued before the copies
+    arrays = [np.arange(n, dtype="int32") * (i + 1) for i, n in enumerate([5, 1000, SLOT_BYTES, 7, 3 * SLOT_BYTES // 4, 9])]
+    assert len(arrays) > SLOTS
+    views = [staging.put(f"upload{i}", a, wait=False) for i, a in enumerate(arrays)]
+    for a, view in zip(arrays, views):
+        assert np.array_equal(view.numpy(), a)
+    assert busy.numpy()[0] == 0
+
+
+def test_a_put_that_does_not_wait_is_a_put_where_there_is_no_gpu():
+    import numpy as np
+    import tvm
+
+    from autosched.generation.model import Staging
+
+    staging = Staging(tvm.cpu(), lambda: None)
+    array = np.arange(12, dtype="int32").reshape(3, 4)
+    assert np.array_equal(staging.put("x", array, wait=False).numpy(), array)
+    assert np.array_equal(Staging(tvm.cpu()).put("x", array, wait=False).numpy(), array)

@@ -27,9 +27,10 @@ class Staging:
     dropping it a ``cudaFree``, which waits for all the work queued on the GPU: the step just launched, before
     the host could launch the sampling after it."""
 
-    def __init__(self, device):
+    def __init__(self, device, uploads=None):
         self.device = device
         self._buffers: dict[tuple[str, str], object] = {}
+        self._uploads = uploads  # a function giving a cuda_events.PinnedUploads, or None (see put's wait)
 
     def empty(self, name: str, shape: tuple, dtype):
         """A device tensor of ``shape`` and ``dtype``: a view of the buffer kept for ``name``, grown as needed;
@@ -45,14 +46,20 @@ class Staging:
             base = self._buffers[key] = tvm.runtime.empty((grown,), dtype, self.device)
         return tensor_view(base, shape)
 
-    def put(self, name: str, array):
+    def put(self, name: str, array, wait: bool = True):
         """``array`` (numpy) on the device, in the buffer kept for ``name``: valid until the next ``put`` of
-        ``name`` (each call's copy waits for the work queued before it, as TVM's copies do)."""
+        ``name``. The copy waits for the work queued before it, as TVM's copies do; ``wait=False``: it is queued
+        behind that work and the host goes on (on a GPU with its driver: :class:`~.cuda_events.PinnedUploads`),
+        for an input of work queued behind a step still running."""
         import numpy as np
 
         array = np.ascontiguousarray(array)
         view = self.empty(name, array.shape, array.dtype)
-        view.copyfrom(array)
+        uploads = None if wait or self._uploads is None else self._uploads()
+        if uploads is not None:
+            uploads.upload(array, view)
+        else:
+            view.copyfrom(array)
         return view
 
 
@@ -123,7 +130,8 @@ class LoadedModel:
         self._free_pages = runtime["free_pages"]  # of the main cache
         self._enable_window = runtime["enable_sliding_window"]
         self._pad_ids: list[int] = []
-        self.staging = Staging(device)
+        self._uploads = None  # PinnedUploads, made at the first use on a GPU (as _marks)
+        self.staging = Staging(device, self.pinned_uploads)
         self._functions: dict[str, object] = {}
         self.total_pages = self.free_pages()  # TVM's cache has a page more than asked for
         self.sample_tokens = self.function("sample_tokens")
@@ -173,6 +181,15 @@ class LoadedModel:
 
             self._marks = TokenMarks.open() or False
         return self._marks or None
+
+    def pinned_uploads(self):
+        """Copies to the device that do not wait for the work queued (:class:`~.cuda_events.PinnedUploads`); None
+        on the CPU or without a CUDA driver."""
+        if self._uploads is None and self.on_gpu:
+            from .cuda_events import PinnedUploads
+
+            self._uploads = PinnedUploads.open() or False
+        return self._uploads or None
 
     def free_pages(self) -> int:
         return int(self._free_pages(self.caches[0]))

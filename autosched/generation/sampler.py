@@ -193,7 +193,8 @@ class Sampler:
             if not seqs[i].grammar.terminated:  # (one that ended in a step launched ahead: its token is not kept)
                 seqs[i].grammar.fill(bitmask, i)
         width = int(np.prod(logits.shape)) // rows  # a prefill's logits are [1, rows, vocab]
-        self.masks(tensor_view(logits, (rows, width)), self.staging.put("bitmask", bitmask))
+        # queued behind the step (the mask is found while it runs): the host does not wait for the step here
+        self.masks(tensor_view(logits, (rows, width)), self.staging.put("bitmask", bitmask, wait=False))
 
     def choose(self, logits, rows: int, seqs: list, wanted: list[bool], counts: dict,
                staged=None) -> list[int | None]:
