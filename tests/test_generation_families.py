@@ -89,6 +89,12 @@ def _config(name: str):
         return (transformers.StableLmConfig(**TINY, use_qkv_bias=name == "stablelm-parallel",
                                             use_parallel_residual=name == "stablelm-parallel"),
                 transformers.StableLmForCausalLM)
+    if name == "granite":  # its four multipliers, none 1
+        return (transformers.GraniteConfig(**TINY, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                           attention_multiplier=0.1, logits_scaling=2.0), transformers.GraniteForCausalLM)
+    if name == "olmoe":  # experts on every layer (4, two a token, not renormalised), q/k norms over all heads
+        return (transformers.OlmoeConfig(**{**TINY, "intermediate_size": 64}, num_experts=4, num_experts_per_tok=2,
+                                         pad_token_id=0, eos_token_id=2), transformers.OlmoeForCausalLM)
     if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
         return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
                                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -130,7 +136,7 @@ def _reference(model, prompt, new=NEW):
 @pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3", "olmo2",
                                   "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
                                   "gemma2-window", "gemma3-window", "gemma3-local-window", "gpt_neox",
-                                  "gpt_neox-sequential", "stablelm", "stablelm-parallel"])
+                                  "gpt_neox-sequential", "stablelm", "stablelm-parallel", "granite", "olmoe"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -154,6 +160,10 @@ def test_a_family_or_feature_matches_transformers(name, tmp_path):
         for layer in sequential.gpt_neox.layers:
             layer.use_parallel_residual = False
         assert results[2].tokens != _reference(sequential, PROMPTS[2]), name
+    if name == "granite":  # and its multipliers show: with them all 1 (the same weights), the prompt continues otherwise
+        plain = transformers.GraniteForCausalLM(transformers.GraniteConfig(**TINY)).eval()
+        plain.load_state_dict(model.state_dict())
+        assert results[2].tokens != _reference(plain, PROMPTS[2]), name
     if name == "olmo2":  # and its norms show: with per-head q/k norms and Llama's pre-norms, otherwise
         assert results[2].tokens != _reference(_as_llama_norms(model), PROMPTS[2]), name
     if name in ("longrope", "mistral-window"):  # a sequence re-read, or its tokens dropped: no forks of a prefix
@@ -319,6 +329,11 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
     stablelm = config_from_hf(_config("stablelm-parallel")[0], "float32")
     assert (stablelm.parallel_block, stablelm.rotary_dim, stablelm.norm, stablelm.qkv_bias) == ("one_norm", 8, "layer", True)
     no_bias = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+    granite = config_from_hf(_config("granite")[0], "float32")
+    assert (granite.embed_scale, granite.residual_scale, granite.attn_scale, granite.logit_scale) == (4.0, 0.5, 0.1, 0.5)
+    olmoe = config_from_hf(_config("olmoe")[0], "float32")
+    assert (olmoe.experts, olmoe.top_k, olmoe.expert_mlp, olmoe.renorm_topk, olmoe.sparse_layers, olmoe.qk_norm_whole) == (
+        4, 2, 64, False, [0, 1], True)
     refused = {
         "rotary scaling 'longrope' is supported for phi3 models; this model is 'llama'":
             transformers.LlamaConfig(**TINY, rope_scaling={**LONGROPE, "original_max_position_embeddings": 16}),
@@ -327,6 +342,7 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
         "attention soft-capping (attn_logit_softcapping=50.0) is not supported": transformers.Gemma2Config(**TINY),
         "GPT-NeoX with attention_bias=False is not supported": transformers.GPTNeoXConfig(**no_bias, attention_bias=False),
         "qk_layernorm=True is not supported": transformers.StableLmConfig(**TINY, qk_layernorm=True),
+        "clip_qkv=8.0 is not supported": transformers.OlmoeConfig(**TINY, clip_qkv=8.0),
     }
     from autosched.generation.build import lower_generation
     from autosched.target import parse_target

@@ -1,7 +1,7 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
 The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, OLMo 2, GPT-2, GPT-NeoX /
-Pythia, and the mixtures of experts Mixtral and Qwen3-MoE) differ in a handful of choices: the norm (and whether attention and MLP
+Pythia, StableLM, Granite, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE) differ in a handful of choices: the norm (and whether attention and MLP
 outputs are normed too), the MLP (dense, or a router over experts), biases, q/k norms, how positions enter
 (rotary in the cache, rotary from a frequency table in the model, or a learned table), the attention window,
 how the embeddings are scaled, a soft-cap on the logits, whether the LM head is the embedding table, and whether
@@ -58,6 +58,10 @@ TRAITS: dict[str, dict[str, Any]] = {
     "olmo2": {"qk_norm": "whole", "post_norms": "only"},
     # LayerNorms (with biases); use_qkv_bias; use_parallel_residual: attention and MLP behind the one norm; partial rotary
     "stablelm": {"norm": "layer"},
+    # embedding_multiplier, attention_multiplier (the softmax scale), residual_multiplier (folded into the output
+    # projections), logits_scaling (logits divided by it)
+    "granite": {},
+    "olmoe": {"qk_norm": "whole", "moe": True},  # OLMo 2's q/k norms with pre-norms, experts on every layer
 }
 FAMILIES = (*TRAITS, "gpt2", "gpt_neox")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
@@ -104,6 +108,9 @@ class DecoderConfig:
     # attention and MLP side by side on one input (blocks/parallel.py), each behind a norm of its own ("two_norms":
     # GPT-NeoX) or both behind one ("one_norm": StableLM); "": one after the other
     parallel_block: str = ""
+    logit_scale: float = 1.0  # logits multiplied by this (Granite: 1 / logits_scaling)
+    residual_scale: float = 1.0  # attention's and MLP's outputs scaled before the residual add (Granite), folded into
+    # the output projections' weights by weights_from_hf
     quantize: str = ""  # the projections' weight quantisation (a scheme of .quantize: "q4f16", "q8f16", "fp8"); "": none
 
     def to_json(self) -> dict:
@@ -218,10 +225,13 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
         raise UsageError(f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is not "
                          "supported for generation: TVM's paged attention kernels have none")
     scalar = getattr(config, "query_pre_attn_scalar", None) if traits.get("gemma") else None
-    for flag in ("attention_bias", "mlp_bias", "qk_layernorm"):
+    for flag in ("attention_bias", "mlp_bias", "qk_layernorm", "clip_qkv"):
         if getattr(config, flag, False):
-            raise UsageError(f"{flag}=True is not supported for generation yet")
+            raise UsageError(f"{flag}={getattr(config, flag)} is not supported for generation yet")
     moe = _moe(config, family) if traits.get("moe") else {}
+    # the softmax's scale: Gemma's query_pre_attn_scalar, Granite's attention_multiplier (0: head_dim ** -0.5)
+    attn_scale = float(scalar) ** -0.5 if scalar else float(getattr(config, "attention_multiplier", 0.0))
+    embed_scale = math.sqrt(hidden) if traits.get("gemma") else float(getattr(config, "embedding_multiplier", 1.0))
     return DecoderConfig(family, config.vocab_size, hidden, heads, config.num_key_value_heads or heads, head_dim,
                          config.num_hidden_layers, config.intermediate_size, norm=traits.get("norm", "rms"),
                          norm_eps=getattr(config, "rms_norm_eps", None) or config.layer_norm_eps, activation=act,
@@ -229,10 +239,12 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                          parallel_block="one_norm" if getattr(config, "use_parallel_residual", False) else "",
                          qk_norm=bool(traits.get("qk_norm")),
                          qk_norm_whole=traits.get("qk_norm") == "whole", post_norms=bool(traits.get("post_norms")),
-                         pre_norms=traits.get("post_norms") != "only", attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+                         pre_norms=traits.get("post_norms") != "only", attn_scale=attn_scale,
                          logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0), rope_theta=theta,
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
-                         embed_scale=math.sqrt(hidden) if traits.get("gemma") else 1.0,
+                         embed_scale=embed_scale,
+                         logit_scale=1.0 / float(getattr(config, "logits_scaling", 1.0)),
+                         residual_scale=float(getattr(config, "residual_multiplier", 1.0)),
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                          sliding_window=window, sliding_layers=sliding_layers, dtype=dtype, **moe)
 
@@ -267,6 +279,9 @@ def _moe(config, family: str) -> dict[str, Any]:
     layers = config.num_hidden_layers
     if family == "mixtral":
         experts, inter, renorm = config.num_local_experts, config.intermediate_size, True
+        sparse = list(range(layers))
+    elif family == "olmoe":
+        experts, inter, renorm = config.num_experts, config.intermediate_size, bool(config.norm_topk_prob)
         sparse = list(range(layers))
     else:  # qwen3_moe
         experts, inter, renorm = config.num_experts, config.moe_intermediate_size, bool(config.norm_topk_prob)
@@ -365,6 +380,9 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
             out["norm.bias"] = get("norm.bias")
     if not cfg.tied_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = state.get("lm_head.weight", out["embed.weight"])
+    if cfg.residual_scale != 1.0:  # out * s + residual: s folded into what makes out
+        scaled = (".attn.o.weight", ".attn.o.bias", ".mlp.down.weight", ".mlp.down.bias", ".mlp.experts_down")
+        out = {k: (v.float() * cfg.residual_scale).to(v.dtype) if k.endswith(scaled) else v for k, v in out.items()}
     return out
 
 

@@ -95,6 +95,8 @@ class Decoder(nn.Module):
         cfg = self.cfg
         out = linear(x, self.embed.weight) if cfg.tied_embeddings else self.lm_head(x)
         out = out.astype("float32") if out.dtype != "float32" else out
+        if cfg.logit_scale != 1.0:
+            out = out * cfg.logit_scale
         if cfg.logit_softcap:
             out = op.tanh(out / cfg.logit_softcap) * cfg.logit_softcap
         return out
