@@ -1,11 +1,12 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
 The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, OLMo 2, GPT-2, GPT-NeoX /
-Pythia, StableLM, Granite, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE) differ in a handful of choices: the norm (and whether attention and MLP
-outputs are normed too), the MLP (dense, or a router over experts), biases, q/k norms, how positions enter
-(rotary in the cache, rotary from a frequency table in the model, or a learned table), the attention window,
-how the embeddings are scaled, a soft-cap on the logits, whether the LM head is the embedding table, and whether
-attention and MLP run one after the other or side by side.
+Pythia, StableLM, Granite, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE) differ in a handful of
+choices: the norm (and whether attention and MLP outputs are normed too), the MLP (dense, or a router over
+experts), biases, q/k norms, how positions enter (rotary in the cache, rotary from a frequency table in the model,
+or a learned table), the attention window, how the embeddings, residual outputs and logits are scaled, a soft-cap
+on the logits, whether the LM head is the embedding table, and whether attention and MLP run one after the other
+or side by side.
 :class:`DecoderConfig` names those choices; :func:`config_from_hf` reads them from a transformers config
 (refusing, in one line, what it cannot reproduce), and :func:`weights_from_hf` maps the model's state dict
 onto this module's parameters (q/k/v and gate/up concatenated, experts stacked, GPT-2's Conv1D weights
