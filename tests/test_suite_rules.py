@@ -631,3 +631,60 @@ def test_an_import_inside_a_function_defers_a_heavy_package_and_its_module_says_
     assert sorted(set(problems) - PENDING) == [], "\n".join(p for path in sorted(set(problems) - PENDING)
                                                             for p in problems[path])
     assert sorted(PENDING - set(problems)) == [], "these keep the rule now: drop them from PENDING"
+
+
+# ---- ARCHITECTURE.md's map: every module, and only modules that are ---------------------------------------------
+
+
+def architecture_map() -> dict[str, list[str]]:
+    """ARCHITECTURE.md's "Modules" section: each folder heading's bullets (one folder may have two headings)."""
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    body = text.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
+    sections: dict[str, list[str]] = {}
+    for chunk in body.split("\n### ")[1:]:
+        folder = re.match(r"`([^`]+)`", chunk).group(1)
+        bullets = re.split(r"\n- ", "\n" + chunk.split("\n", 1)[1].strip())[1:]
+        sections.setdefault(folder, []).extend(bullets)
+    return sections
+
+
+def _modules_in(folder: Path) -> set[str]:
+    return {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+
+
+def test_architecture_md_names_every_module_in_its_folder_and_no_module_that_is_not_there():
+    sections = architecture_map()
+    covered = set()
+    problems = []
+    for folder, bullets in sections.items():
+        where = REPO / folder
+        covered.add(where)
+        named = set()
+        for bullet in bullets:
+            lead = re.match(r"((?:`[^`]+`(?:, )?)+) —", bullet)
+            assert lead, f"ARCHITECTURE.md, {folder}: a bullet that does not start with `module` —: {bullet[:60]}"
+            for name in re.findall(r"`([^`]+)`", lead.group(1)):
+                named.add(name)
+                if name.endswith("/"):  # a subfolder: its modules named in its bullet
+                    sub = where / name
+                    covered.add(sub)
+                    inside = set(re.findall(r"`([\w]+)`", bullet))
+                    problems += [f"{folder}{name}{m}.py is not in its bullet" for m in sorted(_modules_in(sub) - inside)]
+                    problems += [f"{folder}{name} is not a folder"] if not sub.is_dir() else []
+                elif not (where / f"{name}.py").is_file():
+                    problems.append(f"{folder}{name}.py is named but does not exist")
+        problems += [f"{folder}{m}.py is not named" for m in sorted(_modules_in(where) - named)]
+    for root in ("autosched", *PACKAGE_DIRS.values()):
+        for folder in {p.parent for p in (REPO / root).rglob("*.py")}:
+            if folder not in covered and folder.name != "versions":
+                problems.append(f"{folder.relative_to(REPO)}/ has no heading or bullet")
+    assert problems == [], "ARCHITECTURE.md's module map:\n" + "\n".join(problems)
+
+
+def test_architecture_md_where_to_add_things_names_files_and_folders_that_exist():
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    table = text.split("\n## Where to add things\n", 1)[1]
+    paths = {p for p in re.findall(r"`([\w./-]+/[\w./-]*)`", table) if "<" not in p}
+    assert len(paths) > 10, paths  # the table names its files
+    missing = sorted(p for p in paths if not (REPO / p).exists())
+    assert missing == [], f"ARCHITECTURE.md's 'Where to add things' names paths that are not there: {missing}"
