@@ -534,8 +534,6 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=128)
     parser.add_argument("--time-budget", type=float, default=35.0, help="tuning seconds per case")
     parser.add_argument("--repeat", type=int, default=50)
-    parser.add_argument("--flush", choices=("read", "write"), default="read",
-                        help="how the L2 is flushed before each timed run (write: zeroing, leaving dirty lines)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/gpu"))
     hand = parser.add_argument_group("hand-picked template points (no search)")
     hand.add_argument("--hand-points", choices=("gemm", "fp8", "attention", "space"),
@@ -589,7 +587,7 @@ def main() -> int:
             row = {"case": name, "workload": wl.key, "bound": bound, "flops": task.flops, "bytes": task.min_bytes}
 
             def timed(fn):
-                return statistics.median(time_cuda(fn, args.repeat, 256 << 20, flush_by=args.flush))
+                return statistics.median(time_cuda(fn, args.repeat, 256 << 20))
 
             try:
                 start = time.perf_counter()

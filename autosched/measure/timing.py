@@ -11,24 +11,18 @@ from typing import Any
 _FLUSH: dict[int, Any] = {}
 
 
-def time_cuda(fn, repeat: int, flush_bytes: int, cutoff: float | None = None, warmup: int = 3,
-              flush_by: str = "read") -> list[float]:
+def time_cuda(fn, repeat: int, flush_bytes: int, cutoff: float | None = None, warmup: int = 3) -> list[float]:
     """Times of ``repeat`` single runs of ``fn`` on the GPU, each after the L2 cache was flushed, with
     CUDA events. Stops after one run if that run is slower than ``cutoff`` seconds.
 
     The flush reads ``flush_bytes`` (a sum over a buffer several times the L2's size), so that memory-bound
     kernels are not timed out of the cache. Reading leaves the cache full of clean lines: the timed kernel
-    finds none of its data there and has no other kernel's data to write back. ``flush_by="write"``
-    (zeroing the buffer, autosched's older flush) leaves it full of dirty lines instead, whose write-back
-    falls into the timed kernel: up to the L2's size in extra DRAM writes, which looks like a fixed cost per
-    launch of a memory-bound kernel (``benchmarks/gpu_benchmark.py --flush write`` compares). Either flush
-    also keeps the GPU busy while the host enqueues the timed launch, so launch latency does not enter
-    the measurement.
+    finds none of its data there and has no other kernel's data to write back (a zeroing flush would leave
+    dirty lines, whose write-back falls into the timed kernel). The flush also keeps the GPU busy while the
+    host enqueues the timed launch, so launch latency does not enter the measurement.
     """
     import torch
 
-    if flush_by not in ("read", "write"):
-        raise ValueError(f"flush_by={flush_by!r}: use 'read' or 'write'")
     if flush_bytes and flush_bytes not in _FLUSH:
         _FLUSH[flush_bytes] = torch.ones(flush_bytes // 4, dtype=torch.int32, device="cuda")
     flush = _FLUSH.get(flush_bytes)
@@ -38,10 +32,7 @@ def time_cuda(fn, repeat: int, flush_bytes: int, cutoff: float | None = None, wa
     times = []
     for _ in range(repeat):
         if flush is not None:
-            if flush_by == "read":
-                flush.sum()
-            else:
-                flush.zero_()
+            flush.sum()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         fn()
