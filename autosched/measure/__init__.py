@@ -56,7 +56,7 @@ class MeasureConfig:
         repeat: number of timed repeats; the median over them is the candidate's latency.
         number: runs per repeat (raised automatically to last at least ``min_repeat_ms``).
         min_repeat_ms: minimum duration of one repeat, so that short kernels are timed over many runs.
-        flush_bytes: bytes written before each repeat to flush the caches (0: no flush).
+        flush_bytes: bytes through the caches before each repeat to flush them (on a GPU: read; 0: no flush).
         build_timeout: seconds one candidate may take to build.
         run_timeout: seconds one candidate may take to check and time.
         prepare_timeout: seconds the inputs and reference outputs of a task may take.
