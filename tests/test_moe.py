@@ -3,6 +3,7 @@ generating transformers' exact greedy tokens (slow tier), with a tuned ``moe_gem
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -107,6 +108,9 @@ def test_sparse_layers_and_refusals_come_from_the_config():
                                                       moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                                       decoder_sparse_step=2, mlp_only_layers=[3]), "float32")
     assert qwen.sparse_layers == [1] and qwen.qk_norm and qwen.mlp == 96 and qwen.expert_mlp == 32
+    qwen2 = config_from_hf(_config("qwen2_moe")[0], "float32")
+    assert (qwen2.sparse_layers, qwen2.shared_expert_mlp, qwen2.expert_mlp, qwen2.qkv_bias, qwen2.renorm_topk) == (
+        [0], 64, 48, True, False)
     config = transformers.MixtralConfig(**TINY, intermediate_size=32, num_local_experts=4)
     config.shared_expert_intermediate_size = 16
     with pytest.raises(UsageError, match="shared experts"):
@@ -119,6 +123,10 @@ def _config(name: str):
     if name == "mixtral":
         return (transformers.MixtralConfig(**TINY, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2),
                 transformers.MixtralForCausalLM)
+    if name == "qwen2_moe":  # q/k/v biases; layer 0 sparse with a gated shared expert, layer 1 dense; top-2 of 4
+        return (transformers.Qwen2MoeConfig(**TINY, intermediate_size=96, moe_intermediate_size=48,
+                                            shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                            norm_topk_prob=False, mlp_only_layers=[1]), transformers.Qwen2MoeForCausalLM)
     # Qwen3-MoE: layer 0 sparse, layer 1 dense (mlp_only_layers); top-3 of 6, not renormalised
     return (transformers.Qwen3MoeConfig(**TINY, head_dim=32, intermediate_size=96, moe_intermediate_size=48,
                                         num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
@@ -146,7 +154,7 @@ def _saved(name: str, folder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_moe_family_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -158,6 +166,10 @@ def test_moe_family_matches_transformers(name, tmp_path):
         assert result.error is None
         assert result.tokens == transformers_greedy(model, prompt, NEW), (name, len(prompt))
     assert all(len(set(r.tokens)) > 3 for r in results)
+    if name == "qwen2_moe":  # and the shared expert shows: without it, the 40-token prompt continues otherwise
+        alone = copy.deepcopy(model)
+        alone.model.layers[0].mlp.shared_expert.down_proj.weight.data.zero_()
+        assert results[2].tokens != transformers_greedy(alone, PROMPTS[2], NEW)
 
 
 @pytest.mark.slow

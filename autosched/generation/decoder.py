@@ -1,7 +1,7 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
 The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, OLMo 2, GPT-2, GPT-NeoX /
-Pythia, StableLM, Granite, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE) differ in a handful of
+Pythia, StableLM, Granite, and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE) differ in a handful of
 choices: the norm (and whether attention and MLP outputs are normed too), the MLP (dense, or a router over
 experts), biases, q/k norms, how positions enter (rotary in the cache, rotary from a frequency table in the model,
 or a learned table), the attention window, how the embeddings, residual outputs and logits are scaled, a soft-cap
@@ -63,6 +63,7 @@ TRAITS: dict[str, dict[str, Any]] = {
     # projections), logits_scaling (logits divided by it)
     "granite": {},
     "olmoe": {"qk_norm": "whole", "moe": True},  # OLMo 2's q/k norms with pre-norms, experts on every layer
+    "qwen2_moe": {"qkv_bias": True, "window": "layer_types", "moe": True},  # and a gated shared expert
 }
 FAMILIES = (*TRAITS, "gpt2", "gpt_neox")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
@@ -105,6 +106,7 @@ class DecoderConfig:
     expert_mlp: int = 0
     renorm_topk: bool = True
     sparse_layers: list[int] = field(default_factory=list)
+    shared_expert_mlp: int = 0  # a sparse layer's shared expert: its intermediate size (0: none), gated (Qwen2-MoE)
     dtype: str = "float32"
     # attention and MLP side by side on one input (blocks/parallel.py), each behind a norm of its own ("two_norms":
     # GPT-NeoX) or both behind one ("one_norm": StableLM); "": one after the other
@@ -272,10 +274,12 @@ def _gpt_neox_config(config, dtype: str) -> DecoderConfig:
 
 
 def _moe(config, family: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of :class:`DecoderConfig` for a Mixtral or Qwen3-MoE config; a one-line
-    UsageError for what the decoder does not reproduce (shared experts, more experts per token than experts)."""
+    """The mixture-of-experts fields of :class:`DecoderConfig` for a Mixtral, Qwen3-MoE, OLMoE or Qwen2-MoE config;
+    a one-line UsageError for what the decoder does not reproduce (another family's shared experts, more experts
+    per token than experts)."""
+    shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if family == "qwen2_moe" else 0
     for name, value in config.to_dict().items():
-        if "shared_expert" in name and value:
+        if "shared_expert" in name and value and family != "qwen2_moe":
             raise UsageError(f"shared experts ({name}={value}) are not supported for generation yet")
     layers = config.num_hidden_layers
     if family == "mixtral":
@@ -284,7 +288,7 @@ def _moe(config, family: str) -> dict[str, Any]:
     elif family == "olmoe":
         experts, inter, renorm = config.num_experts, config.intermediate_size, bool(config.norm_topk_prob)
         sparse = list(range(layers))
-    else:  # qwen3_moe
+    else:  # qwen3_moe, qwen2_moe
         experts, inter, renorm = config.num_experts, config.moe_intermediate_size, bool(config.norm_topk_prob)
         step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or [])
         sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
@@ -292,7 +296,7 @@ def _moe(config, family: str) -> dict[str, Any]:
     if sparse and not 0 < top_k <= experts:
         raise UsageError(f"num_experts_per_tok={top_k} must be between 1 and the {experts} experts")
     return {"experts": experts if sparse else 0, "top_k": top_k if sparse else 0, "expert_mlp": inter if sparse else 0,
-            "renorm_topk": renorm, "sparse_layers": sparse}
+            "renorm_topk": renorm, "sparse_layers": sparse, "shared_expert_mlp": shared if sparse else 0}
 
 
 def _window(config, layers: str | None) -> tuple[int, list[int]]:
@@ -421,6 +425,11 @@ def _expert_weights(get, state: dict, cfg: DecoderConfig, p: str, q: str) -> dic
 
     block = "block_sparse_moe." if has(p + "block_sparse_moe.gate.weight") else "mlp."
     out = {q + "mlp.router.weight": get(p + block + "gate.weight")}
+    if cfg.shared_expert_mlp:  # Qwen2-MoE: gate and up concatenated, as a dense MLP's
+        shared = p + block + "shared_expert."
+        out[q + "mlp.shared.up.weight"] = torch.cat([get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")])
+        out[q + "mlp.shared.down.weight"] = get(shared + "down_proj.weight")
+        out[q + "mlp.shared_gate.weight"] = get(p + block + "shared_expert_gate.weight")
     if has(p + block + "experts.gate_up_proj"):
         out[q + "mlp.experts_up"] = get(p + block + "experts.gate_up_proj")
         out[q + "mlp.experts_down"] = get(p + block + "experts.down_proj")

@@ -17,13 +17,15 @@ def activation(cfg, x: Tensor) -> Tensor:
 
 
 class MLP(nn.Module):
-    """``up`` (gate and up concatenated, gate rows first, where the MLP is gated), the activation, ``down``.
-    ``hopper``: on sm_90, gate, up and SiLU·up as one kernel where it serves (:func:`..linear.swiglu`)."""
+    """``up`` (gate and up concatenated, gate rows first, where the MLP is gated), the activation, ``down``, of
+    ``size`` intermediate features (default ``cfg.mlp``). ``hopper``: on sm_90, gate, up and SiLU·up as one
+    kernel where it serves (:func:`..linear.swiglu`)."""
 
-    def __init__(self, cfg, hopper: bool = False):
+    def __init__(self, cfg, hopper: bool = False, size: int | None = None):
         self.cfg, self.hopper = cfg, hopper
-        self.up = projection(cfg, cfg.hidden, cfg.mlp * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias)
-        self.down = projection(cfg, cfg.mlp, cfg.hidden, bias=cfg.dense_bias)
+        size = size or cfg.mlp
+        self.up = projection(cfg, cfg.hidden, size * (2 if cfg.gated_mlp else 1), bias=cfg.dense_bias)
+        self.down = projection(cfg, size, cfg.hidden, bias=cfg.dense_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.cfg
@@ -40,13 +42,18 @@ class MLP(nn.Module):
 
 class MoE(nn.Module):
     """A mixture of experts: the ``router``, the experts' gate and up projections stacked (``experts_up``,
-    [experts, 2 x expert_mlp, hidden], gate rows first) and their down projections (``experts_down``)."""
+    [experts, 2 x expert_mlp, hidden], gate rows first) and their down projections (``experts_down``); and where
+    ``cfg.shared_expert_mlp`` asks, a ``shared`` expert every token goes through, its output scaled by
+    sigmoid(``shared_gate``) (Qwen2-MoE)."""
 
     def __init__(self, cfg, hopper: bool = False):
         self.cfg, self.hopper = cfg, hopper
         self.router = Linear(cfg.hidden, cfg.experts, bias=False, dtype=cfg.dtype)
         self.experts_up = nn.Parameter((cfg.experts, 2 * cfg.expert_mlp, cfg.hidden), cfg.dtype)
         self.experts_down = nn.Parameter((cfg.experts, cfg.hidden, cfg.expert_mlp), cfg.dtype)
+        if cfg.shared_expert_mlp:
+            self.shared = MLP(cfg, hopper, cfg.shared_expert_mlp)
+            self.shared_gate = Linear(cfg.hidden, 1, bias=False, dtype=cfg.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         """Router logits, softmax over the experts (in float32), the top k, their probabilities renormalised to
@@ -74,4 +81,7 @@ class MoE(nn.Module):
             gate, up = op.split(moe_linear(replicated, expert, self.experts_up), 2, axis=-1)
             out = moe_linear(act(gate) * up, expert, self.experts_down)
         out = op.reshape(out, (tokens, k, hidden)) * op.reshape(weights.astype(cfg.dtype), (tokens, k, 1))
-        return op.reshape(op.sum(out, axis=1), (b, s, hidden))
+        out = op.reshape(op.sum(out, axis=1), (b, s, hidden))
+        if cfg.shared_expert_mlp:
+            out = out + self.shared(x) * op.sigmoid(self.shared_gate(x))
+        return out
