@@ -95,6 +95,10 @@ def _config(name: str):
     if name == "olmoe":  # experts on every layer (4, two a token, not renormalised), q/k norms over all heads
         return (transformers.OlmoeConfig(**{**TINY, "intermediate_size": 64}, num_experts=4, num_experts_per_tok=2,
                                          pad_token_id=0, eos_token_id=2), transformers.OlmoeForCausalLM)
+    if name == "cohere":  # Command-R: LayerNorms without biases, parallel behind one norm, rotary on interleaved
+        # pairs, logit_scale, tied embeddings
+        return (transformers.CohereConfig(**TINY, bos_token_id=1, eos_token_id=2, logit_scale=0.25),
+                transformers.CohereForCausalLM)
     if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
         return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
                                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -136,7 +140,8 @@ def _reference(model, prompt, new=NEW):
 @pytest.mark.parametrize("name", ["llama3", "linear", "yarn", "longrope", "dynamic", "qwen3", "gemma2", "gemma3", "olmo2",
                                   "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
                                   "gemma2-window", "gemma3-window", "gemma3-local-window", "gpt_neox",
-                                  "gpt_neox-sequential", "stablelm", "stablelm-parallel", "granite", "olmoe"])
+                                  "gpt_neox-sequential", "stablelm", "stablelm-parallel", "granite", "olmoe",
+                                  "cohere"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -329,6 +334,8 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
     stablelm = config_from_hf(_config("stablelm-parallel")[0], "float32")
     assert (stablelm.parallel_block, stablelm.rotary_dim, stablelm.norm, stablelm.qkv_bias) == ("one_norm", 8, "layer", True)
     no_bias = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+    cohere = config_from_hf(_config("cohere")[0], "float32")
+    assert (cohere.parallel_block, cohere.norm, cohere.logit_scale, cohere.tied_embeddings) == ("one_norm", "layer", 0.25, True)
     granite = config_from_hf(_config("granite")[0], "float32")
     assert (granite.embed_scale, granite.residual_scale, granite.attn_scale, granite.logit_scale) == (4.0, 0.5, 0.1, 0.5)
     olmoe = config_from_hf(_config("olmoe")[0], "float32")
@@ -343,6 +350,7 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
         "GPT-NeoX with attention_bias=False is not supported": transformers.GPTNeoXConfig(**no_bias, attention_bias=False),
         "qk_layernorm=True is not supported": transformers.StableLmConfig(**TINY, qk_layernorm=True),
         "clip_qkv=8.0 is not supported": transformers.OlmoeConfig(**TINY, clip_qkv=8.0),
+        "use_qk_norm=True is not supported": transformers.CohereConfig(**TINY, use_qk_norm=True),
     }
     from autosched.generation.build import lower_generation
     from autosched.target import parse_target

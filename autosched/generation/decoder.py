@@ -1,7 +1,7 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
 The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, OLMo 2, GPT-2, GPT-NeoX /
-Pythia, StableLM, Granite, and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE) differ in a handful of
+Pythia, StableLM, Granite, Command-R, and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE) differ in a handful of
 choices: the norm (and whether attention and MLP outputs are normed too), the MLP (dense, or a router over
 experts), biases, q/k norms, how positions enter (rotary in the cache, rotary from a frequency table in the model,
 or a learned table), the attention window, how the embeddings, residual outputs and logits are scaled, a soft-cap
@@ -64,6 +64,9 @@ TRAITS: dict[str, dict[str, Any]] = {
     "granite": {},
     "olmoe": {"qk_norm": "whole", "moe": True},  # OLMo 2's q/k norms with pre-norms, experts on every layer
     "qwen2_moe": {"qkv_bias": True, "window": "layer_types", "moe": True},  # and a gated shared expert
+    # Command-R: LayerNorms without biases, attention and MLP behind one norm, logit_scale, rotary embedding on
+    # interleaved pairs (q and k rows reordered at load into the halves every other family rotates)
+    "cohere": {"norm": "layer", "parallel": "one_norm", "interleaved_rope": True},
 }
 FAMILIES = (*TRAITS, "gpt2", "gpt_neox")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
@@ -228,7 +231,7 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
         raise UsageError(f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is not "
                          "supported for generation: TVM's paged attention kernels have none")
     scalar = getattr(config, "query_pre_attn_scalar", None) if traits.get("gemma") else None
-    for flag in ("attention_bias", "mlp_bias", "qk_layernorm", "clip_qkv"):
+    for flag in ("attention_bias", "mlp_bias", "qk_layernorm", "clip_qkv", "use_qk_norm"):
         if getattr(config, flag, False):
             raise UsageError(f"{flag}={getattr(config, flag)} is not supported for generation yet")
     moe = _moe(config, family) if traits.get("moe") else {}
@@ -239,14 +242,16 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                          config.num_hidden_layers, config.intermediate_size, norm=traits.get("norm", "rms"),
                          norm_eps=getattr(config, "rms_norm_eps", None) or config.layer_norm_eps, activation=act,
                          qkv_bias=bool(traits.get("qkv_bias") or getattr(config, "use_qkv_bias", False)),
-                         parallel_block="one_norm" if getattr(config, "use_parallel_residual", False) else "",
+                         parallel_block=traits.get("parallel") or ("one_norm" if getattr(config, "use_parallel_residual",
+                                                                                         False) else ""),
                          qk_norm=bool(traits.get("qk_norm")),
                          qk_norm_whole=traits.get("qk_norm") == "whole", post_norms=bool(traits.get("post_norms")),
                          pre_norms=traits.get("post_norms") != "only", attn_scale=attn_scale,
                          logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0), rope_theta=theta,
                          rotary_dim=int(head_dim * partial), rope_scaling=scaling,
                          embed_scale=embed_scale,
-                         logit_scale=1.0 / float(getattr(config, "logits_scaling", 1.0)),
+                         logit_scale=float(getattr(config, "logit_scale", None) or 1.0)
+                         / float(getattr(config, "logits_scaling", 1.0)),
                          residual_scale=float(getattr(config, "residual_multiplier", 1.0)),
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                          sliding_window=window, sliding_layers=sliding_layers, dtype=dtype, **moe)
@@ -325,6 +330,12 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                 return state[prefix + name]
         raise UsageError(f"the model has no weight '{name}': is it a {cfg.family} model as transformers writes it?")
 
+    def norm_bias(name, weight):  # a LayerNorm's bias, zeros where the model's norms have none (Command-R)
+        for prefix in ("", "model."):
+            if prefix + name + ".bias" in state:
+                return state[prefix + name + ".bias"]
+        return torch.zeros_like(weight)
+
     out = {}
     if cfg.family == "gpt2":
         out["embed.weight"] = get("wte.weight")
@@ -359,15 +370,18 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                 out[q + "attn_norm.weight"] = norm(get(p + "input_layernorm.weight"))
                 if cfg.parallel_block != "one_norm":  # StableLM's parallel layer: attention and MLP behind one norm
                     out[q + "mlp_norm.weight"] = norm(get(p + "post_attention_layernorm.weight"))
-            if cfg.norm == "layer":  # LayerNorms' biases (StableLM)
+            if cfg.norm == "layer":  # LayerNorms' biases (StableLM; Command-R's have none)
                 for ours, theirs in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
                     if q + ours + ".weight" in out:
-                        out[q + ours + ".bias"] = get(p + theirs + ".bias")
+                        out[q + ours + ".bias"] = norm_bias(p + theirs, out[q + ours + ".weight"])
             if cfg.family == "phi3":
                 out[q + "attn.qkv.weight"] = get(p + "self_attn.qkv_proj.weight")
                 out[q + "mlp.up.weight"] = get(p + "mlp.gate_up_proj.weight")
             else:
-                out[q + "attn.qkv.weight"] = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+                q_, k_, v_ = (get(p + f"self_attn.{x}_proj.weight") for x in "qkv")
+                if TRAITS[cfg.family].get("interleaved_rope"):
+                    q_, k_ = _halves_from_pairs(q_, cfg.head_dim), _halves_from_pairs(k_, cfg.head_dim)
+                out[q + "attn.qkv.weight"] = torch.cat([q_, k_, v_])
                 if cfg.qkv_bias:
                     out[q + "attn.qkv.bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             if cfg.family != "phi3" and i not in cfg.sparse_layers:
@@ -382,13 +396,21 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
                 out[q + "mlp.down.weight"] = get(p + "mlp.down_proj.weight")
         out["norm.weight"] = norm(get("norm.weight"))
         if cfg.norm == "layer":
-            out["norm.bias"] = get("norm.bias")
+            out["norm.bias"] = norm_bias("norm", out["norm.weight"])
     if not cfg.tied_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = state.get("lm_head.weight", out["embed.weight"])
     if cfg.residual_scale != 1.0:  # out * s + residual: s folded into what makes out
         scaled = (".attn.o.weight", ".attn.o.bias", ".mlp.down.weight", ".mlp.down.bias", ".mlp.experts_down")
         out = {k: (v.float() * cfg.residual_scale).to(v.dtype) if k.endswith(scaled) else v for k, v in out.items()}
     return out
+
+
+def _halves_from_pairs(weight, head_dim: int):
+    """A q or k projection whose rotary embedding turns interleaved pairs (dimensions 2i, 2i + 1 of each head) with
+    its rows reordered so that the pairs become the halves (i, i + head_dim / 2) that the cache's rotary embedding
+    turns: q and k reordered alike, their products, and so attention, are unchanged."""
+    rows, cols = weight.shape
+    return weight.reshape(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def _gpt_neox_weights(get, state: dict, cfg: DecoderConfig) -> dict:
