@@ -99,6 +99,11 @@ def _config(name: str):
         # pairs, logit_scale, tied embeddings
         return (transformers.CohereConfig(**TINY, bos_token_id=1, eos_token_id=2, logit_scale=0.25),
                 transformers.CohereForCausalLM)
+    if name == "smollm3":  # every fourth layer without a rotary embedding (NoPE): the last of 4; a theta at which
+        # rotation shows within the prompts (SmolLM3's 2e6 turns them by little)
+        return (transformers.SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, pad_token_id=0, bos_token_id=1,
+                                           eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                transformers.SmolLM3ForCausalLM)
     if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
         return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
                                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -106,8 +111,10 @@ def _config(name: str):
     raise ValueError(name)
 
 
-# The LayerNorm families' weights (and StableLM's biases): sizes at which each prompt's greedy tokens move.
-LIVELY = {"gpt_neox": (0.25,), "gpt_neox-sequential": (0.15,), "stablelm": (0.3, 0.5), "stablelm-parallel": (0.3, 0.5)}
+# The LayerNorm families' weights (and StableLM's biases), SmolLM3's four layers': sizes at which each prompt's
+# greedy tokens move.
+LIVELY = {"gpt_neox": (0.25,), "gpt_neox-sequential": (0.15,), "stablelm": (0.3, 0.5), "stablelm-parallel": (0.3, 0.5),
+          "smollm3": (0.12,)}
 
 
 def _saved(name: str, folder):
@@ -141,7 +148,7 @@ def _reference(model, prompt, new=NEW):
                                   "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
                                   "gemma2-window", "gemma3-window", "gemma3-local-window", "gpt_neox",
                                   "gpt_neox-sequential", "stablelm", "stablelm-parallel", "granite", "olmoe",
-                                  "cohere"])
+                                  "cohere", "smollm3"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -169,6 +176,10 @@ def test_a_family_or_feature_matches_transformers(name, tmp_path):
         plain = transformers.GraniteForCausalLM(transformers.GraniteConfig(**TINY)).eval()
         plain.load_state_dict(model.state_dict())
         assert results[2].tokens != _reference(plain, PROMPTS[2]), name
+    if name == "smollm3":  # and the NoPE layer shows: rotated like the others, the prompt continues otherwise
+        rotated = copy.deepcopy(model)
+        rotated.model.layers[3].self_attn.use_rope = 1
+        assert results[2].tokens != _reference(rotated, PROMPTS[2]), name
     if name == "olmo2":  # and its norms show: with per-head q/k norms and Llama's pre-norms, otherwise
         assert results[2].tokens != _reference(_as_llama_norms(model), PROMPTS[2]), name
     if name in ("longrope", "mistral-window"):  # a sequence re-read, or its tokens dropped: no forks of a prefix
@@ -336,6 +347,9 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
     no_bias = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
     cohere = config_from_hf(_config("cohere")[0], "float32")
     assert (cohere.parallel_block, cohere.norm, cohere.logit_scale, cohere.tied_embeddings) == ("one_norm", "layer", 0.25, True)
+    smol = config_from_hf(_config("smollm3")[0], "float32")
+    table = smol.rope_scaling["inv_freq"]
+    assert smol.nope_layers == [3] and len(table) == 16 and table[1] == pytest.approx(1e4 ** (-2 / 32), rel=1e-6)
     granite = config_from_hf(_config("granite")[0], "float32")
     assert (granite.embed_scale, granite.residual_scale, granite.attn_scale, granite.logit_scale) == (4.0, 0.5, 0.1, 0.5)
     olmoe = config_from_hf(_config("olmoe")[0], "float32")
@@ -351,6 +365,9 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
         "qk_layernorm=True is not supported": transformers.StableLmConfig(**TINY, qk_layernorm=True),
         "clip_qkv=8.0 is not supported": transformers.OlmoeConfig(**TINY, clip_qkv=8.0),
         "use_qk_norm=True is not supported": transformers.CohereConfig(**TINY, use_qk_norm=True),
+        "no_rope_layers) with rotary scaling 'linear'": transformers.SmolLM3Config(
+            **{**TINY, "num_hidden_layers": 4}, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
     }
     from autosched.generation.build import lower_generation
     from autosched.target import parse_target

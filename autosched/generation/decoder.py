@@ -1,16 +1,15 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
 The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, OLMo 2, GPT-2, GPT-NeoX /
-Pythia, StableLM, Granite, Command-R, and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE) differ in a handful of
-choices: the norm (and whether attention and MLP outputs are normed too), the MLP (dense, or a router over
-experts), biases, q/k norms, how positions enter (rotary in the cache, rotary from a frequency table in the model,
-or a learned table), the attention window, how the embeddings, residual outputs and logits are scaled, a soft-cap
-on the logits, whether the LM head is the embedding table, and whether attention and MLP run one after the other
-or side by side.
-:class:`DecoderConfig` names those choices; :func:`config_from_hf` reads them from a transformers config
-(refusing, in one line, what it cannot reproduce), and :func:`weights_from_hf` maps the model's state dict
-onto this module's parameters (q/k/v and gate/up concatenated, experts stacked, GPT-2's Conv1D weights
-transposed, Gemma's ``1 + w`` norms folded).
+Pythia, StableLM, Granite, Command-R, SmolLM3, and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE)
+differ in a handful of choices: the norm (and whether attention and MLP outputs are normed too), the MLP (dense, or
+a router over experts), biases, q/k norms, how positions enter (rotary in the cache, rotary from a frequency table
+in the model, or a learned table), the attention window, how the embeddings, residual outputs and logits are
+scaled, a soft-cap on the logits, whether the LM head is the embedding table, and whether attention and MLP run one
+after the other or side by side. :class:`DecoderConfig` names those choices; :func:`config_from_hf` reads them from
+a transformers config (refusing, in one line, what it cannot reproduce), and :func:`weights_from_hf` maps the
+model's state dict onto this module's parameters (q/k/v and gate/up concatenated, experts stacked, GPT-2's Conv1D
+weights transposed, Gemma's ``1 + w`` norms folded).
 
 The model itself is made of the blocks in :mod:`.blocks` (:class:`.blocks.decoder.Decoder`); :func:`export`
 traces it into the functions a generation runtime drives (as MLC-LLM's models do): ``batch_prefill`` (a batch of
@@ -67,6 +66,7 @@ TRAITS: dict[str, dict[str, Any]] = {
     # Command-R: LayerNorms without biases, attention and MLP behind one norm, logit_scale, rotary embedding on
     # interleaved pairs (q and k rows reordered at load into the halves every other family rotates)
     "cohere": {"norm": "layer", "parallel": "one_norm", "interleaved_rope": True},
+    "smollm3": {"window": "layer_types"},  # Llama's layers, some without rotary embedding (no_rope_layers): NoPE
 }
 FAMILIES = (*TRAITS, "gpt2", "gpt_neox")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
@@ -110,6 +110,8 @@ class DecoderConfig:
     renorm_topk: bool = True
     sparse_layers: list[int] = field(default_factory=list)
     shared_expert_mlp: int = 0  # a sparse layer's shared expert: its intermediate size (0: none), gated (Qwen2-MoE)
+    nope_layers: list[int] = field(default_factory=list)  # layers without a rotary embedding (SmolLM3); the others
+    # rotate from a frequency table in the model (rope_scaling's inv_freq), the cache then rotating none
     dtype: str = "float32"
     # attention and MLP side by side on one input (blocks/parallel.py), each behind a norm of its own ("two_norms":
     # GPT-NeoX) or both behind one ("one_norm": StableLM); "": one after the other
@@ -235,6 +237,9 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
         if getattr(config, flag, False):
             raise UsageError(f"{flag}={getattr(config, flag)} is not supported for generation yet")
     moe = _moe(config, family) if traits.get("moe") else {}
+    nope = [i for i, rotated in enumerate(getattr(config, "no_rope_layers", None) or []) if not rotated]
+    if nope:
+        scaling = _nope_table(theta, scaling, int(head_dim * partial))
     # the softmax's scale: Gemma's query_pre_attn_scalar, Granite's attention_multiplier (0: head_dim ** -0.5)
     attn_scale = float(scalar) ** -0.5 if scalar else float(getattr(config, "attention_multiplier", 0.0))
     embed_scale = math.sqrt(hidden) if traits.get("gemma") else float(getattr(config, "embedding_multiplier", 1.0))
@@ -254,7 +259,19 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                          / float(getattr(config, "logits_scaling", 1.0)),
                          residual_scale=float(getattr(config, "residual_multiplier", 1.0)),
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                         sliding_window=window, sliding_layers=sliding_layers, dtype=dtype, **moe)
+                         sliding_window=window, sliding_layers=sliding_layers, nope_layers=nope, dtype=dtype, **moe)
+
+
+def _nope_table(theta: float, scaling: dict, rotary_dim: int) -> dict:
+    """The frequency table of a model whose layers are not all rotated: the cache rotates every layer or none, so
+    the model rotates the others itself (transformers' default frequencies)."""
+    if scaling:
+        raise UsageError(f"layers without a rotary embedding (no_rope_layers) with rotary scaling "
+                         f"'{scaling.get('rope_type')}' are not supported for generation")
+    import torch
+
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    return {"rope_type": "default", "inv_freq": inv_freq.tolist(), "attention_factor": 1.0}
 
 
 def _gpt_neox_config(config, dtype: str) -> DecoderConfig:

@@ -78,11 +78,11 @@ class CacheLayout:
         return bool(self.local)
 
     def attention_inputs(self, cfg, layer_id: int, caches: list, rope):
-        """(the cache layer ``layer_id`` attends through, its index there, the rotation it applies itself): a
-        windowed cache rotates q and k itself; where layers have tables of their own (``rope`` a list), this
-        layer's."""
+        """(the cache layer ``layer_id`` attends through, its index there, the rotation it applies itself): none
+        where a windowed cache rotates q and k itself or the layer has no rotary embedding (NoPE); where layers have
+        tables of their own (``rope`` a list), this layer's."""
         cache, index = (caches[1], self.local[layer_id]) if layer_id in self.local else (caches[0], self.main[layer_id])
-        if layer_id in self.windowed:
+        if layer_id in self.windowed or layer_id in cfg.nope_layers:  # rotated by its cache, or not at all
             rope = None
         if isinstance(rope, list):
             rope = rope[cfg.rope_scaling["layer_tables"][layer_id]]
