@@ -104,6 +104,13 @@ def _config(name: str):
         return (transformers.SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, pad_token_id=0, bos_token_id=1,
                                            eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
                 transformers.SmolLM3ForCausalLM)
+    if name.startswith("falcon"):  # 7B's multi-query attention and MLP behind one norm; 40B's grouped queries behind
+        # two norms (new_decoder_architecture); the first Falcons' heads of q, k and v together, one after the other
+        tiny = {k: v for k, v in TINY.items() if k not in ("num_key_value_heads", "intermediate_size")}
+        shape = {"falcon": {}, "falcon-new": {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True},
+                 "falcon-sequential": {"multi_query": False, "parallel_attn": False}}[name]
+        return transformers.FalconConfig(**tiny, ffn_hidden_size=256, bos_token_id=1, eos_token_id=2, **shape), \
+            transformers.FalconForCausalLM
     if name == "dynamic":  # within max_position_embeddings, transformers' dynamic frequencies are the default ones
         return (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": MAX_SEQ_LEN},
                                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -114,7 +121,8 @@ def _config(name: str):
 # The LayerNorm families' weights (and StableLM's biases), SmolLM3's four layers': sizes at which each prompt's
 # greedy tokens move.
 LIVELY = {"gpt_neox": (0.25,), "gpt_neox-sequential": (0.15,), "stablelm": (0.3, 0.5), "stablelm-parallel": (0.3, 0.5),
-          "smollm3": (0.12,)}
+          "smollm3": (0.12,), "falcon": (0.2, 0.3), "falcon-new": (0.2, 0.3), "falcon-sequential": (0.2, 0.3)}
+NORM_WEIGHTS = ("norm.weight", "ln_attn.weight", "ln_mlp.weight", "ln_f.weight")  # Falcon's names them ln_*
 
 
 def _saved(name: str, folder):
@@ -129,9 +137,9 @@ def _saved(name: str, folder):
             if p.dim() > 1:  # Gemma's post-norms: layers outweigh its scaled (and tied) embeddings only if they are small;
                 # LayerNorm families flatten small weights into a token repeated: larger ones, of a size that moves
                 p.normal_(0.0, 0.02 if name.startswith("gemma") and "embed" in param_name else LIVELY.get(name, (0.08,))[0])
-            elif name.startswith("stablelm") and not param_name.endswith("norm.weight"):  # biases, the norms' too
+            elif len(LIVELY.get(name, ())) > 1 and not param_name.endswith(NORM_WEIGHTS):  # biases, the norms' too
                 p.normal_(0.0, LIVELY[name][1])
-            elif "norm" in param_name:  # Gemma's norms scale by 1 + w
+            elif "norm" in param_name or param_name.endswith(NORM_WEIGHTS):  # Gemma's norms scale by 1 + w
                 p.normal_(0.0 if name.startswith("gemma") else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.02)
@@ -148,7 +156,7 @@ def _reference(model, prompt, new=NEW):
                                   "mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "qwen2-mixed-window",
                                   "gemma2-window", "gemma3-window", "gemma3-local-window", "gpt_neox",
                                   "gpt_neox-sequential", "stablelm", "stablelm-parallel", "granite", "olmoe",
-                                  "cohere", "smollm3"])
+                                  "cohere", "smollm3", "falcon", "falcon-new", "falcon-sequential"])
 def test_a_family_or_feature_matches_transformers(name, tmp_path):
     from autosched.generation import Generator
 
@@ -350,6 +358,9 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
     smol = config_from_hf(_config("smollm3")[0], "float32")
     table = smol.rope_scaling["inv_freq"]
     assert smol.nope_layers == [3] and len(table) == 16 and table[1] == pytest.approx(1e4 ** (-2 / 32), rel=1e-6)
+    falcons = [config_from_hf(_config(n)[0], "float32") for n in ("falcon", "falcon-new", "falcon-sequential")]
+    assert [(c.kv_heads, c.parallel_block, c.qkv_bias) for c in falcons] == [(1, "one_norm", False), (2, "two_norms", True),
+                                                                              (4, "", False)]
     granite = config_from_hf(_config("granite")[0], "float32")
     assert (granite.embed_scale, granite.residual_scale, granite.attn_scale, granite.logit_scale) == (4.0, 0.5, 0.1, 0.5)
     olmoe = config_from_hf(_config("olmoe")[0], "float32")
@@ -365,6 +376,7 @@ def test_rotary_scaling_and_new_families_read_from_the_config():
         "qk_layernorm=True is not supported": transformers.StableLmConfig(**TINY, qk_layernorm=True),
         "clip_qkv=8.0 is not supported": transformers.OlmoeConfig(**TINY, clip_qkv=8.0),
         "use_qk_norm=True is not supported": transformers.CohereConfig(**TINY, use_qk_norm=True),
+        "Falcon with alibi=True is not supported": transformers.FalconConfig(**no_bias, ffn_hidden_size=256, alibi=True),
         "no_rope_layers) with rotary scaling 'linear'": transformers.SmolLM3Config(
             **{**TINY, "num_hidden_layers": 4}, pad_token_id=0, bos_token_id=1, eos_token_id=2,
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),

@@ -1,15 +1,15 @@
 """A decoder-only language model over TVM's paged KV cache, written once for every family we import.
 
 The families (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 1/2/3, Phi-3/3.5/4-mini, OLMo 2, GPT-2, GPT-NeoX /
-Pythia, StableLM, Granite, Command-R, SmolLM3, and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE)
-differ in a handful of choices: the norm (and whether attention and MLP outputs are normed too), the MLP (dense, or
-a router over experts), biases, q/k norms, how positions enter (rotary in the cache, rotary from a frequency table
-in the model, or a learned table), the attention window, how the embeddings, residual outputs and logits are
-scaled, a soft-cap on the logits, whether the LM head is the embedding table, and whether attention and MLP run one
-after the other or side by side. :class:`DecoderConfig` names those choices; :func:`config_from_hf` reads them from
-a transformers config (refusing, in one line, what it cannot reproduce), and :func:`weights_from_hf` maps the
-model's state dict onto this module's parameters (q/k/v and gate/up concatenated, experts stacked, GPT-2's Conv1D
-weights transposed, Gemma's ``1 + w`` norms folded).
+Pythia, StableLM, Granite, Command-R, SmolLM3, Falcon, and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and
+Qwen2-MoE) differ in a handful of choices: the norm (and whether attention and MLP outputs are normed too), the MLP
+(dense, or a router over experts), biases, q/k norms, how positions enter (rotary in the cache, rotary from a
+frequency table in the model, or a learned table), the attention window, how the embeddings, residual outputs and
+logits are scaled, a soft-cap on the logits, whether the LM head is the embedding table, and whether attention and
+MLP run one after the other or side by side. :class:`DecoderConfig` names those choices; :func:`config_from_hf`
+reads them from a transformers config (refusing, in one line, what it cannot reproduce), and
+:func:`weights_from_hf` maps the model's state dict onto this module's parameters (q/k/v and gate/up concatenated,
+experts stacked, GPT-2's Conv1D weights transposed, Gemma's ``1 + w`` norms folded).
 
 The model itself is made of the blocks in :mod:`.blocks` (:class:`.blocks.decoder.Decoder`); :func:`export`
 traces it into the functions a generation runtime drives (as MLC-LLM's models do): ``batch_prefill`` (a batch of
@@ -68,7 +68,7 @@ TRAITS: dict[str, dict[str, Any]] = {
     "cohere": {"norm": "layer", "parallel": "one_norm", "interleaved_rope": True},
     "smollm3": {"window": "layer_types"},  # Llama's layers, some without rotary embedding (no_rope_layers): NoPE
 }
-FAMILIES = (*TRAITS, "gpt2", "gpt_neox")
+FAMILIES = (*TRAITS, "gpt2", "gpt_neox", "falcon")
 GEMMA = tuple(family for family, traits in TRAITS.items() if traits.get("gemma"))
 
 
@@ -213,6 +213,8 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                              learned_positions=config.n_positions, tied_embeddings=True, dtype=dtype)
     if family == "gpt_neox":
         return _gpt_neox_config(config, dtype)
+    if family == "falcon":
+        return _falcon_config(config, dtype)
     traits = TRAITS[family]
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -260,6 +262,31 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                          residual_scale=float(getattr(config, "residual_multiplier", 1.0)),
                          tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                          sliding_window=window, sliding_layers=sliding_layers, nope_layers=nope, dtype=dtype, **moe)
+
+
+def _falcon_config(config, dtype: str) -> DecoderConfig:
+    """Falcon: LayerNorms with biases, multi-query or grouped attention, attention and MLP side by side behind one
+    norm (7B: ``parallel_attn``) or two (``new_decoder_architecture``: 40B, 180B), a GELU MLP, biases on the
+    projections where ``bias``."""
+    if getattr(config, "alibi", False):
+        raise UsageError("Falcon with alibi=True is not supported for generation (it has no rotary embedding)")
+    new = bool(getattr(config, "new_decoder_architecture", False))
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = config.num_kv_heads if new else (1 if config.multi_query else heads)
+    if new:
+        parallel = "one_norm" if getattr(config, "num_ln_in_parallel_attn", None) == 1 else "two_norms"
+    else:
+        parallel = "one_norm" if config.parallel_attn else ""
+    act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(config.activation)
+    if act is None:
+        raise UsageError(f"Falcon activation '{config.activation}' is not supported for generation")
+    theta, scaling = _rope(config)
+    return DecoderConfig("falcon", config.vocab_size, hidden, heads, kv_heads, hidden // heads, config.num_hidden_layers,
+                         config.ffn_hidden_size or 4 * hidden, norm="layer", norm_eps=config.layer_norm_epsilon,
+                         gated_mlp=False, activation=act, qkv_bias=bool(config.bias), dense_bias=bool(config.bias),
+                         rope_theta=theta, rotary_dim=hidden // heads, rope_scaling=scaling,
+                         tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)), parallel_block=parallel,
+                         dtype=dtype)
 
 
 def _nope_table(theta: float, scaling: dict, rotary_dim: int) -> dict:
@@ -369,6 +396,8 @@ def weights_from_hf(state: dict, cfg: DecoderConfig) -> dict:
         out["norm.weight"], out["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
     elif cfg.family == "gpt_neox":
         out.update(_gpt_neox_weights(get, state, cfg))
+    elif cfg.family == "falcon":
+        out.update(_falcon_weights(get, state, cfg))
     else:
         # Gemma's norms scale by (1 + w): folded here so that every family runs a plain RMSNorm.
         norm = (lambda w: w.float().add(1.0).to(w.dtype)) if cfg.family in GEMMA else (lambda w: w)
@@ -428,6 +457,42 @@ def _halves_from_pairs(weight, head_dim: int):
     turns: q and k reordered alike, their products, and so attention, are unchanged."""
     rows, cols = weight.shape
     return weight.reshape(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _falcon_weights(get, state: dict, cfg: DecoderConfig) -> dict:
+    """Falcon's weights. Its ``query_key_value`` rows come in kv groups, each group's queries then its k and v
+    (``new_decoder_architecture``; multi-query: one group, so q of every head, k, v; neither: a group a head),
+    regrouped as ours: q of every head, then k, then v."""
+    import torch
+
+    out = {"embed.weight": get("word_embeddings.weight")}
+    per_group = cfg.heads // cfg.kv_heads
+
+    def regrouped(t):  # [kv, per_group + 2, head_dim, ...] -> q of every head, k of every group, v of every group
+        g = t.reshape(cfg.kv_heads, per_group + 2, cfg.head_dim, *t.shape[1:])
+        q, k, v = g[:, :per_group], g[:, per_group], g[:, per_group + 1]
+        return torch.cat([q.reshape(-1, *t.shape[1:]), k.reshape(-1, *t.shape[1:]), v.reshape(-1, *t.shape[1:])])
+
+    norms = {"one_norm": (("attn_norm", "input_layernorm"),),
+             "two_norms": (("attn_norm", "ln_attn"), ("mlp_norm", "ln_mlp")),
+             "": (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))}[cfg.parallel_block]
+    for i in range(cfg.layers):
+        p, q = f"h.{i}.", f"layers.{i}."
+        for ours, theirs in norms:
+            out[q + ours + ".weight"], out[q + ours + ".bias"] = get(p + theirs + ".weight"), get(p + theirs + ".bias")
+        for ours, theirs in (("attn.o", "self_attention.dense"), ("mlp.up", "mlp.dense_h_to_4h"),
+                             ("mlp.down", "mlp.dense_4h_to_h")):
+            out[q + ours + ".weight"] = get(p + theirs + ".weight")
+            if cfg.dense_bias:
+                out[q + ours + ".bias"] = get(p + theirs + ".bias")
+        qkv = get(p + "self_attention.query_key_value.weight")
+        out[q + "attn.qkv.weight"] = regrouped(qkv)
+        if cfg.qkv_bias:
+            out[q + "attn.qkv.bias"] = regrouped(get(p + "self_attention.query_key_value.bias"))
+    out["norm.weight"], out["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
+    if not cfg.tied_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return out
 
 
 def _gpt_neox_weights(get, state: dict, cfg: DecoderConfig) -> dict:
