@@ -425,3 +425,36 @@ def test_what_a_window_or_dynamic_scaling_cannot_do_is_refused_at_build(tmp_path
     plain = config_from_hf(_config("mistral-window")[0], "float32")
     assert plain.sliding_window == WINDOW and plain.sliding_layers == [0, 1]
     _check_limits(plain, MAX_SEQ_LEN, 1)
+
+
+def test_a_hugging_face_cache_folder_names_its_snapshot(tmp_path):
+    """models--org--name as huggingface_hub downloads it: the snapshot refs/main names, else the only one; several
+    and no ref, or none, are refused in one line."""
+    from autosched.errors import UsageError
+    from autosched.generation.build import model_folder
+
+    cache = tmp_path / "models--org--tiny"
+    for rev in ("aaa111", "bbb222"):
+        (cache / "snapshots" / rev).mkdir(parents=True)
+    with pytest.raises(UsageError, match="2 snapshots and no refs/main: give one"):
+        model_folder(str(cache))
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("bbb222\n")
+    assert model_folder(str(cache)) == cache / "snapshots" / "bbb222"
+    assert model_folder(str(tmp_path / "plain")) == tmp_path / "plain"
+    empty = tmp_path / "models--org--empty"
+    (empty / "snapshots").mkdir(parents=True)
+    with pytest.raises(UsageError, match="without snapshots"):
+        model_folder(str(empty))
+
+
+@pytest.mark.slow
+def test_a_model_in_the_hugging_face_cache_builds_from_its_cache_folder(tmp_path):
+    from autosched.generation import Generator
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abc"
+    model = _saved("granite", snapshot)
+    cli("build", str(tmp_path / "hub" / "models--org--tiny"), "--generate", "-o", str(tmp_path / "art"), "--max-seq-len",
+        str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH), "--decode-batches", str(MAX_BATCH), "--db", str(tmp_path / "t.db"))
+    result = Generator(tmp_path / "art").generate([PROMPTS[1]], NEW)[0]
+    assert result.tokens == _reference(model, PROMPTS[1])

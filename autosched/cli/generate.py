@@ -78,7 +78,7 @@ def _generation_dtype(dtype: str | None) -> str | None:
 
 
 def cmd_build_generate(args) -> int:
-    from ..generation.build import build_generator, check_build_options, load_generation_model
+    from ..generation.build import build_generator, check_build_options, load_generation_model, model_folder
     from ..target import parse_target
 
     target = parse_target(args.target, require_device=False)
@@ -103,7 +103,7 @@ def cmd_build_generate(args) -> int:
 
         load_tokenizer(tokenizer)  # a folder without a readable tokenizer is refused before the build
     elif os.path.isdir(args.model):
-        tokenizer = args.model  # the model's own, where its folder has one
+        tokenizer = model_folder(args.model)  # the model's own, where its folder has one
     model = load_generation_model(args.model, dtype, args.quantize)
     db = open_build_db(args.db)  # as any build: a database one may only read is read as it is
     log = console(stderr=True)

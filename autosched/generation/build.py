@@ -68,11 +68,30 @@ def find_hf_model(module):
     return None
 
 
+def model_folder(spec: str) -> Path:
+    """The folder a model ``spec`` names: itself, or for a Hugging Face cache folder (``models--org--name``, as
+    ``huggingface_hub`` downloads into ``~/.cache/huggingface/hub``) the snapshot its ``refs/main`` names, else its
+    only snapshot; a one-line UsageError where there are several and no ref says which."""
+    path = Path(spec)
+    snapshots = path / "snapshots"
+    if not (path.name.startswith("models--") and snapshots.is_dir()):
+        return path
+    ref = path / "refs" / "main"
+    if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+        return snapshots / ref.read_text().strip()
+    found = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+    if len(found) == 1:
+        return snapshots / found[0]
+    raise UsageError(f"{spec} is a Hugging Face cache folder with {len(found)} snapshots and no refs/main: give one, "
+                     f"e.g. {snapshots / found[0]}" if found else f"{spec} is a Hugging Face cache folder without "
+                     "snapshots: download the model again")
+
+
 def load_generation_model(spec: str, dtype: str | None = None, quantize: str | None = None) -> GenerationModel:
-    """A model to generate with: a folder written by transformers' ``save_pretrained`` (read locally, nothing
-    downloaded), an example name (``hf-llama``, ...) or a ``module:factory`` whose model is a transformers
-    causal LM of a supported family. ``quantize``: a weight quantisation scheme of :mod:`.quantize` (its
-    projections quantised when built)."""
+    """A model to generate with: a folder written by transformers' ``save_pretrained`` or a Hugging Face cache folder
+    (:func:`model_folder`; read locally, nothing downloaded), an example name (``hf-llama``, ...) or a
+    ``module:factory`` whose model is a transformers causal LM of a supported family. ``quantize``: a weight
+    quantisation scheme of :mod:`.quantize` (its projections quantised when built)."""
     import torch
 
     from .prequantized import choose_scheme
@@ -85,7 +104,7 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
     from .fp8 import COMPRESSED_TENSORS, check_fp8_config, fp8_config, load_fp8
     from .gptq import gptq_config, load_gptq
 
-    path = Path(spec)
+    path = model_folder(spec)
     prequantized, group, source = {}, None, "build"
     readers = {"gptq": (gptq_config, load_gptq), "awq": (awq_config, load_awq)}
     found = [name for name, (detect, _) in readers.items() if path.is_dir() and detect(path) is not None]
