@@ -458,3 +458,30 @@ def test_a_model_in_the_hugging_face_cache_builds_from_its_cache_folder(tmp_path
         str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH), "--decode-batches", str(MAX_BATCH), "--db", str(tmp_path / "t.db"))
     result = Generator(tmp_path / "art").generate([PROMPTS[1]], NEW)[0]
     assert result.tokens == _reference(model, PROMPTS[1])
+
+
+@pytest.mark.slow
+def test_a_sharded_bf16_checkpoint_builds_tensor_by_tensor_with_transformers_tokens(tmp_path):
+    """save_pretrained's shards (model-0000x-of-0000y.safetensors and their index) of a bfloat16 model, built as
+    float32: read a tensor at a time (the build never loads the model whole), the tokens of transformers' model
+    loaded from the same folder; a folder's other safetensors are not read."""
+    import torch
+
+    from autosched.generation import Generator
+    from autosched.generation.build import load_generation_model
+    from autosched.generation.checkpoint import CheckpointTensors
+
+    folder = tmp_path / "hf"
+    model = _saved("llama3", tmp_path / "float")
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="200KB")
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (folder / "model.safetensors.index.json").is_file()
+    (folder / "consolidated.safetensors").write_bytes(b"not a checkpoint of this format")
+    loaded = load_generation_model(str(folder), "float32")
+    assert loaded.hf is None and isinstance(loaded.state, CheckpointTensors)
+    assert loaded.state["model.embed_tokens.weight"].dtype == torch.float32
+    cli("build", str(folder), "--generate", "--dtype", "float32", "-o", str(tmp_path / "art"), "--max-seq-len",
+        str(MAX_SEQ_LEN), "--max-batch", str(MAX_BATCH), "--decode-batches", str(MAX_BATCH), "--db", str(tmp_path / "t.db"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    results = Generator(tmp_path / "art").generate(PROMPTS, NEW)
+    assert [r.tokens for r in results] == [_reference(theirs, p) for p in PROMPTS]

@@ -427,7 +427,8 @@ LAYERS = (
     # the generation runtime, with TVM's runtime alone: model, scheduler, sampler, request, speculative, barrier, ...
     ("generation runtime", ("generation",)),
     ("pipeline", ("pipeline",)),
-    ("generation build", ("generation.build", "generation.decoder", "generation.blocks", "generation.linear",
+    ("generation build", ("generation.build", "generation.checkpoint", "generation.decoder", "generation.blocks",
+                          "generation.linear",
                           "generation.attention",
                           "generation.cpu_paged_prefill", "generation.quantize", "generation.prequantized",
                           "generation.gptq", "generation.awq", "generation.fp8")),

@@ -15,6 +15,7 @@ from autosched.artifact import MANIFEST_VERSION, PARAMS, kernel_sources, write_a
 from autosched.errors import UsageError
 from autosched.pipeline.build import ApplyReport, build_summary
 
+from .checkpoint import CheckpointTensors
 from .decoder import DecoderConfig, config_from_hf, export, weights_from_hf, window_rope_unsupported
 from .quantize import manifest_entry, quantize_weights
 
@@ -48,6 +49,8 @@ class GenerationModel:
     # Where the quantised codes come from: "build" (quantised from the float weights), "gptq", "awq" or
     # "compressed-tensors" (FP8).
     quant_source: str = "build"
+    # The checkpoint's tensors read one at a time (.checkpoint), where ``hf`` is None: the model was never loaded whole.
+    state: Any = None
 
 
 def _torch_dtype_name(module) -> str:
@@ -128,9 +131,19 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
         if not (path / "config.json").exists():
             raise UsageError(f"{spec} is a folder without config.json: give a folder written by save_pretrained")
         try:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
         except ImportError:
             raise UsageError("loading a Hugging Face folder needs transformers: pip install transformers") from None
+        state = CheckpointTensors.open(path, getattr(torch, dtype) if dtype else None)
+        if state is not None:  # read tensor by tensor as the build maps them, not loaded whole first
+            hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            dtype = dtype or str(getattr(hf_config, "dtype", None) or "float32").replace("torch.", "")
+            config = config_from_hf(hf_config, dtype)
+            if quantize:
+                check_quantizable(config, quantize)
+                config = replace(config, quantize=quantize)
+            generation = GenerationConfig.from_pretrained(str(path)) if (path / "generation_config.json").is_file() else None
+            return GenerationModel(spec, None, config, _eos_ids(generation, hf_config, config), state=state)
         kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
         hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **kwargs).eval()
     else:
@@ -148,11 +161,18 @@ def load_generation_model(spec: str, dtype: str | None = None, quantize: str | N
         config = replace(config, quantize=quantize)
     if source != "build":
         check_prequantized(config, group, "FP8" if source == COMPRESSED_TENSORS else source.upper())
-    eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
+    return GenerationModel(spec, hf, config, _eos_ids(getattr(hf, "generation_config", None), hf.config, config),
+                           prequantized, source)
+
+
+def _eos_ids(generation_config, hf_config, config: DecoderConfig) -> list[int]:
+    """The end-of-sequence ids: generation_config's (one or several), else the model config's; those in the
+    vocabulary."""
+    eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
-        eos = getattr(hf.config, "eos_token_id", None)
+        eos = getattr(hf_config, "eos_token_id", None)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return GenerationModel(spec, hf, config, [i for i in eos_ids if 0 <= i < config.vocab], prequantized, source)
+    return [i for i in eos_ids if 0 <= i < config.vocab]
 
 
 @dataclass
@@ -440,7 +460,7 @@ def build_generator(model: GenerationModel, target: TargetSpec, db: Database | N
         prefill_chunks = ()
     executable, names, report = compile_generation(model, target, db, decode_batches, prefill_chunks=prefill_chunks,
                                                    speculate=speculate)
-    weights = weights_from_hf(model.hf.state_dict(), model.config)
+    weights = weights_from_hf(model.state if model.state is not None else model.hf.state_dict(), model.config)
     if model.config.quantize:  # round-to-nearest from the float weights, as the kernels read them
         weights = quantize_weights(weights, model.config, model.config.quantize, given=model.prequantized)
     manifest = generation_manifest(model, names, target, report, max_seq_len, max_batch, page_size, db_path,
