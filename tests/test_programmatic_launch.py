@@ -52,6 +52,7 @@ def test_the_pass_rewrites_only_the_kernels_it_is_given():
     assert all(LAUNCH_PARAMS_ATTR in f.attrs for f in programmatic_launch()(mod).functions.values())
 
 
+@pytest.mark.slow  # a whole model lowered for sm_90: room in the fast tier
 def test_the_kernels_of_small_decode_steps_are_those_no_other_function_calls():
     """programmatic_rows=N in a generation build: the kernels of decode_b<n> (n <= N) that no other function
     calls (the batch-1 step's GEMVs, not the batch-4 step's GEMMs nor kernels both share)."""
