@@ -204,9 +204,7 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
         if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(config, "reorder_and_upcast_attn", False):
             raise UsageError("GPT-2 with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn is not supported")
         hidden, heads = config.n_embd, config.n_head
-        act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(config.activation_function)
-        if act is None:
-            raise UsageError(f"GPT-2 activation '{config.activation_function}' is not supported")
+        act = _activation(config.activation_function, "GPT-2 ", GELUS)
         return DecoderConfig(family, config.vocab_size, hidden, heads, heads, hidden // heads, config.n_layer,
                              config.n_inner or 4 * hidden, norm="layer", norm_eps=config.layer_norm_epsilon,
                              gated_mlp=False, activation=act, qkv_bias=True, dense_bias=True,
@@ -228,9 +226,7 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
         raise UsageError(f"rotary scaling 'longrope' is supported for phi3 models; this model is '{family}'")
     # Gemma's MLP reads hidden_activation (hidden_act is a leftover of its config)
     hidden_act = getattr(config, "hidden_activation", None) or config.hidden_act
-    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}.get(hidden_act)
-    if act is None:
-        raise UsageError(f"activation '{hidden_act}' is not supported for generation")
+    act = _activation(hidden_act, "", ACTIVATIONS)
     if getattr(config, "attn_logit_softcapping", None):
         raise UsageError(f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is not "
                          "supported for generation: TVM's paged attention kernels have none")
@@ -264,6 +260,18 @@ def config_from_hf(config, dtype: str) -> DecoderConfig:
                          sliding_window=window, sliding_layers=sliding_layers, nope_layers=nope, dtype=dtype, **moe)
 
 
+# transformers' activation names -> the decoder's (blocks/mlp.py); the LayerNorm families' MLPs are GELUs only
+ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+GELUS = {name: ours for name, ours in ACTIVATIONS.items() if name != "silu"}
+
+
+def _activation(name: str, who: str, known: dict) -> str:
+    """The decoder's activation for transformers' ``name``; a one-line UsageError for one ``known`` lacks."""
+    if name not in known:
+        raise UsageError(f"{who}activation '{name}' is not supported for generation")
+    return known[name]
+
+
 def _falcon_config(config, dtype: str) -> DecoderConfig:
     """Falcon: LayerNorms with biases, multi-query or grouped attention, attention and MLP side by side behind one
     norm (7B: ``parallel_attn``) or two (``new_decoder_architecture``: 40B, 180B), a GELU MLP, biases on the
@@ -277,9 +285,7 @@ def _falcon_config(config, dtype: str) -> DecoderConfig:
         parallel = "one_norm" if getattr(config, "num_ln_in_parallel_attn", None) == 1 else "two_norms"
     else:
         parallel = "one_norm" if config.parallel_attn else ""
-    act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(config.activation)
-    if act is None:
-        raise UsageError(f"Falcon activation '{config.activation}' is not supported for generation")
+    act = _activation(config.activation, "Falcon ", GELUS)
     theta, scaling = _rope(config)
     return DecoderConfig("falcon", config.vocab_size, hidden, heads, kv_heads, hidden // heads, config.num_hidden_layers,
                          config.ffn_hidden_size or 4 * hidden, norm="layer", norm_eps=config.layer_norm_epsilon,
@@ -307,9 +313,7 @@ def _gpt_neox_config(config, dtype: str) -> DecoderConfig:
     if not getattr(config, "attention_bias", True):
         raise UsageError("GPT-NeoX with attention_bias=False is not supported for generation (its MLP keeps its "
                          "biases, which this decoder ties to the attention's)")
-    act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(config.hidden_act)
-    if act is None:
-        raise UsageError(f"GPT-NeoX activation '{config.hidden_act}' is not supported for generation")
+    act = _activation(config.hidden_act, "GPT-NeoX ", GELUS)
     hidden, heads = config.hidden_size, config.num_attention_heads
     theta, scaling = _rope(config)
     partial = float((getattr(config, "rope_parameters", None) or {}).get(
